@@ -1,0 +1,108 @@
+// AdamW over a list of parameter slices on CPU, in one call: the tensors are cut into chunks and
+// all chunks of all tensors go through a single at::parallel_for, so many small tensors cost no
+// more thread launches than one big one. Math in fp32 (params fp32 or bf16, state fp32), the same
+// sequence of operations as torch.optim.AdamW (decoupled decay, lerp for the first moment,
+// bias corrections folded into the step size and the denominator).
+// The divide by sqrt(bias_correction2) is a multiply by its reciprocal (a difference of at most
+// one ulp): it removes one of the loop's two vector divides.
+//
+// The inner loop is plain scalar C++ written so that GCC vectorises it: __restrict__ pointers and
+// -fno-math-errno (otherwise sqrtf must set errno and the loop stays scalar, ~3.5x slower).
+// target_clones adds an AVX2+FMA copy chosen at load time where the CPU has it.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "adamw_slice.h"
+
+namespace nanochat_fast {
+namespace {
+
+constexpr int64_t kChunk = 1 << 16;  // elements per work item: big enough to amortise scheduling
+
+struct Coeffs {
+  float decay;         // 1 - lr * lr_mul * wd * wd_mul
+  float beta1, beta2;
+  float step_size;     // lr * lr_mul / bias_correction1
+  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^step): a multiply, not a second divide, per element
+  float eps;
+};
+
+template <typename param_t>
+__attribute__((target_clones("arch=haswell", "default"))) void adamw_chunk(
+    param_t* __restrict__ p, const param_t* __restrict__ g, float* __restrict__ m,
+    float* __restrict__ v, int64_t n, Coeffs c) {
+  const float one_minus_beta1 = 1.0f - c.beta1;
+  const float one_minus_beta2 = 1.0f - c.beta2;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = static_cast<float>(g[i]);
+    const float mi = m[i] + one_minus_beta1 * (gi - m[i]);   // exp_avg.lerp_(grad, 1 - beta1)
+    const float vi = c.beta2 * v[i] + one_minus_beta2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    const float denom = std::sqrt(vi) * c.inv_bc2_sqrt + c.eps;
+    const float pi = static_cast<float>(p[i]) * c.decay;
+    p[i] = static_cast<param_t>(pi - c.step_size * (mi / denom));
+  }
+}
+
+// A contiguous run of one tensor, with raw pointers resolved up front so the parallel region
+// touches no Tensor objects.
+struct WorkItem {
+  void* p;
+  const void* g;
+  float* m;
+  float* v;
+  int64_t len;
+  Coeffs c;
+  bool bf16;
+};
+
+void adamw_slice_update_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                            at::TensorList exp_avg_sqs, const at::Tensor& hparams,
+                            at::ArrayRef<double> lr_muls, at::ArrayRef<double> wd_muls) {
+  check_adamw_slice_args(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls,
+                         c10::DeviceType::CPU);
+  const at::Tensor hp = hparams.cpu();
+  const double* h = hp.data_ptr<double>();
+
+  std::vector<WorkItem> items;
+  for (size_t t = 0; t < params.size(); ++t) {
+    const double lr = h[kLr] * lr_muls[t];
+    const double wd = h[kWeightDecay] * wd_muls[t];
+    const Coeffs c{static_cast<float>(1.0 - lr * wd), static_cast<float>(h[kBeta1]),
+                   static_cast<float>(h[kBeta2]), static_cast<float>(lr / h[kBiasCorrection1]),
+                   static_cast<float>(1.0 / h[kBiasCorrection2Sqrt]), static_cast<float>(h[kEps])};
+    const bool bf16 = params[t].scalar_type() == at::kBFloat16;
+    const int64_t elem = params[t].element_size();
+    char* p = static_cast<char*>(params[t].data_ptr());
+    const char* g = static_cast<const char*>(grads[t].data_ptr());
+    float* m = exp_avgs[t].data_ptr<float>();
+    float* v = exp_avg_sqs[t].data_ptr<float>();
+    const int64_t numel = params[t].numel();
+    for (int64_t b = 0; b < numel; b += kChunk)
+      items.push_back({p + b * elem, g + b * elem, m + b, v + b, std::min(kChunk, numel - b), c, bf16});
+  }
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) {
+      const WorkItem& w = items[k];
+      if (w.bf16)
+        adamw_chunk(static_cast<c10::BFloat16*>(w.p), static_cast<const c10::BFloat16*>(w.g), w.m,
+                    w.v, w.len, w.c);
+      else
+        adamw_chunk(static_cast<float*>(w.p), static_cast<const float*>(w.g), w.m, w.v, w.len, w.c);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nanochat_fast, CPU, m) {
+  m.impl("adamw_slice_update", &adamw_slice_update_cpu);
+}
+
+}  // namespace nanochat_fast

@@ -1,0 +1,13 @@
+// Every op of nanochat_fast, declared in one place. Device implementations register themselves
+// with TORCH_LIBRARY_IMPL in their own files (adamw_slice_cpu.cpp, cuda/adamw_slice_cuda.cpp, ...),
+// and the Python wrappers in nanochat_fast/kernels/ register the fake (meta) kernels.
+#include <torch/library.h>
+
+TORCH_LIBRARY(nanochat_fast, m) {
+  // AdamW over the parameter slices a rank owns, all tensors in one call, updated in place.
+  // hparams: float64[7] = [lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt]
+  // (a tensor, not floats, so that a changing schedule neither recompiles nor syncs the host).
+  m.def(
+      "adamw_slice_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor hparams, float[] lr_muls, float[] wd_muls) -> ()");
+}

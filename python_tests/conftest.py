@@ -1,0 +1,27 @@
+"""Shared test setup: private compile caches, an isolated NANOCHAT_FAST_HOME, the `gpu` marker."""
+import os
+import tempfile
+
+import pytest
+import torch
+
+# torch.compile's cache defaults to a directory in /tmp shared by every user: keep ours private.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"nanochat_fast_inductor_{os.getuid()}"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make test-gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def nanochat_home(tmp_path, monkeypatch):
+    """A fresh NANOCHAT_FAST_HOME for one test."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
+    return home
