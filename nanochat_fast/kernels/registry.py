@@ -14,6 +14,7 @@ backend that cannot run is an error that says why, never a silent fallback.
 """
 import importlib.util
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -77,8 +78,10 @@ def _load_extension():
     except ImportError as e:
         if os.environ.get("NANOCHAT_FAST_NO_EXT") == "1":
             return None, "extension not built (NANOCHAT_FAST_NO_EXT=1 at install)"
-        return None, f"extension nanochat_fast._C not built or not loadable ({e}); " \
-                     "rebuild with `pip install -e . --no-build-isolation`"
+        reason = f"extension nanochat_fast._C not built or not loadable ({e}); " \
+                 "rebuild with `pip install -e . --no-build-isolation`"
+        warnings.warn(f"nanochat_fast is running on PyTorch fallbacks: {reason}", stacklevel=2)
+        return None, reason
 
 
 _C, _C_ERROR = _load_extension()

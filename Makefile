@@ -1,0 +1,62 @@
+# nanochat_fast: set up, test, benchmark and demo from a fresh clone.
+#
+#   make test       install into .venv, build the extension, run the C++ and Python tests
+#   make demo       install, prepare data, train tokenizer + model, mid-train, chat (CPU, ~15 min)
+#   make bench      run benchmarks/ and write benchmarks/results.json and benchmarks/RESULTS.md
+#   make test-gpu   the GPU-only tests (needs a CUDA build of torch, see TORCH_SPEC)
+#
+# TORCH_SPEC is the pip requirement for torch. The default is the CPU build this project is
+# developed on; on a CUDA machine use e.g.
+#   make test-gpu TORCH_SPEC="torch==2.9.1 --index-url https://download.pytorch.org/whl/cu128" TRITON_SPEC=
+# (CUDA wheels of torch bring their own triton; TRITON_SPEC= leaves it alone).
+
+TORCH_SPEC ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.9.0
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cpp)
+PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest
+
+.PHONY: install test ctest test-gpu bench demo kernels clean
+
+install: $(STAMP)
+
+$(STAMP): $(SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --disable-pip-version-check -q $(TORCH_SPEC) $(TRITON_SPEC)
+	$(PIP) install --disable-pip-version-check -q setuptools wheel ninja
+	$(PIP) install --disable-pip-version-check -q --no-build-isolation -e ".[test]"
+	$(PY) -m nanochat_fast.kernels
+	touch $@
+
+# The same csrc/ built by CMake against the installed torch, and its C++ test run by ctest.
+ctest: install
+	mkdir -p build
+	cmake -S . -B build/cmake -G Ninja -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV))/bin/ninja \
+	    -DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')" > build/cmake.log 2>&1 \
+	    || (cat build/cmake.log; exit 1)
+	cmake --build build/cmake -j2
+	ctest --test-dir build/cmake --output-on-failure
+
+test: install ctest
+	$(PYTEST) python_tests
+
+test-gpu: install
+	$(PYTEST) python_tests -m gpu
+
+bench: install
+	$(PY) -m pytest benchmarks -o python_files='bench_*.py' -p no:cacheprovider \
+	    --benchmark-json=benchmarks/results.json --benchmark-columns=median,rounds
+	$(PY) benchmarks/make_results.py benchmarks/results.json benchmarks/RESULTS.md
+
+kernels: install
+	$(PY) -m nanochat_fast.kernels
+
+demo: install
+	$(PY) -m nanochat_fast.kernels
+
+clean:
+	rm -rf build $(VENV) *.egg-info nanochat_fast/_C*.so
