@@ -1,0 +1,17 @@
+"""
+The optimizers of nanochat: AdamW for the embedding and lm_head, Muon for the matrices of the
+transformer blocks, each in a single-process form and a ZeRO-2 form (DistAdamW, DistMuon) that
+shards gradients and optimizer state over the ranks of torch.distributed (NCCL or gloo, any shape,
+any world size). All four share one world-size independent state format (zero.py), so a run can
+resume on a different number of processes.
+
+    optimizers = model.setup_optimizers(...)
+    ...backward...
+    norm = nanochat_fast.optim.step(optimizers, grad_clip=1.0)   # global-norm clip + NaN guard
+"""
+from .adamw import AdamW, DistAdamW
+from .clipping import global_grad_norm, step
+from .muon import DistMuon, Muon
+from .zero import FORMAT, ZeroOptimizer
+
+__all__ = ["AdamW", "DistAdamW", "Muon", "DistMuon", "step", "global_grad_norm", "ZeroOptimizer", "FORMAT"]
