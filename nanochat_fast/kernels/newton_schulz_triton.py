@@ -1,0 +1,316 @@
+"""
+Triton Newton-Schulz for a stack (K, m, n) of same-shape matrices, m <= n, one launch per kernel.
+
+Per step (a, b, c) the plain iteration does A = X X^T (2m^2 n flops), B = bA + cA^2 (2m^3) and
+X = aX + BX (2m^2 n). A and A^2 are symmetric, so the two symmetric kernels compute only the tiles
+with row-block <= col-block (nb(nb+1)/2 of the nb^2 tiles) and write each tile and its mirror:
+
+    symmetric_xxt    A = X X^T                         m^2 n + m*BLOCK*n flops instead of 2m^2 n
+    symmetric_poly   B = b A + c A A, reading only the    m^3 + m^2*BLOCK flops instead of 2m^3
+                     tiles of A on/above the diagonal
+    fused_update     X' = a X + B X, the aX in the epilogue   2m^2 n (no symmetry to use)
+
+so a step costs 3m^2 n + m^3 (plus one tile row of padding) instead of 4m^2 n + 2m^3: 1.5x fewer
+flops for square matrices, 1.38x for 1:4 ones. `flop_counts` gives the exact numbers per call.
+Tall matrices are transposed once before the first step and back after the last; the Frobenius
+normalisation is done once, in the same pass that casts to the compute dtype.
+
+Storage (A, B, X between kernels) is the compute dtype: bf16 on a GPU, as the reference iteration
+is, with fp32 accumulation in tl.dot; fp32 when asked. Every bf16 store rounds to nearest even
+(to_bf16_rtne), so the Triton interpreter writes the bits a GPU writes. The interpreter multiplies
+bf16 operands as raw 16-bit integers, so on CPU tensors the dot operands are cast to fp32 first:
+bf16 values are exact in fp32 and products of two bf16 are exact in fp32, so the cast changes
+nothing but the speed (DOT_FP32 in the CPU config; on a GPU tl.dot takes the bf16 tiles directly).
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_utils import to_bf16_rtne
+
+# Tile configs. H100 (sm90, 132 SMs): 128x128 output tiles with 64-deep K slices keep the tensor
+# cores busy (3 stages x 32 KB of bf16 operands in shared memory). A call with fewer 128-tiles than
+# SMs (one 768x768 matrix has 21 upper tiles) would leave most SMs idle, so it uses 64x64 tiles
+# (4x the programs). Not yet timed on a GPU: these are the usual Triton matmul choices for sm90.
+GPU_LARGE = dict(BLOCK=128, BLOCK_K=64, num_warps=8, num_stages=3, DOT_FP32=False)
+GPU_SMALL = dict(BLOCK=64, BLOCK_K=64, num_warps=4, num_stages=4, DOT_FP32=False)
+# The interpreter runs one program at a time in numpy: big tiles mean few (slow) Python iterations.
+INTERPRETER = dict(BLOCK=128, BLOCK_K=128, num_warps=1, num_stages=1, DOT_FP32=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_config(device: torch.device, tiles_at_128: int) -> dict:
+    """The tile config for a launch that would have `tiles_at_128` programs with 128x128 tiles."""
+    if device.type != "cuda":
+        return INTERPRETER
+    return GPU_LARGE if tiles_at_128 >= _sm_count(device) else GPU_SMALL
+
+
+def symmetric_config(device: torch.device, K: int, M: int) -> dict:
+    return pick_config(device, K * _n_pairs(triton.cdiv(M, 128)))
+
+
+def update_config(device: torch.device, K: int, M: int, N: int) -> dict:
+    return pick_config(device, K * triton.cdiv(M, 128) * triton.cdiv(N, 128))
+
+
+def _n_pairs(nb: int) -> int:
+    return nb * (nb + 1) // 2
+
+
+_PAIRS: dict = {}
+
+
+def upper_tile_pairs(nb: int, device: torch.device) -> torch.Tensor:
+    """int32[2 * nb(nb+1)/2]: (row-block, col-block) of every tile on or above the diagonal."""
+    key = (nb, str(device))
+    if key not in _PAIRS:
+        pairs = [(i, j) for i in range(nb) for j in range(i, nb)]
+        _PAIRS[key] = torch.tensor(pairs, dtype=torch.int32).flatten().to(device)
+    return _PAIRS[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# device helpers
+
+
+@triton.jit
+def _dot_operand(x, DOT_FP32: tl.constexpr):
+    if DOT_FP32:
+        return x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _store(ptrs, x, mask):
+    """Store fp32 `x` in the pointer's dtype (bf16 rounded to nearest even)."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        tl.store(ptrs, to_bf16_rtne(x), mask=mask)
+    else:
+        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_symmetric(out, ri, rj, acc, M):
+    """Tile (ri, rj) of a symmetric M x M result, row-block <= col-block: the entries on/above the
+    diagonal go to (ri, rj), the transpose fills (rj, ri). A diagonal tile thus takes its lower
+    half from its upper half, so the result is exactly symmetric."""
+    upper = (ri[:, None] < M) & (rj[None, :] < M) & (ri[:, None] <= rj[None, :])
+    _store(out + ri[:, None] * M + rj[None, :], acc, upper)
+    lower = (rj[:, None] < M) & (ri[None, :] < M) & (rj[:, None] > ri[None, :])
+    _store(out + rj[:, None] * M + ri[None, :], tl.trans(acc), lower)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels: grid (tiles, K), program_id(1) picks the matrix of the stack
+
+
+@triton.jit
+def _symmetric_xxt_kernel(x_ptr, a_ptr, pairs_ptr, M, N,
+                          BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    ti = tl.load(pairs_ptr + 2 * pid)
+    tj = tl.load(pairs_ptr + 2 * pid + 1)
+    x = x_ptr + batch * M * N
+    a = a_ptr + batch * M * M
+    ri = ti * BLOCK + tl.arange(0, BLOCK)
+    rj = tj * BLOCK + tl.arange(0, BLOCK)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k0 in range(0, N, BLOCK_K):
+        k = k0 + ks
+        xi = tl.load(x + ri[:, None] * N + k[None, :], mask=(ri[:, None] < M) & (k[None, :] < N), other=0.0)
+        xj = tl.load(x + rj[:, None] * N + k[None, :], mask=(rj[:, None] < M) & (k[None, :] < N), other=0.0)
+        acc = tl.dot(_dot_operand(xi, DOT_FP32), tl.trans(_dot_operand(xj, DOT_FP32)), acc,
+                     input_precision=PRECISION)
+    _store_symmetric(a, ri, rj, acc, M)
+
+
+@triton.jit
+def _symmetric_poly_kernel(a_ptr, b_ptr, pairs_ptr, M, coef_b, coef_c,
+                           BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    """B = coef_b * A + coef_c * A A for symmetric A, reading only A's tiles on/above the diagonal:
+    A[i, k] with k-block < i-block is read as A[k, i]^T, A[k, j] with k-block > j-block as A[j, k]^T.
+    The K loop is split at the tile boundaries so no iteration branches (BLOCK_K divides BLOCK)."""
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    ti = tl.load(pairs_ptr + 2 * pid)
+    tj = tl.load(pairs_ptr + 2 * pid + 1)
+    a = a_ptr + batch * M * M
+    ri = ti * BLOCK + tl.arange(0, BLOCK)
+    rj = tj * BLOCK + tl.arange(0, BLOCK)
+    ks = tl.arange(0, BLOCK_K)
+    mi = ri < M
+    mj = rj < M
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    # k-blocks left of the diagonal tile of row i: A[ri, k] is below the diagonal, read A[k, ri]
+    for k0 in range(0, ti * BLOCK, BLOCK_K):
+        k = k0 + ks
+        left = tl.load(a + k[None, :] * M + ri[:, None], mask=mi[:, None], other=0.0)
+        right = tl.load(a + k[:, None] * M + rj[None, :], mask=mj[None, :], other=0.0)
+        acc = tl.dot(_dot_operand(left, DOT_FP32), _dot_operand(right, DOT_FP32), acc, input_precision=PRECISION)
+    # k-blocks from i to j: both operands on/above the diagonal
+    for k0 in range(ti * BLOCK, tl.minimum((tj + 1) * BLOCK, M), BLOCK_K):
+        k = k0 + ks
+        mk = k < M
+        left = tl.load(a + ri[:, None] * M + k[None, :], mask=mi[:, None] & mk[None, :], other=0.0)
+        right = tl.load(a + k[:, None] * M + rj[None, :], mask=mk[:, None] & mj[None, :], other=0.0)
+        acc = tl.dot(_dot_operand(left, DOT_FP32), _dot_operand(right, DOT_FP32), acc, input_precision=PRECISION)
+    # k-blocks right of column-block j: A[k, rj] is below the diagonal, read A[rj, k]
+    for k0 in range((tj + 1) * BLOCK, M, BLOCK_K):
+        k = k0 + ks
+        mk = k < M
+        left = tl.load(a + ri[:, None] * M + k[None, :], mask=mi[:, None] & mk[None, :], other=0.0)
+        right = tl.load(a + rj[None, :] * M + k[:, None], mask=mk[:, None] & mj[None, :], other=0.0)
+        acc = tl.dot(_dot_operand(left, DOT_FP32), _dot_operand(right, DOT_FP32), acc, input_precision=PRECISION)
+    a_ij = tl.load(a + ri[:, None] * M + rj[None, :], mask=mi[:, None] & mj[None, :], other=0.0)
+    acc = coef_c * acc + coef_b * a_ij.to(tl.float32)
+    _store_symmetric(b_ptr + batch * M * M, ri, rj, acc, M)
+
+
+@triton.jit
+def _fused_update_kernel(b_ptr, x_ptr, out_ptr, M, N, coef_a,
+                         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    """out = coef_a * X + B X. Programs walk down a column of tiles first, so neighbours share
+    the X column slab they read (B, m x m, is small and stays in L2)."""
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    tiles_m = tl.cdiv(M, BLOCK)
+    rm = (pid % tiles_m) * BLOCK + tl.arange(0, BLOCK)
+    rn = (pid // tiles_m) * BLOCK + tl.arange(0, BLOCK)
+    b = b_ptr + batch * M * M
+    x = x_ptr + batch * M * N
+    mm = rm < M
+    mn = rn < N
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k0 in range(0, M, BLOCK_K):
+        k = k0 + ks
+        mk = k < M
+        left = tl.load(b + rm[:, None] * M + k[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+        right = tl.load(x + k[:, None] * N + rn[None, :], mask=mk[:, None] & mn[None, :], other=0.0)
+        acc = tl.dot(_dot_operand(left, DOT_FP32), _dot_operand(right, DOT_FP32), acc, input_precision=PRECISION)
+    tile = mm[:, None] & mn[None, :]
+    x_tile = tl.load(x + rm[:, None] * N + rn[None, :], mask=tile, other=0.0)
+    acc += coef_a * x_tile.to(tl.float32)
+    _store(out_ptr + batch * M * N + rm[:, None] * N + rn[None, :], acc, tile)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers: contiguous (K, m, n) / (K, m, m) stacks of one dtype; each returns (out, programs)
+
+
+def _launch_args(cfg, dtype):
+    # fp32 storage means fp32 products on a GPU too (tl.dot would otherwise round them to tf32)
+    return dict(BLOCK=cfg["BLOCK"], BLOCK_K=cfg["BLOCK_K"], DOT_FP32=cfg["DOT_FP32"],
+                PRECISION="ieee" if dtype == torch.float32 else None,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _check(cfg, *tensors):
+    assert cfg["BLOCK"] % cfg["BLOCK_K"] == 0, "BLOCK_K must divide BLOCK"
+    for t in tensors:
+        assert t.dim() == 3 and t.is_contiguous(), "launchers take contiguous (K, rows, cols) stacks"
+        assert t.dtype == tensors[0].dtype and t.device == tensors[0].device
+
+
+def symmetric_xxt(X: torch.Tensor, out: torch.Tensor | None = None, config: dict | None = None):
+    """A = X X^T for a (K, m, n) stack, computing only tiles with row-block <= col-block."""
+    K, M, N = X.shape
+    out = torch.empty((K, M, M), dtype=X.dtype, device=X.device) if out is None else out
+    cfg = config or symmetric_config(X.device, K, M)
+    _check(cfg, X, out)
+    nb = triton.cdiv(M, cfg["BLOCK"])
+    grid = (_n_pairs(nb), K)
+    _symmetric_xxt_kernel[grid](X, out, upper_tile_pairs(nb, X.device), M, N, **_launch_args(cfg, X.dtype))
+    return out, grid[0] * grid[1]
+
+
+def symmetric_poly(A: torch.Tensor, b: float, c: float, out: torch.Tensor | None = None, config: dict | None = None):
+    """B = b A + c A A for a (K, m, m) stack of symmetric matrices, computing only upper tiles and
+    reading only A's tiles on/above the diagonal."""
+    K, M, _ = A.shape
+    out = torch.empty_like(A) if out is None else out
+    cfg = config or symmetric_config(A.device, K, M)
+    _check(cfg, A, out)
+    nb = triton.cdiv(M, cfg["BLOCK"])
+    grid = (_n_pairs(nb), K)
+    _symmetric_poly_kernel[grid](A, out, upper_tile_pairs(nb, A.device), M, float(b), float(c),
+                                 **_launch_args(cfg, A.dtype))
+    return out, grid[0] * grid[1]
+
+
+def fused_update(B: torch.Tensor, X: torch.Tensor, a: float, out: torch.Tensor | None = None,
+                 config: dict | None = None):
+    """out = a X + B X for stacks B (K, m, m) and X (K, m, n); `out` must not alias X."""
+    K, M, N = X.shape
+    out = torch.empty_like(X) if out is None else out
+    cfg = config or update_config(X.device, K, M, N)
+    _check(cfg, B, X, out)
+    assert out.data_ptr() != X.data_ptr(), "out must not alias X (other tiles still read it)"
+    grid = (triton.cdiv(M, cfg["BLOCK"]) * triton.cdiv(N, cfg["BLOCK"]), K)
+    _fused_update_kernel[grid](B, X, out, M, N, float(a), **_launch_args(cfg, X.dtype))
+    return out, grid[0] * grid[1]
+
+
+def newton_schulz_triton(G: torch.Tensor, coeffs, dtype: torch.dtype | None = None, config: dict | None = None):
+    """The whole iteration on a 2-D matrix or a (K, rows, cols) stack; computes and returns `dtype`
+    (default: bf16 on CUDA, fp32 elsewhere)."""
+    from .newton_schulz import compute_dtype
+    dtype = dtype or compute_dtype(G.device)
+    stack = G if G.dim() == 3 else G.unsqueeze(0)
+    transposed = stack.size(-2) > stack.size(-1)
+    if transposed:
+        stack = stack.mT  # once: every step then works on the short side's Gram matrix
+    K, M, N = stack.shape
+    norm = torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    X = torch.empty((K, M, N), dtype=dtype, device=G.device)
+    X.copy_(stack / (norm + 1e-7))  # normalise, cast and lay out contiguously in one pass
+    A = torch.empty((K, M, M), dtype=dtype, device=G.device)
+    B = torch.empty_like(A)
+    Y = torch.empty_like(X)
+    for a, b, c in coeffs:
+        symmetric_xxt(X, out=A, config=config)
+        symmetric_poly(A, b, c, out=B, config=config)
+        fused_update(B, X, a, out=Y, config=config)
+        X, Y = Y, X
+    if transposed:
+        X = X.mT
+    return X if G.dim() == 3 else X[0]
+
+
+def flop_counts(m: int, n: int, block: int, batch: int = 1) -> dict:
+    """Flops one call of each kernel computes on a (batch, m, n) stack, m <= n, with `block` tiles,
+    next to what the full (non-symmetric) products would compute. Padding of partial tiles counts:
+    it is work the tensor cores do."""
+    nb = -(-m // block)
+    mp = nb * block  # rows padded to whole tiles
+    pairs = _n_pairs(nb)
+    xxt = batch * pairs * 2 * block * block * n
+    poly = batch * pairs * 2 * block * block * mp
+    update = batch * 2 * mp * mp * (-(-n // block) * block)
+    return {
+        "symmetric_xxt": xxt, "symmetric_poly": poly, "fused_update": update,
+        "step": xxt + poly + update,
+        "full_xxt": batch * 2 * m * m * n, "full_poly": batch * 2 * m ** 3, "full_update": batch * 2 * m * m * n,
+        "full_step": batch * (4 * m * m * n + 2 * m ** 3),
+    }
+
+
+def step_flops(device: torch.device, K: int, m: int, n: int) -> dict:
+    """flop_counts of one step with the tiles each kernel would use on `device`."""
+    sym = flop_counts(m, n, symmetric_config(device, K, m)["BLOCK"], K)
+    update = flop_counts(m, n, update_config(device, K, m, n)["BLOCK"], K)
+    out = dict(sym, fused_update=update["fused_update"])
+    out["step"] = out["symmetric_xxt"] + out["symmetric_poly"] + out["fused_update"]
+    return out
