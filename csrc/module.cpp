@@ -2,6 +2,8 @@
 // the other translation units; the ops are then reachable as torch.ops.nanochat_fast.*.
 #include <torch/extension.h>
 
+#include "pack_rows_python.h"
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "nanochat_fast compiled ops (see torch.ops.nanochat_fast)";
 #ifdef NANOCHAT_FAST_WITH_CUDA
@@ -9,4 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+
+  nanochat_fast::bind_row_packer(m);  // pack_rows_python.h
 }

@@ -10,4 +10,8 @@ TORCH_LIBRARY(nanochat_fast, m) {
   m.def(
       "adamw_slice_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor hparams, float[] lr_muls, float[] wd_muls) -> ()");
+
+  // Best-fit packing of BOS-started documents tokens[offsets[d]:offsets[d+1]] into the rows of
+  // out (int64 [B, T+1], CPU, may be pinned). Returns (used: bool[D], tokens placed, tokens cropped).
+  m.def("pack_rows(Tensor tokens, Tensor offsets, Tensor(a!) out, int bos_id) -> (Tensor, SymInt, SymInt)");
 }

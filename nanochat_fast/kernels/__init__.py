@@ -3,12 +3,14 @@ The hot paths of nanochat_fast, each with several backends chosen per device (se
 
     adamw_slice_update   AdamW over the parameter slices a rank owns
     newton_schulz        Newton-Schulz orthogonalization (Muon)
+    pack_rows            best-fit packing of documents into BOS-aligned training rows
 
 `python -m nanochat_fast.kernels` prints which backend each op uses here and why.
 """
 from .registry import KernelUnavailableError, backends, ops, requested, select
 from .adamw import adamw_slice_update
 from .newton_schulz import newton_schulz
+from .pack_rows import pack_rows
 
-__all__ = ["adamw_slice_update", "newton_schulz",
+__all__ = ["adamw_slice_update", "newton_schulz", "pack_rows",
            "KernelUnavailableError", "backends", "ops", "requested", "select"]

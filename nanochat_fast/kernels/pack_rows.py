@@ -1,0 +1,262 @@
+"""
+pack_rows: best-fit packing of pre-tokenized documents into BOS-aligned training rows.
+
+A training row holds T+1 tokens (inputs are its first T, targets its last T). Rows are filled in
+order; into each row we repeatedly place the largest unused document that fits the space left
+(ties: lowest index), and when none fits we crop the shortest unused document (ties: lowest index)
+to fill the row exactly, discarding its rest. Documents start with <|bos|>, so every row does too:
+a row never begins in the middle of a document, unlike the plain concatenate-and-slice stream
+(the `collections.deque` packer kept in benchmarks/ as the baseline).
+
+    pack_rows(tokens, offsets, out, bos_id) -> (used, n_tokens_used, n_tokens_cropped)
+
+tokens: int32[N], document d is tokens[offsets[d]:offsets[d+1]]; offsets: int64[D+1] from 0 to N;
+out: int64[B, T+1] (pinned when the rows go to a GPU), filled in place; used: bool[D], the documents
+consumed (placed whole or cropped); n_tokens_used = B*(T+1) tokens written; n_tokens_cropped the
+discarded rest of the cropped documents, so sum(lengths[used]) == n_tokens_used + n_tokens_cropped.
+The caller refills its buffer with fresh documents where `used` is set.
+
+Backends: `cpp` (csrc/pack_rows_cpu.cpp; length buckets + a bitset, O(D + B*T/64) decisions, GIL
+released) and `reference` (plain Python, the definition). Both give identical rows.
+
+A data loader should not rebuild the concatenated document buffer for every batch: `RowPacker`
+(nanochat_fast._C.RowPacker, csrc/pack_rows.h) keeps the buffer on the C++ side (documents go in
+once, with an id; pack() consumes them) and applies the same rule, to the documents cut to one
+row's length and with "due" documents that start rows so that none waits for good; it can also
+write the (inputs, targets) pair directly. `RowPackerReference` is its plain-Python twin, and
+`make_row_packer()` picks one through the same registry as the op.
+"""
+import numpy as np
+import torch
+
+from . import registry
+from .registry import always, cpp_why_not, register_backend, register_op
+
+OP = "pack_rows"
+# Packing runs on the host whatever the training device (CUDA gets the rows through a pinned
+# buffer), so each device type lists the host's backends.
+register_op(OP, auto_order={d: ("cpp", "reference") for d in registry.DEVICE_TYPES})
+
+
+def _cpp_why_not(device_type):
+    return cpp_why_not("cpu")
+
+
+def _check(tokens, offsets, out, bos_id):
+    for name, t in (("tokens", tokens), ("offsets", offsets), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor (pin `out` for fast copies to the GPU), got {t.device}")
+    if tokens.dtype != torch.int32 or tokens.dim() != 1:
+        raise ValueError(f"tokens must be a 1-D int32 tensor, got {tokens.dtype} of shape {tuple(tokens.shape)}")
+    if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"offsets must be a 1-D int64 tensor of D+1 >= 1 entries, got {offsets.dtype} "
+                         f"of shape {tuple(offsets.shape)}")
+    if out.dtype != torch.int64 or out.dim() != 2:
+        raise ValueError(f"out must be a 2-D int64 tensor [B, T+1], got {out.dtype} of shape {tuple(out.shape)}")
+    if out.shape[1] < 2:
+        raise ValueError(f"out must have T+1 >= 2 columns (T >= 1), got {out.shape[1]}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous: pack into a row-major [B, T+1] buffer, then slice")
+    if not tokens.is_contiguous() or not offsets.is_contiguous():
+        raise ValueError("tokens and offsets must be contiguous")
+    if not isinstance(bos_id, int) or isinstance(bos_id, bool) or bos_id < 0:
+        raise ValueError(f"bos_id must be an int >= 0, got {bos_id!r}")
+
+
+def pack_rows(tokens: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, bos_id: int, *, backend=None):
+    """Fill `out` [B, T+1] with best-fit BOS-aligned rows; returns (used: bool[D], n_tokens_used,
+    n_tokens_cropped). `backend` forces one by name (default: NANOCHAT_FAST_KERNELS, else auto)."""
+    _check(tokens, offsets, out, bos_id)
+    impl = registry.select(OP, "cpu", backend)
+    return impl.fn(tokens, offsets, out, bos_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# reference: the rule, written as plainly as possible
+
+
+def plan_reference(lengths: list[int], rows: int, row_len: int, row_starts=()):
+    """The best-fit plan over document lengths: a list of (row, doc, pos, n) meaning "the first n
+    tokens of doc go to row at pos", and the tokens cropped. Raises ValueError when the documents
+    run out before `rows` rows are full. Row r < len(row_starts) begins with document
+    row_starts[r] (at most row_len long; RowPacker's due documents), which best-fit never picks."""
+    used = [False] * len(lengths)
+    for d in row_starts:
+        used[d] = True
+    placements, cropped = [], 0
+    for row in range(rows):
+        pos = 0
+        if row < len(row_starts):
+            placements.append((row, row_starts[row], 0, lengths[row_starts[row]]))
+            pos = lengths[row_starts[row]]
+        while pos < row_len:
+            space = row_len - pos
+            best = -1
+            for d, n in enumerate(lengths):  # the largest unused document that fits (first on ties)
+                if not used[d] and n <= space and (best < 0 or n > lengths[best]):
+                    best = d
+            if best >= 0:
+                used[best] = True
+                placements.append((row, best, pos, lengths[best]))
+                pos += lengths[best]
+                continue
+            shortest = -1
+            for d, n in enumerate(lengths):  # none fits: the shortest unused one (first on ties)
+                if not used[d] and (shortest < 0 or n < lengths[shortest]):
+                    shortest = d
+            if shortest < 0:
+                raise ValueError(f"pack_rows: the {len(lengths)} documents ({sum(lengths)} tokens) ran out "
+                                 f"after {row} of {rows} rows of {row_len} tokens; pass more documents")
+            used[shortest] = True
+            placements.append((row, shortest, pos, space))
+            cropped += lengths[shortest] - space
+            pos = row_len
+    return placements, cropped
+
+
+@register_backend(OP, "reference", always)
+def pack_rows_reference(tokens, offsets, out, bos_id):
+    toks, offs = tokens.tolist(), offsets.tolist()
+    if offs[0] != 0 or offs[-1] != len(toks):
+        raise ValueError(f"pack_rows: offsets must start at 0 and end at tokens.numel() = {len(toks)}, "
+                         f"got {offs[0]} and {offs[-1]}")
+    lengths = [b - a for a, b in zip(offs, offs[1:])]
+    for d, n in enumerate(lengths):
+        if n <= 0:
+            raise ValueError(f"pack_rows: document {d} is empty (offsets must increase strictly)")
+        if toks[offs[d]] != bos_id:
+            raise ValueError(f"pack_rows: document {d} starts with token {toks[offs[d]]}, not bos_id={bos_id} "
+                             "(documents must begin with <|bos|>)")
+    rows, row_len = out.shape
+    placements, cropped = plan_reference(lengths, rows, row_len)
+    flat = [0] * (rows * row_len)
+    used = [False] * len(lengths)
+    for row, d, pos, n in placements:
+        flat[row * row_len + pos: row * row_len + pos + n] = toks[offs[d]: offs[d] + n]
+        used[d] = True
+    out.copy_(torch.tensor(flat, dtype=torch.int64).view(rows, row_len))
+    return torch.tensor(used, dtype=torch.bool), rows * row_len, cropped
+
+
+@register_backend(OP, "cpp", _cpp_why_not)
+def pack_rows_cpp(tokens, offsets, out, bos_id):
+    used, n_used, n_cropped = torch.ops.nanochat_fast.pack_rows(tokens, offsets, out, bos_id)
+    return used, n_used, n_cropped
+
+
+if registry._C is not None:
+    @torch.library.register_fake("nanochat_fast::pack_rows")
+    def _(tokens, offsets, out, bos_id):
+        ctx = torch.library.get_ctx()  # the token counts depend on the data
+        return offsets.new_empty(offsets.shape[0] - 1, dtype=torch.bool), ctx.new_dynamic_size(), ctx.new_dynamic_size()
+
+
+# ---------------------------------------------------------------------------------------------
+# the stateful packer
+
+
+class RowPackerReference:
+    """Plain-Python twin of the compiled RowPacker (csrc/pack_rows.h): a document buffer that
+    persists across calls, in arrival order. add() appends documents, each with an id; pack()
+    plans `total_rows` rows over the buffer in that order (ties go to the oldest), writes rows
+    [first_row, first_row + out.shape[0]), removes the documents it used and returns (documents
+    used, tokens placed, tokens cropped).
+
+    The buffer keeps at most row_len tokens of a document: the rest can never be placed (rows
+    start with a document's first token), and cut to a row's length a long document can fill a
+    whole row instead of waiting, never fitting, for a crop that only ever takes the shortest of
+    such documents. The cut-off tails are counted as cropped when the document is used."""
+
+    def __init__(self, row_len: int, bos_id: int):
+        if row_len < 2:
+            raise ValueError(f"row_len (T+1) must be >= 2, got {row_len}")
+        if bos_id < 0:
+            raise ValueError(f"bos_id must be >= 0, got {bos_id}")
+        self.row_len, self.bos_id = row_len, bos_id
+        self.clear()
+
+    def clear(self):
+        self._docs: list[np.ndarray] = []  # (tokens kept, id, full length)
+        self._ids: list[int] = []
+        self._full_lens: list[int] = []
+
+    @property
+    def num_docs(self) -> int:
+        return len(self._docs)
+
+    @property
+    def mass(self) -> int:
+        return sum(len(d) for d in self._docs)
+
+    def ids(self) -> torch.Tensor:
+        return torch.tensor(self._ids, dtype=torch.int64)
+
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([len(d) for d in self._docs], dtype=torch.int64)
+
+    def add(self, tokens: torch.Tensor, offsets: torch.Tensor, first_id: int, mask=None, mask_bit: int = -1):
+        toks, offs = tokens.numpy(), offsets.tolist()
+        if any(b <= a for a, b in zip(offs, offs[1:])) or (offs and (offs[0] < 0 or offs[-1] > len(toks))):
+            raise ValueError(f"RowPacker.add: offsets must increase strictly and stay within the {len(toks)} tokens")
+        for j, a in enumerate(offs[:-1]):
+            if int(toks[a]) != self.bos_id:
+                raise ValueError(f"RowPacker.add: document {first_id + j} starts with token {int(toks[a])}, "
+                                 f"not bos_id={self.bos_id}")
+        if mask is not None:
+            if not 0 <= mask_bit < 31:
+                raise ValueError(f"RowPacker.add: mask_bit must be in [0, 31) with a mask, got {mask_bit}")
+            toks = toks.astype(np.int32) | (mask.numpy().astype(np.int32) << mask_bit)
+        for j, (a, b) in enumerate(zip(offs, offs[1:])):
+            self._docs.append(np.array(toks[a:min(b, a + self.row_len)], dtype=np.int32))
+            self._ids.append(first_id + j)
+            self._full_lens.append(b - a)
+
+    def pack(self, out: torch.Tensor, total_rows: int, first_row: int = 0, due_before: int = -(1 << 63),
+             targets: torch.Tensor | None = None, mask_bit: int = -1):
+        """Documents with an id below `due_before` are due: the oldest of them (at most one per row)
+        start the rows, in id order, before best-fit fills the rest. This bounds how long a
+        document can wait, which best-fit alone does not (see csrc/pack_rows.h).
+
+        Given `targets`, the rows are written as training pairs instead: out = row[:-1] and
+        targets = row[1:], both [rows, row_len - 1]; with mask_bit >= 0 a token's bit mask_bit is
+        its "supervised" flag, dropped from the written token, and an unflagged target is -1."""
+        width = self.row_len - (targets is not None)
+        if out.dtype != torch.int64 or out.dim() != 2 or out.shape[1] != width or not out.is_contiguous():
+            raise ValueError(f"RowPacker.pack: out must be a contiguous int64 CPU tensor [rows, {width}]")
+        if targets is not None and (targets.dtype != torch.int64 or targets.shape != out.shape
+                                    or not targets.is_contiguous()):
+            raise ValueError("RowPacker.pack: targets must be a contiguous int64 CPU tensor shaped like out")
+        if first_row < 0 or first_row + out.shape[0] > total_rows:
+            raise ValueError(f"RowPacker.pack: rows [{first_row}, {first_row + out.shape[0]}) are not within "
+                             f"total_rows={total_rows}")
+        due = sorted((i, d) for d, i in enumerate(self._ids) if i < due_before)[:total_rows]
+        try:
+            placements, cropped = plan_reference([len(d) for d in self._docs], total_rows, self.row_len,
+                                                 row_starts=[d for _, d in due])
+        except ValueError as e:
+            raise ValueError(str(e).replace("pack_rows:", "RowPacker.pack:").replace("pass more", "add more")) from None
+        rows = torch.empty(out.shape[0], self.row_len, dtype=torch.int64) if targets is not None else out
+        for row, d, pos, n in placements:
+            if first_row <= row < first_row + out.shape[0]:
+                rows[row - first_row, pos:pos + n] = torch.from_numpy(self._docs[d][:n])
+        if targets is not None:
+            tokens = rows & ~(1 << mask_bit) if mask_bit >= 0 else rows
+            out.copy_(tokens[:, :-1])
+            supervised = (rows[:, 1:] >> mask_bit) & 1 if mask_bit >= 0 else torch.ones_like(targets)
+            targets.copy_(torch.where(supervised.bool(), tokens[:, 1:], -1))
+        used = {d for _, d, _, _ in placements}
+        cropped += sum(self._full_lens[d] - len(self._docs[d]) for d in used)
+        keep = [d for d in range(len(self._docs)) if d not in used]
+        self._docs, self._ids, self._full_lens = ([xs[d] for d in keep]
+                                                  for xs in (self._docs, self._ids, self._full_lens))
+        return len(used), total_rows * self.row_len, cropped
+
+
+def make_row_packer(row_len: int, bos_id: int, backend: str | None = None):
+    """The compiled RowPacker where pack_rows' selected backend is `cpp`, else RowPackerReference."""
+    impl = registry.select(OP, "cpu", backend)
+    if impl.name == "cpp":
+        return registry._C.RowPacker(row_len, bos_id)
+    return RowPackerReference(row_len, bos_id)

