@@ -29,17 +29,23 @@ def _canonical(arg: str) -> str:
     return name.replace("_", "-") + eq + value
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's layout (scripts put usage examples there) and shows defaults."""
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that accepts underscore spellings of hyphenated flags and fails in one line."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         kwargs.setdefault("allow_abbrev", False)  # `--lr` must not silently mean `--lr-warmup`
         kwargs.setdefault("epilog", "Flags take --key=value or --key value; --key_name is accepted for --key-name.")
         super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
+        if args[:1] == ["--"]:  # `torchrun -m module -- --flags`: the separator is not ours
+            args = args[1:]
         return super().parse_known_args([_canonical(a) for a in args], namespace)
 
     def error(self, message):

@@ -25,3 +25,20 @@ def nanochat_home(tmp_path, monkeypatch):
     home.mkdir()
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
     return home
+
+
+@pytest.fixture(scope="session")
+def tiny_home(tmp_path_factory):
+    """A prepared NANOCHAT_FAST_HOME (tiny corpus + conversations, 320-token tokenizer), built once."""
+    from tiny_pipeline import build_tiny_home
+    return build_tiny_home(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def home(tiny_home, tmp_path, monkeypatch):
+    """A private copy of tiny_home, set as NANOCHAT_FAST_HOME for this test."""
+    import shutil
+    dst = tmp_path / "home"
+    shutil.copytree(tiny_home, dst)
+    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(dst))
+    return dst

@@ -1,0 +1,89 @@
+"""
+Chat with a mid-trained model in the terminal (KV-cached generation).
+
+    python -m nanochat_fast.scripts.chat_cli                       # newest mid-trained run
+    python -m nanochat_fast.scripts.chat_cli --prompt="What is 2 plus 3?"
+    python -m nanochat_fast.scripts.chat_cli --run=mid_base_d4 --temperature=0.8 --top-k=40
+
+Interactive commands: 'clear' starts a new conversation, 'quit' (or Ctrl-D) leaves.
+"""
+import sys
+
+import torch
+
+from .. import cli, runs
+from ..cli import UserError
+from ..common import autodetect_device_type
+from ..gpt import GPT
+from ..tokenizer import get_tokenizer
+
+
+def build_parser():
+    p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_cli", description=__doc__)
+    p.add_argument("--run", default="", help="run name or directory (default: the newest mid-trained run)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
+    p.add_argument("--prompt", default="", help="answer this one message and exit")
+    p.add_argument("--temperature", type=cli.non_negative_float, default=0.6, help="0 = greedy")
+    p.add_argument("--top-k", type=cli.positive_int, default=50, help="sample among the k likeliest tokens")
+    p.add_argument("--max-tokens", type=cli.positive_int, default=256, help="longest reply, in tokens")
+    p.add_argument("--seed", type=int, default=42, help="sampling seed")
+    p.add_argument("--device-type", default="", choices=["", "cpu", "cuda", "mps"], help="'' = autodetect")
+    return p
+
+
+def reply(model, tokenizer, messages, args) -> str:
+    """Generate the assistant's next message, streaming it to stdout."""
+    ids = tokenizer.render_for_completion({"messages": messages + [{"role": "assistant", "content": ""}]})
+    room = model.config.sequence_len - args.max_tokens
+    if len(ids) > room:
+        ids = [tokenizer.get_bos_token_id()] + ids[-(room - 1):]  # keep the end of a long conversation
+    stop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+    out = []
+    with torch.no_grad():
+        for tok in model.generate(ids, max_tokens=args.max_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, seed=args.seed):
+            if tok in stop:
+                break
+            out.append(tok)
+            sys.stdout.write(tokenizer.decode([tok]))
+            sys.stdout.flush()
+    print()
+    return tokenizer.decode(out)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    device_type = args.device_type or autodetect_device_type()
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device-type cuda but no CUDA GPU is available; use --device-type cpu")
+    device = torch.device(device_type)
+    tokenizer = get_tokenizer()
+    model, ckpt, meta = runs.load_model(runs.run_dir_of(args.run, "mid"), args.step, device, tokenizer, GPT)
+    if meta["phase"] != "mid":
+        print(f"note: {ckpt} is a base (not mid-trained) checkpoint: it has not learned to chat", file=sys.stderr)
+    if args.prompt:
+        print("Assistant: ", end="")
+        reply(model, tokenizer, [{"role": "user", "content": args.prompt}], args)
+        return 0
+    print(f"chatting with {ckpt} ('clear' to restart, 'quit' or Ctrl-D to leave)")
+    messages = []
+    while True:
+        try:
+            text = input("\nYou: ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if text in ("quit", "exit"):
+            return 0
+        if text == "clear":
+            messages = []
+            continue
+        if not text:
+            continue
+        messages.append({"role": "user", "content": text})
+        print("Assistant: ", end="")
+        messages.append({"role": "assistant", "content": reply(model, tokenizer, messages, args)})
+
+
+if __name__ == "__main__":
+    cli.run(main)
