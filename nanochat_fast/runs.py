@@ -48,7 +48,9 @@ def add_loop_args(p, eval_every, eval_tokens, sample_every):
     g.add_argument("--keep-last", type=cli.non_negative_int, default=0, help="keep only the newest K complete checkpoints (0: all)")
     g.add_argument("--skip-nonfinite", type=cli.non_negative_int, default=0,
                    help="skip up to N steps whose loss or grad norm is not finite instead of stopping")
+    # test hooks, hidden from --help: a NaN loss at a given step; a stop as if SIGTERM arrived
     g.add_argument("--test-inject-nan-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--test-preempt-at-step", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def add_run_args(p):

@@ -309,6 +309,7 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
     bar = Progress(run.num_iterations, state.step, enabled=master)
     start_step = state.step
     events_done_at = None  # eval/sample/save happen once per step value, even if a step is skipped
+    injected = False
     try:
         while True:
             step = state.step
@@ -332,6 +333,8 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
                     bar.write(f"  sample: {text!r}")
                 run.orig_model.train()
 
+            if getattr(args, "test_preempt_at_step", None) == step and step > start_step:
+                preemption.signal_name = "--test-preempt-at-step"  # behaves exactly like a SIGTERM here
             preempted = any_rank(preemption.signal_name is not None, run.device)
             periodic = fresh and args.save_every > 0 and step > start_step and step % args.save_every == 0
             if (last_step or preempted or periodic) and (step > start_step or run.last_checkpoint is None):
@@ -349,7 +352,8 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
             micro_batches = [next(run.train_loader) for _ in range(run.grad_accum_steps)]
             lrm = lr_multiplier(run.progress(step), args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
             set_schedule(run.optimizers, lrm, muon_momentum(step))
-            inject = getattr(args, "test_inject_nan_at_step", None) == step
+            inject = getattr(args, "test_inject_nan_at_step", None) == step and not injected
+            injected = injected or inject  # a one-off fault: a skipped step is retried cleanly
             result = train_step(run.model, run.optimizers, micro_batches, args.grad_clip, run.autocast_ctx, inject)
             if run.device.type == "cuda":
                 torch.cuda.synchronize()

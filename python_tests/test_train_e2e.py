@@ -86,3 +86,49 @@ def test_mid_train_base_eval_and_chat(base_run, monkeypatch, capsys):
     assert chat_cli.main(["--run=m", "--prompt=what is 2 plus 3?", "--max-tokens=12", "--temperature=0"]) == 0
     reply = capsys.readouterr().out
     assert reply.startswith("Assistant: ") and len(reply.strip()) > len("Assistant:")
+
+
+def assistant_targets(x: torch.Tensor, y: torch.Tensor, start_id: int, end_id: int) -> torch.Tensor:
+    """Which targets are the assistant's, found from the special tokens alone: after
+    <|assistant_start|> up to and including <|assistant_end|> (rows start at a document's BOS)."""
+    out = torch.zeros_like(y, dtype=torch.bool)
+    for r in range(x.size(0)):
+        inside = False
+        for t in range(x.size(1)):
+            tok = int(x[r, t])
+            inside = True if tok == start_id else False if tok == end_id else inside
+            out[r, t] = inside
+    return out
+
+
+def test_mid_train_loss_is_only_on_assistant_tokens(home):
+    """The conversation loader masks every non-assistant target, and the training step's loss is
+    the cross-entropy over the assistant's tokens alone, averaged over all of them in the step."""
+    from nanochat_fast.dataloader import ConversationRowLoader
+    from nanochat_fast.gpt import GPT, config_from_depth
+    from nanochat_fast.tokenizer import get_tokenizer
+    from nanochat_fast.training import train_step
+    from contextlib import nullcontext
+    import torch.nn.functional as F
+
+    tok = get_tokenizer()
+    start, end = tok.encode_special("<|assistant_start|>"), tok.encode_special("<|assistant_end|>")
+    with ConversationRowLoader(device_batch_size=4, seq_len=64, prefetch=False) as loader:
+        batches = [next(loader) for _ in range(2)]
+    for x, y in batches:
+        expected = assistant_targets(x, y, start, end)
+        assert torch.equal(y != -1, expected)
+        assert 0.1 < expected.float().mean() < 0.9  # both kinds of token are present
+
+    torch.manual_seed(0)
+    model = GPT(config_from_depth(2, tok.get_vocab_size(), 64, aspect_ratio=32, head_dim=32))
+    model.init_weights()
+    with torch.no_grad():
+        logits = torch.cat([model(x) for x, _ in batches]).view(-1, tok.get_vocab_size())
+        targets = torch.cat([y for _, y in batches]).view(-1)
+        keep = targets != -1
+        reference = F.cross_entropy(logits[keep], targets[keep]).item()  # assistant tokens only
+    adamw, muon = model.setup_optimizers()
+    result = train_step(model, [adamw, muon], batches, grad_clip=1.0, autocast_ctx=nullcontext())
+    assert result.n_supervised == int(keep.sum())
+    assert abs(result.loss - reference) < 1e-5
