@@ -147,6 +147,14 @@ def check_tokenizer(meta: dict, ckpt: Path, tokenizer):
                         "or train a new model")
 
 
+def check_shards(loader, tokenizer):
+    """The token shards must have been made with the tokenizer this run encodes prompts with."""
+    if loader.shards.fingerprint != tokenizer.fingerprint:
+        raise UserError(f"the token shards in {loader.shards.directory} were made with another tokenizer than the "
+                        f"one in {paths.tokenizer_dir()}; re-tokenize with "
+                        "`python -m nanochat_fast.scripts.prepare_data --stage=tokens`")
+
+
 def build_model(GPT, config, device, args, model_state=None):
     """The model on `device` (weights initialised, or loaded), its optimizers, and the compiled
     version used for training. The optimizers hold the uncompiled module's parameters."""

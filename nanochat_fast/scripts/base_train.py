@@ -78,6 +78,7 @@ def main(argv=None) -> int:
         num_iterations = horizon(args, orig_model, tokens_per_step)
         loader = TokenRowLoader(dataset=args.dataset, split="train", device_batch_size=args.device_batch_size,
                                 seq_len=args.max_seq_len, rank=rank, world_size=world_size, device=device)
+        runs.check_shards(loader, tokenizer)
 
         def val_batches():
             steps = max(1, args.eval_tokens // (args.device_batch_size * args.max_seq_len * world_size))

@@ -100,6 +100,7 @@ def main(argv=None) -> int:
         loader = ConversationRowLoader(dataset=args.dataset, split="train", device_batch_size=args.device_batch_size,
                                        seq_len=args.max_seq_len, rank=rank, world_size=world_size, device=device,
                                        extra_conversations=extra, tokenizer=tokenizer)
+        runs.check_shards(loader, tokenizer)
         num_iterations = args.num_iterations if args.num_iterations > 0 else None
         progress = (lambda step: step / num_iterations) if num_iterations else (lambda step: loader.epoch_progress)
 
