@@ -6,19 +6,11 @@ from pathlib import Path
 
 import torch
 
+from nanochat_fast.report import hardware
+
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import os
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, Python {platform.python_version()}"
+    return f"{hardware()}; torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):

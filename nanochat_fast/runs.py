@@ -113,7 +113,7 @@ def open_run_dir(args, run_name: str, rank: int, phase: str):
         if not (ckpt / checkpoint.COMPLETE).exists():
             raise UserError(f"--resume {resume}: not a complete checkpoint directory (expected "
                             "runs/<run>/checkpoints/step_NNNNNN containing COMPLETE)")
-    if ckpt is None and run_dir.exists() and any(run_dir.iterdir()):
+    if ckpt is None and resume != "auto" and run_dir.exists() and any(run_dir.iterdir()):
         if not args.overwrite:
             raise UserError(f"run directory {run_dir} already exists: pass --resume auto to continue it, "
                             "--overwrite to start over, or pick another --run")
@@ -170,6 +170,17 @@ def build_model(GPT, config, device, args, model_state=None):
     use_compile = args.compile if args.compile is not None else device.type == "cuda"
     model = torch.compile(orig_model, dynamic=False) if use_compile else orig_model
     return model, orig_model, optimizers
+
+
+def val_batches(Loader, *, dataset, eval_tokens, device_batch_size, seq_len, rank, world_size, device, **kwargs):
+    """Up to eval_tokens (all ranks together) of the val split, from its start, at most one pass."""
+    steps = max(1, eval_tokens // (device_batch_size * seq_len * world_size))
+    with Loader(dataset=dataset, split="val", device_batch_size=device_batch_size, seq_len=seq_len, rank=rank,
+                world_size=world_size, device=device, **kwargs) as val:
+        for _ in range(steps):
+            if val.epochs_done:
+                break
+            yield next(val)
 
 
 def autocast_context(device):

@@ -201,21 +201,19 @@ def format_eta(seconds: float) -> str:
 
 
 def describe_step(state: LoopState, num_iterations: int | None, result: StepResult, lrm: float, dt: float,
-                  tokens: int, flops_per_token: float, peak: float | None, world_size: int, device_type: str):
-    """The per-step log line and the metrics row."""
+                  smooth_loss: float, eta_seconds: float | None, tokens: int, flops_per_token: float,
+                  peak: float | None, world_size: int, device_type: str):
+    """The per-step log line, the progress-bar postfix and the metrics row."""
     tok_per_sec = tokens / dt
     mfu = 100 * flops_per_token * tok_per_sec / (peak * world_size) if peak else None
     mfu_text = f"mfu {mfu:.1f}%" if mfu is not None else (
         "mfu n/a (CPU)" if device_type == "cpu" else f"mfu n/a ({device_type}: no known peak)")
     total = f"/{num_iterations}" if num_iterations else ""
-    done = state.step / num_iterations if num_iterations else None
-    eta = ""
-    if done:
-        eta = f" | eta {format_eta(state.train_time / done * (1 - done))}"
+    eta = f" | eta {format_eta(eta_seconds)}" if eta_seconds is not None else ""
     line = (f"step {state.step:05d}{total} | loss {result.loss:.4f} | lrm {lrm:.3f} | dt {dt * 1000:.0f}ms | "
             f"tok/s {tok_per_sec:,.0f} | {mfu_text}{eta}")
     postfix = f"loss {result.loss:.3f} tok/s {tok_per_sec:,.0f}"
-    row = dict(kind="train", step=state.step, loss=result.loss, smooth_loss=state.smooth_loss, lrm=lrm,
+    row = dict(kind="train", step=state.step, loss=result.loss, smooth_loss=smooth_loss, lrm=lrm,
                grad_norm=result.grad_norm, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu, tokens_seen=state.tokens_seen)
     return line, postfix, row
 
@@ -308,8 +306,11 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
     preemption = Preemption()
     bar = Progress(run.num_iterations, state.step, enabled=master)
     start_step = state.step
-    events_done_at = None  # eval/sample/save happen once per step value, even if a step is skipped
+    # eval/sample/save happen once per step value, even if a step is skipped; a resumed run did
+    # them at its first step before it saved, so it does not repeat them
+    events_done_at = start_step if run.last_checkpoint is not None else None
     injected = False
+    dt_ema = None
     try:
         while True:
             step = state.step
@@ -376,9 +377,15 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
             beta = 0.9  # EMA of the loss, debiased as in nanochat
             state.smooth_loss = beta * state.smooth_loss + (1 - beta) * result.loss
             debiased = state.smooth_loss / (1 - beta ** state.step)
-            line, postfix, row = describe_step(state, run.num_iterations, result, lrm, dt, run.tokens_per_step,
-                                               run.flops_per_token, peak, run.world_size, run.device.type)
-            row["smooth_loss"] = debiased
+            dt_ema = dt if dt_ema is None else beta * dt_ema + (1 - beta) * dt  # recent speed, for the ETA
+            if run.num_iterations:
+                eta = (run.num_iterations - state.step) * dt_ema
+            else:
+                done = run.progress(state.step)
+                eta = dt_ema * state.step / done * (1 - done) if done > 0 else None
+            line, postfix, row = describe_step(state, run.num_iterations, result, lrm, dt, debiased, eta,
+                                               run.tokens_per_step, run.flops_per_token, peak, run.world_size,
+                                               run.device.type)
             bar.step(line, postfix)
             if metrics:
                 metrics.log(**row)

@@ -45,17 +45,12 @@ def main(argv=None) -> int:
         dataset = args.dataset or meta["args"].get("dataset") or ("chat" if chat else "base")
         Loader = ConversationRowLoader if chat else TokenRowLoader
         extra = {"tokenizer": tokenizer} if chat else {}
-        steps = max(1, args.eval_tokens // (args.device_batch_size * seq_len * world_size))
-
-        def batches():
-            with Loader(dataset=dataset, split="val", device_batch_size=args.device_batch_size, seq_len=seq_len,
-                        rank=rank, world_size=world_size, device=device, **extra) as val:
-                for _ in range(steps):
-                    yield next(val)
-
-        bpb = evaluate_bpb(model, batches(), get_token_bytes(device=device), runs.autocast_context(device))
+        batches = runs.val_batches(Loader, dataset=dataset, eval_tokens=args.eval_tokens,
+                                   device_batch_size=args.device_batch_size, seq_len=seq_len, rank=rank,
+                                   world_size=world_size, device=device, **extra)
+        bpb = evaluate_bpb(model, batches, get_token_bytes(device=device), runs.autocast_context(device))
         print0(f"checkpoint: {ckpt}")
-        print0(f"val bpb ({dataset}, {steps * args.device_batch_size * seq_len * world_size:,} tokens): {bpb:.4f}")
+        print0(f"val bpb ({dataset} val split, up to {args.eval_tokens:,} tokens): {bpb:.4f}")
         if rank == 0:
             bos = tokenizer.get_bos_token_id()
             for prompt in DEFAULT_PROMPTS[:args.samples]:

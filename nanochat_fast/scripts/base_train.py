@@ -81,11 +81,9 @@ def main(argv=None) -> int:
         runs.check_shards(loader, tokenizer)
 
         def val_batches():
-            steps = max(1, args.eval_tokens // (args.device_batch_size * args.max_seq_len * world_size))
-            with TokenRowLoader(dataset=args.dataset, split="val", device_batch_size=args.device_batch_size,
-                                seq_len=args.max_seq_len, rank=rank, world_size=world_size, device=device) as val:
-                for _ in range(steps):
-                    yield next(val)
+            return runs.val_batches(TokenRowLoader, dataset=args.dataset, eval_tokens=args.eval_tokens,
+                                    device_batch_size=args.device_batch_size, seq_len=args.max_seq_len,
+                                    rank=rank, world_size=world_size, device=device)
 
         def sample():
             bos = tokenizer.get_bos_token_id()

@@ -105,14 +105,9 @@ def main(argv=None) -> int:
         progress = (lambda step: step / num_iterations) if num_iterations else (lambda step: loader.epoch_progress)
 
         def val_batches():
-            steps = max(1, args.eval_tokens // (args.device_batch_size * args.max_seq_len * world_size))
-            with ConversationRowLoader(dataset=args.dataset, split="val", device_batch_size=args.device_batch_size,
-                                       seq_len=args.max_seq_len, rank=rank, world_size=world_size, device=device,
-                                       tokenizer=tokenizer) as val:
-                for _ in range(steps):
-                    if val.epochs_done:
-                        break
-                    yield next(val)
+            return runs.val_batches(ConversationRowLoader, dataset=args.dataset, eval_tokens=args.eval_tokens,
+                                    device_batch_size=args.device_batch_size, seq_len=args.max_seq_len,
+                                    rank=rank, world_size=world_size, device=device, tokenizer=tokenizer)
 
         assistant_end = tokenizer.encode_special("<|assistant_end|>")
 
