@@ -16,8 +16,14 @@ meta.json), and resuming from it continues with the exact next batch. Resuming w
 number of rows per micro-step (another world size times device batch) repeats and skips nothing;
 only the grouping of documents into rows differs, and the loader says so in one warning line.
 
-A background thread packs the next batches (the packer releases the GIL) while the step runs; on
-CUDA it packs into pinned buffers and each batch reaches the GPU in one non-blocking copy.
+A background thread packs the next batches while the step runs. With the compiled packer the
+whole per-batch work (pack, refill the buffer from the shards, snapshot the state) and that thread
+are C++ (RowStream in csrc/pack_rows_stream.h): a Python thread cost as much again as the packing,
+in handing the GIL back and forth with the training loop. RowStream below is its plain-Python twin
+(the `reference` backend), with the same batches and states. On CUDA the rows are packed into
+pinned memory and each batch reaches the GPU in one non-blocking copy (torch's pinned-memory cache
+hands a block out again only once the copy from it has finished); elsewhere the packer writes the
+(inputs, targets) pair itself.
 """
 import atexit
 import hashlib
@@ -31,7 +37,8 @@ import torch
 
 from .cli import UserError
 from .dataset import CHAT, TokenShards
-from .kernels.pack_rows import make_row_packer
+from .kernels import registry
+from .kernels.pack_rows import OP as PACK_ROWS, make_row_packer
 
 MASK_SHIFT = 30  # conversation tokens travel through the packer as token | (supervised << 30)
 STATE_VERSION = 1
@@ -44,57 +51,80 @@ WAIT_FACTOR = 4
 
 class DocStream:
     """The documents of one split as an endless stream: position p is document p % n_docs of the
-    epoch order: the token shards in order, with any extra documents interleaved evenly."""
+    epoch order: the token shards in order, with any extra documents interleaved evenly.
+
+    The epoch order is kept as `runs`: (tokens, offsets, mask or None) of consecutive documents,
+    tokens[offsets[j]:offsets[j+1]], straight on the memory-mapped shards. Both RowStreams read it."""
 
     def __init__(self, shards: TokenShards, with_mask: bool, extra=None):
         self.shards, self.with_mask = shards, with_mask
         extra = extra or []
         self.n_docs = shards.n_docs + len(extra)
-        self._tokens = [torch.from_numpy(t) for t in shards.tokens]
-        self._offsets = [torch.from_numpy(o) for o in shards.offsets]
-        self._masks = [torch.from_numpy(m) for m in shards.masks] if with_mask else None
+        tokens = [torch.from_numpy(t) for t in shards.tokens]
+        offsets = [torch.from_numpy(o) for o in shards.offsets]
+        masks = [torch.from_numpy(m) if with_mask else None for m in shards.masks]
+        self.runs = []
+
+        def shard_docs(first: int, count: int):  # shard documents first ... first + count - 1, as runs
+            while count > 0:
+                shard, local = shards.locate(first)
+                n = min(count, len(shards.offsets[shard]) - 1 - local)
+                self.runs.append((tokens[shard], offsets[shard][local:local + n + 1], masks[shard]))
+                first, count = first + n, count - n
+
+        done = 0  # shard documents placed so far
         if extra:
             k = np.arange(len(extra), dtype=np.int64)
-            self.extra_at = (2 * k + 1) * self.n_docs // (2 * len(extra))  # strictly increasing
-            self._extra_tokens = torch.from_numpy(np.concatenate([np.asarray(ids, np.int32) for ids, _ in extra]))
-            self._extra_masks = torch.from_numpy(np.concatenate([np.asarray(mask, np.uint8) for _, mask in extra]))
-            self._extra_offsets = torch.from_numpy(np.cumsum([0] + [len(ids) for ids, _ in extra]).astype(np.int64))
-        else:
-            self.extra_at = np.zeros(0, np.int64)
+            extra_at = (2 * k + 1) * self.n_docs // (2 * len(extra))  # strictly increasing epoch positions
+            extra_tokens = torch.from_numpy(np.concatenate([np.asarray(ids, np.int32) for ids, _ in extra]))
+            extra_masks = torch.from_numpy(np.concatenate([np.asarray(mask, np.uint8) for _, mask in extra]))
+            extra_offsets = torch.from_numpy(np.cumsum([0] + [len(ids) for ids, _ in extra]).astype(np.int64))
+            for j, at in enumerate(extra_at.tolist()):
+                shard_docs(done, at - j - done)  # the shard documents before epoch position `at`
+                done = at - j
+                self.runs.append((extra_tokens, extra_offsets[j:j + 2], extra_masks if with_mask else None))
+        shard_docs(done, shards.n_docs - done)
+        self.run_starts = np.cumsum([0] + [len(o) - 1 for _, o, _ in self.runs]).astype(np.int64)
 
     def add_to(self, packer, start: int, count: int):
         """Add stream positions [start, start + count) to the packer, in order (ids = positions)."""
         p, end = start, start + count
         while p < end:
             i = p % self.n_docs
-            j = int(np.searchsorted(self.extra_at, i))  # extra documents before position i
-            if j < len(self.extra_at) and self.extra_at[j] == i:
-                packer.add(self._extra_tokens, self._extra_offsets[j:j + 2], p, self._extra_masks, MASK_SHIFT)
-                p += 1
-                continue
-            limit = int(self.extra_at[j]) if j < len(self.extra_at) else self.n_docs
-            shard, local = self.shards.locate(i - j)
-            run = min(end - p, limit - i, len(self.shards.offsets[shard]) - 1 - local)
-            self._add_run(packer, shard, local, run, p)
-            p += run
-
-    def _add_run(self, packer, shard, local, run, first_id):
-        # the packer reads the memory-mapped shard directly (conversations: tokens and mask)
-        offsets = self._offsets[shard][local:local + run + 1]
-        if self.with_mask:
-            packer.add(self._tokens[shard], offsets, first_id, self._masks[shard], MASK_SHIFT)
-        else:
-            packer.add(self._tokens[shard], offsets, first_id)
+            r = int(np.searchsorted(self.run_starts, i, side="right")) - 1
+            first = int(self.run_starts[r])
+            n = min(end - p, int(self.run_starts[r + 1]) - i)
+            tokens, offsets, mask = self.runs[r]
+            # the packer reads the memory-mapped shard directly (conversations: tokens and mask)
+            if mask is None:
+                packer.add(tokens, offsets[i - first:i - first + n + 1], p)
+            else:
+                packer.add(tokens, offsets[i - first:i - first + n + 1], p, mask, MASK_SHIFT)
+            p += n
 
 
 class RowStream:
-    """The deterministic part: document buffer + cursor -> global batches. No threads."""
+    """The deterministic part: document buffer + cursor -> global batches; the plain-Python twin of
+    the compiled RowStream (csrc/pack_rows_stream.h), with the same calls, batches and states.
 
-    def __init__(self, docs: DocStream, rows: int, row_len: int, buffer_docs: int, bos_id: int, backend=None):
+    next(first_row, out_rows, pairs, pinned) packs the next global batch of `rows` rows of row_len
+    tokens and returns (rows [first_row, first_row + out_rows) of it, state): as rows (pinned if
+    asked) or, if `pairs`, as (inputs, targets) with targets -1 where a masked token is not
+    supervised. The state after it: (next_pos, buffer ids, batches, tokens_used, tokens_cropped).
+    start(depth, ...) runs next() ahead in a thread; get() takes its batches; stop() ends it."""
+
+    def __init__(self, docs: DocStream, rows: int, row_len: int, bos_id: int, buffer_docs: int,
+                 wait_factor: int = WAIT_FACTOR, mask_bit: int = -1, backend: str | None = "reference"):
         self.docs, self.rows, self.row_len, self.buffer_docs = docs, rows, row_len, buffer_docs
+        self.wait_factor, self.mask_bit = wait_factor, mask_bit
         self.packer = make_row_packer(row_len, bos_id, backend)
         self.next_pos, self.batches, self.tokens_used, self.tokens_cropped = 0, 0, 0, 0
+        self._producer = None
         self.refill()
+
+    @property
+    def n_docs(self) -> int:
+        return self.docs.n_docs
 
     def _add(self, count):
         self.docs.add_to(self.packer, self.next_pos, count)
@@ -102,7 +132,7 @@ class RowStream:
 
     def refill(self):
         """Top the buffer up to buffer_docs documents and at least 2 * rows * row_len tokens (the
-        packer keeps at most row_len of a document): enough for best-fit to fill every row, since
+        packer counts at most row_len of a document): enough for best-fit to fill every row, since
         filling a row consumes at most 2 * row_len of them (whole documents that fit, plus one
         that is cropped)."""
         self._add(max(self.buffer_docs - self.packer.num_docs, 0))
@@ -111,25 +141,33 @@ class RowStream:
             average = max(1, self.packer.mass // max(1, self.packer.num_docs))
             self._add(-(-(target - self.packer.mass) // average))
 
-    def pack(self, out: torch.Tensor, first_row: int, targets: torch.Tensor | None = None, mask_bit: int = -1):
-        """Rows [first_row, first_row + out.shape[0]) of the next global batch into out [R, T+1],
-        or, given targets, the training pair out = inputs, targets [R, T] (RowPacker.pack)."""
+    def next(self, first_row: int, out_rows: int, pairs: bool, pinned: bool = False):
+        if not (first_row >= 0 and out_rows >= 0 and first_row + out_rows <= self.rows):
+            raise ValueError(f"RowStream.next: rows [{first_row}, {first_row + out_rows}) are not within the "
+                             f"batch of {self.rows}")
         # best-fit alone can leave a document of an awkward length waiting for good: one read more
-        # than WAIT_FACTOR buffers ago is due and starts a row (see csrc/pack_rows.h)
-        due_before = self.next_pos - WAIT_FACTOR * self.packer.num_docs
-        _, used, cropped = self.packer.pack(out, self.rows, first_row, due_before, targets, mask_bit)
+        # than wait_factor buffers ago is due and starts a row (see csrc/pack_rows.h)
+        due_before = self.next_pos - self.wait_factor * self.packer.num_docs
+        if pairs:
+            data = tuple(torch.empty((out_rows, self.row_len - 1), dtype=torch.int64) for _ in range(2))
+            _, used, cropped = self.packer.pack(data[0], self.rows, first_row, due_before, data[1], self.mask_bit)
+        else:
+            data = torch.empty((out_rows, self.row_len), dtype=torch.int64, pin_memory=pinned)
+            _, used, cropped = self.packer.pack(data, self.rows, first_row, due_before)
         self.batches += 1
         self.tokens_used += used
         self.tokens_cropped += cropped
         self.refill()
+        return data, self.state()
 
-    def snapshot(self) -> dict:
-        return {"next_pos": self.next_pos, "buffer": self.packer.ids(), "batches": self.batches,
-                "tokens_used": self.tokens_used, "tokens_cropped": self.tokens_cropped}
+    def state(self):
+        return self.next_pos, self.packer.ids(), self.batches, self.tokens_used, self.tokens_cropped
 
-    def restore(self, state: dict):
+    def restore(self, next_pos: int, buffer, batches: int, tokens_used: int, tokens_cropped: int):
+        ids = [int(i) for i in buffer]
+        if any(not 0 <= i < next_pos for i in ids):
+            raise ValueError(f"RowStream.restore: a buffered position is not in [0, next_pos={next_pos})")
         self.packer.clear()
-        ids = [int(i) for i in state["buffer"]]
         k = 0
         while k < len(ids):  # re-add the buffered documents in buffer order, consecutive runs at once
             run = 1
@@ -137,9 +175,39 @@ class RowStream:
                 run += 1
             self.docs.add_to(self.packer, ids[k], run)
             k += run
-        self.next_pos, self.batches = int(state["next_pos"]), int(state["batches"])
-        self.tokens_used, self.tokens_cropped = int(state["tokens_used"]), int(state["tokens_cropped"])
+        self.next_pos, self.batches = int(next_pos), int(batches)
+        self.tokens_used, self.tokens_cropped = int(tokens_used), int(tokens_cropped)
         self.refill()
+
+    def start(self, depth: int, first_row: int, out_rows: int, pairs: bool, pinned: bool = False):
+        if self._producer is not None:
+            raise RuntimeError("RowStream.start: already prefetching")
+        self._producer = _Producer(lambda: self.next(first_row, out_rows, pairs, pinned), depth)
+
+    def get(self):
+        if self._producer is None:
+            raise RuntimeError("RowStream.get: not prefetching (start() first)")
+        item = self._producer.get()
+        if isinstance(item, _Failure):
+            raise item.error
+        return item
+
+    def stop(self):
+        if self._producer is not None:
+            self._producer.stop()
+            self._producer = None
+
+    @property
+    def prefetching(self) -> bool:
+        return self._producer is not None
+
+
+def make_row_stream(docs: DocStream, rows: int, row_len: int, bos_id: int, buffer_docs: int, mask_bit: int = -1,
+                    backend: str | None = None):
+    """The compiled RowStream where pack_rows' selected backend is `cpp`, else the Python twin."""
+    if registry.select(PACK_ROWS, "cpu", backend).name == "cpp":
+        return registry._C.RowStream(docs.runs, rows, row_len, bos_id, buffer_docs, WAIT_FACTOR, mask_bit)
+    return RowStream(docs, rows, row_len, bos_id, buffer_docs, WAIT_FACTOR, mask_bit, backend="reference")
 
 
 class _Failure:
@@ -147,58 +215,22 @@ class _Failure:
         self.error = error
 
 
-class _BatchMaker:
-    """Packs this rank's rows of the next global batch. On CUDA into a ring of pinned [B, T+1]
-    buffers (a buffer comes back with the event of its copy to the GPU, and is reused once that
-    has finished); elsewhere straight into fresh, contiguous (inputs, targets)."""
-
-    def __init__(self, stream: RowStream, first_row: int, rows: int, row_len: int, with_mask: bool, cuda: bool,
-                 ring: int):
-        self.stream, self.first_row, self.rows, self.row_len = stream, first_row, rows, row_len
-        self.mask_bit = MASK_SHIFT if with_mask else -1
-        self.cuda, self.free = cuda, queue.Queue()
-        for _ in range(ring if cuda else 0):
-            self.free.put((torch.empty((rows, row_len), dtype=torch.int64, pin_memory=True), None))
-
-    def __call__(self, halt: threading.Event | None = None):
-        """(rows or (inputs, targets), state snapshot); None when `halt` is set while waiting."""
-        if not self.cuda:  # CPU (and MPS): the packer writes the training pair itself
-            inputs, targets = (torch.empty((self.rows, self.row_len - 1), dtype=torch.int64) for _ in range(2))
-            self.stream.pack(inputs, self.first_row, targets, self.mask_bit)
-            return (inputs, targets), self.stream.snapshot()
-        while True:
-            try:
-                buf, event = self.free.get(timeout=0.05)
-                break
-            except queue.Empty:
-                if halt is not None and halt.is_set():
-                    return None
-        if event is not None:
-            event.synchronize()
-        self.stream.pack(buf, self.first_row)
-        return buf, self.stream.snapshot()  # the consumer releases buf after its copy
-
-    def release(self, buf, event):
-        self.free.put((buf, event))
-
-
-_PRODUCERS = weakref.WeakSet()
+_PREFETCHING = weakref.WeakSet()  # streams with a prefetch thread, stopped at exit
 
 
 @atexit.register
 def _stop_all():
-    for producer in list(_PRODUCERS):
-        producer.stop()
+    for stream in list(_PREFETCHING):
+        stream.stop()
 
 
 class _Producer:
-    """The prefetch thread: runs a _BatchMaker ahead into a bounded queue. It holds no reference to
-    the loader, so a loader dropped without close() is still collected (and stops its thread)."""
+    """The Python twin's prefetch thread: runs make_batch() ahead into a bounded queue. It holds no
+    reference to the loader, so a loader dropped without close() is still collected (and stops it)."""
 
-    def __init__(self, make_batch: _BatchMaker, depth: int):
+    def __init__(self, make_batch, depth: int):
         self.make_batch, self.queue, self.halt = make_batch, queue.Queue(maxsize=depth), threading.Event()
         self.thread = threading.Thread(target=self._run, name="nanochat_fast-prefetch", daemon=True)
-        _PRODUCERS.add(self)
         self.thread.start()
 
     def _put(self, item):
@@ -212,10 +244,8 @@ class _Producer:
     def _run(self):
         try:
             while not self.halt.is_set():
-                item = self.make_batch(self.halt)
-                if item is not None:
-                    self._put(item)
-        except BaseException as e:  # handed to the consumer, raised by next()
+                self._put(self.make_batch())
+        except BaseException as e:  # handed to the consumer, raised by get()
             self._put(_Failure(e))
 
     def get(self):
@@ -235,7 +265,6 @@ class _Producer:
                 break
         if self.thread is not threading.current_thread():
             self.thread.join(timeout=10)
-        _PRODUCERS.discard(self)
 
 
 class TokenRowLoader:
@@ -273,25 +302,28 @@ class TokenRowLoader:
         self.docs = DocStream(self.shards, self.with_mask, _extra)
         # (a buffer larger than the split would only hold several copies of its documents)
         buffer_docs = min(buffer_docs, self.docs.n_docs)
-        self._stream_args = (self.docs, self.rows, seq_len + 1, buffer_docs, self.shards.bos_id, backend)
+        self._stream_args = (self.docs, self.rows, seq_len + 1, self.shards.bos_id, buffer_docs,
+                             MASK_SHIFT if self.with_mask else -1, backend)
         self._depth = 2 if prefetch is True else max(0, int(prefetch or 0))
         self._cuda = self.device.type == "cuda"
-        self._producer, self._closed = None, False
-        self._new_stream(RowStream(*self._stream_args))
+        if self._cuda:
+            torch.cuda.init()  # before a prefetch thread allocates pinned memory
+        # this rank's rows; on CUDA as pinned [B, T+1] rows (split on the GPU), else as the pair
+        self._rows_args = (self.rank * device_batch_size, device_batch_size, not self._cuda, self._cuda)
+        self._stream, self._closed = None, False
+        self._new_stream(make_row_stream(*self._stream_args))
 
-    def _new_stream(self, stream: RowStream):
-        """Start producing from `stream` (the prefetch thread, if any, must be stopped)."""
+    def _new_stream(self, stream):
+        """Start producing from `stream` (its prefetch thread, if any, must be stopped)."""
         self._stream = stream
-        self._state = stream.snapshot()  # the state after the last batch handed out
-        self._maker = _BatchMaker(stream, self.rank * self.device_batch_size, self.device_batch_size,
-                                  self.seq_len + 1, self.with_mask, self._cuda, ring=self._depth + 2)
+        self._state = stream.state()  # the state after the last batch handed out
         if self._depth > 0:
-            self._producer = _Producer(self._maker, self._depth)
+            stream.start(self._depth, *self._rows_args)
+            _PREFETCHING.add(stream)
 
     def _stop(self):
-        if self._producer is not None:
-            self._producer.stop()
-            self._producer = None
+        if self._stream is not None:
+            self._stream.stop()
 
     # -----------------------------------------------------------------------------------------
     # consuming
@@ -302,16 +334,18 @@ class TokenRowLoader:
     def __next__(self):
         if self._closed:
             raise RuntimeError("the loader is closed")
-        item = self._producer.get() if self._producer is not None else self._maker()
-        if isinstance(item, _Failure):
+        try:
+            if self._stream.prefetching:
+                batch, state = self._stream.get()
+            else:
+                batch, state = self._stream.next(*self._rows_args)
+        except Exception:  # (the stream is broken: its thread, if any, has stopped)
             self._stop()
-            raise item.error
-        batch, state = item
+            raise
         if self._cuda:
-            rows = batch.to(self.device, non_blocking=True)  # the one host-to-device copy
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._maker.release(batch, event)
+            # the one host-to-device copy, from pinned memory: torch's pinned-memory cache records the
+            # copy and hands that block out again only once the copy has finished
+            rows = batch.to(self.device, non_blocking=True)
             inputs, targets = _split(rows, self.with_mask)
         else:
             inputs, targets = batch
@@ -330,7 +364,8 @@ class TokenRowLoader:
     @property
     def epoch_progress(self) -> float:
         """Documents consumed so far, in epochs (1.0 = as many documents as the split holds)."""
-        return (self._state["next_pos"] - len(self._state["buffer"])) / self.docs.n_docs
+        next_pos, buffer = self._state[:2]
+        return (next_pos - len(buffer)) / self.docs.n_docs
 
     @property
     def epochs_done(self) -> int:
@@ -344,16 +379,15 @@ class TokenRowLoader:
     @property
     def cropped_fraction(self) -> float:
         """Of the tokens taken from documents so far, the fraction discarded by cropping."""
-        used, cropped = self._state["tokens_used"], self._state["tokens_cropped"]
+        used, cropped = self._state[3:5]
         return cropped / (used + cropped) if used + cropped else 0.0
 
     def state_dict(self) -> dict:
-        s = self._state
+        next_pos, buffer, batches, used, cropped = self._state
         return {"version": STATE_VERSION, "dataset": self.dataset, "split": self.split, "n_docs": self.docs.n_docs,
                 "tokenizer": self.shards.fingerprint, "extra": self._extra_digest, "seq_len": self.seq_len,
-                "rows": self.rows, "next_pos": int(s["next_pos"]), "buffer": s["buffer"].tolist(),
-                "batches": int(s["batches"]), "tokens_used": int(s["tokens_used"]),
-                "tokens_cropped": int(s["tokens_cropped"])}
+                "rows": self.rows, "next_pos": int(next_pos), "buffer": buffer.tolist(), "batches": int(batches),
+                "tokens_used": int(used), "tokens_cropped": int(cropped)}
 
     def load_state_dict(self, state: dict):
         """Continue from `state` (from state_dict(), possibly saved by a run with another world size)."""
@@ -369,13 +403,14 @@ class TokenRowLoader:
                   f"micro-step instead of {state['rows']} rows of {state['seq_len'] + 1}: documents are grouped into "
                   "rows differently from the original run (none is repeated or skipped)", file=sys.stderr, flush=True)
         self._stop()
-        self._stream.restore(state)
+        self._stream.restore(int(state["next_pos"]), [int(i) for i in state["buffer"]], int(state["batches"]),
+                             int(state["tokens_used"]), int(state["tokens_cropped"]))
         self._new_stream(self._stream)
 
     def reset(self):
         """Back to the start of the split (e.g. before each evaluation on val)."""
         self._stop()
-        self._new_stream(RowStream(*self._stream_args))
+        self._new_stream(make_row_stream(*self._stream_args))
 
     def close(self):
         self._stop()

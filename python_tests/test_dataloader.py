@@ -2,20 +2,25 @@
 prefetch thread's lifecycle, and clear errors for missing or broken token shards."""
 import gc
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
 
 from nanochat_fast.cli import UserError
-from nanochat_fast.dataloader import ConversationRowLoader, TokenRowLoader
-from nanochat_fast.dataset import write_token_shard
+from nanochat_fast.dataloader import MASK_SHIFT, ConversationRowLoader, DocStream, TokenRowLoader, make_row_stream
+from nanochat_fast.dataset import TokenShards, write_token_shard
+from nanochat_fast.kernels import registry
 
 BOS = 0
 N_DOCS = 90
+needs_cpp = pytest.mark.skipif(registry._C is None, reason="the C++ extension is not built")
 
 
 def doc_tokens(i, rng, max_len=40):
@@ -164,6 +169,106 @@ def test_reference_backend_gives_the_same_stream(tokens_root):
         assert a.state_dict() == b.state_dict()
 
 
+class RenderedConversations:
+    """Stands in for the tokenizer: a conversation here is {"ids": [...], "mask": [...]} already."""
+    fingerprint = "test"
+
+    def render_conversation(self, conv):
+        return [BOS] + conv["ids"], [0] + conv["mask"]
+
+
+def chat_shards(root, n=50, seed=1):
+    """Conversations whose supervised tokens are the odd ones."""
+    rng = np.random.default_rng(seed)
+    docs, masks = [], []
+    for _ in range(n):
+        body = rng.integers(1, 500, int(rng.integers(2, 30)))
+        docs.append([BOS] + body.tolist())
+        masks.append([0] + (body % 2).tolist())
+    write_split(root, "talk", "train", docs, masks)
+
+
+@needs_cpp
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_compiled_stream_matches_its_python_twin(tmp_path, prefetch):
+    """The compiled RowStream and the plain-Python one give the same batches and states: masked
+    conversations with extra ones interleaved, as training pairs (CPU) and as rows (what CUDA gets),
+    across epochs and a resume; the batches handed out stay intact while later ones are made."""
+    chat_shards(tmp_path)
+    extra = [{"ids": [600 + k] * (3 + 5 * k), "mask": [1] * (3 + 5 * k)} for k in range(4)]
+    loaders = [ConversationRowLoader(dataset="talk", tokens_root=tmp_path, device_batch_size=2, seq_len=20,
+                                     world_size=2, rank=1, buffer_docs=10, prefetch=prefetch, backend=backend,
+                                     extra_conversations=extra, tokenizer=RenderedConversations())
+               for backend in ("cpp", "reference")]
+    held = [], []  # every batch handed out, by the compiled loader and by the twin
+    for step in range(30):
+        if step == 12:
+            state = loaders[1].state_dict()
+        batches = [next(l) for l in loaders]
+        for h, b in zip(held, batches):
+            h.append(b)
+        assert torch.equal(batches[0][0], batches[1][0]) and torch.equal(batches[0][1], batches[1][1]), f"step {step}"
+        assert loaders[0].state_dict() == loaders[1].state_dict()
+    assert loaders[0].epochs_done >= 1
+    for l in loaders:
+        l.load_state_dict(state)
+        for _ in range(5):
+            next(l)
+        l.close()
+    del loaders
+    gc.collect()  # the compiled stream is gone; its batches live on, untouched by the later ones
+    for (x, y), (x2, y2) in zip(*held):
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+
+    shards = TokenShards("talk", "train", tmp_path)
+    rendered = [RenderedConversations().render_conversation(c) for c in extra]
+    streams = [make_row_stream(DocStream(shards, True, rendered), 3, 17, BOS, 6, MASK_SHIFT, backend)
+               for backend in ("cpp", "reference")]
+    for step in range(20):
+        (rows, state), (rows2, state2) = (s.next(1, 2, pairs=False) for s in streams)
+        assert torch.equal(rows, rows2), f"step {step}"
+        assert state[0] == state2[0] and torch.equal(state[1], state2[1]) and state[2:] == state2[2:]
+        assert (rows >> MASK_SHIFT).max() == 1, "rows carry the supervised flags (split on the GPU)"
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpp", marks=needs_cpp), "reference"])
+def test_row_stream_refuses_bad_calls(tokens_root, backend):
+    stream = make_row_stream(DocStream(TokenShards("toy", "train", tokens_root), False), 4, 16, BOS, 8,
+                             backend=backend)
+    with pytest.raises(ValueError, match=r"rows \[3, 5\) are not within the batch of 4"):
+        stream.next(3, 2, True)
+    with pytest.raises(RuntimeError, match="not prefetching"):
+        stream.get()
+    with pytest.raises(ValueError, match="not in \\[0, next_pos"):
+        stream.restore(10, [3, 12], 0, 0, 0)
+    stream.start(2, 0, 4, True)
+    with pytest.raises(RuntimeError, match="already prefetching"):
+        stream.start(2, 0, 4, True)
+    (x, y), state = stream.get()
+    assert x.shape == y.shape == (4, 15) and state[2] == 1
+    stream.stop()
+    stream.stop()  # idempotent
+    assert not stream.prefetching
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpp", marks=needs_cpp), "reference"])
+def test_an_error_in_the_prefetch_thread_reaches_next(tmp_path, backend):
+    """A bad document met while prefetching is raised by next(), after the batches made before it,
+    and the thread is stopped."""
+    rng = np.random.default_rng(3)
+    docs = [doc_tokens(i, rng) for i in range(40)]
+    docs[30][0] = 5  # document 30 does not start with <|bos|>
+    write_split(tmp_path, "bad", "train", docs)
+    with TokenRowLoader(dataset="bad", tokens_root=tmp_path, device_batch_size=2, seq_len=15, buffer_docs=4,
+                        backend=backend) as l:
+        made = 0
+        with pytest.raises(ValueError, match="document 30 starts with token 5, not bos_id=0"):
+            for _ in range(100):
+                next(l)
+                made += 1
+        assert made > 3 and not l._stream.prefetching
+
+
 def test_val_split_from_the_start_and_reset(tokens_root):
     with loader(tokens_root, split="val", device_batch_size=2) as val:
         first = [next(val) for _ in range(3)]
@@ -177,36 +282,69 @@ def test_val_split_from_the_start_and_reset(tokens_root):
         assert torch.equal(x, x2) and torch.equal(x, x3)
 
 
-def test_close_stops_the_prefetch_thread(tokens_root):
-    l = loader(tokens_root, device_batch_size=2)
+def prefetch_threads() -> int:
+    """Prefetch threads alive in this process: the Python twin's, and the compiled stream's, which
+    Python does not see: the OS knows it by its name."""
+    n = sum(t.name == "nanochat_fast-prefetch" for t in threading.enumerate())
+    if os.path.isdir("/proc/self/task"):
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/comm") as f:
+                    n += f.read().strip() == "nanochat-rows"
+            except OSError:  # it ended meanwhile
+                pass
+    return n
+
+
+def prefetch_threads_settle_at(n: int) -> bool:
+    """Whether the count comes to n. (A joined thread can still be listed by the OS for a moment:
+    join returns once the thread is done with its memory, before the kernel has removed it.)"""
+    deadline = time.monotonic() + 2
+    while prefetch_threads() != n and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return prefetch_threads() == n
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpp", marks=needs_cpp), "reference"])
+def test_close_stops_the_prefetch_thread(tokens_root, backend):
+    gc.collect()
+    counts = []
+    for _ in range(50):  # (threads of earlier tests may still be on their way out)
+        counts.append(prefetch_threads())
+        time.sleep(0.002)
+    before = min(counts)
+    l = loader(tokens_root, device_batch_size=2, backend=backend)
     next(l)
-    thread = l._producer.thread
-    assert thread.is_alive()
+    stream = l._stream
+    assert stream.prefetching
+    if backend == "reference" or os.path.isdir("/proc/self/task"):
+        assert prefetch_threads() == before + 1, "one prefetch thread per loader"
     l.close()
-    assert not thread.is_alive()
+    assert not stream.prefetching and prefetch_threads_settle_at(before), "close() joined the thread"
     with pytest.raises(RuntimeError, match="closed"):
         next(l)
-    with loader(tokens_root, device_batch_size=2) as m:
+    with loader(tokens_root, device_batch_size=2, backend=backend) as m:
         next(m)
-        thread = m._producer.thread
-    assert not thread.is_alive()
-    n = loader(tokens_root, device_batch_size=2)  # dropped without close(): collected, thread stopped
-    thread = n._producer.thread
+        stream = m._stream
+    assert not stream.prefetching and prefetch_threads_settle_at(before)
+    n = loader(tokens_root, device_batch_size=2, backend=backend)  # dropped without close(): collected, thread stopped
+    stream = n._stream
     del n
     gc.collect()
-    thread.join(timeout=10)
-    assert not thread.is_alive()
+    assert not stream.prefetching and prefetch_threads_settle_at(before)
 
 
-def test_prefetch_thread_does_not_block_process_exit(tokens_root):
+@pytest.mark.parametrize("backend", [pytest.param("cpp", marks=needs_cpp), "reference"])
+def test_prefetch_thread_does_not_block_process_exit(tokens_root, backend):
     code = textwrap.dedent(f"""
         from nanochat_fast.dataloader import TokenRowLoader
-        l = TokenRowLoader(dataset="toy", tokens_root={str(tokens_root)!r}, device_batch_size=2, seq_len=15, buffer_docs=8)
+        l = TokenRowLoader(dataset="toy", tokens_root={str(tokens_root)!r}, device_batch_size=2, seq_len=15, buffer_docs=8,
+                           backend={backend!r})
         next(l)
         print("done")
     """)  # exits with the thread running, never calling close()
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                            env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+                            env={"OMP_NUM_THREADS": "1", **os.environ})
     assert result.returncode == 0 and result.stdout.strip() == "done"
     assert "Traceback" not in result.stderr and "Exception" not in result.stderr
 

@@ -160,6 +160,11 @@ def test_gil_is_released():
     during, elapsed = _python_progress_during(lambda: packer.pack(out, B, 0))
     assert elapsed > 0.02 and during > 3, f"RowPacker.pack held the GIL ({during} runs in {elapsed * 1e3:.0f} ms)"
 
+    # the loader's step (pack, refill from the documents, state), as the training loop calls it
+    stream = registry._C.RowStream([(tokens, offsets, None)], B, row_len, BOS, 1000, 4)
+    during, elapsed = _python_progress_during(lambda: stream.next(0, B, True))
+    assert elapsed > 0.02 and during > 3, f"RowStream.next held the GIL ({during} runs in {elapsed * 1e3:.0f} ms)"
+
 
 @needs_cpp
 def test_row_packer_matches_its_python_twin():
@@ -273,6 +278,23 @@ def test_row_packer_writes_training_pairs(backend, mask_bit):
             assert torch.equal(inputs, plain[:, :-1])
             assert torch.equal(targets, torch.where(rows[:, 1:] >> mask_bit == 1, plain[:, 1:], -1))
             assert (targets == -1).any() and (targets >= 0).any()
+
+
+@needs_cpp
+def test_row_packer_reads_the_documents_where_they_are():
+    """The compiled packer keeps a reference to the tensors added, not a copy: a temporary added,
+    dropped and its memory reused by others still packs as the twin (which copies) does."""
+    rng = random.Random(5)
+    cpp, ref = make_row_packer(10, BOS, backend="cpp"), RowPackerReference(10, BOS)
+    for k in range(4):
+        tokens, offsets = make_docs([rng.randint(1, 14) for _ in range(6)], rng)
+        for p in (cpp, ref):
+            p.add(tokens.to(torch.uint16), offsets, 6 * k)  # a temporary, gone after the call
+    del tokens
+    noise = [torch.randint(0, 1 << 15, (n,), dtype=torch.int16) for n in range(1, 400)]  # reuses freed memory
+    outs = [torch.empty(3, 10, dtype=torch.int64) for _ in range(2)]
+    assert cpp.pack(outs[0], 3, 0) == ref.pack(outs[1], 3, 0)
+    assert torch.equal(outs[0], outs[1]) and len(noise) == 399
 
 
 def test_row_packer_bad_input():

@@ -23,8 +23,11 @@ A data loader should not rebuild the concatenated document buffer for every batc
 (nanochat_fast._C.RowPacker, csrc/pack_rows.h) keeps the buffer on the C++ side (documents go in
 once, with an id; pack() consumes them) and applies the same rule, to the documents cut to one
 row's length and with "due" documents that start rows so that none waits for good; it can also
-write the (inputs, targets) pair directly. `RowPackerReference` is its plain-Python twin, and
-`make_row_packer()` picks one through the same registry as the op.
+write the (inputs, targets) pair directly. It keeps references to the tensors it is given, not
+copies (the loader's are the memory-mapped shards), so they must not change while buffered.
+`RowPackerReference` is its plain-Python twin, and `make_row_packer()` picks one through the same
+registry as the op. The loader's whole step around it (refill from the shards, state, prefetch
+thread) is nanochat_fast._C.RowStream, whose twin is nanochat_fast.dataloader.RowStream.
 """
 import numpy as np
 import torch
