@@ -13,7 +13,7 @@ import torch
 
 from nanochat_fast import checkpoint, cli
 from nanochat_fast.scripts import base_eval, base_train, chat_cli, mid_train, prepare_data, tok_train
-from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL
+from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, home_with_base_run
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 SCRIPTS = {"base_train": base_train, "mid_train": mid_train, "base_eval": base_eval, "chat_cli": chat_cli,
@@ -23,13 +23,8 @@ SCRIPTS = {"base_train": base_train, "mid_train": mid_train, "base_eval": base_e
 @pytest.fixture(scope="module")
 def trained_home(tiny_home, tmp_path_factory):
     """tiny_home plus a 4-step base run `b` (checkpoints at steps 2 and 4)."""
-    home = tmp_path_factory.mktemp("bad") / "home"
-    shutil.copytree(tiny_home, home)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("NANOCHAT_FAST_HOME", str(home))
-    assert base_train.main(TINY + ["--num-iterations=4", "--save-every=2", "--run=b"]) == 0
-    mp.undo()
-    return home
+    return home_with_base_run(tiny_home, tmp_path_factory.mktemp("bad") / "home",
+                              TINY + ["--num-iterations=4", "--save-every=2", "--run=b"])
 
 
 def truncate(path, keep=100):

@@ -10,6 +10,7 @@ from nanochat_fast import optim
 from nanochat_fast.kernels import newton_schulz
 from nanochat_fast.kernels.newton_schulz import POLAR_EXPRESS, QUINTIC
 from nanochat_fast.optim import AdamW, DistAdamW, DistMuon, Muon
+from test_newton_schulz import float64_newton_schulz
 
 
 def make_params(shapes, seed=0):
@@ -106,20 +107,6 @@ def test_newton_schulz_orthogonalizes(coefficients, band, max_offdiag, shape):
         assert (X.double() - polar).norm() < 0.5 * (q.double() - polar).norm()
 
 
-def reference_newton_schulz(G, coeffs):
-    """nanochat's zeropower_via_newtonschulz5, in float64."""
-    X = G.double()
-    tall = G.size(-2) > G.size(-1)
-    if tall:
-        X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    for a, b, c in coeffs:
-        A = X @ X.mT
-        B = b * A + c * A @ A
-        X = a * X + B @ X
-    return X.mT if tall else X
-
-
 def reference_muon(params, grads_per_step, lr, momentum, nesterov, coeffs):
     """nanochat's Muon.step, one matrix at a time, in float64."""
     params = [p.detach().double().clone() for p in params]
@@ -129,7 +116,7 @@ def reference_muon(params, grads_per_step, lr, momentum, nesterov, coeffs):
             g = g.double().clone()
             buf.lerp_(g, 1 - momentum)
             g = g.lerp_(buf, momentum) if nesterov else buf
-            p.add_(reference_newton_schulz(g, coeffs), alpha=-lr * max(1, p.size(-2) / p.size(-1)) ** 0.5)
+            p.add_(float64_newton_schulz(g, coeffs), alpha=-lr * max(1, p.size(-2) / p.size(-1)) ** 0.5)
     return params
 
 

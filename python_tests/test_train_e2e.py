@@ -2,13 +2,14 @@
 base_eval and chat_cli."""
 import json
 import math
+import shutil
 
 import pytest
 import torch
 
 from nanochat_fast import checkpoint
 from nanochat_fast.scripts import base_eval, base_train, chat_cli, mid_train
-from tiny_pipeline import TINY_LOOP, TINY_MODEL, run_script, train_rows
+from tiny_pipeline import TINY_LOOP, TINY_MODEL, home_with_base_run, run_script, train_rows
 
 BASE = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512"]
 
@@ -16,14 +17,8 @@ BASE = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=51
 @pytest.fixture(scope="module")
 def base_run(tiny_home, tmp_path_factory):
     """One 30-step base run (in-process), shared by the tests that need a trained checkpoint."""
-    import shutil
-    home = tmp_path_factory.mktemp("e2e") / "home"
-    shutil.copytree(tiny_home, home)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("NANOCHAT_FAST_HOME", str(home))
-    assert base_train.main(BASE + ["--num-iterations=30", "--eval-every=15", "--run=b"]) == 0
-    yield home
-    mp.undo()
+    return home_with_base_run(tiny_home, tmp_path_factory.mktemp("e2e") / "home",
+                              BASE + ["--num-iterations=30", "--eval-every=15", "--run=b"])
 
 
 def test_base_train_learns_and_writes_outputs(base_run):
@@ -47,7 +42,7 @@ def test_base_train_learns_and_writes_outputs(base_run):
 
 
 def test_torchrun_two_processes_match_one(tiny_home, tmp_path):
-    """Same total batch: 1 process x 4 rows vs 2 processes x 2 rows see the same rows (the global
+    """Same total batch: 1 process x 8 rows vs 2 processes x 4 rows see the same rows (the global
     row stream), so the loss curves agree to float rounding."""
     args = TINY_MODEL + TINY_LOOP + ["--total-batch-size=512", "--num-iterations=8", "--eval-every=-1"]
     one = run_script("base_train", args + ["--device-batch-size=8", "--run=one"], tiny_home_copy(tiny_home, tmp_path, "h1"))
@@ -58,11 +53,10 @@ def test_torchrun_two_processes_match_one(tiny_home, tmp_path):
     b = [r["loss"] for r in train_rows(tmp_path / "h2" / "runs" / "two")]
     assert len(a) == len(b) == 8
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
-    assert "grad" in one.stdout + one.stderr or True  # both printed their config; losses are what matter
+    assert "cpu x 1 process(es)" in one.stdout and "cpu x 2 process(es)" in two.stdout
 
 
 def tiny_home_copy(tiny_home, tmp_path, name):
-    import shutil
     dst = tmp_path / name
     shutil.copytree(tiny_home, dst)
     return dst

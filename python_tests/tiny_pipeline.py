@@ -64,6 +64,16 @@ def build_tiny_home(root: Path) -> Path:
     return home
 
 
+def home_with_base_run(tiny_home: Path, dst: Path, argv: list[str]) -> Path:
+    """A copy of tiny_home at dst with one in-process base_train run (argv) made in it."""
+    import shutil
+    from nanochat_fast.scripts import base_train
+    shutil.copytree(tiny_home, dst)
+    with home_env(dst):
+        assert base_train.main(argv) == 0
+    return dst
+
+
 def run_script(name: str, args: list[str], home: Path, nproc: int = 1, timeout: int = 300, env=None):
     """Run a script as a real process (under torchrun when nproc > 1); returns CompletedProcess."""
     if nproc > 1:
