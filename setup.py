@@ -1,5 +1,6 @@
 # Builds nanochat_fast._C: the CPU ops in csrc/*.cpp always, plus csrc/cuda/* when the
-# installed torch has CUDA and nvcc is found. Build against the installed torch:
+# installed torch has CUDA, nvcc is found and a GPU is visible (NANOCHAT_FAST_FORCE_CUDA=1 builds
+# them without one, e.g. in a GPU-less docker build). Build against the installed torch:
 #   pip install -e . --no-build-isolation
 # NANOCHAT_FAST_NO_EXT=1 skips the extension; a failed compile only warns, because every op
 # has a pure-PyTorch fallback and the package must stay installable without a compiler.
@@ -8,9 +9,6 @@ import os
 import sys
 
 from setuptools import setup
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
-
 
 def warn(msg):
     bar = "=" * 78

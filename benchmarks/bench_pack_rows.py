@@ -26,7 +26,7 @@ The waste test packs three epochs of the corpus at T=512 and T=2048.
 Documents: the default corpus (tokens/base under NANOCHAT_FAST_HOME, from `make demo` or
 prepare_data + tok_train) when it is there, else synthetic documents with a similar length spread.
 
-    cd /work/main && .venv/bin/python -m pytest benchmarks/bench_pack_rows.py --benchmark-json=/tmp/pack.json -p no:cacheprovider
+    .venv/bin/python -m pytest benchmarks/bench_pack_rows.py --benchmark-json=/tmp/pack.json -p no:cacheprovider
 """
 import collections
 import itertools

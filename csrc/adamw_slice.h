@@ -19,10 +19,12 @@ inline void check_adamw_slice_args(at::TensorList params, at::TensorList grads,
               "adamw_slice_update: hparams must be float64[", int(kNumAdamWHParams), "]");
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    TORCH_CHECK(p.device().type() == device_type && grads[i].device() == p.device() &&
-                    exp_avgs[i].device() == p.device() && exp_avg_sqs[i].device() == p.device(),
-                "adamw_slice_update: tensor ", i, " is not on one ", c10::DeviceTypeName(device_type),
-                " device");
+    // one device for all: the CUDA launch runs on params[0]'s device
+    const c10::Device device = params[0].device();
+    TORCH_CHECK(device.type() == device_type && p.device() == device && grads[i].device() == device &&
+                    exp_avgs[i].device() == device && exp_avg_sqs[i].device() == device,
+                "adamw_slice_update: the tensors of slice ", i, " are not all on ", device,
+                " (every tensor must be on the same ", c10::DeviceTypeName(device_type), " device)");
     TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16,
                 "adamw_slice_update: params[", i, "] must be float32 or bfloat16");
     TORCH_CHECK(grads[i].scalar_type() == p.scalar_type(),

@@ -8,8 +8,9 @@
 //
 // The inner loop is plain scalar C++ written so that GCC vectorises it: __restrict__ pointers and
 // -fno-math-errno (otherwise sqrtf must set errno and the loop stays scalar, ~3.5x slower).
-// target_clones adds an AVX2+FMA copy (x86-64-v3) chosen at load time where the CPU has it; the
-// generic x86-64-v3 tuning measured ~15% faster here than arch=haswell's on this memory-bound loop.
+// target_clones adds an AVX2+FMA copy (x86-64-v3) chosen at load time where the CPU has it (GCC on
+// x86-64 Linux; one plain copy elsewhere); the generic x86-64-v3 tuning measured ~15% faster here
+// than arch=haswell's on this memory-bound loop.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "adamw_slice.h"
+#include "target_clones.h"
 
 namespace nanochat_fast {
 namespace {
@@ -32,7 +34,7 @@ struct Coeffs {
 };
 
 template <typename param_t>
-__attribute__((target_clones("arch=x86-64-v3", "default"))) void adamw_chunk(
+NANOCHAT_FAST_CLONES("arch=x86-64-v3", "default") void adamw_chunk(
     param_t* __restrict__ p, const param_t* __restrict__ g, float* __restrict__ m,
     float* __restrict__ v, int64_t n, Coeffs c) {
   const float one_minus_beta1 = 1.0f - c.beta1;

@@ -73,6 +73,7 @@ inline void bind_row_packer(pybind11::module& m) {
       .def(
           "next",
           [](PyRowStream& s, int64_t first_row, int64_t out_rows, bool pairs, bool pinned) {
+            TORCH_CHECK(!s.prefetching(), "RowStream.next: not while prefetching (stop() first)");
             RowStream::Batch b;
             {
               py::gil_scoped_release no_gil;

@@ -213,7 +213,7 @@ void RowStream::run(int64_t depth, int64_t first_row, int64_t out_rows, bool pai
 
 RowStream::Batch RowStream::get() {
   TORCH_CHECK(thread_.joinable(), "RowStream.get: not prefetching (start() first)");
-  // Waiting for the next batch, spin a little before sleeping: a batch takes ~60 us, and on a
+  // Waiting for the next batch, spin a little before sleeping: a batch takes ~50-60 us, and on a
   // virtual machine waking a sleeping thread can cost the waker about as much (the signal is an
   // inter-processor interrupt, which exits to the hypervisor; measured here: the loader at half its
   // speed). A spinning consumer leaves the producer's notify with no one to wake. Past a few

@@ -7,7 +7,7 @@
 // for ever; position p of the stream is document p % n_docs, and it is the document's id in the
 // packer. Both must give the same batches and states (python_tests/test_dataloader.py).
 //
-// Why in C++: packing a batch takes ~50 us, and a Python prefetch thread around it cost as much
+// Why in C++: packing a batch takes ~50-60 us, and a Python prefetch thread around it cost as much
 // again, in handing the GIL back and forth with the training loop. The thread here never takes
 // the GIL: the training loop's get() waits (GIL released) on a condition variable, and that is all
 // the two threads share. Everything the thread touches belongs to this object, and the Python

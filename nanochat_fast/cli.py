@@ -10,7 +10,6 @@ Command-line plumbing shared by every script in nanochat_fast.scripts.
 import argparse
 import sys
 
-EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 3
 
@@ -63,13 +62,6 @@ def non_negative_int(text):
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def positive_float(text):
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 

@@ -142,6 +142,11 @@ class RowStream:
             self._add(-(-(target - self.packer.mass) // average))
 
     def next(self, first_row: int, out_rows: int, pairs: bool, pinned: bool = False):
+        if self.prefetching:  # the prefetch thread owns the packer
+            raise RuntimeError("RowStream.next: not while prefetching (stop() first)")
+        return self._next(first_row, out_rows, pairs, pinned)
+
+    def _next(self, first_row: int, out_rows: int, pairs: bool, pinned: bool):
         if not (first_row >= 0 and out_rows >= 0 and first_row + out_rows <= self.rows):
             raise ValueError(f"RowStream.next: rows [{first_row}, {first_row + out_rows}) are not within the "
                              f"batch of {self.rows}")
@@ -182,7 +187,7 @@ class RowStream:
     def start(self, depth: int, first_row: int, out_rows: int, pairs: bool, pinned: bool = False):
         if self._producer is not None:
             raise RuntimeError("RowStream.start: already prefetching")
-        self._producer = _Producer(lambda: self.next(first_row, out_rows, pairs, pinned), depth)
+        self._producer = _Producer(lambda: self._next(first_row, out_rows, pairs, pinned), depth)
 
     def get(self):
         if self._producer is None:
@@ -283,7 +288,8 @@ class TokenRowLoader:
 
     def __init__(self, dataset: str = "base", split: str = "train", device_batch_size: int = 32,
                  seq_len: int = 2048, rank: int = 0, world_size: int = 1, device="cpu", tokens_root=None,
-                 buffer_docs: int = 1000, prefetch=True, backend: str | None = None, _extra=None):
+                 buffer_docs: int = 1000, prefetch=True, backend: str | None = None, _extra=None,
+                 _shards=None):
         for name, value, low in (("device_batch_size", device_batch_size, 1), ("seq_len", seq_len, 1),
                                  ("world_size", world_size, 1), ("buffer_docs", buffer_docs, 1), ("rank", rank, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -294,7 +300,7 @@ class TokenRowLoader:
         self.device_batch_size, self.seq_len, self.rank, self.world_size = device_batch_size, seq_len, rank, world_size
         self.device = torch.device(device)
         self.rows = device_batch_size * world_size  # the global batch packed at every micro-step
-        self.shards = TokenShards(dataset, split, tokens_root)
+        self.shards = _shards if _shards is not None else TokenShards(dataset, split, tokens_root)
         if self.with_mask and self.shards.kind != CHAT:
             raise UserError(f"dataset {dataset!r} holds prose, not conversations: use a conversation dataset "
                             "(e.g. chat) for mid-training")
@@ -441,7 +447,7 @@ class ConversationRowLoader(TokenRowLoader):
                  seq_len: int = 2048, rank: int = 0, world_size: int = 1, device="cpu", tokens_root=None,
                  buffer_docs: int = 1000, prefetch=True, backend: str | None = None,
                  extra_conversations: list[dict] | None = None, tokenizer=None):
-        extra = None
+        extra, shards = None, None
         if extra_conversations:
             if tokenizer is None:
                 from .tokenizer import get_tokenizer
@@ -457,7 +463,7 @@ class ConversationRowLoader(TokenRowLoader):
                 except ValueError as e:
                     raise ValueError(f"extra_conversations[{i}]: {e}") from None
         super().__init__(dataset, split, device_batch_size, seq_len, rank, world_size, device, tokens_root,
-                         buffer_docs, prefetch, backend, _extra=extra)
+                         buffer_docs, prefetch, backend, _extra=extra, _shards=shards)
 
 
 def _split(rows: torch.Tensor, with_mask: bool):

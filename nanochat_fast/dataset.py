@@ -22,7 +22,6 @@ name and renamed into place, so an interrupted run never leaves a partial shard 
 and a re-run skips the shards that are complete.
 """
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -41,18 +40,8 @@ def _tqdm(**kwargs):
     return tqdm(dynamic_ncols=True, **kwargs)
 
 
-def _replace_atomically(path: Path, write):
-    """write(tmp_path) then rename onto path: readers see the old file, the new one, or none."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _write_json(path: Path, obj):
-    _replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"))
+    paths.replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"))
 
 
 def shard_name(index: int) -> str:
@@ -208,7 +197,7 @@ class ShardWriter:
                 column = pa.array([d["messages"] for d in self.docs], type=pa.list_(message))
             table = pa.table({"text" if self.kind == TEXT else "messages": column,
                               "source": pa.array(self.sources, type=pa.string())})
-            _replace_atomically(path, lambda tmp: pq.write_table(table, tmp, row_group_size=1024))
+            paths.replace_atomically(path, lambda tmp: pq.write_table(table, tmp, row_group_size=1024))
         self.names.append(name)
         self.docs, self.sources, self.chars = [], [], 0
 
@@ -271,7 +260,7 @@ def _write_sources_md(path: Path, manifest: dict):
     for s in manifest["sources"]:
         lines.append(f"| {s['name']} | {s.get('about', '')} | {s.get('spec', '')} | {s.get('licence', '')} | "
                      f"{s.get('docs', 0):,} | {s.get('chars', 0):,} |")
-    _replace_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+    paths.replace_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
 
 
 def read_manifest(name: str) -> dict:
@@ -322,7 +311,8 @@ def tokenize_dataset(name: str, tokenizer, *, overwrite: bool = False, num_threa
                      batch_docs: int = 4096) -> dict:
     """Pre-tokenize data/<name>/ into tokens/<name>/ (every document starts with <|bos|>;
     conversations also get their loss mask). Complete shards made by this tokenizer from the
-    current text shards are skipped. Returns {"tokens": n, "docs": n} over all splits."""
+    current text shards are skipped. Returns {"tokens": n, "docs": n, "skipped_shards": n} over all
+    splits."""
     manifest = read_manifest(name)
     kind, out_root = manifest["kind"], paths.tokens_dir(name)
     fingerprint, bos = tokenizer.fingerprint, tokenizer.get_bos_token_id()
@@ -339,8 +329,8 @@ def tokenize_dataset(name: str, tokenizer, *, overwrite: bool = False, num_threa
             stat = source.stat() if source.is_file() else None
             signature = {"source": f"{split}/{shard}", "source_bytes": stat and stat.st_size,
                          "source_mtime_ns": stat and stat.st_mtime_ns}
-            if not overwrite and _shard_is_current(meta_path, fingerprint, signature):
-                meta = json.loads(meta_path.read_text())
+            meta = None if overwrite else _current_shard_meta(meta_path, fingerprint, signature)
+            if meta is not None:
                 totals["skipped_shards"] += 1
             else:
                 meta = _tokenize_shard(source, kind, tokenizer, out_dir, stem, dtype, num_threads, batch_docs)
@@ -360,14 +350,17 @@ def tokenize_dataset(name: str, tokenizer, *, overwrite: bool = False, num_threa
     return totals
 
 
-def _shard_is_current(meta_path: Path, fingerprint: str, signature: dict) -> bool:
+def _current_shard_meta(meta_path: Path, fingerprint: str, signature: dict) -> dict | None:
+    """The token shard's metadata if it is complete and was made by this tokenizer from the
+    current text shard, else None."""
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError):
-        return False
+        return None
     files = [meta_path.with_name(meta_path.stem + ext) for ext in (".tokens.npy", ".offsets.npy")]
-    return (meta.get("tokenizer") == fingerprint and all(meta.get(k) == v for k, v in signature.items())
-            and all(f.is_file() for f in files))
+    current = (meta.get("tokenizer") == fingerprint and all(meta.get(k) == v for k, v in signature.items())
+               and all(f.is_file() for f in files))
+    return meta if current else None
 
 
 def _tokenize_shard(source: Path, kind: str, tokenizer, out_dir: Path, stem: str, dtype, num_threads, batch_docs):
@@ -403,7 +396,7 @@ def write_token_shard(out_dir: Path, stem: str, docs, masks=None, dtype=np.uint1
         def save(tmp, array=array):
             with open(tmp, "wb") as f:
                 np.save(f, array)
-        _replace_atomically(Path(out_dir) / f"{stem}.{what}.npy", save)
+        paths.replace_atomically(Path(out_dir) / f"{stem}.{what}.npy", save)
     counts = {"n_docs": len(docs), "n_tokens": int(offsets[-1]), "dtype": np.dtype(dtype).name}
     if meta is not None:
         _write_json(Path(out_dir) / f"{stem}.json", {**counts, **meta})
@@ -447,12 +440,11 @@ class TokenShards:
         if not self.meta:
             raise UserError(f"the token shards in {self.directory} hold no documents: prepare them with {prepare}")
         first = self.meta[0]
-        for meta_path, meta in zip(metas, self.meta):
+        for meta in self.meta[1:]:
             if any(meta[key] != first[key] for key in ("tokenizer", "bos_id", "kind")):
                 raise UserError(f"the token shards in {self.directory} come from different tokenizers or kinds; "
                                 "re-run `python -m nanochat_fast.scripts.prepare_data --stage=tokens`")
         self.kind, self.bos_id, self.fingerprint = first["kind"], first["bos_id"], first["tokenizer"]
-        self.vocab_size = first["vocab_size"]
         self.doc_starts = np.cumsum([0] + [m["n_docs"] for m in self.meta])  # global index of each shard's first doc
         self.n_docs = int(self.doc_starts[-1])
         self.n_tokens = sum(m["n_tokens"] for m in self.meta)
@@ -461,6 +453,3 @@ class TokenShards:
         """(shard, document within the shard) of global document `index`."""
         shard = int(np.searchsorted(self.doc_starts, index, side="right")) - 1
         return shard, index - int(self.doc_starts[shard])
-
-    def lengths(self) -> np.ndarray:
-        return np.concatenate([np.diff(o) for o in self.offsets])

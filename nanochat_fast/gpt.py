@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .common import get_dist_info, print0
+from .common import is_distributed, print0
 
 LOGIT_SOFTCAP = 15.0
 
@@ -237,8 +237,7 @@ class GPT(nn.Module):
         from .optim import AdamW, DistAdamW, DistMuon, Muon
 
         model_dim = self.config.n_embd
-        ddp, rank, local_rank, world_size = get_dist_info()
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and world_size > 1
+        distributed = is_distributed()
         matrix_params = list(self.transformer.h.named_parameters(prefix="transformer.h"))
         embedding_params = list(self.transformer.wte.named_parameters(prefix="transformer.wte"))
         lm_head_params = list(self.lm_head.named_parameters(prefix="lm_head"))

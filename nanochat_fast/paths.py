@@ -30,3 +30,14 @@ def tokenizer_dir() -> Path:
 
 def runs_dir() -> Path:
     return home() / "runs"
+
+
+def replace_atomically(path: Path, write):
+    """write(tmp_path) then rename onto path: readers see the old file, the new one, or none;
+    a write that fails leaves no temporary file behind. (Checkpoints also fsync: checkpoint.py.)"""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -90,7 +90,7 @@ def _table(d: dict) -> list[str]:
 
 
 def write_report(path: Path, *, title: str, args: dict, model_config: dict, backends: dict,
-                 results: dict, timing: dict, world_size: int, notes: list[str] = ()):
+                 results: dict, timing: dict, world_size: int):
     lines = [f"# {title}", "",
              f"Written {time.strftime('%Y-%m-%d %H:%M:%S')} by nanochat_fast; torch {torch.__version__}.", "",
              "## Hardware", "", f"{hardware()}; {world_size} process(es).", "",
@@ -99,6 +99,4 @@ def write_report(path: Path, *, title: str, args: dict, model_config: dict, back
              "## Kernels (backend per op on this device)", "", *_table(backends), "",
              "## Model", "", *_table(model_config), "",
              "## Arguments", "", *_table(args), ""]
-    if notes:
-        lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     _write_bytes(Path(path), lambda f: f.write("\n".join(lines).encode()))

@@ -24,25 +24,24 @@ from .report import MetricsLog, plot, write_report
 # flags
 
 
-def add_optim_args(p, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, warmup_ratio=0.0,
-                   warmdown_ratio=0.2, final_lr_frac=0.0):
+def add_optim_args(p):
     g = p.add_argument_group("optimization")
-    g.add_argument("--embedding-lr", type=cli.non_negative_float, default=embedding_lr, help="AdamW lr of the token embedding")
-    g.add_argument("--unembedding-lr", type=cli.non_negative_float, default=unembedding_lr, help="AdamW lr of lm_head")
-    g.add_argument("--matrix-lr", type=cli.non_negative_float, default=matrix_lr, help="Muon lr of the block matrices")
+    g.add_argument("--embedding-lr", type=cli.non_negative_float, default=0.2, help="AdamW lr of the token embedding")
+    g.add_argument("--unembedding-lr", type=cli.non_negative_float, default=0.004, help="AdamW lr of lm_head")
+    g.add_argument("--matrix-lr", type=cli.non_negative_float, default=0.02, help="Muon lr of the block matrices")
     g.add_argument("--weight-decay", type=cli.non_negative_float, default=0.0, help="AdamW weight decay")
     g.add_argument("--grad-clip", type=cli.non_negative_float, default=1.0, help="clip the global grad norm to this (0: off)")
-    g.add_argument("--warmup-ratio", type=cli.fraction, default=warmup_ratio, help="fraction of steps of linear lr warmup")
-    g.add_argument("--warmdown-ratio", type=cli.fraction, default=warmdown_ratio, help="fraction of steps of linear lr warmdown")
-    g.add_argument("--final-lr-frac", type=cli.fraction, default=final_lr_frac, help="lr at the end, as a fraction of the peak")
+    g.add_argument("--warmup-ratio", type=cli.fraction, default=0.0, help="fraction of steps of linear lr warmup")
+    g.add_argument("--warmdown-ratio", type=cli.fraction, default=0.2, help="fraction of steps of linear lr warmdown")
+    g.add_argument("--final-lr-frac", type=cli.fraction, default=0.0, help="lr at the end, as a fraction of the peak")
     g.add_argument("--ns-coefficients", choices=["quintic", "polar_express"], default="quintic",
                    help="Newton-Schulz coefficients of Muon")
 
 
-def add_loop_args(p, eval_every, eval_tokens, sample_every):
+def add_loop_args(p, eval_every, sample_every):
     g = p.add_argument_group("evaluation and checkpoints")
     g.add_argument("--eval-every", type=int, default=eval_every, help="steps between val bits-per-byte evals, also run at the start and the end (<=0: never)")
-    g.add_argument("--eval-tokens", type=cli.positive_int, default=eval_tokens, help="validation tokens per eval")
+    g.add_argument("--eval-tokens", type=cli.positive_int, default=20 * 524288, help="validation tokens per eval")
     g.add_argument("--sample-every", type=int, default=sample_every, help="steps between printed samples (<=0: never)")
     g.add_argument("--save-every", type=int, default=-1, help="steps between checkpoints (<=0: only at the end and when stopped)")
     g.add_argument("--keep-last", type=cli.non_negative_int, default=0, help="keep only the newest K complete checkpoints (0: all)")
@@ -189,8 +188,9 @@ def autocast_context(device):
     return nullcontext()  # fp32 on CPU and MPS (no native bf16 there)
 
 
-def resume_command(argv) -> str:
-    """The command line that resumes this run (the --resume/--overwrite flags of this one dropped)."""
+def resume_command(argv, run_dir: Path) -> str:
+    """The command line that, with --resume auto appended, resumes this run: this one's flags
+    without --resume/--overwrite, plus --out-dir when only a --resume PATH named the run."""
     args = list(sys.argv[1:] if argv is None else argv)
     kept, skip = [], False
     for a in args:
@@ -202,7 +202,10 @@ def resume_command(argv) -> str:
             skip = name == "--resume" and "=" not in a
             continue
         kept.append(a)
-    module = sys.modules["__main__"].__spec__.name if getattr(sys.modules["__main__"], "__spec__", None) else "nanochat_fast.scripts"
+    if not any(a.split("=")[0].replace("_", "-") in ("--run", "--out-dir") for a in kept):
+        kept.append(f"--out-dir={run_dir}")
+    main_spec = getattr(sys.modules["__main__"], "__spec__", None)
+    module = main_spec.name if main_spec else f"nanochat_fast.scripts.{Path(sys.argv[0]).stem}"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # `--` keeps torchrun from reading --run as an abbreviation of its --run-path
         return " ".join([f"torchrun --nproc_per_node={world} -m", module, "--", *map(shlex.quote, kept)])
@@ -222,7 +225,7 @@ def make_run(args, *, model, orig_model, optimizers, loader, val_batches, token_
         token_bytes=token_bytes, run_dir=run_dir, grad_accum_steps=grad_accum_steps, tokens_per_step=tokens_per_step,
         flops_per_token=orig_model.estimate_flops(), num_iterations=num_iterations, progress=progress,
         epoch_done=epoch_done, meta=meta, sample=sample, autocast_ctx=autocast_context(device), device=device,
-        rank=rank, world_size=world_size, args=args, resume_command=resume_command(argv))
+        rank=rank, world_size=world_size, args=args, resume_command=resume_command(argv, run_dir))
 
 
 def backends_in_use(device) -> dict:

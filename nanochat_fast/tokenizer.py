@@ -15,7 +15,7 @@ are rendered with the special tokens below; only what the assistant says (and it
 is supervised.
 """
 import base64
-import copy
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -76,10 +76,10 @@ class Tokenizer:
         directory.mkdir(parents=True, exist_ok=True)
         ranks = sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1])
         lines = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks)
-        _atomic_write(directory / RANKS_FILE, lines)
+        paths.replace_atomically(directory / RANKS_FILE, lambda tmp: tmp.write_text(lines))
         meta = {"pattern": self.pattern, "special_tokens": self.special_tokens,
                 "vocab_size": self.get_vocab_size()}
-        _atomic_write(directory / META_FILE, json.dumps(meta, indent=2) + "\n")
+        paths.replace_atomically(directory / META_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
         return directory
 
     @classmethod
@@ -108,7 +108,7 @@ class Tokenizer:
             raise ValueError(f"{meta_path}: special token ids do not follow the ranks; retrain the tokenizer")
         return tok
 
-    @property
+    @functools.cached_property  # the ranks never change; hashing them is read per checkpoint and loader
     def fingerprint(self) -> str:
         """A short hash of ranks + pattern + special tokens: token shards record which tokenizer made them."""
         h = hashlib.sha256(self.pattern.encode())
@@ -247,18 +247,12 @@ class Tokenizer:
         message, then <|assistant_start|>."""
         messages = conversation.get("messages") if isinstance(conversation, dict) else None
         if isinstance(messages, list) and messages and messages[-1].get("role") == "assistant":
-            conversation = dict(conversation, messages=copy.deepcopy(messages[:-1]))
+            conversation = dict(conversation, messages=messages[:-1])
         messages = self._messages(conversation)
         if messages[-1]["role"] != "user":
             raise ValueError("render_for_completion: the conversation must end with a user message")
         ids, _ = self.render_conversation(conversation)
         return ids + [self.special_tokens["<|assistant_start|>"]]
-
-
-def _atomic_write(path: Path, text: str):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def get_tokenizer(directory=None) -> Tokenizer:

@@ -276,7 +276,7 @@ def save(run: Run) -> Path:
     path = checkpoint.save_checkpoint(
         run.run_dir, run.state.step, model_state=run.orig_model.state_dict(), rank_state=rank_state(run),
         meta=meta, rank=run.rank, all_ranks_ok=lambda ok: all_ranks_ok(ok, run.device),
-        keep_last=getattr(run.args, "keep_last", None), previous=run.last_checkpoint)
+        keep_last=run.args.keep_last, previous=run.last_checkpoint)
     run.last_checkpoint = path
     return path
 
@@ -334,7 +334,7 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
                     bar.write(f"  sample: {text!r}")
                 run.orig_model.train()
 
-            if getattr(args, "test_preempt_at_step", None) == step and step > start_step:
+            if args.test_preempt_at_step == step and step > start_step:
                 preemption.signal_name = "--test-preempt-at-step"  # behaves exactly like a SIGTERM here
             preempted = any_rank(preemption.signal_name is not None, run.device)
             periodic = fresh and args.save_every > 0 and step > start_step and step % args.save_every == 0
@@ -353,7 +353,7 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
             micro_batches = [next(run.train_loader) for _ in range(run.grad_accum_steps)]
             lrm = lr_multiplier(run.progress(step), args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
             set_schedule(run.optimizers, lrm, muon_momentum(step))
-            inject = getattr(args, "test_inject_nan_at_step", None) == step and not injected
+            inject = args.test_inject_nan_at_step == step and not injected
             injected = injected or inject  # a one-off fault: a skipped step is retried cleanly
             result = train_step(run.model, run.optimizers, micro_batches, args.grad_clip, run.autocast_ctx, inject)
             if run.device.type == "cuda":
@@ -367,7 +367,9 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
                     bar.write(f"step {step:05d} | non-finite {what}: step skipped "
                               f"({state.nonfinite_skipped}/{args.skip_nonfinite} allowed by --skip-nonfinite)")
                     if metrics:
-                        metrics.log(kind="skipped", step=step, what=what)
+                        # logged under the step it attempted, as train rows are: a resume from
+                        # checkpoint `step` drops it with the rest of that history
+                        metrics.log(kind="skipped", step=step + 1, what=what)
                     continue
                 return stop_nonfinite(nonfinite_message(what, step, run.last_checkpoint))
 

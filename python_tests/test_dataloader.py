@@ -244,6 +244,8 @@ def test_row_stream_refuses_bad_calls(tokens_root, backend):
     stream.start(2, 0, 4, True)
     with pytest.raises(RuntimeError, match="already prefetching"):
         stream.start(2, 0, 4, True)
+    with pytest.raises(RuntimeError, match="not while prefetching"):
+        stream.next(0, 4, True)
     (x, y), state = stream.get()
     assert x.shape == y.shape == (4, 15) and state[2] == 1
     stream.stop()

@@ -250,3 +250,32 @@ def test_cuda_bf16_autocast_compiled_training():
     assert all(p.dtype == torch.float32 for p in model.parameters())
     cached = list(model.generate([1, 2, 3], 8, temperature=0))
     assert cached == list(model.generate([1, 2, 3], 8, temperature=0, use_kv_cache=False))
+
+
+def test_evaluate_bpb_matches_a_hand_count():
+    """Bits per byte = summed nats of the counted targets / (ln 2 * their UTF-8 bytes); targets that
+    are masked (-1) or special (0 bytes) count neither nats nor bytes."""
+    from contextlib import nullcontext
+    from nanochat_fast.training import evaluate_bpb
+    model = random_model()
+    g = torch.Generator().manual_seed(1)
+    token_bytes = torch.randint(1, 5, (TINY.vocab_size,), generator=g)
+    token_bytes[:3] = 0  # special tokens
+    batches = []
+    for _ in range(2):
+        x = torch.randint(0, TINY.vocab_size, (3, TINY.sequence_len), generator=g)
+        y = torch.randint(0, TINY.vocab_size, (3, TINY.sequence_len), generator=g)
+        y[0, :5] = -1
+        y[1, 2] = 1
+        batches.append((x, y))
+    nats = nbytes = 0.0
+    with torch.no_grad():
+        for x, y in batches:
+            logp = torch.log_softmax(model(x).double(), dim=-1)
+            for b, t in zip(*torch.nonzero(y >= 0, as_tuple=True)):
+                tok = int(y[b, t])
+                if token_bytes[tok] > 0:
+                    nats -= float(logp[b, t, tok])
+                    nbytes += int(token_bytes[tok])
+        bpb = evaluate_bpb(model, batches, token_bytes, nullcontext())
+    assert bpb == pytest.approx(nats / (math.log(2) * nbytes), rel=1e-6)

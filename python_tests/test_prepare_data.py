@@ -301,5 +301,5 @@ def test_replace_atomically_leaves_nothing_on_failure(tmp_path):
         tmp.write_bytes(b"half")
         raise OSError("disk full")
     with pytest.raises(OSError):
-        dataset._replace_atomically(target, fail)
+        paths.replace_atomically(target, fail)
     assert list(tmp_path.iterdir()) == [], "no partial file, under any name"

@@ -1,5 +1,6 @@
 """Reliability of training runs: atomic checkpoints under kill -9, exact resume (bitwise on one
 process, 1e-6 on two), resume on another world size, SIGTERM under torchrun, the NaN guard."""
+import errno
 import os
 import shutil
 import signal
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_fast import checkpoint
+from nanochat_fast import checkpoint, runs
+from nanochat_fast.cli import UserError
 from nanochat_fast.scripts import base_train
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, run_script, train_rows
 
@@ -125,7 +127,10 @@ def test_sigterm_under_torchrun_saves_and_resumes(home):
     os.kill(workers[1], signal.SIGTERM)  # one rank only: all ranks must agree to stop
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
-    assert "received SIGTERM" in out and "stopped by" in out and "--resume auto" in out
+    assert "received SIGTERM" in out and "stopped by" in out
+    (resume_line,) = [l for l in out.splitlines() if "Resume with:" in l]
+    assert "Resume with: torchrun --nproc_per_node=2 -m nanochat_fast.scripts.base_train -- " in resume_line
+    assert resume_line.endswith(" --run=t --resume auto"), resume_line
     (ckpt,) = checkpoint.complete_checkpoints(run_dir)
     step = checkpoint.load_meta(ckpt)["step"]
     assert 3 <= step < 2000
@@ -134,6 +139,13 @@ def test_sigterm_under_torchrun_saves_and_resumes(home):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"(step {step}," in resumed.stdout
     assert checkpoint.complete_checkpoints(run_dir)[-1].name == f"step_{step + 2:06d}"
+
+
+def test_resume_command_keeps_the_run_a_resume_path_named():
+    ckpt = "/data/runs/r/checkpoints/step_000004"
+    line = runs.resume_command(["--depth=2", "--resume", ckpt, "--overwrite"], Path("/data/runs/r"))
+    assert line.endswith(" --depth=2 --out-dir=/data/runs/r"), line
+    assert runs.resume_command(["--run=r", f"--resume={ckpt}"], Path("/data/runs/r")).endswith(" --run=r")
 
 
 def test_nan_guard_stops_before_the_update_and_saves_nothing_bad(home, capsys):
@@ -151,6 +163,20 @@ def test_nan_guard_stops_before_the_update_and_saves_nothing_bad(home, capsys):
     assert [r["step"] for r in train_rows(home / "runs" / "s")] == list(range(1, 9))
 
 
-def test_keep_last_prunes_only_after_a_newer_checkpoint_is_complete(home):
-    assert base_train.main(TINY + ["--num-iterations=9", "--save-every=2", "--keep-last=2", "--run=p"]) == 0
-    assert [p.name for p in checkpoint.complete_checkpoints(home / "runs" / "p")] == ["step_000008", "step_000009"]
+def test_keep_last_prunes_only_after_a_newer_checkpoint_is_complete(home, monkeypatch):
+    args = TINY + ["--num-iterations=9", "--save-every=2", "--keep-last=2", "--run=p"]
+    complete = lambda: [p.name for p in checkpoint.complete_checkpoints(home / "runs" / "p")]
+    real_save = checkpoint.save_torch
+
+    def save_torch(path, obj):  # the step-8 checkpoint never completes
+        if "step_000008" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(path, obj)
+
+    monkeypatch.setattr(checkpoint, "save_torch", save_torch)
+    with pytest.raises(UserError, match="disk full"):
+        base_train.main(args)
+    assert complete() == ["step_000004", "step_000006"]  # nothing pruned for a save that failed
+    monkeypatch.setattr(checkpoint, "save_torch", real_save)
+    assert base_train.main(args + ["--resume=auto"]) == 0
+    assert complete() == ["step_000008", "step_000009"]

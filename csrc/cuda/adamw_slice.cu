@@ -34,7 +34,8 @@ adamw_slice_kernel(const int64_t* __restrict__ table, const float* __restrict__ 
   const int64_t numel = table[4 * n_tensors + t];
   const int64_t end = start + kAdamWCudaBlockElems < numel ? start + kAdamWCudaBlockElems : numel;
 
-  // Per-tensor scalars in double, as torch computes them on the host, then fp32 for the loop.
+  // Per-tensor scalars in double, as torch computes them on the host, then fp32 for the loop (the
+  // lr/wd multipliers arrive rounded to fp32; the model's are all 1.0).
   const double lr = hparams[kLr] * static_cast<double>(muls[t]);
   const double wd = hparams[kWeightDecay] * static_cast<double>(muls[n_tensors + t]);
   const float decay = static_cast<float>(1.0 - lr * wd);

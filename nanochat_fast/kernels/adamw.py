@@ -26,10 +26,6 @@ register_op(OP, auto_order={
     "mps": ("reference",),
 })
 
-# layout of the hparams tensor, shared with csrc/adamw_slice_hparams.h
-LR, BETA1, BETA2, EPS, WEIGHT_DECAY, BIAS_CORRECTION1, BIAS_CORRECTION2_SQRT = range(7)
-
-
 def _check_range(name, value, low, high=None, high_inclusive=False):
     """ValueError naming the argument when a Python number is out of range (tensors are not
     inspected: reading a GPU scalar would sync the host on every step)."""
@@ -74,7 +70,9 @@ def _check_tensors(params, grads, exp_avgs, exp_avg_sqs, lr_muls, wd_muls):
 
 
 def make_hparams(step, lr, beta1, beta2, eps, weight_decay, device) -> torch.Tensor:
-    """The float64[7] hyperparameter tensor every backend reads (float32 on MPS, which has no fp64)."""
+    """The float64[7] hyperparameter tensor every backend reads (float32 on MPS, which has no fp64):
+    lr, beta1, beta2, eps, weight_decay, 1 - beta1^step, sqrt(1 - beta2^step), in the order of
+    csrc/adamw_slice_hparams.h."""
     dtype = torch.float32 if device.type == "mps" else torch.float64
     values = (step, lr, beta1, beta2, eps, weight_decay)
     if not any(isinstance(v, torch.Tensor) for v in values):

@@ -44,6 +44,7 @@ def _adamw_multi_tensor_kernel(
     v_ptr = tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
     numel = tl.load(table_ptr + 4 * n_tensors + t)
 
+    # hparams: the float64[7] of kernels.adamw.make_hparams (layout: csrc/adamw_slice_hparams.h)
     lr = tl.load(hparams_ptr + 0) * tl.load(muls_ptr + t)
     beta1 = tl.load(hparams_ptr + 1).to(tl.float32)
     beta2 = tl.load(hparams_ptr + 2).to(tl.float32)

@@ -181,7 +181,7 @@ class RowPackerReference:
         self.clear()
 
     def clear(self):
-        self._docs: list[np.ndarray] = []  # (tokens kept, id, full length)
+        self._docs: list[np.ndarray] = []  # the tokens kept of each buffered document
         self._ids: list[int] = []
         self._full_lens: list[int] = []
 

@@ -96,7 +96,8 @@ def cpp_why_not(device_type: str, has_cuda_kernel: bool = False) -> str | None:
         if not has_cuda_kernel:
             return "this op has no CUDA kernel in csrc/cuda"
         if not _C.with_cuda:
-            return "extension built without CUDA (torch had no CUDA or nvcc was not found at install)"
+            return ("extension built without CUDA (at install torch had no CUDA, nvcc was not found or no GPU "
+                    "was visible; NANOCHAT_FAST_FORCE_CUDA=1 builds it without a GPU)")
         return None
     return f"no compiled kernel for {device_type}"
 

@@ -14,7 +14,7 @@ group's lr / weight_decay.
 import torch
 
 from ..kernels import adamw_slice_update
-from .zero import ZeroOptimizer, all_gather, check_hparam, copy_flat_pieces, reduce_scatter_sum, sum_of_squares
+from .zero import ZeroOptimizer, all_gather, check_hparam, copy_flat_pieces, reduce_scatter_sum
 
 
 def owned_range(numel: int, world_size: int, rank: int) -> tuple[int, int, int]:
@@ -75,11 +75,8 @@ class AdamW(ZeroOptimizer):
         lo, hi, _ = owned_range(p.numel(), self.world_size, self.rank)
         return slot["grad"][:hi - lo]
 
-    def _owned_grad_sq(self):
-        total = sum_of_squares([self._wait_grad(p) for p in self._params()])
-        if total is None:
-            return torch.zeros((), dtype=torch.float32, device=self._device())
-        return total / (self.world_size ** 2)
+    def _owned_grads(self):
+        return [self._wait_grad(p) for p in self._params()]
 
     def _apply(self, clip_coef):
         W, r = self.world_size, self.rank
@@ -157,13 +154,10 @@ class AdamW(ZeroOptimizer):
             if hi == lo:
                 continue
             entries = pieces.get(name, [])
-            for e in entries:
-                if list(e["shape"]) != list(p.shape):
-                    raise ValueError(f"optimizer state of {name!r} has shape {e['shape']}, the parameter {list(p.shape)}")
             state = self.state[p]
             for key in ("exp_avg", "exp_avg_sq"):
                 state[key] = torch.zeros(hi - lo, dtype=torch.float32, device=p.device)
-                copy_flat_pieces(state[key], lo, entries, key, name, saved_ranks)
+                copy_flat_pieces(state[key], lo, entries, key, name, p.shape, saved_ranks)
 
 
 class DistAdamW(AdamW):

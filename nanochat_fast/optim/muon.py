@@ -22,7 +22,7 @@ import torch
 from ..kernels import newton_schulz
 from ..kernels.newton_schulz import resolve_coefficients
 from .zero import (ZeroOptimizer, all_gather, check_hparam, copy_flat_pieces, normalize_param_groups,
-                   reduce_scatter_sum, sum_of_squares)
+                   reduce_scatter_sum)
 
 
 def assign_owners(group_shapes: list[tuple[int, int]], group_sizes: list[int], world_size: int) -> list[list[int]]:
@@ -119,12 +119,6 @@ class Muon(ZeroOptimizer):
             self._pending["waited"] = True
         return [stack[:len(self._owned(g))] for g, stack in enumerate(self._pending["stacks"])]
 
-    def _owned_grad_sq(self):
-        total = sum_of_squares(self._owned_grads())
-        if total is None:
-            return torch.zeros((), dtype=torch.float32, device=self._device())
-        return total / (self.world_size ** 2)
-
     def _apply(self, clip_coef):
         W = self.world_size
         scale = (1.0 if clip_coef is None else clip_coef) / W
@@ -208,11 +202,8 @@ class Muon(ZeroOptimizer):
             for j, i in enumerate(owned):
                 p = group["params"][i]
                 name = self.names[p]
-                entries = pieces.get(name, [])
-                for e in entries:
-                    if list(e["shape"]) != list(p.shape):
-                        raise ValueError(f"optimizer state of {name!r} has shape {e['shape']}, the parameter {list(p.shape)}")
-                copy_flat_pieces(self._momentum[g][j].view(-1), 0, entries, "momentum_buffer", name, saved_ranks)
+                copy_flat_pieces(self._momentum[g][j].view(-1), 0, pieces.get(name, []), "momentum_buffer", name,
+                                 p.shape, saved_ranks)
 
 
 class DistMuon(Muon):

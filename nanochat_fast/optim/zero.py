@@ -49,7 +49,8 @@ def all_gather(output, input):
 
 
 def sum_of_squares(tensors) -> torch.Tensor:
-    """Sum of squares of all elements of `tensors` as a 0-D fp32 tensor, accurate to ~1e-7.
+    """Sum of squares of all elements of `tensors` as a 0-D fp32 tensor, accurate to ~1e-7
+    (None when they hold no elements).
 
     On CUDA torch's norm reductions are trees and accurate. On CPU torch.norm / _foreach_norm lose
     precision with size (measured here: relative error 2e-5..8e-5 at 2.6e5 elements, 8e-3 at 5e7),
@@ -179,8 +180,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _launch_reduce(self):
         raise NotImplementedError
 
-    def _owned_grad_sq(self) -> torch.Tensor:
+    def _owned_grads(self) -> list[torch.Tensor]:
+        """Wait for the reduce-scatters; this rank's owned gradients, summed over ranks."""
         raise NotImplementedError
+
+    def _owned_grad_sq(self) -> torch.Tensor:
+        total = sum_of_squares(self._owned_grads())
+        if total is None:
+            return torch.zeros((), dtype=torch.float32, device=self._device())
+        return total / (self.world_size ** 2)  # of the average over ranks
 
     def _apply(self, clip_coef):
         raise NotImplementedError
@@ -284,9 +292,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.load_shard_state_dicts(state_dict)
 
 
-def copy_flat_pieces(dst: torch.Tensor, lo: int, entries: list, key: str, name: str, saved_ranks):
-    """Fill dst (the flat elements [lo, lo + dst.numel()) of a parameter's state `key`) from saved
-    pieces covering any ranges; every element must be covered."""
+def copy_flat_pieces(dst: torch.Tensor, lo: int, entries: list, key: str, name: str, shape, saved_ranks):
+    """Fill dst (the flat elements [lo, lo + dst.numel()) of the state `key` of parameter `name` of
+    `shape`) from saved pieces covering any ranges; every element must be covered."""
+    for entry in entries:
+        if list(entry["shape"]) != list(shape):
+            raise ValueError(f"optimizer state of {name!r} has shape {entry['shape']}, the parameter {list(shape)}")
     hi = lo + dst.numel()
     covered = torch.zeros(dst.numel(), dtype=torch.bool)
     for entry in entries:

@@ -3,7 +3,7 @@ Evaluate a trained checkpoint: validation bits per byte, and a few sample comple
 
     python -m nanochat_fast.scripts.base_eval                      # newest base run, newest checkpoint
     python -m nanochat_fast.scripts.base_eval --run=base_d4 --step=200 --eval-tokens=65536
-    torchrun --nproc_per_node=8 -m nanochat_fast.scripts.base_eval --run=base_d20
+    torchrun --nproc_per_node=8 -m nanochat_fast.scripts.base_eval -- --run=base_d20
 
 Bits per byte (bpb) is the next-token loss in bits divided by the UTF-8 bytes of the predicted
 tokens, so it compares models with different tokenizers. The val split of the run's dataset is

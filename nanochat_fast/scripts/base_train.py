@@ -3,14 +3,15 @@ Pretrain a GPT on the prepared text corpus (the nanochat base_train, runnable an
 
     python -m nanochat_fast.scripts.base_train --depth=4 --max-seq-len=256 --device-batch-size=8 \\
         --total-batch-size=8192 --num-iterations=200
-    torchrun --standalone --nproc_per_node=8 -m nanochat_fast.scripts.base_train --depth=20
+    torchrun --standalone --nproc_per_node=8 -m nanochat_fast.scripts.base_train -- --depth=20
 
 Two loops, as in nanochat: each optimizer step accumulates gradients over
 grad_accum_steps = total_batch_size // (device_batch_size * max_seq_len * world_size) micro-steps.
 The horizon comes from --num-iterations, else --target-flops, else --target-param-data-ratio
 (Chinchilla-style tokens:params). Outputs go to NANOCHAT_FAST_HOME/runs/<run>/ (or --out-dir):
 checkpoints, metrics.jsonl, loss.png and report.md. Stop it any time with Ctrl-C or SIGTERM: it
-finishes the step, saves, and says how to resume (--resume auto continues bit for bit).
+finishes the step, saves, and says how to resume (--resume auto; bit for bit on one CPU process
+with --deterministic).
 """
 from .. import checkpoint, cli, runs
 from ..cli import UserError
@@ -39,7 +40,7 @@ def build_parser():
     g.add_argument("--target-flops", type=float, default=-1.0, help="training FLOPs budget (-1: use the next option)")
     g.add_argument("--target-param-data-ratio", type=float, default=20.0, help="tokens per parameter (Chinchilla ~20)")
     add_optim_args(p)
-    add_loop_args(p, eval_every=250, eval_tokens=20 * 524288, sample_every=2000)
+    add_loop_args(p, eval_every=250, sample_every=2000)
     add_run_args(p)
     return p
 

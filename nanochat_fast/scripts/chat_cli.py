@@ -12,8 +12,7 @@ import sys
 import torch
 
 from .. import cli, runs
-from ..cli import UserError
-from ..common import autodetect_device_type
+from ..common import compute_init
 from ..gpt import GPT
 from ..tokenizer import get_tokenizer
 
@@ -25,7 +24,7 @@ def build_parser():
     p.add_argument("--prompt", default="", help="answer this one message and exit")
     p.add_argument("--temperature", type=cli.non_negative_float, default=0.6, help="0 = greedy")
     p.add_argument("--top-k", type=cli.positive_int, default=50, help="sample among the k likeliest tokens")
-    p.add_argument("--max-tokens", type=cli.positive_int, default=256, help="longest reply, in tokens")
+    p.add_argument("--max-tokens", type=cli.positive_int, default=256, help="longest reply, in tokens (at most half the model's context)")
     p.add_argument("--seed", type=int, default=42, help="sampling seed")
     p.add_argument("--device-type", default="", choices=["", "cpu", "cuda", "mps"], help="'' = autodetect")
     return p
@@ -34,13 +33,16 @@ def build_parser():
 def reply(model, tokenizer, messages, args) -> str:
     """Generate the assistant's next message, streaming it to stdout."""
     ids = tokenizer.render_for_completion({"messages": messages + [{"role": "assistant", "content": ""}]})
-    room = model.config.sequence_len - args.max_tokens
+    # prompt + reply stay within the context the model was trained on: the reply gets at most half
+    # of it, and a long conversation keeps its end
+    max_tokens = min(args.max_tokens, model.config.sequence_len // 2)
+    room = model.config.sequence_len - max_tokens
     if len(ids) > room:
-        ids = [tokenizer.get_bos_token_id()] + ids[-(room - 1):]  # keep the end of a long conversation
+        ids = [tokenizer.get_bos_token_id()] + ids[-(room - 1):]
     stop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
     out = []
     with torch.no_grad():
-        for tok in model.generate(ids, max_tokens=args.max_tokens, temperature=args.temperature,
+        for tok in model.generate(ids, max_tokens=max_tokens, temperature=args.temperature,
                                   top_k=args.top_k, seed=args.seed):
             if tok in stop:
                 break
@@ -53,10 +55,7 @@ def reply(model, tokenizer, messages, args) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    device_type = args.device_type or autodetect_device_type()
-    if device_type == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device-type cuda but no CUDA GPU is available; use --device-type cpu")
-    device = torch.device(device_type)
+    device = compute_init(args.device_type)[-1]
     tokenizer = get_tokenizer()
     model, ckpt, meta = runs.load_model(runs.run_dir_of(args.run, "mid"), args.step, device, tokenizer, GPT)
     if meta["phase"] != "mid":

@@ -38,7 +38,7 @@ def build_parser():
     g.add_argument("--total-batch-size", type=cli.positive_int, default=524288, help="tokens per optimizer step, all processes")
     g.add_argument("--num-iterations", type=int, default=-1, help="optimizer steps (-1: one epoch of the mixture)")
     add_optim_args(p)
-    add_loop_args(p, eval_every=150, eval_tokens=20 * 524288, sample_every=-1)
+    add_loop_args(p, eval_every=150, sample_every=-1)
     add_run_args(p)
     return p
 

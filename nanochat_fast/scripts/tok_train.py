@@ -55,9 +55,7 @@ def main(argv=None) -> int:
     train_s = time.time() - t0
     out = tokenizer.save(paths.tokenizer_dir())
     token_bytes = torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.int32)
-    tmp = out / f".{TOKEN_BYTES_FILE}.tmp"
-    torch.save(token_bytes, tmp)
-    tmp.replace(out / TOKEN_BYTES_FILE)
+    paths.replace_atomically(out / TOKEN_BYTES_FILE, lambda tmp: torch.save(token_bytes, tmp))
     print(f"trained a {tokenizer.get_vocab_size():,}-token tokenizer on {counter['chars']:,} characters of "
           f"data/{args.dataset} in {train_s:.1f}s -> {out} (fingerprint {tokenizer.fingerprint})")
     if tokenizer.get_vocab_size() < args.vocab_size:
