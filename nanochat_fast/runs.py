@@ -154,15 +154,22 @@ def check_shards(loader, tokenizer):
                         "`python -m nanochat_fast.scripts.prepare_data --stage=tokens`")
 
 
+def new_model(GPT, config, device, state=None):
+    """GPT(config) built on the meta device and materialised on `device` with nanochat's init
+    (which also fills the rotary buffers, not saved in checkpoints), then loaded with `state`."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.init_weights()
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
 def build_model(GPT, config, device, args, model_state=None):
     """The model on `device` (weights initialised, or loaded), its optimizers, and the compiled
     version used for training. The optimizers hold the uncompiled module's parameters."""
-    with torch.device("meta"):
-        orig_model = GPT(config)
-    orig_model.to_empty(device=device)
-    orig_model.init_weights()
-    if model_state is not None:
-        orig_model.load_state_dict(model_state)
+    orig_model = new_model(GPT, config, device, model_state)
     optimizers = orig_model.setup_optimizers(unembedding_lr=args.unembedding_lr, embedding_lr=args.embedding_lr,
                                              matrix_lr=args.matrix_lr, weight_decay=args.weight_decay,
                                              ns_coefficients=args.ns_coefficients)
@@ -321,17 +328,52 @@ def run_dir_of(name: str, phase: str | None) -> Path:
     return run_dir
 
 
-def load_model(run_dir: Path, step: int | None, device, tokenizer, GPT):
-    """(model in eval mode, checkpoint path, meta) for inference or as a starting point."""
+def open_checkpoint(run_dir: Path, step: int | None, tokenizer):
+    """(checkpoint path, meta, GPTConfig) of run_dir's checkpoint at `step` (None: the newest
+    complete one), made with `tokenizer`."""
     from .gpt import GPTConfig
     ckpt = checkpoint.resolve_checkpoint(run_dir, step)
     meta = checkpoint.load_meta(ckpt)
     check_tokenizer(meta, ckpt, tokenizer)
-    config = GPTConfig(**meta["model_config"])
-    with torch.device("meta"):
-        model = GPT(config)
-    model.to_empty(device=device)
-    model.init_weights()  # also fills the rotary buffers, which are not saved
-    model.load_state_dict(checkpoint.load_model_state(ckpt, device))
+    return ckpt, meta, GPTConfig(**meta["model_config"])
+
+
+def load_model(run_dir: Path, step: int | None, device, tokenizer, GPT):
+    """(model in eval mode, checkpoint path, meta) for inference."""
+    ckpt, meta, config = open_checkpoint(run_dir, step, tokenizer)
+    model = new_model(GPT, config, device, checkpoint.load_model_state(ckpt, device))
     model.eval()
     return model, ckpt, meta
+
+
+# ---------------------------------------------------------------------------------------------
+# generation
+
+
+@torch.no_grad()
+def complete(model, tokenizer, prompt: str, max_tokens: int) -> str:
+    """The greedy continuation of `prompt` (after <|bos|>), as text."""
+    ids = tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id())
+    return tokenizer.decode(list(model.generate(ids, max_tokens=max_tokens, temperature=0.0)))
+
+
+@torch.no_grad()
+def assistant_reply(model, tokenizer, messages: list[dict], max_tokens: int, temperature=0.0, top_k=None,
+                    seed=42, on_text=None) -> str:
+    """The assistant's next message after `messages`, up to <|assistant_end|>; on_text(piece) sees
+    each token's text as it comes (for streaming). Prompt + reply stay within the context the
+    model was trained on: the reply gets at most half of it, a long conversation keeps its end."""
+    ids = tokenizer.render_for_completion({"messages": messages})
+    max_tokens = min(max_tokens, model.config.sequence_len // 2)
+    room = model.config.sequence_len - max_tokens
+    if len(ids) > room:
+        ids = [tokenizer.get_bos_token_id()] + ids[-(room - 1):]
+    stop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+    out = []
+    for tok in model.generate(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed):
+        if tok in stop:
+            break
+        out.append(tok)
+        if on_text is not None:
+            on_text(tokenizer.decode([tok]))
+    return tokenizer.decode(out)

@@ -9,7 +9,6 @@ Bits per byte (bpb) is the next-token loss in bits divided by the UTF-8 bytes of
 tokens, so it compares models with different tokenizers. The val split of the run's dataset is
 used (a mid-trained checkpoint is measured on the conversations, assistant tokens only).
 """
-import torch
 
 from .. import cli, runs
 from ..common import compute_cleanup, compute_init, print0
@@ -52,12 +51,8 @@ def main(argv=None) -> int:
         print0(f"checkpoint: {ckpt}")
         print0(f"val bpb ({dataset} val split, up to {args.eval_tokens:,} tokens): {bpb:.4f}")
         if rank == 0:
-            bos = tokenizer.get_bos_token_id()
             for prompt in DEFAULT_PROMPTS[:args.samples]:
-                ids = tokenizer.encode(prompt, prepend=bos)
-                with torch.no_grad():
-                    out = list(model.generate(ids, max_tokens=args.max_tokens, temperature=0.0))
-                print(f"  {prompt!r} -> {tokenizer.decode(out)!r}")
+                print(f"  {prompt!r} -> {runs.complete(model, tokenizer, prompt, args.max_tokens)!r}")
         return 0
     finally:
         compute_cleanup()

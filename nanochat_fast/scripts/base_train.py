@@ -87,13 +87,7 @@ def main(argv=None) -> int:
                                     rank=rank, world_size=world_size, device=device)
 
         def sample():
-            bos = tokenizer.get_bos_token_id()
-            out = []
-            for prompt in DEFAULT_PROMPTS:
-                ids = tokenizer.encode(prompt, prepend=bos)
-                gen = list(orig_model.generate(ids, max_tokens=16, temperature=0.0))
-                out.append(prompt + tokenizer.decode(gen))
-            return out
+            return [prompt + runs.complete(orig_model, tokenizer, prompt, 16) for prompt in DEFAULT_PROMPTS]
 
         run = runs.make_run(
             args, model=model, orig_model=orig_model, optimizers=optimizers, loader=loader,

@@ -9,8 +9,6 @@ Interactive commands: 'clear' starts a new conversation, 'quit' (or Ctrl-D) leav
 """
 import sys
 
-import torch
-
 from .. import cli, runs
 from ..common import compute_init
 from ..gpt import GPT
@@ -32,25 +30,11 @@ def build_parser():
 
 def reply(model, tokenizer, messages, args) -> str:
     """Generate the assistant's next message, streaming it to stdout."""
-    ids = tokenizer.render_for_completion({"messages": messages + [{"role": "assistant", "content": ""}]})
-    # prompt + reply stay within the context the model was trained on: the reply gets at most half
-    # of it, and a long conversation keeps its end
-    max_tokens = min(args.max_tokens, model.config.sequence_len // 2)
-    room = model.config.sequence_len - max_tokens
-    if len(ids) > room:
-        ids = [tokenizer.get_bos_token_id()] + ids[-(room - 1):]
-    stop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
-    out = []
-    with torch.no_grad():
-        for tok in model.generate(ids, max_tokens=max_tokens, temperature=args.temperature,
-                                  top_k=args.top_k, seed=args.seed):
-            if tok in stop:
-                break
-            out.append(tok)
-            sys.stdout.write(tokenizer.decode([tok]))
-            sys.stdout.flush()
+    text = runs.assistant_reply(model, tokenizer, messages, args.max_tokens, temperature=args.temperature,
+                                top_k=args.top_k, seed=args.seed,
+                                on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     print()
-    return tokenizer.decode(out)
+    return text
 
 
 def main(argv=None) -> int:

@@ -76,13 +76,9 @@ def main(argv=None) -> int:
         extra = read_conversations(args.extra_conversations) if args.extra_conversations else None
         tokenizer = get_tokenizer()
         base_dir = runs.run_dir_of(args.base_run, "base")
-        base_ckpt = checkpoint.resolve_checkpoint(base_dir, args.base_step)
-        base_meta = checkpoint.load_meta(base_ckpt)
+        base_ckpt, base_meta, config = runs.open_checkpoint(base_dir, args.base_step, tokenizer)
         if base_meta.get("phase") != "base":
             raise UserError(f"--base-run {base_dir}: {base_ckpt} is a {base_meta.get('phase')} checkpoint, not a base one")
-        runs.check_tokenizer(base_meta, base_ckpt, tokenizer)
-        from ..gpt import GPTConfig
-        config = GPTConfig(**base_meta["model_config"])
         args.max_seq_len = args.max_seq_len or config.sequence_len
         if args.max_seq_len > config.sequence_len:
             raise UserError(f"--max-seq-len {args.max_seq_len} is above the base model's sequence_len "
@@ -109,20 +105,9 @@ def main(argv=None) -> int:
                                     device_batch_size=args.device_batch_size, seq_len=args.max_seq_len,
                                     rank=rank, world_size=world_size, device=device, tokenizer=tokenizer)
 
-        assistant_end = tokenizer.encode_special("<|assistant_end|>")
-
         def sample():
-            out = []
-            for q in SAMPLE_QUESTIONS:
-                ids = tokenizer.render_for_completion({"messages": [{"role": "user", "content": q},
-                                                                    {"role": "assistant", "content": ""}]})
-                reply = []
-                for tok in orig_model.generate(ids, max_tokens=32, temperature=0.0):
-                    if tok == assistant_end:
-                        break
-                    reply.append(tok)
-                out.append(f"{q} -> {tokenizer.decode(reply)}")
-            return out
+            return [f"{q} -> {runs.assistant_reply(orig_model, tokenizer, [{'role': 'user', 'content': q}], 32)}"
+                    for q in SAMPLE_QUESTIONS]
 
         run = runs.make_run(
             args, model=model, orig_model=orig_model, optimizers=optimizers, loader=loader, val_batches=val_batches,
