@@ -52,12 +52,6 @@ class BestFitPlanner {
   size_t long_head_ = 0;
 };
 
-// Writes the planned rows [first_row, first_row + num_out_rows) into `out` (int64, row-major);
-// `docs[d]` points at document d's tokens.
-template <typename token_t>
-void write_rows(const std::vector<Placement>& placements, const token_t* const* docs,
-                int64_t* out, int64_t row_len, int64_t first_row, int64_t num_out_rows);
-
 // A document buffer that lives across calls, in arrival order: add() appends documents (each with
 // a caller-chosen id, e.g. its position in the data stream), pack() applies the rule above to the
 // buffered documents in that order (ties go to the oldest) and removes the ones it used.

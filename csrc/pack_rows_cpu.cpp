@@ -123,27 +123,24 @@ int64_t BestFitPlanner::plan(const int64_t* lens, int64_t num_docs, int64_t rows
 
 namespace {
 
-template <typename token_t>
-COPY_CLONES void widen_copy(const token_t* __restrict__ src, int64_t n, int64_t* __restrict__ dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<int64_t>(src[i]);  // widening, vectorised
+// A token as the packer writes it: widened through int32 (what a token id is), with `flag` OR-ed
+// in where the document's mask is set.
+template <typename src_t>
+inline int64_t token_at(const src_t* src, const uint8_t* mask, int64_t flag, int64_t i) {
+  const int64_t v = static_cast<int32_t>(src[i]);
+  return mask == nullptr ? v : v | (flag & -static_cast<int64_t>(mask[i] != 0));
 }
 
-}  // namespace
-
-template <typename token_t>
-void write_rows(const std::vector<Placement>& placements, const token_t* const* docs, int64_t* out,
-                int64_t row_len, int64_t first_row, int64_t num_out_rows) {
-  for (const Placement& p : placements) {
-    const int64_t r = p.row - first_row;
-    if (r < 0 || r >= num_out_rows) continue;
-    widen_copy(docs[p.doc], p.len, out + r * row_len + p.pos);
+// One piece (the first n tokens of a document) into its place in a row.
+template <typename src_t>
+COPY_CLONES void write_piece(const src_t* __restrict__ src, const uint8_t* __restrict__ mask, int64_t flag,
+                             int64_t n, int64_t* __restrict__ dst) {
+  if (mask == nullptr) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = token_at<src_t>(src, nullptr, 0, i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = token_at(src, mask, flag, i);
   }
 }
-
-template void write_rows<int32_t>(const std::vector<Placement>&, const int32_t* const*, int64_t*,
-                                  int64_t, int64_t, int64_t);
-
-namespace {
 
 void check_out(const at::Tensor& out, const char* who) {
   TORCH_CHECK_VALUE(out.device().is_cpu(), who, ": out must be a CPU tensor (pinned memory is fine), got ",
@@ -199,7 +196,8 @@ std::tuple<at::Tensor, c10::SymInt, c10::SymInt> pack_rows_cpu(const at::Tensor&
   at::Tensor used = at::zeros({num_docs}, tokens.options().dtype(at::kBool));
   bool* u = used.data_ptr<bool>();
   for (const Placement& p : placements) u[p.doc] = true;
-  write_rows(placements, docs.data(), out.data_ptr<int64_t>(), row_len, 0, rows);
+  int64_t* dst = out.data_ptr<int64_t>();
+  for (const Placement& p : placements) write_piece(docs[p.doc], nullptr, 0, p.len, dst + p.row * row_len + p.pos);
   return {used, c10::SymInt(rows * row_len), c10::SymInt(cropped)};
 }
 
@@ -302,32 +300,13 @@ void RowPacker::add_docs(const at::Tensor& tokens, const int64_t* off, int64_t d
 
 namespace {
 
-// A token as the packer writes it: widened through int32 (what a token id is), with `flag` OR-ed
-// in where the document's mask is set.
-template <typename src_t>
-inline int64_t token_at(const src_t* src, const uint8_t* mask, int64_t flag, int64_t i) {
-  const int64_t v = static_cast<int32_t>(src[i]);
-  return mask == nullptr ? v : v | (flag & -static_cast<int64_t>(mask[i] != 0));
-}
-
-// One piece (the first n tokens of a document) into its place in a row.
-template <typename src_t>
-COPY_CLONES void write_piece(const src_t* __restrict__ src, const uint8_t* __restrict__ mask, int64_t flag,
-                                      int64_t n, int64_t* __restrict__ dst) {
-  if (mask == nullptr) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = token_at<src_t>(src, nullptr, 0, i);
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = token_at(src, mask, flag, i);
-  }
-}
-
 // One piece placed at row position `pos` written as training pairs: token i is an input at pos + i
 // (if < T) and the target one position before (if >= 1), so a row's first token is no target and
 // its last no input. With mask_bit >= 0 the flag bit is dropped and an unflagged target is -1.
 template <typename src_t>
 COPY_CLONES void write_pair_piece(const src_t* __restrict__ src, const uint8_t* __restrict__ mask,
-                                           int64_t flag, int64_t n, int64_t pos, int64_t T, int64_t* __restrict__ in,
-                                           int64_t* __restrict__ tg, int mask_bit) {
+                                  int64_t flag, int64_t n, int64_t pos, int64_t T, int64_t* __restrict__ in,
+                                  int64_t* __restrict__ tg, int mask_bit) {
   const int64_t n_in = std::min(n, T - pos), skip = pos == 0 ? 1 : 0, n_tg = n - skip;
   in += pos;
   tg += pos + skip - 1;  // target of token skip + i

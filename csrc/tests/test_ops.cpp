@@ -108,12 +108,33 @@ void test_adamw_rejects_bad_input() {
         "adamw_slice_update rejects a short hparams tensor");
 }
 
+using PackRowsFn = std::tuple<at::Tensor, c10::SymInt, c10::SymInt>(const at::Tensor&, const at::Tensor&,
+                                                                    const at::Tensor&, int64_t);
+
+// Two rows of T+1 = 6 from documents of 4, 2, 5 and 3 tokens (BOS = 0), worked by hand: row 0
+// takes the 5-token document, then nothing fits its last slot, so the shortest (2 tokens) is cropped
+// to 1; row 1 takes the 4-token one, and the 3-token one cropped to 2.
+void test_pack_rows_by_hand() {
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow("nanochat_fast::pack_rows", "").typed<PackRowsFn>();
+  const at::Tensor tokens = at::tensor({0, 1, 2, 3, 0, 4, 0, 5, 6, 7, 8, 0, 9, 10}, at::kInt);
+  const at::Tensor offsets = at::tensor({0, 4, 6, 11, 14}, at::kLong);
+  const at::Tensor out = at::full({2, 6}, -1, at::kLong);
+  auto [used, n_tokens, cropped] = op.call(tokens, offsets, out, 0);
+  const at::Tensor expected = at::tensor({0, 5, 6, 7, 8, 0, 0, 1, 2, 3, 0, 9}, at::kLong).view({2, 6});
+  check(at::equal(out, expected), "pack_rows fills rows by best fit and crops the shortest document");
+  check(used.all().item<bool>() && n_tokens == 12 && cropped == 2, "pack_rows reports used documents and counts");
+  check(throws([&] { op.call(tokens, offsets, at::zeros({4, 6}, at::kLong), 0); }),
+        "pack_rows refuses to pack more rows than the documents fill");
+  check(throws([&] { op.call(tokens, offsets, out, 7); }), "pack_rows refuses documents that do not start with BOS");
+}
+
 }  // namespace
 
 int main() {
   test_adamw_matches_double_loop(at::kFloat);
   test_adamw_matches_double_loop(at::kBFloat16);
   test_adamw_rejects_bad_input();
+  test_pack_rows_by_hand();
   std::printf("%s\n", failures ? "SOME TESTS FAILED" : "all C++ op tests passed");
   return failures ? 1 : 0;
 }
