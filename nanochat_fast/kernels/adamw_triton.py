@@ -8,6 +8,8 @@ Loads are cast to fp32 before any arithmetic and rounded back to nearest even on
 params get fp32 math, and the Triton interpreter (whose bf16 arithmetic and casts are inexact)
 gives the same bits as a GPU.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -72,30 +74,37 @@ def _adamw_multi_tensor_kernel(
         tl.store(p_ptr + offs, p, mask=mask)
 
 
-def _launch(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
-    device = params[0].device
-    cfg = CONFIGS["cuda" if device.type == "cuda" else "cpu"]
-    block = cfg["BLOCK"]
-    n = len(params)
-    numels = [p.numel() for p in params]
-    table = torch.tensor([[t.data_ptr() for t in params], [t.data_ptr() for t in grads],
-                          [t.data_ptr() for t in exp_avgs], [t.data_ptr() for t in exp_avg_sqs],
-                          numels], dtype=torch.int64)
-    muls = torch.tensor([lr_muls, wd_muls], dtype=torch.float32)
+@functools.lru_cache(maxsize=32)
+def _block_table(numels: tuple, block: int, device: torch.device) -> torch.Tensor:
+    """(2, n_blocks) int64 on `device`: the tensor index and start offset of every block. It depends
+    only on the sizes, so it is built (and copied to the GPU) once per parameter layout, not per step:
+    a 60M-parameter model has ~30K blocks."""
     block_tensor, block_start = [], []
     for i, numel in enumerate(numels):
         starts = range(0, numel, block)
         block_tensor += [i] * len(starts)
         block_start += starts
-    n_blocks = len(block_start)
+    return torch.tensor([block_tensor, block_start], dtype=torch.int64, device=device)
+
+
+def _launch(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
+    device = params[0].device
+    cfg = CONFIGS["cuda" if device.type == "cuda" else "cpu"]
+    n = len(params)
+    numels = [p.numel() for p in params]
+    blocks = _block_table(tuple(numels), cfg["BLOCK"], device)
+    n_blocks = blocks.size(1)
     if n_blocks == 0:
         return
-    blocks = torch.tensor([block_tensor, block_start], dtype=torch.int64)
-    if device.type != "cpu":  # the tables are tiny: one pinned host->device copy each, no sync
-        table, muls, blocks = (x.pin_memory().to(device, non_blocking=True) for x in (table, muls, blocks))
+    table = torch.tensor([[t.data_ptr() for t in params], [t.data_ptr() for t in grads],
+                          [t.data_ptr() for t in exp_avgs], [t.data_ptr() for t in exp_avg_sqs],
+                          numels], dtype=torch.int64)
+    muls = torch.tensor([lr_muls, wd_muls], dtype=torch.float32)
+    if device.type != "cpu":  # tiny tables: one pinned host->device copy each, no sync
+        table, muls = (x.pin_memory().to(device, non_blocking=True) for x in (table, muls))
     _adamw_multi_tensor_kernel[(n_blocks,)](
         table, muls, blocks, hparams, n, n_blocks,
-        IS_BF16=params[0].dtype == torch.bfloat16, BLOCK=block, num_warps=cfg["num_warps"])
+        IS_BF16=params[0].dtype == torch.bfloat16, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
 
 
 def adamw_slice_update_triton(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
