@@ -70,6 +70,14 @@ def doc_chars(doc) -> int:
     return len(doc) if isinstance(doc, str) else sum(len(m["content"]) for m in doc["messages"])
 
 
+INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def input_files(folder: Path) -> list[Path]:
+    """The files of an --input folder that are read, in the order they are read."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in INPUT_SUFFIXES)
+
+
 def iter_input_folder(folder: Path, max_doc_chars: int):
     """Documents from every .txt / .jsonl / .parquet file under `folder` (sorted, recursive), as
     (doc, source) pairs where source is the file's relative path.
@@ -88,7 +96,7 @@ def iter_input_folder(folder: Path, max_doc_chars: int):
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"--input {folder} is not a directory")
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl", ".parquet"))
+    files = input_files(folder)
     if not files:
         raise UserError(f"--input {folder} has no .txt, .jsonl or .parquet files")
     for path in files:

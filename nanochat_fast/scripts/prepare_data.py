@@ -109,7 +109,7 @@ def prepare_builtin(name, args):
 
 
 def prepare_folder(name, folder, args):
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl", ".parquet"))
+    files = dataset.input_files(folder)
     config = {"input": str(folder.resolve()), "doc_chars": args.doc_chars,
               "files": [[str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
     state = {}
