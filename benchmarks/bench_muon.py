@@ -94,4 +94,4 @@ def test_muon_step_depth8_gpt(benchmark):
             variants=variants,
             notes="same lr, momentum, Nesterov, 5 quintic steps and update scale; torch.optim.Muon "
                   "computes Newton-Schulz in bf16 on every device (CPUs with AVX512-BF16 run bf16 "
-                  "matmuls at ~2.5x their fp32 rate), ours in fp32 on CPU")
+                  "matmuls at ~2.2x their fp32 rate), ours in fp32 on CPU")
