@@ -94,8 +94,10 @@ def _check_writable(run_dir: Path):
                         "choose a writable --out-dir or set NANOCHAT_FAST_HOME") from None
 
 
-def open_run_dir(args, run_name: str, rank: int, phase: str):
-    """Decide the run directory and the checkpoint to resume from: (run_dir, ckpt or None, meta or None)."""
+def open_run_dir(args, run_name: str, rank: int, phase: str, device):
+    """Decide the run directory and the checkpoint to resume from: (run_dir, ckpt or None, meta or None).
+    Every rank reads the directory before rank 0 changes it (clears it for --overwrite, removes
+    incomplete checkpoints), so all ranks take the same decision."""
     resume = args.resume
     if resume not in ("", "auto") and not (args.run or args.out_dir):
         run_dir = Path(resume).resolve().parent.parent  # runs/<run>/checkpoints/step_N -> runs/<run>
@@ -112,15 +114,22 @@ def open_run_dir(args, run_name: str, rank: int, phase: str):
         if not (ckpt / checkpoint.COMPLETE).exists():
             raise UserError(f"--resume {resume}: not a complete checkpoint directory (expected "
                             "runs/<run>/checkpoints/step_NNNNNN containing COMPLETE)")
-    if ckpt is None and resume != "auto" and run_dir.exists() and any(run_dir.iterdir()):
-        if not args.overwrite:
-            raise UserError(f"run directory {run_dir} already exists: pass --resume auto to continue it, "
-                            "--overwrite to start over, or pick another --run")
-        if rank == 0:
-            shutil.rmtree(run_dir)
+    start_over = ckpt is None and resume != "auto" and run_dir.exists() and any(run_dir.iterdir())
+    if start_over and not args.overwrite:
+        raise UserError(f"run directory {run_dir} already exists: pass --resume auto to continue it, "
+                        "--overwrite to start over, or pick another --run")
+    training.all_ranks_ok(True, device)  # a barrier: every rank has read run_dir
+    error = None
     if rank == 0:
-        _check_writable(run_dir)
-        checkpoint.remove_incomplete(run_dir)
+        try:
+            if start_over:
+                shutil.rmtree(run_dir)
+            _check_writable(run_dir)
+            checkpoint.remove_incomplete(run_dir)
+        except UserError as e:
+            error = e
+    if not training.all_ranks_ok(error is None, device):  # and no rank goes on before rank 0 is done
+        raise error or UserError(f"rank 0 could not prepare the run directory {run_dir} (its message says why)")
     meta = checkpoint.load_meta(ckpt) if ckpt else None
     if meta is not None and meta.get("phase") != phase:
         raise UserError(f"{ckpt} is a {meta.get('phase')} checkpoint; this script continues {phase} runs")

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         grad_accum_steps = runs.grad_accum_steps(args, world_size)
         tokenizer = get_tokenizer()
         run_name = args.run or f"base_d{args.depth}"
-        run_dir, ckpt, meta = runs.open_run_dir(args, run_name, rank, phase="base")
+        run_dir, ckpt, meta = runs.open_run_dir(args, run_name, rank, phase="base", device=device)
         config = config_from_depth(args.depth, tokenizer.get_vocab_size(), args.max_seq_len,
                                    aspect_ratio=args.aspect_ratio, head_dim=args.head_dim)
         model_state = None

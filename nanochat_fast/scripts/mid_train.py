@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         grad_accum_steps = runs.grad_accum_steps(args, world_size)
 
         run_name = args.run or f"mid_{base_dir.name}"
-        run_dir, ckpt, meta = runs.open_run_dir(args, run_name, rank, phase="mid")
+        run_dir, ckpt, meta = runs.open_run_dir(args, run_name, rank, phase="mid", device=device)
         if ckpt is not None:
             runs.check_compatible(meta, ckpt, config, tokenizer)
         model_state = checkpoint.load_model_state(ckpt or base_ckpt, device)
