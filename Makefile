@@ -1,7 +1,7 @@
 # nanochat_fast: set up, test, benchmark and demo from a fresh clone.
 #
 #   make test       install into .venv, build the extension, run the C++ and Python tests
-#   make demo       install, prepare data, train tokenizer + model, mid-train, chat (CPU, ~7 min)
+#   make demo       install, prepare data, train tokenizer + model, mid-train, chat (CPU, ~8 min)
 #   make bench      run benchmarks/ and write benchmarks/results.json and benchmarks/RESULTS.md
 #   make test-gpu   the GPU-only tests (needs a CUDA build of torch, see TORCH_SPEC)
 #
@@ -56,7 +56,7 @@ bench: install
 kernels: install
 	$(PY) -m nanochat_fast.kernels
 
-# The whole pipeline on a 2-core CPU in ~7 minutes (install included): data, tokenizer, a depth-4
+# The whole pipeline on a 2-core CPU in 7-8 minutes (install included): data, tokenizer, a depth-4
 # model (5M parameters) pretrained on ~0.8M tokens, mid-trained on conversations, then a chat.
 # Data, tokenizer and runs go to NANOCHAT_FAST_HOME (default ~/.cache/nanochat_fast).
 DEMO_BATCH := --max-seq-len=256 --device-batch-size=16 --total-batch-size=8192 --eval-tokens=32768
