@@ -17,10 +17,11 @@ inline void check_adamw_slice_args(at::TensorList params, at::TensorList grads,
               "have the same length");
   TORCH_CHECK(hparams.scalar_type() == at::kDouble && hparams.numel() == kNumAdamWHParams,
               "adamw_slice_update: hparams must be float64[", int(kNumAdamWHParams), "]");
+  if (n == 0) return;
+  // one device for all: the CUDA launch runs on params[0]'s device
+  const c10::Device device = params[0].device();
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    // one device for all: the CUDA launch runs on params[0]'s device
-    const c10::Device device = params[0].device();
     TORCH_CHECK(device.type() == device_type && p.device() == device && grads[i].device() == device &&
                     exp_avgs[i].device() == device && exp_avg_sqs[i].device() == device,
                 "adamw_slice_update: the tensors of slice ", i, " are not all on ", device,

@@ -2,7 +2,6 @@
 
 The table calls each script's main(argv) in-process through cli.run (what `python -m` runs);
 one case also runs as a real subprocess."""
-import errno
 import json
 import shutil
 import subprocess
@@ -13,7 +12,7 @@ import torch
 
 from nanochat_fast import checkpoint, cli
 from nanochat_fast.scripts import base_eval, base_train, chat_cli, mid_train, prepare_data, tok_train
-from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, home_with_base_run
+from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_with_base_run
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 SCRIPTS = {"base_train": base_train, "mid_train": mid_train, "base_eval": base_eval, "chat_cli": chat_cli,
@@ -119,15 +118,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(trained_home, tmp_
     home = tmp_path / "home"
     shutil.copytree(trained_home, home)
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
-    real_save = checkpoint.save_torch
-
-    def save_torch(path, obj):
-        if "step_000004" in str(path) and path.name == "model.pt":
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(path, obj)
-
-    monkeypatch.setattr(checkpoint, "save_torch", save_torch)
-    with pytest.raises(SystemExit) as exit_info:
+    with disk_full_at("step_000004"), pytest.raises(SystemExit) as exit_info:
         cli.run(base_train.main, TINY + ["--num-iterations=6", "--save-every=2", "--run=full"])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1

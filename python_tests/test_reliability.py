@@ -1,6 +1,5 @@
 """Reliability of training runs: atomic checkpoints under kill -9, exact resume (bitwise on one
 process, 1e-6 on two), resume on another world size, SIGTERM under torchrun, the NaN guard."""
-import errno
 import os
 import shutil
 import signal
@@ -15,7 +14,7 @@ import torch
 from nanochat_fast import checkpoint, runs
 from nanochat_fast.cli import UserError
 from nanochat_fast.scripts import base_train
-from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, run_script, train_rows
+from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, run_script, train_rows
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 
@@ -163,20 +162,11 @@ def test_nan_guard_stops_before_the_update_and_saves_nothing_bad(home, capsys):
     assert [r["step"] for r in train_rows(home / "runs" / "s")] == list(range(1, 9))
 
 
-def test_keep_last_prunes_only_after_a_newer_checkpoint_is_complete(home, monkeypatch):
+def test_keep_last_prunes_only_after_a_newer_checkpoint_is_complete(home):
     args = TINY + ["--num-iterations=9", "--save-every=2", "--keep-last=2", "--run=p"]
     complete = lambda: [p.name for p in checkpoint.complete_checkpoints(home / "runs" / "p")]
-    real_save = checkpoint.save_torch
-
-    def save_torch(path, obj):  # the step-8 checkpoint never completes
-        if "step_000008" in str(path):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(path, obj)
-
-    monkeypatch.setattr(checkpoint, "save_torch", save_torch)
-    with pytest.raises(UserError, match="disk full"):
+    with disk_full_at("step_000008"), pytest.raises(UserError, match="disk full"):  # it never completes
         base_train.main(args)
     assert complete() == ["step_000004", "step_000006"]  # nothing pruned for a save that failed
-    monkeypatch.setattr(checkpoint, "save_torch", real_save)
     assert base_train.main(args + ["--resume=auto"]) == 0
     assert complete() == ["step_000008", "step_000009"]

@@ -1,6 +1,7 @@
 """A tiny but real pipeline for the training tests: a made-up prose corpus and conversations,
 prepared with prepare_data --input, a 320-token tokenizer from tok_train, and the flags of a
 ~50k-parameter model. Nothing is downloaded."""
+import errno
 import json
 import os
 import random
@@ -50,6 +51,25 @@ def home_env(home: Path):
             os.environ.pop("NANOCHAT_FAST_HOME", None)
         else:
             os.environ["NANOCHAT_FAST_HOME"] = old
+
+
+@contextmanager
+def disk_full_at(checkpoint_name: str):
+    """While active, saving any file of checkpoint `checkpoint_name` (e.g. "step_000008") fails
+    with ENOSPC, as on a full disk."""
+    from nanochat_fast import checkpoint
+    real_save = checkpoint.save_torch
+
+    def save_torch(path, obj):
+        if checkpoint_name in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(path, obj)
+
+    checkpoint.save_torch = save_torch
+    try:
+        yield
+    finally:
+        checkpoint.save_torch = real_save
 
 
 def build_tiny_home(root: Path) -> Path:

@@ -10,7 +10,7 @@ Backends:
     triton     CUDA: symmetric X X^T and b A + c A A (only tiles on/above the diagonal), fused
                a X + B X, one launch per kernel for a whole stack (newton_schulz_triton.py)
     torch      CPU: fp32 with fewer flops, symmetric block products and, for wide matrices, the
-               Gram form (see "the torch backend" below); 1.1-1.3x (square) to 1.8-2.0x (1:4)
+               Gram form (see "the torch backend" below); 1.1-1.3x (square) to 1.7-2.0x (1:4)
                faster than the reference here (benchmarks/RESULTS.md)
     reference  the plain iteration, as nanochat writes it
 """
