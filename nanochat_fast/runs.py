@@ -353,36 +353,3 @@ def load_model(run_dir: Path, step: int | None, device, tokenizer, GPT):
     model = new_model(GPT, config, device, checkpoint.load_model_state(ckpt, device))
     model.eval()
     return model, ckpt, meta
-
-
-# ---------------------------------------------------------------------------------------------
-# generation
-
-
-@torch.no_grad()
-def complete(model, tokenizer, prompt: str, max_tokens: int) -> str:
-    """The greedy continuation of `prompt` (after <|bos|>), as text."""
-    ids = tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id())
-    return tokenizer.decode(list(model.generate(ids, max_tokens=max_tokens, temperature=0.0)))
-
-
-@torch.no_grad()
-def assistant_reply(model, tokenizer, messages: list[dict], max_tokens: int, temperature=0.0, top_k=None,
-                    seed=42, on_text=None) -> str:
-    """The assistant's next message after `messages`, up to <|assistant_end|>; on_text(piece) sees
-    each token's text as it comes (for streaming). Prompt + reply stay within the context the
-    model was trained on: the reply gets at most half of it, a long conversation keeps its end."""
-    ids = tokenizer.render_for_completion({"messages": messages})
-    max_tokens = min(max_tokens, model.config.sequence_len // 2)
-    room = model.config.sequence_len - max_tokens
-    if len(ids) > room:
-        ids = [tokenizer.get_bos_token_id()] + ids[-(room - 1):]
-    stop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
-    out = []
-    for tok in model.generate(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed):
-        if tok in stop:
-            break
-        out.append(tok)
-        if on_text is not None:
-            on_text(tokenizer.decode([tok]))
-    return tokenizer.decode(out)

@@ -163,3 +163,16 @@ def test_tok_train_script(nanochat_home, corpus, tmp_path, capsys):
     assert e.value.code == 2
     with pytest.raises(UserError, match="vocab-size"):
         tok_train.main(["--vocab-size=200"])
+
+
+def test_text_stream_never_releases_a_partial_character(tok):
+    """Streaming token by token: a character split over several byte-level tokens comes out whole,
+    once, and the pieces add up to the decoded text."""
+    from nanochat_fast.generation import TextStream
+    text = "naïve café 東京 🙂 and 🙂🙂"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "the test needs a character split over tokens"
+    stream = TextStream(tok)
+    pieces = [stream.push(i) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text == stream.text()

@@ -10,7 +10,7 @@ tokens, so it compares models with different tokenizers. The val split of the ru
 used (a mid-trained checkpoint is measured on the conversations, assistant tokens only).
 """
 
-from .. import cli, runs
+from .. import cli, generation, runs
 from ..common import compute_cleanup, compute_init, print0
 from ..dataloader import ConversationRowLoader, TokenRowLoader
 from ..gpt import GPT
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         print0(f"val bpb ({dataset} val split, up to {args.eval_tokens:,} tokens): {bpb:.4f}")
         if rank == 0:
             for prompt in DEFAULT_PROMPTS[:args.samples]:
-                print(f"  {prompt!r} -> {runs.complete(model, tokenizer, prompt, args.max_tokens)!r}")
+                print(f"  {prompt!r} -> {generation.complete(model, tokenizer, prompt, args.max_tokens)!r}")
         return 0
     finally:
         compute_cleanup()

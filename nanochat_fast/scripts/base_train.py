@@ -13,7 +13,7 @@ checkpoints, metrics.jsonl, loss.png and report.md. Stop it any time with Ctrl-C
 finishes the step, saves, and says how to resume (--resume auto; bit for bit on one CPU process
 with --deterministic).
 """
-from .. import checkpoint, cli, runs
+from .. import checkpoint, cli, generation, runs
 from ..cli import UserError
 from ..common import compute_cleanup, compute_init, print0
 from ..dataloader import TokenRowLoader
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                                     rank=rank, world_size=world_size, device=device)
 
         def sample():
-            return [prompt + runs.complete(orig_model, tokenizer, prompt, 16) for prompt in DEFAULT_PROMPTS]
+            return [prompt + generation.complete(orig_model, tokenizer, prompt, 16) for prompt in DEFAULT_PROMPTS]
 
         run = runs.make_run(
             args, model=model, orig_model=orig_model, optimizers=optimizers, loader=loader,

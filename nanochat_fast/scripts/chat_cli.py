@@ -9,7 +9,7 @@ Interactive commands: 'clear' starts a new conversation, 'quit' (or Ctrl-D) leav
 """
 import sys
 
-from .. import cli, runs
+from .. import cli, generation, runs
 from ..common import compute_init
 from ..gpt import GPT
 from ..tokenizer import get_tokenizer
@@ -30,9 +30,9 @@ def build_parser():
 
 def reply(model, tokenizer, messages, args) -> str:
     """Generate the assistant's next message, streaming it to stdout."""
-    text = runs.assistant_reply(model, tokenizer, messages, args.max_tokens, temperature=args.temperature,
-                                top_k=args.top_k, seed=args.seed,
-                                on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+    text = generation.assistant_reply(model, tokenizer, messages, args.max_tokens, temperature=args.temperature,
+                                      top_k=args.top_k, seed=args.seed,
+                                      on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     print()
     return text
 

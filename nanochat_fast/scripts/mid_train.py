@@ -14,7 +14,7 @@ targets weigh the same on 1 or N processes.
 import json
 from pathlib import Path
 
-from .. import checkpoint, cli, runs
+from .. import checkpoint, cli, generation, runs
 from ..cli import UserError
 from ..common import compute_cleanup, compute_init, print0
 from ..dataloader import ConversationRowLoader
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                                     rank=rank, world_size=world_size, device=device, tokenizer=tokenizer)
 
         def sample():
-            return [f"{q} -> {runs.assistant_reply(orig_model, tokenizer, [{'role': 'user', 'content': q}], 32)}"
+            return [f"{q} -> {generation.assistant_reply(orig_model, tokenizer, [{'role': 'user', 'content': q}], 32)}"
                     for q in SAMPLE_QUESTIONS]
 
         run = runs.make_run(
