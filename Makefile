@@ -29,7 +29,7 @@ $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --disable-pip-version-check -q $(TORCH_SPEC) $(TRITON_SPEC)
 	$(PIP) install --disable-pip-version-check -q setuptools wheel ninja
-	$(PIP) install --disable-pip-version-check -q --no-build-isolation -e ".[test]"
+	$(PIP) install --disable-pip-version-check -q --no-build-isolation -e ".[test,web]"
 	$(PY) -m nanochat_fast.kernels
 	touch $@
 
