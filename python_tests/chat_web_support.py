@@ -50,13 +50,18 @@ def arithmetic_chat_model(tokenizer, config, steps: int = 120, seed: int = 0):
     torch.manual_seed(seed)
     model = runs.new_model(GPT, config, "cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    for _ in range(steps):
-        pick = torch.randint(0, len(rows), (32,))
-        targets = rows[pick, 1:].masked_fill(~masks[pick, 1:], -1)
-        loss = model(rows[pick, :-1], targets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this narrow gains nothing from a second thread, and a busy machine makes it wait
+    try:
+        for _ in range(steps):
+            pick = torch.randint(0, len(rows), (32,))
+            targets = rows[pick, 1:].masked_fill(~masks[pick, 1:], -1)
+            loss = model(rows[pick, :-1], targets)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
     return model.eval()
 
 

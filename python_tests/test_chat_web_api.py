@@ -89,8 +89,9 @@ def test_the_asgi_client_sees_the_event_stream(model_and_tokenizer, reference):
     pool.close()
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     assert headers["cache-control"] == "no-cache"
-    assert sse_events(chunks) == [{"token": t} for t in [e["token"] for e in sse_events(chunks)[:-1]]] + [{"done": True}]
-    assert "".join(e.get("token", "") for e in sse_events(chunks)) == reference
+    events = sse_events(chunks)
+    assert events[-1] == {"done": True} and all(set(e) == {"token"} for e in events[:-1])
+    assert "".join(e["token"] for e in events[:-1]) == reference
 
 
 def conversation(n, content="hi"):
@@ -194,10 +195,11 @@ def test_body_size_content_type_paths_hosts_and_no_cors(model_and_tokenizer):
     pool.close()
 
 
-async def asgi_call(app, method: str, raw_path: str, body: bytes = b"", headers=()):
+async def asgi_call(app, method: str, raw_path: str, body: bytes = b"", headers=(), leave: asyncio.Event = None):
     """(status, [body chunks]) of one request made straight through the ASGI interface: each chunk
     is one write the server made (httpx's ASGI client joins them), and the path reaches the app
-    as sent, dot segments and encodings untouched (httpx normalises them)."""
+    as sent, dot segments and encodings untouched (httpx normalises them). Setting `leave`
+    disconnects the client."""
     from urllib.parse import unquote
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": method, "scheme": "http", "path": unquote(raw_path), "raw_path": raw_path.encode(),
@@ -209,7 +211,11 @@ async def asgi_call(app, method: str, raw_path: str, body: bytes = b"", headers=
         if not requested:
             requested.append(True)
             return {"type": "http.request", "body": body, "more_body": False}
-        await finished.wait()  # the client stays connected until the response is complete
+        # the client stays connected until the response is complete, or until it leaves
+        waits = [asyncio.ensure_future(e.wait()) for e in (finished, leave or asyncio.Event())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
         return {"type": "http.disconnect"}
 
     async def send(message):
@@ -260,6 +266,29 @@ def test_queue_full_is_503_with_retry_after_and_queued_requests_complete(model_a
         assert status == 200 and events[-1] == {"done": True}
         assert "".join(e["token"] for e in events[:-1]) == reference
     assert pool.stats()["requests"] == {"completed": 2, "cancelled": 0, "timed_out": 0, "failed": 0, "rejected": 1}
+
+
+def test_a_client_that_leaves_while_queued_leaves_the_queue(model_and_tokenizer, reference):
+    gate = threading.Event()
+    app, pool = make_app(model_and_tokenizer, generate=gated(gate), queue_limit=1)
+    body = json.dumps({"messages": QUESTION, "temperature": 0}).encode()
+    headers = [(b"content-type", b"application/json")]
+
+    async def go():
+        leave = asyncio.Event()
+        running = asyncio.create_task(asgi_call(app, "POST", "/chat/completions", body, headers))
+        await wait_for(lambda: pool.stats()["replicas_busy"] == 1)
+        queued = asyncio.create_task(asgi_call(app, "POST", "/chat/completions", body, headers, leave=leave))
+        await wait_for(lambda: pool.stats()["queue_length"] == 1)
+        leave.set()
+        await wait_for(lambda: pool.stats()["queue_length"] == 0)
+        gate.set()
+        return await running, await queued
+    (status, chunks), (left_status, left_chunks) = asyncio.run(go())
+    pool.close()
+    assert status == 200 and "".join(e.get("token", "") for e in sse_events(chunks)) == reference
+    assert left_status == 200 and left_chunks == []  # it left before its reply began
+    assert pool.stats()["requests"]["cancelled"] == 1 and pool.stats()["requests"]["completed"] == 1
 
 
 def test_request_timeout_ends_the_stream_and_frees_the_replica(model_and_tokenizer):
@@ -323,9 +352,11 @@ def test_bad_command_lines_exit_2_with_one_line(web_home, nanochat_home, monkeyp
     # nanochat_home: an empty home; a host that is not the loopback warns first, then the real error
     code, err = run_main(["--host=0.0.0.0"], capsys)
     assert code == 2 and len(err) == 2
-    assert err[0].startswith("warning: --host 0.0.0.0 lets other machines reach this server") and "no tokenizer" in err[1]
+    assert err[0].startswith("warning: --host 0.0.0.0 lets other machines reach this server")
+    assert "no tokenizer" in err[1]
     for argv, reason in ((["--queue-size=-1"], "must be >= 0"), (["--request-timeout=0"], "must be > 0"),
-                         (["--workers=0"], "must be a positive integer"), (["--port=x"], "invalid non_negative_int")):
+                         (["--workers=0"], "must be a positive integer"), (["--port=x"], "invalid non_negative_int"),
+                         (["--temperature=2.5"], "at most 2.0"), (["--top-k=201"], "at most 200")):
         code, err = run_main(argv, capsys)
         assert code == 2 and len(err) == 1 and reason in err[0], (argv, err)
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(web_home))

@@ -13,6 +13,7 @@ pip install -e ".[web]". API: GET /health, GET /stats, POST /chat/completions (s
 import argparse
 import ipaddress
 import logging
+import math
 import socket
 import sys
 import time
@@ -30,13 +31,15 @@ def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_web", description=__doc__)
     p.add_argument("--run", default="", help="run name or directory (default: the newest mid-trained run)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (anything but the loopback exposes the model)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (anything but the loopback exposes the model to the network)")
     p.add_argument("--port", type=cli.non_negative_int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument("--workers", type=cli.positive_int, default=None,
                    help="model replicas (default: one per visible GPU, one on CPU or MPS)")
     p.add_argument("--max-new-tokens", type=cli.positive_int, default=512,
-                   help="longest reply, in tokens, and the most a request may ask for (at most half the model's context is used)")
-    p.add_argument("--temperature", type=cli.non_negative_float, default=0.8, help="default sampling temperature (0 = greedy)")
+                   help="longest reply in tokens, and the most a request may ask for (capped at half the model's context)")
+    p.add_argument("--temperature", type=cli.non_negative_float, default=0.8,
+                   help="default sampling temperature (0 = greedy)")
     p.add_argument("--top-k", type=cli.non_negative_int, default=50, help="default top-k (0 = the whole vocabulary)")
     p.add_argument("--queue-size", type=cli.non_negative_int, default=16,
                    help="requests that may wait for a busy replica; more get HTTP 503 with Retry-After")
@@ -59,6 +62,17 @@ def remote_host_warning(host: str) -> str | None:
         pass
     return (f"warning: --host {host} lets other machines reach this server; it has no authentication, so "
             "anyone who can connect can use the model (leave --host out to listen on 127.0.0.1 only)")
+
+
+def check_ranges(args):
+    """Flags whose range the request validation also enforces (the page sends these defaults back)."""
+    from ..web.schema import MAX_TEMPERATURE, MAX_TOP_K
+    if not 0 < args.request_timeout < math.inf:
+        raise UserError(f"--request-timeout must be > 0 seconds (and finite), got {args.request_timeout}")
+    if args.temperature > MAX_TEMPERATURE:
+        raise UserError(f"--temperature must be at most {MAX_TEMPERATURE}, got {args.temperature}")
+    if args.top_k > MAX_TOP_K:
+        raise UserError(f"--top-k must be at most {MAX_TOP_K} (0: the whole vocabulary), got {args.top_k}")
 
 
 def check_web_dependencies():
@@ -115,12 +129,11 @@ def slowed(generate, delay: float):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if not args.request_timeout > 0:
-        raise UserError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     warning = remote_host_warning(args.host)
     if warning:
         print(warning, file=sys.stderr, flush=True)
     check_web_dependencies()
+    check_ranges(args)
     import uvicorn
 
     from ..web import app as web_app, pool as web_pool, schema as web_schema
@@ -138,7 +151,7 @@ def main(argv=None) -> int:
         settings = web_app.Settings(
             model_name=name, temperature=args.temperature, top_k=args.top_k, request_timeout=args.request_timeout,
             limits=web_schema.Limits(max_tokens=args.max_new_tokens),
-            allowed_hosts=("*",) if warning else tuple(web_app.LOOPBACK_HOSTS))
+            allowed_hosts=("*",) if warning else (*web_app.LOOPBACK_HOSTS, args.host))
         app = web_app.create_app(pool, settings)
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host

@@ -87,8 +87,9 @@ async def reply_events(job: Job, pool: ReplicaPool, arrived: float, timeout: flo
     kind = None
     try:
         while kind != "done":
+            left = arrived + timeout - time.monotonic()
             try:
-                kind, value = await asyncio.wait_for(job.events.get(), timeout=max(0.0, arrived + timeout - time.monotonic()))
+                kind, value = await asyncio.wait_for(job.events.get(), timeout=max(0.0, left))
             except asyncio.TimeoutError:
                 pool.cancel(job, "timeout")
                 message = f"the reply was cut off by the server's request timeout ({timeout:g} s)"

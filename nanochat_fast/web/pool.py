@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger("nanochat_fast.chat_web")
+OUTCOMES = ("completed", "cancelled", "timed_out", "failed")  # how a request that got in ended
 
 
 @dataclass
@@ -110,7 +111,7 @@ class ReplicaPool:
         with self._cond:
             return {"replicas": len(self.replicas), "replicas_busy": self._busy,
                     "queue_length": len(self._waiting), "queue_limit": self.queue_limit,
-                    "requests": {k: self.counts[k] for k in ("completed", "cancelled", "timed_out", "failed", "rejected")},
+                    "requests": {k: self.counts[k] for k in OUTCOMES + ("rejected",)},
                     "tokens_generated": self._tokens,
                     # decode speed of one replica: tokens per second spent generating (prompts included)
                     "tokens_per_s": round(self._tokens / self._busy_seconds, 2) if self._busy_seconds else None}
@@ -128,7 +129,7 @@ class ReplicaPool:
 
     def _retry_after(self) -> int:
         """Seconds until a place is likely free: one average request's time (1 s before any)."""
-        finished = sum(self.counts[k] for k in ("completed", "cancelled", "timed_out", "failed"))
+        finished = sum(self.counts[k] for k in OUTCOMES)
         mean = self._busy_seconds / finished if finished else 1.0
         return max(1, min(60, math.ceil(mean)))
 
