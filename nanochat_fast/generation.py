@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .calculator import calculate
+from .gpt import KVCache
 
 # How tool tokens read in text: a call and its output look like GSM8K's "<<12/60=0.2>>".
 TOOL_TEXT = {"<|python_start|>": "<<", "<|python_end|>": "=", "<|output_start|>": "", "<|output_end|>": ">>"}
@@ -134,7 +135,6 @@ def generate_steps(model, tokenizer, prompt: list[int], num_samples: int = 1, ma
     """Yield, once per step, {row: (token, forced)} for the rows still going (forced: the token
     came from the tool, not from sampling). A row ends after <|assistant_end|> or <|bos|> (which it
     yields); all end after max_tokens steps, or when should_stop() (asked before each step) says so."""
-    from .gpt import KVCache
     if not isinstance(prompt, list) or not prompt:
         raise ValueError("prompt must be a non-empty list of token ids")
     if num_samples < 1 or max_tokens < 0:

@@ -133,9 +133,10 @@ class ExecutionResult:
 
 
 def _isolation_prefix() -> list[str]:
-    return [shutil.which("unshare"), "--net", "--", shutil.which("setpriv"), f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}",
-            "--clear-groups", "--inh-caps=-all,+dac_read_search", "--ambient-caps=+dac_read_search",
-            "--bounding-set=-all,+dac_read_search", "--no-new-privs", "--"]
+    """A new network namespace, then the user nobody with no privileges but reading any file."""
+    return [shutil.which("unshare"), "--net", "--", shutil.which("setpriv"), f"--reuid={SANDBOX_UID}",
+            f"--regid={SANDBOX_UID}", "--clear-groups", "--inh-caps=-all,+dac_read_search",
+            "--ambient-caps=+dac_read_search", "--bounding-set=-all,+dac_read_search", "--no-new-privs", "--"]
 
 
 @functools.cache
@@ -152,7 +153,7 @@ def isolation() -> str:
     return "namespace" if probe.returncode == 0 else "guards"
 
 
-def _tail(path: Path) -> str:
+def _read_output(path: Path) -> str:
     try:
         with open(path, "rb") as f:
             return f.read(OUTPUT_BYTES).decode("utf-8", errors="replace")
@@ -194,8 +195,12 @@ def run_program(code: str, timeout: float = 5.0, memory_mb: int = 512) -> Execut
             timed_out = True
         _kill_group(proc.pid)  # the program, and anything it left behind in its process group
         proc.wait()
-        verdict = os.read(read_end, 2000).decode("utf-8", errors="replace")
-        stdout, stderr = _tail(folder / "stdout"), _tail(folder / "stderr")
+        os.set_blocking(read_end, False)  # a process that escaped the group may hold the pipe open
+        try:
+            verdict = os.read(read_end, 2000).decode("utf-8", errors="replace")
+        except BlockingIOError:
+            verdict = ""
+        stdout, stderr = _read_output(folder / "stdout"), _read_output(folder / "stderr")
     finally:
         for fd in (read_end, write_end):
             if fd >= 0:

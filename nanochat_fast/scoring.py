@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .generation import fit_context, generate_batch
-from .tasks import SUBSET_NAME
+from .tasks.core import CORE_TOTAL_TASKS
 
 Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
 
@@ -69,10 +69,11 @@ def centered(accuracy: float, chance: float) -> float:
 
 def core_summary(accuracies: dict[str, float], chances: dict[str, float]) -> dict:
     """{"results": accuracy per task, "centered": centred per task, "core_subset": their mean,
-    "name": what the mean is}: DCLM's CORE metric, over the tasks given."""
+    "name": what the mean is, e.g. "CORE subset (10/22 tasks)"}: DCLM's CORE metric (the mean of
+    the centred accuracies), over the tasks given. Print the name with the number: it is not CORE."""
     centred = {label: centered(acc, chances[label]) for label, acc in accuracies.items()}
     mean = sum(centred.values()) / len(centred) if centred else float("nan")
-    return {"name": SUBSET_NAME if len(centred) > 1 else "CORE task", "results": dict(accuracies),
+    return {"name": f"CORE subset ({len(centred)}/{CORE_TOTAL_TASKS} tasks)", "results": dict(accuracies),
             "centered": centred, "core_subset": mean}
 
 

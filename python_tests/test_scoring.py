@@ -124,7 +124,7 @@ def test_centring_and_core_summary():
                                    {"copa": 0.5, "hellaswag": 0.25, "boolq": 0.62})
     assert summary["centered"] == pytest.approx({"copa": 0.5, "hellaswag": 0.0, "boolq": 0.5})
     assert summary["core_subset"] == pytest.approx(1 / 3)
-    assert summary["name"].startswith("CORE subset")
+    assert summary["name"] == "CORE subset (3/22 tasks)"
 
 
 def test_wilson_interval_against_hand_computation():
