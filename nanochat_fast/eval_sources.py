@@ -61,7 +61,7 @@ class EvalDataset:
 
 
 # ---------------------------------------------------------------------------------------------
-# archive helpers
+# reading the archives
 
 
 def arrow_rows(z: zipfile.ZipFile, path: str) -> list[dict]:

