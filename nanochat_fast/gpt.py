@@ -105,6 +105,12 @@ class KVCache:
             self.pos = t1
         return self.kv[layer_idx, 0, :, :, :t1], self.kv[layer_idx, 1, :, :, :t1]
 
+    def select_rows(self, rows: torch.Tensor):
+        """Keep the sequences at `rows` (int64 indices into the batch, repeats allowed): a prompt
+        cached once becomes n rows with rows = [0] * n; finished rows leave the batch."""
+        if self.kv is not None:
+            self.kv = self.kv.index_select(2, rows.to(self.kv.device))
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
