@@ -35,10 +35,11 @@ from nanochat_fast.tokenizer import RANKS_FILE, get_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))
 from chat_web_support import chat_web_process, load_chat_model, random_model, save_chat_checkpoint  # noqa: E402
+from harness import MIN_ROUNDS  # noqa: E402
 
 MAX_TOKENS = 128
 QUESTION = [{"role": "user", "content": "Why is the sky blue? Explain it to me in a few sentences."}]
-ROUNDS = 3
+ROUNDS = MIN_ROUNDS  # each round serves 1 + 1 + 8 replies: about 25 s on 2 busy cores
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,7 @@ _chat_homes = {}
 
 def chat_home(tiny_home: Path) -> Path:
     """A copy of tiny_home with the arithmetic chat model saved as run "chat", built once per test
-    session (every chat_web test module asks for it)."""
+    run (every chat_web test module asks for it)."""
     if tiny_home not in _chat_homes:
         import shutil
         from nanochat_fast.gpt import GPTConfig
