@@ -2,11 +2,14 @@
 package's own checkpoint writer (random weights to time serving; a few seconds of training for
 replies that read as replies), a real chat_web process on a free port of 127.0.0.1, and a reader
 for its server-sent events."""
+import collections
 import json
 import os
+import queue
 import random
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -109,8 +112,8 @@ def load_chat_model(home: Path, run: str = "chat"):
 
 
 class Server:
-    def __init__(self, process: subprocess.Popen, url: str, banner: str):
-        self.process, self.url, self.banner = process, url, banner
+    def __init__(self, process: subprocess.Popen, url: str, banner: str, log: collections.deque):
+        self.process, self.url, self.banner, self.log = process, url, banner, log
 
     def rss_bytes(self) -> int:
         """Resident memory of the server process (Linux /proc)."""
@@ -121,27 +124,38 @@ class Server:
 
 
 @contextmanager
-def chat_web_process(home: Path, args: list[str], timeout: float = 90.0, threads: int = 1):
+def chat_web_process(home: Path, args: list[str], timeout: float = 120.0, threads: int = 1):
     """A real `python -m nanochat_fast.scripts.chat_web --port=0 ...` on 127.0.0.1; yields a Server
-    once it answers /health, and stops it (SIGTERM, then SIGKILL) afterwards."""
+    once it answers /health, and stops it (SIGTERM, then SIGKILL) afterwards. Its output is read
+    all along (an unread pipe would fill with access-log lines and stall the server); the last
+    lines are kept in Server.log."""
     import httpx
     env = {**os.environ, "NANOCHAT_FAST_HOME": str(home), "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "nanochat_fast.scripts.chat_web", "--host=127.0.0.1", "--port=0", *args]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    log, lines = collections.deque(maxlen=200), queue.Queue()
+
+    def drain():
+        for line in process.stdout:
+            log.append(line)
+            lines.put(line)
+        lines.put(None)  # the process closed its output: it has ended
+    threading.Thread(target=drain, daemon=True).start()
     try:
-        banner, seen = None, []
-        deadline = time.monotonic() + timeout
+        banner, deadline = None, time.monotonic() + timeout
         while banner is None:  # the banner line carries the port that --port=0 got
-            line = process.stdout.readline()
-            if not line or time.monotonic() > deadline:
-                raise RuntimeError("chat_web did not start:\n" + "".join(seen))
-            seen.append(line)
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                raise RuntimeError("chat_web did not start:\n" + "".join(log))
             if line.startswith("chat_web:"):
                 banner = line.strip()
         url = banner.rsplit("open ", 1)[1].rstrip("/")
         while httpx.get(url + "/health").status_code != 200:
             time.sleep(0.05)
-        yield Server(process, url, banner)
+        yield Server(process, url, banner, log)
     finally:
         process.terminate()
         try:
@@ -149,7 +163,6 @@ def chat_web_process(home: Path, args: list[str], timeout: float = 90.0, threads
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        process.stdout.close()
 
 
 def sse_events(chunks) -> list[dict]:

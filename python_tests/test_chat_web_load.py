@@ -65,6 +65,7 @@ def test_16_concurrent_clients_all_complete_and_memory_stays_flat(web_home, refe
             wait_idle(server)
             rss.append(server.rss_bytes())
         s = stats(server)
+        assert not any("Traceback" in line or "ERROR" in line for line in server.log), "".join(server.log)
     assert s["requests"] == {"completed": 3 * CLIENTS, "cancelled": 0, "timed_out": 0, "failed": 0, "rejected": 0}
     assert s["tokens_per_s"] > 0 and s["tokens_generated"] >= 3 * CLIENTS * len(reference) // 2
     # The first round warms allocators and caches; after it, rounds add nothing (measured: +0.1 MiB
@@ -94,6 +95,7 @@ def test_over_the_queue_bound_clients_get_503_and_nothing_else(slow_server, refe
         assert len(chunks) >= 3  # streamed over the socket as generated
     s = wait_idle(slow_server)
     assert s["requests"]["rejected"] == len(refused) and s["requests"]["completed"] == len(served)
+    assert not any("Traceback" in line or "ERROR" in line for line in slow_server.log), "".join(slow_server.log)
 
 
 def test_a_client_that_disconnects_frees_the_replica(slow_server):
@@ -110,6 +112,7 @@ def test_a_client_that_disconnects_frees_the_replica(slow_server):
     assert after["requests"]["cancelled"] == before["requests"]["cancelled"] + 1
     assert after["requests"]["completed"] == before["requests"]["completed"]
     assert after["tokens_generated"] - before["tokens_generated"] < 5
+    assert not any("Traceback" in line or "ERROR" in line for line in slow_server.log), "".join(slow_server.log)
 
 
 def raw_http(url: str, request_line: str, host="127.0.0.1") -> str:
