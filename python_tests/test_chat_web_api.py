@@ -374,3 +374,23 @@ def test_only_addresses_off_the_loopback_warn():
         assert chat_web.remote_host_warning(host) is None, host
     for host in ("0.0.0.0", "::", "192.168.1.5", "example.org"):
         assert chat_web.remote_host_warning(host).startswith(f"warning: --host {host} "), host
+
+
+def test_closing_the_pool_stops_running_and_waiting_replies(model_and_tokenizer):
+    gate = threading.Event()  # never set: replies wait until stopped
+    app, pool = make_app(model_and_tokenizer, generate=gated(gate), queue_limit=1)
+    body = json.dumps({"messages": QUESTION}).encode()
+    headers = [(b"content-type", b"application/json")]
+
+    async def go():
+        calls = [asyncio.create_task(asgi_call(app, "POST", "/chat/completions", body, headers))]
+        await wait_for(lambda: pool.stats()["replicas_busy"] == 1)
+        calls.append(asyncio.create_task(asgi_call(app, "POST", "/chat/completions", body, headers)))
+        await wait_for(lambda: pool.stats()["queue_length"] == 1)
+        pool.close()  # what the server's shutdown does
+        return await asyncio.gather(*calls)
+    (s1, running), (s2, waiting) = asyncio.run(go())
+    assert s1 == s2 == 200
+    assert sse_events(running) == [{"done": True}]  # stopped before its first token
+    assert sse_events(waiting) == [{"error": "the server is shutting down"}, {"done": True}]
+    assert pool.stats()["replicas_busy"] == 0 and pool.stats()["queue_length"] == 0

@@ -70,6 +70,7 @@ class ReplicaPool:
         self.queue_limit = queue_limit
         self._generate = generate
         self._waiting = collections.deque()
+        self._running = set()
         self._cond = threading.Condition()
         self._busy = 0
         self._closed = False
@@ -120,6 +121,8 @@ class ReplicaPool:
         """Stop every job and let the worker threads end (they finish the token in hand)."""
         with self._cond:
             self._closed = True
+            for job in self._running:
+                job.stop.set()
             for job in self._waiting:
                 job.stop.set()
                 job.emit("error", "the server is shutting down")
@@ -142,7 +145,9 @@ class ReplicaPool:
             if self._closed:
                 return None
             self._busy += 1
-            return self._waiting.popleft()
+            job = self._waiting.popleft()
+            self._running.add(job)
+            return job
 
     def _serve(self, replica: Replica):
         while (job := self._next_job()) is not None:
@@ -168,6 +173,7 @@ class ReplicaPool:
                     outcome = "timed_out" if job.stop_reason == "timeout" else "cancelled"
                 job.stop.set()  # finished: a late cancel() is a no-op
                 self.counts[outcome] += 1
+                self._running.discard(job)
                 self._busy -= 1
                 self._tokens += job.tokens
                 self._busy_seconds += time.perf_counter() - start
