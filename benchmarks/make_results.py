@@ -24,11 +24,13 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
              "Produced by `make bench` (pytest-benchmark; variants timed in interleaved rounds, medians; "
              "ratio = median / median of the baseline, lower is faster; rounds = timed rounds per variant, "
              "cut to each benchmark's time budget, at least 3).", ""]
-    by_op = {}
+    by_op, tables = {}, []
     for b in data["benchmarks"]:
         info = b.get("extra_info", {})
         if "variants" in info:
             by_op.setdefault(info["op"], []).append(info)
+        if "table" in info:  # a benchmark that reports its own columns (e.g. bench_chat_web.py)
+            tables.append(info["table"])
     for op, infos in by_op.items():
         lines += [f"## {op}", "", "| shape set | variant | median (ms) | ratio to baseline | rounds |",
                   "|---|---|---:|---:|---:|"]
@@ -43,6 +45,9 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
             if info.get("notes"):
                 lines.append(f"| | *{info['notes']}* | | | |")
         lines.append("")
+    for t in tables:
+        lines += [f"## {t['title']}", "", "| " + " | ".join(t["columns"]) + " |", "|---" * len(t["columns"]) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in t["rows"]] + ["", f"*{t['notes']}*", ""]
     Path(out_path).write_text("\n".join(lines))
     print(f"wrote {out_path}")
 
