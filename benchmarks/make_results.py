@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from compiled_table import section_from_file
 from nanochat_fast.report import hardware
 
 
@@ -34,6 +35,7 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
             if info.get("notes"):
                 lines.append(f"| | *{info['notes']}* | | |")
         lines.append("")
+    lines += section_from_file(Path(out_path).with_name("compiled.json"))  # compiled, not run: compiled_table.py
     Path(out_path).write_text("\n".join(lines))
     print(f"wrote {out_path}")
 
