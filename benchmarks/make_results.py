@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from nanochat_fast import precision
+from compiled_table import section_from_file
 from nanochat_fast.report import hardware
 
 
@@ -48,6 +49,7 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
     for t in tables:
         lines += [f"## {t['title']}", "", "| " + " | ".join(t["columns"]) + " |", "|---" * len(t["columns"]) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in t["rows"]] + ["", f"*{t['notes']}*", ""]
+    lines += section_from_file(Path(out_path).with_name("compiled.json"))  # compiled, not run: compiled_table.py
     Path(out_path).write_text("\n".join(lines))
     print(f"wrote {out_path}")
 
