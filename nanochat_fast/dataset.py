@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from . import paths
-from .cli import UserError
+from .errors import UserError
 
 TEXT, CHAT = "text", "chat"
 SPLITS = ("train", "val")

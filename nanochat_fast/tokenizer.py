@@ -257,7 +257,7 @@ class Tokenizer:
 
 def get_tokenizer(directory=None) -> Tokenizer:
     """The trained tokenizer under NANOCHAT_FAST_HOME (or `directory`); a UserError when missing."""
-    from .cli import UserError
+    from .errors import UserError
     directory = Path(directory) if directory is not None else paths.tokenizer_dir()
     if not (directory / RANKS_FILE).is_file():
         raise UserError(f"no tokenizer in {directory}: run `python -m nanochat_fast.scripts.tok_train` "
@@ -271,7 +271,7 @@ def get_tokenizer(directory=None) -> Tokenizer:
 def get_token_bytes(device="cpu", directory=None):
     """int32[vocab] bytes per token (0 for special tokens), for bits-per-byte."""
     import torch
-    from .cli import UserError
+    from .errors import UserError
     directory = Path(directory) if directory is not None else paths.tokenizer_dir()
     path = directory / TOKEN_BYTES_FILE
     if not path.is_file():
