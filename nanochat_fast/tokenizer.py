@@ -184,7 +184,7 @@ class Tokenizer:
     # conversations
 
     @staticmethod
-    def _messages(conversation):
+    def turns(conversation):
         """The user/assistant turns of a conversation, a system message merged into the first user one."""
         messages = conversation.get("messages") if isinstance(conversation, dict) else None
         if not isinstance(messages, list) or not messages:
@@ -205,7 +205,7 @@ class Tokenizer:
     def render_conversation(self, conversation, max_tokens: int | None = None):
         """Token ids and a mask (1 on the tokens the model learns to say: the assistant's text and
         its <|assistant_end|>; 0 elsewhere), both lists of ints. max_tokens truncates both."""
-        messages = self._messages(conversation)
+        messages = self.turns(conversation)
         sp = self.special_tokens
         ids, mask = [sp["<|bos|>"]], [0]
 
@@ -248,7 +248,7 @@ class Tokenizer:
         messages = conversation.get("messages") if isinstance(conversation, dict) else None
         if isinstance(messages, list) and messages and messages[-1].get("role") == "assistant":
             conversation = dict(conversation, messages=messages[:-1])
-        messages = self._messages(conversation)
+        messages = self.turns(conversation)
         if messages[-1]["role"] != "user":
             raise ValueError("render_for_completion: the conversation must end with a user message")
         ids, _ = self.render_conversation(conversation)

@@ -92,7 +92,7 @@ def prepare_builtin(name, args):
         config = _config(args, srcs)
 
         def docs():
-            with dataset._tqdm(desc="reading sources", unit="source", total=len(srcs)) as bar:
+            with dataset.progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
                 pairs = [(d, s.name) for s in srcs for d in _read(s, cache, args, bar)]
             return _shuffled(pairs, args.seed)
         kind, infos = dataset.TEXT, [_source_info(s) for s in srcs]
@@ -101,7 +101,7 @@ def prepare_builtin(name, args):
         config = _config(args, srcs, synthetic=args.synthetic)
 
         def docs():
-            with dataset._tqdm(desc="reading sources", unit="source", total=len(srcs)) as bar:
+            with dataset.progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
                 pairs = [(c, s.name) for s in srcs for c in _read(s, cache, args, bar)]
             words = sources.words_of([c for c, _ in pairs])
             pairs += [(c, "synthetic") for c in sources.synthetic_conversations(args.synthetic, words, args.seed)]
