@@ -25,11 +25,13 @@ PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest
 
 install: $(STAMP)
 
+# extras: web = chat_web's FastAPI + uvicorn; test = pytest tools, httpx and Playwright, which drives the
+# system's Chromium in the browser test (never `playwright install`; .ci/run apt-installs chromium)
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --disable-pip-version-check -q $(TORCH_SPEC) $(TRITON_SPEC)
 	$(PIP) install --disable-pip-version-check -q setuptools wheel ninja
-	$(PIP) install --disable-pip-version-check -q --no-build-isolation -e ".[test]"
+	$(PIP) install --disable-pip-version-check -q --no-build-isolation -e ".[test,web]"
 	$(PY) -m nanochat_fast.kernels
 	touch $@
 

@@ -133,9 +133,11 @@ class OptimConfig(Config):
     warmup_ratio: float = flag(0.0, fraction, "fraction of steps of linear lr warmup")
     warmdown_ratio: float = flag(0.2, fraction, "fraction of steps of linear lr warmdown")
     final_lr_frac: float = flag(0.0, fraction, "lr at the end, as a fraction of the peak")
-    ns_coefficients: str = flag("quintic", choice("quintic", "polar_express"), "Newton-Schulz coefficients of Muon",
-                                choices=["quintic", "polar_express"])
-    # Muon's recipe options (--muon-recipe, --ns-dtype) join here as fields and in optimizer_kwargs()
+    ns_coefficients: str | None = flag(None, optional(choice("quintic", "polar_express")),
+                                       "Newton-Schulz coefficients of Muon (default: the Muon recipe's; quintic for "
+                                       "the seeds recipe)", choices=["quintic", "polar_express"])
+    # Muon's recipe (--muon-recipe, --ns-dtype and overrides: optim.MuonRecipe) joins here as fields,
+    # passed on by optimizer_kwargs() as setup_optimizers(..., muon_recipe=MuonRecipe.preset(...))
 
     # The learning-rate flags and the parameters (by name prefix) whose optimizer groups they set:
     # on resume, a flag given on the command line replaces the checkpoint's value (stage.py).

@@ -55,10 +55,10 @@ def lr_multiplier(progress: float, warmup_ratio: float, warmdown_ratio: float, f
     return 1.0
 
 
-def muon_momentum(step: int) -> float:
-    """Muon momentum warms up from 0.85 to 0.95 over the first 300 steps."""
-    frac = min(step / 300, 1.0)
-    return (1 - frac) * 0.85 + frac * 0.95
+def muon_momentum(optimizers, step: int, num_iterations: int | None) -> float:
+    """Muon momentum at this step from the Muon optimizer's recipe (MuonRecipe.momentum_at; the
+    seeds: 0.85 -> 0.95 over the first 300 steps), which also sets its scheduled weight decay."""
+    return next(opt for opt in optimizers if isinstance(opt, optim.Muon)).schedule(step, num_iterations)
 
 
 @dataclass
@@ -372,7 +372,7 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
             lrm = lr_multiplier(horizon.progress(step), run.optim.warmup_ratio, run.optim.warmdown_ratio,
                                 run.optim.final_lr_frac)
             micro_batches = [next(run.data.train) for _ in range(run.grad_accum_steps)]
-            set_schedule(run.optimizers, lrm, muon_momentum(step))
+            set_schedule(run.optimizers, lrm, muon_momentum(run.optimizers, step, horizon.num_iterations))
             inject = loop.test_inject_nan_at_step == step and not injected
             injected = injected or inject  # a one-off fault: a skipped step is retried cleanly
             result = train_step(run.model, run.optimizers, micro_batches, run.optim.grad_clip, run.autocast_ctx,

@@ -8,10 +8,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nanochat_fast"
 LAYERS = [
     ("foundations", ["errors", "paths", "common", "precision", "checkpoint", "_C"]),
     ("kernels", ["kernels"]),
-    ("model / optim and data", ["gpt", "optim", "generation", "dataset", "dataloader", "tokenizer", "sources"]),
+    ("model / optim, data and evaluation", ["gpt", "optim", "generation", "calculator", "dataset", "dataloader",
+                                            "tokenizer", "sources", "eval_data", "eval_sources", "tasks",
+                                            "scoring", "sandbox"]),
     ("loop", ["training", "report"]),
     ("stage / run", ["stage", "config", "environment", "training_data", "models", "runs", "next_steps", "cli"]),
-    ("scripts", ["scripts"]),
+    ("scripts", ["scripts", "web"]),
 ]
 LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 
@@ -60,6 +62,6 @@ def test_no_module_imports_from_a_layer_above_its_own():
 def test_the_check_sees_relative_and_late_imports():
     late = "def f():\n    from .. import stage\n"
     assert upward_imports(late, "nanochat_fast.optim.adamw") == [
-        "nanochat_fast.optim.adamw (model / optim and data) imports nanochat_fast.stage (stage / run)"]
+        "nanochat_fast.optim.adamw (model / optim, data and evaluation) imports nanochat_fast.stage (stage / run)"]
     assert upward_imports("from .training import train", "nanochat_fast.gpt") != []
     assert upward_imports("from .kernels import registry\nfrom . import errors", "nanochat_fast.environment") == []

@@ -9,6 +9,7 @@ real subprocesses."""
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -16,12 +17,12 @@ import pytest
 import torch
 
 from nanochat_fast import checkpoint, cli, environment
-from nanochat_fast.scripts import base_eval, base_train, chat_cli, mid_train, prepare_data, tok_train
+from nanochat_fast.scripts import base_eval, base_train, chat_cli, chat_web, mid_train, prepare_data, tok_train
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_with_base_run
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 SCRIPTS = {"base_train": base_train, "mid_train": mid_train, "base_eval": base_eval, "chat_cli": chat_cli,
-           "prepare_data": prepare_data, "tok_train": tok_train}
+           "prepare_data": prepare_data, "tok_train": tok_train, "chat_web": chat_web}
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +118,10 @@ def one_line_exit_2(script, argv, capsys) -> str:
 # ---------------------------------------------------------------------------------------------
 # every flag of every script
 
-# flags that take any value (switches, free text) or only print help
-NO_BAD_VALUE = {"--help", "--overwrite", "--deterministic", "--compile", "--no-compile", "--no-tokenize", "--prompt"}
+# flags that take any value (switches, free text), only print help, or (--host) are checked by
+# binding to them (a made-up host name would wait on a DNS lookup here)
+NO_BAD_VALUE = {"--help", "--overwrite", "--deterministic", "--compile", "--no-compile", "--no-tokenize", "--prompt",
+                "--host"}
 BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--depth": "0", "--aspect-ratio": "-1", "--head-dim": "3", "--max-seq-len": "0", "--dataset": "../x",
     "--device-batch-size": "-4", "--total-batch-size": "0", "--num-iterations": "0", "--target-flops": "-5",
@@ -129,14 +132,28 @@ BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--test-inject-nan-at-step": "x", "--test-preempt-at-step": "y", "--device-type": "tpu", "--dtype": "fp8",
     "--run": "../../x", "--out-dir": "/dev/null", "--resume": "/nonexistent/step_000001", "--seed": "-1",
     "--base-run": "../nope", "--base-step": "-1", "--extra-conversations": "missing.jsonl", "--step": "-1",
-    "--samples": "-1", "--max-tokens": "0", "--temperature": "-1", "--top-k": "0", "--datasets": "prose",
+    "--samples": "-1", "--max-tokens": "0", "--temperature": "-1", "--top-k": "-1", "--datasets": "prose",
     "--extras": "bogus", "--input": "/nonexistent", "--name": "../x", "--stage": "bogus", "--doc-chars": "-1",
     "--shard-chars": "0", "--val-every": "0", "--synthetic": "-1", "--limit-per-source": "-1",
-    "--num-threads": "0", "--vocab-size": "100", "--max-chars": "0", "--doc-cap": "-1",
+    "--num-threads": "0", "--vocab-size": "100", "--max-chars": "0", "--doc-cap": "-1", "--port": "-1",
+    "--workers": "0", "--max-new-tokens": "0", "--queue-size": "-1", "--request-timeout": "0",
+    "--test-token-delay": "x",
 }
-# what each script gets before the bad flag: enough to run, should the bad value slip through
+# what each script gets before the bad flag: enough to run and end, should the bad value slip through
+# (chat_web: a port that is taken, so it stops before serving)
 CONTEXT = {"base_train": TINY + ["--num-iterations=1", "--run=flagcheck"], "mid_train": ["--base-run=b"],
-           "base_eval": ["--run=b"], "chat_cli": ["--prompt=hi"], "prepare_data": [], "tok_train": []}
+           "base_eval": ["--run=b"], "chat_cli": ["--prompt=hi"], "prepare_data": [], "tok_train": [],
+           "chat_web": ["--run=b", "--host=127.0.0.1", "--port={busy_port}"]}
+
+
+@pytest.fixture(scope="module")
+def busy_port():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        yield taken.getsockname()[1]
+
+
+def context(script, busy_port) -> list[str]:
+    return [a.replace("{busy_port}", str(busy_port)) for a in CONTEXT[script]]
 
 
 def long_flags(script) -> list[str]:
@@ -152,9 +169,9 @@ def test_every_flag_of_every_script_has_a_row():
 
 
 @pytest.mark.parametrize("script, flag", FLAG_ROWS, ids=[f"{s}{f}" for s, f in FLAG_ROWS])
-def test_bad_flag_value_is_one_line_naming_the_flag(script, flag, trained_home, monkeypatch, capsys):
+def test_bad_flag_value_is_one_line_naming_the_flag(script, flag, trained_home, busy_port, monkeypatch, capsys):
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(trained_home))
-    line = one_line_exit_2(script, CONTEXT[script] + [f"{flag}={BAD_VALUES[flag]}"], capsys)
+    line = one_line_exit_2(script, context(script, busy_port) + [f"{flag}={BAD_VALUES[flag]}"], capsys)
     assert flag in line, line
 
 
@@ -193,14 +210,14 @@ def test_every_environment_variable_has_a_row():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 @pytest.mark.parametrize("case", ENV_CASES, ids=[c[0] for c in ENV_CASES])
-def test_bad_environment_variable_is_one_line(case, script, trained_home, monkeypatch, capsys):
+def test_bad_environment_variable_is_one_line(case, script, trained_home, busy_port, monkeypatch, capsys):
     name, env, expected = case
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(trained_home))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert expected in one_line_exit_2(script, CONTEXT[script], capsys)
+    assert expected in one_line_exit_2(script, context(script, busy_port), capsys)
 
 
 @pytest.mark.parametrize("script", MODEL_SCRIPTS)

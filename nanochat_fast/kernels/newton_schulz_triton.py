@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .newton_schulz_policy import compute_dtype
 from .triton_utils import to_bf16_rtne
 
 # Tile configs. H100 (sm90, 132 SMs): 128x128 output tiles with 64-deep K slices keep the tensor
@@ -265,9 +266,8 @@ def fused_update(B: torch.Tensor, X: torch.Tensor, a: float, out: torch.Tensor |
 
 def newton_schulz_triton(G: torch.Tensor, coeffs, dtype: torch.dtype | None = None, config: dict | None = None):
     """The whole iteration on a 2-D matrix or a (K, rows, cols) stack; computes and returns `dtype`
-    (default: bf16 on CUDA, fp32 elsewhere)."""
-    from .newton_schulz import compute_dtype
-    dtype = dtype or compute_dtype(G.device)
+    (default: the precision policy's choice for G's device)."""
+    dtype = compute_dtype(G.device, dtype)
     stack = G if G.dim() == 3 else G.unsqueeze(0)
     transposed = stack.size(-2) > stack.size(-1)
     if transposed:

