@@ -129,7 +129,11 @@ class PackedRows:
         dataset, options, note = data.dataset or self.default_dataset, {}, ""
         if self.loader_class is ConversationRowLoader:
             options = dict(tokenizer=tokenizer)
-            if extra is not None and not data.dataset and not tokens_dir(dataset).is_dir():
+            if not data.dataset and not tokens_dir(dataset).is_dir():
+                if extra is None:
+                    raise UserError(f"no conversation dataset is prepared ({tokens_dir(dataset)}): prepare one with "
+                                    "`python -m nanochat_fast.scripts.prepare_data --datasets=chat`, or train on your "
+                                    "own conversations with --extra-conversations=FILE.jsonl")
                 return self._conversations_alone(extra, cfg, tokenizer, dev)
             note = f" + {len(extra):,} conversations of {extra}" if extra else ""
 

@@ -6,7 +6,6 @@ mistakes found deep in a run (CASES, each on its own copy of a trained home), a 
 flag of every script (BAD_VALUES; a test fails when a script gains a flag without a row) and of
 every environment variable the package reads, for every script (ENV_CASES). Two cases also run as
 real subprocesses."""
-import json
 import os
 import shutil
 import socket
@@ -82,6 +81,8 @@ CASES = [
     ("no-mid-run-to-chat-with", "chat_cli", ["--prompt=hi"], None, "no mid run with a complete checkpoint"),
     ("no-such-step", "base_eval", ["--run=b", "--step=3"], None, "no complete checkpoint at step 3 (complete steps: 2, 4)"),
     ("cuda-without-gpu", "base_train", ["--device-type=cuda"], None, "no CUDA GPU is available"),
+    ("no-chat-dataset", "mid_train", ["--base-run=b"], lambda h: shutil.rmtree(h / "tokens" / "chat"),
+     "or train on your own conversations with --extra-conversations=FILE.jsonl"),
     ("extra-conversations-malformed", "mid_train", ["--base-run=b", "--extra-conversations={tmp}/bad.jsonl"],
      lambda h: (h.parent / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n'),
      "bad.jsonl line 2: expected"),

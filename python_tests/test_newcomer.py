@@ -6,6 +6,8 @@ step is run exactly as printed (a shell runs the line, with `python` being this 
 2. Their own conversations, without the built-in chat dataset: the --extra-conversations example
    of `mid_train --help`, as printed -> the printed chat_cli.
 """
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -14,8 +16,8 @@ import sys
 import pytest
 
 from nanochat_fast import checkpoint
-from nanochat_fast.scripts import mid_train
-from tiny_pipeline import ROOT, write_corpus
+from nanochat_fast.scripts import mid_train, prepare_data
+from tiny_pipeline import ROOT, home_env, write_corpus
 
 
 def next_command(stdout: str) -> str:
@@ -49,11 +51,14 @@ def shell(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def own_prose(shell):
-    """Path 1, up to a trained base model: the outputs of each printed command."""
-    write_corpus(shell.root / "src")
+    """Path 1, up to a trained base model: the outputs of each printed command. (prepare_data, whose
+    output is read, not run, is called in-process: one interpreter start less.)"""
+    write_corpus(shell.root / "src", n_docs=100)  # ~5K tokens: the printed base_train is one step
     (shell.root / "src" / "prose").rename(shell.root / "mytext")
-    prepared = shell("python -m nanochat_fast.scripts.prepare_data --input=mytext")
-    tok_line = next_command(prepared.stdout)
+    out = io.StringIO()
+    with home_env(shell.home), contextlib.redirect_stdout(out):
+        assert prepare_data.main([f"--input={shell.root / 'mytext'}"]) == 0
+    tok_line = next_command(out.getvalue())
     tokenized = shell(tok_line)
     train_line = next_command(tokenized.stdout)
     trained = shell(train_line)
