@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 
 from . import paths, sources
-from .cli import UserError
+from .errors import UserError
 from .eval_sources import BY_TASK, DATASETS
 
 FORMAT_VERSION = 1  # bump when the files change form, so that prepared data is rebuilt

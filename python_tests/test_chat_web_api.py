@@ -355,7 +355,7 @@ def test_bad_command_lines_exit_2_with_one_line(web_home, nanochat_home, monkeyp
     assert err[0].startswith("warning: --host 0.0.0.0 lets other machines reach this server")
     assert "no tokenizer" in err[1]
     for argv, reason in ((["--queue-size=-1"], "must be >= 0"), (["--request-timeout=0"], "must be > 0"),
-                         (["--workers=0"], "must be a positive integer"), (["--port=x"], "invalid non_negative_int"),
+                         (["--workers=0"], "must be a positive integer"), (["--port=x"], "expected an integer"),
                          (["--temperature=2.5"], "at most 2.0"), (["--top-k=201"], "at most 200")):
         code, err = run_main(argv, capsys)
         assert code == 2 and len(err) == 1 and reason in err[0], (argv, err)

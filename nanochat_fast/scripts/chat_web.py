@@ -20,17 +20,19 @@ import time
 
 import torch
 
-from .. import cli, generation, runs
-from ..cli import UserError
+from .. import cli, generation, models, runs
 from ..common import compute_init
-from ..gpt import GPT
+from ..environment import check_environment
+from ..errors import UserError
 from ..tokenizer import get_tokenizer
 
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_web", description=__doc__)
-    p.add_argument("--run", default="", help="run name or directory (default: the newest mid-trained run)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
+    p.add_argument("--run", type=cli.run_ref, default="",
+                   help="run name or directory (default: the newest mid-trained run)")
+    p.add_argument("--step", type=cli.non_negative_int, default=None,
+                   help="checkpoint step (default: the newest complete one)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (anything but the loopback exposes the model to the network)")
     p.add_argument("--port", type=cli.non_negative_int, default=8000, help="port to listen on (0: any free port)")
@@ -101,7 +103,7 @@ def load_replicas(args, devices, tokenizer, Replica):
     run_dir = runs.run_dir_of(args.run, "mid")
     replicas, name = [], None
     for device in devices:
-        model, ckpt, meta = runs.load_model(run_dir, args.step, device, tokenizer, GPT)
+        model, ckpt, meta = models.load_model(run_dir, args.step, device, tokenizer)
         replicas.append(Replica(model=model, tokenizer=tokenizer, device=str(device)))
         name = f"{run_dir.name} step {meta['step']} ({meta['phase']})"
         if meta["phase"] != "mid" and len(replicas) == 1:
@@ -129,6 +131,7 @@ def slowed(generate, delay: float):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    check_environment()
     warning = remote_host_warning(args.host)
     if warning:
         print(warning, file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ Evaluation tasks over the prepared data (data/eval/, see eval_data.py), one modu
     task.check(examples[0], "A")               # is this reply right?
     tasks.get("hellaswag_zeroshot").items()    # CORE items ({query, choices, gold} ...)
 """
-from ..cli import UserError
+from ..errors import UserError
 from .arc import ARC
 from .common import (CATEGORICAL, GENERATIVE, LIKELIHOOD, ChatTask, GenerativeTask, MultipleChoiceTask, Task,
                      render_mc)
