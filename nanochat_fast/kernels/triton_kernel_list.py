@@ -108,7 +108,7 @@ _NS_SPILLS = {
 }
 
 KERNELS = [
-    Entry("nanochat_fast.kernels.adamw_triton", "_adamw_multi_tensor_kernel",
+    Entry("nanochat_fast.kernels.adamw_slice_triton", "_adamw_multi_tensor_kernel",
           dict(table_ptr="*i64:16", muls_ptr="*fp32:16", blocks_ptr="*i64:16", hparams_ptr="*fp64:16",
                n_tensors="i32", n_blocks="i32"),
           (torch.float32, torch.bfloat16), _adamw_launch, lambda mod, cfg, dtype: adamw_call(dtype), _adamw_example),

@@ -1,8 +1,8 @@
 """AdamW step on a CUDA GPU: our fused multi-tensor kernels (Triton, CUDA C++) vs
 torch.optim.AdamW(fused=True), each with the share of the GPU's measured memory bandwidth it reaches.
-Skipped without CUDA (bench_adamw.py is the CPU comparison).
+Skipped without CUDA (bench_adamw_slice.py is the CPU comparison).
 
-The parameters of bench_adamw.py (a depth-8 GPT, 58.7M fp32 values in 50 tensors). AdamW is memory
+The parameters of bench_adamw_slice.py (a depth-8 GPT, 58.7M fp32 values in 50 tensors). AdamW is memory
 bound (14 flops per 28 bytes; benchmarks/RESULTS.md, "Compiled, not run"), so the yardstick is
 bandwidth: 28 B per fp32 parameter per step over the median step time, against a device-to-device
 copy of 1 GiB timed the same way (2 GiB moved).
@@ -10,7 +10,7 @@ copy of 1 GiB timed the same way (2 GiB moved).
 import pytest
 import torch
 
-from bench_adamw import SHAPES, ours, torch_adamw
+from bench_adamw_slice import SHAPES, ours, torch_adamw
 from harness import compare
 from nanochat_fast.kernels import registry
 from nanochat_fast.kernels.triton_kernel_list import adamw_bytes_per_param
