@@ -4,6 +4,8 @@
 #   make demo       install, prepare data, train tokenizer + model, mid-train, chat (CPU, ~8 min)
 #   make bench      run benchmarks/ and write benchmarks/results.json and benchmarks/RESULTS.md
 #   make test-gpu   the GPU-only tests (needs a CUDA build of torch, see TORCH_SPEC)
+#   make gpu-check  on a CUDA machine: its own venv with a CUDA torch, the extension built with CUDA,
+#                   the gpu tests, the CUDA benchmarks, a depth-12 run -> benchmarks/RESULTS-cuda.md
 #
 # TORCH_SPEC is the pip requirement for torch. The default is the CPU build this project is
 # developed on; on a CUDA machine use e.g.
@@ -21,15 +23,17 @@ STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC) $(TRITON_SPEC)' |
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cpp)
 PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest
 
-.PHONY: install test ctest test-gpu bench demo kernels clean
+.PHONY: install test ctest test-gpu gpu-check bench demo kernels clean
 
 install: $(STAMP)
 
+# extras: web = chat_web's FastAPI + uvicorn; test = pytest tools, httpx and Playwright, which drives the
+# system's Chromium in the browser test (never `playwright install`; .ci/run apt-installs chromium)
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --disable-pip-version-check -q $(TORCH_SPEC) $(TRITON_SPEC)
 	$(PIP) install --disable-pip-version-check -q setuptools wheel ninja
-	$(PIP) install --disable-pip-version-check -q --no-build-isolation -e ".[test]"
+	$(PIP) install --disable-pip-version-check -q --no-build-isolation -e ".[test,web]"
 	$(PY) -m nanochat_fast.kernels
 	touch $@
 
@@ -52,6 +56,21 @@ bench: install
 	$(PY) -m pytest benchmarks -o python_files='bench_*.py' -p no:cacheprovider \
 	    --benchmark-json=benchmarks/results.json --benchmark-columns=median,rounds
 	$(PY) benchmarks/make_results.py benchmarks/results.json benchmarks/RESULTS.md
+
+# The GPU verdict in one command. It runs in a copy of the tree ($(GPU_DIR)/src) with its own venv and
+# a CUDA torch (PyPI's Linux torch wheels are CUDA builds; pick another CUDA with e.g.
+# GPU_TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"), so the CPU .venv
+# and its in-place extension stay as they are. Without a GPU (or nvcc) it stops at the first line,
+# with one line saying why, before installing anything.
+GPU_TORCH_SPEC ?= torch==2.13.0
+GPU_DIR := build/gpu-check
+GPU_PREFLIGHT = $(shell $(PYTHON) benchmarks/gpu_check.py preflight 2>&1)
+gpu-check:
+	$(if $(GPU_PREFLIGHT),$(error $(GPU_PREFLIGHT)))
+	$(PYTHON) benchmarks/gpu_check.py stage $(GPU_DIR)/src
+	$(MAKE) -C $(GPU_DIR)/src install TORCH_SPEC="$(GPU_TORCH_SPEC)" TRITON_SPEC= PYTHON=$(PYTHON)
+	cd $(GPU_DIR)/src && .venv/bin/python benchmarks/gpu_check.py run --out $(abspath benchmarks/RESULTS-cuda.md) \
+	    --home $(abspath $(GPU_DIR)/home) --logs $(abspath $(GPU_DIR)/logs)
 
 kernels: install
 	$(PY) -m nanochat_fast.kernels

@@ -1,32 +1,51 @@
-"""One Muon step over the matrices of a depth-8 GPT: ours vs torch.optim.Muon.
+"""One Muon step over the matrices of a depth-8 GPT and of a depth-20 GPT (width 1280): ours with
+ns_dtype auto, forced fp32 and forced bf16, against torch.optim.Muon.
 
-depth 8 -> n_embd 512, 8 layers of q, k, v, o (512x512) and the MLP's 2048x512 and 512x2048: 48 fp32
-matrices, 25.2M values. Both optimizers get the same lr (0.02), momentum (0.95, Nesterov), 5 quintic
-Newton-Schulz steps and update scale (torch's adjust_lr_fn="original" is max(1, rows/cols)^0.5,
-ours too), weight_decay=0 for torch's. Ours groups same-shape matrices and orthogonalizes each
-group with one newton_schulz call (fp32 on CPU, bf16 Triton on a GPU); torch.optim.Muon runs one
-matrix at a time, in bf16 on every device. Before timing, one step of each from the same state is
-checked to give the same update (to bf16 accuracy), so the comparison is like for like.
+depth 8 -> 48 matrices (512x512 q, k, v, o; 2048x512 and 512x2048 MLP), 25.2M values, 322 GFLOP of
+Newton-Schulz per step in the plain iteration; depth 20 -> 120 matrices of width 1280, 12.6 TFLOP.
+Every variant gets the same lr (0.02), momentum (0.95, Nesterov), 5 quintic steps and
+update scale (torch's adjust_lr_fn="original" is max(1, rows/cols)^0.5, ours too), weight_decay=0
+for torch's. Ours groups same-shape matrices and orthogonalizes each group with one newton_schulz
+call in the dtype the policy picks (auto: bf16 on CUDA and native-bf16 CPUs, fp32 elsewhere) on the
+path the shape table picks; torch.optim.Muon runs one matrix at a time, in bf16 on every device.
+Before timing, one step of ours (fp32) and of torch's from the same state is checked to give the
+same update (to bf16 accuracy) on small matrices of the same aspect ratios.
+
+Time budget: each test plans its variants from flop counts and this machine's matmul rates
+(harness.plan_modes), in priority order (torch.optim.Muon, ours auto, ours fp32, ours bf16): a
+variant is timed as a full step where MIN_ROUNDS + 1 rounds fit in what is left of the budget,
+else as a per-shape estimate (one matrix of each distinct shape timed, times the number of
+matrices of that shape: torch.optim.Muon updates matrices one at a time, so for it this is its
+step; for ours, which batches same-shape matrices, an upper bound), else not at all (the table
+says why and gives the flop-count estimate); ours (auto) is always timed. Where bf16 is emulated (~1 GFLOP/s) torch.optim.Muon
+on a depth-8 step is ~5 minutes and is timed per shape; at depth 20 its bf16 is not timed, and
+the ratios are then to ours (auto).
 """
-import contextlib
-import os
+import time
 
 import torch
 
-from harness import compare
+from harness import compare, matmul_gflops, plan_modes
+from nanochat_fast import precision
 from nanochat_fast.gpt import GPT, config_from_depth
-from nanochat_fast.kernels.newton_schulz import QUINTIC
+from nanochat_fast.kernels.newton_schulz import QUINTIC, plan
 from nanochat_fast.optim import Muon
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HP = dict(lr=0.02, momentum=0.95, nesterov=True)
+BUDGET_S = {8: 140.0, 20: 40.0}  # with bench_newton_schulz.py: ~5 minutes on a 2-core CPU
 
 
-def depth8_matrices():
-    """(name, shape) of the Muon-optimized matrices of a depth-8 GPT, read from the model itself."""
+def gpt_matrices(depth):
+    """Shapes of the Muon-optimized matrices of a GPT of `depth`, read from the model itself."""
     with torch.device("meta"):
-        model = GPT(config_from_depth(8, vocab_size=256, sequence_len=64))
-    return [(name, tuple(p.shape)) for name, p in model.transformer.h.named_parameters()]
+        model = GPT(config_from_depth(depth, vocab_size=256, sequence_len=64))
+    return [tuple(p.shape) for p in model.transformer.h.parameters()]
+
+
+def ns_flops(shape, steps=5):
+    m, n = sorted(shape)
+    return steps * (4 * m * m * n + 2 * m ** 3)
 
 
 def make_params(shapes, seed=0):
@@ -37,41 +56,43 @@ def make_params(shapes, seed=0):
     return params
 
 
-@contextlib.contextmanager
-def kernels_env(value):
-    """NANOCHAT_FAST_KERNELS=value for the duration (None: leave it as it is)."""
-    old = os.environ.get("NANOCHAT_FAST_KERNELS")
-    if value is not None:
-        os.environ["NANOCHAT_FAST_KERNELS"] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("NANOCHAT_FAST_KERNELS", None)
-        else:
-            os.environ["NANOCHAT_FAST_KERNELS"] = old
-
-
-def ours(shapes, kernels=None):
+def ours(shapes, ns_dtype):
     params = make_params(shapes)
-    opt = Muon([(f"m{i}", p) for i, p in enumerate(params)], ns_steps=5, ns_coefficients="quintic", **HP)
-
-    def step():
-        with kernels_env(kernels):
-            opt.step()
-    return params, step
+    return params, Muon([(f"m{i}", p) for i, p in enumerate(params)], ns_steps=5, ns_coefficients="quintic",
+                        ns_dtype=ns_dtype, **HP).step
 
 
 def torch_muon(shapes):
     params = make_params(shapes)
-    opt = torch.optim.Muon(params, weight_decay=0.0, ns_coefficients=QUINTIC, ns_steps=5, eps=1e-7,
-                           adjust_lr_fn="original", **HP)
-    return params, opt.step
+    return params, torch.optim.Muon(params, weight_decay=0.0, ns_coefficients=QUINTIC, ns_steps=5, eps=1e-7,
+                                    adjust_lr_fn="original", **HP).step
+
+
+def per_shape(make, shapes):
+    """A callable timing one matrix of each distinct shape and returning the seconds a full step
+    stands for: sum over shapes of (matrices of that shape) x (time of one)."""
+    counts = {s: shapes.count(s) for s in sorted(set(shapes))}
+    steps = {s: make([s])[1] for s in counts}
+
+    def run():
+        total = 0.0
+        for s, step in steps.items():
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            total += counts[s] * (time.perf_counter() - t0)
+        return total
+    return run
 
 
 def check_same_update(shapes):
-    """One step from identical params, grads and (zero) momentum: the updates agree."""
-    (p_ours, step_ours), (p_torch, step_torch) = ours(shapes), torch_muon(shapes)
+    """One step from identical params, grads and (zero) momentum: the updates agree. On matrices
+    with the shapes' aspect ratios scaled to 64 rows or columns (cheap in emulated bf16 too)."""
+    small = sorted({(64 * r // min(r, c), 64 * c // min(r, c)) for r, c in shapes})
+    (p_ours, step_ours), (p_torch, step_torch) = ours(small, "fp32"), torch_muon(small)
     start = [p.detach().clone() for p in p_ours]
     step_ours()
     step_torch()
@@ -80,18 +101,49 @@ def check_same_update(shapes):
         assert (da - db).abs().max() <= 0.05 * da.abs().max(), "torch.optim.Muon computes a different update"
 
 
-def test_muon_step_depth8_gpt(benchmark):
-    named = depth8_matrices()
-    shapes = [s for _, s in named]
+def bf16_capability() -> str:
+    choice = precision.choose(torch.device(DEVICE), "bf16", what="--ns-dtype", warn=False)
+    return choice.reason.removeprefix("asked for; ")
+
+
+def muon_benchmark(benchmark, depth):
+    shapes = gpt_matrices(depth)
     check_same_update(shapes)
-    kinds = sorted({s for s in shapes})
-    variants = {"ours (auto backend)": ours(shapes)[1],
-                "torch.optim.Muon": torch_muon(shapes)[1],
-                "ours, reference newton_schulz": ours(shapes, kernels="newton_schulz=reference")[1]}
-    compare(benchmark, op=f"Muon step ({DEVICE})", baseline="torch.optim.Muon", rounds=7, warmup_rounds=1,
-            shape_set=f"depth-8 GPT: {len(shapes)} matrices, {sum(torch.Size(s).numel() for s in shapes) / 1e6:.1f}M fp32 "
-                      f"({', '.join(f'{shapes.count(k)}x {k[0]}x{k[1]}' for k in kinds)})",
+    auto = precision.choose(torch.device(DEVICE), "auto", what="--ns-dtype", warn=False)
+    ours_auto = f"ours (auto: {auto.name})"
+    dtypes = {"torch.optim.Muon (bf16)": "bf16", ours_auto: auto.name, "ours, forced fp32": "fp32",
+              "ours, forced bf16": "bf16"}
+    makers = {name: (torch_muon if name.startswith("torch") else
+                     (lambda s, d=dtype: ours(s, d))) for name, dtype in dtypes.items()}
+    full = sum(ns_flops(s) for s in shapes)
+    one_each = sum(ns_flops(s) for s in set(shapes))
+    rate = {d: matmul_gflops(precision.DTYPES[d], DEVICE) * 1e9 for d in ("fp32", "bf16")}
+    costs = {name: {"full step": full / rate[d], "per shape": one_each / rate[d]} for name, d in dtypes.items()}
+    modes, skipped = plan_modes(costs, BUDGET_S[depth], required=ours_auto)
+    for name in skipped:
+        skipped[name] += f"; flop-count estimate {full / rate[dtypes[name]]:.1f} s/step " \
+                         f"({full / 1e9:.0f} GFLOP at the measured {dtypes[name]} matmul rate)"
+    variants = {}
+    for name, mode in modes.items():
+        label = f"{name} [{mode}]"
+        variants[label] = makers[name](shapes)[1] if mode == "full step" else per_shape(makers[name], shapes)
+    baseline = next((v for v in variants if v.startswith("torch")), next(iter(variants)))
+    kinds = sorted(set(shapes))
+    choice = ", ".join(f"{r}x{c} -> {plan((r, c), DEVICE)[2]} ({plan((r, c), DEVICE)[0].name})" for r, c in kinds)
+    compare(benchmark, op=f"Muon step ({DEVICE})", baseline=baseline, rounds=9, warmup_rounds=1,
+            budget_s=BUDGET_S[depth], skipped=skipped,
+            shape_set=f"depth-{depth} GPT: {len(shapes)} matrices, {sum(r * c for r, c in shapes) / 1e6:.1f}M fp32 "
+                      f"({', '.join(f'{shapes.count(k)}x {k[0]}x{k[1]}' for k in kinds)}); "
+                      f"bf16 here: {bf16_capability()}",
             variants=variants,
-            notes="same lr, momentum, Nesterov, 5 quintic steps and update scale; torch.optim.Muon "
-                  "computes Newton-Schulz in bf16 on every device (CPUs with AVX512-BF16 run bf16 "
-                  "matmuls at ~2.2x their fp32 rate), ours in fp32 on CPU")
+            notes=f"ns-dtype auto = {auto.describe()}; ours (auto) per shape: {choice}; "
+                  f"matmul rates measured here: fp32 {rate['fp32'] / 1e9:.0f}, bf16 {rate['bf16'] / 1e9:.1f} GFLOP/s; "
+                  "same lr, momentum, Nesterov, 5 quintic steps and update scale")
+
+
+def test_muon_step_depth8_gpt(benchmark):
+    muon_benchmark(benchmark, 8)
+
+
+def test_muon_step_depth20_gpt(benchmark):
+    muon_benchmark(benchmark, 20)

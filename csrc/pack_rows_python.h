@@ -59,7 +59,7 @@ inline void bind_row_packer(pybind11::module& m) {
   using Run = std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>>;
   py::class_<PyRowStream>(m, "RowStream",
                           "A loader's data stream over RowPacker, with a prefetch thread that never takes the GIL "
-                          "(see nanochat_fast.dataloader.RowStream, its Python twin)")
+                          "(see nanochat_fast.kernels.pack_rows_stream.RowStream, its Python twin)")
       .def(py::init([](const std::vector<Run>& epoch, int64_t rows, int64_t row_len, int64_t bos_id,
                        int64_t buffer_docs, int64_t wait_factor, int64_t mask_bit) {
              std::vector<DocRun> runs;

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .cli import UserError
+from . import paths
+from .errors import UserError
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
@@ -29,29 +30,6 @@ COMPLETE = "COMPLETE"
 
 def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
-
-
-def _fsync_dir(path: Path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_bytes(path: Path, write):
-    """Write via `write(fileobj)` to a temporary name, fsync, then rename over `path`."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def _slow_writes_for_tests():
@@ -62,12 +40,12 @@ def _slow_writes_for_tests():
 
 
 def save_torch(path: Path, obj):
-    _write_bytes(path, lambda f: torch.save(obj, f))
+    paths.write_durably(path, lambda f: torch.save(obj, f))
     _slow_writes_for_tests()
 
 
 def save_json(path: Path, obj):
-    _write_bytes(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
+    paths.write_durably(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
 
 
 def all_finite(tensors) -> bool:
@@ -109,7 +87,7 @@ def save_checkpoint(run_dir, step: int, *, model_state: dict, rank_state: dict, 
     ok = attempt(make_dir if rank == 0 else lambda: None)
     ok = ok and attempt(lambda: save_torch(path / f"optim_rank{rank}.pt", rank_state))
     ok = ok and attempt(write_rank0_files if rank == 0 else lambda: None)
-    ok = ok and attempt((lambda: _write_bytes(path / COMPLETE, lambda f: f.write(b"ok\n"))) if rank == 0 else lambda: None)
+    ok = ok and attempt((lambda: paths.write_durably(path / COMPLETE, lambda f: f.write(b"ok\n"))) if rank == 0 else lambda: None)
     if not ok:
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)

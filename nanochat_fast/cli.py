@@ -5,19 +5,18 @@ Command-line plumbing shared by every script in nanochat_fast.scripts.
   nanochat spelling with underscores (`--max_seq_len`) is accepted as an alias.
 - A user mistake is one line on stderr and exit code 2: argparse errors, and any UserError raised
   by a script (`raise UserError("--depth must be > 0, got -1")`). No traceback for those.
-- Exit codes: 0 success, 2 bad input, 3 stopped by the NaN guard (see EXIT_*).
+- The value checks below are argparse types (they convert the command-line text) and also
+  validate values set in code: config.py runs the same function on every field it is built with,
+  so each rule is written once.
+- Exit codes and UserError live in errors.py (re-exported here).
 """
 import argparse
+import math
+import re
 import sys
+from pathlib import Path
 
-EXIT_BAD_INPUT = 2
-EXIT_NONFINITE = 3
-
-
-class UserError(Exception):
-    """A problem with the user's input: the message is printed as one line, exit code 2."""
-
-    exit_code = EXIT_BAD_INPUT
+from .errors import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OK, UserError  # noqa: F401  (re-exported)
 
 
 def _canonical(arg: str) -> str:
@@ -33,7 +32,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that accepts underscore spellings of hyphenated flags and fails in one line."""
+    """argparse that accepts underscore spellings of hyphenated flags and fails in one line. The
+    parsed namespace remembers which flags were given on the command line (`explicit_flags`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
@@ -45,38 +45,181 @@ class ArgumentParser(argparse.ArgumentParser):
         args = sys.argv[1:] if args is None else list(args)
         if args[:1] == ["--"]:  # `torchrun -m module -- --flags`: the separator is not ours
             args = args[1:]
-        return super().parse_known_args([_canonical(a) for a in args], namespace)
+        args = [_canonical(a) for a in args]
+        namespace, extras = super().parse_known_args(args, namespace)
+        given = {a.partition("=")[0] for a in args if a.startswith("--")}
+        namespace._explicit = frozenset(action.dest for action in self._actions
+                                        if given.intersection(action.option_strings))
+        namespace._argv = args  # as given (canonical spelling), for the printed resume command
+        return namespace, extras
 
     def error(self, message):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def positive_int(text):
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+def explicit_flags(args) -> frozenset:
+    """The destinations (e.g. 'matrix_lr') of the flags given on the command line, not defaulted."""
+    return getattr(args, "_explicit", frozenset())
+
+
+def flag_values(args) -> dict:
+    """The parsed flags as plain JSON values (for meta.json and the report)."""
+    plain = (str, int, float, bool, type(None))
+    return {k: v if isinstance(v, plain) else str(v) for k, v in vars(args).items() if not k.startswith("_")}
+
+
+def flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+# ---------------------------------------------------------------------------------------------
+# value checks: text (from argparse) or a value (from code) in, the value out, or
+# argparse.ArgumentTypeError with what is wrong
+
+
+def _number(value, kind):
+    if isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {value!r}")
+    return kind(value)
+
+
+def _real(value) -> float:
+    x = _number(value, float)
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
+    return x
+
+
+def integer(value) -> int:
+    return _number(value, int)
+
+
+def positive_int(value) -> int:
+    n = _number(value, int)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return n
+
+
+def non_negative_int(value) -> int:
+    n = _number(value, int)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return n
+
+
+def positive_or_unset_int(value) -> int:
+    """-1 means "not set" (the next option decides); otherwise > 0."""
+    n = _number(value, int)
+    if n != -1 and n <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (or -1: not set), got {value}")
+    return n
+
+
+def positive_or_unset_float(value) -> float:
+    x = _real(value)
+    if x != -1 and x <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (or -1: not set), got {value}")
+    return x
+
+
+def non_negative_float(value) -> float:
+    x = _real(value)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return x
+
+
+def fraction(value) -> float:
+    x = _real(value)
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return x
+
+
+def random_seed(value) -> int:
+    n = _number(value, int)
+    if not 0 <= n < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2^63), got {value}")
+    return n
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
+
+
+def plain_name(value) -> str:
+    """A name that is one path component under NANOCHAT_FAST_HOME: letters, digits, . _ + -, no
+    '/' and not '..' (so a name can never write or read outside its folder). '' means the default."""
+    if not isinstance(value, str):
+        raise argparse.ArgumentTypeError(f"expected a name, got {value!r}")
+    if value and (not _PLAIN_NAME.fullmatch(value) or value.strip(".") == ""):
+        raise argparse.ArgumentTypeError(f"must be a plain name (letters, digits, '.', '_', '+', '-'; at most 100 "
+                                         f"characters, no '/'), got {value!r}")
     return value
 
 
-def non_negative_int(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+def is_plain_name(value) -> bool:
+    try:
+        return bool(plain_name(value))
+    except argparse.ArgumentTypeError:
+        return False
+
+
+def run_name(value) -> str:
+    try:
+        return plain_name(value)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}; a run name is a folder under NANOCHAT_FAST_HOME/runs, "
+                                         "use --out-dir=PATH to write a run elsewhere") from None
+
+
+def run_ref(value) -> str:
+    """A run to read from: a run name, or the path of a run directory that exists ('': the newest)."""
+    if isinstance(value, str) and Path(value).expanduser().is_dir():
+        return value
+    try:
+        return plain_name(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a run name (a folder under NANOCHAT_FAST_HOME/runs) or an "
+                                         f"existing run directory, got {value!r}") from None
+
+
+def choice(*values):
+    """A check that the value is one of `values` (for fields set in code; argparse has choices=)."""
+    def check(value):
+        if value not in values:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(map(repr, values))}, got {value!r}")
+        return value
+    check.__name__ = "choice"
+    return check
+
+
+def boolean(value) -> bool:
+    if not isinstance(value, bool):
+        raise argparse.ArgumentTypeError(f"must be True or False, got {value!r}")
     return value
 
 
-def non_negative_float(text):
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+def optional(check):
+    """`check`, or None (a flag whose default is decided later, e.g. from a checkpoint)."""
+    def check_or_none(value):
+        return None if value is None else check(value)
+    check_or_none.__name__ = check.__name__
+    return check_or_none
 
 
-def fraction(text):
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
+def check_value(dest: str, check, value):
+    """check(value), with a failure as the UserError argparse would have printed for the flag."""
+    try:
+        return check(value)
+    except argparse.ArgumentTypeError as e:
+        raise UserError(f"argument {flag_name(dest)}: {e}") from None
 
 
 def run(main, argv=None):
@@ -86,4 +229,4 @@ def run(main, argv=None):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         code = e.exit_code
-    sys.exit(code or 0)
+    sys.exit(code or EXIT_OK)

@@ -1,6 +1,6 @@
 """
 Process setup shared by every script: which device, which rank, seeding, and the few collectives
-the training loop needs for logging.
+the run layer needs beyond the optimizers' own (sums for logging, agreement between ranks).
 
 Launched by torchrun, every process trains on its own share of the data:
     CUDA  -> NCCL, one GPU per process (cuda:LOCAL_RANK)
@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .cli import UserError
+from .errors import UserError
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
 
@@ -148,3 +148,18 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     if not is_distributed():
         return t.detach().clone()
     return _gather_sum(t) / dist.get_world_size()
+
+
+def any_rank(flag: bool, device) -> bool:
+    """True on every rank if `flag` is True on any rank (one all-reduce; `flag` when not
+    distributed). Ranks use it to take the same decision: stop, save, give up."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor(int(flag), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def all_ranks_ok(ok: bool, device) -> bool:
+    """True on every rank iff `ok` is True on every rank; doubles as a barrier."""
+    return not any_rank(not ok, device)

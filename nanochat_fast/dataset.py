@@ -28,14 +28,14 @@ from pathlib import Path
 import numpy as np
 
 from . import paths
-from .cli import UserError
+from .errors import UserError
 
 TEXT, CHAT = "text", "chat"
 SPLITS = ("train", "val")
 FORMAT_VERSION = 1
 
 
-def _tqdm(**kwargs):
+def progress_bar(**kwargs):
     from tqdm.auto import tqdm
     return tqdm(dynamic_ncols=True, **kwargs)
 
@@ -57,7 +57,7 @@ def check_conversation(conv, where: str) -> dict:
     alternating user/assistant after an optional system message), or a UserError naming `where`."""
     from .tokenizer import Tokenizer
     try:
-        Tokenizer._messages(conv)
+        Tokenizer.turns(conv)
         messages = [{"role": m["role"], "content": m["content"]} for m in conv["messages"]]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(f"{where}: not a valid conversation ({e})") from None
@@ -236,7 +236,7 @@ def write_dataset(name: str, kind: str, docs, *, config: dict, sources: list[dic
     writers = {split: ShardWriter(root / split, kind, shard_chars, reuse) for split in SPLITS}
     per_source = {}
     total = len(docs) if hasattr(docs, "__len__") else None
-    with _tqdm(desc=f"writing data/{name}", unit="doc", total=total) as bar:
+    with progress_bar(desc=f"writing data/{name}", unit="doc", total=total) as bar:
         for i, (doc, source) in enumerate(docs):
             writers["val" if val_every > 0 and i % val_every == 0 else "train"].add(doc, source)
             counts = per_source.setdefault(source, {"docs": 0, "chars": 0})
@@ -327,7 +327,7 @@ def tokenize_dataset(name: str, tokenizer, *, overwrite: bool = False, num_threa
     dtype = token_dtype(tokenizer.get_vocab_size())
     jobs = [(split, shard) for split in SPLITS for shard in manifest["shards"][split]]
     totals = {"tokens": 0, "docs": 0, "skipped_shards": 0}
-    with _tqdm(desc=f"tokenizing data/{name}", unit="shard", total=len(jobs)) as bar:
+    with progress_bar(desc=f"tokenizing data/{name}", unit="shard", total=len(jobs)) as bar:
         for split, shard in jobs:
             source = paths.data_dir(name) / split / shard
             out_dir = out_root / split

@@ -10,6 +10,7 @@ The GPT of nanochat:
 One dial, `depth`, sets the width and the heads (config_from_depth). Master weights are fp32 on
 every device; CUDA runs the matmuls under bf16 autocast, CPU and MPS compute in fp32.
 """
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -105,6 +106,12 @@ class KVCache:
         if layer_idx == self.n_layer - 1:
             self.pos = t1
         return self.kv[layer_idx, 0, :, :, :t1], self.kv[layer_idx, 1, :, :, :t1]
+
+    def select_rows(self, rows: torch.Tensor):
+        """Keep the sequences at `rows` (int64 indices into the batch, repeats allowed): a prompt
+        cached once becomes n rows with rows = [0] * n; finished rows leave the batch."""
+        if self.kv is not None:
+            self.kv = self.kv.index_select(2, rows.to(self.kv.device))
 
 
 class CausalSelfAttention(nn.Module):
@@ -231,12 +238,17 @@ class GPT(nn.Module):
         return 6 * (nparams - nparams_embedding) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.sequence_len
 
     def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
-                         adam_betas=(0.8, 0.95), ns_coefficients="quintic"):
+                         adam_betas=(0.8, 0.95), ns_coefficients=None, muon_recipe="seeds"):
         """[AdamW for lm_head and wte, Muon for every matrix in the blocks]; the distributed ZeRO-2
-        versions when torch.distributed runs more than one process. Every group records
-        `initial_lr` for the LR schedule."""
-        from .optim import AdamW, DistAdamW, DistMuon, Muon
+        versions when torch.distributed runs more than one process. `weight_decay` is AdamW's; Muon
+        follows `muon_recipe` (a MuonRecipe or a preset name, see optim/recipe.py; ns_coefficients,
+        if given, overrides the recipe's) and keeps it as `.recipe` for the momentum schedule.
+        Every group records `initial_lr` for the LR schedule."""
+        from .optim import AdamW, DistAdamW, DistMuon, Muon, MuonRecipe
 
+        recipe = MuonRecipe.of(muon_recipe)
+        if ns_coefficients is not None:
+            recipe = dataclasses.replace(recipe, ns_coefficients=ns_coefficients)
         model_dim = self.config.n_embd
         distributed = is_distributed()
         matrix_params = list(self.transformer.h.named_parameters(prefix="transformer.h"))
@@ -252,8 +264,8 @@ class GPT(nn.Module):
         ]
         adamw_kwargs = dict(betas=tuple(adam_betas), eps=1e-10, weight_decay=weight_decay)
         adamw_optimizer = (DistAdamW if distributed else AdamW)(adam_groups, **adamw_kwargs)
-        muon_kwargs = dict(lr=matrix_lr, momentum=0.95, ns_coefficients=ns_coefficients)
-        muon_optimizer = (DistMuon if distributed else Muon)(matrix_params, **muon_kwargs)
+        muon_optimizer = (DistMuon if distributed else Muon)(matrix_params, lr=matrix_lr, **recipe.muon_kwargs())
+        muon_optimizer.recipe = recipe
         optimizers = [adamw_optimizer, muon_optimizer]
         for opt in optimizers:
             for group in opt.param_groups:

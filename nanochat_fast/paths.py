@@ -41,3 +41,22 @@ def replace_atomically(path: Path, write):
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_durably(path: Path, write):
+    """write(file object) to a temporary name, fsync it, rename it over `path`, fsync the folder:
+    after a crash or a kill the file is the old one or the complete new one (checkpoints, metrics,
+    reports)."""
+    def write_synced(tmp: Path):
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    path = Path(path)
+    replace_atomically(path, write_synced)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

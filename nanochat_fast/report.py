@@ -1,7 +1,8 @@
 """
 What a run leaves behind besides checkpoints: metrics.jsonl (one JSON object per logged event),
-loss.png (train/val loss and tokens/s) and report.md (config, hardware, backends, results, timing).
-Only rank 0 writes these.
+loss.png (train/val loss and tokens/s) and report.md (results, timing, hardware, device and
+precision with the reason for each choice, kernels, model, every setting). Only rank 0 writes
+these. Also the summary a run prints before its first step.
 """
 import json
 import os
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import _write_bytes
+from . import paths
 
 
 class MetricsLog:
@@ -23,7 +24,7 @@ class MetricsLog:
         if resume_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            _write_bytes(self.path, lambda f: f.write("".join(line + "\n" for line in kept).encode()))
+            paths.write_durably(self.path, lambda f: f.write("".join(line + "\n" for line in kept).encode()))
         elif resume_step is None:
             self.path.unlink(missing_ok=True)
 
@@ -62,10 +63,8 @@ def plot(rows: list[dict], out_png: Path, title: str):
     ax2.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    tmp = out_png.with_name(f".{out_png.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    paths.replace_atomically(Path(out_png), lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
-    os.replace(tmp, out_png)
 
 
 def hardware() -> str:
@@ -89,14 +88,55 @@ def _table(d: dict) -> list[str]:
     return ["| key | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in d.items()]
 
 
-def write_report(path: Path, *, title: str, args: dict, model_config: dict, backends: dict,
-                 results: dict, timing: dict, world_size: int):
-    lines = [f"# {title}", "",
-             f"Written {time.strftime('%Y-%m-%d %H:%M:%S')} by nanochat_fast; torch {torch.__version__}.", "",
-             "## Hardware", "", f"{hardware()}; {world_size} process(es).", "",
-             "## Results", "", *_table(results), "",
-             "## Timing", "", *_table(timing), "",
-             "## Kernels (backend per op on this device)", "", *_table(backends), "",
-             "## Model", "", *_table(model_config), "",
-             "## Arguments", "", *_table(args), ""]
-    _write_bytes(Path(path), lambda f: f.write("\n".join(lines).encode()))
+def write_report(path: Path, title: str, sections: dict):
+    """report.md: a title, then one section per entry of `sections` (name -> a dict shown as a
+    table, or text)."""
+    lines = [f"# {title}", "", f"Written {time.strftime('%Y-%m-%d %H:%M:%S')} by nanochat_fast; torch {torch.__version__}.", ""]
+    for name, body in sections.items():
+        lines += [f"## {name}", "", *(_table(body) if isinstance(body, dict) else [str(body)]), ""]
+    paths.write_durably(Path(path), lambda f: f.write("\n".join(lines).encode()))
+
+
+def summary(run, config, extra: dict) -> str:
+    """What a run prints before its first step (after the device line): where it writes, the model,
+    the batch, and the stage's own lines (horizon, starting point, data)."""
+    per_rank = run.data.train.device_batch_size * run.data.train.seq_len
+    lines = [f"run dir: {run.run_dir}",
+             f"model: n_layer={config.n_layer} n_embd={config.n_embd} n_head={config.n_head} "
+             f"n_kv_head={config.n_kv_head} vocab={config.vocab_size} seq_len={config.sequence_len}",
+             f"parameters: {sum(p.numel() for p in run.orig_model.parameters()):,} | "
+             f"FLOPs per token: {run.flops_per_token:.3e}",
+             f"tokens per micro-batch per rank: {run.data.train.device_batch_size} x {run.data.train.seq_len} = "
+             f"{per_rank:,} | {run.grad_accum_steps} gradient accumulation step(s) per optimizer step"]
+    return "\n".join(lines + [f"{k}: {v}" for k, v in extra.items()])
+
+
+def finish_report(run, metrics: MetricsLog, title: str, wall_start: float, sections: dict):
+    """loss.png and report.md at the end of a run (rank 0), and the closing lines of its log.
+    `sections`: the stage's own (settings, starting point, ...), after the common ones."""
+    rows = metrics.rows()
+    train_rows = [r for r in rows if r.get("kind") == "train"]
+    speeds = sorted(r["tok_per_sec"] for r in train_rows)
+    state = run.state
+    results = {"steps": state.step, "tokens seen": f"{state.tokens_seen:,}",
+               "final train loss (smoothed)": f"{train_rows[-1]['smooth_loss']:.4f}" if train_rows else "n/a",
+               "val bpb at start": f"{state.first_val_bpb:.4f}" if state.first_val_bpb is not None else "n/a",
+               "val bpb at end": f"{state.last_val_bpb:.4f}" if state.last_val_bpb is not None else "n/a",
+               **{f"{k} (last eval)": f"{v:.4f}" for k, v in state.last_evals.items()},
+               "median tokens/s": f"{speeds[len(speeds) // 2]:,.0f}" if speeds else "n/a",
+               "skipped non-finite steps": state.nonfinite_skipped,
+               "last checkpoint": str(run.last_checkpoint)}
+    mfus = [r["mfu"] for r in train_rows if r.get("mfu") is not None]
+    results["median MFU"] = f"{sorted(mfus)[len(mfus) // 2]:.1f}%" if mfus else f"n/a on {run.device.type}"
+    timing = {"training time (steps only)": f"{state.train_time:.1f} s",
+              "wall time of this invocation": f"{time.time() - wall_start:.1f} s"}
+    dev = run.dev
+    device = {"processes": run.world_size, "device": str(dev.device), "precision": dev.precision.describe()}
+    plot(rows, run.run_dir / "loss.png", title)
+    write_report(run.run_dir / "report.md", title, {
+        "Results": results, "Timing": timing, "Hardware": f"{hardware()}; {run.world_size} process(es).",
+        "Device and precision": device, "Kernels (backend per op on this device)": dev.kernels,
+        "Model": run.meta()["model_config"], **sections})
+    print(f"val bpb: {results['val bpb at start']} at start -> {results['val bpb at end']} at step {state.step}; "
+          f"median {results['median tokens/s']} tokens/s", flush=True)
+    print(f"report: {run.run_dir / 'report.md'}", flush=True)

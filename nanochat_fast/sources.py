@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .cli import UserError
+from .errors import UserError
 
 
 # Part of every built-in dataset's config: bump it when a reader changes what it yields, so that

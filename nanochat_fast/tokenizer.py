@@ -184,7 +184,7 @@ class Tokenizer:
     # conversations
 
     @staticmethod
-    def _messages(conversation):
+    def turns(conversation):
         """The user/assistant turns of a conversation, a system message merged into the first user one."""
         messages = conversation.get("messages") if isinstance(conversation, dict) else None
         if not isinstance(messages, list) or not messages:
@@ -205,7 +205,7 @@ class Tokenizer:
     def render_conversation(self, conversation, max_tokens: int | None = None):
         """Token ids and a mask (1 on the tokens the model learns to say: the assistant's text and
         its <|assistant_end|>; 0 elsewhere), both lists of ints. max_tokens truncates both."""
-        messages = self._messages(conversation)
+        messages = self.turns(conversation)
         sp = self.special_tokens
         ids, mask = [sp["<|bos|>"]], [0]
 
@@ -248,7 +248,7 @@ class Tokenizer:
         messages = conversation.get("messages") if isinstance(conversation, dict) else None
         if isinstance(messages, list) and messages and messages[-1].get("role") == "assistant":
             conversation = dict(conversation, messages=messages[:-1])
-        messages = self._messages(conversation)
+        messages = self.turns(conversation)
         if messages[-1]["role"] != "user":
             raise ValueError("render_for_completion: the conversation must end with a user message")
         ids, _ = self.render_conversation(conversation)
@@ -257,7 +257,7 @@ class Tokenizer:
 
 def get_tokenizer(directory=None) -> Tokenizer:
     """The trained tokenizer under NANOCHAT_FAST_HOME (or `directory`); a UserError when missing."""
-    from .cli import UserError
+    from .errors import UserError
     directory = Path(directory) if directory is not None else paths.tokenizer_dir()
     if not (directory / RANKS_FILE).is_file():
         raise UserError(f"no tokenizer in {directory}: run `python -m nanochat_fast.scripts.tok_train` "
@@ -271,7 +271,7 @@ def get_tokenizer(directory=None) -> Tokenizer:
 def get_token_bytes(device="cpu", directory=None):
     """int32[vocab] bytes per token (0 for special tokens), for bits-per-byte."""
     import torch
-    from .cli import UserError
+    from .errors import UserError
     directory = Path(directory) if directory is not None else paths.tokenizer_dir()
     path = directory / TOKEN_BYTES_FILE
     if not path.is_file():

@@ -1,8 +1,8 @@
 """
-The training loop shared by base_train and mid_train: the two loops of the seeds (an outer loop
-of optimizer steps, an inner loop of gradient-accumulation micro-steps) plus what a long run on
-rented machines needs: evaluation, sampling, atomic checkpoints, exact resume, preemption and the
-NaN guard.
+The training loop every stage shares (stage.py builds a Run and calls train): the two loops of
+the seeds (an outer loop of optimizer steps, an inner loop of gradient-accumulation micro-steps)
+plus what a long run on rented machines needs: evaluation, sampling, atomic checkpoints, exact
+resume, preemption and the NaN guard.
 
 One step:
     fetch the grad_accum_steps micro-batches of this rank
@@ -19,14 +19,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from . import checkpoint, optim
-from .cli import EXIT_NONFINITE
-from .common import all_reduce_sum, get_dist_info, print0
+from .common import all_ranks_ok, all_reduce_sum, any_rank, get_dist_info, print0
+from .errors import EXIT_NONFINITE
 from .report import MetricsLog
 
 # Peak dense bf16 FLOP/s per device, for MFU. CPUs have no meaningful peak here.
@@ -45,7 +44,9 @@ def peak_flops(device_type: str) -> float | None:
 
 def lr_multiplier(progress: float, warmup_ratio: float, warmdown_ratio: float, final_lr_frac: float) -> float:
     """Linear warmup over the first warmup_ratio of training, flat, then linear warmdown to
-    final_lr_frac over the last warmdown_ratio (progress in [0, 1])."""
+    final_lr_frac over the last warmdown_ratio. Progress past 1 (an epoch-bound stage whose last
+    step reads past the end of its epoch) counts as 1: the lr never goes below the final one."""
+    progress = min(max(progress, 0.0), 1.0)
     if warmup_ratio > 0 and progress < warmup_ratio:
         return (progress + 1e-8) / warmup_ratio
     if warmdown_ratio > 0 and progress > 1 - warmdown_ratio:
@@ -54,10 +55,10 @@ def lr_multiplier(progress: float, warmup_ratio: float, warmdown_ratio: float, f
     return 1.0
 
 
-def muon_momentum(step: int) -> float:
-    """Muon momentum warms up from 0.85 to 0.95 over the first 300 steps."""
-    frac = min(step / 300, 1.0)
-    return (1 - frac) * 0.85 + frac * 0.95
+def muon_momentum(optimizers, step: int, num_iterations: int | None) -> float:
+    """Muon momentum at this step from the Muon optimizer's recipe (MuonRecipe.momentum_at; the
+    seeds: 0.85 -> 0.95 over the first 300 steps), which also sets its scheduled weight decay."""
+    return next(opt for opt in optimizers if isinstance(opt, optim.Muon)).schedule(step, num_iterations)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class LoopState:
     nonfinite_skipped: int = 0
     first_val_bpb: float | None = None
     last_val_bpb: float | None = None
+    last_evals: dict = field(default_factory=dict)  # the stage's own evaluations, latest values
 
 
 class Preemption:
@@ -160,12 +162,14 @@ class StepResult:
     grad_norm: float
     n_supervised: int
     finite: bool
+    n_tokens: int = 0  # input tokens of the step on all ranks (for tokens/s)
 
 
 def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx, inject_nan=False) -> StepResult:
     """One optimizer step over this rank's micro-batches (see the module docstring)."""
-    counts = torch.stack([(y >= 0).sum() for _, y in micro_batches]).sum().double()
-    n_sup = all_reduce_sum(counts)
+    local = torch.stack([torch.stack([(y >= 0).sum(), torch.tensor(x.numel(), device=x.device)])
+                         for x, y in micro_batches]).sum(0).double()
+    n_sup, n_tokens = all_reduce_sum(local).unbind()  # one collective for both counts
     # The optimizers average gradients over ranks (sum / world_size), so each rank scales its part
     # by world_size: the averaged gradient is then d(global loss sum)/d(params) / n_sup.
     world_size = get_dist_info()[3]
@@ -180,19 +184,10 @@ def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx, inject
     global_loss = (all_reduce_sum(loss_sum) / n_sup.clamp(min=1)).item()
     if not math.isfinite(global_loss):
         model.zero_grad(set_to_none=True)
-        return StepResult(global_loss, float("nan"), int(n_sup.item()), False)
+        return StepResult(global_loss, float("nan"), int(n_sup.item()), False, int(n_tokens.item()))
     grad_norm = optim.step(optimizers, grad_clip).item()
     model.zero_grad(set_to_none=True)
-    return StepResult(global_loss, grad_norm, int(n_sup.item()), math.isfinite(grad_norm))
-
-
-def any_rank(flag: bool, device) -> bool:
-    """True on every rank if `flag` is True on any rank."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    t = torch.tensor(int(flag), device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return StepResult(global_loss, grad_norm, int(n_sup.item()), math.isfinite(grad_norm), int(n_tokens.item()))
 
 
 def format_eta(seconds: float) -> str:
@@ -231,35 +226,40 @@ def stop_nonfinite(message: str):
 
 
 @dataclass
+class Horizon:
+    """How long a stage trains: a number of steps, or until its data has done an epoch."""
+    num_iterations: int | None          # None: until epoch_done()
+    progress: Callable[[int], float]    # step -> fraction of training done: the lr schedule's clock
+    epoch_done: Callable[[], bool]      # the training loader finished its epoch (False: never stops on it)
+    describe: str                       # for the run's summary
+
+
+@dataclass
 class Run:
-    """Everything the loop needs; base_train and mid_train each build one."""
+    """Everything the loop needs; stage.run_stage builds one for every stage."""
     model: torch.nn.Module              # what runs forward/backward (possibly compiled)
     orig_model: torch.nn.Module         # the plain module: state_dict keys, generate()
     optimizers: list
-    train_loader: Iterator              # yields this rank's (x, y); has state_dict()/load_state_dict()
-    val_batches: Callable[[], Iterator]  # a fresh pass over the validation batches
+    data: object                        # training_data.Data: .train (this rank's loader), .val_batches()
     token_bytes: torch.Tensor
     run_dir: Path
     grad_accum_steps: int
-    tokens_per_step: int                # all ranks, one optimizer step
     flops_per_token: float
-    num_iterations: int | None          # None: until the loader reports an epoch done
-    progress: Callable[[int], float]    # step -> fraction of training done, for the lr schedule
-    epoch_done: Callable[[], bool]      # the loader finished its epoch (mid_train); False otherwise
-    meta: Callable[[], dict]            # model config, args... for meta.json
+    horizon: Horizon
+    optim: object                       # config.OptimConfig: grad_clip and the lr schedule
+    loop: object                        # config.LoopConfig: eval/sample/save cadence, NaN guard
+    dev: object                         # config.Device: device, rank, world_size, precision
+    meta: Callable[[], dict]            # model config, settings... for meta.json
     sample: Callable[[], list[str]]     # a few generations to print (rank 0 only)
-    autocast_ctx: object
-    device: torch.device
-    rank: int
-    world_size: int
-    args: object                        # the parsed arguments (eval_every, save_every, grad_clip, ...)
+    evals: tuple = ()                   # (name, fn(model) -> {metric: value}) run with every val bpb eval
     state: LoopState = field(default_factory=LoopState)
     resume_command: str = ""
     last_checkpoint: Path | None = None
+    finished: bool = False              # reached its horizon (not stopped by a signal or the NaN guard)
 
-
-def all_ranks_ok(ok: bool, device) -> bool:
-    return not any_rank(not ok, device)
+    def __post_init__(self):
+        self.device, self.rank, self.world_size = self.dev.device, self.dev.rank, self.dev.world_size
+        self.autocast_ctx = self.dev.autocast()
 
 
 def rank_state(run: Run) -> dict:
@@ -271,12 +271,12 @@ def rank_state(run: Run) -> dict:
 
 
 def save(run: Run) -> Path:
-    meta = {**run.meta(), "world_size": run.world_size, "loader_state": run.train_loader.state_dict(),
+    meta = {**run.meta(), "world_size": run.world_size, "loader_state": run.data.train.state_dict(),
             "loop_state": asdict(run.state)}
     path = checkpoint.save_checkpoint(
         run.run_dir, run.state.step, model_state=run.orig_model.state_dict(), rank_state=rank_state(run),
         meta=meta, rank=run.rank, all_ranks_ok=lambda ok: all_ranks_ok(ok, run.device),
-        keep_last=run.args.keep_last, previous=run.last_checkpoint)
+        keep_last=run.loop.keep_last, previous=run.last_checkpoint)
     run.last_checkpoint = path
     return path
 
@@ -293,18 +293,46 @@ def restore(run: Run, ckpt: Path, meta: dict):
         torch.set_rng_state(rng["cpu"].cpu())
         if run.device.type == "cuda" and "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"].cpu(), run.device)
-    run.train_loader.load_state_dict(meta["loader_state"])
+    run.data.train.load_state_dict(meta["loader_state"])
     run.state = LoopState(**meta["loop_state"])
     run.last_checkpoint = ckpt
 
 
+def evaluate(run: Run, step: int, bar: Progress, metrics: MetricsLog | None):
+    """Val bits per byte, then the stage's own evaluations, logged at `step`."""
+    state = run.state
+    run.model.eval()
+    bpb = evaluate_bpb(run.model, run.data.val_batches(), run.token_bytes, run.autocast_ctx)
+    run.model.train()
+    state.first_val_bpb = bpb if state.first_val_bpb is None else state.first_val_bpb
+    state.last_val_bpb = bpb
+    results = {"val_bpb": bpb}
+    run.orig_model.eval()
+    with run.autocast_ctx:
+        for _, fn in run.evals:
+            results.update(fn(run.orig_model))
+    run.orig_model.train()
+    state.last_evals = {k: v for k, v in results.items() if k != "val_bpb"}
+    bar.write(f"step {step:05d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
+    if metrics:
+        metrics.log(kind="eval", step=step, **results)
+
+
+def print_samples(run: Run, bar: Progress):
+    run.orig_model.eval()
+    with run.autocast_ctx:
+        for text in run.sample():
+            bar.write(f"  sample: {text!r}")
+    run.orig_model.train()
+
+
 def train(run: Run, metrics: MetricsLog | None) -> int:
     """The outer loop. Returns the process exit code (0, or 3 when the NaN guard stops the run)."""
-    args, state = run.args, run.state
+    loop, state, horizon = run.loop, run.state, run.horizon
     master = run.rank == 0
     peak = peak_flops(run.device.type)
     preemption = Preemption()
-    bar = Progress(run.num_iterations, state.step, enabled=master)
+    bar = Progress(horizon.num_iterations, state.step, enabled=master)
     start_step = state.step
     # eval/sample/save happen once per step value, even if a step is skipped; a resumed run did
     # them at its first step before it saved, so it does not repeat them
@@ -314,30 +342,19 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
     try:
         while True:
             step = state.step
-            last_step = (run.num_iterations is not None and step >= run.num_iterations) or run.epoch_done()
+            last_step = (horizon.num_iterations is not None and step >= horizon.num_iterations) or horizon.epoch_done()
             fresh = events_done_at != step
             events_done_at = step
 
-            if fresh and args.eval_every > 0 and (step % args.eval_every == 0 or last_step):
-                run.model.eval()
-                bpb = evaluate_bpb(run.model, run.val_batches(), run.token_bytes, run.autocast_ctx)
-                run.model.train()
-                state.first_val_bpb = bpb if state.first_val_bpb is None else state.first_val_bpb
-                state.last_val_bpb = bpb
-                bar.write(f"step {step:05d} | val bpb {bpb:.4f}")
-                if metrics:
-                    metrics.log(kind="eval", step=step, val_bpb=bpb)
+            if fresh and loop.eval_every > 0 and (step % loop.eval_every == 0 or last_step):
+                evaluate(run, step, bar, metrics)
+            if fresh and master and loop.sample_every > 0 and (step % loop.sample_every == 0 or last_step) and step > 0:
+                print_samples(run, bar)
 
-            if fresh and master and args.sample_every > 0 and (step % args.sample_every == 0 or last_step) and step > 0:
-                run.orig_model.eval()
-                for text in run.sample():
-                    bar.write(f"  sample: {text!r}")
-                run.orig_model.train()
-
-            if args.test_preempt_at_step == step and step > start_step:
+            if loop.test_preempt_at_step == step and step > start_step:
                 preemption.signal_name = "--test-preempt-at-step"  # behaves exactly like a SIGTERM here
             preempted = any_rank(preemption.signal_name is not None, run.device)
-            periodic = fresh and args.save_every > 0 and step > start_step and step % args.save_every == 0
+            periodic = fresh and loop.save_every > 0 and step > start_step and step % loop.save_every == 0
             if (last_step or preempted or periodic) and (step > start_step or run.last_checkpoint is None):
                 path = save(run)
                 bar.write(f"step {step:05d} | saved checkpoint {path}")
@@ -347,25 +364,29 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
                        f"Resume with: {run.resume_command} --resume auto", flush=True)
                 return 0
             if last_step:
+                run.finished = True
                 return 0
 
             t0 = time.perf_counter()
-            micro_batches = [next(run.train_loader) for _ in range(run.grad_accum_steps)]
-            lrm = lr_multiplier(run.progress(step), args.warmup_ratio, args.warmdown_ratio, args.final_lr_frac)
-            set_schedule(run.optimizers, lrm, muon_momentum(step))
-            inject = args.test_inject_nan_at_step == step and not injected
+            # the schedule's clock is the progress at the start of the step, before its batches are read
+            lrm = lr_multiplier(horizon.progress(step), run.optim.warmup_ratio, run.optim.warmdown_ratio,
+                                run.optim.final_lr_frac)
+            micro_batches = [next(run.data.train) for _ in range(run.grad_accum_steps)]
+            set_schedule(run.optimizers, lrm, muon_momentum(run.optimizers, step, horizon.num_iterations))
+            inject = loop.test_inject_nan_at_step == step and not injected
             injected = injected or inject  # a one-off fault: a skipped step is retried cleanly
-            result = train_step(run.model, run.optimizers, micro_batches, args.grad_clip, run.autocast_ctx, inject)
+            result = train_step(run.model, run.optimizers, micro_batches, run.optim.grad_clip, run.autocast_ctx,
+                                inject)
             if run.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
 
             if not result.finite:
                 what = "loss" if not math.isfinite(result.loss) else "gradient norm"
-                if state.nonfinite_skipped < args.skip_nonfinite:
+                if state.nonfinite_skipped < loop.skip_nonfinite:
                     state.nonfinite_skipped += 1
                     bar.write(f"step {step:05d} | non-finite {what}: step skipped "
-                              f"({state.nonfinite_skipped}/{args.skip_nonfinite} allowed by --skip-nonfinite)")
+                              f"({state.nonfinite_skipped}/{loop.skip_nonfinite} allowed by --skip-nonfinite)")
                     if metrics:
                         # logged under the step it attempted, as train rows are: a resume from
                         # checkpoint `step` drops it with the rest of that history
@@ -375,18 +396,18 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
 
             state.step += 1
             state.train_time += dt
-            state.tokens_seen += run.tokens_per_step
+            state.tokens_seen += result.n_tokens
             beta = 0.9  # EMA of the loss, debiased as in nanochat
             state.smooth_loss = beta * state.smooth_loss + (1 - beta) * result.loss
             debiased = state.smooth_loss / (1 - beta ** state.step)
             dt_ema = dt if dt_ema is None else beta * dt_ema + (1 - beta) * dt  # recent speed, for the ETA
-            if run.num_iterations:
-                eta = (run.num_iterations - state.step) * dt_ema
+            if horizon.num_iterations:
+                eta = (horizon.num_iterations - state.step) * dt_ema
             else:
-                done = run.progress(state.step)
+                done = min(horizon.progress(state.step), 1.0)
                 eta = dt_ema * state.step / done * (1 - done) if done > 0 else None
-            line, postfix, row = describe_step(state, run.num_iterations, result, lrm, dt, debiased, eta,
-                                               run.tokens_per_step, run.flops_per_token, peak, run.world_size,
+            line, postfix, row = describe_step(state, horizon.num_iterations, result, lrm, dt, debiased, eta,
+                                               result.n_tokens, run.flops_per_token, peak, run.world_size,
                                                run.device.type)
             bar.step(line, postfix)
             if metrics:

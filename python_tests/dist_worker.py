@@ -11,7 +11,11 @@ What one launch does (results under DIR, read and asserted by the test):
   3. resume from DIR/step3 (same world size: must be bitwise) and from --resume-from (a checkpoint
      written by another world size), continue to step 5                             -> resumed_*.pt
   4. DistAdamW / DistMuon on odd shapes (numel not divisible by N, numel < N, group sizes not
-     multiples of N) against references fed the rank-averaged gradients              -> rank<r>.json
+     multiples of N) against references fed the rank-averaged gradients, DistMuon with the seeds'
+     recipe and with the current one (NorMuon, cautious weight decay, MuonEq, Muon+); the latter's
+     state saved by N ranks and loaded by N ranks and by one process               -> rank<r>.json
+Newton-Schulz runs in fp32 here (ns_dtype="fp32"): the comparisons are at fp32 rounding level, and
+on a CPU with native bf16 "auto" would pick bf16.
 """
 import argparse
 import json
@@ -24,12 +28,16 @@ import torch
 from nanochat_fast import optim
 from nanochat_fast.common import all_reduce_mean, all_reduce_sum, compute_cleanup, compute_init, get_dist_info
 from nanochat_fast.gpt import GPT, GPTConfig
+from nanochat_fast.optim import MuonRecipe
 
 CONFIG = GPTConfig(sequence_len=16, vocab_size=4099, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
 GLOBAL_ROWS = 6  # divisible by 1, 2 and 3: every world size sees the same global batch
 STEPS = 5
 RESUME_STEP = 3
 GRAD_CLIP = 0.5  # below the norms this model sees, so clipping is active
+RECIPE = MuonRecipe.preset("seeds", ns_dtype="fp32")
+# the current recipe's Muon with a weight decay large enough to show in 4 steps
+CURRENT_MUON = dict(MuonRecipe.preset("current", ns_dtype="fp32", weight_decay=0.5).muon_kwargs(), lr=0.02)
 
 
 def make_model(seed=1234):
@@ -98,20 +106,31 @@ def params_of(model):
 
 def odd_shape_checks(rank, world_size):
     """DistAdamW against torch.optim.AdamW and DistMuon against Muon, both fed the mean of every
-    rank's gradient, on shapes that do not split evenly. Returns max relative errors."""
+    rank's gradient, on shapes that do not split evenly. Returns max relative errors.
+
+    Gradients are multiples of 1/64 below 8 in size, so their sums over ranks are exact in any
+    order: the distributed and the single-process optimizers see the same bits, and the cautious
+    weight decay's sign test cannot flip on a rounding difference."""
     from nanochat_fast.optim import DistAdamW, DistMuon, Muon
 
     def grads_of_rank(r, shapes, step):
         gen = torch.Generator().manual_seed(1000 * step + r)
-        return [torch.randn(s, generator=gen) for s in shapes]
+        return [torch.randn(s, generator=gen).clamp(-7, 7).mul(64).round().div(64) for s in shapes]
 
     def rel(a, b):
         return ((a - b).abs().max() / b.abs().max()).item()
 
+    def set_grads(ours, ref, shapes, step):
+        for p, g in zip(ours, grads_of_rank(rank, shapes, step)):
+            p.grad = g
+        all_grads = [grads_of_rank(r, shapes, step) for r in range(world_size)]
+        for i, p in enumerate(ref):
+            p.grad = torch.stack([g[i] for g in all_grads]).mean(0)
+
     results = {}
     adam_shapes = [(7, 5), (3,), (1,), (2, 2), (11, 3, 2)]
     muon_shapes = [(5, 3)] + [(3, 5)] * 3 + [(4, 4)] * 5
-    for kind, shapes in (("adamw", adam_shapes), ("muon", muon_shapes)):
+    for kind, shapes in (("adamw", adam_shapes), ("muon", muon_shapes), ("muon_current", muon_shapes)):
         gen = torch.Generator().manual_seed(7)
         init = [torch.randn(s, generator=gen) for s in shapes]
         ours = [torch.nn.Parameter(t.clone()) for t in init]
@@ -127,19 +146,44 @@ def odd_shape_checks(rank, world_size):
             ref_opt = torch.optim.AdamW([dict(params=[p], lr=0.01 * p.lr_mul, weight_decay=0.1 * p.wd_mul)
                                          for p in ref], betas=(0.8, 0.95), eps=1e-10, foreach=False)
         else:
-            opt = DistMuon(ours, lr=0.02, momentum=0.9)
-            ref_opt = Muon(ref, lr=0.02, momentum=0.9)
+            hp = CURRENT_MUON if kind == "muon_current" else dict(lr=0.02, momentum=0.9, ns_dtype="fp32")
+            opt = DistMuon(ours, **hp)
+            ref_opt = Muon(ref, **hp)
         for step in range(1, 4):
-            for p, g in zip(ours, grads_of_rank(rank, shapes, step)):
-                p.grad = g
-            all_grads = [grads_of_rank(r, shapes, step) for r in range(world_size)]
-            for i, p in enumerate(ref):
-                p.grad = torch.stack([g[i] for g in all_grads]).mean(0)
+            set_grads(ours, ref, shapes, step)
             opt.step()
             ref_opt.step()
         results[kind] = max(rel(a.detach(), b.detach()) for a, b in zip(ours, ref))
         results[kind + "_state_bytes"] = opt.state_nbytes()
+        if kind == "muon_current":
+            results["muon_current_resume"] = resume_checks(opt, ours, ref_opt, ref, set_grads, shapes, rel)
     return results
+
+
+def resume_checks(opt, ours, ref_opt, ref, set_grads, shapes, rel):
+    """The state of `opt` (DistMuon, N ranks) saved and loaded by a new DistMuon on N ranks (must
+    continue bitwise) and by a single-process Muon (must continue like the reference)."""
+    from nanochat_fast.optim import DistMuon, Muon
+
+    shards = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(shards, opt.shard_state_dict())
+    copies = {}
+    for label, cls, like in (("same_world_size", DistMuon, ours), ("one_process", Muon, ref)):
+        params = [torch.nn.Parameter(p.detach().clone()) for p in like]
+        for p, q in zip(params, like):
+            p.lr_mul, p.wd_mul = q.lr_mul, q.wd_mul
+        resumed = cls(params, **CURRENT_MUON)
+        resumed.load_shard_state_dicts(shards)
+        copies[label] = (params, resumed)
+    set_grads(ours, ref, shapes, 4)
+    for label, (params, resumed) in copies.items():
+        for p, q in zip(params, ours if label == "same_world_size" else ref):
+            p.grad = q.grad.clone()
+    for o in [opt, ref_opt] + [resumed for _, resumed in copies.values()]:
+        o.step()
+    same = all(torch.equal(a, b) for a, b in zip(copies["same_world_size"][0], ours))
+    return dict(same_world_size_bitwise=same,
+                one_process=max(rel(a.detach(), b.detach()) for a, b in zip(copies["one_process"][0], ref)))
 
 
 def run(args):
@@ -153,7 +197,7 @@ def run(args):
 
     # 2. uninterrupted run, checkpoint after RESUME_STEP
     model = make_model()
-    optimizers = model.setup_optimizers()
+    optimizers = model.setup_optimizers(muon_recipe=RECIPE)
     info["optimizer_types"] = [type(o).__name__ for o in optimizers]
 
     def maybe_save(step):
@@ -171,7 +215,7 @@ def run(args):
         sources["other"] = Path(args.resume_from)
     for label, src in sources.items():
         model = make_model(seed=999)  # different weights: everything must come from the checkpoint
-        optimizers = model.setup_optimizers()
+        optimizers = model.setup_optimizers(muon_recipe=RECIPE)
         load_checkpoint(model, optimizers, src)
         train(model, optimizers, RESUME_STEP + 1, STEPS, rank, world_size)
         if rank == 0:

@@ -1,10 +1,13 @@
 """adamw_slice_update: every backend against torch.optim.AdamW, plus the op's contracts."""
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from nanochat_fast.kernels import KernelUnavailableError, adamw_slice_update, registry
+from nanochat_fast.kernels.adamw_slice_hparams import HPARAMS, SLOT, make_hparams
 
 # Without a GPU the Triton kernel runs on CPU tensors in the interpreter. TRITON_INTERPRET must be
 # set before the kernel is defined; its module is imported lazily on first use, so setting it here
@@ -12,7 +15,7 @@ from nanochat_fast.kernels import KernelUnavailableError, adamw_slice_update, re
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-HAS_CPP = registry._C is not None
+HAS_CPP = registry.extension() is not None
 BACKENDS = ["reference", pytest.param("cpp", marks=pytest.mark.skipif(not HAS_CPP, reason="extension not built")),
             pytest.param("triton", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="tested on CUDA instead"))]
 # odd sizes: a single element, a prime, one short of a power of two, more than one block, empty, 2-D
@@ -214,3 +217,29 @@ def test_env_selects_per_op(monkeypatch):
     monkeypatch.setenv("NANOCHAT_FAST_KERNELS", "auto")
     assert registry.select("adamw_slice_update", "cpu").name == ("cpp" if HAS_CPP else "reference")
     assert registry.select("adamw_slice_update", "mps").name == "reference"
+
+
+def camel_to_snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def test_hparam_layout_is_the_one_of_the_cpp_header():
+    """The slots named once in Python (adamw_slice_hparams.HPARAMS) are the C++ enum of
+    csrc/adamw_slice_hparams.h (kLr = 0, ..., kNumAdamWHParams), in the same order."""
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "adamw_slice_hparams.h").read_text()
+    enum = {name: int(value) for name, value in re.findall(r"\bk(\w+)\s*=\s*(\d+)", header)}
+    count = enum.pop("NumAdamWHParams")
+    assert sorted(enum.values()) == list(range(count))
+    assert [camel_to_snake(name) for name in sorted(enum, key=enum.get)] == list(HPARAMS)
+    assert camel_to_snake("BiasCorrection2Sqrt") == "bias_correction2_sqrt"  # the rule the comparison uses
+
+
+@pytest.mark.parametrize("as_tensors", [False, True])
+def test_make_hparams_puts_each_value_in_its_named_slot(as_tensors):
+    values = dict(lr=0.125, beta1=0.75, beta2=0.875, eps=1e-6, weight_decay=0.25)
+    given = {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()} if as_tensors else values
+    hp = make_hparams(3, device="cpu", **given)
+    expected = dict(values, bias_correction1=1 - 0.75 ** 3, bias_correction2_sqrt=(1 - 0.875 ** 3) ** 0.5)
+    assert hp.dtype == torch.float64 and hp.shape == (len(HPARAMS),)
+    for name, value in expected.items():
+        assert hp[SLOT[name]].item() == pytest.approx(value, rel=1e-15), name

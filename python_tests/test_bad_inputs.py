@@ -1,22 +1,27 @@
-"""Every user mistake is one line on stderr naming the flag or file, exit code 2, no traceback.
+"""Every user mistake is one line on stderr naming the flag, variable or file, exit code 2, no
+traceback.
 
-The table calls each script's main(argv) in-process through cli.run (what `python -m` runs);
-one case also runs as a real subprocess."""
-import json
+The tables call each script's main(argv) in-process through cli.run (what `python -m` runs): the
+mistakes found deep in a run (CASES, each on its own copy of a trained home), a bad value of every
+flag of every script (BAD_VALUES; a test fails when a script gains a flag without a row) and of
+every environment variable the package reads, for every script (ENV_CASES). Two cases also run as
+real subprocesses."""
+import os
 import shutil
+import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from nanochat_fast import checkpoint, cli
-from nanochat_fast.scripts import base_eval, base_train, chat_cli, mid_train, prepare_data, tok_train
+from nanochat_fast import checkpoint, cli, environment
+from nanochat_fast.scripts import base_eval, base_train, chat_cli, chat_web, mid_train, prepare_data, tok_train
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_with_base_run
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 SCRIPTS = {"base_train": base_train, "mid_train": mid_train, "base_eval": base_eval, "chat_cli": chat_cli,
-           "prepare_data": prepare_data, "tok_train": tok_train}
+           "prepare_data": prepare_data, "tok_train": tok_train, "chat_web": chat_web}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +81,8 @@ CASES = [
     ("no-mid-run-to-chat-with", "chat_cli", ["--prompt=hi"], None, "no mid run with a complete checkpoint"),
     ("no-such-step", "base_eval", ["--run=b", "--step=3"], None, "no complete checkpoint at step 3 (complete steps: 2, 4)"),
     ("cuda-without-gpu", "base_train", ["--device-type=cuda"], None, "no CUDA GPU is available"),
+    ("no-chat-dataset", "mid_train", ["--base-run=b"], lambda h: shutil.rmtree(h / "tokens" / "chat"),
+     "or train on your own conversations with --extra-conversations=FILE.jsonl"),
     ("extra-conversations-malformed", "mid_train", ["--base-run=b", "--extra-conversations={tmp}/bad.jsonl"],
      lambda h: (h.parent / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n'),
      "bad.jsonl line 2: expected"),
@@ -94,19 +101,139 @@ def test_bad_input_is_one_line_and_exit_2(case, trained_home, tmp_path, monkeypa
         setup(home)
         capsys.readouterr()
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert expected in one_line_exit_2(script, argv, capsys)
+
+
+def one_line_exit_2(script, argv, capsys) -> str:
+    """Run the script in-process; assert exit code 2 and one line on stderr; return the line."""
     with pytest.raises(SystemExit) as exit_info:
         cli.run(SCRIPTS[script].main, argv)
     err = capsys.readouterr().err
     lines = [l for l in err.splitlines() if l.strip() and "%|" not in l]  # not the progress bars
     assert exit_info.value.code == 2, err
     assert len(lines) == 1, err
-    assert expected in lines[0], lines[0]
     assert "Traceback" not in err
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# every flag of every script
+
+# flags that take any value (switches, free text), only print help, or (--host) are checked by
+# binding to them (a made-up host name would wait on a DNS lookup here)
+NO_BAD_VALUE = {"--help", "--overwrite", "--deterministic", "--compile", "--no-compile", "--no-tokenize", "--prompt",
+                "--host"}
+BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
+    "--depth": "0", "--aspect-ratio": "-1", "--head-dim": "3", "--max-seq-len": "0", "--dataset": "../x",
+    "--device-batch-size": "-4", "--total-batch-size": "0", "--num-iterations": "0", "--target-flops": "-5",
+    "--target-param-data-ratio": "nan", "--embedding-lr": "-1", "--unembedding-lr": "inf", "--matrix-lr": "abc",
+    "--weight-decay": "-0.1", "--grad-clip": "-1", "--warmup-ratio": "1.5", "--warmdown-ratio": "-0.1",
+    "--final-lr-frac": "2", "--ns-coefficients": "cubic", "--eval-every": "x", "--eval-tokens": "0",
+    "--sample-every": "1.5", "--save-every": "often", "--keep-last": "-1", "--skip-nonfinite": "-2",
+    "--test-inject-nan-at-step": "x", "--test-preempt-at-step": "y", "--device-type": "tpu", "--dtype": "fp8",
+    "--run": "../../x", "--out-dir": "/dev/null", "--resume": "/nonexistent/step_000001", "--seed": "-1",
+    "--base-run": "../nope", "--base-step": "-1", "--extra-conversations": "missing.jsonl", "--step": "-1",
+    "--samples": "-1", "--max-tokens": "0", "--temperature": "-1", "--top-k": "-1", "--datasets": "prose",
+    "--extras": "bogus", "--input": "/nonexistent", "--name": "../x", "--stage": "bogus", "--doc-chars": "-1",
+    "--shard-chars": "0", "--val-every": "0", "--synthetic": "-1", "--limit-per-source": "-1",
+    "--num-threads": "0", "--vocab-size": "100", "--max-chars": "0", "--doc-cap": "-1", "--port": "-1",
+    "--workers": "0", "--max-new-tokens": "0", "--queue-size": "-1", "--request-timeout": "0",
+    "--test-token-delay": "x",
+}
+# what each script gets before the bad flag: enough to run and end, should the bad value slip through
+# (chat_web: a port that is taken, so it stops before serving)
+CONTEXT = {"base_train": TINY + ["--num-iterations=1", "--run=flagcheck"], "mid_train": ["--base-run=b"],
+           "base_eval": ["--run=b"], "chat_cli": ["--prompt=hi"], "prepare_data": [], "tok_train": [],
+           "chat_web": ["--run=b", "--host=127.0.0.1", "--port={busy_port}"]}
+
+
+@pytest.fixture(scope="module")
+def busy_port():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        yield taken.getsockname()[1]
+
+
+def context(script, busy_port) -> list[str]:
+    return [a.replace("{busy_port}", str(busy_port)) for a in CONTEXT[script]]
+
+
+def long_flags(script) -> list[str]:
+    return [o for a in SCRIPTS[script].build_parser()._actions for o in a.option_strings if o.startswith("--")]
+
+
+FLAG_ROWS = [(script, flag) for script in SCRIPTS for flag in long_flags(script) if flag not in NO_BAD_VALUE]
+
+
+def test_every_flag_of_every_script_has_a_row():
+    missing = [(s, f) for s in SCRIPTS for f in long_flags(s) if f not in BAD_VALUES and f not in NO_BAD_VALUE]
+    assert not missing, f"flags without a bad-value row: {missing}"
+
+
+@pytest.mark.parametrize("script, flag", FLAG_ROWS, ids=[f"{s}{f}" for s, f in FLAG_ROWS])
+def test_bad_flag_value_is_one_line_naming_the_flag(script, flag, trained_home, busy_port, monkeypatch, capsys):
+    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(trained_home))
+    line = one_line_exit_2(script, context(script, busy_port) + [f"{flag}={BAD_VALUES[flag]}"], capsys)
+    assert flag in line, line
+
+
+# ---------------------------------------------------------------------------------------------
+# every environment variable, for every script
+
+TORCHRUN = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+ENV_CASES = [  # (id, variables set, expected text); torchrun rows start from a consistent torchrun set
+    ("home-not-a-folder", {"NANOCHAT_FAST_HOME": "/dev/null"}, "NANOCHAT_FAST_HOME='/dev/null': exists and is not"),
+    ("kernels-bogus", {"NANOCHAT_FAST_KERNELS": "bogus"}, "unknown backend 'bogus'"),
+    ("kernels-unknown-op", {"NANOCHAT_FAST_KERNELS": "adamw=cpp"}, "unknown op 'adamw'"),
+    ("no-ext", {"NANOCHAT_FAST_NO_EXT": "yes"}, "NANOCHAT_FAST_NO_EXT='yes': must be 0 or 1"),
+    ("force-cuda", {"NANOCHAT_FAST_FORCE_CUDA": "2"}, "NANOCHAT_FAST_FORCE_CUDA='2': must be 0 or 1"),
+    ("slow-save", {"NANOCHAT_FAST_TEST_SLOW_SAVE": "slow"}, "NANOCHAT_FAST_TEST_SLOW_SAVE='slow'"),
+    ("misspelt", {"NANOCHAT_FAST_KERNEL": "cpp"}, "did you mean NANOCHAT_FAST_KERNELS?"),
+    ("omp-zero", {"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0': must be a positive integer"),
+    ("triton-interpret", {"TRITON_INTERPRET": "maybe"}, "TRITON_INTERPRET='maybe'"),
+    ("rank-without-world", {"RANK": "0", "LOCAL_RANK": "0"}, "RANK, LOCAL_RANK set, WORLD_SIZE missing"),
+    ("world-not-a-number", {**TORCHRUN, "WORLD_SIZE": "two"}, "WORLD_SIZE='two': must be an integer >= 1"),
+    ("rank-too-big", {**TORCHRUN, "RANK": "1"}, "RANK='1': must be an integer in [0, 0]"),
+    ("local-rank-too-big", {**TORCHRUN, "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+     "LOCAL_RANK='2': must be an integer in [0, 1]"),
+    ("local-world-zero", {**TORCHRUN, "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE='0'"),
+    ("master-addr-missing", {k: v for k, v in TORCHRUN.items() if k != "MASTER_ADDR"}, "MASTER_ADDR is not set"),
+    ("master-port", {**TORCHRUN, "MASTER_PORT": "99999"}, "MASTER_PORT='99999': must be an integer in [1, 65535]"),
+]
+MODEL_SCRIPTS = ("base_train", "mid_train", "base_eval", "chat_cli")
+
+
+def test_every_environment_variable_has_a_row():
+    covered = {name for _, env, _ in ENV_CASES for name in env}
+    read = set(environment.KNOWN) | {"OMP_NUM_THREADS", "TRITON_INTERPRET", "LOCAL_WORLD_SIZE",
+                                     *environment.TORCHRUN_CORE, "MASTER_ADDR", "MASTER_PORT"}
+    assert read <= covered, read - covered
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("case", ENV_CASES, ids=[c[0] for c in ENV_CASES])
+def test_bad_environment_variable_is_one_line(case, script, trained_home, busy_port, monkeypatch, capsys):
+    name, env, expected = case
+    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(trained_home))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert expected in one_line_exit_2(script, context(script, busy_port), capsys)
+
+
+@pytest.mark.parametrize("script", MODEL_SCRIPTS)
+def test_a_backend_that_cannot_run_on_the_device(script, trained_home, monkeypatch, capsys):
+    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(trained_home))
+    monkeypatch.setenv("NANOCHAT_FAST_KERNELS", "adamw_slice_update=triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    line = one_line_exit_2(script, CONTEXT[script], capsys)
+    assert "backend 'triton' is unavailable on cpu" in line, line
 
 
 def test_mps_with_several_processes(trained_home, monkeypatch, capsys):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(SystemExit) as exit_info:
         cli.run(base_train.main, ["--device-type=mps"])
@@ -136,3 +263,12 @@ def test_a_real_process_exits_2_with_one_line(trained_home):
     assert out.stderr.strip().splitlines() == [
         "python -m nanochat_fast.scripts.base_train: error: argument --total-batch-size: "
         "must be a positive integer, got 0 (see --help)"]
+
+
+def test_a_real_process_with_a_bad_kernel_choice_exits_2_with_one_line(trained_home):
+    out = subprocess.run([sys.executable, "-m", "nanochat_fast.scripts.base_train", "--run=x"], capture_output=True,
+                         text=True, cwd=ROOT, env={**os.environ, "NANOCHAT_FAST_KERNELS": "bogus",
+                                                   "NANOCHAT_FAST_HOME": str(trained_home)})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: NANOCHAT_FAST_KERNELS='bogus': unknown backend 'bogus'; use one of auto, triton, cpp, torch, reference"]

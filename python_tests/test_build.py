@@ -33,7 +33,7 @@ def test_installs_without_the_extension(tmp_path, env, message):
     assert message in result.stderr + result.stdout
     assert len(wheels) == 1
     names = zipfile.ZipFile(wheels[0]).namelist()
-    assert "nanochat_fast/kernels/adamw.py" in names
+    assert "nanochat_fast/kernels/adamw_slice.py" in names
     assert not any(n.startswith("nanochat_fast/_C") for n in names)
 
 

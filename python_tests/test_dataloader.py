@@ -20,7 +20,7 @@ from nanochat_fast.kernels import registry
 
 BOS = 0
 N_DOCS = 90
-needs_cpp = pytest.mark.skipif(registry._C is None, reason="the C++ extension is not built")
+needs_cpp = pytest.mark.skipif(registry.extension() is None, reason="the C++ extension is not built")
 
 
 def doc_tokens(i, rng, max_len=40):

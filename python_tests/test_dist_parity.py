@@ -50,14 +50,14 @@ def max_elementwise_err(a: dict, b: dict) -> float:
 def single_process_run(out: Path, resume_from: Path | None = None):
     """The reference: one process, the whole global batch, AdamW + Muon. Same routine as the workers."""
     model = W.make_model()
-    optimizers = model.setup_optimizers()
+    optimizers = model.setup_optimizers(muon_recipe=W.RECIPE)
     norms = W.train(model, optimizers, 1, W.STEPS,
                     on_step=lambda s: s == W.RESUME_STEP and W.save_checkpoint(model, optimizers, out / "step3", 0))
     result = dict(params=W.params_of(model), norms=norms, optimizers=[type(o).__name__ for o in optimizers],
                   state_bytes={type(o).__name__: o.state_nbytes() for o in optimizers})
     if resume_from is not None:
         model = W.make_model(seed=999)
-        optimizers = model.setup_optimizers()
+        optimizers = model.setup_optimizers(muon_recipe=W.RECIPE)
         W.load_checkpoint(model, optimizers, resume_from)
         W.train(model, optimizers, W.RESUME_STEP + 1, W.STEPS)
         result["resumed"] = W.params_of(model)
@@ -149,11 +149,25 @@ def test_odd_shapes_match_references(runs, world_size):
     for info in runs[world_size]["ranks"]:
         assert info["odd_shapes"]["adamw"] < 1e-6
         assert info["odd_shapes"]["muon"] < 1e-6
+        assert info["odd_shapes"]["muon_current"] < 1e-6  # NorMuon, cautious wd, MuonEq, Muon+
     # every element of state on exactly one rank, even for a 1-element tensor
     assert sum(info["odd_shapes"]["adamw_state_bytes"] for info in runs[world_size]["ranks"]) == \
         2 * 4 * (35 + 3 + 1 + 4 + 66)
     assert sum(info["odd_shapes"]["muon_state_bytes"] for info in runs[world_size]["ranks"]) == \
         4 * (15 + 3 * 15 + 5 * 16)
+    # plus NorMuon's second moment: one value per row of the 5x3, per column of the 3x5, per row of the 4x4
+    assert sum(info["odd_shapes"]["muon_current_state_bytes"] for info in runs[world_size]["ranks"]) == \
+        4 * (15 + 3 * 15 + 5 * 16) + 4 * (5 + 3 * 5 + 5 * 4)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_current_recipe_state_resumes(runs, world_size):
+    """DistMuon's NorMuon state saved by N ranks: N ranks continue bitwise, one process continues
+    like the single-process reference."""
+    for info in runs[world_size]["ranks"]:
+        resume = info["odd_shapes"]["muon_current_resume"]
+        assert resume["same_world_size_bitwise"]
+        assert resume["one_process"] < 1e-6
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -95,10 +95,10 @@ def test_small_tiles_and_polar_express():
     """The whole iteration with several tiles per matrix, through the public API."""
     G = make_input((3, 70, 40)).to(DEVICE)
     coeffs = resolve_coefficients("polar_express", 5)
-    out = nst.newton_schulz_triton(G, coeffs, config=SMALL_TILES)
+    out = nst.newton_schulz_triton(G, coeffs, dtype=COMPUTE_DTYPE, config=SMALL_TILES)
     assert out.dtype == COMPUTE_DTYPE
     assert (out.double() - float64_newton_schulz(G, coeffs)).abs().max() <= TOL[COMPUTE_DTYPE]
-    api = newton_schulz(G, coefficients="polar_express", backend="triton")
+    api = newton_schulz(G, coefficients="polar_express", backend="triton", dtype=COMPUTE_DTYPE)
     assert api.dtype == G.dtype
     assert (api.double() - float64_newton_schulz(G, coeffs)).abs().max() <= TOL[COMPUTE_DTYPE]
 

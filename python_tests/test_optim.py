@@ -93,7 +93,7 @@ def test_newton_schulz_orthogonalizes(coefficients, band, max_offdiag, shape):
     """X = NS(G) ~ U diag(s') V^T with s' in the polynomial's band: U^T X V is diagonal (the SVD's
     singular vectors, in float64) and its diagonal lies in the band."""
     G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    X = newton_schulz(G, steps=5, coefficients=coefficients)
+    X = newton_schulz(G, steps=5, coefficients=coefficients, dtype="fp32")
     assert X.shape == G.shape and X.dtype == G.dtype
     U, S, Vh = svd_factors(G)
     M = U.mT @ X.double() @ Vh.mT  # (.., k, k)
@@ -102,7 +102,7 @@ def test_newton_schulz_orthogonalizes(coefficients, band, max_offdiag, shape):
     assert offdiag.abs().max() < max_offdiag
     assert band[0] <= diag.min() and diag.max() <= band[1], (diag.min(), diag.max())
     if coefficients == "polar_express":  # converges much closer to U V^T than the quintic
-        q = newton_schulz(G, steps=5, coefficients="quintic")
+        q = newton_schulz(G, steps=5, coefficients="quintic", dtype="fp32")
         polar = U @ Vh
         assert (X.double() - polar).norm() < 0.5 * (q.double() - polar).norm()
 
@@ -126,7 +126,7 @@ def test_muon_matches_float64_reference(nesterov, coefficients):
     params = make_params(shapes)
     start = [p.detach().clone() for p in params]
     opt = Muon([(f"m{i}", p) for i, p in enumerate(params)], lr=0.02, momentum=0.9, nesterov=nesterov,
-               ns_coefficients=coefficients)
+               ns_coefficients=coefficients, ns_dtype="fp32")
     assert sorted(len(g["params"]) for g in opt.param_groups) == [1, 2, 3]  # grouped by shape
     grads_per_step = []
     for step in range(1, 5):
@@ -157,7 +157,7 @@ def build_pair(seed=0):
     muon_params = make_params([(6, 10), (6, 10), (10, 6)], seed + 1)
     adamw = AdamW([(f"a{i}", p) for i, p in enumerate(adam_params)], lr=0.01, betas=(0.8, 0.95), eps=1e-10,
                   weight_decay=0.0)
-    muon = Muon([(f"m{i}", p) for i, p in enumerate(muon_params)], lr=0.02, momentum=0.95)
+    muon = Muon([(f"m{i}", p) for i, p in enumerate(muon_params)], lr=0.02, momentum=0.95, ns_dtype="fp32")
     return adam_params + muon_params, [adamw, muon]
 
 

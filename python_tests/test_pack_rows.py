@@ -14,7 +14,7 @@ from nanochat_fast.kernels import pack_rows, registry
 from nanochat_fast.kernels.pack_rows import RowPackerReference, make_row_packer, plan_reference
 
 BOS = 7
-needs_cpp = pytest.mark.skipif(registry._C is None, reason="the C++ extension is not built")
+needs_cpp = pytest.mark.skipif(registry.extension() is None, reason="the C++ extension is not built")
 
 
 def make_docs(lengths, rng, bos=BOS):
@@ -161,7 +161,7 @@ def test_gil_is_released():
     assert elapsed > 0.02 and during > 3, f"RowPacker.pack held the GIL ({during} runs in {elapsed * 1e3:.0f} ms)"
 
     # the loader's step (pack, refill from the documents, state), as the training loop calls it
-    stream = registry._C.RowStream([(tokens, offsets, None)], B, row_len, BOS, 1000, 4)
+    stream = registry.extension().RowStream([(tokens, offsets, None)], B, row_len, BOS, 1000, 4)
     during, elapsed = _python_progress_during(lambda: stream.next(0, B, True))
     assert elapsed > 0.02 and during > 3, f"RowStream.next held the GIL ({during} runs in {elapsed * 1e3:.0f} ms)"
 
@@ -302,7 +302,7 @@ def test_row_packer_reads_the_documents_where_they_are():
 def test_row_packer_bad_input():
     with pytest.raises(ValueError, match="row_len"):
         RowPackerReference(0, BOS)
-    if registry._C is not None:
+    if registry.extension() is not None:
         with pytest.raises(ValueError, match="row_len"):
             make_row_packer(-3, BOS, backend="cpp")
         p = make_row_packer(8, BOS, backend="cpp")
@@ -318,7 +318,7 @@ def test_backend_choice(monkeypatch):
     assert registry.select("pack_rows", "cpu").name == "reference"
     assert isinstance(make_row_packer(8, BOS), RowPackerReference)
     monkeypatch.delenv("NANOCHAT_FAST_KERNELS")
-    expected = "cpp" if registry._C is not None else "reference"
+    expected = "cpp" if registry.extension() is not None else "reference"
     assert registry.select("pack_rows", "cpu").name == expected
 
 

@@ -9,7 +9,7 @@ import torch
 
 from nanochat_fast import checkpoint
 from nanochat_fast.scripts import base_eval, base_train, chat_cli, mid_train
-from tiny_pipeline import TINY_LOOP, TINY_MODEL, home_with_base_run, run_script, train_rows
+from tiny_pipeline import TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
 
 BASE = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512"]
 
@@ -126,3 +126,23 @@ def test_mid_train_loss_is_only_on_assistant_tokens(home):
     result = train_step(model, [adamw, muon], batches, grad_clip=1.0, autocast_ctx=nullcontext())
     assert result.n_supervised == int(keep.sum())
     assert abs(result.loss - reference) < 1e-5
+
+
+def test_val_bpb_is_the_same_on_one_and_two_processes(tiny_home, tmp_path):
+    """The same initial weights and the same --device-batch-size give the same val bpb at step 0 on 1
+    process and on 2 (gloo): validation reads the rows a single process reads, batch i on rank
+    i mod 2 (5 batches here, so the ranks get 3 and 2), and all ranks' sums are added."""
+    args = TINY_MODEL + ["--device-batch-size=4", "--total-batch-size=512", "--num-iterations=1", "--eval-every=1",
+                         "--eval-tokens=1280", "--sample-every=-1"]
+    home = tiny_home_copy(tiny_home, tmp_path, "h")
+    with home_env(home):
+        assert base_train.main(args + ["--run=one"]) == 0
+    two = run_script("base_train", args + ["--run=two"], home, nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    def val_bpb_at_step_0(run):
+        rows = [json.loads(l) for l in (home / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+        return next(r["val_bpb"] for r in rows if r["kind"] == "eval" and r["step"] == 0)
+
+    one_bpb, two_bpb = val_bpb_at_step_0("one"), val_bpb_at_step_0("two")
+    assert abs(one_bpb - two_bpb) < 1e-6, (one_bpb, two_bpb)

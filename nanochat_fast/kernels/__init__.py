@@ -9,7 +9,7 @@ The hot paths of nanochat_fast, each with several backends chosen per device (se
 `python -m nanochat_fast.kernels` prints which backend each op uses here and why.
 """
 from .registry import KernelUnavailableError, backends, ops, requested, select
-from .adamw import adamw_slice_update
+from .adamw_slice import adamw_slice_update
 from .newton_schulz import newton_schulz
 from .pack_rows import pack_rows
 from .softcap_cross_entropy import softcap_cross_entropy

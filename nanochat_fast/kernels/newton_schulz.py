@@ -3,75 +3,63 @@ newton_schulz: the Newton-Schulz orthogonalization at the heart of Muon.
 
 Given G (m x n, or a stack K x m x n), returns an approximation of U V^T from G = U S V^T:
 X = G / (||G||_F + 1e-7), then per step (a, b, c):  A = X X^T;  B = b A + c A A;  X = a X + B X.
-Tall matrices are transposed once so X X^T is the small Gram matrix. Computes in bf16 on CUDA and
-in fp32 on CPU/MPS, returns `out_dtype` (default: G's dtype).
+Tall matrices are transposed once so X X^T is the small Gram matrix. Computes in `dtype` (default:
+the precision policy's choice for G's device: bf16 on CUDA and on CPUs with native bf16, fp32
+elsewhere), returns `out_dtype` (default: G's dtype). Which rewrite of the iteration runs for a
+shape ("plain", "symmetric", "gram") is decided by the table in newton_schulz_policy.py.
 
 Backends:
     triton     CUDA: symmetric X X^T and b A + c A A (only tiles on/above the diagonal), fused
-               a X + B X, one launch per kernel for a whole stack (newton_schulz_triton.py)
-    torch      CPU: fp32 with fewer flops, symmetric block products and, for wide matrices, the
-               Gram form (see "the torch backend" below); 1.1-1.3x (square) to 1.7-2.0x (1:4)
-               faster than the reference here (benchmarks/RESULTS.md)
+               a X + B X, one launch per kernel for a whole stack (newton_schulz_triton.py); under
+               `auto` only for the table's "symmetric" path (large m), the torch backend otherwise
+    torch      every path of the table, with fused products (baddbmm: no elementwise passes):
+               symmetric block products and, for wide matrices in fp32, the Gram form (see "the
+               torch backend" below); on CPU in fp32 1.1-1.3x (square) to 1.7-2.0x (1:4) faster
+               than the reference (benchmarks/RESULTS.md)
     reference  the plain iteration, as nanochat writes it
 """
 import torch
 
 from . import registry
+from .newton_schulz_policy import (POLAR_EXPRESS, QUINTIC, choose_path, compute_dtype,  # noqa: F401
+                                   resolve_coefficients, symmetric_pays)
 from .registry import always, register_backend, register_op, triton_why_not
 
 OP = "newton_schulz"
 register_op(OP, auto_order={
-    "cuda": ("triton", "reference"),
+    "cuda": ("triton", "torch", "reference"),
     "cpu": ("torch", "reference"),
     "mps": ("reference",),
 })
 
-QUINTIC = (3.4445, -4.7750, 2.0315)
-# Polar Express (Amsel et al. 2025, arXiv:2505.16932), 5 steps, as used by modded-nanogpt.
-POLAR_EXPRESS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
+
+def plan(shape, device, dtype=None, backend=None) -> tuple[registry.Backend, torch.dtype, str]:
+    """(backend, compute dtype, path) that newton_schulz would use for a G of `shape` on `device`."""
+    device = torch.device(device)
+    dtype = compute_dtype(device, dtype)
+    path = choose_path(device.type, dtype, shape[-2], shape[-1])
+    impl = registry.select(OP, device.type, backend)
+    if impl.name == "triton" and path != "symmetric" and (backend or registry.requested(OP)) == "auto":
+        # the Triton kernels are the symmetric path; below the table's sizes cuBLAS's full products win
+        impl = registry.select(OP, device.type, "torch")
+    return impl, dtype, path
 
 
-def resolve_coefficients(coefficients, steps: int) -> tuple[tuple[float, float, float], ...]:
-    """'quintic' | 'polar_express' | a list of (a, b, c) per step -> one (a, b, c) per step."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    if coefficients == "quintic":
-        return (QUINTIC,) * steps
-    if coefficients == "polar_express":
-        if steps > len(POLAR_EXPRESS):
-            raise ValueError(f"coefficients='polar_express' has {len(POLAR_EXPRESS)} steps, got steps={steps}")
-        return POLAR_EXPRESS[:steps]
-    if isinstance(coefficients, str):
-        raise ValueError(f"coefficients must be 'quintic', 'polar_express' or a list of (a, b, c), got {coefficients!r}")
-    table = tuple(tuple(float(x) for x in abc) for abc in coefficients)
-    if len(table) != steps or any(len(abc) != 3 for abc in table):
-        raise ValueError(f"coefficients must hold {steps} (a, b, c) triples, one per step, got {coefficients!r}")
-    return table
-
-
-def compute_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients="quintic", out_dtype=None, *, backend=None):
-    """Orthogonalize G (2-D, or 3-D as a batch of same-shape matrices) with `steps` iterations."""
+def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients="quintic", out_dtype=None, dtype=None, *,
+                  backend=None):
+    """Orthogonalize G (2-D, or 3-D as a batch of same-shape matrices) with `steps` iterations,
+    computing in `dtype` (None/"auto", "fp32", "bf16" or a torch dtype)."""
     if G.dim() not in (2, 3):
         raise ValueError(f"G must be 2-D or a 3-D stack of matrices, got shape {tuple(G.shape)}")
     coeffs = resolve_coefficients(coefficients, steps)
-    impl = registry.select(OP, G.device.type, backend)
-    return impl.fn(G, coeffs).to(out_dtype or G.dtype)
+    impl, dtype, path = plan(G.shape, G.device, dtype, backend)
+    return impl.fn(G, coeffs, dtype, path).to(out_dtype or G.dtype)
 
 
 @register_backend(OP, "reference", always)
-def newton_schulz_reference(G, coeffs):
+def newton_schulz_reference(G, coeffs, dtype, path="plain"):
     """The plain PyTorch iteration, as in nanochat's zeropower_via_newtonschulz5."""
-    X = G.to(compute_dtype(G.device))
+    X = G.to(dtype)
     transposed = G.size(-2) > G.size(-1)
     if transposed:
         X = X.mT
@@ -84,9 +72,9 @@ def newton_schulz_reference(G, coeffs):
 
 
 @register_backend(OP, "triton", triton_why_not)
-def triton_backend(G, coeffs):
+def triton_backend(G, coeffs, dtype, path="symmetric"):
     from .newton_schulz_triton import newton_schulz_triton  # imported late: TRITON_INTERPRET is read at import
-    return newton_schulz_triton(G, coeffs)
+    return newton_schulz_triton(G, coeffs, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +87,7 @@ def triton_backend(G, coeffs):
 #    p block rows. The blocks are strided views written in place by bmm/baddbmm (BLAS takes the
 #    row stride), and b A + c A A and a X + B X are one baddbmm each, with no elementwise pass.
 #
-# 2. The Gram form, for wide matrices (n >= GRAM_MIN_ASPECT m). Every X_k is P_k X_0 with P_k a
+# 2. The Gram form, for wide matrices (the table's "gram" rows). Every X_k is P_k X_0 with P_k a
 #    polynomial in A_0 = X_0 X_0^T, and so is A_k: with Q = a I + b A + c A^2,
 #        X_{k+1} = Q X_k,   P_{k+1} = Q P_k,   A_{k+1} = Q A_k Q = Q^2 A_k.
 #    So the steps run on m x m symmetric matrices (all polynomials in A_0, so they commute and
@@ -109,14 +97,12 @@ def triton_backend(G, coeffs):
 #    low-rank inputs the unrestarted form is off by up to 2e-2 (fp32 plain: 1e-5). Forming X and
 #    restarting from X X^T after 2 steps and then every 3 (a few m^2 n flops) brings it back to the
 #    plain iteration's level (tested against float64 on low-rank inputs). fp32 only: in bf16 the
-#    same amplification is not recoverable, so bf16 always takes the direct form.
+#    same amplification is not recoverable (measured: newton_schulz_policy.py), so the table
+#    never picks it for bf16.
+#
+# "plain" is the direct form with one block row: full products, still fused by baddbmm.
 
-# Measured on the 2-core AVX-512 CPU (fp32, MKL): the Gram form ties the direct one at n/m = 1.5
-# and is 5-15% faster at 2; block rows of 128..256 are within noise of each other, splitting pays
-# from ~256 rows.
-GRAM_MIN_ASPECT = 2.0
-SYM_MIN_ROWS = 256
-SYM_BLOCK_ROWS = 192
+SYM_BLOCK_ROWS = 192  # block rows of 128..256 measured within noise of each other (fp32, MKL)
 
 
 def restart_points(steps: int) -> list[int]:
@@ -124,18 +110,18 @@ def restart_points(steps: int) -> list[int]:
     return list(range(2, steps, 3))
 
 
-def _block_rows(m: int) -> list[tuple[int, int]]:
-    if m < SYM_MIN_ROWS:
+def _block_rows(m: int, split: bool) -> list[tuple[int, int]]:
+    if not split:
         return [(0, m)]
     p = max(2, round(m / SYM_BLOCK_ROWS))
     edges = [round(i * m / p) for i in range(p + 1)]
     return list(zip(edges[:-1], edges[1:]))
 
 
-def _symmetric_product(L, R, out, C=None, beta=0.0, alpha=1.0):
+def _symmetric_product(L, R, out, C=None, beta=0.0, alpha=1.0, split=True):
     """out = beta C + alpha L R^T for (K, m, k) stacks L, R whose product is known to be symmetric
-    (X X^T, A A, products of commuting symmetric matrices). Returns out."""
-    rows = _block_rows(out.size(-1))
+    (X X^T, A A, products of commuting symmetric matrices); in block rows if `split`. Returns out."""
+    rows = _block_rows(out.size(-1), split)
     for i0, i1 in rows:
         block = out[:, i0:i1, i0:]
         base = block if C is None else C[:, i0:i1, i0:]
@@ -145,15 +131,16 @@ def _symmetric_product(L, R, out, C=None, beta=0.0, alpha=1.0):
     return out
 
 
-def _direct(S, coeffs, wide):
-    """The plain iteration with symmetric products, on the normalised stack S (K, rows, cols)."""
+def _direct(S, coeffs, wide, split):
+    """The iteration with fused (and, if `split`, symmetric) products, on the normalised stack S
+    (K, rows, cols)."""
     X = S if wide else S.mT  # (K, m, n), m <= n: a view, no copy
     m = X.size(-2)
     A, B = S.new_empty(S.size(0), m, m), S.new_empty(S.size(0), m, m)
     Y = torch.empty_like(S)
     for a, b, c in coeffs:
-        _symmetric_product(X, X, A)
-        _symmetric_product(A, A, B, C=A, beta=b, alpha=c)
+        _symmetric_product(X, X, A, split=split)
+        _symmetric_product(A, A, B, C=A, beta=b, alpha=c, split=split)
         if wide:
             torch.baddbmm(S, B, S, beta=a, out=Y)   # a X + B X
         else:
@@ -163,41 +150,42 @@ def _direct(S, coeffs, wide):
     return S
 
 
-def _gram(S, coeffs, wide):
-    """The Gram form with restarts, on the normalised fp32 stack S (K, rows, cols)."""
+def _gram(S, coeffs, wide, split):
+    """The Gram form with restarts, on the normalised stack S (K, rows, cols); its m x m products
+    in block rows if `split`."""
     X = S if wide else S.mT
     m = X.size(-2)
     A, Q, P, T = (S.new_empty(S.size(0), m, m) for _ in range(4))
     bounds = [0] + restart_points(len(coeffs)) + [len(coeffs)]
     for start, end in zip(bounds[:-1], bounds[1:]):
-        _symmetric_product(X, X, A)
+        _symmetric_product(X, X, A, split=split)
         for k in range(start, end):
             a, b, c = coeffs[k]
-            _symmetric_product(A, A, Q, C=A, beta=b, alpha=c)   # Q = a I + b A + c A^2
+            _symmetric_product(A, A, Q, C=A, beta=b, alpha=c, split=split)   # Q = a I + b A + c A^2
             Q.diagonal(dim1=-2, dim2=-1).add_(a)
             if k == start:
-                P, Q = Q, P                                      # P = Q
+                P, Q = Q, P                                                  # P = Q
             else:
-                _symmetric_product(Q, P, T)                      # P = Q P
+                _symmetric_product(Q, P, T, split=split)                     # P = Q P
                 P, T = T, P
             if k < end - 1:
                 step_q = P if k == start else Q
-                _symmetric_product(step_q, A, T)                 # A = Q (Q A)
-                _symmetric_product(step_q, T, A)
-        S = torch.bmm(P, S) if wide else torch.bmm(S, P)         # X = P X, formed once per segment
+                _symmetric_product(step_q, A, T, split=split)                # A = Q (Q A)
+                _symmetric_product(step_q, T, A, split=split)
+        S = torch.bmm(P, S) if wide else torch.bmm(S, P)                     # X = P X, once per segment
         X = S if wide else S.mT
     return S
 
 
 @register_backend(OP, "torch", always)
-def newton_schulz_torch(G, coeffs):
-    """fp32 on CPU (bf16 where the device computes in bf16, always in the direct form)."""
-    dtype = compute_dtype(G.device)
+def newton_schulz_torch(G, coeffs, dtype, path):
+    """The table's `path` ("plain", "symmetric" or "gram") in `dtype`."""
     stack = G if G.dim() == 3 else G.unsqueeze(0)
     wide = stack.size(-2) <= stack.size(-1)
     norm = torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True, dtype=torch.float32)
     S = (stack / (norm + 1e-7)).to(dtype).contiguous()
-    m, n = sorted(stack.shape[-2:])
-    gram = dtype == torch.float32 and n >= GRAM_MIN_ASPECT * m
-    S = _gram(S, coeffs, wide) if gram else _direct(S, coeffs, wide)
+    if path == "gram":
+        S = _gram(S, coeffs, wide, split=symmetric_pays(G.device.type, dtype, min(stack.shape[-2:])))
+    else:
+        S = _direct(S, coeffs, wide, split=path == "symmetric")
     return S if G.dim() == 3 else S[0]

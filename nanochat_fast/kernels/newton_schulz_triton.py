@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .newton_schulz_policy import compute_dtype
 from .triton_utils import to_bf16_rtne
 
 # Tile configs. H100 (sm90, 132 SMs): 128x128 output tiles with 64-deep K slices keep the tensor
@@ -36,6 +37,8 @@ from .triton_utils import to_bf16_rtne
 # (4x the programs). Not yet timed on a GPU: these are the usual Triton matmul choices for sm90.
 GPU_LARGE = dict(BLOCK=128, BLOCK_K=64, num_warps=8, num_stages=3, DOT_FP32=False)
 GPU_SMALL = dict(BLOCK=64, BLOCK_K=64, num_warps=4, num_stages=4, DOT_FP32=False)
+# every config a GPU may launch: compiled and resource-checked ahead of time (kernels/triton_aot.py)
+GPU_CONFIGS = {"large": GPU_LARGE, "small": GPU_SMALL}
 # The interpreter runs one program at a time in numpy: big tiles mean few (slow) Python iterations.
 INTERPRETER = dict(BLOCK=128, BLOCK_K=128, num_warps=1, num_stages=1, DOT_FP32=True)
 
@@ -265,9 +268,8 @@ def fused_update(B: torch.Tensor, X: torch.Tensor, a: float, out: torch.Tensor |
 
 def newton_schulz_triton(G: torch.Tensor, coeffs, dtype: torch.dtype | None = None, config: dict | None = None):
     """The whole iteration on a 2-D matrix or a (K, rows, cols) stack; computes and returns `dtype`
-    (default: bf16 on CUDA, fp32 elsewhere)."""
-    from .newton_schulz import compute_dtype
-    dtype = dtype or compute_dtype(G.device)
+    (default: the precision policy's choice for G's device)."""
+    dtype = compute_dtype(G.device, dtype)
     stack = G if G.dim() == 3 else G.unsqueeze(0)
     transposed = stack.size(-2) > stack.size(-1)
     if transposed:

@@ -27,7 +27,7 @@ write the (inputs, targets) pair directly. It keeps references to the tensors it
 copies (the loader's are the memory-mapped shards), so they must not change while buffered.
 `RowPackerReference` is its plain-Python twin, and `make_row_packer()` picks one through the same
 registry as the op. The loader's whole step around it (refill from the shards, state, prefetch
-thread) is nanochat_fast._C.RowStream, whose twin is nanochat_fast.dataloader.RowStream.
+thread) is nanochat_fast._C.RowStream, whose twin is pack_rows_stream.RowStream.
 """
 import numpy as np
 import torch
@@ -149,7 +149,7 @@ def pack_rows_cpp(tokens, offsets, out, bos_id):
     return used, n_used, n_cropped
 
 
-if registry._C is not None:
+if registry.extension() is not None:
     @torch.library.register_fake("nanochat_fast::pack_rows")
     def _(tokens, offsets, out, bos_id):
         ctx = torch.library.get_ctx()  # the token counts depend on the data
@@ -261,5 +261,5 @@ def make_row_packer(row_len: int, bos_id: int, backend: str | None = None):
     """The compiled RowPacker where pack_rows' selected backend is `cpp`, else RowPackerReference."""
     impl = registry.select(OP, "cpu", backend)
     if impl.name == "cpp":
-        return registry._C.RowPacker(row_len, bos_id)
+        return registry.extension().RowPacker(row_len, bos_id)
     return RowPackerReference(row_len, bos_id)

@@ -87,6 +87,12 @@ def _load_extension():
 _C, _C_ERROR = _load_extension()
 
 
+def extension():
+    """The compiled extension nanochat_fast._C (its ops and the RowPacker/RowStream classes), or
+    None where it is not built; cpp_why_not says why."""
+    return _C
+
+
 def cpp_why_not(device_type: str, has_cuda_kernel: bool = False) -> str | None:
     if _C is None:
         return _C_ERROR
@@ -108,10 +114,18 @@ def triton_why_not(device_type: str) -> str | None:
     if device_type == "cuda":
         return None
     if device_type == "cpu":
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if triton_interpreting():
             return None
         return "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter: exact but slow, for tests)"
     return f"Triton does not run on {device_type}"
+
+
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def triton_interpreting() -> bool:
+    """TRITON_INTERPRET read as Triton reads it (1/true/yes/on, any case)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in TRUE_WORDS
 
 
 def always(device_type: str) -> str | None:
@@ -122,7 +136,7 @@ def always(device_type: str) -> str | None:
 # choosing
 
 
-def _parse_env(spec: str) -> dict[str, str]:
+def parse_request(spec: str) -> dict[str, str]:
     """'cpp' -> {'*': 'cpp'}; 'newton_schulz=triton,adamw_slice_update=cpp' -> per op."""
     choice = {}
     for part in filter(None, (s.strip() for s in spec.split(","))):
@@ -141,7 +155,7 @@ def _parse_env(spec: str) -> dict[str, str]:
 
 def requested(op: str) -> str:
     """The backend NANOCHAT_FAST_KERNELS asks for `op` ('auto' when it asks for nothing)."""
-    choice = _parse_env(os.environ.get(ENV_VAR, ""))
+    choice = parse_request(os.environ.get(ENV_VAR, ""))
     return choice.get(op, choice.get("*", "auto"))
 
 

@@ -5,13 +5,14 @@ shards gradients and optimizer state over the ranks of torch.distributed (NCCL o
 any world size). All four share one world-size independent state format (zero.py), so a run can
 resume on a different number of processes.
 
-    optimizers = model.setup_optimizers(...)
+    optimizers = model.setup_optimizers(..., muon_recipe="seeds")   # or "current", or a MuonRecipe
     ...backward...
     norm = nanochat_fast.optim.step(optimizers, grad_clip=1.0)   # global-norm clip + NaN guard
 """
 from .adamw import AdamW, DistAdamW
 from .clipping import global_grad_norm, step
 from .muon import DistMuon, Muon
+from .recipe import MuonRecipe
 from .zero import FORMAT, ZeroOptimizer
 
-__all__ = ["AdamW", "DistAdamW", "Muon", "DistMuon", "step", "global_grad_norm", "ZeroOptimizer", "FORMAT"]
+__all__ = ["AdamW", "DistAdamW", "Muon", "DistMuon", "MuonRecipe", "step", "global_grad_norm", "ZeroOptimizer", "FORMAT"]

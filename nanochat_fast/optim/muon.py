@@ -2,8 +2,18 @@
 Muon (MomentUm Orthogonalized by Newton-Schulz) for the 2-D matrices of the transformer blocks, in
 one process (Muon) or sharded over the ranks (DistMuon, the same code).
 
-Per matrix: buf = lerp(buf, g, 1 - momentum); g = lerp(g, buf, momentum) (Nesterov) or buf;
-update = NewtonSchulz(g) * max(1, rows/cols)^0.5; p -= lr * lr_mul * update.
+Per matrix (each step optional unless marked; MuonRecipe in recipe.py names the sets):
+    buf = lerp(buf, g, 1 - momentum); g = lerp(g, buf, momentum) (Nesterov) or buf
+    g = g * (||g||_F / sqrt(rows)) / ||row of g||                    (equilibrate_rows: MuonEq)
+    u = NewtonSchulz(g), computed in ns_dtype                         (always)
+    u = u * sqrt(min(rows, cols)) / ||u||_F                          (renormalize: Muon+)
+    v = lerp(v, mean(u^2 over the short side), 1 - normuon_beta)      (NorMuon: one v per row, per
+    u = u / sqrt(v), rescaled to keep ||u||_F                          column for wide matrices)
+    lr' = lr * lr_mul * max(1, rows/cols)^0.5
+    p -= lr' * weight_decay * wd_mul * p   (only where u * p >= 0 with cautious_weight_decay)
+    p -= lr' * u
+The gradient and the momentum (and v) are fp32 whatever ns_dtype is; u comes back in fp32 and is
+applied in the parameter's dtype.
 
 Matrices are grouped by shape and each group is stacked, so one batched newton_schulz call
 orthogonalizes every matrix of a shape a rank owns. Distributed, each matrix is owned by one rank,
@@ -20,7 +30,9 @@ any world size work and no rank holds much more state than 1/W of the total.
 import torch
 
 from ..kernels import newton_schulz
-from ..kernels.newton_schulz import resolve_coefficients
+from ..kernels.newton_schulz_policy import compute_dtype, resolve_coefficients
+from ..precision import CHOICES, choose
+from .recipe import MuonRecipe
 from .zero import (ZeroOptimizer, all_gather, check_hparam, copy_flat_pieces, normalize_param_groups,
                    reduce_scatter_sum)
 
@@ -43,22 +55,65 @@ def assign_owners(group_shapes: list[tuple[int, int]], group_sizes: list[int], w
     return owners
 
 
+def equilibrate_rows(G: torch.Tensor) -> torch.Tensor:
+    """MuonEq: each row of each (rows, cols) matrix of the stack rescaled to the matrix's mean row
+    norm ||G||_F / sqrt(rows). A new tensor."""
+    target = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True) / G.size(-2) ** 0.5
+    return G * (target / torch.linalg.vector_norm(G, dim=-1, keepdim=True).clamp_min(1e-6))
+
+
+def renormalize_(U: torch.Tensor) -> torch.Tensor:
+    """Muon+: each matrix of the stack scaled in place to Frobenius norm sqrt(min(rows, cols))."""
+    norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True).clamp_min(1e-6)
+    return U.mul_(min(U.shape[-2:]) ** 0.5 / norm)
+
+
+def normuon_(U: torch.Tensor, second_moment: torch.Tensor, beta: float) -> torch.Tensor:
+    """NorMuon on a (k, rows, cols) stack U, in place: second_moment ((k, rows, 1), or (k, 1, cols)
+    for wide matrices) <- lerp(., mean of U^2 over the short side, 1 - beta); U <- U / sqrt of it,
+    rescaled so each matrix keeps its Frobenius norm (so the EMA needs no bias correction)."""
+    short_side = -1 if U.size(-2) >= U.size(-1) else -2
+    second_moment.lerp_(U.square().mean(dim=short_side, keepdim=True), 1 - beta)
+    norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True)
+    U.mul_(second_moment.clamp_min(1e-10).rsqrt())
+    return U.mul_(norm / torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True).clamp_min(1e-10))
+
+
+def second_moment_shape(shape) -> tuple[int, int]:
+    rows, cols = shape
+    return (rows, 1) if rows >= cols else (1, cols)
+
+
 class Muon(ZeroOptimizer):
     """Muon in one process. Params: 2-D tensors (or (name, tensor) pairs); they are regrouped by
-    shape, each group keeping the hyperparameters lr, momentum, nesterov, ns_steps, ns_coefficients."""
+    shape, each group keeping the hyperparameters (lr, momentum, nesterov, ns_steps, ns_coefficients,
+    ns_dtype, weight_decay, cautious_weight_decay, normuon_beta (None: off), equilibrate_rows,
+    renormalize). `recipe` (a MuonRecipe, set by GPT.setup_optimizers) drives `schedule`."""
 
     kind = "muon"
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="quintic",
-                 *, _distributed=False):
+                 ns_dtype="auto", weight_decay=0.0, cautious_weight_decay=False, normuon_beta=None,
+                 equilibrate_rows=False, renormalize=False, *, _distributed=False):
         check_hparam("lr", lr)
         check_hparam("momentum", momentum, 0.0, 1.0)
+        check_hparam("weight_decay", weight_decay)
+        if normuon_beta is not None:
+            check_hparam("normuon_beta", normuon_beta, 0.0, 1.0)
+        if ns_dtype not in CHOICES:
+            raise ValueError(f"ns_dtype must be one of {', '.join(CHOICES)}, got {ns_dtype!r}")
         resolve_coefficients(ns_coefficients, ns_steps)  # ValueError on a bad choice
         if not isinstance(ns_coefficients, str):
             ns_coefficients = [list(map(float, abc)) for abc in ns_coefficients]
         defaults = dict(lr=lr, momentum=momentum, nesterov=bool(nesterov), ns_steps=ns_steps,
-                        ns_coefficients=ns_coefficients)
+                        ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, weight_decay=weight_decay,
+                        cautious_weight_decay=bool(cautious_weight_decay), normuon_beta=normuon_beta,
+                        equilibrate_rows=bool(equilibrate_rows), renormalize=bool(renormalize))
         super().__init__(self._group_by_shape(params), defaults, distributed=_distributed)
+        # the dtype Newton-Schulz computes in, for the logs and the run report; one warning line if
+        # bf16 is asked for where it is emulated
+        self.ns_precision = choose(self._device(), ns_dtype, what="--ns-dtype")
+        self.recipe = None
         shapes = [tuple(g["params"][0].shape) for g in self.param_groups]
         sizes = [len(g["params"]) for g in self.param_groups]
         owners = assign_owners(shapes, sizes, self.world_size)
@@ -68,6 +123,17 @@ class Muon(ZeroOptimizer):
             slots = [[i for i, o in enumerate(group_owners) if o == r] for r in range(self.world_size)]
             self._layout.append(dict(capacity=max(len(s) for s in slots), slots=slots))
         self._reset_state()
+
+    def schedule(self, step: int, num_iterations: int | None) -> float:
+        """Set every group's momentum (and, with a recipe, its weight decay) for `step` from the
+        recipe (the seeds' momentum warmup without one); returns the momentum."""
+        recipe = self.recipe or MuonRecipe.preset("seeds")
+        momentum = recipe.momentum_at(step, num_iterations)
+        for group in self.param_groups:
+            group["momentum"] = momentum
+            if self.recipe is not None:
+                group["weight_decay"] = recipe.weight_decay_at(step, num_iterations)
+        return momentum
 
     @staticmethod
     def _group_by_shape(params):
@@ -84,8 +150,10 @@ class Muon(ZeroOptimizer):
         return groups
 
     def _reset_state(self):
-        # momentum of the owned matrices, one (k, rows, cols) stack per group; state[p] holds views
+        # momentum (and NorMuon's second moment) of the owned matrices, one stack per group;
+        # state[p] holds views
         self._momentum = [None] * len(self.param_groups)
+        self._second_moment = [None] * len(self.param_groups)
         self.state.clear()
 
     def _owned(self, g):
@@ -127,31 +195,55 @@ class Muon(ZeroOptimizer):
             if owned:
                 if scale != 1.0:
                     G.mul_(scale)
-                G = G.float()  # no-op for fp32 master weights; the momentum is fp32 in any case
-                buf = self._momentum_stack(g, G)
-                momentum = group["momentum"]
-                buf.lerp_(G, 1 - momentum)
-                G = G.lerp_(buf, momentum) if group["nesterov"] else buf
-                update = newton_schulz(G, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                                       out_dtype=owned[0].dtype)
-                rows, cols = G.shape[-2:]
-                step = -group["lr"] * max(1.0, rows / cols) ** 0.5
-                lr_muls = [getattr(p, "lr_mul", 1.0) for p in owned]
-                if all(m == 1.0 for m in lr_muls):
-                    torch._foreach_add_([p.data for p in owned], list(update.unbind(0)), alpha=step)
-                else:
-                    for p, u, m in zip(owned, update.unbind(0), lr_muls):
-                        p.data.add_(u, alpha=step * m)
+                self._update(g, group, owned, G.float())  # fp32 momentum whatever the params' dtype
             if W > 1:
                 self._start_gather(g, group, owned)
         self.num_updates += 1
 
+    def _update(self, g, group, owned, G):
+        buf = self._momentum_stack(g, G)
+        momentum = group["momentum"]
+        buf.lerp_(G, 1 - momentum)
+        G = G.lerp_(buf, momentum) if group["nesterov"] else buf
+        if group["equilibrate_rows"]:
+            G = equilibrate_rows(G)
+        U = newton_schulz(G, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+                          dtype=compute_dtype(G.device, group["ns_dtype"]), out_dtype=torch.float32)
+        if group["renormalize"]:
+            renormalize_(U)
+        if group["normuon_beta"] is not None:
+            normuon_(U, self._second_moment_stack(g, U.shape, U.device), group["normuon_beta"])
+        rows, cols = G.shape[-2:]
+        lr = group["lr"] * max(1.0, rows / cols) ** 0.5
+        wd = group["weight_decay"]
+        lr_muls = [getattr(p, "lr_mul", 1.0) for p in owned]
+        if wd == 0 and all(m == 1.0 for m in lr_muls):
+            torch._foreach_add_([p.data for p in owned], list(U.to(owned[0].dtype).unbind(0)), alpha=-lr)
+            return
+        for param, u, lr_mul in zip(owned, U.unbind(0), lr_muls):
+            p, u = param.data, u.to(param.dtype)
+            decay = lr * lr_mul * wd * getattr(param, "wd_mul", 1.0)
+            if decay and group["cautious_weight_decay"]:
+                p.sub_(p * ((u * p) >= 0), alpha=decay)  # only where the step moves p towards 0
+            elif decay:
+                p.mul_(1 - decay)
+            p.add_(u, alpha=-lr * lr_mul)
+
     def _momentum_stack(self, g, G):
-        if self._momentum[g] is None:
-            self._momentum[g] = torch.zeros(G.shape, dtype=torch.float32, device=G.device)
+        return self._state_stack(g, self._momentum, "momentum_buffer", G.shape, G.device)
+
+    def _second_moment_stack(self, g, stack_shape, device):
+        shape = (stack_shape[0], *second_moment_shape(stack_shape[-2:]))
+        return self._state_stack(g, self._second_moment, "normuon_second_moment", shape, device)
+
+    def _state_stack(self, g, stacks, key, shape, device):
+        """Group g's (k, ...) fp32 stack of state `key` for the k owned matrices, created as zeros;
+        state[p][key] holds views of it."""
+        if stacks[g] is None:
+            stacks[g] = torch.zeros(shape, dtype=torch.float32, device=device)
             for j, i in enumerate(self._owned(g)):
-                self.state[self.param_groups[g]["params"][i]]["momentum_buffer"] = self._momentum[g][j]
-        return self._momentum[g]
+                self.state[self.param_groups[g]["params"][i]][key] = stacks[g][j]
+        return stacks[g]
 
     def _start_gather(self, g, group, owned):
         c = self._layout[g]["capacity"]
@@ -187,8 +279,10 @@ class Muon(ZeroOptimizer):
                 continue
             for j, i in enumerate(self._owned(g)):
                 p = group["params"][i]
-                entries[self.names[p]] = dict(shape=list(p.shape), offset=0, numel=p.numel(),
-                                              momentum_buffer=self._momentum[g][j])
+                entry = dict(shape=list(p.shape), offset=0, numel=p.numel(), momentum_buffer=self._momentum[g][j])
+                if self._second_moment[g] is not None:
+                    entry["normuon_second_moment"] = self._second_moment[g][j]
+                entries[self.names[p]] = entry
         return entries
 
     def _load_entries(self, pieces, saved_ranks):
@@ -202,13 +296,23 @@ class Muon(ZeroOptimizer):
             for j, i in enumerate(owned):
                 p = group["params"][i]
                 name = self.names[p]
-                copy_flat_pieces(self._momentum[g][j].view(-1), 0, pieces.get(name, []), "momentum_buffer", name,
-                                 p.shape, saved_ranks)
+                entries = pieces.get(name, [])
+                copy_flat_pieces(self._momentum[g][j].view(-1), 0, entries, "momentum_buffer", name, p.shape,
+                                 saved_ranks)
+                # a matrix's state is saved whole by the rank that owned it: no pieces to stitch
+                saved = [e["normuon_second_moment"] for e in entries if "normuon_second_moment" in e]
+                if saved:
+                    stack = self._second_moment_stack(g, (len(owned), *first.shape), first.device)
+                    stack[j].copy_(saved[0].reshape(second_moment_shape(p.shape)))
 
 
 class DistMuon(Muon):
     """Muon with each matrix owned by one rank of the default torch.distributed process group."""
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="quintic"):
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="quintic",
+                 ns_dtype="auto", weight_decay=0.0, cautious_weight_decay=False, normuon_beta=None,
+                 equilibrate_rows=False, renormalize=False):
         super().__init__(params, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                         ns_coefficients=ns_coefficients, _distributed=True)
+                         ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, weight_decay=weight_decay,
+                         cautious_weight_decay=cautious_weight_decay, normuon_beta=normuon_beta,
+                         equilibrate_rows=equilibrate_rows, renormalize=renormalize, _distributed=True)

@@ -7,52 +7,62 @@ Evaluate a trained checkpoint: validation bits per byte, and a few sample comple
 
 Bits per byte (bpb) is the next-token loss in bits divided by the UTF-8 bytes of the predicted
 tokens, so it compares models with different tokenizers. The val split of the run's dataset is
-used (a mid-trained checkpoint is measured on the conversations, assistant tokens only).
+used (a mid-trained checkpoint is measured on the conversations, assistant tokens only); every
+number of processes evaluates the same rows.
 """
 
-from .. import cli, generation, runs
-from ..common import compute_cleanup, compute_init, print0
+from .. import cli, generation, models, runs
+from ..common import compute_cleanup, print0
+from ..config import DeviceConfig
 from ..dataloader import ConversationRowLoader, TokenRowLoader
-from ..gpt import GPT
+from ..environment import check_environment
 from ..tokenizer import get_token_bytes, get_tokenizer
 from ..training import evaluate_bpb
+from ..training_data import val_batches
 from .base_train import DEFAULT_PROMPTS
 
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.base_eval", description=__doc__)
-    p.add_argument("--run", default="", help="run name or directory (default: the newest base run)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
-    p.add_argument("--dataset", default="", help="dataset to evaluate on (default: the one the run trained on)")
+    p.add_argument("--run", type=cli.run_ref, default="", help="run name or directory (default: the newest base run)")
+    p.add_argument("--step", type=cli.non_negative_int, default=None,
+                   help="checkpoint step (default: the newest complete one)")
+    p.add_argument("--dataset", type=cli.plain_name, default="",
+                   help="dataset to evaluate on (default: the one the run trained on)")
     p.add_argument("--eval-tokens", type=cli.positive_int, default=20 * 2048 * 8, help="validation tokens")
     p.add_argument("--device-batch-size", type=cli.positive_int, default=8, help="rows per forward pass per process")
     p.add_argument("--samples", type=cli.non_negative_int, default=len(DEFAULT_PROMPTS), help="completions to print")
     p.add_argument("--max-tokens", type=cli.positive_int, default=24, help="tokens per completion")
-    p.add_argument("--device-type", default="", choices=["", "cpu", "cuda", "mps"], help="'' = autodetect")
+    DeviceConfig.add_flags(p)
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    ddp, rank, local_rank, world_size, device = compute_init(args.device_type)
+    check_environment()
+    dev = DeviceConfig.from_args(args).init()
     try:
+        print0(dev.describe())
         tokenizer = get_tokenizer()
-        run_dir = runs.run_dir_of(args.run, "base")
-        model, ckpt, meta = runs.load_model(run_dir, args.step, device, tokenizer, GPT)
+        model, ckpt, meta = models.load_model(runs.run_dir_of(args.run, ("base",)), args.step, dev.device, tokenizer)
         seq_len = model.config.sequence_len
-        chat = meta["phase"] == "mid"
+        chat = meta["phase"] != "base"
         dataset = args.dataset or meta["args"].get("dataset") or ("chat" if chat else "base")
-        Loader = ConversationRowLoader if chat else TokenRowLoader
-        extra = {"tokenizer": tokenizer} if chat else {}
-        batches = runs.val_batches(Loader, dataset=dataset, eval_tokens=args.eval_tokens,
-                                   device_batch_size=args.device_batch_size, seq_len=seq_len, rank=rank,
-                                   world_size=world_size, device=device, **extra)
-        bpb = evaluate_bpb(model, batches, get_token_bytes(device=device), runs.autocast_context(device))
+        Loader, extra = (ConversationRowLoader, {"tokenizer": tokenizer}) if chat else (TokenRowLoader, {})
+
+        def make_loader(split, rank, world_size):
+            return Loader(dataset=dataset, split=split, device_batch_size=args.device_batch_size, seq_len=seq_len,
+                          rank=rank, world_size=world_size, device=dev.device, **extra)
+
+        batches = val_batches(make_loader, args.eval_tokens, args.device_batch_size, seq_len, dev.rank,
+                              dev.world_size)
+        bpb = evaluate_bpb(model, batches, get_token_bytes(device=dev.device), dev.autocast())
         print0(f"checkpoint: {ckpt}")
         print0(f"val bpb ({dataset} val split, up to {args.eval_tokens:,} tokens): {bpb:.4f}")
-        if rank == 0:
-            for prompt in DEFAULT_PROMPTS[:args.samples]:
-                print(f"  {prompt!r} -> {generation.complete(model, tokenizer, prompt, args.max_tokens)!r}")
+        if dev.rank == 0:
+            with dev.autocast():
+                for prompt in DEFAULT_PROMPTS[:args.samples]:
+                    print(f"  {prompt!r} -> {generation.complete(model, tokenizer, prompt, args.max_tokens)!r}")
         return 0
     finally:
         compute_cleanup()

@@ -9,44 +9,48 @@ Interactive commands: 'clear' starts a new conversation, 'quit' (or Ctrl-D) leav
 """
 import sys
 
-from .. import cli, generation, runs
-from ..common import compute_init
-from ..gpt import GPT
+from .. import cli, generation, models, runs
+from ..config import DeviceConfig
+from ..environment import check_environment
 from ..tokenizer import get_tokenizer
 
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_cli", description=__doc__)
-    p.add_argument("--run", default="", help="run name or directory (default: the newest mid-trained run)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
+    p.add_argument("--run", type=cli.run_ref, default="",
+                   help="run name or directory (default: the newest mid-trained run)")
+    p.add_argument("--step", type=cli.non_negative_int, default=None,
+                   help="checkpoint step (default: the newest complete one)")
     p.add_argument("--prompt", default="", help="answer this one message and exit")
     p.add_argument("--temperature", type=cli.non_negative_float, default=0.6, help="0 = greedy")
     p.add_argument("--top-k", type=cli.positive_int, default=50, help="sample among the k likeliest tokens")
     p.add_argument("--max-tokens", type=cli.positive_int, default=256, help="longest reply, in tokens (at most half the model's context)")
-    p.add_argument("--seed", type=int, default=42, help="sampling seed")
-    p.add_argument("--device-type", default="", choices=["", "cpu", "cuda", "mps"], help="'' = autodetect")
+    p.add_argument("--seed", type=cli.random_seed, default=42, help="sampling seed")
+    DeviceConfig.add_flags(p)
     return p
 
 
-def reply(model, tokenizer, messages, args) -> str:
-    """Generate the assistant's next message, streaming it to stdout."""
-    text = generation.assistant_reply(model, tokenizer, messages, args.max_tokens, temperature=args.temperature,
-                                      top_k=args.top_k, seed=args.seed,
-                                      on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+def reply(model, tokenizer, messages, args, dev) -> str:
+    """Generate the assistant's next message (in the run's compute dtype), streaming it to stdout."""
+    with dev.autocast():
+        text = generation.assistant_reply(model, tokenizer, messages, args.max_tokens, temperature=args.temperature,
+                                          top_k=args.top_k, seed=args.seed,
+                                          on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     print()
     return text
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    device = compute_init(args.device_type)[-1]
+    check_environment()
+    dev = DeviceConfig.from_args(args).init()
     tokenizer = get_tokenizer()
-    model, ckpt, meta = runs.load_model(runs.run_dir_of(args.run, "mid"), args.step, device, tokenizer, GPT)
+    model, ckpt, meta = models.load_model(runs.run_dir_of(args.run, ("mid",)), args.step, dev.device, tokenizer)
     if meta["phase"] != "mid":
         print(f"note: {ckpt} is a base (not mid-trained) checkpoint: it has not learned to chat", file=sys.stderr)
     if args.prompt:
         print("Assistant: ", end="")
-        reply(model, tokenizer, [{"role": "user", "content": args.prompt}], args)
+        reply(model, tokenizer, [{"role": "user", "content": args.prompt}], args, dev)
         return 0
     print(f"chatting with {ckpt} ('clear' to restart, 'quit' or Ctrl-D to leave)")
     messages = []
@@ -65,7 +69,7 @@ def main(argv=None) -> int:
             continue
         messages.append({"role": "user", "content": text})
         print("Assistant: ", end="")
-        messages.append({"role": "assistant", "content": reply(model, tokenizer, messages, args)})
+        messages.append({"role": "assistant", "content": reply(model, tokenizer, messages, args, dev)})
 
 
 if __name__ == "__main__":

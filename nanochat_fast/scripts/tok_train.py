@@ -5,7 +5,8 @@ Train the BPE tokenizer on prepared text, then pre-tokenize every prepared datas
     python -m nanochat_fast.scripts.tok_train       # this: tokenizer/ + tokens/<dataset>/
 
 Trains with rustbpe (GPT-4-style split pattern, the special tokens <|bos|>, <|user_start|>, ...) on
-the train split of --dataset, at most --max-chars characters with each document cut to --doc-cap.
+the train split of --dataset (default: base, or the only prepared dataset when base is not), at
+most --max-chars characters with each document cut to --doc-cap.
 Writes tokenizer/ (ranks, pattern, special tokens) and tokenizer/token_bytes.pt (the UTF-8 length
 of each token, 0 for special tokens: losses are reported in bits per byte with it). Retraining
 changes the tokenizer's fingerprint, and the token shards are then rebuilt.
@@ -15,8 +16,9 @@ import time
 
 import torch
 
-from .. import cli, dataset, paths
-from ..cli import UserError
+from .. import cli, dataset, next_steps, paths
+from ..environment import check_environment
+from ..errors import UserError
 from ..tokenizer import MIN_VOCAB_SIZE, TOKEN_BYTES_FILE, Tokenizer
 
 
@@ -28,7 +30,8 @@ def build_parser():
                    help="train on at most this many characters")
     p.add_argument("--doc-cap", type=cli.non_negative_int, default=10_000,
                    help="use at most this many characters per document (0: all)")
-    p.add_argument("--dataset", default="base", help="prepared dataset (under data/) to train on")
+    p.add_argument("--dataset", type=cli.plain_name, default="",
+                   help="prepared dataset (under data/) to train on ('': base, or the only one prepared)")
     p.add_argument("--no-tokenize", action="store_true", help="only train; do not tokenize the prepared datasets")
     p.add_argument("--num-threads", type=cli.positive_int, default=os.cpu_count() or 1, help="tokenizer threads")
     return p
@@ -43,12 +46,25 @@ def capped_texts(name: str, max_chars: int, doc_cap: int, counter: dict):
             return
 
 
+def training_dataset(name: str) -> str:
+    """--dataset, or base, or the only prepared dataset; a UserError listing them otherwise."""
+    prepared = dataset.prepared_datasets()
+    if name or "base" in prepared or not prepared:
+        return name or "base"  # (read_manifest then says how to prepare a missing one)
+    if len(prepared) == 1:
+        return prepared[0]
+    raise UserError(f"data/base is not prepared and several datasets are ({', '.join(prepared)}): pick the one "
+                    f"to train the tokenizer on, e.g. --dataset={prepared[0]}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    check_environment()
     if args.vocab_size < MIN_VOCAB_SIZE:
         raise UserError(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + the special tokens), "
                         f"got {args.vocab_size}")
-    dataset.read_manifest(args.dataset)  # a clear error when the text is not prepared yet
+    args.dataset = training_dataset(args.dataset)
+    manifest = dataset.read_manifest(args.dataset)  # a clear error when the text is not prepared yet
     counter = {"chars": 0}
     t0 = time.time()
     tokenizer = Tokenizer.train(capped_texts(args.dataset, args.max_chars, args.doc_cap, counter), args.vocab_size)
@@ -73,6 +89,9 @@ def main(argv=None) -> int:
         for name in dataset.prepared_datasets():
             totals = dataset.tokenize_dataset(name, tokenizer, num_threads=args.num_threads)
             print(f"tokens/{name}: {totals['docs']:,} documents, {totals['tokens']:,} tokens")
+            if name == args.dataset:
+                trained_on = totals["tokens"]
+        next_steps.after_tokens(args.dataset, manifest["kind"], trained_on)
     return 0
 
 

@@ -8,8 +8,12 @@ of tensors in one call. The math is torch.optim.AdamW's:
     p   -= (lr*lr_mul / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
 
 Params are fp32 or bf16 (grads the same dtype), state is fp32, math is fp32. Hyperparameters may be
-Python floats or 0-D tensors: they travel to every backend as one small float64 tensor, so a
-learning-rate schedule neither recompiles a compiled step nor forces a host sync on the GPU.
+Python floats or 0-D tensors: they travel to every backend as one small float64 tensor whose
+layout is adamw_slice_hparams.py (the C++ side: csrc/adamw_slice_hparams.h).
+
+Backends: `cpp` (csrc/adamw_slice_cpu.cpp on CPU, csrc/cuda/adamw_slice.cu on CUDA), `triton`
+(adamw_slice_triton.py, one launch for many tensors) and `reference` (torch.optim.AdamW's
+single-tensor sequence).
 """
 import math
 import numbers
@@ -17,6 +21,7 @@ import numbers
 import torch
 
 from . import registry
+from .adamw_slice_hparams import SLOT, make_hparams
 from .registry import always, cpp_why_not, register_backend, register_op, triton_why_not
 
 OP = "adamw_slice_update"
@@ -69,19 +74,6 @@ def _check_tensors(params, grads, exp_avgs, exp_avg_sqs, lr_muls, wd_muls):
             raise ValueError(f"params[{i}] is not contiguous; pass .contiguous() slices")
 
 
-def make_hparams(step, lr, beta1, beta2, eps, weight_decay, device) -> torch.Tensor:
-    """The float64[7] hyperparameter tensor every backend reads (float32 on MPS, which has no fp64):
-    lr, beta1, beta2, eps, weight_decay, 1 - beta1^step, sqrt(1 - beta2^step), in the order of
-    csrc/adamw_slice_hparams.h."""
-    dtype = torch.float32 if device.type == "mps" else torch.float64
-    values = (step, lr, beta1, beta2, eps, weight_decay)
-    if not any(isinstance(v, torch.Tensor) for v in values):
-        return torch.tensor([lr, beta1, beta2, eps, weight_decay, 1.0 - beta1 ** step,
-                             math.sqrt(1.0 - beta2 ** step)], dtype=dtype, device=device)
-    step, lr, beta1, beta2, eps, weight_decay = (torch.as_tensor(v, dtype=dtype, device=device) for v in values)
-    return torch.stack([lr, beta1, beta2, eps, weight_decay, 1.0 - beta1 ** step, torch.sqrt(1.0 - beta2 ** step)])
-
-
 def adamw_slice_update(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps,
                        weight_decay, lr_muls=None, wd_muls=None, *, backend=None):
     """One AdamW step over lists of same-device tensors, in place. `step` is the 1-based count of
@@ -114,7 +106,9 @@ def adamw_slice_update(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, be
 def adamw_reference(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
     """Plain PyTorch, one tensor at a time, exactly torch.optim.AdamW's single-tensor sequence."""
     # 0-D float64 scalars: like the Python floats torch.optim.AdamW uses, they do not promote fp32 tensors
-    lr, beta1, beta2, eps, wd, bc1, bc2_sqrt = hparams.unbind()
+    hp = hparams.unbind()
+    lr, beta1, beta2, eps, wd = (hp[SLOT[k]] for k in ("lr", "beta1", "beta2", "eps", "weight_decay"))
+    bc1, bc2_sqrt = hp[SLOT["bias_correction1"]], hp[SLOT["bias_correction2_sqrt"]]
     for p, g, m, v, lr_mul, wd_mul in zip(params, grads, exp_avgs, exp_avg_sqs, lr_muls, wd_muls):
         p32, g32 = p.float(), g.float()  # no-ops for fp32 params
         p32.mul_(1 - lr * lr_mul * wd * wd_mul)
@@ -137,11 +131,11 @@ def adamw_cpp(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
 
 @register_backend(OP, "triton", triton_why_not)
 def adamw_triton(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
-    from .adamw_triton import adamw_slice_update_triton  # imported late: TRITON_INTERPRET is read at import
+    from .adamw_slice_triton import adamw_slice_update_triton  # imported late: TRITON_INTERPRET is read at import
     adamw_slice_update_triton(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls)
 
 
-if registry._C is not None:
+if registry.extension() is not None:
     @torch.library.register_fake("nanochat_fast::adamw_slice_update")
     def _(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
         return None  # updates in place, returns nothing: nothing to allocate when tracing

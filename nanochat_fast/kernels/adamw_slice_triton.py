@@ -14,7 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .adamw_slice_hparams import SLOT
 from .triton_utils import to_bf16_rtne
+
+# the hyperparameter slots, by name (adamw_slice_hparams.py); Triton reads globals only as constexpr
+LR = tl.constexpr(SLOT["lr"])
+BETA1 = tl.constexpr(SLOT["beta1"])
+BETA2 = tl.constexpr(SLOT["beta2"])
+EPS = tl.constexpr(SLOT["eps"])
+WEIGHT_DECAY = tl.constexpr(SLOT["weight_decay"])
+BIAS_CORRECTION1 = tl.constexpr(SLOT["bias_correction1"])
+BIAS_CORRECTION2_SQRT = tl.constexpr(SLOT["bias_correction2_sqrt"])
 
 # Block configs by device. On an H100 the kernel is bandwidth bound: 2048 elements x 28 B per
 # element per program with 8 warps keeps enough bytes in flight. The interpreter runs a program
@@ -23,6 +33,8 @@ CONFIGS = {
     "cuda": dict(BLOCK=2048, num_warps=8),
     "cpu": dict(BLOCK=4096, num_warps=1),
 }
+# every config a GPU may launch: compiled and resource-checked ahead of time (kernels/triton_aot.py)
+GPU_CONFIGS = {"default": CONFIGS["cuda"]}
 
 
 @triton.jit
@@ -30,7 +42,7 @@ def _adamw_multi_tensor_kernel(
     table_ptr,       # int64[5, n_tensors]: param, grad, exp_avg, exp_avg_sq pointers; numel
     muls_ptr,        # float32[2, n_tensors]: lr_mul, wd_mul
     blocks_ptr,      # int64[2, n_blocks]: tensor index, element offset
-    hparams_ptr,     # float64[7] (see csrc/adamw_slice_hparams.h)
+    hparams_ptr,     # float64[7], slots named in adamw_slice_hparams.py
     n_tensors,
     n_blocks,
     IS_BF16: tl.constexpr,
@@ -46,15 +58,14 @@ def _adamw_multi_tensor_kernel(
     v_ptr = tl.load(table_ptr + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
     numel = tl.load(table_ptr + 4 * n_tensors + t)
 
-    # hparams: the float64[7] of kernels.adamw.make_hparams (layout: csrc/adamw_slice_hparams.h)
-    lr = tl.load(hparams_ptr + 0) * tl.load(muls_ptr + t)
-    beta1 = tl.load(hparams_ptr + 1).to(tl.float32)
-    beta2 = tl.load(hparams_ptr + 2).to(tl.float32)
-    eps = tl.load(hparams_ptr + 3).to(tl.float32)
-    wd = tl.load(hparams_ptr + 4) * tl.load(muls_ptr + n_tensors + t)
+    lr = tl.load(hparams_ptr + LR) * tl.load(muls_ptr + t)
+    beta1 = tl.load(hparams_ptr + BETA1).to(tl.float32)
+    beta2 = tl.load(hparams_ptr + BETA2).to(tl.float32)
+    eps = tl.load(hparams_ptr + EPS).to(tl.float32)
+    wd = tl.load(hparams_ptr + WEIGHT_DECAY) * tl.load(muls_ptr + n_tensors + t)
     decay = (1.0 - lr * wd).to(tl.float32)
-    step_size = (lr / tl.load(hparams_ptr + 5)).to(tl.float32)
-    inv_bc2_sqrt = (1.0 / tl.load(hparams_ptr + 6)).to(tl.float32)
+    step_size = (lr / tl.load(hparams_ptr + BIAS_CORRECTION1)).to(tl.float32)
+    inv_bc2_sqrt = (1.0 / tl.load(hparams_ptr + BIAS_CORRECTION2_SQRT)).to(tl.float32)
 
     offs = start + tl.arange(0, BLOCK)
     mask = offs < numel

@@ -15,16 +15,16 @@ SHAPES = [(VOCAB, N_EMBD)] + [s for _ in range(N_LAYER) for s in
 HP = dict(lr=1e-3, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1)
 
 
-def make_params(seed):
+def make_params(seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    params = [torch.randn(s, generator=g) for s in SHAPES]
+    params = [torch.randn(s, generator=g).to(device) for s in SHAPES]
     for p in params:
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g).to(device)
     return params
 
 
-def ours(backend):
-    params = make_params(0)
+def ours(backend, device="cpu"):
+    params = make_params(0, device)
     grads = [p.grad for p in params]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
@@ -37,8 +37,8 @@ def ours(backend):
     return step
 
 
-def torch_adamw(**impl):
-    opt = torch.optim.AdamW(make_params(0), **HP, **impl)
+def torch_adamw(device="cpu", **impl):
+    opt = torch.optim.AdamW(make_params(0, device), **HP, **impl)
     return opt.step
 
 

