@@ -34,6 +34,7 @@ DEPTH_WIDTH = {4: 256, 8: 512}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PRECISION = precision.choose(torch.device(DEVICE), warn=False)
 CHUNKS = (256, 512, 1024, 2048, 4096)
+BUDGET_S = 60  # per test: rounds are cut to it (at least harness.MIN_ROUNDS) on a slow or busy machine
 
 
 def stock_loss(hidden, weight, targets):
@@ -116,7 +117,7 @@ def test_softcap_cross_entropy(benchmark, depth):
              + f"; the full fp32 logits alone are {N * V * 4 / 2 ** 20:.0f} MiB")
     compare(benchmark, op=f"softcapped cross-entropy, forward+backward ({DEVICE}, {PRECISION.name})",
             shape_set=f"depth {depth}: N={N}, d={d}, V={V}", variants=variants, baseline="stock eager",
-            rounds=11, notes=notes)
+            rounds=11, budget_s=BUDGET_S, notes=notes)
 
 
 def test_chunk_rows(benchmark):
@@ -126,7 +127,8 @@ def test_chunk_rows(benchmark):
                 for c in CHUNKS}
     variants["auto"] = step_fn("ours", hidden, weight, targets)
     compare(benchmark, op=f"softcapped cross-entropy, rows per chunk ({DEVICE}, {PRECISION.name})",
-            shape_set=f"depth 4: N={N}, d={DEPTH_WIDTH[4]}, V={V}", variants=variants, baseline="auto", rounds=9)
+            shape_set=f"depth 4: N={N}, d={DEPTH_WIDTH[4]}, V={V}", variants=variants, baseline="auto", rounds=9,
+            budget_s=BUDGET_S)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ CONFIGS = {
     "cuda": dict(BLOCK=4096, num_warps=8),
     "cpu": dict(BLOCK=256, num_warps=1),
 }
+# Every variant a GPU may compile, for the ahead-of-time check (triton_aot.py): the training pass
+# (loss and dz) and evaluation's loss-only pass, both with the CUDA block.
+GPU_CONFIGS = {"grad": dict(CONFIGS["cuda"], COMPUTE_GRAD=True), "loss": dict(CONFIGS["cuda"], COMPUTE_GRAD=False)}
 
 
 @triton.jit
@@ -40,10 +43,10 @@ def _tanh(x):
 
 
 @triton.jit
-def _softcap_ce_rows(
+def _softcap_ce_rows_kernel(
     z_ptr, z_stride,          # logits chunk [rows, V] (fp32 or bf16); dz is written over it
     targets_ptr,              # int64 [rows]
-    scale_ptr, scale_stride,  # fp32 per-row gradient weights (stride 0 for one shared weight)
+    scale_ptr,                # fp32 [rows]: per-row gradient weights (read when COMPUTE_GRAD)
     losses_ptr,               # fp32 [rows]
     n_cols, softcap, ignore_index,
     COMPUTE_GRAD: tl.constexpr,
@@ -78,7 +81,7 @@ def _softcap_ce_rows(
     tl.store(losses_ptr + row, tl.where(valid, loss, 0.0))
 
     if COMPUTE_GRAD:
-        g = tl.load(scale_ptr + row * scale_stride)
+        g = tl.load(scale_ptr + row)
         g = tl.where(valid, g, 0.0)
         for start in range(0, n_cols, BLOCK):
             mask = start + cols < n_cols
@@ -102,8 +105,9 @@ def triton_row_pass(z, targets, scale, losses, softcap, ignore_index, config=Non
     cfg = config or CONFIGS["cuda" if z.is_cuda else "cpu"]
     block = min(cfg["BLOCK"], triton.next_power_of_2(n_cols))
     compute_grad = scale is not None
-    if not compute_grad:
-        scale = losses  # not read
-    _softcap_ce_rows[(rows,)](
-        z, z.stride(0), targets, scale, scale.stride(0), losses, n_cols, softcap, ignore_index,
+    # one contiguous weight per row (a shared weight comes as a stride-0 view): the kernel has one
+    # variant per dtype and pass, whatever the reduction
+    scale = scale.contiguous() if compute_grad else losses  # losses: not read
+    _softcap_ce_rows_kernel[(rows,)](
+        z, z.stride(0), targets, scale, losses, n_cols, softcap, ignore_index,
         COMPUTE_GRAD=compute_grad, IS_BF16=z.dtype == torch.bfloat16, BLOCK=block, num_warps=cfg["num_warps"])
