@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_BENCHMARKS = ["bench_adamw_slice_cuda.py", "bench_newton_schulz.py", "bench_muon.py", "bench_train_step.py"]
+CUDA_BENCHMARKS = ["bench_adamw_slice_cuda.py", "bench_newton_schulz.py", "bench_muon.py", "bench_softcap_cross_entropy.py",
+                   "bench_train_step.py"]
 TRAIN_FLAGS = ["--depth=12", "--num-iterations=50", "--eval-every=-1", "--sample-every=-1", "--run=gpu_check_d12",
                "--overwrite"]
 WARMUP_STEPS = 10  # compilation and autotuning land in the first steps; medians skip them

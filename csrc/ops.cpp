@@ -14,4 +14,12 @@ TORCH_LIBRARY(nanochat_fast, m) {
   // Best-fit packing of BOS-started documents tokens[offsets[d]:offsets[d+1]] into the rows of
   // out (int64 [B, T+1], CPU, may be pinned). Returns (used: bool[D], tokens placed, tokens cropped).
   m.def("pack_rows(Tensor tokens, Tensor offsets, Tensor(a!) out, int bos_id) -> (Tensor, SymInt, SymInt)");
+
+  // Cross-entropy of softcap * tanh(hidden @ weight^T / softcap) against targets (ignore_index rows
+  // count 0), in chunks of chunk_rows rows. Returns (losses: float32 [N], total = sum_i s_i losses_i,
+  // dhidden, dweight) with s = grad_scale (1 or N elements; 1 when None). With grad_scale given the
+  // last two are the gradient of total (else empty); the autograd formula is registered in Python.
+  m.def(
+      "softcap_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, float softcap, int ignore_index, "
+      "Tensor? grad_scale, int chunk_rows) -> (Tensor, Tensor, Tensor, Tensor)");
 }

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .common import is_distributed, print0
+from .kernels import softcap_cross_entropy
 
 LOGIT_SOFTCAP = 15.0
 
@@ -284,12 +285,12 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x, cos_sin, kv_cache)
         x = norm(x)
-        logits = self.lm_head(x)
-        logits = LOGIT_SOFTCAP * torch.tanh(logits.float() / LOGIT_SOFTCAP)
         if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=-1, reduction=loss_reduction)
+            logits = self.lm_head(x)
+            return LOGIT_SOFTCAP * torch.tanh(logits.float() / LOGIT_SOFTCAP)
+        # the fused lm_head + softcap + cross-entropy: row chunks, never all B*T x vocab logits
+        loss = softcap_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                     LOGIT_SOFTCAP, ignore_index=-1, reduction=loss_reduction)
         return loss.view(B, T) if loss_reduction == "none" else loss
 
     @torch.inference_mode()

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -128,6 +129,64 @@ void test_pack_rows_by_hand() {
   check(throws([&] { op.call(tokens, offsets, out, 7); }), "pack_rows refuses documents that do not start with BOS");
 }
 
+using SoftcapCEFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, const std::optional<at::Tensor>&,
+    int64_t);
+
+auto softcap_ce_op() {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow("nanochat_fast::softcap_cross_entropy", "")
+      .typed<SoftcapCEFn>();
+}
+
+// The op's hand-written tanh and exp over the whole input range: rows of logits [x, -x] for a
+// dense sweep of x (both polynomial branches of tanh, its saturation, exp's clamps, infinities),
+// loss and gradient against double precision; NaN logits must give NaN (the NaN guard relies on it).
+void test_softcap_ce_sweep(double softcap) {
+  std::vector<double> xs;
+  for (int i = -4000; i <= 4000; ++i) xs.push_back(i * 1e-3 * std::abs(i) / 4.0);  // |x| up to 4000, dense near 0
+  xs.push_back(INFINITY);
+  xs.push_back(-INFINITY);
+  const int64_t M = static_cast<int64_t>(xs.size());
+  const at::Tensor hidden = at::tensor(xs, at::kDouble).to(at::kFloat).view({M, 1});
+  const at::Tensor weight = at::tensor({1.0f, -1.0f}).view({2, 1});
+  const at::Tensor targets = at::arange(M, at::kLong).remainder(2);
+  auto [losses, total, dhidden, dweight] = softcap_ce_op().call(hidden, weight, targets, softcap, -1,
+                                                                at::ones({}, at::kFloat), 1000);
+  // The loss is a difference of numbers up to 2 softcap in size, so fp32 (ours and stock PyTorch's
+  // log_softmax alike) cannot do better than a few ulps of 2 softcap; dlogits are O(1).
+  const double loss_tol = 4 * softcap * FLT_EPSILON, grad_tol = 1e-6;
+  double max_err = 0.0;  // in units of the tolerance
+  for (int64_t i = 0; i < M; ++i) {
+    const double x = hidden[i][0].item<double>();
+    const double t = std::tanh(x / softcap), y0 = softcap * t, y1 = -y0;
+    const double m = std::max(y0, y1), lse = m + std::log(std::exp(y0 - m) + std::exp(y1 - m));
+    const int64_t target = i % 2;
+    const double loss = lse - (target == 0 ? y0 : y1);
+    const double p0 = std::exp(y0 - lse), p1 = std::exp(y1 - lse);
+    const double grad = (1 - t * t) * ((p0 - (target == 0)) - (p1 - (target == 1)));
+    max_err = std::max(max_err, std::abs(losses[i].item<double>() - loss) / loss_tol);
+    max_err = std::max(max_err, std::abs(dhidden[i][0].item<double>() - grad) / grad_tol);
+  }
+  check(max_err <= 1.0, "softcap_cross_entropy (softcap " + std::to_string(softcap) +
+                            ") matches double over x in [-4000, 4000] and +-inf (max error " +
+                            std::to_string(max_err) + " x tolerance)");
+  const at::Tensor nan_row = at::full({1, 1}, NAN);
+  auto nan_out = softcap_ce_op().call(nan_row, weight, at::zeros({1}, at::kLong), softcap, -1, at::ones({}), 1);
+  check(std::isnan(std::get<0>(nan_out).item<float>()) && std::isnan(std::get<2>(nan_out).item<float>()),
+        "softcap_cross_entropy turns a NaN logit into a NaN loss and gradient");
+}
+
+void test_softcap_ce_rejects_bad_input() {
+  const at::Tensor h = at::zeros({3, 4}), w = at::zeros({5, 4});
+  check(throws([&] { softcap_ce_op().call(h, w, at::tensor({0, 5, 1}, at::kLong), 15.0, -1, std::nullopt, 2); }),
+        "softcap_cross_entropy rejects a target outside [0, V)");
+  check(throws([&] { softcap_ce_op().call(h, w.to(at::kBFloat16), at::zeros({3}, at::kLong), 15.0, -1, std::nullopt, 2); }),
+        "softcap_cross_entropy rejects mixed dtypes");
+  check(throws([&] { softcap_ce_op().call(h, w, at::zeros({3}, at::kLong), 15.0, -1, at::ones({2}), 2); }),
+        "softcap_cross_entropy rejects a grad_scale of the wrong length");
+}
+
 }  // namespace
 
 int main() {
@@ -135,6 +194,9 @@ int main() {
   test_adamw_matches_double_loop(at::kBFloat16);
   test_adamw_rejects_bad_input();
   test_pack_rows_by_hand();
+  test_softcap_ce_sweep(15.0);
+  test_softcap_ce_sweep(60.0);
+  test_softcap_ce_rejects_bad_input();
   std::printf("%s\n", failures ? "SOME TESTS FAILED" : "all C++ op tests passed");
   return failures ? 1 : 0;
 }

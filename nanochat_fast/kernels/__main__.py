@@ -53,13 +53,13 @@ def main(argv=None):
     env = t["env"][registry.ENV_VAR]
     print(f"{registry.ENV_VAR}={env or '(unset: auto)'}\n")
     width = 26
-    print(f"{'op':<20} {'backend':<10} " + " ".join(f"{d:<{width}}" for d in DEVICE_TYPES))
+    print(f"{'op':<22} {'backend':<10} " + " ".join(f"{d:<{width}}" for d in DEVICE_TYPES))
     for op, entry in t["ops"].items():
         for i, (name, per_device) in enumerate(entry["backends"].items()):
             cells = " ".join(f"{('yes' if r is None else 'no'):<{width}}" for r in per_device.values())
-            print(f"{op if i == 0 else '':<20} {name:<10} {cells}")
+            print(f"{op if i == 0 else '':<22} {name:<10} {cells}")
         cells = " ".join(f"{'-> ' + s:<{width}}" for s in entry["selected"].values())
-        print(f"{'':<20} {'uses':<10} {cells}\n")
+        print(f"{'':<22} {'uses':<10} {cells}\n")
     print("why not:")
     for op, entry in t["ops"].items():
         for name, per_device in entry["backends"].items():

@@ -107,6 +107,27 @@ _NS_SPILLS = {
     "*/fp32/*": "fp32 FMA dot with BLOCK_K=64 (the bf16 tiles) exceeds the register file; fp32 is opt-in on GPUs",
 }
 
+# softcap_cross_entropy's row pass over one chunk of 4096 rows at nanochat's 65,536-token vocabulary:
+# reads the logits, and with gradients reads them again and writes dz over them (per element ~10
+# flops for the loss, ~15 more for dz).
+SCE_CALL = (4096, 65536)
+
+
+def _sce_work(mod, cfg, dtype):
+    rows, vocab = SCE_CALL
+    passes, flops = (3, 25) if cfg["COMPUTE_GRAD"] else (1, 10)
+    return Call(f"{rows} x {vocab} logits", rows * vocab * passes * dtype.itemsize, rows * vocab * flops, "fp32")
+
+
+def _sce_example(mod, cfg, dtype, device):
+    z = torch.randn(16, 8192, device=device).to(dtype)  # a vocabulary of at least one block
+    targets = torch.randint(0, 8192, (16,), device=device)
+    losses = torch.empty(16, device=device)
+    scale = torch.ones((), device=device).expand(16) if cfg["COMPUTE_GRAD"] else None  # sum: one weight for all rows
+    with unittest.mock.patch.dict(mod.CONFIGS, {device.type: cfg}):
+        mod.triton_row_pass(z, targets, scale, losses, 15.0, -1)
+
+
 KERNELS = [
     Entry("nanochat_fast.kernels.adamw_slice_triton", "_adamw_multi_tensor_kernel",
           dict(table_ptr="*i64:16", muls_ptr="*fp32:16", blocks_ptr="*i64:16", hparams_ptr="*fp64:16",
@@ -124,4 +145,11 @@ KERNELS = [
     Entry(_NS, "_fused_update_kernel",
           dict(b_ptr="*{dtype}:16", x_ptr="*{dtype}:16", out_ptr="*{dtype}:16", M="i32:16", N="i32:16", coef_a="fp32"),
           _NS_DTYPES, _NS_LAUNCH, _ns_work("fused_update"), _ns_example, spills_ok=_NS_SPILLS),
+    Entry("nanochat_fast.kernels.softcap_cross_entropy_triton", "_softcap_ce_rows_kernel",
+          dict(z_ptr="*{dtype}:16", z_stride="i32:16", targets_ptr="*i64:16", scale_ptr="*fp32:16",
+               losses_ptr="*fp32:16", n_cols="i32:16", softcap="fp32", ignore_index="i32"),
+          (torch.float32, torch.bfloat16),
+          lambda mod, cfg, dtype: dict(COMPUTE_GRAD=cfg["COMPUTE_GRAD"], IS_BF16=dtype == torch.bfloat16,
+                                       BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"]),
+          _sce_work, _sce_example),
 ]

@@ -1,0 +1,272 @@
+"""
+softcap_cross_entropy: from the final hidden states and the lm_head weight to the loss, in chunks of
+rows, never holding all N x V logits.
+
+    loss = cross_entropy(softcap * tanh(hidden @ weight.T / softcap), targets, ignore_index, reduction)
+
+hidden [N, d] and weight [V, d] are fp32 or bf16 (the same dtype; under autocast both are cast to the
+autocast dtype, as nn.Linear would be); targets int64 [N]; reduction "mean" | "sum" | "none" (per-row
+losses, 0 at ignored rows). Math is fp32 whatever the input dtype; gradients come back in the inputs'
+dtypes.
+
+How the chunked backends work (the design of Liger's fused linear cross-entropy): per chunk of rows,
+    z  = hidden_chunk @ weight.T                       (a matmul: BLAS / cuBLAS)
+    one pass over z: softcap, logsumexp, the target's logit -> row losses, and, when gradients are
+         wanted, dz = g * (softmax - onehot) * (1 - tanh^2) written over z in place
+    dhidden_chunk = dz @ weight;  dweight += dz.T @ hidden_chunk
+so the forward pass already holds both gradients and backward only scales them by grad_output. With
+no gradient wanted (eval, no_grad) the second half is skipped. Extra memory: one chunk of logits
+plus dhidden and dweight (hidden- and weight-sized), instead of several N x V fp32 tensors.
+
+Backends:
+    triton     CUDA: the row pass is a Triton kernel (softcap_cross_entropy_triton.py), matmuls cuBLAS
+    cpp        CPU: csrc/softcap_cross_entropy_cpu.cpp, the same loop in C++ with one vectorised pass
+    torch      the same loop with the row pass in plain PyTorch ops (MPS, CPU without the extension)
+    reference  full logits and F.cross_entropy: the stock baseline
+
+The chunked backends are three ops with one schema,
+    (hidden, weight, targets, softcap, ignore_index, grad_scale: Tensor?, chunk_rows)
+        -> (losses [N] fp32, total: sum_i s_i * losses_i, dhidden, dweight)
+where s = grad_scale (0-D or [N]; 1 when None). With grad_scale given, dhidden/dweight are the
+gradient of `total` (else empty). Their autograd formula: a gradient reaching only `total` scales
+the precomputed gradients; one reaching `losses` (reduction "none" with grad) recomputes them chunk
+by chunk with those per-row weights. Sum and mean pass grad_scale = 1 and 1/count.
+"""
+import numbers
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from . import registry
+from .registry import always, cpp_why_not, register_backend, register_op, triton_why_not
+
+OP = "softcap_cross_entropy"
+register_op(OP, auto_order={
+    "cuda": ("triton", "torch", "reference"),
+    "cpu": ("cpp", "torch", "reference"),
+    "mps": ("torch", "reference"),
+})
+REDUCTIONS = ("mean", "sum", "none")
+DTYPES = (torch.float32, torch.bfloat16)
+
+# Rows per chunk. What limits the chunk is the matmuls' efficiency: measured on the 2-core Zen 3
+# (fp32, N=4096, d=256, V=8192, 2 threads), the three matmuls over all chunks take 1.6x longer in
+# chunks of 256 rows than of 1024, and no less in one chunk of 4096; the whole op is within noise
+# from 1024 to 4096 rows, 1.04-1.4x slower at 256 (d=256 and 512). So 1024 rows: the smallest
+# chunk at full speed, 32 MiB of fp32 logits at V=8192 (the L3 size here), 1/4 of the full
+# logits at this N and a smaller share the longer the batch. benchmarks/bench_softcap_cross_entropy.py
+# (test_chunk_rows) repeats the measurement. CUDA: not timed here (no GPU); 4096 rows keep the
+# cuBLAS matmuls large (M = 4096) at 512 MiB of bf16 logits for a 64K vocabulary.
+CHUNK_ROWS = {"cpu": 1024, "cuda": 4096, "mps": 1024}
+
+
+def default_chunk_rows(n_rows: int, device_type: str) -> int:
+    return max(1, min(n_rows, CHUNK_ROWS.get(device_type, 1024)))
+
+
+def _check(hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows):
+    """ValueError naming the argument; only metadata is read (no host sync on a GPU)."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be 2-D [N, d], got shape {tuple(hidden.shape)}; flatten the batch first")
+    if weight.dim() != 2 or weight.size(1) != hidden.size(1):
+        raise ValueError(f"weight must be [V, d] with d = hidden.size(1) = {hidden.size(1)}, got shape {tuple(weight.shape)}")
+    if targets.dim() != 1 or targets.size(0) != hidden.size(0) or targets.dtype != torch.int64:
+        raise ValueError(f"targets must be int64 [N] with N = hidden.size(0) = {hidden.size(0)}, "
+                         f"got {targets.dtype} of shape {tuple(targets.shape)}")
+    for name, t in (("weight", weight), ("targets", targets)):
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be a finite number > 0, got {softcap!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ValueError(f"chunk_rows must be None (automatic) or an int >= 1, got {chunk_rows!r}")
+
+
+def _check_dtypes(hidden, weight):
+    if hidden.dtype not in DTYPES or weight.dtype != hidden.dtype:
+        raise ValueError(f"hidden and weight must both be float32 or both bfloat16 (outside autocast), "
+                         f"got hidden {hidden.dtype} and weight {weight.dtype}")
+
+
+def softcap_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float,
+                          ignore_index: int = -1, reduction: str = "mean", *, backend=None, chunk_rows=None):
+    """cross_entropy(softcap * tanh(hidden @ weight.T / softcap), targets), differentiable w.r.t.
+    hidden and weight. `backend` forces one by name (default: NANOCHAT_FAST_KERNELS, else auto);
+    `chunk_rows` overrides the rows per chunk of the chunked backends."""
+    _check(hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows)
+    device_type = hidden.device.type
+    impl = registry.select(OP, device_type, backend)
+    no_autocast = nullcontext()
+    if torch.is_autocast_enabled(device_type):
+        # what nn.Linear does under autocast: the matmul inputs in the autocast dtype (the cast is
+        # differentiable, so fp32 master weights get fp32 gradients); inside, every tensor keeps its dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        no_autocast = torch.autocast(device_type, enabled=False)
+    _check_dtypes(hidden, weight)
+    with no_autocast:
+        return impl.fn(hidden, weight, targets, float(softcap), ignore_index, reduction, chunk_rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# backends: each takes (hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows)
+
+
+@register_backend(OP, "reference", always)
+def reference_backend(hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows):
+    """The stock computation: all N x V logits in fp32, then F.cross_entropy."""
+    logits = softcap * torch.tanh(F.linear(hidden, weight).float() / softcap)
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
+
+
+def _run_chunked_op(op, hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows):
+    """Call a chunked op: gradients in the forward pass for sum/mean when they will be needed."""
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    count = None
+    grad_scale = None
+    if reduction == "mean":
+        count = (targets != ignore_index).sum()
+    if need_grad and reduction != "none":
+        grad_scale = 1.0 / count if reduction == "mean" else torch.ones((), device=hidden.device)
+    rows = chunk_rows or default_chunk_rows(hidden.size(0), hidden.device.type)
+    losses, total, _, _ = op(hidden.contiguous(), weight.contiguous(), targets.contiguous(), softcap,
+                             ignore_index, grad_scale, rows)
+    if reduction == "none":
+        return losses
+    if reduction == "mean" and grad_scale is None:
+        return total / count
+    return total
+
+
+def _chunked_backend(op_name):
+    def run(*args):
+        return _run_chunked_op(getattr(torch.ops.nanochat_fast, op_name), *args)
+    return run
+
+
+register_backend(OP, "cpp", cpp_why_not)(_chunked_backend("softcap_cross_entropy"))
+register_backend(OP, "torch", always)(_chunked_backend("softcap_cross_entropy_torch"))
+register_backend(OP, "triton", triton_why_not)(_chunked_backend("softcap_cross_entropy_triton"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the chunk loop of the torch and triton ops (the cpp op runs the same loop in C++)
+
+
+def chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows, row_pass):
+    """row_pass(z, targets, scale, losses, softcap, ignore_index) turns a chunk of logits z (in
+    place) into dz when scale (per-row weights) is not None, and writes the rows' losses."""
+    N, V = hidden.size(0), weight.size(0)
+    losses = hidden.new_empty(N, dtype=torch.float32)
+    buf = hidden.new_empty(min(chunk_rows, N), V)
+    if grad_scale is None:
+        dhidden, dweight, scale = hidden.new_empty(0), weight.new_empty(0), None
+    else:
+        dhidden = torch.empty_like(hidden)
+        dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        scale = grad_scale.float().expand(N)
+    for r0 in range(0, N, chunk_rows):
+        r1 = min(r0 + chunk_rows, N)
+        h, z = hidden[r0:r1], buf[:r1 - r0]
+        torch.mm(h, weight.T, out=z)
+        row_pass(z, targets[r0:r1], None if scale is None else scale[r0:r1], losses[r0:r1], softcap, ignore_index)
+        if scale is not None:
+            torch.mm(z, weight, out=dhidden[r0:r1])
+            if z.dtype == torch.float32:
+                dweight.addmm_(z.T, h)
+            else:  # bf16 matmul (fp32 accumulation inside), summed over chunks in fp32
+                dweight += z.T @ h
+    if scale is None:
+        return losses, losses.sum(), dhidden, dweight
+    return losses, (losses * scale).sum(), dhidden, dweight.to(weight.dtype)
+
+
+def torch_row_pass(z, targets, scale, losses, softcap, ignore_index):
+    """The row pass in plain PyTorch ops (several passes over the chunk, fp32 temporaries)."""
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, 0)
+    t = torch.tanh(z.float() / softcap)
+    logp = torch.log_softmax(t * softcap, dim=1)
+    losses.copy_(torch.where(valid, -logp.gather(1, safe[:, None]).squeeze(1), 0.0))
+    if scale is None:
+        return
+    p = logp.exp_()  # softmax
+    p.scatter_add_(1, safe[:, None], -torch.ones_like(p[:, :1]))
+    p.mul_(t.square_().neg_().add_(1.0))  # d softcap(z) / dz = 1 - tanh^2
+    p.mul_(torch.where(valid, scale, 0.0)[:, None])
+    z.copy_(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# the Python-defined ops, and the fake and autograd registrations shared by all three
+
+
+@torch.library.custom_op("nanochat_fast::softcap_cross_entropy_torch", mutates_args=())
+def _torch_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float,
+              ignore_index: int, grad_scale: torch.Tensor | None, chunk_rows: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows, torch_row_pass)
+
+
+@torch.library.custom_op("nanochat_fast::softcap_cross_entropy_triton", mutates_args=())
+def _triton_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float,
+               ignore_index: int, grad_scale: torch.Tensor | None, chunk_rows: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .softcap_cross_entropy_triton import triton_row_pass  # imported late: TRITON_INTERPRET is read at import
+    return chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows, triton_row_pass)
+
+
+def _fake(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows):
+    losses = hidden.new_empty(hidden.size(0), dtype=torch.float32)
+    total = hidden.new_empty((), dtype=torch.float32)
+    if grad_scale is None:
+        return losses, total, hidden.new_empty(0), weight.new_empty(0)
+    return losses, total, torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows = inputs
+    _, _, dhidden, dweight = output
+    ctx.mark_non_differentiable(dhidden, dweight)
+    ctx.set_materialize_grads(False)  # None for an unused output: tells "only total" from "losses too"
+    ctx.args = (softcap, ignore_index, chunk_rows)
+    ctx.save_for_backward(hidden, weight, targets, grad_scale, dhidden, dweight)
+
+
+def _backward_of(op_name):
+    def backward(ctx, g_losses, g_total, _g_dhidden, _g_dweight):
+        hidden, weight, targets, grad_scale, dhidden, dweight = ctx.saved_tensors
+        if g_losses is None and g_total is None:
+            return (None,) * 7
+        if g_losses is None and grad_scale is not None:
+            dhidden, dweight = dhidden * g_total, dweight * g_total  # computed in the forward pass
+        else:  # recompute, chunk by chunk, with per-row weights d(output)/d(losses_i)
+            rows = 0.0 if g_losses is None else g_losses
+            if g_total is not None:
+                rows = rows + (g_total if grad_scale is None else g_total * grad_scale)
+            rows = torch.as_tensor(rows, dtype=torch.float32, device=hidden.device)
+            op = getattr(torch.ops.nanochat_fast, op_name)
+            _, _, dhidden, dweight = op(hidden, weight, targets, *ctx.args[:2], rows, ctx.args[2])
+        return (dhidden if ctx.needs_input_grad[0] else None, dweight if ctx.needs_input_grad[1] else None,
+                None, None, None, None, None)
+    return backward
+
+
+def _register(op_name):
+    qualname = f"nanochat_fast::{op_name}"
+    torch.library.register_fake(qualname)(_fake)
+    torch.library.register_autograd(qualname, _backward_of(op_name), setup_context=_setup_context)
+
+
+_register("softcap_cross_entropy_torch")
+_register("softcap_cross_entropy_triton")
+if registry._C is not None:
+    _register("softcap_cross_entropy")
