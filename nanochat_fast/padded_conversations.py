@@ -25,6 +25,7 @@ import hashlib
 import numpy as np
 import torch
 
+from .config import micro_steps
 from .training_data import Data, val_batches
 
 STATE_VERSION = 1
@@ -157,16 +158,8 @@ class PaddedConversations:
 
     def grad_accum_steps(self, data_config, world_size: int) -> int:
         """Micro-steps per optimizer step: examples_per_step / (device_batch_size x world_size)."""
-        from .errors import UserError
-        per_micro_step = data_config.device_batch_size * world_size
-        if self.examples_per_step % per_micro_step:
-            below = self.examples_per_step // per_micro_step * per_micro_step
-            options = [v for v in (below, below + per_micro_step) if v > 0]
-            raise UserError(
-                f"--target-examples-per-step {self.examples_per_step} is not a multiple of device_batch_size x "
-                f"world_size = {data_config.device_batch_size} x {world_size} = {per_micro_step}; nearest valid "
-                f"values: {' or '.join(str(v) for v in options)}")
-        return self.examples_per_step // per_micro_step
+        return micro_steps("--target-examples-per-step", self.examples_per_step, "device_batch_size x world_size",
+                           (data_config.device_batch_size, world_size))
 
     def open(self, args, cfg, tokenizer, dev) -> Data:
         train_parts, val_parts, dataset, notes = self.sources(args, cfg, tokenizer)
