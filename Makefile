@@ -1,7 +1,8 @@
 # nanochat_fast: set up, test, benchmark and demo from a fresh clone.
 #
 #   make test       install into .venv, build the extension, run the C++ and Python tests
-#   make demo       install, prepare data, train tokenizer + model, mid-train, chat (CPU, ~8 min)
+#   make demo       install, prepare data, train tokenizer + model, mid-train, fine-tune, evaluate, chat,
+#                   report card (CPU, within 15 min)
 #   make bench      run benchmarks/ and write benchmarks/results.json and benchmarks/RESULTS.md
 #   make test-gpu   the GPU-only tests (needs a CUDA build of torch, see TORCH_SPEC)
 #   make gpu-check  on a CUDA machine: its own venv with a CUDA torch, the extension built with CUDA,
@@ -75,21 +76,28 @@ gpu-check:
 kernels: install
 	$(PY) -m nanochat_fast.kernels
 
-# The whole pipeline on a 2-core CPU in 7-8 minutes (install included): data, tokenizer, a depth-4
-# model (5M parameters) pretrained on ~0.8M tokens, mid-trained on conversations, then a chat.
+# The whole pipeline on a 2-core CPU within 15 minutes (install included): data (training corpus and
+# the benchmark sets), tokenizer, a depth-4 model (5M parameters) pretrained on ~0.8M tokens and scored
+# on a sample of the CORE subset, mid-trained and fine-tuned on conversations, scored on 100 ARC-Easy
+# and 50 GSM8K questions, a chat, then the report card of the whole pipeline.
 # Data, tokenizer and runs go to NANOCHAT_FAST_HOME (default ~/.cache/nanochat_fast).
 DEMO_BATCH := --max-seq-len=256 --device-batch-size=16 --total-batch-size=8192 --eval-tokens=32768
 demo: install
-	$(PY) -m nanochat_fast.scripts.prepare_data
+	$(PY) -m nanochat_fast.scripts.prepare_data --datasets=base,chat,eval
 	$(PY) -m nanochat_fast.scripts.tok_train --vocab-size=4096
 	$(PY) -m nanochat_fast.scripts.base_train --depth=4 $(DEMO_BATCH) --num-iterations=100 \
 	    --eval-every=50 --sample-every=100 --run=demo_base --overwrite
+	$(PY) -m nanochat_fast.scripts.base_eval --run=demo_base --eval-tokens=32768 --max-examples=40 --samples=0
 	$(PY) -m nanochat_fast.scripts.mid_train $(DEMO_BATCH) --num-iterations=30 --eval-every=30 \
 	    --base-run=demo_base --run=demo_mid --overwrite
-	@echo; echo "--- chat (python -m nanochat_fast.scripts.chat_cli --run=demo_mid for more) ---"
+	$(PY) -m nanochat_fast.scripts.chat_sft --source-run=demo_mid --device-batch-size=8 --num-iterations=30 \
+	    --eval-every=30 --eval-tokens=32768 --chat-eval-examples=100 --run=demo_sft --overwrite
+	$(PY) -m nanochat_fast.scripts.chat_eval --run=demo_sft --task=ARC-Easy --max-examples=100
+	$(PY) -m nanochat_fast.scripts.chat_eval --run=demo_sft --task=GSM8K --max-examples=50
+	@echo; echo "--- chat (python -m nanochat_fast.scripts.chat_cli --run=demo_sft for more) ---"
 	@for q in "Hi! How are you today?" "What is 3 plus 4?"; do echo "You: $$q"; \
-	    $(PY) -m nanochat_fast.scripts.chat_cli --run=demo_mid --temperature=0 --max-tokens=40 --prompt="$$q"; done
-	@echo; echo "reports: $$($(PY) -c 'from nanochat_fast import paths; print(paths.runs_dir())')/demo_{base,mid}/report.md"
+	    $(PY) -m nanochat_fast.scripts.chat_cli --run=demo_sft --temperature=0 --max-tokens=40 --prompt="$$q"; done
+	@echo; $(PY) -m nanochat_fast.scripts.report --base-run=demo_base --mid-run=demo_mid --sft-run=demo_sft
 
 clean:
 	rm -rf build $(VENV) *.egg-info nanochat_fast/_C*.so

@@ -17,6 +17,7 @@ argparse uses ("argument --depth: must be a positive integer, got 0"), exit code
 and kernels keep their own ValueError checks for people who call them directly.
 """
 import argparse
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -103,15 +104,20 @@ class DataConfig(Config):
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step: total_batch_size / (device_batch_size x max_seq_len x world_size)."""
-        per_micro_step = self.device_batch_size * self.max_seq_len * world_size
-        if self.total_batch_size % per_micro_step:
-            below = self.total_batch_size // per_micro_step * per_micro_step
-            options = [v for v in (below, below + per_micro_step) if v > 0]
-            raise UserError(
-                f"--total-batch-size {self.total_batch_size} is not a multiple of device_batch_size x max_seq_len x "
-                f"world_size = {self.device_batch_size} x {self.max_seq_len} x {world_size} = {per_micro_step}; "
-                f"nearest valid values: {' or '.join(str(v) for v in options)}")
-        return self.total_batch_size // per_micro_step
+        return micro_steps("--total-batch-size", self.total_batch_size, "device_batch_size x max_seq_len x world_size",
+                           (self.device_batch_size, self.max_seq_len, world_size))
+
+
+def micro_steps(flag: str, total: int, what: str, factors: tuple) -> int:
+    """total / product(factors): the micro-steps of an optimizer step, or a UserError naming the
+    nearest totals that divide."""
+    per_micro_step = math.prod(factors)
+    if total % per_micro_step:
+        below = total // per_micro_step * per_micro_step
+        options = [v for v in (below, below + per_micro_step) if v > 0]
+        raise UserError(f"{flag} {total} is not a multiple of {what} = {' x '.join(map(str, factors))} = "
+                        f"{per_micro_step}; nearest valid values: {' or '.join(str(v) for v in options)}")
+    return total // per_micro_step
 
 
 @dataclass(frozen=True)

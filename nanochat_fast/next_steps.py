@@ -10,7 +10,11 @@ nanochat's defaults).
                    -> base_train / mid_train ...     (a tokenizer exists: the data is tokenized too)
     tok_train      -> base_train --dataset=NAME ...
     base_train     -> base_eval --run=RUN
-    mid_train      -> chat_cli --run=RUN
+    mid_train      -> chat_sft --source-run=RUN [--extra-conversations=FILE: the mid run's own]
+    chat_sft       -> chat_eval --run=RUN            (evaluation data prepared; on a CPU a sample of
+                                                     each task)
+                   -> chat_cli --run=RUN             (no evaluation data)
+    chat_eval      -> report                         (the report card of the pipeline)
 """
 import math
 import shlex
@@ -24,6 +28,7 @@ from . import paths
 CPU_RUN = ["--depth=4", "--max-seq-len=256", "--device-batch-size=16", "--total-batch-size=8192",
            "--eval-tokens=32768"]
 CPU_BATCH_TOKENS, CPU_MAX_STEPS = 8192, 200
+CPU_EVAL_EXAMPLES = 100  # per task, for chat_eval on a machine without a GPU
 
 
 def command(script: str, *flags: str) -> str:
@@ -39,11 +44,11 @@ def dataset_flag(name: str) -> list[str]:
     return [] if name in ("base", "chat") else [f"--dataset={name}"]
 
 
-def run_flag(run_dir: Path) -> str:
+def run_flag(run_dir: Path, flag: str = "--run") -> str:
     """--run=NAME for a run under NANOCHAT_FAST_HOME/runs, --run=PATH for one elsewhere."""
     run_dir = Path(run_dir)
     inside = run_dir.resolve().parent == paths.runs_dir().resolve()
-    return f"--run={run_dir.name if inside else run_dir}"
+    return f"{flag}={run_dir.name if inside else run_dir}"
 
 
 def train_tokenizer(name: str) -> str:
@@ -67,3 +72,27 @@ def after_tokens(name: str, kind: str, n_tokens: int):
     """What to do with a dataset once it is tokenized."""
     from .dataset import TEXT
     show(pretrain(name, n_tokens) if kind == TEXT else midtrain(name))
+
+
+def after_midtraining(run_dir: Path) -> str:
+    """chat_sft from this mid run, with the mid run's own conversations (--extra-conversations)
+    mixed in again: without a conversation dataset they are what it trains on."""
+    from .checkpoint import complete_checkpoints, load_meta
+    found = complete_checkpoints(run_dir)
+    extra = load_meta(found[-1])["args"].get("extra_conversations") if found else None
+    return command("chat_sft", run_flag(run_dir, "--source-run"), *([f"--extra-conversations={extra}"] if extra else []))
+
+
+def after_sft(run_dir: Path) -> str:
+    """chat_eval of this run where evaluation data is prepared (on a machine without a GPU, a sample
+    of CPU_EVAL_EXAMPLES per task: the full set takes a while there), else a chat with it."""
+    from .eval_data import read_manifest
+    from .tasks import CHAT_TASKS
+    if not any(read_manifest(task.folder) for task in CHAT_TASKS):
+        return command("chat_cli", run_flag(run_dir))
+    sizing = [] if torch.cuda.is_available() else [f"--max-examples={CPU_EVAL_EXAMPLES}"]
+    return command("chat_eval", run_flag(run_dir), *sizing)
+
+
+def after_chat_eval() -> str:
+    return command("report")

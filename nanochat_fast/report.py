@@ -84,6 +84,12 @@ def hardware() -> str:
     return desc
 
 
+def device_summary(dev) -> dict:
+    """What a run computes on, for its meta.json (the report card's cost: core-hours or GPU-hours)."""
+    return {"type": dev.device.type, "processes": dev.world_size, "threads_per_process": torch.get_num_threads(),
+            "hardware": hardware()}
+
+
 def _table(d: dict) -> list[str]:
     return ["| key | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in d.items()]
 

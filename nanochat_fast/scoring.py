@@ -4,7 +4,8 @@ its examples, and returns Counts (correct, total and one record per example), so
 script gives each rank a shard (`shard`), all-reduces [correct, total] and gathers the records.
 
     categorical_counts  chat model, letter answers (ARC, MMLU): the logits of the answer letters
-                        right after <|assistant_start|>, prompts batched (padded on the right)
+                        right after <|assistant_start|>, prompts batched shortest first (padded on
+                        the right), the vocabulary projection run at that position alone
     generative_counts   chat model, written answers (GSM8K, HumanEval, SpellingBee): sampled with
                         the KV cache and the calculator, checked by the task; with num_samples > 1
                         an example counts as solved when any sample is right (pass@k)
@@ -15,6 +16,7 @@ script gives each rank a shard (`shard`), all-reduces [correct, total] and gathe
     core_summary        per-task accuracies, centred, and their mean: the CORE subset score
 """
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -100,23 +102,59 @@ def _single_token_ids(tokenizer, letters: str) -> list[int]:
     return ids
 
 
+@contextmanager
+def logits_only_at(model, positions: torch.Tensor):
+    """While active, a GPT's forward projects onto the vocabulary only the hidden state at
+    positions[b] of each row b (a pre-hook on lm_head): logits (B, 1, V) instead of (B, T, V). For
+    a 4K-8K vocabulary and a small model that projection (and the softcap over its output) is most
+    of the work of a forward pass. Yields a list that holds True once the hook has run, so a model
+    without an lm_head module, or one that does not call it, gets its full logits (B, T, V)."""
+    ran = []
+
+    def select(module, args):
+        ran.append(True)
+        hidden = args[0]
+        return (hidden[torch.arange(hidden.size(0), device=hidden.device), positions].unsqueeze(1),)
+
+    head = getattr(model, "lm_head", None)
+    handle = head.register_forward_pre_hook(select) if isinstance(head, torch.nn.Module) else None
+    try:
+        yield ran
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 @torch.no_grad()
-def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size: int = 8, device=None) -> Counts:
+def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size: int = 8, device=None,
+                       on_batch=None) -> Counts:
     """Each example's prompt (its conversation up to <|assistant_start|>) is run; among the answer
-    letters, the one with the largest logit at the last position is the model's answer."""
+    letters, the one with the largest logit at the last position is the model's answer. Prompts go
+    through in batches of similar length (shortest first: little padding); the records keep the
+    order of `examples`. on_batch(n) is called after each batch of n examples (progress)."""
     device = _device_of(model, device)
     bos = tokenizer.get_bos_token_id()
-    counts = Counts()
-    for start in range(0, len(examples), batch_size):
-        batch = examples[start:start + batch_size]
-        prompts = [tokenizer.render_for_completion(task.conversation(ex)) for ex in batch]
-        logits = model(_padded(prompts, bos, device))
-        for row, (ex, prompt) in enumerate(zip(batch, prompts)):
-            letters = task.letters(ex)
-            letter_logits = logits[row, len(prompt) - 1, _single_token_ids(tokenizer, letters)]
+    prompts = [tokenizer.render_for_completion(task.conversation(ex)) for ex in examples]
+    order = sorted(range(len(examples)), key=lambda i: len(prompts[i]))
+    outcomes = [None] * len(examples)
+    for start in range(0, len(order), batch_size):
+        batch = order[start:start + batch_size]
+        last = torch.tensor([len(prompts[i]) - 1 for i in batch], device=device)
+        with logits_only_at(model, last) as projected_last:
+            logits = model(_padded([prompts[i] for i in batch], bos, device))
+        for row, i in enumerate(batch):
+            ex, letters = examples[i], task.letters(examples[i])
+            at = 0 if projected_last else int(last[row])
+            letter_logits = logits[row, at, _single_token_ids(tokenizer, letters)]
             predicted = letters[int(letter_logits.argmax())]
-            counts.add(task.check(ex, predicted), id=ex["id"], prediction=predicted, answer=letters[ex["answer"]],
-                       letter_logits=[round(x, 4) for x in letter_logits.tolist()])
+            outcomes[i] = (task.check(ex, predicted), dict(id=ex["id"], prediction=predicted,
+                                                          answer=letters[ex["answer"]],
+                                                          letter_logits=[round(x, 4) for x in letter_logits.tolist()]))
+        if on_batch is not None:
+            on_batch(len(batch))
+    counts = Counts()
+    for correct, record in outcomes:
+        counts.add(correct, **record)
     return counts
 
 

@@ -167,7 +167,8 @@ def run_stage(args, stage: Stage) -> int:
         def meta_of_run():
             return {"phase": stage.phase, "model_config": asdict(point.config),
                     "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
-                    "args": settings, **({"base_checkpoint": str(point.source)} if point.source else {})}
+                    "args": settings, "device": report.device_summary(dev),
+                    **({"base_checkpoint": str(point.source)} if point.source else {})}
 
         run = training.Run(
             model=model, orig_model=orig_model, optimizers=optimizers, data=data,

@@ -10,9 +10,10 @@ LAYERS = [
     ("kernels", ["kernels"]),
     ("model / optim, data and evaluation", ["gpt", "optim", "generation", "calculator", "dataset", "dataloader",
                                             "tokenizer", "sources", "eval_data", "eval_sources", "tasks",
-                                            "scoring", "sandbox"]),
+                                            "scoring", "sandbox", "evaluation"]),
     ("loop", ["training", "report"]),
-    ("stage / run", ["stage", "config", "environment", "training_data", "models", "runs", "next_steps", "cli"]),
+    ("stage / run", ["stage", "config", "environment", "training_data", "padded_conversations", "models", "runs",
+                     "next_steps", "cli"]),
     ("scripts", ["scripts", "web"]),
 ]
 LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}

@@ -16,12 +16,14 @@ import pytest
 import torch
 
 from nanochat_fast import checkpoint, cli, environment
-from nanochat_fast.scripts import base_eval, base_train, chat_cli, chat_web, mid_train, prepare_data, tok_train
+from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_sft, chat_web, mid_train, prepare_data,
+                                   report, tok_train)
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_with_base_run
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 SCRIPTS = {"base_train": base_train, "mid_train": mid_train, "base_eval": base_eval, "chat_cli": chat_cli,
-           "prepare_data": prepare_data, "tok_train": tok_train, "chat_web": chat_web}
+           "prepare_data": prepare_data, "tok_train": tok_train, "chat_web": chat_web, "chat_sft": chat_sft,
+           "chat_eval": chat_eval, "report": report}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,17 @@ CASES = [
     ("run-dir-exists", "base_train", TINY + ["--run=b"], None, "already exists: pass --resume auto"),
     ("out-dir-not-writable", "base_train", TINY + ["--out-dir=/dev/null/run"], None, "cannot write to run directory"),
     ("no-such-run", "base_eval", ["--run=nope"], None, "no run named 'nope'"),
-    ("no-mid-run-to-chat-with", "chat_cli", ["--prompt=hi"], None, "no mid run with a complete checkpoint"),
+    ("no-mid-run-to-chat-with", "chat_cli", ["--prompt=hi"], None, "no sft or mid run with a complete checkpoint"),
+    ("no-chat-run-to-evaluate", "chat_eval", [], None, "no sft or mid run with a complete checkpoint"),
+    ("no-eval-data", "chat_eval", ["--run=b", "--task=gsm8k"], None,
+     "no evaluation data for gsm8k in {home}/data/eval/gsm8k: run `python -m nanochat_fast.scripts.prepare_data "
+     "--datasets=eval`"),
+    ("sft-examples-not-divisible", "chat_sft", ["--source-run=b", "--target-examples-per-step=30"], None,
+     "--target-examples-per-step 30 is not a multiple of device_batch_size x world_size = 4 x 1 = 4; nearest "
+     "valid values: 28 or 32"),
+    ("sft-nothing-to-train-on", "chat_sft", ["--source-run=b"], lambda h: shutil.rmtree(h / "tokens" / "chat"),
+     "nothing to fine-tune on"),
+    ("report-output-is-a-folder", "report", ["--output={tmp}"], None, "is a directory; give a file name"),
     ("no-such-step", "base_eval", ["--run=b", "--step=3"], None, "no complete checkpoint at step 3 (complete steps: 2, 4)"),
     ("cuda-without-gpu", "base_train", ["--device-type=cuda"], None, "no CUDA GPU is available"),
     ("no-chat-dataset", "mid_train", ["--base-run=b"], lambda h: shutil.rmtree(h / "tokens" / "chat"),
@@ -101,7 +113,7 @@ def test_bad_input_is_one_line_and_exit_2(case, trained_home, tmp_path, monkeypa
         setup(home)
         capsys.readouterr()
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    assert expected in one_line_exit_2(script, argv, capsys)
+    assert expected.replace("{home}", str(home)) in one_line_exit_2(script, argv, capsys)
 
 
 def one_line_exit_2(script, argv, capsys) -> str:
@@ -138,13 +150,17 @@ BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--shard-chars": "0", "--val-every": "0", "--synthetic": "-1", "--limit-per-source": "-1",
     "--num-threads": "0", "--vocab-size": "100", "--max-chars": "0", "--doc-cap": "-1", "--port": "-1",
     "--workers": "0", "--max-new-tokens": "0", "--queue-size": "-1", "--request-timeout": "0",
-    "--test-token-delay": "x",
+    "--test-token-delay": "x", "--source-run": "../nope", "--source-step": "-1", "--target-examples-per-step": "0",
+    "--chat-eval-examples": "-1", "--task": "ARC-Hard", "--max-examples": "-1", "--num-samples": "0",
+    "--batch-size": "0", "--mid-run": "../nope", "--sft-run": "../nope", "--output": "/dev/null/card.md",
 }
 # what each script gets before the bad flag: enough to run and end, should the bad value slip through
 # (chat_web: a port that is taken, so it stops before serving)
 CONTEXT = {"base_train": TINY + ["--num-iterations=1", "--run=flagcheck"], "mid_train": ["--base-run=b"],
            "base_eval": ["--run=b"], "chat_cli": ["--prompt=hi"], "prepare_data": [], "tok_train": [],
-           "chat_web": ["--run=b", "--host=127.0.0.1", "--port={busy_port}"]}
+           "chat_web": ["--run=b", "--host=127.0.0.1", "--port={busy_port}"],
+           "chat_sft": ["--source-run=b", "--num-iterations=1", "--eval-every=-1", "--run=sftcheck"],
+           "chat_eval": ["--run=b", "--task=ARC-Easy", "--max-examples=1"], "report": []}
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +215,7 @@ ENV_CASES = [  # (id, variables set, expected text); torchrun rows start from a 
     ("master-addr-missing", {k: v for k, v in TORCHRUN.items() if k != "MASTER_ADDR"}, "MASTER_ADDR is not set"),
     ("master-port", {**TORCHRUN, "MASTER_PORT": "99999"}, "MASTER_PORT='99999': must be an integer in [1, 65535]"),
 ]
-MODEL_SCRIPTS = ("base_train", "mid_train", "base_eval", "chat_cli")
+MODEL_SCRIPTS = ("base_train", "mid_train", "base_eval", "chat_cli", "chat_sft", "chat_eval")
 
 
 def test_every_environment_variable_has_a_row():

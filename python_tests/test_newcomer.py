@@ -4,7 +4,8 @@ step is run exactly as printed (a shell runs the line, with `python` being this 
 1. Their own prose: prepare_data --input=DIR -> the printed tok_train -> the printed base_train
    -> the printed base_eval.
 2. Their own conversations, without the built-in chat dataset: the --extra-conversations example
-   of `mid_train --help`, as printed -> the printed chat_cli.
+   of `mid_train --help`, as printed -> the printed chat_sft (on the same conversations) -> the
+   printed chat_cli.
 """
 import contextlib
 import io
@@ -87,7 +88,11 @@ def test_mid_train_on_own_conversations_alone_as_documented(own_prose, shell):
     assert "conversations of my_chats.jsonl alone" in trained.stdout, trained.stdout[-2000:]
     evals = [float(v) for v in re.findall(r"val bpb (\d+\.\d+)", trained.stdout)]
     assert len(evals) >= 2 and evals[-1] < evals[0], trained.stdout[-2000:]  # it learned from the file
-    chat_line = next_command(trained.stdout)
-    assert chat_line == "python -m nanochat_fast.scripts.chat_cli --run=mid_base_d4"
+    sft_line = next_command(trained.stdout)
+    assert sft_line == f"python -m nanochat_fast.scripts.chat_sft --source-run=mid_base_d4 --extra-conversations={file}"
+    tuned = shell(sft_line)
+    assert f"conversations, one per row ({file} 117)" in tuned.stdout, tuned.stdout[-2000:]
+    chat_line = next_command(tuned.stdout)
+    assert chat_line == "python -m nanochat_fast.scripts.chat_cli --run=sft_mid_base_d4"
     chatted = shell(chat_line)  # interactive; stdin is empty, so it opens the chat and leaves
-    assert "chatting with" in chatted.stdout and "mid_base_d4" in chatted.stdout
+    assert "chatting with" in chatted.stdout and "sft_mid_base_d4" in chatted.stdout

@@ -1,17 +1,28 @@
 """
-Evaluate a trained checkpoint: validation bits per byte, and a few sample completions.
+Evaluate a trained checkpoint: validation bits per byte, a subset of the CORE benchmark, and a few
+sample completions.
 
     python -m nanochat_fast.scripts.base_eval                      # newest base run, newest checkpoint
-    python -m nanochat_fast.scripts.base_eval --run=base_d4 --step=200 --eval-tokens=65536
+    python -m nanochat_fast.scripts.base_eval --run=base_d4 --step=200 --eval-tokens=65536 --max-examples=500
     torchrun --nproc_per_node=8 -m nanochat_fast.scripts.base_eval -- --run=base_d20
 
 Bits per byte (bpb) is the next-token loss in bits divided by the UTF-8 bytes of the predicted
 tokens, so it compares models with different tokenizers. The val split of the run's dataset is
 used (a mid-trained checkpoint is measured on the conversations, assistant tokens only); every
 number of processes evaluates the same rows.
+
+CORE (the DCLM paper's base-model benchmark, which nanochat reports) scores few-shot multiple
+choice by the likelihood of each choice; each task's accuracy is centred by its chance level (0 at
+chance, 1 perfect) and the centred accuracies are averaged. Offline we have 10 of its 22 tasks
+(HellaSwag 0- and 10-shot, ARC-Easy, ARC-Challenge, COPA, CommonsenseQA, PIQA, OpenBookQA,
+Winogrande, BoolQ; tasks/core.py), so the figure is named "CORE subset (10/22 tasks)" everywhere:
+it is not comparable with published CORE scores. Its data: `python -m
+nanochat_fast.scripts.prepare_data --datasets=eval` (without it, CORE is skipped with a note).
+--max-examples N scores a fixed random sample of N items per task. Results go to the run's
+evals.json for the report card.
 """
 
-from .. import cli, generation, models, runs
+from .. import cli, eval_data, evaluation, generation, models, runs, tasks
 from ..common import compute_cleanup, print0
 from ..config import DeviceConfig
 from ..dataloader import ConversationRowLoader, TokenRowLoader
@@ -31,6 +42,8 @@ def build_parser():
                    help="dataset to evaluate on (default: the one the run trained on)")
     p.add_argument("--eval-tokens", type=cli.positive_int, default=20 * 2048 * 8, help="validation tokens")
     p.add_argument("--device-batch-size", type=cli.positive_int, default=8, help="rows per forward pass per process")
+    p.add_argument("--max-examples", type=cli.non_negative_int, default=None,
+                   help="CORE items per task, a fixed random sample (default: all; 0: skip CORE)")
     p.add_argument("--samples", type=cli.non_negative_int, default=len(DEFAULT_PROMPTS), help="completions to print")
     p.add_argument("--max-tokens", type=cli.positive_int, default=24, help="tokens per completion")
     DeviceConfig.add_flags(p)
@@ -44,7 +57,8 @@ def main(argv=None) -> int:
     try:
         print0(dev.describe())
         tokenizer = get_tokenizer()
-        model, ckpt, meta = models.load_model(runs.run_dir_of(args.run, ("base",)), args.step, dev.device, tokenizer)
+        run_dir = runs.run_dir_of(args.run, ("base",))
+        model, ckpt, meta = models.load_model(run_dir, args.step, dev.device, tokenizer)
         seq_len = model.config.sequence_len
         chat = meta["phase"] != "base"
         dataset = args.dataset or meta["args"].get("dataset") or ("chat" if chat else "base")
@@ -59,13 +73,40 @@ def main(argv=None) -> int:
         bpb = evaluate_bpb(model, batches, get_token_bytes(device=dev.device), dev.autocast())
         print0(f"checkpoint: {ckpt}")
         print0(f"val bpb ({dataset} val split, up to {args.eval_tokens:,} tokens): {bpb:.4f}")
+        results = {"val_bpb": {"value": bpb, "dataset": dataset, "eval_tokens": args.eval_tokens}}
+        core = core_subset(model, tokenizer, args, dev)
+        if core is not None:
+            results["core_subset"] = core
         if dev.rank == 0:
+            print(f"results: {evaluation.record(run_dir, meta['step'], 'base_eval', results)}")
             with dev.autocast():
                 for prompt in DEFAULT_PROMPTS[:args.samples]:
                     print(f"  {prompt!r} -> {generation.complete(model, tokenizer, prompt, args.max_tokens)!r}")
         return 0
     finally:
         compute_cleanup()
+
+
+def core_subset(model, tokenizer, args, dev) -> dict | None:
+    """The CORE subset on the tasks whose data is prepared, printed task by task; None when skipped."""
+    if args.max_examples == 0:
+        return None
+    available = [t for t in tasks.CORE_SUBSET if eval_data.read_manifest(t.folder) is not None]
+    if not available:
+        print0(f"{tasks.SUBSET_NAME}: skipped, no evaluation data ({eval_data.PREPARE_HINT})")
+        return None
+
+    def show(label, correct, total, accuracy, centred, seconds):
+        print0(f"  {label:<20} {100 * accuracy:6.2f}% ({correct}/{total}) | centred {centred:+.4f} | {seconds:.1f} s",
+               flush=True)
+
+    sample = f"{args.max_examples} items per task" if args.max_examples else "every item"
+    print0(f"CORE subset ({len(available)} of the {len(tasks.CORE_SUBSET)} tasks we have offline, {sample}):")
+    with dev.autocast():
+        summary = evaluation.core_subset(model, tokenizer, available, args.max_examples, dev.rank, dev.world_size,
+                                         batch_size=args.device_batch_size, progress=True, on_task=show)
+    print0(f"{summary['name']}: {summary['core_subset']:.4f} (mean centred accuracy; not comparable with full CORE)")
+    return {**summary, "max_examples": args.max_examples}
 
 
 if __name__ == "__main__":

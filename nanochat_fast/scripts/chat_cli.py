@@ -1,7 +1,7 @@
 """
-Chat with a mid-trained model in the terminal (KV-cached generation).
+Chat with a fine-tuned (or mid-trained) model in the terminal (KV-cached generation).
 
-    python -m nanochat_fast.scripts.chat_cli                       # newest mid-trained run
+    python -m nanochat_fast.scripts.chat_cli                       # newest sft run, else newest mid run
     python -m nanochat_fast.scripts.chat_cli --prompt="What is 2 plus 3?"
     python -m nanochat_fast.scripts.chat_cli --run=mid_base_d4 --temperature=0.8 --top-k=40
 
@@ -18,7 +18,7 @@ from ..tokenizer import get_tokenizer
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_cli", description=__doc__)
     p.add_argument("--run", type=cli.run_ref, default="",
-                   help="run name or directory (default: the newest mid-trained run)")
+                   help="run name or directory (default: the newest sft run, else the newest mid run)")
     p.add_argument("--step", type=cli.non_negative_int, default=None,
                    help="checkpoint step (default: the newest complete one)")
     p.add_argument("--prompt", default="", help="answer this one message and exit")
@@ -45,8 +45,8 @@ def main(argv=None) -> int:
     check_environment()
     dev = DeviceConfig.from_args(args).init()
     tokenizer = get_tokenizer()
-    model, ckpt, meta = models.load_model(runs.run_dir_of(args.run, ("mid",)), args.step, dev.device, tokenizer)
-    if meta["phase"] != "mid":
+    model, ckpt, meta = models.load_model(runs.run_dir_of(args.run, ("sft", "mid")), args.step, dev.device, tokenizer)
+    if meta["phase"] == "base":
         print(f"note: {ckpt} is a base (not mid-trained) checkpoint: it has not learned to chat", file=sys.stderr)
     if args.prompt:
         print("Assistant: ", end="")

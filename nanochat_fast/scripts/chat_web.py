@@ -2,7 +2,7 @@
 Chat with a trained model in the browser: a page served by FastAPI + uvicorn, replies streamed
 token by token (server-sent events), one model replica per GPU (one on CPU) fed from a bounded queue.
 
-    python -m nanochat_fast.scripts.chat_web                      # newest mid-trained run, http://127.0.0.1:8000/
+    python -m nanochat_fast.scripts.chat_web                      # newest sft (else mid) run, http://127.0.0.1:8000/
     python -m nanochat_fast.scripts.chat_web --run=demo_mid --port=8080 --temperature=0.6
     python -m nanochat_fast.scripts.chat_web --port=0             # any free port (printed)
 
@@ -30,7 +30,7 @@ from ..tokenizer import get_tokenizer
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_web", description=__doc__)
     p.add_argument("--run", type=cli.run_ref, default="",
-                   help="run name or directory (default: the newest mid-trained run)")
+                   help="run name or directory (default: the newest sft run, else the newest mid run)")
     p.add_argument("--step", type=cli.non_negative_int, default=None,
                    help="checkpoint step (default: the newest complete one)")
     p.add_argument("--host", default="127.0.0.1",
@@ -100,14 +100,14 @@ def replica_devices(device: torch.device, workers: int | None) -> list[torch.dev
 
 def load_replicas(args, devices, tokenizer, Replica):
     """The model once per device. The one place chat_web finds and loads a checkpoint."""
-    run_dir = runs.run_dir_of(args.run, "mid")
+    run_dir = runs.run_dir_of(args.run, ("sft", "mid"))
     replicas, name = [], None
     for device in devices:
         model, ckpt, meta = models.load_model(run_dir, args.step, device, tokenizer)
         replicas.append(Replica(model=model, tokenizer=tokenizer, device=str(device)))
         name = f"{run_dir.name} step {meta['step']} ({meta['phase']})"
-        if meta["phase"] != "mid" and len(replicas) == 1:
-            print(f"note: {ckpt} is a {meta['phase']} (not mid-trained) checkpoint: it has not learned to chat",
+        if meta["phase"] == "base" and len(replicas) == 1:
+            print(f"note: {ckpt} is a {meta['phase']} (not fine-tuned) checkpoint: it has not learned to chat",
                   file=sys.stderr)
     return replicas, name
 

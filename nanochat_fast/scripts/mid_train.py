@@ -26,7 +26,7 @@ MID = Stage(
     data=CONVERSATION_ROWS,                 # packed conversation rows, only the assistant's tokens trained on
     horizon=one_epoch,                      # one epoch of the mixture, or --num-iterations
     sample=answer_questions(SAMPLE_QUESTIONS),
-    next_step=lambda run_dir: next_steps.command("chat_cli", next_steps.run_flag(run_dir)),
+    next_step=next_steps.after_midtraining,  # chat_sft from this run
     run_name=lambda cfg, start: f"mid_{start.name}",
 )
 

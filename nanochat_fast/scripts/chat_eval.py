@@ -1,0 +1,112 @@
+"""
+Evaluate a chat model on nanochat's chat benchmarks, offline (the data: `python -m
+nanochat_fast.scripts.prepare_data --datasets=eval`).
+
+    python -m nanochat_fast.scripts.chat_eval                          # newest sft run (else mid), every task
+    python -m nanochat_fast.scripts.chat_eval --task=ARC-Easy,GSM8K --max-examples=100
+    torchrun --standalone --nproc_per_node=8 -m nanochat_fast.scripts.chat_eval -- --run=sft_d20
+
+    ARC-Easy, ARC-Challenge, MMLU  categorical: the answer letter with the largest logit right after
+                                   <|assistant_start|> (prompts batched, --batch-size)
+    GSM8K                          the number after "####" in the reply; the calculator tool runs
+    HumanEval                      the reply's program, run against the tests in a sandbox subprocess
+                                   (time, memory and network limits), never in this process
+    SpellingBee                    the count after "####" in the reply; the calculator tool runs
+
+Replies are generated with the KV cache, greedily by default (--temperature 0); with
+--num-samples=k a problem counts as solved when any of its k replies is right (pass@k). Each task
+prints its accuracy, its chance level and a 95% (Wilson) interval; the results go to the run's
+evals.json for the report card (python -m nanochat_fast.scripts.report). Under torchrun every
+process scores its share of the examples and the counts are added.
+"""
+import argparse
+import sys
+import time
+
+from .. import cli, evaluation, models, next_steps, runs, scoring, tasks
+from ..common import compute_cleanup, print0
+from ..config import DeviceConfig
+from ..environment import check_environment
+from ..errors import UserError
+from ..tokenizer import get_tokenizer
+
+
+def task_list(value: str) -> list:
+    """The tasks of --task (nanochat's names, any case, comma-separated, or all)."""
+    try:
+        return tasks.parse_names(value, tasks.CHAT_TASK_NAMES)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser():
+    p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_eval", description=__doc__)
+    p.add_argument("--run", type=cli.run_ref, default="",
+                   help="run name or directory (default: the newest sft run, else the newest mid run)")
+    p.add_argument("--step", type=cli.non_negative_int, default=None,
+                   help="checkpoint step (default: the newest complete one)")
+    p.add_argument("--task", type=task_list, default="all",
+                   help=f"tasks, comma-separated, any case: {', '.join(tasks.CHAT_TASK_NAMES)}, or all")
+    p.add_argument("--max-examples", type=cli.positive_int, default=None,
+                   help="at most this many examples per task, a fixed random sample (default: all)")
+    p.add_argument("--num-samples", type=cli.positive_int, default=1,
+                   help="replies per generative problem; solved when any is right (pass@k)")
+    p.add_argument("--temperature", type=cli.non_negative_float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-k", type=cli.positive_int, default=50, help="sample among the k likeliest tokens")
+    p.add_argument("--max-new-tokens", type=cli.positive_int, default=256,
+                   help="longest reply, in tokens (at most half the model's context)")
+    p.add_argument("--batch-size", type=cli.positive_int, default=8,
+                   help="prompts per forward pass of the categorical tasks, per process")
+    DeviceConfig.add_flags(p)
+    return p
+
+
+def chatcore(results: dict) -> float | None:
+    """nanochat's ChatCORE: the mean over all six tasks of the accuracy centred by chance (0 at
+    chance, 1 perfect); None unless every task was evaluated."""
+    if set(results) != set(tasks.CHAT_TASK_NAMES):
+        return None
+    return sum(scoring.centered(r.accuracy, r.chance) for r in results.values()) / len(results)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    check_environment()
+    dev = DeviceConfig.from_args(args).init()
+    try:
+        print0(dev.describe())
+        tokenizer = get_tokenizer()
+        run_dir = runs.run_dir_of(args.run, ("sft", "mid"))
+        # every task's data first: a missing set stops the run before the model is loaded
+        loaded = [(task, task.load(max_examples=args.max_examples)) for task in args.task]
+        model, ckpt, meta = models.load_model(run_dir, args.step, dev.device, tokenizer)
+        if meta["phase"] == "base":
+            print0(f"note: {ckpt} is a base checkpoint: it has not learned to chat", file=sys.stderr)
+        print0(f"checkpoint: {ckpt}")
+        settings = {k: getattr(args, k) for k in ("max_examples", "num_samples", "temperature", "top_k",
+                                                  "max_new_tokens")}
+        results, start = {}, time.time()
+        for task, examples in loaded:
+            with dev.autocast():
+                result = evaluation.chat_task(
+                    model, tokenizer, task, examples, dev.rank, dev.world_size, batch_size=args.batch_size,
+                    num_samples=args.num_samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_k=args.top_k, progress=True, settings={**settings, "world_size": dev.world_size})
+            print0(result.line(), flush=True)
+            results[task.name] = result
+        core = chatcore(results)
+        if core is not None:
+            print0(f"ChatCORE (mean accuracy centred by chance, all six tasks): {core:.4f}")
+        print0(f"evaluated {len(results)} task(s) in {time.time() - start:.1f} s on {dev.world_size} process(es)")
+        if dev.rank == 0:
+            path = evaluation.record(run_dir, meta["step"], "chat_eval",
+                                     {name: r.as_dict() for name, r in results.items()})
+            print(f"results: {path}")
+            next_steps.show(next_steps.after_chat_eval())
+        return 0
+    finally:
+        compute_cleanup()
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,261 @@
+"""
+The report card of a pipeline: the base, mid and sft runs and their evaluations in one report.md,
+like nanochat's report card, also printed.
+
+    python -m nanochat_fast.scripts.report                  # the newest sft run and the runs it started from
+    python -m nanochat_fast.scripts.report --sft-run=sft_d20 --output=report.md
+    python -m nanochat_fast.scripts.report --base-run=base_d4 --mid-run=mid_d4 --sft-run=none
+
+Which runs: --sft-run (default: the newest sft run); --mid-run (default: the run that sft run
+started from, else the newest mid run); --base-run (default: the run the mid (or sft) run started
+from, else the newest base run). "none" leaves a stage out. Each run is read at its newest complete
+checkpoint: its meta.json (model, steps, tokens, training time, device) and evals.json (what
+base_eval and chat_eval measured at that step; chat_eval's and base_eval's own run time is there).
+
+Cost is training time (optimizer steps only; evaluation, sampling and checkpoints not counted)
+times what ran: GPU-hours (processes, one GPU each) or core-hours (processes x threads per
+process) on a CPU.
+"""
+import time
+from pathlib import Path
+
+import torch
+
+from .. import checkpoint, cli, evaluation, paths, runs, tasks
+from ..environment import check_environment
+from ..errors import UserError
+from ..gpt import GPT, GPTConfig
+
+STAGES = (("base", "BASE"), ("mid", "MID"), ("sft", "SFT"))
+NONE = "none"
+
+
+def run_or_none(value) -> str:
+    return value if value == NONE else cli.run_ref(value)
+
+
+def build_parser():
+    p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.report", description=__doc__)
+    for phase, _ in STAGES:
+        p.add_argument(f"--{phase}-run", type=run_or_none, default="",
+                       help=f"the {phase} run (name or directory; 'none': leave it out; default: see above)")
+    p.add_argument("--output", default="", help="where to write the report card (default: NANOCHAT_FAST_HOME/report.md)")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# what a run holds
+
+
+def source_run(meta: dict) -> Path | None:
+    """The run directory of the checkpoint a run started from, if it is still there."""
+    source = meta.get("base_checkpoint")
+    run_dir = Path(source).parent.parent if source else None
+    return run_dir if run_dir is not None and checkpoint.complete_checkpoints(run_dir) else None
+
+
+def newest_meta(run_dir: Path) -> dict:
+    return checkpoint.load_meta(checkpoint.resolve_checkpoint(run_dir))
+
+
+def ancestor(run_dir: Path, phase: str) -> Path | None:
+    """The run of `phase` that run_dir descends from (its source, its source's source, ...)."""
+    seen = set()
+    while run_dir is not None and run_dir not in seen:
+        seen.add(run_dir)
+        run_dir = source_run(newest_meta(run_dir))
+        if run_dir is not None and newest_meta(run_dir).get("phase") == phase:
+            return run_dir
+    return None
+
+
+def pick_runs(args) -> dict:
+    """{phase: run directory or None}: the flags, else the sft run's lineage, else the newest runs."""
+    chosen = {}
+
+    def newest(phase):
+        try:
+            return runs.newest_run((phase,))
+        except UserError:
+            return None
+
+    for phase, _ in reversed(STAGES):  # sft first: the earlier stages follow its lineage
+        flag = getattr(args, f"{phase}_run")
+        if flag == NONE:
+            chosen[phase] = None
+            continue
+        if flag:
+            chosen[phase] = runs.run_dir_of(flag, (phase,))
+            continue
+        later = [d for d in chosen.values() if d is not None]
+        if not later:
+            chosen[phase] = newest(phase)
+            continue
+        lineage = [a for a in (ancestor(d, phase) for d in later) if a is not None]
+        chosen[phase] = lineage[0] if lineage else None
+    if not any(chosen.values()):
+        raise UserError(f"no runs to report on in {paths.runs_dir()}: train one with "
+                        "`python -m nanochat_fast.scripts.base_train` (or pick runs with --base-run, --mid-run, --sft-run)")
+    return {phase: chosen[phase] for phase, _ in STAGES}
+
+
+def parameters(model_config: dict) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(GPTConfig(**model_config)).parameters())
+
+
+def cost(meta: dict) -> str:
+    """GPU-hours or core-hours of the optimizer steps."""
+    device, seconds = meta.get("device"), meta["loop_state"]["train_time"]
+    if not device:
+        return "n/a (no device recorded)"
+    if device["type"] == "cpu":
+        units = device["processes"] * device["threads_per_process"]
+        return f"{units * seconds / 3600:.3f} core-hours ({device['processes']} x {device['threads_per_process']} threads)"
+    return f"{device['processes'] * seconds / 3600:.3f} GPU-hours ({device['processes']} x {device['type']})"
+
+
+def stage_facts(run_dir: Path) -> dict:
+    """Everything the card shows about one run: its newest checkpoint's meta and its evaluations there
+    (or at the newest step that was evaluated)."""
+    ckpt = checkpoint.resolve_checkpoint(run_dir)
+    meta = checkpoint.load_meta(ckpt)
+    recorded = evaluation.read_records(run_dir)["steps"]
+    step = str(meta["step"]) if str(meta["step"]) in recorded else max(recorded, key=int, default=None)
+    return {"run_dir": run_dir, "ckpt": ckpt, "meta": meta, "evals": recorded.get(step, {}) if step else {},
+            "evals_step": int(step) if step else None}
+
+
+# ---------------------------------------------------------------------------------------------
+# the card
+
+
+def percent(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def chat_cell(r: dict) -> str:
+    lo, hi = r["interval_95"]
+    return f"{percent(r['accuracy'])} [{percent(lo)}, {percent(hi)}] (n={r['total']:,})"
+
+
+def summary_rows(facts: dict) -> list[tuple[str, dict]]:
+    """(metric, {phase: text}) rows of the summary table: one metric per row, one stage per column."""
+    def cell(fn):
+        return {phase: fn(f) for phase, f in facts.items() if f is not None and fn(f) is not None}
+
+    def bpb(f):
+        value = f["meta"]["loop_state"].get("last_val_bpb")
+        return f"{value:.4f}" if value is not None else None
+
+    core = cell(lambda f: f["evals"].get("base_eval", {}).get("core_subset"))
+    rows = [("val bpb (end of training, the stage's own val split)", cell(bpb))]
+    if core:
+        rows.append((next(iter(core.values()))["name"], {p: f"{c['core_subset']:.4f}" for p, c in core.items()}))
+    for task in tasks.CHAT_TASKS:
+        found = cell(lambda f, t=task.name: f["evals"].get("chat_eval", {}).get(t))
+        if found:
+            rows.append((f"{task.name} (chance {percent(task.chance)})", {p: chat_cell(r) for p, r in found.items()}))
+    chatcore = cell(lambda f: chat_core(f["evals"].get("chat_eval", {})))
+    if chatcore:
+        rows.append(("ChatCORE (six tasks, centred by chance)", {p: f"{v:.4f}" for p, v in chatcore.items()}))
+    rows += [("training time (optimizer steps)", cell(lambda f: f"{f['meta']['loop_state']['train_time']:.0f} s")),
+             ("tokens seen", cell(lambda f: f"{f['meta']['loop_state']['tokens_seen']:,}")),
+             ("cost", cell(lambda f: cost(f["meta"])))]
+    return rows
+
+
+def chat_core(chat: dict) -> float | None:
+    if set(chat) != set(tasks.CHAT_TASK_NAMES):
+        return None
+    return sum((r["accuracy"] - r["chance"]) / (1 - r["chance"]) for r in chat.values()) / len(chat)
+
+
+def stage_section(phase: str, f: dict) -> list[str]:
+    meta, state = f["meta"], f["meta"]["loop_state"]
+    config = meta["model_config"]
+    device = meta.get("device") or {}
+    first, last = state.get("first_val_bpb"), state.get("last_val_bpb")
+    facts = {
+        "run": f"{f['run_dir'].name} ({f['run_dir']})", "checkpoint": f"step {meta['step']} ({f['ckpt']})",
+        "started from": meta.get("base_checkpoint", "fresh weights (the depth dial)"),
+        "model": f"{config['n_layer']} layers, n_embd {config['n_embd']}, {parameters(config):,} parameters, "
+                 f"context {config['sequence_len']}",
+        "data": meta["args"].get("dataset", "n/a"), "steps": f"{state['step']:,}",
+        "tokens seen": f"{state['tokens_seen']:,}" + (" (padding included)" if phase == "sft" else ""),
+        "training time (optimizer steps)": f"{state['train_time']:.1f} s", "cost": cost(meta),
+        "ran on": f"{device.get('hardware', 'n/a')}; {device.get('processes', '?')} process(es)",
+        "val bpb": f"{first:.4f} at start -> {last:.4f} at the end" if first is not None and last is not None else "n/a",
+        **{f"{k} (last in-training eval)": f"{v:.4f}" for k, v in state.get("last_evals", {}).items()},
+    }
+    lines = [f"## {phase}: {f['run_dir'].name}", "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in facts.items()), ""]
+    evals, at = f["evals"], f" (checkpoint step {f['evals_step']})" if f["evals_step"] != meta["step"] else ""
+    base = evals.get("base_eval", {})
+    if "val_bpb" in base:
+        v = base["val_bpb"]
+        lines += [f"base_eval{at}: val bpb {v['value']:.4f} on the {v['dataset']} val split "
+                  f"(up to {v['eval_tokens']:,} tokens).", ""]
+    core = base.get("core_subset")
+    if core:
+        sample = f"{core['max_examples']} items per task" if core.get("max_examples") else "every item"
+        lines += [f"{core['name']}{at}: **{core['core_subset']:.4f}** (mean of the centred accuracies; {sample})", "",
+                  "| task | shots | accuracy | correct / total | chance | centred |", "|---|---|---|---|---|---|"]
+        for label, acc in core["results"].items():
+            c = core["counts"][label]
+            lines.append(f"| {label} | {c['shots']} | {percent(acc)} | {c['correct']} / {c['total']} | "
+                         f"{percent(core['chance'][label])} | {core['centered'][label]:+.4f} |")
+        lines.append("")
+    chat = evals.get("chat_eval")
+    if chat:
+        lines += [f"chat_eval{at}:", "", "| task | accuracy | correct / total | chance | 95% interval | time |",
+                  "|---|---|---|---|---|---|"]
+        for name, r in chat.items():
+            lo, hi = r["interval_95"]
+            lines.append(f"| {name} | {percent(r['accuracy'])} | {r['correct']} / {r['total']} {r['split']} | "
+                         f"{percent(r['chance'])} | {percent(lo)} - {percent(hi)} | {r['seconds']:.1f} s |")
+        lines.append("")
+    return lines
+
+
+def render(facts: dict) -> str:
+    present = [(phase, title) for phase, title in STAGES if facts[phase] is not None]
+    lines = ["# nanochat_fast report card", "", f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}.", "",
+             "Runs: " + ", ".join(f"{phase} `{facts[phase]['run_dir'].name}` (step {facts[phase]['meta']['step']})"
+                                  for phase, _ in present) + ". Pick others with --base-run, --mid-run, --sft-run "
+             "(a run name or directory, or none).", "", "## Summary", "",
+             "| metric | " + " | ".join(title for _, title in present) + " |",
+             "|---|" + "---|" * len(present)]
+    for metric, values in summary_rows({p: facts[p] for p, _ in present}):
+        lines.append(f"| {metric} | " + " | ".join(values.get(p, "-") for p, _ in present) + " |")
+    total = sum(facts[p]["meta"]["loop_state"]["train_time"] for p, _ in present)
+    lines += ["", f"Total training time: {total / 60:.1f} min.", "",
+              "Chat tasks: accuracy [95% Wilson interval] (n = examples evaluated). A score whose interval holds "
+              "the chance level is indistinguishable from guessing. The CORE subset averages the accuracies of the "
+              f"{len(tasks.CORE_SUBSET)} CORE tasks we have offline, each centred by its chance level (0 = chance, "
+              "1 = perfect); it is not comparable with published (22-task) CORE scores.", ""]
+    for phase, _ in present:
+        lines += stage_section(phase, facts[phase])
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    check_environment()
+    chosen = pick_runs(args)
+    facts = {phase: stage_facts(d) if d is not None else None for phase, d in chosen.items()}
+    text = render(facts)
+    output = Path(args.output).expanduser() if args.output else paths.home() / "report.md"
+    if output.is_dir():
+        raise UserError(f"argument --output: {output} is a directory; give a file name")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        paths.write_durably(output, lambda f: f.write((text + "\n").encode()))
+    except OSError as e:
+        raise UserError(f"argument --output: cannot write {output} ({e.strerror or e})") from None
+    print(text)
+    print(f"report card: {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
