@@ -34,6 +34,8 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
             if info.get("notes"):
                 lines.append(f"| | *{info['notes']}* | | |")
         lines.append("")
+        for info in infos:  # a benchmark's own table (markdown lines), e.g. the step breakdown
+            lines += info.get("table", [])
     Path(out_path).write_text("\n".join(lines))
     print(f"wrote {out_path}")
 
