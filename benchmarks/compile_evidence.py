@@ -5,13 +5,14 @@
 
 1. The training step (our defaults' model, optimizers and train_step, fp32, 8 rows per step)
    eager vs torch.compile(dynamic=False), and other modes: tokens/s (median of interleaved rounds)
-   and the one-time compile seconds (first step minus the median step).
+   and the one-time compile seconds (dynamo's compile timer over the first step).
 2. Evaluation and sampling next to a compiled training model: how many graphs each compiles
    (dynamo's counters), whether the training graph is compiled again afterwards, and evaluation
    cost through the compiled model vs the plain module.
 Prints markdown. Uses the default corpus under NANOCHAT_FAST_HOME, else synthetic documents.
 """
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -37,50 +38,57 @@ def corpus():
     return bench_pack_rows.corpus.__wrapped__(Factory())
 
 
-def interleave(variants: dict, rounds: int):
-    """Run each variant once per round, rotating who goes first."""
-    names = list(variants)
+def interleave(variants: dict, rounds: int) -> dict:
+    """Run each variant once per round, rotating who goes first; returns each variant's median
+    process CPU seconds per step. With one thread that is the step's time on an idle core, a
+    measure that neighbours on a shared machine disturb much less than wall time."""
+    names, cpu = list(variants), {name: [] for name in variants}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.process_time()
             variants[name]()
+            cpu[name].append(time.process_time() - t0)
+    return {name: statistics.median(ts) for name, ts in cpu.items()}
 
 
 def step_table(data, depths, seq_lens, modes, rounds):
-    print("| depth | T | variant | tokens/s | speed-up | compile s | graphs |\n|---:|---:|---|---:|---:|---:|---:|")
+    print("| depth | T | variant | tokens/s | speed-up | tokens/CPU-s | speed-up (CPU) | compile s | graphs |\n"
+          "|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for depth in depths:
         for seq_len in seq_lens:
+            torch._dynamo.reset()  # compiled GPTs share GPT.forward's recompile limit (8 graphs) in a process
             variants, watches = {}, {}
             variants["eager"] = steps.build_ours(depth, data, "--no-compile", seq_len=seq_len)
             for mode in modes:
                 kwargs = dict(dynamic=False) if mode == "default" else dict(dynamic=False, mode=mode)
                 variants[f"compiled, {mode}"] = steps.build_ours(depth, data, "--no-compile", seq_len=seq_len,
                                                                  compile_kwargs=kwargs)
-            first = {}
             for name, v in variants.items():
                 with CompileWatch() as watches[name]:
-                    t0 = time.perf_counter()
                     v()
-                    first[name] = time.perf_counter() - t0
                 v.phases.clear()
-            interleave(variants, rounds)
-            eager_s = variants["eager"].median()
+            cpu = interleave(variants, rounds)
+            eager_s, tokens = variants["eager"].median(), steps.B * seq_len
             for name, v in variants.items():
-                compiled = name != "eager"
-                print(f"| {depth} | {seq_len} | {name} | {steps.B * seq_len / v.median():,.0f} | {eager_s / v.median():.2f} | "
-                      f"{first[name] - v.median():.0f} | {watches[name].graphs} |" if compiled else
-                      f"| {depth} | {seq_len} | {name} | {steps.B * seq_len / v.median():,.0f} | 1.00 | - | 0 |", flush=True)
+                w = watches[name]
+                print(f"| {depth} | {seq_len} | {name} | {tokens / v.median():,.0f} | {eager_s / v.median():.2f} | "
+                      f"{tokens / cpu[name]:,.0f} | {cpu['eager'] / cpu[name]:.2f} | {w.seconds if w.graphs else 0:.0f} | "
+                      f"{w.graphs} |", flush=True)
                 v.loader.close()
 
 
 def timed(fn):
     with CompileWatch() as watch:
+        t0 = time.process_time()
         fn()
+    watch.cpu_seconds = time.process_time() - t0
     return watch
 
 
 def eval_and_sampling(data, depth=4, seq_len=256, eval_batches=8):
     """A compiled training model (our defaults + --compile), then evaluation and sampling the way
     a loop could do them; graphs compiled and seconds for each."""
+    torch._dynamo.reset()
     v = steps.build_ours(depth, data, "--compile", seq_len=seq_len)
     compiled, plain = v.observed.step_model, v.model
     val = [next(v.loader) for _ in range(eval_batches)]
@@ -119,10 +127,10 @@ def eval_and_sampling(data, depth=4, seq_len=256, eval_batches=8):
             ("training step after sampling", timed(v))]
     print(f"\nDepth {depth}, T={seq_len}, eval = {eval_batches} batches of {steps.B}x{seq_len}; compiled with "
           f"dynamic=False; recompile limit {torch._dynamo.config.recompile_limit}\n")
-    print("| what | graphs compiled | wall s | compile s (dynamo) |\n|---|---:|---:|---:|")
+    print("| what | graphs compiled | wall s | CPU s | compile s (dynamo) |\n|---|---:|---:|---:|---:|")
     for what, w in rows:
         spent = f"{w.compile_seconds:.1f}" if w.compile_seconds is not None else "?"
-        print(f"| {what} | {w.graphs} | {w.wall_seconds:.2f} | {spent} |", flush=True)
+        print(f"| {what} | {w.graphs} | {w.wall_seconds:.2f} | {w.cpu_seconds:.2f} | {spent} |", flush=True)
     v.loader.close()
 
 

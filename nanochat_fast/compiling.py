@@ -65,11 +65,13 @@ class CompileWatch:
         self.compile_seconds = end - self._compile0 if end is not None and self._compile0 is not None else None
         return False
 
+    @property
+    def seconds(self) -> float:
+        """Compile seconds: dynamo's timer, or (where torch has none) the block's wall time."""
+        return self.compile_seconds if self.compile_seconds is not None else self.wall_seconds
+
     def describe(self) -> str:
-        if not self.graphs:
-            return "nothing compiled"
-        spent = self.compile_seconds if self.compile_seconds is not None else self.wall_seconds
-        return f"{self.graphs} graph(s) compiled in {spent:.1f} s"
+        return f"{self.graphs} graph(s) compiled in {self.seconds:.1f} s" if self.graphs else "nothing compiled"
 
 
 def fail_on_recompile():
