@@ -4,7 +4,7 @@ tracing and guards of torch.compile without inductor's code generation, so it is
 import pytest
 import torch
 
-from nanochat_fast.compiling import CompileWatch, default_compile, fail_on_recompile
+from nanochat_fast.compiling import MIN_RUN_SECONDS_AT_PEAK, CompileWatch, default_compile, fail_on_recompile
 from nanochat_fast.gpt import GPT, GPTConfig
 
 
@@ -59,7 +59,11 @@ def test_evaluation_and_sampling_through_the_plain_module_compile_nothing(compil
     assert watch.graphs == 0 and len(tokens) == 5
 
 
-def test_default_compile_by_device():
-    assert default_compile("cuda")[0] and default_compile("cpu")[0]
+def test_default_compile_by_device_and_run_size():
+    assert default_compile("cuda")[0] and default_compile("cpu")[0]  # horizon unknown: compile
     compile_mps, why = default_compile("mps")
     assert not compile_mps and "mps" in why
+    peak = 100e9
+    short, why = default_compile("cpu", run_flops=peak * (MIN_RUN_SECONDS_AT_PEAK - 1), peak_flops=peak)
+    assert not short and "short run (~99 s of compute at peak)" in why
+    assert default_compile("cpu", run_flops=peak * MIN_RUN_SECONDS_AT_PEAK, peak_flops=peak)[0]
