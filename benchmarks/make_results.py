@@ -30,7 +30,7 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
         info = b.get("extra_info", {})
         if "variants" in info:
             by_op.setdefault(info["op"], []).append(info)
-        if "table" in info:  # a benchmark that reports its own columns (e.g. bench_chat_web.py)
+        if isinstance(info.get("table"), dict):  # a benchmark that reports its own columns (bench_chat_web.py)
             tables.append(info["table"])
     for op, infos in by_op.items():
         lines += [f"## {op}", "", "| shape set | variant | median (ms) | ratio to baseline | rounds |",
@@ -46,6 +46,9 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
             if info.get("notes"):
                 lines.append(f"| | *{info['notes']}* | | | |")
         lines.append("")
+        for info in infos:  # a variant benchmark's own markdown lines, e.g. the step breakdown
+            if isinstance(info.get("table"), list):
+                lines += info["table"]
     for t in tables:
         lines += [f"## {t['title']}", "", "| " + " | ".join(t["columns"]) + " |", "|---" * len(t["columns"]) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in t["rows"]] + ["", f"*{t['notes']}*", ""]

@@ -1,0 +1,409 @@
+"""Whole training steps: tokens/s of full optimizer steps (data from the real loader, forward,
+backward, optimizer) at depth 4 and depth 8, T=512, vocab 8192, 8 rows per micro-batch and 4096
+tokens per step (one micro-batch), our defaults against stock PyTorch at its best on this machine.
+
+Variants:
+  ours (defaults)      base_train's model, optimizers and compile choice with every default
+                       (runs.build_model on base_train's parsed flags) and the precision policy's
+                       autocast, stepped by the training loop's own train_step: whatever the scripts
+                       default to (fused cross-entropy, Muon recipe, compile policy) is what runs.
+  ours, --[no-]compile the same with the compile default flipped (depth 4 only, for time).
+  stock <how> <dtype>  the same GPT code under NANOCHAT_FAST_KERNELS=reference, PyTorch's
+                       cross-entropy on the softcapped logits (F.cross_entropy(model(x), y)),
+                       clip_grad_norm_, torch.optim.AdamW(fused=True) for embedding and lm_head and
+                       torch.optim.Muon for the matrices (base_train's lrs, betas (0.8, 0.95), eps
+                       1e-10, momentum 0.95, Nesterov, quintic coefficients, weight_decay 0); eager
+                       or torch.compile'd (forward and loss in one graph), fp32, and bf16 autocast
+                       where the CPU has native bf16. "Stock best" is the fastest of these; stock
+                       compiled fp32 is also "only compile", stock eager bf16 "only the dtype".
+  stock + <change>     stock eager fp32 with one of our changes alone: the model's own loss (the
+                       fused softcapped cross-entropy), or our optimizers (depth 4 only).
+
+How it is measured:
+  - One full step per variant per round, in interleaved rounds (harness.compare); every step
+    records its phases: data wait (next(loader)), forward, backward, optimizer. Around
+    train_step, a wrapper times the model call and the parameters' post-accumulate-grad hooks
+    mark the end of backward. Phase medians are over the rounds; tokens/s from the median step.
+  - torch.optim.Muon computes Newton-Schulz in bf16 on every device. Where bf16 is emulated (AVX2
+    CPUs, ~1 GFLOP/s) its step alone takes 5-30 s. When it would take longer than
+    MUON_IN_STEP_LIMIT_S the stock steps leave it out ("Muon apart") and it is timed on one matrix
+    of each shape (it updates one matrix at a time), in as many rounds as fit MUON_BUDGET_S,
+    scaled by the number of matrices of each shape and added to their optimizer phase. The
+    harness's own median for those variants therefore excludes torch.optim.Muon; the step table
+    includes it. Forward and backward are measured the same way for every variant.
+  - Memory: on CUDA torch.cuda.max_memory_allocated over a step; on Linux CPUs the rise of the
+    resident set during a step (free heap pages handed back with malloc_trim and the high-water
+    mark reset through /proc/self/clear_refs first), plus what is held between steps (parameters
+    and optimizer state, counted from the tensors; torch.optim.Muon's momentum where it runs
+    apart). Taken on a warm-up step.
+  - Compile seconds: dynamo's compile timer over the first step (compiling.CompileWatch).
+
+    .venv/bin/python -m pytest benchmarks/bench_train_step.py -o python_files='bench_*.py' \\
+        -p no:cacheprovider --benchmark-json=/tmp/step.json
+"""
+import contextlib
+import ctypes
+import gc
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench_muon import HP, kernels_env, torch_muon
+from bench_pack_rows import corpus  # noqa: F401  (fixture: the default corpus, else synthetic documents)
+from harness import compare
+from nanochat_fast import hardware, precision, runs, training
+from nanochat_fast.compiling import CompileWatch
+from nanochat_fast.dataloader import TokenRowLoader
+from nanochat_fast.gpt import GPT, config_from_depth
+from nanochat_fast.kernels.newton_schulz import QUINTIC
+from nanochat_fast.optim import step as optim_step
+from nanochat_fast.scripts import base_train
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+T, B, TOTAL, VOCAB = 512, 8, 4096, 8192
+ROUNDS = {4: 4, 8: 2}
+MUON_IN_STEP_LIMIT_S = 2.0
+MUON_BUDGET_S = 12.0
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+def now() -> float:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def parse_flags(depth: int, *extra, seq_len: int = T):
+    """base_train's arguments for this benchmark's shape (one micro-batch of B rows per step),
+    every other flag at its default."""
+    return base_train.build_parser().parse_args([f"--depth={depth}", f"--max-seq-len={seq_len}", f"--device-batch-size={B}",
+                                                 f"--total-batch-size={B * seq_len}", *extra])
+
+
+def model_config(args):
+    return config_from_depth(args.depth, VOCAB, args.max_seq_len, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# variants: a model, its optimizers, a loader of its own; one full step per call
+
+
+@dataclass
+class Variant:
+    name: str
+    model: torch.nn.Module      # the plain module
+    optimizers: list
+    loader: TokenRowLoader
+    accum: int
+    compiled: bool
+    dtype: str = "fp32"         # the compute dtype ("fp32" | "bf16"), for MFU
+    extra_held: int = 0         # bytes held between steps that no tensor here shows (Muon apart)
+    muon_apart_s: float = 0.0   # added to every step's optimizer phase
+    phases: list = field(default_factory=list)
+
+    def __call__(self):
+        t0 = now()
+        micro_batches = [next(self.loader) for _ in range(self.accum)]
+        phases = {"data": now() - t0, **self.train(micro_batches)}
+        phases["optimizer"] += self.muon_apart_s
+        self.phases.append(phases)
+
+    def median(self, phase=None) -> float:
+        return statistics.median(sum(p.values()) if phase is None else p[phase] for p in self.phases)
+
+    def held_bytes(self) -> int:
+        """Parameters and optimizer state: what stays allocated between steps."""
+        tensors = list(self.model.parameters()) + [t for opt in self.optimizers for s in opt.state.values()
+                                                   for t in s.values() if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in tensors) + self.extra_held
+
+
+class ObservedModel:
+    """What train_step is handed as the model: times each forward; post-accumulate-grad hooks on
+    the parameters mark when backward is done (on CUDA the hook of the parameter whose gradient
+    came last in the previous step waits for the device first)."""
+
+    def __init__(self, model, step_model):
+        self.model, self.step_model, self.marks, self.last_param = model, step_model, {}, None
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _grad_ready(self, p):
+        if p is self.last_param and DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        self.marks.update(grad=time.perf_counter(), last=p)
+
+    def __call__(self, *args, **kwargs):
+        t0 = now()
+        if "fwd_end" in self.marks:  # the previous micro-batch's backward ended at its last gradient
+            self.marks["backward"] += self.marks["grad"] - self.marks["fwd_end"]
+        out = self.step_model(*args, **kwargs)
+        self.marks["fwd_end"] = now()
+        self.marks["forward"] += self.marks["fwd_end"] - t0
+        return out
+
+    def __getattr__(self, name):  # zero_grad() and whatever else train_step asks of the model
+        return getattr(self.model, name)
+
+
+class LoopVariant(Variant):
+    """Stepped by the training loop's train_step, observed from outside (ObservedModel)."""
+
+    def start(self, step_model, grad_clip, autocast_ctx):
+        self.observed, self.grad_clip, self.autocast_ctx = ObservedModel(self.model, step_model), grad_clip, autocast_ctx
+        return self
+
+    def train(self, micro_batches) -> dict:
+        marks = self.observed.marks
+        marks.clear()
+        marks.update(forward=0.0, backward=0.0)
+        training.train_step(self.observed, self.optimizers, micro_batches, self.grad_clip, self.autocast_ctx)
+        end = now()
+        self.observed.last_param = marks["last"]
+        backward = marks["backward"] + marks["grad"] - marks["fwd_end"]
+        return {"forward": marks["forward"], "backward": backward, "optimizer": end - marks["grad"]}
+
+
+class StockVariant(Variant):
+    """Stock PyTorch's step, or stock with one of our changes (loss_fn / our optimizers)."""
+
+    def start(self, loss_fn, autocast_ctx, kernels, ours_optim, grad_clip):
+        self.loss_fn, self.autocast_ctx, self.kernels = loss_fn, autocast_ctx, kernels
+        self.ours_optim, self.grad_clip = ours_optim, grad_clip
+        return self
+
+    def train(self, micro_batches) -> dict:
+        fwd = bwd = 0.0
+        with kernels_env(self.kernels):
+            for x, y in micro_batches:
+                t0 = now()
+                with self.autocast_ctx:
+                    loss = self.loss_fn(x, y) / self.accum
+                t1 = now()
+                loss.backward()
+                t2 = now()
+                fwd, bwd = fwd + t1 - t0, bwd + t2 - t1
+            if self.ours_optim:
+                optim_step(self.optimizers, self.grad_clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                for opt in self.optimizers:
+                    opt.step()
+            self.model.zero_grad(set_to_none=True)
+            return {"forward": fwd, "backward": bwd, "optimizer": now() - t2}
+
+
+def new_loader(data, seq_len=T):
+    root, dataset, _ = data
+    return TokenRowLoader(dataset=dataset, split="train", device_batch_size=B, seq_len=seq_len, device=DEVICE,
+                          tokens_root=root)
+
+
+def build_ours(depth, data, *extra_flags, seq_len=T, compile_kwargs=None) -> LoopVariant:
+    """Our defaults (with extra_flags); compile_kwargs: compile the plain model with these instead."""
+    args = parse_flags(depth, *extra_flags, seq_len=seq_len)
+    model, orig_model, optimizers = runs.build_model(GPT, model_config(args), DEVICE, args)
+    if compile_kwargs is not None:
+        model = torch.compile(orig_model, **compile_kwargs)
+    compute = precision.choose(DEVICE, getattr(args, "dtype", "auto"), warn=False)
+    name = f"ours, {extra_flags[0]}" if extra_flags else "ours (defaults)"
+    return LoopVariant(name, orig_model, optimizers, new_loader(data, seq_len), runs.grad_accum_steps(args, 1),
+                       compiled=model is not orig_model, dtype=compute.name).start(
+        model, args.grad_clip, precision.autocast(DEVICE, compute))
+
+
+def stock_loss(model):
+    def loss(x, y):
+        logits = model(x)  # softcapped, fp32
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1)
+    return loss
+
+
+def stock_optimizers(model, args, muon_apart: bool):
+    """torch.optim.AdamW(fused) with base_train's lrs (scaled by width as ours) and
+    torch.optim.Muon (left out when it runs apart)."""
+    scale = (model.config.n_embd / 768) ** -0.5
+    adamw = torch.optim.AdamW([dict(params=[model.lm_head.weight], lr=args.unembedding_lr * scale),
+                               dict(params=[model.transformer.wte.weight], lr=args.embedding_lr * scale)],
+                              betas=(0.8, 0.95), eps=1e-10, weight_decay=args.weight_decay, fused=True)
+    if muon_apart:
+        return [adamw]
+    muon = torch.optim.Muon(list(model.transformer.h.parameters()), weight_decay=0.0, ns_coefficients=QUINTIC,
+                            ns_steps=5, eps=1e-7, adjust_lr_fn="original", **{**HP, "lr": args.matrix_lr})
+    return [adamw, muon]
+
+
+def build_stock(depth, data, name, *, compile=False, dtype="fp32", loss="stock", optim="stock",
+                muon_apart_s=None) -> StockVariant:
+    """Stock PyTorch (loss="stock", optim="stock"), or it with our loss ("model") or optimizers."""
+    args = parse_flags(depth)
+    config = model_config(args)
+    if optim == "ours":
+        _, model, optimizers = runs.build_model(GPT, config, DEVICE, parse_flags(depth, "--no-compile"))
+    else:
+        model = runs.new_model(GPT, config, DEVICE)
+        optimizers = stock_optimizers(model, args, muon_apart_s is not None)
+    fn = stock_loss(model) if loss == "stock" else model
+    if compile:
+        fn = torch.compile(fn, dynamic=False)
+    matrices = sum(p.numel() for p in model.transformer.h.parameters())
+    apart = muon_apart_s is not None and optim == "stock"
+    variant = StockVariant(name + (" (Muon apart)" if apart else ""), model, optimizers, new_loader(data),
+                           runs.grad_accum_steps(args, 1), compiled=compile, dtype=dtype,
+                           extra_held=4 * matrices if apart else 0, muon_apart_s=muon_apart_s if apart else 0.0)
+    autocast_ctx = precision.autocast(DEVICE, precision.choose(DEVICE, dtype, warn=False))
+    kernels = "reference" if loss == "stock" and optim == "stock" else None
+    return variant.start(lambda x, y: fn(x, y), autocast_ctx, kernels, optim == "ours", args.grad_clip)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.optim.Muon apart, memory
+
+
+def time_torch_muon(model_config_) -> tuple[float, str]:
+    """Seconds of one torch.optim.Muon step over every matrix of the model, from one matrix per
+    shape timed in rounds (as many as fit MUON_BUDGET_S, at least one) scaled by the count of
+    matrices of that shape; and a sentence saying so."""
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in GPT(model_config_).transformer.h.parameters()]
+    counts = {s: shapes.count(s) for s in dict.fromkeys(shapes)}
+    steps = {s: torch_muon([s])[1] for s in counts}
+    times = {s: [] for s in counts}
+    deadline = time.perf_counter() + MUON_BUDGET_S
+    for _ in range(5):
+        for s, step in steps.items():
+            t0 = now()
+            step()
+            times[s].append(now() - t0)
+        total = sum(counts[s] * statistics.median(ts) for s, ts in times.items())
+        if time.perf_counter() + total / sum(counts.values()) * len(counts) > deadline:
+            break
+    per_shape = ", ".join(f"{counts[s]}x {s[0]}x{s[1]} at {statistics.median(times[s]) * 1e3:.0f} ms"
+                          for s in counts)
+    return total, (f"torch.optim.Muon timed apart, one matrix per shape over {len(times[shapes[0]])} round(s), "
+                   f"scaled by count: {per_shape} = {total:.1f} s per step")
+
+
+_LIBC = ctypes.CDLL("libc.so.6") if Path("/proc/self/clear_refs").exists() else None
+
+
+def _status_bytes(key: str) -> int:
+    return int(re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) * 1024
+
+
+def step_peak_rise(step) -> int | None:
+    """Bytes by which memory in use rises during one call of `step` (None where not measurable)."""
+    gc.collect()
+    if DEVICE.type == "cuda":
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        return torch.cuda.max_memory_allocated() - base
+    if _LIBC is None:
+        step()
+        return None
+    _LIBC.malloc_trim(0)  # freed heap pages leave the resident set, so reusing them shows as a rise
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from the current RSS
+    base = _status_bytes("VmRSS")
+    step()
+    return _status_bytes("VmHWM") - base
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark
+
+
+def stock_dtypes() -> list[str]:
+    """fp32, and bf16 where this device computes it natively."""
+    return ["fp32"] + (["bf16"] if precision.choose(DEVICE, "auto", warn=False).name == "bf16" else [])
+
+
+def build_variants(depth, data, muon_apart_s) -> list[Variant]:
+    ours = build_ours(depth, data)
+    variants = [ours]
+    if depth == 4:
+        variants.append(build_ours(depth, data, "--no-compile" if ours.compiled else "--compile"))
+    for compile in (False, True):
+        for dtype in stock_dtypes():
+            alone = {(True, "fp32"): " (= only compile)", (False, "bf16"): " (= only the dtype)"}.get((compile, dtype), "")
+            variants.append(build_stock(depth, data, f"stock {'compiled' if compile else 'eager'} {dtype}{alone}",
+                                        compile=compile, dtype=dtype, muon_apart_s=muon_apart_s))
+    if depth == 4:
+        variants += [build_stock(depth, data, "stock + the model's own loss (fused CE)", loss="model",
+                                 muon_apart_s=muon_apart_s),
+                     build_stock(depth, data, "stock + our optimizers", optim="ours")]
+    return variants
+
+
+def machine_line() -> str:
+    if DEVICE.type == "cpu":
+        bf16 = precision.cpu_bf16_support()
+        native = f"native bf16 ({bf16})" if bf16 else "no native bf16 (bf16 emulated: stock runs fp32 only)"
+        return f"{hardware.device_name(DEVICE)}, {native}, {torch.get_num_threads()} threads"
+    return hardware.device_name(DEVICE)
+
+
+def step_table(depth, config, variants, compile_s, rise, muon_note) -> list[str]:
+    stock = [v for v in variants if v.name.startswith("stock ") and " + " not in v.name]
+    best = min(stock, key=lambda v: v.median())
+    model_s = {v.name: v.median("forward") + v.median("backward") for v in variants}
+    best_model = min(stock, key=lambda v: model_s[v.name])
+    with torch.device("meta"):
+        flops_per_token = GPT(config).estimate_flops()
+        n_params = sum(p.numel() for p in GPT(config).parameters())
+    lines = [f"**Whole step, depth {depth}** ({n_params / 1e6:.1f}M parameters, {flops_per_token / 1e6:.0f} MFLOP "
+             f"per token), T={T}, {B} rows x {TOTAL // (B * T)} micro-batch = {TOTAL} tokens per step, vocab {VOCAB}; "
+             f"{machine_line()}; medians of {len(variants[0].phases)} interleaved rounds. Speed-up = stock best's "
+             f"time / the variant's: full step vs {best.name}, forward+backward vs {best_model.name}. {muon_note}.", "",
+             "| variant | tokens/s | speed-up (step) | speed-up (fwd+bwd) | data ms | forward ms | backward ms | "
+             "optimizer ms | MFU | held MB | step rise MB | peak MB | compile s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for v in variants:
+        step_s = v.median()
+        peak = hardware.peak_flops(DEVICE, v.dtype)
+        held, up = v.held_bytes() / 2 ** 20, rise[v.name]
+        mem = [f"{held:.0f}", "n/a", "n/a"] if up is None else [f"{held:.0f}", f"{up / 2 ** 20:.0f}", f"{held + up / 2 ** 20:.0f}"]
+        lines.append(f"| {v.name} | {TOTAL / step_s:,.0f} | {best.median() / step_s:.2f} | "
+                     f"{model_s[best_model.name] / model_s[v.name]:.2f} | "
+                     + " | ".join(f"{v.median(k) * 1e3:.0f}" for k in PHASES)
+                     + f" | {hardware.mfu(flops_per_token, TOTAL / step_s, peak):.1f}% | " + " | ".join(mem)
+                     + (f" | {compile_s[v.name]:.0f} |" if compile_s[v.name] is not None else " | - |"))
+    lines += ["", f"MFU against {hardware.peak_flops(DEVICE, 'fp32').describe()} (bf16 rows: the bf16 peak). Memory: "
+              + ("torch.cuda.max_memory_allocated over a step" if DEVICE.type == "cuda" else
+                 "held = parameters + optimizer state (counted from the tensors); step rise = growth of the resident "
+                 "set during a warm-up step (malloc_trim and the high-water mark reset first)") + ".", ""]
+    return lines
+
+
+@pytest.mark.parametrize("depth", [4, 8])
+def test_train_step(benchmark, corpus, depth):
+    torch._dynamo.reset()  # compiled GPTs share GPT.forward's recompile limit (8 graphs) in a process
+    config = model_config(parse_flags(depth))
+    muon_s, muon_note = time_torch_muon(config)
+    muon_apart_s = muon_s if muon_s > MUON_IN_STEP_LIMIT_S else None
+    if muon_apart_s is None:
+        muon_note = f"torch.optim.Muon runs inside the stock steps (one step of it measured {muon_s:.2f} s)"
+    with contextlib.ExitStack() as stack:
+        variants = build_variants(depth, corpus, muon_apart_s)
+        for v in variants:
+            stack.callback(v.loader.close)
+        compile_s, rise = {}, {}
+        for v in variants:  # the first step compiles; the second is the memory probe; neither is timed
+            with CompileWatch() as watch:
+                v()
+            compile_s[v.name] = watch.seconds if watch.graphs else None
+            rise[v.name] = step_peak_rise(v)
+            v.phases.clear()
+        baseline = next(v.name for v in variants if v.name.startswith("stock eager fp32"))
+        compare(benchmark, op=f"Training step ({DEVICE.type})", baseline=baseline, rounds=ROUNDS[depth], warmup_rounds=0,
+                shape_set=f"depth {depth}, T={T}, {TOTAL} tokens per step", variants={v.name: v for v in variants},
+                notes=f"one full step per call; {muon_note}" + (
+                    "; the harness medians of the (Muon apart) variants exclude it, the step table below includes it"
+                    if muon_apart_s else ""))
+        benchmark.extra_info["table"] = step_table(depth, config, variants, compile_s, rise, muon_note)
