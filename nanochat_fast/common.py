@@ -13,6 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import hardware
 from .errors import UserError
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
@@ -92,6 +93,8 @@ def compute_init(device_type: str = "", seed: int = 42, deterministic: bool = Fa
     device_type = device_type or autodetect_device_type()
     ddp, rank, local_rank, world_size = get_dist_info()
     _check_device_type(device_type, world_size, local_rank)
+    # the cores this process may use, split among torchrun's local ranks (OMP_NUM_THREADS wins)
+    hardware.configure_threads()
 
     torch.manual_seed(seed)
     set_deterministic(deterministic, warn_only=device_type != "cpu")

@@ -27,6 +27,7 @@ from . import cli, precision
 from .cli import (boolean, choice, fraction, integer, non_negative_float, non_negative_int, optional,
                   positive_int, positive_or_unset_float, positive_or_unset_int, random_seed, run_name)
 from .errors import UserError
+from .optim.recipe import PRESET_NAMES, MuonRecipe
 
 HIDDEN = argparse.SUPPRESS  # help text of the test hooks: not shown by --help
 
@@ -139,11 +140,19 @@ class OptimConfig(Config):
     warmup_ratio: float = flag(0.0, fraction, "fraction of steps of linear lr warmup")
     warmdown_ratio: float = flag(0.2, fraction, "fraction of steps of linear lr warmdown")
     final_lr_frac: float = flag(0.0, fraction, "lr at the end, as a fraction of the peak")
+    muon_recipe: str = flag("seeds", choice(*PRESET_NAMES), "Muon's recipe (optim/recipe.py): seeds (quintic "
+                            "Newton-Schulz, momentum warmup) or current (nanochat today: Polar Express, MuonEq, "
+                            "Muon+, NorMuon, cautious weight decay, momentum warmdown); the flags below override "
+                            "parts of it", choices=list(PRESET_NAMES))
+    ns_dtype: str = flag("auto", choice(*precision.CHOICES), "dtype Newton-Schulz computes in (auto: bf16 on CUDA "
+                         "and CPUs with native bf16, fp32 elsewhere)", choices=list(precision.CHOICES))
     ns_coefficients: str | None = flag(None, optional(choice("quintic", "polar_express")),
-                                       "Newton-Schulz coefficients of Muon (default: the Muon recipe's; quintic for "
-                                       "the seeds recipe)", choices=["quintic", "polar_express"])
-    # Muon's recipe (--muon-recipe, --ns-dtype and overrides: optim.MuonRecipe) joins here as fields,
-    # passed on by optimizer_kwargs() as setup_optimizers(..., muon_recipe=MuonRecipe.preset(...))
+                                       "Newton-Schulz coefficients (default: the recipe's)",
+                                       choices=["quintic", "polar_express"])
+    normuon: bool | None = flag(None, optional(boolean), "NorMuon's per-row normalisation of the update "
+                                "(default: the recipe's)", optional_bool=True)
+    muon_weight_decay: float | None = flag(None, optional(non_negative_float), "Muon's weight decay (default: the "
+                                           "recipe's: 0 for seeds, 0.28 cautious and cosine-scheduled for current)")
 
     # The learning-rate flags and the parameters (by name prefix) whose optimizer groups they set:
     # on resume, a flag given on the command line replaces the checkpoint's value (stage.py).
@@ -154,10 +163,22 @@ class OptimConfig(Config):
             raise UserError(f"--warmup-ratio {self.warmup_ratio} + --warmdown-ratio {self.warmdown_ratio} is above 1: "
                             "the warmup and the warmdown would overlap; lower one of them")
 
+    def recipe(self) -> MuonRecipe:
+        """The Muon recipe: the --muon-recipe preset with the flags given on top. The current
+        recipe's momentum warmdown runs over this run's lr warmdown (--warmdown-ratio)."""
+        overrides = dict(ns_dtype=self.ns_dtype)
+        if self.muon_recipe == "current":
+            overrides["momentum_warmdown_ratio"] = self.warmdown_ratio
+        for name, value in (("ns_coefficients", self.ns_coefficients), ("normuon", self.normuon),
+                            ("weight_decay", self.muon_weight_decay)):
+            if value is not None:
+                overrides[name] = value
+        return MuonRecipe.preset(self.muon_recipe, **overrides)
+
     def optimizer_kwargs(self) -> dict:
         """The keyword arguments of GPT.setup_optimizers."""
         return dict(unembedding_lr=self.unembedding_lr, embedding_lr=self.embedding_lr, matrix_lr=self.matrix_lr,
-                    weight_decay=self.weight_decay, ns_coefficients=self.ns_coefficients)
+                    weight_decay=self.weight_decay, muon_recipe=self.recipe())
 
 
 @dataclass(frozen=True)
@@ -222,8 +243,9 @@ class RunConfig(Config):
     resume: str = flag("", str, "auto: continue from the newest complete checkpoint of the run (start fresh if "
                                 "none); PATH: from that checkpoint directory", metavar="auto|PATH")
     overwrite: bool = flag(False, boolean, "delete an existing run directory and start over")
-    compile: bool | None = flag(None, optional(boolean), "torch.compile the model (default: on for CUDA, off "
-                                "elsewhere)", optional_bool=True)
+    compile: bool | None = flag(None, optional(boolean), "torch.compile the training step (default: on for CUDA "
+                                "and CPU unless the run is too short to win back the one-time compile, or its row "
+                                "lengths vary; off on MPS; the log says which and why)", optional_bool=True)
     seed: int = flag(42, random_seed, "random seed")
     deterministic: bool = flag(False, boolean, "bitwise reproducible CPU runs (slower)")
 

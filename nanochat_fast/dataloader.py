@@ -200,6 +200,11 @@ class TokenRowLoader:
         return self.docs.n_docs
 
     @property
+    def epoch_tokens(self) -> int:
+        """Tokens in one epoch of documents (rows crop some of them: an upper bound of those trained on)."""
+        return sum(int(offsets[-1] - offsets[0]) for _, offsets, _ in self.docs.runs)
+
+    @property
     def epoch_progress(self) -> float:
         """Documents consumed so far, in epochs (1.0 = as many documents as the split holds)."""
         next_pos, buffer = self._state[:2]

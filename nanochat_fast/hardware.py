@@ -82,7 +82,7 @@ def decide_threads(env, cores: int, launcher_env=UNKNOWN, bound_per_rank: bool =
 
 
 def _omp_threads(value: str) -> int:
-    from .cli import UserError
+    from .errors import UserError
     first = value.split(",")[0].strip()  # OMP_NUM_THREADS=4,2 sets nested levels: the first is ours
     if not first.isdigit() or int(first) < 1:
         raise UserError(f"OMP_NUM_THREADS={value!r} is not a positive number of threads: set it to e.g. "

@@ -2,13 +2,14 @@
 Building a GPT for a run, and loading trained ones.
 
     new_model(config, device, state)        a GPT on `device`, initialised (and loaded with `state`)
-    build_for_training(...)                 + its optimizers and the (possibly compiled) training module
+    build_for_training(...)                 + its optimizers
+    compile_for_training(model, ...)        the module the training step calls: compiled or not, and why
     open_checkpoint(run_dir, step, tok)     (checkpoint, meta, GPTConfig), checked against the tokenizer
     load_model(run_dir, step, device, tok)  a trained model in eval mode, for evaluation and chat
 
 Every script that needs a model goes through here, so the rules live once: models are built on
 the meta device and materialised where they run, checkpoints must match the model config and the
-tokenizer, and whether to torch.compile is decided by `should_compile`.
+tokenizer, and whether to torch.compile is decided by `compile_for_training`.
 """
 from dataclasses import asdict
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, paths
+from .compiling import default_compile
 from .errors import UserError
 from .gpt import GPT, GPTConfig
 
@@ -32,19 +34,26 @@ def new_model(config: GPTConfig, device, state: dict | None = None) -> GPT:
     return model
 
 
-def should_compile(requested: bool | None, device: torch.device) -> bool:
-    """--compile/--no-compile as given; by default on for CUDA, off elsewhere."""
-    return requested if requested is not None else device.type == "cuda"
+def build_for_training(config: GPTConfig, device, optimizer_kwargs: dict, state: dict | None = None):
+    """(the model, [adamw, muon]): the optimizers hold the plain module's parameters."""
+    model = new_model(config, device, state)
+    return model, model.setup_optimizers(**optimizer_kwargs)
 
 
-def build_for_training(config: GPTConfig, device, optimizer_kwargs: dict, compile: bool | None,
-                       state: dict | None = None):
-    """(model to train, the plain module, [adamw, muon]). The optimizers hold the plain module's
-    parameters; the model to train is its torch.compile'd version when `should_compile`."""
-    orig_model = new_model(config, device, state)
-    optimizers = orig_model.setup_optimizers(**optimizer_kwargs)
-    model = torch.compile(orig_model, dynamic=False) if should_compile(compile, device) else orig_model
-    return model, orig_model, optimizers
+def compile_for_training(model: GPT, requested: bool | None, device, run_flops: float | None,
+                         peak_flops: float | None, varying_shapes: bool = False):
+    """(the module the training step calls, why): torch.compile'd or `model` itself.
+    --compile/--no-compile as given; by default compiling.default_compile's rule (CUDA and CPU
+    unless the run is too short), and eager where the rows' length varies from batch to batch
+    (padded conversations), which would compile a new graph for every length."""
+    if requested is not None:
+        on, why = requested, f"{'compiled' if requested else 'eager'}: {'--compile' if requested else '--no-compile'}"
+    elif varying_shapes:
+        on, why = False, "eager: the rows' length varies from batch to batch (one compile per length)"
+    else:
+        on, why = default_compile(torch.device(device).type, run_flops, peak_flops)
+    # dynamic=False: one training shape; evaluation and sampling use the plain module (compiling.py)
+    return (torch.compile(model, dynamic=False) if on else model), why
 
 
 def check_tokenizer(meta: dict, ckpt: Path, tokenizer):

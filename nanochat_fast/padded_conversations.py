@@ -153,6 +153,8 @@ class PaddedConversations:
     mixture that `sources(args, cfg, tokenizer)` returns as (train parts, val parts, dataset name,
     notes); examples_per_step conversations per optimizer step."""
 
+    varying_shapes = True  # rows as long as the batch's longest conversation
+
     def __init__(self, examples_per_step: int, sources):
         self.examples_per_step, self.sources = examples_per_step, sources
 

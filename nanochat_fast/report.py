@@ -133,8 +133,9 @@ def finish_report(run, metrics: MetricsLog, title: str, wall_start: float, secti
                "skipped non-finite steps": state.nonfinite_skipped,
                "last checkpoint": str(run.last_checkpoint)}
     mfus = [r["mfu"] for r in train_rows if r.get("mfu") is not None]
-    results["median MFU"] = f"{sorted(mfus)[len(mfus) // 2]:.1f}%" if mfus else f"n/a on {run.device.type}"
+    results["median MFU"] = f"{sorted(mfus)[len(mfus) // 2]:.1f}% (of {run.peak.describe()})" if mfus else "n/a"
     timing = {"training time (steps only)": f"{state.train_time:.1f} s",
+              "torch.compile (one-time, not in the steps)": f"{state.compile_time:.1f} s" if run.compiled else "not compiled",
               "wall time of this invocation": f"{time.time() - wall_start:.1f} s"}
     dev = run.dev
     device = {"processes": run.world_size, "device": str(dev.device), "precision": dev.precision.describe()}

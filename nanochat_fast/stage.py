@@ -7,7 +7,8 @@ A Stage says what differs between base_train, mid_train and the stages after the
     title     the report's title
     start     where the weights come from: NewModel() (the depth dial) or FromRun(...) (another
               run's checkpoint, e.g. --base-run for mid_train)
-    data      what it trains and validates on (training_data.py: grad_accum_steps + open)
+    data      what it trains and validates on (training_data.py: grad_accum_steps, open, and
+              varying_shapes: whether row lengths change between batches, which keeps it eager)
     horizon   how long: fixed_horizon (steps, FLOPs budget or tokens per parameter) or one_epoch
     sample    what to print every --sample-every steps: completions or chat replies
     run_name  the default --run
@@ -34,7 +35,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from . import checkpoint, generation, models, next_steps, report, runs, training
+from . import checkpoint, generation, hardware, models, next_steps, precision, report, runs, training
 from .cli import flag_name, flag_values
 from .common import compute_cleanup, print0
 from .config import OptimConfig, TrainingConfig
@@ -102,16 +103,18 @@ def fixed_horizon(cfg, model, data) -> training.Horizon:
                         "--target-param-data-ratio R")
     tokens = steps * tokens_per_step
     return training.Horizon(steps, lambda step: step / steps, lambda: False,
-                            f"{steps:,} steps = {tokens:,} tokens ({tokens / model.num_scaling_params():.2f} tokens/param)")
+                            f"{steps:,} steps = {tokens:,} tokens ({tokens / model.num_scaling_params():.2f} tokens/param)",
+                            tokens)
 
 
 def one_epoch(cfg, model, data) -> training.Horizon:
     """--num-iterations if set, else until the training data has been read once."""
     steps = cfg.horizon.num_iterations if cfg.horizon.num_iterations > 0 else None
     if steps:
-        return training.Horizon(steps, lambda step: step / steps, lambda: data.train.epochs_done >= 1, f"{steps} steps")
+        return training.Horizon(steps, lambda step: step / steps, lambda: data.train.epochs_done >= 1, f"{steps} steps",
+                                steps * cfg.data.total_batch_size)
     return training.Horizon(None, lambda step: data.train.epoch_progress, lambda: data.train.epochs_done >= 1,
-                            "one epoch of the training data")
+                            "one epoch of the training data", getattr(data.train, "epoch_tokens", None))
 
 
 def complete_prompts(prompts, max_tokens=16):
@@ -157,11 +160,17 @@ def run_stage(args, stage: Stage) -> int:
         if ckpt is not None:
             models.check_compatible(meta, ckpt, point.config, tokenizer)
         weights = ckpt or point.source
-        model, orig_model, optimizers = models.build_for_training(
-            point.config, dev.device, cfg.optim.optimizer_kwargs(), cfg.run.compile,
+        orig_model, optimizers = models.build_for_training(
+            point.config, dev.device, cfg.optim.optimizer_kwargs(),
             checkpoint.load_model_state(weights, dev.device) if weights else None)
         data = stage.data.open(args, cfg, tokenizer, dev)
         horizon = stage.horizon(cfg, orig_model, data)
+        peak = hardware.peak_flops(dev.device, dev.precision.name)
+        run_flops = orig_model.estimate_flops() * horizon.tokens if horizon.tokens else None
+        model, compile_why = models.compile_for_training(orig_model, cfg.run.compile, dev.device, run_flops,
+                                                         peak.flops * dev.world_size,
+                                                         stage.data.varying_shapes)
+        ns = precision.choose(dev.device, cfg.optim.ns_dtype, what="--ns-dtype", warn=dev.rank == 0)
         settings = {**flag_values(args), **cfg.as_dict(), "dataset": data.dataset}
 
         def meta_of_run():
@@ -174,10 +183,13 @@ def run_stage(args, stage: Stage) -> int:
             model=model, orig_model=orig_model, optimizers=optimizers, data=data,
             token_bytes=get_token_bytes(device=dev.device), run_dir=run_dir, grad_accum_steps=grad_accum_steps,
             flops_per_token=orig_model.estimate_flops(), horizon=horizon, optim=cfg.optim, loop=cfg.loop, dev=dev,
+            peak=peak, compiled=model is not orig_model,
             meta=meta_of_run, sample=lambda: stage.sample(orig_model, tokenizer),
             evals=tuple((name, make(cfg, tokenizer, dev)) for name, make in stage.evals),
             resume_command=runs.resume_command(getattr(args, "_argv", None), run_dir))
-        lines = {"horizon": horizon.describe, **point.describe, "data": data.describe.removeprefix("data: ")}
+        lines = {"horizon": horizon.describe, **point.describe, "data": data.describe.removeprefix("data: "),
+                 "compile": compile_why, "muon": cfg.optim.recipe().describe().removeprefix("muon recipe "), "newton-schulz precision": ns.describe(),
+                 "threads per process": hardware.thread_choice().describe(), "mfu against": peak.describe()}
         print0(report.summary(run, point.config, lines))
         if ckpt is not None:
             resume(run, ckpt, meta, cfg)

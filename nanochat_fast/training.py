@@ -13,6 +13,7 @@ One step:
 Dividing by the global count of supervised tokens (not per-rank means) makes the gradient the
 same on 1 and N processes, also for masked targets (mid-training).
 """
+import contextlib
 import math
 import signal
 import sys
@@ -23,24 +24,11 @@ from typing import Callable
 
 import torch
 
-from . import checkpoint, optim
+from . import checkpoint, hardware, optim
+from .compiling import CompileWatch
 from .common import all_ranks_ok, all_reduce_sum, any_rank, get_dist_info, print0
 from .errors import EXIT_NONFINITE
 from .report import MetricsLog
-
-# Peak dense bf16 FLOP/s per device, for MFU. CPUs have no meaningful peak here.
-PEAK_FLOPS = {
-    "H100": 989e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12,
-    "A10G": 125e12, "A10": 125e12, "L40S": 362e12, "L4": 121e12, "4090": 165e12, "3090": 71e12,
-}
-
-
-def peak_flops(device_type: str) -> float | None:
-    if device_type != "cuda":
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-
 
 def lr_multiplier(progress: float, warmup_ratio: float, warmdown_ratio: float, final_lr_frac: float) -> float:
     """Linear warmup over the first warmup_ratio of training, flat, then linear warmdown to
@@ -66,7 +54,8 @@ class LoopState:
     """Everything about the loop (besides model, optimizer, data and RNG) a resume must restore."""
     step: int = 0
     smooth_loss: float = 0.0
-    train_time: float = 0.0       # seconds spent in training steps (not eval/sampling/saving)
+    train_time: float = 0.0       # seconds spent in training steps (not eval/sampling/saving/compiling)
+    compile_time: float = 0.0     # seconds torch.compile spent inside training steps (one-time)
     tokens_seen: int = 0
     nonfinite_skipped: int = 0
     first_val_bpb: float | None = None
@@ -197,12 +186,12 @@ def format_eta(seconds: float) -> str:
 
 def describe_step(state: LoopState, num_iterations: int | None, result: StepResult, lrm: float, dt: float,
                   smooth_loss: float, eta_seconds: float | None, tokens: int, flops_per_token: float,
-                  peak: float | None, world_size: int, device_type: str):
-    """The per-step log line, the progress-bar postfix and the metrics row."""
+                  peak, world_size: int):
+    """The per-step log line, the progress-bar postfix and the metrics row. `peak`: one process's
+    hardware.Peak (None: MFU n/a)."""
     tok_per_sec = tokens / dt
-    mfu = 100 * flops_per_token * tok_per_sec / (peak * world_size) if peak else None
-    mfu_text = f"mfu {mfu:.1f}%" if mfu is not None else (
-        "mfu n/a (CPU)" if device_type == "cpu" else f"mfu n/a ({device_type}: no known peak)")
+    mfu = hardware.mfu(flops_per_token, tok_per_sec, peak, world_size) if peak else None
+    mfu_text = f"mfu {mfu:.1f}%" if mfu is not None else "mfu n/a"
     total = f"/{num_iterations}" if num_iterations else ""
     eta = f" | eta {format_eta(eta_seconds)}" if eta_seconds is not None else ""
     line = (f"step {state.step:05d}{total} | loss {result.loss:.4f} | lrm {lrm:.3f} | dt {dt * 1000:.0f}ms | "
@@ -232,6 +221,7 @@ class Horizon:
     progress: Callable[[int], float]    # step -> fraction of training done: the lr schedule's clock
     epoch_done: Callable[[], bool]      # the training loader finished its epoch (False: never stops on it)
     describe: str                       # for the run's summary
+    tokens: int | None = None           # training tokens of the whole run, if known (the compile rule)
 
 
 @dataclass
@@ -249,6 +239,8 @@ class Run:
     optim: object                       # config.OptimConfig: grad_clip and the lr schedule
     loop: object                        # config.LoopConfig: eval/sample/save cadence, NaN guard
     dev: object                         # config.Device: device, rank, world_size, precision
+    peak: object                        # hardware.Peak MFU is quoted against (None: n/a)
+    compiled: bool                      # model is torch.compile'd: the first step's compile is timed apart
     meta: Callable[[], dict]            # model config, settings... for meta.json
     sample: Callable[[], list[str]]     # a few generations to print (rank 0 only)
     evals: tuple = ()                   # (name, fn(model) -> {metric: value}) run with every val bpb eval
@@ -301,13 +293,13 @@ def restore(run: Run, ckpt: Path, meta: dict):
 def evaluate(run: Run, step: int, bar: Progress, metrics: MetricsLog | None):
     """Val bits per byte, then the stage's own evaluations, logged at `step`."""
     state = run.state
-    run.model.eval()
-    bpb = evaluate_bpb(run.model, run.data.val_batches(), run.token_bytes, run.autocast_ctx)
-    run.model.train()
+    # through the plain module: the compiled training graph is neither reused nor recompiled for
+    # evaluation's other grad mode, loss reduction and shapes (compiling.py)
+    run.orig_model.eval()
+    bpb = evaluate_bpb(run.orig_model, run.data.val_batches(), run.token_bytes, run.autocast_ctx)
     state.first_val_bpb = bpb if state.first_val_bpb is None else state.first_val_bpb
     state.last_val_bpb = bpb
     results = {"val_bpb": bpb}
-    run.orig_model.eval()
     with run.autocast_ctx:
         for _, fn in run.evals:
             results.update(fn(run.orig_model))
@@ -330,7 +322,6 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
     """The outer loop. Returns the process exit code (0, or 3 when the NaN guard stops the run)."""
     loop, state, horizon = run.loop, run.state, run.horizon
     master = run.rank == 0
-    peak = peak_flops(run.device.type)
     preemption = Preemption()
     bar = Progress(horizon.num_iterations, state.step, enabled=master)
     start_step = state.step
@@ -375,11 +366,16 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
             set_schedule(run.optimizers, lrm, muon_momentum(run.optimizers, step, horizon.num_iterations))
             inject = loop.test_inject_nan_at_step == step and not injected
             injected = injected or inject  # a one-off fault: a skipped step is retried cleanly
-            result = train_step(run.model, run.optimizers, micro_batches, run.optim.grad_clip, run.autocast_ctx,
-                                inject)
-            if run.device.type == "cuda":
-                torch.cuda.synchronize()
+            with CompileWatch() if run.compiled else contextlib.nullcontext() as watch:
+                result = train_step(run.model, run.optimizers, micro_batches, run.optim.grad_clip, run.autocast_ctx,
+                                    inject)
+                if run.device.type == "cuda":
+                    torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            if watch is not None and watch.graphs:  # a one-time cost: logged and kept out of the step's time
+                dt = max(dt - watch.seconds, 1e-9)
+                state.compile_time += watch.seconds
+                bar.write(f"step {step:05d} | torch.compile: {watch.describe()} (not counted in the step's time)")
 
             if not result.finite:
                 what = "loss" if not math.isfinite(result.loss) else "gradient norm"
@@ -407,8 +403,7 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
                 done = min(horizon.progress(state.step), 1.0)
                 eta = dt_ema * state.step / done * (1 - done) if done > 0 else None
             line, postfix, row = describe_step(state, horizon.num_iterations, result, lrm, dt, debiased, eta,
-                                               result.n_tokens, run.flops_per_token, peak, run.world_size,
-                                               run.device.type)
+                                               result.n_tokens, run.flops_per_token, run.peak, run.world_size)
             bar.step(line, postfix)
             if metrics:
                 metrics.log(**row)

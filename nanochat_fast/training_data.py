@@ -117,6 +117,8 @@ class PackedRows:
     """Rows packed best-fit from a tokenized dataset (base: prose; mid: conversations, plus the
     user's own with --extra-conversations); the batch is --total-batch-size tokens per step."""
 
+    varying_shapes = False  # every row is max_seq_len long: one compiled graph
+
     def __init__(self, loader_class, default_dataset: str):
         self.loader_class, self.default_dataset = loader_class, default_dataset
 
