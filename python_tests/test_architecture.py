@@ -6,7 +6,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "nanochat_fast"
 # lowest first; a module may import modules of its own layer and of lower ones
 LAYERS = [
-    ("foundations", ["errors", "paths", "common", "precision", "checkpoint", "_C"]),
+    ("foundations", ["errors", "paths", "common", "precision", "hardware", "compiling", "checkpoint", "_C"]),
     ("kernels", ["kernels"]),
     ("model / optim, data and evaluation", ["gpt", "optim", "generation", "calculator", "dataset", "dataloader",
                                             "tokenizer", "sources", "eval_data", "eval_sources", "tasks",

@@ -134,13 +134,14 @@ def one_line_exit_2(script, argv, capsys) -> str:
 # flags that take any value (switches, free text), only print help, or (--host) are checked by
 # binding to them (a made-up host name would wait on a DNS lookup here)
 NO_BAD_VALUE = {"--help", "--overwrite", "--deterministic", "--compile", "--no-compile", "--no-tokenize", "--prompt",
-                "--host"}
+                "--host", "--normuon", "--no-normuon"}
 BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--depth": "0", "--aspect-ratio": "-1", "--head-dim": "3", "--max-seq-len": "0", "--dataset": "../x",
     "--device-batch-size": "-4", "--total-batch-size": "0", "--num-iterations": "0", "--target-flops": "-5",
     "--target-param-data-ratio": "nan", "--embedding-lr": "-1", "--unembedding-lr": "inf", "--matrix-lr": "abc",
     "--weight-decay": "-0.1", "--grad-clip": "-1", "--warmup-ratio": "1.5", "--warmdown-ratio": "-0.1",
-    "--final-lr-frac": "2", "--ns-coefficients": "cubic", "--eval-every": "x", "--eval-tokens": "0",
+    "--final-lr-frac": "2", "--ns-coefficients": "cubic", "--muon-recipe": "latest",
+    "--ns-dtype": "fp16", "--muon-weight-decay": "-0.5", "--eval-every": "x", "--eval-tokens": "0",
     "--sample-every": "1.5", "--save-every": "often", "--keep-last": "-1", "--skip-nonfinite": "-2",
     "--test-inject-nan-at-step": "x", "--test-preempt-at-step": "y", "--device-type": "tpu", "--dtype": "fp8",
     "--run": "../../x", "--out-dir": "/dev/null", "--resume": "/nonexistent/step_000001", "--seed": "-1",

@@ -119,8 +119,11 @@ def test_launchers_environment_tells_torchruns_value_from_the_users(tmp_path):
 
 @pytest.fixture
 def fake_probe(monkeypatch, nanochat_home):
-    """measure_matmul_rate replaced by a counter; an empty in-process memo; a quiet machine."""
+    """measure_matmul_rate replaced by a counter; an empty in-process memo; a quiet machine; one
+    thread (with more, the probe also measures one thread as a floor: two more calls)."""
     calls = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
 
     def measure(device, dtype, *args, **kwargs):
         calls.append(dtype)
@@ -129,7 +132,8 @@ def fake_probe(monkeypatch, nanochat_home):
     monkeypatch.setattr(hardware, "measure_matmul_rate", measure)
     monkeypatch.setattr(hardware, "_probed", {})
     monkeypatch.setattr(hardware, "machine_busy", lambda: False)
-    return calls
+    yield calls
+    torch.set_num_threads(threads)
 
 
 def test_cache_hit(fake_probe, monkeypatch):
@@ -149,12 +153,12 @@ def test_cache_is_keyed_by_threads_and_torch_version(fake_probe, monkeypatch):
     try:
         torch.set_num_threads(threads + 1)
         hardware.measured_peaks("cpu")
-        assert len(fake_probe) == 4
+        assert len(fake_probe) == 6  # 2 dtypes at 2 threads, then at 1 thread as a floor
     finally:
         torch.set_num_threads(threads)
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     hardware.measured_peaks("cpu")
-    assert len(fake_probe) == 6
+    assert len(fake_probe) == 8
     monkeypatch.setattr(torch, "__version__", version)
     monkeypatch.setattr(hardware, "_probed", {})
     monkeypatch.setattr(hardware, "measure_matmul_rate", lambda *a, **k: pytest.fail("re-measured"))

@@ -9,7 +9,7 @@ import torch
 
 from nanochat_fast import checkpoint
 from nanochat_fast.scripts import base_eval, base_train, chat_cli, mid_train
-from tiny_pipeline import TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
+from tiny_pipeline import DEFAULT_LOOP, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
 
 BASE = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512"]
 
@@ -43,8 +43,10 @@ def test_base_train_learns_and_writes_outputs(base_run):
 
 def test_torchrun_two_processes_match_one(tiny_home, tmp_path):
     """Same total batch: 1 process x 8 rows vs 2 processes x 4 rows see the same rows (the global
-    row stream), so the loss curves agree to float rounding."""
-    args = TINY_MODEL + TINY_LOOP + ["--total-batch-size=512", "--num-iterations=8", "--eval-every=-1"]
+    row stream), so the loss curves agree to float rounding. With every default (the precision
+    policy's dtype, Muon's Newton-Schulz dtype): fp32 here agrees to 1e-4; where the CPU has
+    native bf16 the defaults compute in bf16, whose rounding differs between the row splits."""
+    args = TINY_MODEL + DEFAULT_LOOP + ["--total-batch-size=512", "--num-iterations=8", "--eval-every=-1"]
     one = run_script("base_train", args + ["--device-batch-size=8", "--run=one"], tiny_home_copy(tiny_home, tmp_path, "h1"))
     two = run_script("base_train", args + ["--device-batch-size=4", "--run=two"], tiny_home_copy(tiny_home, tmp_path, "h2"), nproc=2)
     assert one.returncode == 0, one.stderr[-3000:]
@@ -52,7 +54,8 @@ def test_torchrun_two_processes_match_one(tiny_home, tmp_path):
     a = [r["loss"] for r in train_rows(tmp_path / "h1" / "runs" / "one")]
     b = [r["loss"] for r in train_rows(tmp_path / "h2" / "runs" / "two")]
     assert len(a) == len(b) == 8
-    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (a, b)
+    tolerance = 1e-4 if "precision: fp32" in one.stdout else 2e-2
+    assert max(abs(x - y) for x, y in zip(a, b)) < tolerance, (a, b)
     assert "cpu x 1 process(es)" in one.stdout and "cpu x 2 process(es)" in two.stdout
 
 

@@ -14,7 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # depth 2 -> n_embd 64 (aspect 32, head_dim 32 -> 2 heads); 4 rows of 64 tokens per micro-step
 TINY_MODEL = ["--depth=2", "--aspect-ratio=32", "--head-dim=32", "--max-seq-len=64"]
-TINY_LOOP = ["--eval-tokens=512", "--sample-every=-1", "--warmdown-ratio=0.2"]
+# fp32 pinned: tests compare runs to 1e-4..1e-6 on every CPU, and CPUs with native bf16 would
+# otherwise train in bf16 by default (the tests of the defaults leave FP32 out)
+FP32 = ["--dtype=fp32", "--ns-dtype=fp32"]
+DEFAULT_LOOP = ["--eval-tokens=512", "--sample-every=-1", "--warmdown-ratio=0.2"]
+TINY_LOOP = DEFAULT_LOOP + FP32
 WORDS = {"adj": ["red", "small", "old", "quiet", "bright", "green"],
          "noun": ["cat", "dog", "king", "ship", "tree", "bird", "house"],
          "verb": ["sees", "finds", "follows", "paints", "likes"]}

@@ -1,0 +1,79 @@
+"""What the defaults choose (compute dtype, torch.compile, Muon's recipe) and that they train to the
+same place as the plainest setup (fp32, eager)."""
+import json
+
+import pytest
+import torch
+
+from nanochat_fast import hardware, models, precision
+from nanochat_fast.config import OptimConfig
+from nanochat_fast.gpt import GPTConfig
+from nanochat_fast.scripts import base_train
+from tiny_pipeline import DEFAULT_LOOP, TINY_LOOP, TINY_MODEL, run_script, train_rows
+
+STEPS_60 = TINY_MODEL + DEFAULT_LOOP + ["--device-batch-size=4", "--total-batch-size=256", "--num-iterations=60",
+                                        "--eval-every=60", "--eval-tokens=1024"]
+
+
+def final_val_bpb(run_dir) -> float:
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["val_bpb"] for r in rows if r["kind"] == "eval"][-1]
+
+
+@pytest.mark.parametrize("choice", [["--compile"], ["--dtype=bf16", "--ns-dtype=bf16"]],
+                         ids=["compiled (what the defaults pick for a real run)", "bf16 (CUDA's and native-bf16 CPUs')"])
+def test_defaults_reach_the_val_bpb_of_fp32_eager_after_60_steps(choice, home):
+    """Same seed, same data: the dtype and compile choices of the defaults change rounding, not
+    where training goes. A tiny run's own default is eager (too short to pay for a compile), so
+    the compiled side is asked for explicitly."""
+    plain = run_script("base_train", STEPS_60 + ["--dtype=fp32", "--ns-dtype=fp32", "--no-compile", "--run=plain"],
+                       home, timeout=600)
+    chosen = run_script("base_train", STEPS_60 + choice + ["--run=chosen"], home, timeout=600)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert chosen.returncode == 0, chosen.stderr[-3000:]
+    a, b = final_val_bpb(home / "runs" / "plain"), final_val_bpb(home / "runs" / "chosen")
+    assert a < 2.0 and abs(a - b) < 0.02, (a, b)
+    if "--compile" in choice:
+        assert "torch.compile: 1 graph(s) compiled" in chosen.stdout  # one graph: evaluation did not recompile
+        assert "torch.compile (one-time, not in the steps)" in (home / "runs" / "chosen" / "report.md").read_text()
+
+
+def test_muon_recipe_current_trains_and_is_reported(home, capsys):
+    code = base_train.main(TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512",
+                                                     "--num-iterations=12", "--eval-every=-1",
+                                                     "--muon-recipe=current", "--run=current"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "muon: current: polar_express x5, ns-dtype fp32, MuonEq, Muon+, NorMuon beta 0.9, cautious wd 0.28" in out
+    run_dir = home / "runs" / "current"
+    rows = train_rows(run_dir)
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
+    report = (run_dir / "report.md").read_text()
+    assert "current: polar_express" in report and "newton-schulz precision | fp32" in report
+
+
+def test_recipe_flags_override_the_preset():
+    recipe = OptimConfig(muon_recipe="current", normuon=False, muon_weight_decay=0.1, warmdown_ratio=0.3).recipe()
+    assert (recipe.name, recipe.normuon, recipe.weight_decay, recipe.cautious_weight_decay) == ("current", False, 0.1, True)
+    assert recipe.momentum_warmdown_ratio == 0.3  # the current recipe's momentum warmdown follows the lr's
+    assert OptimConfig().recipe().ns_coefficients == "quintic" and OptimConfig().recipe().normuon is False
+
+
+def test_a_cuda_machine_chooses_bf16_and_compile(monkeypatch):
+    """The device queries mocked as an H100: the same code that picks fp32 and (for short runs)
+    eager here picks bf16 autocast, bf16 Newton-Schulz and torch.compile there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda", 0)
+    assert precision.choose(cuda, warn=False).name == "bf16"
+    assert precision.choose(cuda, OptimConfig().ns_dtype, warn=False).name == "bf16"
+    peak = hardware.peak_flops(cuda, "bf16")
+    assert (peak.source, peak.flops) == ("datasheet", 989e12)
+    model = models.new_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=16),
+                             "cpu")  # built here; compile_for_training only decides and wraps
+    run_flops = 3600 * peak.flops  # an hour at peak
+    compiled, why = models.compile_for_training(model, None, cuda, run_flops, peak.flops)
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule) and "compiled on cuda" in why
+    same, why = models.compile_for_training(model, None, "cpu", 1e9, 1e11)
+    assert same is model and "short run" in why
