@@ -157,10 +157,9 @@ def build_parser():
     p.add_argument_group("chat evaluation").add_argument(
         "--chat-eval-examples", type=cli.non_negative_int, default=1024,
         help=f"examples of {' and '.join(IN_TRAINING_EVAL_TASKS)} scored at every evaluation (0: none)")
-    # padded rows change length every batch: torch.compile would recompile for every new length
+    # eager by default: padded rows change length every batch (PaddedConversations.varying_shapes)
     add_training_flags(p, eval_every=100, sample_every=-1, embedding_lr=0.2 * LR_FRACTION,
-                       unembedding_lr=0.004 * LR_FRACTION, matrix_lr=0.02 * LR_FRACTION, warmdown_ratio=1.0,
-                       compile=False)
+                       unembedding_lr=0.004 * LR_FRACTION, matrix_lr=0.02 * LR_FRACTION, warmdown_ratio=1.0)
     return p
 
 
