@@ -3,10 +3,15 @@ backward, optimizer) at depth 4 and depth 8, T=512, vocab 8192, 8 rows per micro
 tokens per step (one micro-batch), our defaults against stock PyTorch at its best on this machine.
 
 Variants:
-  ours (defaults)      base_train's model, optimizers and compile choice with every default
-                       (runs.build_model on base_train's parsed flags) and the precision policy's
-                       autocast, stepped by the training loop's own train_step: whatever the scripts
-                       default to (fused cross-entropy, Muon recipe, compile policy) is what runs.
+  ours (defaults)      built the way base_train builds it, every flag at its default: base_train's
+                       parser -> TrainingConfig -> models.build_for_training (GPT.setup_optimizers
+                       with OptimConfig.optimizer_kwargs(): our AdamW and Muon, the seeds recipe,
+                       Newton-Schulz in the policy's dtype) -> models.compile_for_training with the
+                       default rule (the run's FLOPs at base_train's default horizon, 20 tokens per
+                       parameter, against the measured peak of the compute dtype), under the
+                       precision policy's autocast, stepped by the training loop's own
+                       training.train_step: whatever the scripts default to (fused cross-entropy,
+                       Muon recipe, compile policy, dtype) is what runs.
   ours, --[no-]compile the same with the compile default flipped (depth 4 only, for time).
   stock <how> <dtype>  the same GPT code under NANOCHAT_FAST_KERNELS=reference, PyTorch's
                        cross-entropy on the softcapped logits (F.cross_entropy(model(x), y)),
@@ -14,10 +19,13 @@ Variants:
                        torch.optim.Muon for the matrices (base_train's lrs, betas (0.8, 0.95), eps
                        1e-10, momentum 0.95, Nesterov, quintic coefficients, weight_decay 0); eager
                        or torch.compile'd (forward and loss in one graph), fp32, and bf16 autocast
-                       where the CPU has native bf16. "Stock best" is the fastest of these; stock
+                       where the device has native bf16. "Stock best" is the fastest of these; stock
                        compiled fp32 is also "only compile", stock eager bf16 "only the dtype".
-  stock + <change>     stock eager fp32 with one of our changes alone: the model's own loss (the
-                       fused softcapped cross-entropy), or our optimizers (depth 4 only).
+  stock + <change>     stock eager fp32 with one of our changes alone (depth 4 only): the model's
+                       own loss (the fused softcapped cross-entropy), or our optimizers. The latter
+                       is also what `main` ran before the hardware-aware defaults ("main before"):
+                       eager, fp32, PyTorch's cross-entropy on the full softcapped logits, our
+                       optimizers; the table gives ours (defaults) against it.
 
 How it is measured:
   - One full step per variant per round, in interleaved rounds (harness.compare); every step
@@ -35,8 +43,17 @@ How it is measured:
     resident set during a step (free heap pages handed back with malloc_trim and the high-water
     mark reset through /proc/self/clear_refs first), plus what is held between steps (parameters
     and optimizer state, counted from the tensors; torch.optim.Muon's momentum where it runs
-    apart). Taken on a warm-up step.
-  - Compile seconds: dynamo's compile timer over the first step (compiling.CompileWatch).
+    apart). Taken on the first timed step: its set-up (gc, malloc_trim) lies outside the step's
+    phases, and a separate memory step would cost every variant one more step (~10 s at depth 8).
+  - Compile seconds: dynamo's compile timer over the first step (compiling.CompileWatch), cold:
+    each depth compiles into a TORCHINDUCTOR_CACHE_DIR of its own, a fresh temporary directory
+    (nothing left in the tree, nothing warm from an earlier run), after torch._dynamo.reset().
+  - Time: per variant one untimed step (it compiles, or warms up) and ROUNDS[depth] timed ones;
+    torch.optim.Muon apart within MUON_BUDGET_S (at least one round: ~26 s at depth 8 where bf16
+    is emulated). On a quiet 2-core AVX2 EPYC both depths took 5.3 minutes, compiles included
+    (depth 4: ~125 s, depth 8: ~190 s); the table states the rounds and the wall time of its
+    depth. A busy machine stretches this several-fold: two threads wait on neighbours at every
+    OpenMP barrier (12.8 minutes measured with a neighbour's run alongside).
 
     .venv/bin/python -m pytest benchmarks/bench_train_step.py -o python_files='bench_*.py' \\
         -p no:cacheprovider --benchmark-json=/tmp/step.json
@@ -44,33 +61,43 @@ How it is measured:
 import contextlib
 import ctypes
 import gc
+import os
 import re
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-from bench_muon import HP, kernels_env, torch_muon
-from bench_pack_rows import corpus  # noqa: F401  (fixture: the default corpus, else synthetic documents)
+import bench_pack_rows
+from bench_muon import HP, torch_muon
 from harness import compare
-from nanochat_fast import hardware, precision, runs, training
+from nanochat_fast import hardware, models, precision, stage, training
 from nanochat_fast.compiling import CompileWatch
+from nanochat_fast.config import TrainingConfig
 from nanochat_fast.dataloader import TokenRowLoader
-from nanochat_fast.gpt import GPT, config_from_depth
+from nanochat_fast.gpt import GPT
 from nanochat_fast.kernels.newton_schulz import QUINTIC
+from nanochat_fast.kernels.registry import ENV_VAR as KERNELS_ENV
 from nanochat_fast.optim import step as optim_step
 from nanochat_fast.scripts import base_train
+from nanochat_fast.training_data import TOKEN_ROWS
 
+corpus = bench_pack_rows.corpus  # the fixture: the default corpus, else synthetic documents
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 T, B, TOTAL, VOCAB = 512, 8, 4096, 8192
-ROUNDS = {4: 4, 8: 2}
+ROUNDS = {4: 3, 8: 2}
 MUON_IN_STEP_LIMIT_S = 2.0
-MUON_BUDGET_S = 12.0
+MUON_BUDGET_S = 5.0
 PHASES = ("data", "forward", "backward", "optimizer")
+# stock eager fp32 + our optimizers is the step `main` ran before the hardware-aware defaults
+MAIN_BEFORE = "stock + our optimizers (= main before: eager fp32, PyTorch CE on the full logits)"
 
 
 def now() -> float:
@@ -79,15 +106,16 @@ def now() -> float:
     return time.perf_counter()
 
 
-def parse_flags(depth: int, *extra, seq_len: int = T):
-    """base_train's arguments for this benchmark's shape (one micro-batch of B rows per step),
-    every other flag at its default."""
-    return base_train.build_parser().parse_args([f"--depth={depth}", f"--max-seq-len={seq_len}", f"--device-batch-size={B}",
-                                                 f"--total-batch-size={B * seq_len}", *extra])
+def training_config(depth: int, *extra, seq_len: int = T) -> TrainingConfig:
+    """base_train's configuration for this benchmark's shape (one micro-batch of B rows per step),
+    every other flag at its default, built as run_stage builds it."""
+    flags = [f"--depth={depth}", f"--max-seq-len={seq_len}", f"--device-batch-size={B}", f"--total-batch-size={B * seq_len}"]
+    args = base_train.build_parser().parse_args([*flags, *extra])
+    return TrainingConfig.from_args(args, with_model=True)
 
 
-def model_config(args):
-    return config_from_depth(args.depth, VOCAB, args.max_seq_len, aspect_ratio=args.aspect_ratio, head_dim=args.head_dim)
+def model_config(cfg: TrainingConfig):
+    return cfg.model.gpt_config(VOCAB, cfg.data.max_seq_len)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,11 +131,21 @@ class Variant:
     accum: int
     compiled: bool
     dtype: str = "fp32"         # the compute dtype ("fp32" | "bf16"), for MFU
+    compile_why: str = ""       # ours: compile_for_training's reason
     extra_held: int = 0         # bytes held between steps that no tensor here shows (Muon apart)
     muon_apart_s: float = 0.0   # added to every step's optimizer phase
     phases: list = field(default_factory=list)
+    measure_memory: bool = False  # the next step also measures the memory rise (step_peak_rise)
+    rise: int | None = None       # bytes, from that step (None: not measurable here)
 
     def __call__(self):
+        if self.measure_memory:
+            self.measure_memory = False
+            self.rise = step_peak_rise(self.step)
+        else:
+            self.step()
+
+    def step(self):
         t0 = now()
         micro_batches = [next(self.loader) for _ in range(self.accum)]
         phases = {"data": now() - t0, **self.train(micro_batches)}
@@ -180,7 +218,7 @@ class StockVariant(Variant):
 
     def train(self, micro_batches) -> dict:
         fwd = bwd = 0.0
-        with kernels_env(self.kernels):
+        with mock.patch.dict(os.environ, {KERNELS_ENV: self.kernels} if self.kernels else {}):
             for x, y in micro_batches:
                 t0 = now()
                 with self.autocast_ctx:
@@ -206,16 +244,22 @@ def new_loader(data, seq_len=T):
 
 
 def build_ours(depth, data, *extra_flags, seq_len=T, compile_kwargs=None) -> LoopVariant:
-    """Our defaults (with extra_flags); compile_kwargs: compile the plain model with these instead."""
-    args = parse_flags(depth, *extra_flags, seq_len=seq_len)
-    model, orig_model, optimizers = runs.build_model(GPT, model_config(args), DEVICE, args)
-    if compile_kwargs is not None:
-        model = torch.compile(orig_model, **compile_kwargs)
-    compute = precision.choose(DEVICE, getattr(args, "dtype", "auto"), warn=False)
+    """Our defaults (with extra_flags), built as run_stage builds base_train's model; compile_kwargs:
+    compile the plain model with these instead of the default rule (compile_evidence.py)."""
+    cfg = training_config(depth, *extra_flags, seq_len=seq_len)
+    compute = precision.choose(DEVICE, cfg.device.dtype, warn=False)
+    model, optimizers = models.build_for_training(model_config(cfg), DEVICE, cfg.optim.optimizer_kwargs())
+    if compile_kwargs is None:
+        horizon = stage.fixed_horizon(cfg, model, None)  # base_train's default horizon decides the default
+        step_model, why = models.compile_for_training(
+            model, cfg.run.compile, DEVICE, model.estimate_flops() * horizon.tokens,
+            hardware.peak_flops(DEVICE, compute.name).flops, TOKEN_ROWS.varying_shapes)
+    else:
+        step_model, why = torch.compile(model, **compile_kwargs), f"compiled: torch.compile({compile_kwargs})"
     name = f"ours, {extra_flags[0]}" if extra_flags else "ours (defaults)"
-    return LoopVariant(name, orig_model, optimizers, new_loader(data, seq_len), runs.grad_accum_steps(args, 1),
-                       compiled=model is not orig_model, dtype=compute.name).start(
-        model, args.grad_clip, precision.autocast(DEVICE, compute))
+    return LoopVariant(name, model, optimizers, new_loader(data, seq_len), cfg.data.grad_accum_steps(1),
+                       compiled=step_model is not model, dtype=compute.name, compile_why=why).start(
+        step_model, cfg.optim.grad_clip, precision.autocast(DEVICE, compute))
 
 
 def stock_loss(model):
@@ -225,41 +269,40 @@ def stock_loss(model):
     return loss
 
 
-def stock_optimizers(model, args, muon_apart: bool):
+def stock_optimizers(model, optim_cfg, muon_apart: bool):
     """torch.optim.AdamW(fused) with base_train's lrs (scaled by width as ours) and
     torch.optim.Muon (left out when it runs apart)."""
     scale = (model.config.n_embd / 768) ** -0.5
-    adamw = torch.optim.AdamW([dict(params=[model.lm_head.weight], lr=args.unembedding_lr * scale),
-                               dict(params=[model.transformer.wte.weight], lr=args.embedding_lr * scale)],
-                              betas=(0.8, 0.95), eps=1e-10, weight_decay=args.weight_decay, fused=True)
+    adamw = torch.optim.AdamW([dict(params=[model.lm_head.weight], lr=optim_cfg.unembedding_lr * scale),
+                               dict(params=[model.transformer.wte.weight], lr=optim_cfg.embedding_lr * scale)],
+                              betas=(0.8, 0.95), eps=1e-10, weight_decay=optim_cfg.weight_decay, fused=True)
     if muon_apart:
         return [adamw]
     muon = torch.optim.Muon(list(model.transformer.h.parameters()), weight_decay=0.0, ns_coefficients=QUINTIC,
-                            ns_steps=5, eps=1e-7, adjust_lr_fn="original", **{**HP, "lr": args.matrix_lr})
+                            ns_steps=5, eps=1e-7, adjust_lr_fn="original", **{**HP, "lr": optim_cfg.matrix_lr})
     return [adamw, muon]
 
 
 def build_stock(depth, data, name, *, compile=False, dtype="fp32", loss="stock", optim="stock",
                 muon_apart_s=None) -> StockVariant:
     """Stock PyTorch (loss="stock", optim="stock"), or it with our loss ("model") or optimizers."""
-    args = parse_flags(depth)
-    config = model_config(args)
+    cfg = training_config(depth)
     if optim == "ours":
-        _, model, optimizers = runs.build_model(GPT, config, DEVICE, parse_flags(depth, "--no-compile"))
+        model, optimizers = models.build_for_training(model_config(cfg), DEVICE, cfg.optim.optimizer_kwargs())
     else:
-        model = runs.new_model(GPT, config, DEVICE)
-        optimizers = stock_optimizers(model, args, muon_apart_s is not None)
+        model = models.new_model(model_config(cfg), DEVICE)
+        optimizers = stock_optimizers(model, cfg.optim, muon_apart_s is not None)
     fn = stock_loss(model) if loss == "stock" else model
     if compile:
         fn = torch.compile(fn, dynamic=False)
     matrices = sum(p.numel() for p in model.transformer.h.parameters())
     apart = muon_apart_s is not None and optim == "stock"
     variant = StockVariant(name + (" (Muon apart)" if apart else ""), model, optimizers, new_loader(data),
-                           runs.grad_accum_steps(args, 1), compiled=compile, dtype=dtype,
+                           cfg.data.grad_accum_steps(1), compiled=compile, dtype=dtype,
                            extra_held=4 * matrices if apart else 0, muon_apart_s=muon_apart_s if apart else 0.0)
     autocast_ctx = precision.autocast(DEVICE, precision.choose(DEVICE, dtype, warn=False))
     kernels = "reference" if loss == "stock" and optim == "stock" else None
-    return variant.start(lambda x, y: fn(x, y), autocast_ctx, kernels, optim == "ours", args.grad_clip)
+    return variant.start(lambda x, y: fn(x, y), autocast_ctx, kernels, optim == "ours", cfg.optim.grad_clip)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,20 +367,22 @@ def stock_dtypes() -> list[str]:
     return ["fp32"] + (["bf16"] if precision.choose(DEVICE, "auto", warn=False).name == "bf16" else [])
 
 
-def build_variants(depth, data, muon_apart_s) -> list[Variant]:
+def build_variants(depth, data, muon_apart_s, with_changes_alone: bool) -> list[Variant]:
+    """Ours (defaults) first, then (with_changes_alone) ours with compile flipped, stock PyTorch,
+    then (with_changes_alone) stock with one of our changes."""
     ours = build_ours(depth, data)
     variants = [ours]
-    if depth == 4:
+    if with_changes_alone:
         variants.append(build_ours(depth, data, "--no-compile" if ours.compiled else "--compile"))
     for compile in (False, True):
         for dtype in stock_dtypes():
             alone = {(True, "fp32"): " (= only compile)", (False, "bf16"): " (= only the dtype)"}.get((compile, dtype), "")
             variants.append(build_stock(depth, data, f"stock {'compiled' if compile else 'eager'} {dtype}{alone}",
                                         compile=compile, dtype=dtype, muon_apart_s=muon_apart_s))
-    if depth == 4:
+    if with_changes_alone:
         variants += [build_stock(depth, data, "stock + the model's own loss (fused CE)", loss="model",
                                  muon_apart_s=muon_apart_s),
-                     build_stock(depth, data, "stock + our optimizers", optim="ours")]
+                     build_stock(depth, data, MAIN_BEFORE, optim="ours")]
     return variants
 
 
@@ -349,9 +394,14 @@ def machine_line() -> str:
     return hardware.device_name(DEVICE)
 
 
-def step_table(depth, config, variants, compile_s, rise, muon_note) -> list[str]:
+def step_table(depth, config, variants, compile_s, muon_note, wall_s) -> list[str]:
     stock = [v for v in variants if v.name.startswith("stock ") and " + " not in v.name]
     best = min(stock, key=lambda v: v.median())
+    ours = variants[0]
+    ratios = [f"{ours.name} vs stock best ({best.name}): {best.median() / ours.median():.2f}x"]
+    before = next((v for v in variants if v.name == MAIN_BEFORE), None)
+    if before is not None:
+        ratios.append(f"{ours.name} vs main before: {before.median() / ours.median():.2f}x")
     model_s = {v.name: v.median("forward") + v.median("backward") for v in variants}
     best_model = min(stock, key=lambda v: model_s[v.name])
     with torch.device("meta"):
@@ -359,51 +409,71 @@ def step_table(depth, config, variants, compile_s, rise, muon_note) -> list[str]
         n_params = sum(p.numel() for p in GPT(config).parameters())
     lines = [f"**Whole step, depth {depth}** ({n_params / 1e6:.1f}M parameters, {flops_per_token / 1e6:.0f} MFLOP "
              f"per token), T={T}, {B} rows x {TOTAL // (B * T)} micro-batch = {TOTAL} tokens per step, vocab {VOCAB}; "
-             f"{machine_line()}; medians of {len(variants[0].phases)} interleaved rounds. Speed-up = stock best's "
-             f"time / the variant's: full step vs {best.name}, forward+backward vs {best_model.name}. {muon_note}.", "",
+             f"{machine_line()}; medians of {len(variants[0].phases)} interleaved rounds (one untimed step first). "
+             f"Speed-up = stock best's time / the variant's: full step vs {best.name}, forward+backward vs "
+             f"{best_model.name}. {muon_note}.", "",
              "| variant | tokens/s | speed-up (step) | speed-up (fwd+bwd) | data ms | forward ms | backward ms | "
              "optimizer ms | MFU | held MB | step rise MB | peak MB | compile s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for v in variants:
         step_s = v.median()
         peak = hardware.peak_flops(DEVICE, v.dtype)
-        held, up = v.held_bytes() / 2 ** 20, rise[v.name]
-        mem = [f"{held:.0f}", "n/a", "n/a"] if up is None else [f"{held:.0f}", f"{up / 2 ** 20:.0f}", f"{held + up / 2 ** 20:.0f}"]
+        held, up = v.held_bytes() / 2 ** 20, v.rise
+        mem = [f"{held:.0f}", "n/a", "n/a"] if up is None else [f"{held:.0f}", f"{up / 2 ** 20:.0f}",
+                                                                f"{held + up / 2 ** 20:.0f}"]
         lines.append(f"| {v.name} | {TOTAL / step_s:,.0f} | {best.median() / step_s:.2f} | "
                      f"{model_s[best_model.name] / model_s[v.name]:.2f} | "
                      + " | ".join(f"{v.median(k) * 1e3:.0f}" for k in PHASES)
                      + f" | {hardware.mfu(flops_per_token, TOTAL / step_s, peak):.1f}% | " + " | ".join(mem)
                      + (f" | {compile_s[v.name]:.0f} |" if compile_s[v.name] is not None else " | - |"))
-    lines += ["", f"MFU against {hardware.peak_flops(DEVICE, 'fp32').describe()} (bf16 rows: the bf16 peak). Memory: "
+    lines += ["", f"**{'; '.join(ratios)}** (full steps, tokens/s). {ours.name} runs {ours.dtype}, "
+              f"{ours.compile_why}.", "",
+              f"MFU against {hardware.peak_flops(DEVICE, 'fp32').describe()} (bf16 rows: the bf16 peak). Memory: "
               + ("torch.cuda.max_memory_allocated over a step" if DEVICE.type == "cuda" else
                  "held = parameters + optimizer state (counted from the tensors); step rise = growth of the resident "
-                 "set during a warm-up step (malloc_trim and the high-water mark reset first)") + ".", ""]
+                 "set during the first timed step (malloc_trim and the high-water mark reset first)") + ". "
+              f"This depth took {wall_s:.0f} s of wall time, compiles and torch.optim.Muon apart included.", ""]
     return lines
+
+
+@contextlib.contextmanager
+def cold_compiles(cache_dir: str | None = None):
+    """Compiles inside start from nothing: dynamo's graphs dropped (compiled GPTs also share
+    GPT.forward's recompile limit of 8 graphs per process) and inductor writing to an empty cache
+    directory of its own, removed afterwards, so compile seconds are what a first run pays and
+    nothing is left in the tree. cache_dir: inductor's cache goes there instead (and stays)."""
+    torch._dynamo.reset()
+    with contextlib.ExitStack() as stack:
+        cache = cache_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="inductor-"))
+        stack.enter_context(temporary_cache_dir(cache))
+        yield
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("depth", [4, 8])
 def test_train_step(benchmark, corpus, depth):
-    torch._dynamo.reset()  # compiled GPTs share GPT.forward's recompile limit (8 graphs) in a process
-    config = model_config(parse_flags(depth))
+    start = time.perf_counter()
+    config = model_config(training_config(depth))
     muon_s, muon_note = time_torch_muon(config)
     muon_apart_s = muon_s if muon_s > MUON_IN_STEP_LIMIT_S else None
     if muon_apart_s is None:
         muon_note = f"torch.optim.Muon runs inside the stock steps (one step of it measured {muon_s:.2f} s)"
-    with contextlib.ExitStack() as stack:
-        variants = build_variants(depth, corpus, muon_apart_s)
+    with cold_compiles(), contextlib.ExitStack() as stack:
+        variants = build_variants(depth, corpus, muon_apart_s, with_changes_alone=depth == 4)
         for v in variants:
             stack.callback(v.loader.close)
-        compile_s, rise = {}, {}
-        for v in variants:  # the first step compiles; the second is the memory probe; neither is timed
+        compile_s = {}
+        for v in variants:  # the first step compiles (or warms up), untimed; the next measures memory too
             with CompileWatch() as watch:
                 v()
             compile_s[v.name] = watch.seconds if watch.graphs else None
-            rise[v.name] = step_peak_rise(v)
             v.phases.clear()
+            v.measure_memory = True
         baseline = next(v.name for v in variants if v.name.startswith("stock eager fp32"))
         compare(benchmark, op=f"Training step ({DEVICE.type})", baseline=baseline, rounds=ROUNDS[depth], warmup_rounds=0,
                 shape_set=f"depth {depth}, T={T}, {TOTAL} tokens per step", variants={v.name: v for v in variants},
                 notes=f"one full step per call; {muon_note}" + (
                     "; the harness medians of the (Muon apart) variants exclude it, the step table below includes it"
                     if muon_apart_s else ""))
-        benchmark.extra_info["table"] = step_table(depth, config, variants, compile_s, rise, muon_note)
+        benchmark.extra_info["table"] = step_table(depth, config, variants, compile_s, muon_note,
+                                                   time.perf_counter() - start)

@@ -1,11 +1,14 @@
 """The evidence behind the compile policy (nanochat_fast/compiling.py), run by hand:
 
     .venv/bin/python benchmarks/compile_evidence.py [--depths 4 8] [--seq-lens 256 512] [--rounds 3]
-        [--modes default max-autotune-no-cudagraphs] [--skip-steps] [--skip-eval]
+        [--modes default max-autotune-no-cudagraphs] [--cache-dir DIR] [--skip-steps] [--skip-eval]
 
-1. The training step (our defaults' model, optimizers and train_step, fp32, 8 rows per step)
-   eager vs torch.compile(dynamic=False), and other modes: tokens/s (median of interleaved rounds)
-   and the one-time compile seconds (dynamo's compile timer over the first step).
+1. The training step (base_train's model, optimizers, dtype and train_step with every default but
+   --no-compile, as bench_train_step.build_ours builds them; 8 rows per step) eager vs
+   torch.compile(dynamic=False), and other modes: tokens/s (median of interleaved rounds) and the
+   one-time compile seconds (dynamo's compile timer over the first step). Compiles are cold: each
+   configuration gets an empty inductor cache directory; with --cache-dir they share DIR, and a
+   second run with the same DIR shows warm compiles (inductor's FX graph cache).
 2. Evaluation and sampling next to a compiled training model: how many graphs each compiles
    (dynamo's counters), whether the training graph is compiled again afterwards, and evaluation
    cost through the compiled model vs the plain module.
@@ -51,30 +54,35 @@ def interleave(variants: dict, rounds: int) -> dict:
     return {name: statistics.median(ts) for name, ts in cpu.items()}
 
 
-def step_table(data, depths, seq_lens, modes, rounds):
+def step_table(data, depths, seq_lens, modes, rounds, cache_dir):
     print("| depth | T | variant | tokens/s | speed-up | tokens/CPU-s | speed-up (CPU) | compile s | graphs |\n"
           "|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for depth in depths:
         for seq_len in seq_lens:
-            torch._dynamo.reset()  # compiled GPTs share GPT.forward's recompile limit (8 graphs) in a process
-            variants, watches = {}, {}
-            variants["eager"] = steps.build_ours(depth, data, "--no-compile", seq_len=seq_len)
-            for mode in modes:
-                kwargs = dict(dynamic=False) if mode == "default" else dict(dynamic=False, mode=mode)
-                variants[f"compiled, {mode}"] = steps.build_ours(depth, data, "--no-compile", seq_len=seq_len,
-                                                                 compile_kwargs=kwargs)
-            for name, v in variants.items():
-                with CompileWatch() as watches[name]:
-                    v()
-                v.phases.clear()
-            cpu = interleave(variants, rounds)
-            eager_s, tokens = variants["eager"].median(), steps.B * seq_len
-            for name, v in variants.items():
-                w = watches[name]
-                print(f"| {depth} | {seq_len} | {name} | {tokens / v.median():,.0f} | {eager_s / v.median():.2f} | "
-                      f"{tokens / cpu[name]:,.0f} | {cpu['eager'] / cpu[name]:.2f} | {w.seconds if w.graphs else 0:.0f} | "
-                      f"{w.graphs} |", flush=True)
-                v.loader.close()
+            with steps.cold_compiles(cache_dir):
+                step_rows(data, depth, seq_len, modes, rounds)
+
+
+def step_rows(data, depth, seq_len, modes, rounds):
+    """The rows of one depth and row length: eager and each compile mode."""
+    variants, watches = {}, {}
+    variants["eager"] = steps.build_ours(depth, data, "--no-compile", seq_len=seq_len)
+    for mode in modes:
+        kwargs = dict(dynamic=False) if mode == "default" else dict(dynamic=False, mode=mode)
+        variants[f"compiled, {mode}"] = steps.build_ours(depth, data, "--no-compile", seq_len=seq_len,
+                                                         compile_kwargs=kwargs)
+    for name, v in variants.items():
+        with CompileWatch() as watches[name]:
+            v()
+        v.phases.clear()
+    cpu = interleave(variants, rounds)
+    eager_s, tokens = variants["eager"].median(), steps.B * seq_len
+    for name, v in variants.items():
+        w = watches[name]
+        print(f"| {depth} | {seq_len} | {name} | {tokens / v.median():,.0f} | {eager_s / v.median():.2f} | "
+              f"{tokens / cpu[name]:,.0f} | {cpu['eager'] / cpu[name]:.2f} | {w.seconds if w.graphs else 0:.0f} | "
+              f"{w.graphs} |", flush=True)
+        v.loader.close()
 
 
 def timed(fn):
@@ -88,7 +96,6 @@ def timed(fn):
 def eval_and_sampling(data, depth=4, seq_len=256, eval_batches=8):
     """A compiled training model (our defaults + --compile), then evaluation and sampling the way
     a loop could do them; graphs compiled and seconds for each."""
-    torch._dynamo.reset()
     v = steps.build_ours(depth, data, "--compile", seq_len=seq_len)
     compiled, plain = v.observed.step_model, v.model
     val = [next(v.loader) for _ in range(eval_batches)]
@@ -136,19 +143,22 @@ def eval_and_sampling(data, depth=4, seq_len=256, eval_batches=8):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--depths", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512])
-    p.add_argument("--modes", nargs="+", default=["default"])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--skip-steps", action="store_true")
-    p.add_argument("--skip-eval", action="store_true")
+    p.add_argument("--depths", type=int, nargs="+", default=[4, 8], help="model depths of the step table")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512], help="row lengths T of the step table")
+    p.add_argument("--modes", nargs="+", default=["default"], help="torch.compile modes to compare with eager")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per configuration (medians)")
+    p.add_argument("--cache-dir", help="inductor cache directory shared by every configuration (default: an empty "
+                                       "temporary one each: cold compiles); run twice with one DIR for warm compiles")
+    p.add_argument("--skip-steps", action="store_true", help="leave out the step table")
+    p.add_argument("--skip-eval", action="store_true", help="leave out evaluation and sampling")
     args = p.parse_args(argv)
     data = corpus()
     print(f"{steps.machine_line()}; torch {torch.__version__}; data: {data[2]}; home {paths.home()}\n")
     if not args.skip_steps:
-        step_table(data, args.depths, args.seq_lens, args.modes, args.rounds)
+        step_table(data, args.depths, args.seq_lens, args.modes, args.rounds, args.cache_dir)
     if not args.skip_eval:
-        eval_and_sampling(data)
+        with steps.cold_compiles(args.cache_dir):
+            eval_and_sampling(data)
 
 
 if __name__ == "__main__":
