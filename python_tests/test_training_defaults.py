@@ -40,7 +40,7 @@ def test_defaults_reach_the_val_bpb_of_fp32_eager_after_60_steps(choice, home):
 
 def test_muon_recipe_current_trains_and_is_reported(home, capsys):
     code = base_train.main(TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512",
-                                                     "--num-iterations=12", "--eval-every=-1",
+                                                     "--num-iterations=30", "--eval-every=-1",
                                                      "--muon-recipe=current", "--run=current"])
     assert code == 0
     out = capsys.readouterr().out
