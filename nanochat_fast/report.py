@@ -6,13 +6,13 @@ these. Also the summary a run prints before its first step.
 """
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
 from . import paths
+from .hardware import cpu_model
 
 
 class MetricsLog:
@@ -68,15 +68,7 @@ def plot(rows: list[dict], out_png: Path, title: str):
 
 
 def hardware() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    desc = f"{cpu}, {os.cpu_count()} CPU cores"
+    desc = f"{cpu_model()}, {os.cpu_count()} CPU cores"
     if torch.cuda.is_available():
         desc += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     elif torch.backends.mps.is_available():
