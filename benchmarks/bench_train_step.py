@@ -252,7 +252,7 @@ def build_ours(depth, data, *extra_flags, seq_len=T, compile_kwargs=None) -> Loo
     if compile_kwargs is None:
         horizon = stage.fixed_horizon(cfg, model, None)  # base_train's default horizon decides the default
         step_model, why = models.compile_for_training(
-            model, cfg.run.compile, DEVICE, model.estimate_flops() * horizon.tokens,
+            model, cfg.run.compile, DEVICE, horizon.tokens,
             hardware.peak_flops(DEVICE, compute.name).flops, TOKEN_ROWS.varying_shapes)
     else:
         step_model, why = torch.compile(model, **compile_kwargs), f"compiled: torch.compile({compile_kwargs})"

@@ -40,17 +40,19 @@ def build_for_training(config: GPTConfig, device, optimizer_kwargs: dict, state:
     return model, model.setup_optimizers(**optimizer_kwargs)
 
 
-def compile_for_training(model: GPT, requested: bool | None, device, run_flops: float | None,
+def compile_for_training(model: GPT, requested: bool | None, device, run_tokens: int | None,
                          peak_flops: float | None, varying_shapes: bool = False):
     """(the module the training step calls, why): torch.compile'd or `model` itself.
     --compile/--no-compile as given; by default compiling.default_compile's rule (CUDA and CPU
-    unless the run is too short), and eager where the rows' length varies from batch to batch
-    (padded conversations), which would compile a new graph for every length."""
+    unless the run's FLOPs, model.estimate_flops() x run_tokens, are too few at peak_flops: the
+    peak of all processes), and eager where the rows' length varies from batch to batch (padded
+    conversations), which would compile a new graph for every length."""
     if requested is not None:
         on, why = requested, f"{'compiled' if requested else 'eager'}: {'--compile' if requested else '--no-compile'}"
     elif varying_shapes:
         on, why = False, "eager: the rows' length varies from batch to batch (one compile per length)"
     else:
+        run_flops = model.estimate_flops() * run_tokens if run_tokens else None
         on, why = default_compile(torch.device(device).type, run_flops, peak_flops)
     # dynamic=False: one training shape; evaluation and sampling use the plain module (compiling.py)
     return (torch.compile(model, dynamic=False) if on else model), why

@@ -166,10 +166,8 @@ def run_stage(args, stage: Stage) -> int:
         data = stage.data.open(args, cfg, tokenizer, dev)
         horizon = stage.horizon(cfg, orig_model, data)
         peak = hardware.peak_flops(dev.device, dev.precision.name)
-        run_flops = orig_model.estimate_flops() * horizon.tokens if horizon.tokens else None
-        model, compile_why = models.compile_for_training(orig_model, cfg.run.compile, dev.device, run_flops,
-                                                         peak.flops * dev.world_size,
-                                                         stage.data.varying_shapes)
+        model, compile_why = models.compile_for_training(orig_model, cfg.run.compile, dev.device, horizon.tokens,
+                                                         peak.flops * dev.world_size, stage.data.varying_shapes)
         ns = precision.choose(dev.device, cfg.optim.ns_dtype, what="--ns-dtype", warn=dev.rank == 0)
         settings = {**flag_values(args), **cfg.as_dict(), "dataset": data.dataset}
 

@@ -72,8 +72,8 @@ def test_a_cuda_machine_chooses_bf16_and_compile(monkeypatch):
     assert (peak.source, peak.flops) == ("datasheet", 989e12)
     model = models.new_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=16),
                              "cpu")  # built here; compile_for_training only decides and wraps
-    run_flops = 3600 * peak.flops  # an hour at peak
-    compiled, why = models.compile_for_training(model, None, cuda, run_flops, peak.flops)
+    run_tokens = round(3600 * peak.flops / model.estimate_flops())  # an hour at peak
+    compiled, why = models.compile_for_training(model, None, cuda, run_tokens, peak.flops)
     assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule) and "compiled on cuda" in why
-    same, why = models.compile_for_training(model, None, "cpu", 1e9, 1e11)
+    same, why = models.compile_for_training(model, None, "cpu", round(1e9 / model.estimate_flops()), 1e11)
     assert same is model and "short run" in why
