@@ -145,7 +145,7 @@ class OptimConfig(Config):
                             "Muon+, NorMuon, cautious weight decay, momentum warmdown); the flags below override "
                             "parts of it", choices=list(PRESET_NAMES))
     ns_dtype: str = flag("auto", choice(*precision.CHOICES), "dtype Newton-Schulz computes in (auto: bf16 on CUDA "
-                         "and CPUs with native bf16, fp32 elsewhere)", choices=list(precision.CHOICES))
+                         "sm80+; on a CPU the faster one, timed at Muon's matrices and cached)", choices=list(precision.CHOICES))
     ns_coefficients: str | None = flag(None, optional(choice("quintic", "polar_express")),
                                        "Newton-Schulz coefficients (default: the recipe's)",
                                        choices=["quintic", "polar_express"])
@@ -211,8 +211,11 @@ class Device:
     def autocast(self):
         return precision.autocast(self.device, self.precision)
 
-    def describe(self) -> str:
-        return (f"device: {self.device} x {self.world_size} process(es) | precision: {self.precision.describe()}\n"
+    def describe(self, precision: bool = True) -> str:
+        """The device lines of a script's log; a training stage prints its precision later, once
+        it is measured at the run's shapes."""
+        dtype = f" | precision: {self.precision.describe()}" if precision else ""
+        return (f"device: {self.device} x {self.world_size} process(es){dtype}\n"
                 f"kernels: {', '.join(f'{op}={name}' for op, name in self.kernels.items())}")
 
 
@@ -221,18 +224,22 @@ class DeviceConfig(Config):
     GROUP = "device"
     device_type: str = flag("", choice("", "cpu", "cuda", "mps"), "'' = autodetect", choices=["", "cpu", "cuda", "mps"])
     dtype: str = flag("auto", choice(*precision.CHOICES), "compute dtype of the model's matmuls (auto: bf16 on "
-                      "CUDA sm80+ and CPUs with native bf16, fp32 elsewhere)", choices=list(precision.CHOICES))
+                      "CUDA sm80+; on a CPU the faster one, timed at the run's shapes and cached; fp32 on MPS)", choices=list(precision.CHOICES))
     # threads per process (hardware.py) is decided in compute_init from the environment
 
     def init(self, seed: int = 42, deterministic: bool = False) -> Device:
         """Set this process up (compute_init), then choose the compute dtype and check that the
-        kernels asked for can run here. UserError for a device, dtype or backend that cannot."""
+        kernels asked for can run here. UserError for a device, dtype or backend that cannot. A
+        CPU's auto dtype comes from this machine's matmul probe here (rank 0's, for every rank);
+        a training stage then times its own model (models.tune_for_training)."""
         from .common import compute_init
         from .environment import check_kernels
         ddp, rank, local_rank, world_size, device = compute_init(self.device_type, seed=seed,
                                                                  deterministic=deterministic)
-        chosen = precision.choose(device, self.dtype, what="--dtype", warn=rank == 0)
-        return Device(ddp, rank, local_rank, world_size, device, chosen, check_kernels(device.type))
+        chosen = [precision.choose(device, self.dtype, what="--dtype", warn=rank == 0)]
+        if ddp:
+            torch.distributed.broadcast_object_list(chosen, src=0)
+        return Device(ddp, rank, local_rank, world_size, device, chosen[0], check_kernels(device.type))
 
 
 @dataclass(frozen=True)

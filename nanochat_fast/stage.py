@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from . import checkpoint, generation, hardware, models, next_steps, precision, report, runs, training
+from . import checkpoint, generation, hardware, models, next_steps, report, runs, training
 from .cli import flag_name, flag_values
 from .common import compute_cleanup, print0
 from .config import OptimConfig, TrainingConfig
@@ -150,7 +150,7 @@ def run_stage(args, stage: Stage) -> int:
     dev = cfg.device.init(seed=cfg.run.seed, deterministic=cfg.run.deterministic)
     data = None
     try:
-        print0(dev.describe())
+        print0(dev.describe(precision=False))
         tokenizer = get_tokenizer()
         point = stage.start.resolve(args, cfg, tokenizer)
         cfg = replace(cfg, data=replace(cfg.data, max_seq_len=point.seq_len))
@@ -165,10 +165,12 @@ def run_stage(args, stage: Stage) -> int:
             checkpoint.load_model_state(weights, dev.device) if weights else None)
         data = stage.data.open(args, cfg, tokenizer, dev)
         horizon = stage.horizon(cfg, orig_model, data)
-        peak = hardware.peak_flops(dev.device, dev.precision.name)
+        dev, ns = models.tune_for_training(orig_model, optimizers, dev, cfg.device.dtype, cfg.data.device_batch_size,
+                                           point.seq_len, grad_accum_steps, horizon.tokens)
+        print0(f"precision: {dev.precision.describe()}")
+        peak = hardware.peak_flops(dev.device)
         model, compile_why = models.compile_for_training(orig_model, cfg.run.compile, dev.device, horizon.tokens,
                                                          peak.flops * dev.world_size, stage.data.varying_shapes)
-        ns = precision.choose(dev.device, cfg.optim.ns_dtype, what="--ns-dtype", warn=dev.rank == 0)
         settings = {**flag_values(args), **cfg.as_dict(), "dataset": data.dataset}
 
         def meta_of_run():

@@ -402,6 +402,12 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
             else:
                 done = min(horizon.progress(state.step), 1.0)
                 eta = dt_ema * state.step / done * (1 - done) if done > 0 else None
+            if run.rank == 0:  # a run faster than its peak shows the peak was probed under load
+                peak = hardware.revise_peak(run.peak, run.flops_per_token * result.n_tokens / dt / run.world_size,
+                                            run.device)
+                if peak is not run.peak:
+                    bar.write(f"step {step + 1:05d} ran above the {run.peak.describe()}: measured again, {peak.describe()}")
+                    run.peak = peak
             line, postfix, row = describe_step(state, horizon.num_iterations, result, lrm, dt, debiased, eta,
                                                result.n_tokens, run.flops_per_token, run.peak, run.world_size)
             bar.step(line, postfix)

@@ -20,8 +20,12 @@ LEVEL = {name: i for i, (_, names) in enumerate(LAYERS) for name in names}
 
 
 def layer_of(module: str) -> int | None:
-    """'nanochat_fast.kernels.registry' -> the level of 'kernels' (None: not in the table)."""
+    """'nanochat_fast.kernels.registry' -> the level of 'kernels' (None: not in the table). A
+    package's __main__ is a command-line entry point (`python -m nanochat_fast.hardware`): the
+    scripts layer, whatever its package's layer."""
     parts = module.split(".")
+    if parts[-1] == "__main__" and parts[0] == "nanochat_fast":
+        return LEVEL["scripts"]
     return LEVEL.get(parts[1]) if len(parts) > 1 and parts[0] == "nanochat_fast" else None
 
 
@@ -66,3 +70,5 @@ def test_the_check_sees_relative_and_late_imports():
         "nanochat_fast.optim.adamw (model / optim, data and evaluation) imports nanochat_fast.stage (stage / run)"]
     assert upward_imports("from .training import train", "nanochat_fast.gpt") != []
     assert upward_imports("from .kernels import registry\nfrom . import errors", "nanochat_fast.environment") == []
+    assert upward_imports("from .. import models", "nanochat_fast.hardware.__main__") == []  # an entry point
+    assert upward_imports("from .. import models", "nanochat_fast.hardware.tuning") != []

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from nanochat_fast import checkpoint, cli, environment
+from nanochat_fast.hardware import __main__ as hardware
 from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_sft, chat_web, mid_train, prepare_data,
                                    report, tok_train)
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_with_base_run
@@ -23,7 +24,7 @@ from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_with_b
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 SCRIPTS = {"base_train": base_train, "mid_train": mid_train, "base_eval": base_eval, "chat_cli": chat_cli,
            "prepare_data": prepare_data, "tok_train": tok_train, "chat_web": chat_web, "chat_sft": chat_sft,
-           "chat_eval": chat_eval, "report": report}
+           "chat_eval": chat_eval, "report": report, "hardware": hardware}
 
 
 @pytest.fixture(scope="module")
@@ -134,16 +135,16 @@ def one_line_exit_2(script, argv, capsys) -> str:
 # flags that take any value (switches, free text), only print help, or (--host) are checked by
 # binding to them (a made-up host name would wait on a DNS lookup here)
 NO_BAD_VALUE = {"--help", "--overwrite", "--deterministic", "--compile", "--no-compile", "--no-tokenize", "--prompt",
-                "--host", "--normuon", "--no-normuon"}
+                "--host", "--normuon", "--no-normuon", "--tune"}
 BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--depth": "0", "--aspect-ratio": "-1", "--head-dim": "3", "--max-seq-len": "0", "--dataset": "../x",
     "--device-batch-size": "-4", "--total-batch-size": "0", "--num-iterations": "0", "--target-flops": "-5",
     "--target-param-data-ratio": "nan", "--embedding-lr": "-1", "--unembedding-lr": "inf", "--matrix-lr": "abc",
     "--weight-decay": "-0.1", "--grad-clip": "-1", "--warmup-ratio": "1.5", "--warmdown-ratio": "-0.1",
     "--final-lr-frac": "2", "--ns-coefficients": "cubic", "--muon-recipe": "latest",
-    "--ns-dtype": "fp16", "--muon-weight-decay": "-0.5", "--eval-every": "x", "--eval-tokens": "0",
+    "--ns-dtype": "tf32", "--muon-weight-decay": "-0.5", "--eval-every": "x", "--eval-tokens": "0",
     "--sample-every": "1.5", "--save-every": "often", "--keep-last": "-1", "--skip-nonfinite": "-2",
-    "--test-inject-nan-at-step": "x", "--test-preempt-at-step": "y", "--device-type": "tpu", "--dtype": "fp8",
+    "--test-inject-nan-at-step": "x", "--test-preempt-at-step": "y", "--device-type": "tpu", "--dtype": "fp16",
     "--run": "../../x", "--out-dir": "/dev/null", "--resume": "/nonexistent/step_000001", "--seed": "-1",
     "--base-run": "../nope", "--base-step": "-1", "--extra-conversations": "missing.jsonl", "--step": "-1",
     "--samples": "-1", "--max-tokens": "0", "--temperature": "-1", "--top-k": "-1", "--datasets": "prose",
@@ -153,7 +154,7 @@ BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--workers": "0", "--max-new-tokens": "0", "--queue-size": "-1", "--request-timeout": "0",
     "--test-token-delay": "x", "--source-run": "../nope", "--source-step": "-1", "--target-examples-per-step": "0",
     "--chat-eval-examples": "-1", "--task": "ARC-Hard", "--max-examples": "-1", "--num-samples": "0",
-    "--batch-size": "0", "--mid-run": "../nope", "--sft-run": "../nope", "--output": "/dev/null/card.md",
+    "--batch-size": "0", "--budget": "-1", "--device": "tpu", "--mid-run": "../nope", "--sft-run": "../nope", "--output": "/dev/null/card.md",
 }
 # what each script gets before the bad flag: enough to run and end, should the bad value slip through
 # (chat_web: a port that is taken, so it stops before serving)
@@ -161,7 +162,8 @@ CONTEXT = {"base_train": TINY + ["--num-iterations=1", "--run=flagcheck"], "mid_
            "base_eval": ["--run=b"], "chat_cli": ["--prompt=hi"], "prepare_data": [], "tok_train": [],
            "chat_web": ["--run=b", "--host=127.0.0.1", "--port={busy_port}"],
            "chat_sft": ["--source-run=b", "--num-iterations=1", "--eval-every=-1", "--run=sftcheck"],
-           "chat_eval": ["--run=b", "--task=ARC-Easy", "--max-examples=1"], "report": []}
+           "chat_eval": ["--run=b", "--task=ARC-Easy", "--max-examples=1"], "report": [],
+           "hardware": ["--tune", "--depth=1", "--max-seq-len=16", "--device-batch-size=1"]}
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The Newton-Schulz dtype policy (device x CPU flags -> dtype), the shape-gating table (device,
+"""The Newton-Schulz dtype policy (device x measurements -> dtype), the shape-gating table (device,
 dtype, m, n -> path, and which backend `auto` runs), and every path in bf16 against float64.
 
 bf16 is emulated on CPUs without AVX512-BF16/AMX (~1 GFLOP/s), so the bf16 shapes are small. The
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nanochat_fast import precision
+from nanochat_fast.hardware.tuning import Timing
 from nanochat_fast.kernels import newton_schulz, registry
 from nanochat_fast.kernels import newton_schulz_policy as policy
 from nanochat_fast.optim import Muon
@@ -21,7 +22,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 @pytest.fixture
 def cpu_bf16(monkeypatch):
-    """Pretend this CPU has (or has not) native bf16: set(feature or None)."""
+    """Pretend this CPU has (or has not) bf16 instructions: set(feature or None)."""
     def set_feature(feature):
         monkeypatch.setattr(precision, "cpu_bf16_support", lambda: feature)
         policy._auto_dtype.cache_clear()
@@ -29,21 +30,32 @@ def cpu_bf16(monkeypatch):
     policy._auto_dtype.cache_clear()
 
 
-@pytest.mark.parametrize("feature,expected", [(None, F32), ("AVX512-BF16", BF16), ("AMX", BF16)])
-def test_auto_dtype_follows_the_cpu(cpu_bf16, feature, expected):
-    cpu_bf16(feature)
-    assert policy.compute_dtype("cpu") == expected
-    assert policy.compute_dtype("cpu", "auto") == expected
-    assert newton_schulz(make_input((8, 24))).dtype == F32  # returned in G's dtype either way
-    # forced choices do not look at the CPU
-    assert policy.compute_dtype("cpu", "fp32") == F32 and policy.compute_dtype("cpu", BF16) == BF16
+# the machine's matmul probe (seconds per unit of work) on three kinds of CPU
+PROBES = {"emulated": (1.0, 80.0), "bf16 slower": (1.0, 2.04), "bf16 faster": (1.0, 0.45)}
 
 
-@pytest.mark.parametrize("device,capability,cpu_feature,expected", [
+@pytest.mark.parametrize("cpu,expected", [("emulated", F32), ("bf16 slower", F32), ("bf16 faster", BF16)])
+def test_auto_dtype_follows_the_measured_cpu(monkeypatch, cpu, expected):
+    """A direct newton_schulz call with dtype=None takes the faster dtype of the machine's probe."""
+    fp32, bf16 = PROBES[cpu]
+    monkeypatch.setattr(precision, "probe_timing", lambda device: Timing({"fp32": fp32, "bf16": bf16}, "probe", 3))
+    policy._auto_dtype.cache_clear()
+    try:
+        assert policy.compute_dtype("cpu") == expected
+        assert policy.compute_dtype("cpu", "auto") == expected
+        assert newton_schulz(make_input((8, 24))).dtype == F32  # returned in G's dtype either way
+        # forced choices do not look at the CPU
+        assert policy.compute_dtype("cpu", "fp32") == F32 and policy.compute_dtype("cpu", BF16) == BF16
+    finally:
+        policy._auto_dtype.cache_clear()
+
+
+@pytest.mark.parametrize("device,capability,timing,expected", [
     ("cuda", (9, 0), None, "bf16"), ("cuda", (8, 0), None, "bf16"), ("cuda", (7, 5), None, "fp32"),
-    ("cpu", None, "AVX512-BF16", "bf16"), ("cpu", None, None, "fp32"), ("mps", None, None, "fp32")])
-def test_ns_dtype_rule(device, capability, cpu_feature, expected):
-    choice = precision.decide(device, "auto", cpu_bf16=cpu_feature, cuda_capability=capability, what="--ns-dtype")
+    ("cpu", None, (1.0, 0.45), "bf16"), ("cpu", None, (1.0, 2.04), "fp32"), ("mps", None, None, "fp32")])
+def test_ns_dtype_rule(device, capability, timing, expected):
+    timing = timing and Timing({"fp32": timing[0], "bf16": timing[1]}, "Muon's matrices", 5)
+    choice = precision.decide(device, "auto", timing=timing, cuda_capability=capability, what="--ns-dtype")
     assert choice.name == expected
 
 

@@ -95,13 +95,15 @@ def test_a_stage_can_add_its_own_evaluations(home):
 
 def test_dtype_choice_and_its_reason_open_the_log_and_the_report(home, capsys):
     """--dtype=bf16 where the CPU has no native bf16 runs (slowly) after precision's one warning
-    line; the first line of the run and the report name the choice and why."""
+    line; the run's first lines (before its first step) and the report name the choice and why."""
     from nanochat_fast import precision
     assert base_train.main(TINY + ["--num-iterations=1", "--run=bf", "--dtype=bf16"]) == 0
     captured = capsys.readouterr()
     chosen = precision.choose(torch.device("cpu"), "bf16", warn=False)
-    first = captured.out.splitlines()[0]
-    assert first.startswith("device: cpu x 1 process(es) | precision: ") and chosen.describe() in first
+    lines = captured.out.splitlines()
+    assert lines[0] == "device: cpu x 1 process(es)"
+    before_steps = lines[:next(i for i, l in enumerate(lines) if l.startswith("step 00001"))]
+    assert f"precision: {chosen.describe()}" in before_steps
     warnings = [line for line in captured.err.splitlines() if line.startswith("warning: --dtype bf16")]
     assert len(warnings) == (0 if chosen.native else 1)
     assert f"| precision | {chosen.describe()} |" in (home / "runs" / "bf" / "report.md").read_text()

@@ -68,7 +68,7 @@ def test_a_cuda_machine_chooses_bf16_and_compile(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert precision.choose(cuda, warn=False).name == "bf16"
     assert precision.choose(cuda, OptimConfig().ns_dtype, warn=False).name == "bf16"
-    peak = hardware.peak_flops(cuda, "bf16")
+    peak = hardware.peak_flops(cuda)
     assert (peak.source, peak.flops) == ("datasheet", 989e12)
     model = models.new_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=16),
                              "cpu")  # built here; compile_for_training only decides and wraps

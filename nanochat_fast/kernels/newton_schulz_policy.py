@@ -6,10 +6,12 @@ and newton_schulz_triton.py (the CUDA kernels); neither imports the other's modu
 Compute dtype
 -------------
 `newton_schulz(..., dtype=None)` and Muon's `ns_dtype="auto"` take the precision policy's choice
-for the tensor's device (nanochat_fast.precision, flag name `--ns-dtype`): bf16 on CUDA (sm80+)
-and on CPUs with native bf16 (AVX512-BF16, AMX), fp32 elsewhere. "fp32" and "bf16" force one.
-Only the iteration runs in that dtype: the input is normalised in fp32 and the result is cast to
-`out_dtype` (Muon: the parameter's dtype; its momentum stays fp32).
+for the tensor's device (nanochat_fast.precision, flag name `--ns-dtype`): bf16 on CUDA (sm80+);
+on a CPU the faster of fp32 and bf16 as measured here: Muon times its own matrix stacks
+(Muon.resolve_ns_precision, hardware/tuning.py), a direct call with dtype=None takes the
+machine's matmul probe. "fp32" and "bf16" force one. Only the iteration runs in that dtype: the
+input is normalised in fp32 and the result is cast to `out_dtype` (Muon: the parameter's dtype;
+its momentum stays fp32).
 
 Paths
 -----

@@ -29,9 +29,10 @@ any world size work and no rank holds much more state than 1/W of the total.
 """
 import torch
 
+from ..hardware import tuning
 from ..kernels import newton_schulz
 from ..kernels.newton_schulz_policy import compute_dtype, resolve_coefficients
-from ..precision import CHOICES, choose
+from ..precision import CHOICES, DTYPES, Precision, choose
 from .recipe import MuonRecipe
 from .zero import (ZeroOptimizer, all_gather, check_hparam, copy_flat_pieces, normalize_param_groups,
                    reduce_scatter_sum)
@@ -84,6 +85,31 @@ def second_moment_shape(shape) -> tuple[int, int]:
     return (rows, 1) if rows >= cols else (1, cols)
 
 
+def newton_schulz_work(shapes, steps: int, coefficients, device, run_steps: int | None = None) -> tuning.Work:
+    """Newton-Schulz on stacks of (k, rows, cols) matrices in fp32 and in bf16, through the path
+    each takes, for hardware/tuning.py to time."""
+    device = torch.device(device)
+
+    def make():
+        gen = torch.Generator().manual_seed(0)
+        stacks = [torch.randn(*shape, generator=gen).to(device) for shape in shapes]
+
+        def call(dtype):
+            return lambda: [newton_schulz(G, steps, coefficients, out_dtype=torch.float32, dtype=dtype) for G in stacks]
+        return {name: call(dtype) for name, dtype in DTYPES.items()}
+
+    sides = [(k, min(r, c), max(r, c)) for k, r, c in shapes]
+    return tuning.Work(
+        "newton_schulz", dict(shapes=[list(s) for s in shapes], steps=steps, coefficients=coefficients),
+        what=f"Newton-Schulz on Muon's matrices ({', '.join('x'.join(map(str, s)) for s in shapes)})",
+        flops=sum(k * steps * (4 * m * m * n + 2 * m ** 3) for k, m, n in sides),  # the plain path's count
+        make=make, matmuls=sorted({(m, n, m) for _, m, n in sides}, key=lambda s: -s[0] * s[1])[:2], run_calls=run_steps)
+
+
+tuning.register("newton_schulz", lambda spec, device: newton_schulz_work(
+    [tuple(s) for s in spec["shapes"]], spec["steps"], spec["coefficients"], device))
+
+
 class Muon(ZeroOptimizer):
     """Muon in one process. Params: 2-D tensors (or (name, tensor) pairs); they are regrouped by
     shape, each group keeping the hyperparameters (lr, momentum, nesterov, ns_steps, ns_coefficients,
@@ -110,9 +136,6 @@ class Muon(ZeroOptimizer):
                         cautious_weight_decay=bool(cautious_weight_decay), normuon_beta=normuon_beta,
                         equilibrate_rows=bool(equilibrate_rows), renormalize=bool(renormalize))
         super().__init__(self._group_by_shape(params), defaults, distributed=_distributed)
-        # the dtype Newton-Schulz computes in, for the logs and the run report; one warning line if
-        # bf16 is asked for where it is emulated
-        self.ns_precision = choose(self._device(), ns_dtype, what="--ns-dtype")
         self.recipe = None
         shapes = [tuple(g["params"][0].shape) for g in self.param_groups]
         sizes = [len(g["params"]) for g in self.param_groups]
@@ -123,6 +146,30 @@ class Muon(ZeroOptimizer):
             slots = [[i for i, o in enumerate(group_owners) if o == r] for r in range(self.world_size)]
             self._layout.append(dict(capacity=max(len(s) for s in slots), slots=slots))
         self._reset_state()
+        # the dtype Newton-Schulz computes in: an explicit one now (with its one warning line where
+        # bf16 is emulated); "auto" at the first step, or when the run calls resolve_ns_precision
+        self._ns_precision = None if ns_dtype == "auto" else self.resolve_ns_precision()
+
+    @property
+    def ns_precision(self) -> Precision:
+        if self._ns_precision is None:
+            self.resolve_ns_precision()
+        return self._ns_precision
+
+    def resolve_ns_precision(self, run_steps: int | None = None, warn: bool = True) -> Precision:
+        """Decide ns_dtype "auto" for this optimizer (precision.py): on a CPU by timing Newton-Schulz
+        on its own matrix stacks in fp32 and bf16 (hardware/tuning.py; run_steps, the optimizer steps
+        the run will take, bounds the time spent); the same decision on every rank. Distributed, every
+        rank calls this together."""
+        device, requested = self._device(), self.defaults["ns_dtype"]
+        timing = None
+        if device.type == "cpu" and requested == "auto":
+            group = self.param_groups[0]
+            shapes = [(self._layout[g]["capacity"], *p["params"][0].shape) for g, p in enumerate(self.param_groups)]
+            work = newton_schulz_work(shapes, group["ns_steps"], group["ns_coefficients"], device, run_steps)
+            timing = tuning.measure_everywhere(work, device)
+        self._ns_precision = choose(device, requested, what="--ns-dtype", warn=warn, timing=timing)
+        return self._ns_precision
 
     def schedule(self, step: int, num_iterations: int | None) -> float:
         """Set every group's momentum (and, with a recipe, its weight decay) for `step` from the
@@ -188,6 +235,7 @@ class Muon(ZeroOptimizer):
         return [stack[:len(self._owned(g))] for g, stack in enumerate(self._pending["stacks"])]
 
     def _apply(self, clip_coef):
+        self.ns_precision  # noqa: B018  (resolved on every rank together, before any rank's update)
         W = self.world_size
         scale = (1.0 if clip_coef is None else clip_coef) / W
         for g, (group, G) in enumerate(zip(self.param_groups, self._owned_grads())):
@@ -207,8 +255,9 @@ class Muon(ZeroOptimizer):
         G = G.lerp_(buf, momentum) if group["nesterov"] else buf
         if group["equilibrate_rows"]:
             G = equilibrate_rows(G)
-        U = newton_schulz(G, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                          dtype=compute_dtype(G.device, group["ns_dtype"]), out_dtype=torch.float32)
+        dtype = self.ns_precision.dtype if group["ns_dtype"] == "auto" else compute_dtype(G.device, group["ns_dtype"])
+        U = newton_schulz(G, steps=group["ns_steps"], coefficients=group["ns_coefficients"], dtype=dtype,
+                          out_dtype=torch.float32)
         if group["renormalize"]:
             renormalize_(U)
         if group["normuon_beta"] is not None:

@@ -1,0 +1,71 @@
+"""
+python -m nanochat_fast.hardware [--tune] [--budget S] [--depth N ...]
+
+What this machine gives a training process: threads per process, the peak matmul rates (MFU is
+quoted against the best of them), and the fp32-vs-bf16 timings cached for the shapes runs have
+used here. --tune measures the peaks and every cached timing again; with --depth (and the batch
+flags) it also times that model (the vocabulary of the tokenizer trained here, else 65,536) and
+its Muon matrices, as base_train would.
+"""
+import torch
+
+from .. import cli, models, paths  # models and optim register how --tune re-times their work
+from ..environment import check_environment
+from ..optim import muon  # noqa: F401
+from . import peak, threads, tuning
+from .cache import age_days
+
+
+def build_parser():
+    p = cli.ArgumentParser(prog="python -m nanochat_fast.hardware", description=__doc__.split("\n\n")[1])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda", "mps"])
+    p.add_argument("--tune", action="store_true", help="measure the peaks and the cached dtype timings again")
+    p.add_argument("--budget", type=cli.non_negative_float, default=tuning.MAX_SECONDS,
+                   help="seconds each timing may take (--tune)")
+    p.add_argument("--depth", type=cli.positive_int, default=None, help="also time this model (--tune)")
+    p.add_argument("--max-seq-len", type=cli.positive_int, default=2048, help="with --depth: tokens per row")
+    p.add_argument("--device-batch-size", type=cli.positive_int, default=32, help="with --depth: rows per micro-step")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    check_environment()
+    print(f"threads: {threads.configure_threads().describe()}")
+    rates = peak.measured_peaks(args.device, remeasure=args.tune, store=not args.tune)
+    works = []
+    if args.tune:  # every timing planned, and checked against the budget, before anything is written
+        if args.depth:
+            works += models.tuning_works(args.depth, vocab_size(), args.max_seq_len, args.device_batch_size,
+                                         args.device)
+        works += tuning.cached_works(args.device)
+        for work in works:
+            tuning.check_fits(work, rates, args.budget)
+        peak.store_peaks(args.device, rates)
+    print(f"device: {peak.device_name(args.device)}")
+    print(f"peak: {peak.peak_flops(args.device).describe()} (probe of {rates['probe_seconds']} s on "
+          f"{rates['measured']}; {peak.CACHE.path})")
+    for work in works:
+        show("timed", tuning.measure(work, args.device, args.budget, remeasure=True, strict=True))
+    if not args.tune:
+        prefix = peak.machine_key(args.device) + " | "
+        for e in (e for k, e in tuning.CACHE.entries().items() if k.startswith(prefix)):
+            show(f"cached {age_days(e):.0f} days ago", tuning.Timing(e["seconds"], e["what"], e["rounds"]))
+    if not works and not tuning.cached_works(args.device):
+        print("no dtype timings cached here yet: a training run times its own shapes (or --tune --depth N)")
+    print(f"dtype timings: {tuning.CACHE.path}")
+    return 0
+
+
+def vocab_size() -> int:
+    """The trained tokenizer's vocabulary, else nanochat's default of 65,536."""
+    from ..tokenizer import RANKS_FILE, get_tokenizer
+    return get_tokenizer().get_vocab_size() if (paths.tokenizer_dir() / RANKS_FILE).is_file() else 65536
+
+
+def show(how: str, timing: tuning.Timing):
+    print(f"{how}: {timing.describe()} -> {timing.winner}")
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,69 @@
+"""
+A file of measurements under NANOCHAT_FAST_HOME/hardware/: entries by key, a format version,
+written atomically, re-read before each write (another process may have added its own entry).
+A file this version did not write (corrupt, truncated, foreign, an older format) reads as empty,
+says so in one line, and is replaced by the next measurement: a cache can cost a measurement,
+never a run.
+"""
+import json
+import sys
+import time
+from pathlib import Path
+
+from .. import paths
+
+
+class MeasurementCache:
+    def __init__(self, filename: str, version: int, valid):
+        """valid(entry) -> bool: an entry that fails it is dropped on reading (measured again)."""
+        self.filename, self.version, self.valid = filename, version, valid
+        self._warned: set[Path] = set()
+
+    @property
+    def path(self) -> Path:
+        return paths.home() / "hardware" / self.filename
+
+    def entries(self) -> dict:
+        path = self.path
+        try:
+            text = path.read_text()
+        except OSError:
+            return {}
+        try:
+            data = json.loads(text)
+            if data.get("version") != self.version or not isinstance(data.get("entries"), dict):
+                raise ValueError("not this version's format")
+            entries = {k: v for k, v in data["entries"].items() if isinstance(v, dict) and self.valid(v)}
+            if len(entries) < len(data["entries"]):
+                raise ValueError("an entry this version would not write")
+            return entries
+        except (ValueError, TypeError, AttributeError):
+            if path not in self._warned:
+                self._warned.add(path)
+                print(f"note: {path} is not a cache this version wrote (corrupt or foreign): measuring again",
+                      file=sys.stderr, flush=True)
+            return {}
+
+    def get(self, key: str) -> dict | None:
+        return self.entries().get(key)
+
+    def put(self, key: str, entry: dict) -> dict:
+        """Store `entry` (stamped with the time it was measured) under `key`; a cache that cannot be
+        written only costs a measurement next time."""
+        entry = {**entry, "measured": entry.get("measured") or time.strftime("%Y-%m-%d %H:%M:%S")}
+        entries = {**self.entries(), key: entry}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            paths.replace_atomically(self.path, lambda tmp: tmp.write_text(
+                json.dumps({"version": self.version, "entries": entries}, indent=1)))
+        except OSError:
+            pass
+        return entry
+
+
+def age_days(entry: dict) -> float:
+    """Days since the entry was measured (infinite when the stamp is missing or unreadable)."""
+    try:
+        return (time.time() - time.mktime(time.strptime(entry["measured"], "%Y-%m-%d %H:%M:%S"))) / 86400
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return float("inf")

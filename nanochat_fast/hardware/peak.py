@@ -1,0 +1,199 @@
+"""
+The matmul rate MFU is quoted against: the datasheet dense bf16 rate of a known CUDA GPU,
+otherwise this machine's own best rate over the dtypes it has, measured by a short matmul probe
+and cached under NANOCHAT_FAST_HOME/hardware/peak_flops.json (keyed by devices.machine_key).
+
+A probe taken while the machine is busy reads low, and a low peak inflates every later run's MFU.
+So the probe keeps the best of several interleaved rounds (a neighbour rarely stalls every round),
+is not cached when the load average says the machine is busy, is redone when its entry is older
+than STALE_AFTER_DAYS, and is redone during a run whose own measured rate beats it (a run cannot
+legitimately beat its peak): revise_peak.
+"""
+import math
+import os
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from .cache import MeasurementCache, age_days
+from .devices import device_name, machine_key, synchronize
+
+# Dense bf16 tensor-core FLOP/s from the vendors' datasheets, by the exact name
+# torch.cuda.get_device_name() reports (the same family's PCIe and SXM parts differ).
+DATASHEET_BF16 = {
+    "NVIDIA B200": 2250e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA GH200 480GB": 989e12,
+    "NVIDIA H100 80GB HBM3": 989e12,   # SXM5
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA L40S": 362e12,
+    "NVIDIA L40": 181e12,
+    "NVIDIA L4": 121e12,
+    "NVIDIA A10": 125e12,
+    "NVIDIA GeForce RTX 4090": 165e12,
+    "NVIDIA GeForce RTX 3090": 71e12,
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PROBE_ROUNDS = 3
+PROBE_SECONDS = 0.15      # per dtype and round
+STALE_AFTER_DAYS = 30
+CACHE = MeasurementCache("peak_flops.json", version=2, valid=lambda e: all(
+    isinstance(e.get(d), (int, float)) and math.isfinite(e[d]) and e[d] > 0 for d in DTYPES))
+
+
+@dataclass(frozen=True)
+class Peak:
+    flops: float          # FLOP/s of one process, in its fastest dtype
+    dtype: str            # that dtype: "fp32" | "bf16"
+    source: str           # "measured" | "datasheet"
+    device: str           # the device's name
+    others: tuple = ()    # ((dtype, FLOP/s), ...) of the other dtypes measured, for the text
+
+    def describe(self) -> str:
+        """'fp32 peak 374 GFLOP/s (bf16 183), measured here' / 'bf16 peak 989 TFLOP/s (... datasheet)'."""
+        text = f"{self.dtype} peak {format_flops(self.flops)}"
+        if self.source == "datasheet":
+            return f"{text} ({self.device} datasheet)"
+        unit, scale = _unit(self.flops)
+        others = ", ".join(f"{d} {rate / scale:.3g}" for d, rate in self.others)
+        return f"{text}{f' ({others})' if others else ''}, measured here"
+
+
+def _unit(rate: float) -> tuple[str, float]:
+    return next(((u, s) for u, s in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)) if rate >= s),
+                ("MFLOP/s", 1e6))
+
+
+def format_flops(rate: float) -> str:
+    unit, scale = _unit(rate)
+    return f"{rate / scale:.3g} {unit}"
+
+
+def measure_matmul_rate(device, dtype: torch.dtype, seconds: float = PROBE_SECONDS, max_size: int | None = None) -> float:
+    """The best FLOP/s of square matmuls of growing size (64, 128, ...) within about `seconds`.
+    Small matmuls underuse a fast unit and large ones take long where it is slow (emulated bf16
+    runs ~1 GFLOP/s), so past 256 the size grows only while the next one, 8x the work, still fits
+    4 times (warm-up + 3) in the time left, judged by the fastest run of the current size."""
+    device = torch.device(device)
+    max_size = max_size or (8192 if device.type == "cuda" else 4096)
+    deadline = time.perf_counter() + seconds
+    best, n = 0.0, 64
+    while True:
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        out = torch.empty(n, n, device=device, dtype=dtype)
+        torch.mm(a, b, out=out)  # the first call picks kernels and touches the memory
+        synchronize(device)
+        fastest = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            torch.mm(a, b, out=out)
+            synchronize(device)
+            fastest = min(fastest, time.perf_counter() - t0)
+            best = max(best, 2 * n ** 3 / max(fastest, 1e-9))
+            if time.perf_counter() > deadline and n >= min(256, max_size):
+                return best
+        if n * 2 > max_size or (n >= 256 and time.perf_counter() + 32 * fastest > deadline):
+            return best
+        n *= 2
+
+
+def machine_busy() -> bool:
+    """More runnable tasks than CPUs over the last minute: a probe now would measure the
+    neighbours as much as the machine, so it is used for this run but not cached."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1) + 0.5
+    except (AttributeError, OSError):
+        return False
+
+
+def _probe(device: torch.device) -> dict:
+    """Both dtypes' best rates over PROBE_ROUNDS interleaved rounds. On a CPU running several
+    threads, the rate of one thread is a floor: busy neighbours stall a multi-threaded matmul at
+    every OpenMP barrier, and N threads never peak below one."""
+    rates = dict.fromkeys(DTYPES, 0.0)
+    for _ in range(PROBE_ROUNDS):
+        for name, dtype in DTYPES.items():
+            rates[name] = max(rates[name], measure_matmul_rate(device, dtype))
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and threads > 1:
+        torch.set_num_threads(1)
+        try:
+            rates = {name: max(rates[name], measure_matmul_rate(device, dtype)) for name, dtype in DTYPES.items()}
+        finally:
+            torch.set_num_threads(threads)
+    return rates
+
+
+_probed: dict[str, dict] = {}  # this process's own probes (also those a busy machine kept out of the cache)
+
+
+def measured_peaks(device, remeasure: bool = False, store: bool = True) -> dict:
+    """{"fp32": FLOP/s, "bf16": FLOP/s, ...} of this device at the current thread count: from the
+    cache unless stale, else measured (about a second) and cached unless the machine is busy or
+    `store` is False (then store_peaks writes it later; this process keeps it either way)."""
+    key = machine_key(device)
+    if key in _probed and not remeasure:
+        return _probed[key]
+    cached = CACHE.get(key)
+    if cached and not remeasure and age_days(cached) <= STALE_AFTER_DAYS:
+        return cached
+    t0 = time.perf_counter()
+    entry = _probe(torch.device(device))
+    entry.update(probe_seconds=round(time.perf_counter() - t0, 3), measured=time.strftime("%Y-%m-%d %H:%M:%S"))
+    _probed[key] = entry
+    return store_peaks(device, entry) if store else entry
+
+
+def store_peaks(device, entry: dict) -> dict:
+    return entry if machine_busy() else CACHE.put(machine_key(device), entry)
+
+
+def datasheet_peak(name: str) -> float | None:
+    return DATASHEET_BF16.get(name.strip())
+
+
+def peak_flops(device) -> Peak:
+    """The peak MFU is quoted against, for one process: a known GPU's datasheet bf16 rate,
+    otherwise the best measured rate over the dtypes (a run in the slower dtype leaves the rest
+    of the machine unused, and its MFU says so)."""
+    device = torch.device(device)
+    name = device_name(device)
+    if device.type == "cuda" and datasheet_peak(name):
+        return Peak(datasheet_peak(name), "bf16", "datasheet", name)
+    return _measured_peak(measured_peaks(device), name)
+
+
+def _measured_peak(rates: dict, name: str) -> Peak:
+    best = max(DTYPES, key=lambda d: rates[d])
+    return Peak(rates[best], best, "measured", name, tuple((d, rates[d]) for d in DTYPES if d != best))
+
+
+def revise_peak(peak: Peak, achieved_flops: float, device) -> Peak:
+    """`peak`, or, when one process just ran at more than its measured peak (a probe taken under
+    load reads low), the peak measured again: cached in place of the low one, and never below
+    what was achieved."""
+    if peak is None or peak.source != "measured" or achieved_flops <= peak.flops:
+        return peak
+    fresh = _measured_peak(measured_peaks(device, remeasure=True), peak.device)
+    return fresh if fresh.flops >= achieved_flops else replace(fresh, flops=achieved_flops)
+
+
+def mfu(flops_per_token: float, tokens_per_second: float, peak, world_size: int = 1) -> float:
+    """Model FLOPs utilisation in percent: achieved FLOP/s over the peak of all processes.
+    tokens_per_second counts every process's tokens; peak is one process's (a Peak or FLOP/s)."""
+    rate = peak.flops if isinstance(peak, Peak) else float(peak)
+    return 100.0 * flops_per_token * tokens_per_second / (rate * world_size)
+
+
+def mfu_text(flops_per_token: float, tokens_per_second: float, peak: Peak | None, world_size: int = 1) -> str:
+    """'mfu 23.4% (of the fp32 peak 150 GFLOP/s (bf16 75), measured here)' for the step log."""
+    if peak is None:
+        return "mfu n/a"
+    return f"mfu {mfu(flops_per_token, tokens_per_second, peak, world_size):.1f}% (of the {peak.describe()})"
