@@ -103,6 +103,7 @@ def test_mid_train_loss_is_only_on_assistant_tokens(home):
     the cross-entropy over the assistant's tokens alone, averaged over all of them in the step."""
     from nanochat_fast.dataloader import ConversationRowLoader
     from nanochat_fast.gpt import GPT, config_from_depth
+    from nanochat_fast.optim import MuonRecipe
     from nanochat_fast.tokenizer import get_tokenizer
     from nanochat_fast.training import train_step
     from contextlib import nullcontext
@@ -125,7 +126,8 @@ def test_mid_train_loss_is_only_on_assistant_tokens(home):
         targets = torch.cat([y for _, y in batches]).view(-1)
         keep = targets != -1
         reference = F.cross_entropy(logits[keep], targets[keep]).item()  # assistant tokens only
-    adamw, muon = model.setup_optimizers()
+    # fp32 throughout, stated: no autocast, Newton-Schulz in fp32 (the loss compared is the forward's)
+    adamw, muon = model.setup_optimizers(muon_recipe=MuonRecipe.preset("seeds", ns_dtype="fp32"))
     result = train_step(model, [adamw, muon], batches, grad_clip=1.0, autocast_ctx=nullcontext())
     assert result.n_supervised == int(keep.sum())
     assert abs(result.loss - reference) < 1e-5
