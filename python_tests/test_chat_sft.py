@@ -14,11 +14,14 @@ from nanochat_fast.tokenizer import get_tokenizer
 from nanochat_fast.training_data import ConversationShards
 from eval_home import gsm8k, write_eval_home
 from test_gpt import random_model
-from tiny_pipeline import TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
+from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
 
 BASE = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
+# fp32 pinned (FP32: model and Newton-Schulz), as in BASE: the runs are compared to 1e-4..1e-5 and
+# bitwise; with `auto` a CPU with native bf16 would train in bf16, whose rounding differs between
+# 1 and 2 processes (2.8e-4 in val bpb measured on an AVX512-BF16 Xeon)
 SFT = ["--device-batch-size=4", "--target-examples-per-step=8", "--eval-tokens=512", "--chat-eval-examples=4",
-       "--source-run=m"]
+       "--source-run=m"] + FP32
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def sft_home(tiny_home, tmp_path_factory):
     write_eval_home(home)
     with home_env(home):
         assert mid_train.main(["--device-batch-size=4", "--total-batch-size=512", "--num-iterations=2",
-                               "--eval-every=-1", "--base-run=b", "--run=m"]) == 0
+                               "--eval-every=-1", "--base-run=b", "--run=m", *FP32]) == 0
     return home
 
 

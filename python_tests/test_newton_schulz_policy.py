@@ -14,7 +14,7 @@ from nanochat_fast.hardware.tuning import Timing
 from nanochat_fast.kernels import newton_schulz, registry
 from nanochat_fast.kernels import newton_schulz_policy as policy
 from nanochat_fast.optim import Muon
-from test_newton_schulz import float64_newton_schulz, force_path, make_input
+from test_newton_schulz import float64_newton_schulz, force_path, make_input, published
 
 ns = importlib.import_module("nanochat_fast.kernels.newton_schulz")
 F32, BF16 = torch.float32, torch.bfloat16
@@ -95,7 +95,7 @@ def test_auto_runs_triton_only_for_the_symmetric_path(monkeypatch):
 
 
 def bf16_error(G, coefficients="quintic", **kw):
-    coeffs = policy.resolve_coefficients(coefficients, 5)
+    coeffs = published(coefficients)
     out = newton_schulz(G, coefficients=coefficients, dtype=BF16, **kw)
     assert out.dtype == G.dtype
     return (out.double() - float64_newton_schulz(G, coeffs)).abs().max().item()

@@ -15,8 +15,7 @@ if not torch.cuda.is_available():
 
 from nanochat_fast.kernels import newton_schulz  # noqa: E402
 from nanochat_fast.kernels import newton_schulz_triton as nst  # noqa: E402
-from nanochat_fast.kernels.newton_schulz import resolve_coefficients  # noqa: E402
-from test_newton_schulz import float64_newton_schulz, make_input  # noqa: E402
+from test_newton_schulz import float64_newton_schulz, make_input, published  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 COMPUTE_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -84,7 +83,7 @@ F32, BF16 = torch.float32, torch.bfloat16
                                          ((5, 70, 40), F32)])
 def test_newton_schulz_triton_matches_float64(shape, dtype):
     G = make_input(shape).to(DEVICE)
-    coeffs = resolve_coefficients("quintic", 5)
+    coeffs = published("quintic")
     out = nst.newton_schulz_triton(G, coeffs, dtype=dtype)
     assert out.shape == G.shape and out.dtype == dtype
     error = (out.double() - float64_newton_schulz(G, coeffs)).abs().max().item()
@@ -94,11 +93,11 @@ def test_newton_schulz_triton_matches_float64(shape, dtype):
 def test_small_tiles_and_polar_express():
     """The whole iteration with several tiles per matrix, through the public API."""
     G = make_input((3, 70, 40)).to(DEVICE)
-    coeffs = resolve_coefficients("polar_express", 5)
+    coeffs = published("polar_express")
     out = nst.newton_schulz_triton(G, coeffs, dtype=COMPUTE_DTYPE, config=SMALL_TILES)
     assert out.dtype == COMPUTE_DTYPE
     assert (out.double() - float64_newton_schulz(G, coeffs)).abs().max() <= TOL[COMPUTE_DTYPE]
-    api = newton_schulz(G, coefficients="polar_express", backend="triton", dtype=COMPUTE_DTYPE)
+    api = newton_schulz(G, coefficients="polar_express", backend="triton", dtype=COMPUTE_DTYPE)  # the package's table
     assert api.dtype == G.dtype
     assert (api.double() - float64_newton_schulz(G, coeffs)).abs().max() <= TOL[COMPUTE_DTYPE]
 
@@ -117,7 +116,7 @@ def test_flop_counts():
 def test_compiled_kernels_match_float64(shape):
     """On a GPU: the benchmark shapes with the config table's tiles, in bf16 like the reference."""
     G = torch.randn(shape, device="cuda")
-    coeffs = resolve_coefficients("quintic", 5)
+    coeffs = published("quintic")
     out = nst.newton_schulz_triton(G, coeffs)
     assert out.dtype == torch.bfloat16
     assert (out.double() - float64_newton_schulz(G, coeffs)).abs().max() <= 2e-2

@@ -8,9 +8,8 @@ import torch
 
 from nanochat_fast import optim
 from nanochat_fast.kernels import newton_schulz
-from nanochat_fast.kernels.newton_schulz import POLAR_EXPRESS, QUINTIC
 from nanochat_fast.optim import AdamW, DistAdamW, DistMuon, Muon
-from test_newton_schulz import float64_newton_schulz
+from test_newton_schulz import float64_newton_schulz, published  # the published coefficients, not the package's
 
 
 def make_params(shapes, seed=0):
@@ -133,8 +132,7 @@ def test_muon_matches_float64_reference(nesterov, coefficients):
         set_grads(params, step)
         grads_per_step.append([p.grad.clone() for p in params])
         opt.step()
-    coeffs = (QUINTIC,) * 5 if coefficients == "quintic" else POLAR_EXPRESS
-    expected = reference_muon(start, grads_per_step, 0.02, 0.9, nesterov, coeffs)
+    expected = reference_muon(start, grads_per_step, 0.02, 0.9, nesterov, published(coefficients))
     for p, e, s in zip(params, expected, start):
         assert (e - s.double()).abs().max() > 0.02  # the parameters moved ~0.03
         assert (p.detach().double() - e).abs().max() < 5e-6  # fp32 vs float64: ~3e-7 measured
@@ -182,7 +180,7 @@ def test_step_returns_global_norm_and_clips():
         muon_grads.append([p.grad.clone() for p in ref_params[2:]])
     for a, b in zip(params[:2], ref_params[:2]):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
-    expected_muon = reference_muon(ref_muon_start, muon_grads, 0.02, 0.95, True, (QUINTIC,) * 5)
+    expected_muon = reference_muon(ref_muon_start, muon_grads, 0.02, 0.95, True, published("quintic"))
     for p, e in zip(params[2:], expected_muon):
         torch.testing.assert_close(p.detach().double(), e, rtol=0, atol=1e-5)
 

@@ -140,30 +140,58 @@ def _python_progress_during(call):
     return sum(t0 + d / 4 < t < t1 - d / 4 for t in stamps), d
 
 
-@needs_cpp
-def test_gil_is_released():
-    """A Python thread makes progress while a big pack runs (both the op and RowPacker.pack).
-    Many tiny rows make a call long (~0.1 s) without much memory."""
+def tiny_documents(rows: int, row_len: int = 4):
+    """(tokens, offsets) of ~3 documents of 1-3 tokens per row of `row_len`: many tiny rows make a
+    call long without much memory."""
     rng = torch.Generator().manual_seed(0)
-    B, row_len = 400_000, 4
-    lengths = torch.randint(1, 4, (1_200_000,), generator=rng)
+    lengths = torch.randint(1, 4, (3 * rows,), generator=rng)
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
     tokens = torch.randint(100, 1000, (int(offsets[-1]),), dtype=torch.int32, generator=rng)
     tokens[offsets[:-1]] = BOS
-    out = torch.empty(B, row_len, dtype=torch.int64)
-    during, elapsed = _python_progress_during(lambda: pack_rows(tokens, offsets, out, BOS))
-    assert elapsed > 0.02 and during > 3, f"a Python thread ran {during} times in {elapsed * 1e3:.0f} ms: GIL held"
+    return tokens, offsets
 
-    packer = make_row_packer(row_len, BOS, backend="cpp")
-    packer.add(tokens, offsets, 0)
-    during, elapsed = _python_progress_during(lambda: packer.pack(out, B, 0))
-    assert elapsed > 0.02 and during > 3, f"RowPacker.pack held the GIL ({during} runs in {elapsed * 1e3:.0f} ms)"
 
-    # the loader's step (pack, refill from the documents, state), as the training loop calls it
-    stream = registry.extension().RowStream([(tokens, offsets, None)], B, row_len, BOS, 1000, 4)
-    during, elapsed = _python_progress_during(lambda: stream.next(0, B, True))
-    assert elapsed > 0.02 and during > 3, f"RowStream.next held the GIL ({during} runs in {elapsed * 1e3:.0f} ms)"
+def long_call(make_call, rows=400_000, seconds=0.04, max_rows=3_200_000):
+    """make_call(rows) -> a fresh zero-argument call; rows doubled until one such call lasts
+    `seconds` on this machine (400,000 rows: ~0.06-0.16 s on a Zen 4), so that the middle half
+    watched by _python_progress_during is long on any CPU. Time only sizes the work here: the test
+    asserts nothing about it."""
+    while True:
+        start = time.perf_counter()
+        make_call(rows)()
+        if time.perf_counter() - start >= seconds or rows >= max_rows:
+            return make_call(rows)
+        rows *= 2
+
+
+@needs_cpp
+def test_gil_is_released():
+    """A Python thread makes progress while a big pack runs: the op, RowPacker.pack and the
+    loader's RowStream.next. Holding the GIL, each would leave the spinner no run in the middle
+    half of the call."""
+    row_len = 4
+
+    def op(rows):
+        tokens, offsets = tiny_documents(rows, row_len)
+        out = torch.empty(rows, row_len, dtype=torch.int64)
+        return lambda: pack_rows(tokens, offsets, out, BOS)
+
+    def packer(rows):
+        tokens, offsets = tiny_documents(rows, row_len)
+        out = torch.empty(rows, row_len, dtype=torch.int64)
+        packer = make_row_packer(row_len, BOS, backend="cpp")
+        packer.add(tokens, offsets, 0)
+        return lambda: packer.pack(out, rows, 0)
+
+    def stream(rows):  # the loader's step (pack, refill from the documents, state), as training calls it
+        tokens, offsets = tiny_documents(rows, row_len)
+        stream = registry.extension().RowStream([(tokens, offsets, None)], rows, row_len, BOS, 1000, 4)
+        return lambda: stream.next(0, rows, True)
+
+    for name, make_call in (("the pack_rows op", op), ("RowPacker.pack", packer), ("RowStream.next", stream)):
+        during, elapsed = _python_progress_during(long_call(make_call))
+        assert during > 3, f"{name} held the GIL: a Python thread ran {during} times in {elapsed * 1e3:.0f} ms"
 
 
 @needs_cpp

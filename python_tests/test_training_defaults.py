@@ -20,12 +20,14 @@ def final_val_bpb(run_dir) -> float:
     return [r["val_bpb"] for r in rows if r["kind"] == "eval"][-1]
 
 
-@pytest.mark.parametrize("choice", [["--compile"], ["--dtype=bf16", "--ns-dtype=bf16"]],
+@pytest.mark.parametrize("choice", [["--compile", "--dtype=fp32", "--ns-dtype=fp32"], ["--dtype=bf16", "--ns-dtype=bf16"]],
                          ids=["compiled (what the defaults pick for a real run)", "bf16 (CUDA's and native-bf16 CPUs')"])
 def test_defaults_reach_the_val_bpb_of_fp32_eager_after_60_steps(choice, home):
     """Same seed, same data: the dtype and compile choices of the defaults change rounding, not
-    where training goes. A tiny run's own default is eager (too short to pay for a compile), so
-    the compiled side is asked for explicitly."""
+    where training goes. Each variant changes one thing against fp32 eager: the compiled one is
+    compiled in fp32 (with `auto` it would also be bf16 on CPUs with native bf16), the bf16 one is
+    eager. A tiny run's own default is eager (too short to pay for a compile), so the compiled
+    side is asked for explicitly."""
     plain = run_script("base_train", STEPS_60 + ["--dtype=fp32", "--ns-dtype=fp32", "--no-compile", "--run=plain"],
                        home, timeout=600)
     chosen = run_script("base_train", STEPS_60 + choice + ["--run=chosen"], home, timeout=600)
@@ -34,6 +36,7 @@ def test_defaults_reach_the_val_bpb_of_fp32_eager_after_60_steps(choice, home):
     a, b = final_val_bpb(home / "runs" / "plain"), final_val_bpb(home / "runs" / "chosen")
     assert a < 2.0 and abs(a - b) < 0.02, (a, b)
     if "--compile" in choice:
+        assert "precision: fp32" in chosen.stdout  # compile alone is what differs from the plain run
         assert "torch.compile: 1 graph(s) compiled" in chosen.stdout  # one graph: evaluation did not recompile
         assert "torch.compile (one-time, not in the steps)" in (home / "runs" / "chosen" / "report.md").read_text()
 
