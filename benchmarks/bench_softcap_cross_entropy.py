@@ -1,8 +1,9 @@
 """The lm_head's softcapped cross-entropy, forward + backward: ours vs stock PyTorch at its best.
 
 Shapes: the lm_head of a depth-4 and a depth-8 GPT step at T=512, device batch 8: N = 4096 rows,
-d = 256 / 512, V = 8192. Variants, all in the precision policy's dtype for the device (fp32 on a
-CPU without native bf16, bf16 autocast where it is native):
+d = 256 / 512, V = 8192. Variants, all in the precision policy's dtype for the device
+(precision.choose with no timing of a model: bf16 autocast on CUDA sm80+; on a CPU the faster
+dtype of this machine's matmul probe, fp32 where bf16 is emulated):
     ours            softcap_cross_entropy, auto backend (cpp on CPU, triton on CUDA)
     stock eager     F.linear -> 15 tanh(z / 15) in fp32 -> F.cross_entropy, as GPT.forward had it
     stock compiled  the same function under torch.compile (inductor fuses the elementwise part)

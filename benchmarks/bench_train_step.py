@@ -1,26 +1,40 @@
 """Whole training steps: tokens/s of full optimizer steps (data from the real loader, forward,
 backward, optimizer) at depth 4 and depth 8, T=512, vocab 8192, 8 rows per micro-batch and 4096
-tokens per step (one micro-batch), our defaults against stock PyTorch at its best on this machine.
+tokens per step (one micro-batch): our defaults against every forced setting of the choices they
+make (the grid) and against stock PyTorch at its best on this machine.
 
 Variants:
-  ours (defaults)      built the way base_train builds it, every flag at its default: base_train's
-                       parser -> TrainingConfig -> models.build_for_training (GPT.setup_optimizers
-                       with OptimConfig.optimizer_kwargs(): our AdamW and Muon, the seeds recipe,
-                       Newton-Schulz in the policy's dtype) -> models.compile_for_training with the
-                       default rule (the run's FLOPs at base_train's default horizon, 20 tokens per
-                       parameter, against the measured peak of the compute dtype), under the
-                       precision policy's autocast, stepped by the training loop's own
-                       training.train_step: whatever the scripts default to (fused cross-entropy,
-                       Muon recipe, compile policy, dtype) is what runs.
-  ours, --[no-]compile the same with the compile default flipped (depth 4 only, for time).
+  ours (defaults)      built the way base_train builds it (stage.run_stage), every flag at its
+                       default: base_train's parser -> TrainingConfig -> the Device that
+                       DeviceConfig.init gives one process -> models.build_for_training
+                       (GPT.setup_optimizers with OptimConfig.optimizer_kwargs(): our AdamW and
+                       Muon, the seeds recipe) -> base_train's horizon (20 tokens per parameter)
+                       -> models.tune_for_training (on a CPU: --dtype auto timed at this model's
+                       forward+backward of one micro-batch, --ns-dtype auto at Muon's own matrix
+                       stacks; hardware/tuning.py, cached under NANOCHAT_FAST_HOME/hardware/) ->
+                       models.compile_for_training with the default rule (the run's FLOPs at that
+                       horizon against hardware.peak_flops), under the chosen dtype's autocast,
+                       stepped by the training loop's own training.train_step: whatever the
+                       scripts default to (fused cross-entropy, Muon recipe, dtypes, compile) is
+                       what runs.
+  the grid             ours with the three choices forced by their flags: --dtype fp32|bf16 x
+                       --ns-dtype fp32|bf16 x --compile|--no-compile, built the same way. "Best of
+                       the grid" is its fastest cell; the cell with the defaults' choices is their
+                       twin (the two differ only by noise). At depth 8 the grid is the two dtype
+                       axes with compile as the defaults choose it (GRID_COMPILE_AXIS: compile vs
+                       eager is timed at depth 4 in the same run, and was measured at both depths;
+                       the eager cells at depth 8 would cost `make bench` over a minute). bf16
+                       cells are left out, with the reason in the table, where the device has no
+                       native bf16 (emulated: ~100x slower).
   stock <how> <dtype>  the same GPT code under NANOCHAT_FAST_KERNELS=reference, PyTorch's
                        cross-entropy on the softcapped logits (F.cross_entropy(model(x), y)),
                        clip_grad_norm_, torch.optim.AdamW(fused=True) for embedding and lm_head and
                        torch.optim.Muon for the matrices (base_train's lrs, betas (0.8, 0.95), eps
                        1e-10, momentum 0.95, Nesterov, quintic coefficients, weight_decay 0); eager
                        or torch.compile'd (forward and loss in one graph), fp32, and bf16 autocast
-                       where the device has native bf16. "Stock best" is the fastest of these; stock
-                       compiled fp32 is also "only compile", stock eager bf16 "only the dtype".
+                       where the device has native bf16 (else left out, with the reason). "Stock
+                       best" is the fastest of these; stock compiled fp32 is also "only compile",
+                       stock eager bf16 "only the dtype".
   stock + <change>     stock eager fp32 with one of our changes alone (depth 4 only): the model's
                        own loss (the fused softcapped cross-entropy), or our optimizers. The latter
                        is also what `main` ran before the hardware-aware defaults ("main before"):
@@ -48,12 +62,16 @@ How it is measured:
   - Compile seconds: dynamo's compile timer over the first step (compiling.CompileWatch), cold:
     each depth compiles into a TORCHINDUCTOR_CACHE_DIR of its own, a fresh temporary directory
     (nothing left in the tree, nothing warm from an earlier run), after torch._dynamo.reset().
+    Within a depth, variants with the same graph (a compiled grid cell and the defaults, or two
+    cells that differ only in --ns-dtype) reuse inductor's FX graph cache: only the first of
+    them pays the cold compile.
+  - MFU against hardware.peak_flops: this machine's best matmul peak over its dtypes (a run in
+    the slower dtype leaves part of the machine unused, and its MFU says so).
   - Time: per variant one untimed step (it compiles, or warms up) and ROUNDS[depth] timed ones;
-    torch.optim.Muon apart within MUON_BUDGET_S (at least one round: ~26 s at depth 8 where bf16
-    is emulated). On a quiet 2-core AVX2 EPYC both depths took 5.3 minutes, compiles included
-    (depth 4: ~125 s, depth 8: ~190 s); the table states the rounds and the wall time of its
-    depth. A busy machine stretches this several-fold: two threads wait on neighbours at every
-    OpenMP barrier (12.8 minutes measured with a neighbour's run alongside).
+    the defaults' dtype timings the first time (up to 30 s per depth; cached afterwards);
+    torch.optim.Muon apart within MUON_BUDGET_S where it runs apart. The table states the rounds
+    and the wall time of its depth. A busy machine stretches this several-fold: two threads wait
+    on neighbours at every OpenMP barrier.
 
     .venv/bin/python -m pytest benchmarks/bench_train_step.py -o python_files='bench_*.py' \\
         -p no:cacheprovider --benchmark-json=/tmp/step.json
@@ -78,21 +96,29 @@ from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 import bench_pack_rows
 from bench_muon import HP, torch_muon
 from harness import compare
-from nanochat_fast import hardware, models, precision, stage, training
+from nanochat_fast import hardware, models, precision, training
 from nanochat_fast.compiling import CompileWatch
-from nanochat_fast.config import TrainingConfig
+from nanochat_fast.config import Device, TrainingConfig
 from nanochat_fast.dataloader import TokenRowLoader
 from nanochat_fast.gpt import GPT
 from nanochat_fast.kernels.newton_schulz import QUINTIC
 from nanochat_fast.kernels.registry import ENV_VAR as KERNELS_ENV
 from nanochat_fast.optim import step as optim_step
+from nanochat_fast.environment import check_kernels
 from nanochat_fast.scripts import base_train
-from nanochat_fast.training_data import TOKEN_ROWS
 
 corpus = bench_pack_rows.corpus  # the fixture: the default corpus, else synthetic documents
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 T, B, TOTAL, VOCAB = 512, 8, 4096, 8192
 ROUNDS = {4: 3, 8: 2}
+DTYPES = ("fp32", "bf16")
+# Whether the grid has the compile axis at this depth (else: compile as the defaults choose it).
+# At depth 8 the four eager cells would add ~25 s a round (~70 s in all on a quiet 2-core CPU)
+# to a `make bench` that must stay under 20 minutes, to show what depth 4 shows in the same run:
+# the compile axis does not interact with the dtypes. Measured on a 2-core Zen 4 (AVX512-BF16),
+# one thread, CPU time of forward+backward, compiled over eager: depth 4 1.09x (fp32) and 1.11x
+# (bf16), depth 8 1.10x and 1.12x; compile_evidence.py measured 1.40x and 1.12x on a Zen 3.
+GRID_COMPILE_AXIS = {4: True, 8: False}
 MUON_IN_STEP_LIMIT_S = 2.0
 MUON_BUDGET_S = 5.0
 PHASES = ("data", "forward", "backward", "optimizer")
@@ -130,8 +156,10 @@ class Variant:
     loader: TokenRowLoader
     accum: int
     compiled: bool
-    dtype: str = "fp32"         # the compute dtype ("fp32" | "bf16"), for MFU
+    dtype: str = "fp32"         # the model's compute dtype ("fp32" | "bf16")
+    ns_dtype: str = ""          # ours: the dtype Newton-Schulz computes in
     compile_why: str = ""       # ours: compile_for_training's reason
+    choices: str = ""           # ours: the dtypes and compile, each with why (the run log's words)
     extra_held: int = 0         # bytes held between steps that no tensor here shows (Muon apart)
     muon_apart_s: float = 0.0   # added to every step's optimizer phase
     phases: list = field(default_factory=list)
@@ -243,23 +271,46 @@ def new_loader(data, seq_len=T):
                           tokens_root=root)
 
 
-def build_ours(depth, data, *extra_flags, seq_len=T, compile_kwargs=None) -> LoopVariant:
-    """Our defaults (with extra_flags), built as run_stage builds base_train's model; compile_kwargs:
-    compile the plain model with these instead of the default rule (compile_evidence.py)."""
+def one_process_device(cfg: TrainingConfig) -> Device:
+    """What cfg.device.init() gives one process, without its process set-up (threads and seeds
+    stay the benchmark's own): the device, --dtype chosen before the model exists (a CPU's auto:
+    the machine's matmul probe, replaced by tune_for_training's timing), the kernels."""
+    chosen = precision.choose(DEVICE, cfg.device.dtype, what="--dtype", warn=False)
+    return Device(False, 0, 0, 1, DEVICE, chosen, check_kernels(DEVICE.type))
+
+
+def grid_name(dtype: str, ns_dtype: str, compiled: bool) -> str:
+    return f"ours, --dtype={dtype} --ns-dtype={ns_dtype} --{'' if compiled else 'no-'}compile"
+
+
+def build_ours(depth, data, *extra_flags, seq_len=T, compile_kwargs=None, name=None) -> LoopVariant:
+    """Our defaults (with extra_flags), built as stage.run_stage builds base_train's model and
+    decides its dtypes and compile; compile_kwargs: compile the plain model with these instead of
+    the default rule (compile_evidence.py)."""
+    stage = base_train.BASE
     cfg = training_config(depth, *extra_flags, seq_len=seq_len)
-    compute = precision.choose(DEVICE, cfg.device.dtype, warn=False)
+    dev = one_process_device(cfg)
     model, optimizers = models.build_for_training(model_config(cfg), DEVICE, cfg.optim.optimizer_kwargs())
+    horizon = stage.horizon(cfg, model, None)  # base_train's default horizon decides the defaults
+    accum = stage.data.grad_accum_steps(cfg.data, dev.world_size)
+    dev, ns = models.tune_for_training(model, optimizers, dev, cfg.device.dtype, cfg.data.device_batch_size,
+                                       seq_len, accum, horizon.tokens)
     if compile_kwargs is None:
-        horizon = stage.fixed_horizon(cfg, model, None)  # base_train's default horizon decides the default
-        step_model, why = models.compile_for_training(
-            model, cfg.run.compile, DEVICE, horizon.tokens,
-            hardware.peak_flops(DEVICE, compute.name).flops, TOKEN_ROWS.varying_shapes)
+        step_model, why = models.compile_for_training(model, cfg.run.compile, DEVICE, horizon.tokens,
+                                                      hardware.peak_flops(DEVICE).flops * dev.world_size,
+                                                      stage.data.varying_shapes)
     else:
         step_model, why = torch.compile(model, **compile_kwargs), f"compiled: torch.compile({compile_kwargs})"
-    name = f"ours, {extra_flags[0]}" if extra_flags else "ours (defaults)"
-    return LoopVariant(name, model, optimizers, new_loader(data, seq_len), cfg.data.grad_accum_steps(1),
-                       compiled=step_model is not model, dtype=compute.name, compile_why=why).start(
-        step_model, cfg.optim.grad_clip, precision.autocast(DEVICE, compute))
+    name = name or (f"ours, {' '.join(extra_flags)}" if extra_flags else "ours (defaults)")
+    choices = f"model {dev.precision.describe()}; Newton-Schulz {ns.describe()}; {why}"
+    return LoopVariant(name, model, optimizers, new_loader(data, seq_len), accum, compiled=step_model is not model,
+                       dtype=dev.precision.name, ns_dtype=ns.name, compile_why=why, choices=choices).start(
+        step_model, cfg.optim.grad_clip, dev.autocast())
+
+
+def build_grid_cell(depth, data, dtype: str, ns_dtype: str, compiled: bool) -> LoopVariant:
+    flags = (f"--dtype={dtype}", f"--ns-dtype={ns_dtype}", "--compile" if compiled else "--no-compile")
+    return build_ours(depth, data, *flags, name=grid_name(dtype, ns_dtype, compiled))
 
 
 def stock_loss(model):
@@ -300,7 +351,7 @@ def build_stock(depth, data, name, *, compile=False, dtype="fp32", loss="stock",
     variant = StockVariant(name + (" (Muon apart)" if apart else ""), model, optimizers, new_loader(data),
                            cfg.data.grad_accum_steps(1), compiled=compile, dtype=dtype,
                            extra_held=4 * matrices if apart else 0, muon_apart_s=muon_apart_s if apart else 0.0)
-    autocast_ctx = precision.autocast(DEVICE, precision.choose(DEVICE, dtype, warn=False))
+    autocast_ctx = precision.autocast(DEVICE, precision.DTYPES[dtype])
     kernels = "reference" if loss == "stock" and optim == "stock" else None
     return variant.start(lambda x, y: fn(x, y), autocast_ctx, kernels, optim == "ours", cfg.optim.grad_clip)
 
@@ -362,48 +413,100 @@ def step_peak_rise(step) -> int | None:
 # the benchmark
 
 
-def stock_dtypes() -> list[str]:
-    """fp32, and bf16 where this device computes it natively."""
-    return ["fp32"] + (["bf16"] if precision.choose(DEVICE, "auto", warn=False).name == "bf16" else [])
+def bf16_left_out() -> str | None:
+    """Why bf16 variants are not run on this device (None: they are): where bf16 is emulated
+    (a CPU without AVX512-BF16/AMX) a step takes minutes."""
+    bf16 = precision.choose(DEVICE, "bf16", warn=False)
+    return None if bf16.native else f"not run: {bf16.reason.removeprefix('asked for; ')} (~100x slower than fp32)"
 
 
-def build_variants(depth, data, muon_apart_s, with_changes_alone: bool) -> list[Variant]:
-    """Ours (defaults) first, then (with_changes_alone) ours with compile flipped, stock PyTorch,
-    then (with_changes_alone) stock with one of our changes."""
+def build_variants(depth, data, muon_apart_s, with_changes_alone: bool,
+                   compile_axis: bool = True) -> tuple[list[Variant], dict[str, str]]:
+    """(variants, {variant left out: why}). Ours (defaults) first, then the grid (compile_axis:
+    compiled and eager, else compile as the defaults chose it), stock PyTorch, then
+    (with_changes_alone) stock with one of our changes."""
     ours = build_ours(depth, data)
-    variants = [ours]
-    if with_changes_alone:
-        variants.append(build_ours(depth, data, "--no-compile" if ours.compiled else "--compile"))
+    variants, skipped = [ours], {}
+    no_bf16 = bf16_left_out()
+    for dtype in DTYPES:
+        for ns_dtype in DTYPES:
+            for compiled in ((True, False) if compile_axis else (ours.compiled,)):
+                if no_bf16 and "bf16" in (dtype, ns_dtype):
+                    skipped[grid_name(dtype, ns_dtype, compiled)] = no_bf16
+                else:
+                    variants.append(build_grid_cell(depth, data, dtype, ns_dtype, compiled))
     for compile in (False, True):
-        for dtype in stock_dtypes():
+        for dtype in DTYPES:
             alone = {(True, "fp32"): " (= only compile)", (False, "bf16"): " (= only the dtype)"}.get((compile, dtype), "")
-            variants.append(build_stock(depth, data, f"stock {'compiled' if compile else 'eager'} {dtype}{alone}",
-                                        compile=compile, dtype=dtype, muon_apart_s=muon_apart_s))
+            name = f"stock {'compiled' if compile else 'eager'} {dtype}{alone}"
+            if no_bf16 and dtype == "bf16":
+                skipped[name] = no_bf16
+            else:
+                variants.append(build_stock(depth, data, name, compile=compile, dtype=dtype, muon_apart_s=muon_apart_s))
     if with_changes_alone:
         variants += [build_stock(depth, data, "stock + the model's own loss (fused CE)", loss="model",
                                  muon_apart_s=muon_apart_s),
                      build_stock(depth, data, MAIN_BEFORE, optim="ours")]
-    return variants
+    return variants, skipped
 
 
 def machine_line() -> str:
     if DEVICE.type == "cpu":
-        bf16 = precision.cpu_bf16_support()
-        native = f"native bf16 ({bf16})" if bf16 else "no native bf16 (bf16 emulated: stock runs fp32 only)"
+        bf16 = hardware.cpu_bf16_support()
+        native = f"native bf16 ({bf16})" if bf16 else "no native bf16 (bf16 emulated: fp32 runs only)"
         return f"{hardware.device_name(DEVICE)}, {native}, {torch.get_num_threads()} threads"
     return hardware.device_name(DEVICE)
 
 
-def step_table(depth, config, variants, compile_s, muon_note, wall_s) -> list[str]:
+def is_grid(v: Variant) -> bool:
+    return v.name.startswith("ours, --dtype=")
+
+
+def grid_lines(ours: Variant, grid: list[Variant], skipped: dict, best: Variant | None) -> list[str]:
+    """The grid at a glance: tokens/s per (--dtype, --ns-dtype) and compile setting."""
+    by_name = {v.name: v for v in grid}
+    columns = sorted({v.compiled for v in grid} | {"--compile" in n for n in skipped if n.startswith("ours, ")},
+                     reverse=True)
+    lines = ["| the grid, tokens/s: --dtype / --ns-dtype | " + " | ".join(
+        "--compile" if c else "--no-compile" for c in columns) + " |", "|---" + "|---:" * len(columns) + "|"]
+    for dtype in DTYPES:
+        for ns_dtype in DTYPES:
+            cells = []
+            for compiled in columns:
+                name = grid_name(dtype, ns_dtype, compiled)
+                v = by_name.get(name)
+                if v is None:
+                    cells.append("not run" if name in skipped else "-")
+                    continue
+                marks = [m for m, on in (("best", v is best), ("the defaults' choice", twin_of(ours, v))) if on]
+                text = f"{TOTAL / v.median():,.0f}"
+                cells.append(f"**{text}** ({', '.join(marks)})" if marks else text)
+            lines.append(f"| {dtype} / {ns_dtype} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def twin_of(ours: Variant, v: Variant) -> bool:
+    """v is the grid cell that forces what the defaults chose."""
+    return (v.dtype, v.ns_dtype, v.compiled) == (ours.dtype, ours.ns_dtype, ours.compiled)
+
+
+def step_table(depth, config, variants, compile_s, muon_note, wall_s, skipped=None) -> list[str]:
+    skipped = skipped or {}
     stock = [v for v in variants if v.name.startswith("stock ") and " + " not in v.name]
     best = min(stock, key=lambda v: v.median())
     ours = variants[0]
-    ratios = [f"{ours.name} vs stock best ({best.name}): {best.median() / ours.median():.2f}x"]
+    grid = [v for v in variants if is_grid(v)]
+    best_grid = min(grid, key=lambda v: v.median()) if grid else None
+    ratios = []
+    if best_grid is not None:
+        ratios.append(f"{ours.name} vs best of the grid ({best_grid.name}): {best_grid.median() / ours.median():.2f}x")
+    ratios.append(f"{ours.name} vs stock best ({best.name}): {best.median() / ours.median():.2f}x")
     before = next((v for v in variants if v.name == MAIN_BEFORE), None)
     if before is not None:
         ratios.append(f"{ours.name} vs main before: {before.median() / ours.median():.2f}x")
     model_s = {v.name: v.median("forward") + v.median("backward") for v in variants}
     best_model = min(stock, key=lambda v: model_s[v.name])
+    peak = hardware.peak_flops(DEVICE)
     with torch.device("meta"):
         flops_per_token = GPT(config).estimate_flops()
         n_params = sum(p.numel() for p in GPT(config).parameters())
@@ -417,7 +520,6 @@ def step_table(depth, config, variants, compile_s, muon_note, wall_s) -> list[st
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for v in variants:
         step_s = v.median()
-        peak = hardware.peak_flops(DEVICE, v.dtype)
         held, up = v.held_bytes() / 2 ** 20, v.rise
         mem = [f"{held:.0f}", "n/a", "n/a"] if up is None else [f"{held:.0f}", f"{up / 2 ** 20:.0f}",
                                                                 f"{held + up / 2 ** 20:.0f}"]
@@ -426,13 +528,25 @@ def step_table(depth, config, variants, compile_s, muon_note, wall_s) -> list[st
                      + " | ".join(f"{v.median(k) * 1e3:.0f}" for k in PHASES)
                      + f" | {hardware.mfu(flops_per_token, TOTAL / step_s, peak):.1f}% | " + " | ".join(mem)
                      + (f" | {compile_s[v.name]:.0f} |" if compile_s[v.name] is not None else " | - |"))
-    lines += ["", f"**{'; '.join(ratios)}** (full steps, tokens/s). {ours.name} runs {ours.dtype}, "
-              f"{ours.compile_why}.", "",
-              f"MFU against {hardware.peak_flops(DEVICE, 'fp32').describe()} (bf16 rows: the bf16 peak). Memory: "
+    for name, why in skipped.items():
+        lines.append(f"| {name} | {why} |" + " |" * 11)
+    lines += [""]
+    if grid:
+        twin = next((v for v in grid if twin_of(ours, v)), None)
+        compile_as = f"{'compiled' if ours.compiled else 'eager'} as the defaults chose (GRID_COMPILE_AXIS)"
+        axes = ("--dtype x --ns-dtype x --compile/--no-compile" if len({v.compiled for v in grid}) > 1
+                else f"--dtype x --ns-dtype, {compile_as}")
+        noise = (f"; {ours.name} ran at {twin.median() / ours.median():.2f}x the tokens/s of its twin ({twin.name}), "
+                 "the same step (the difference is noise)" if twin else "")
+        lines += grid_lines(ours, grid, skipped, best_grid) + [
+            "", f"The grid: {axes}, each forced by its flag, timed in the same rounds{noise}.", ""]
+    lines += [f"**{'; '.join(ratios)}** (full steps, tokens/s). {ours.name} chose: {ours.choices}.", "",
+              f"MFU against the {peak.describe()}. Memory: "
               + ("torch.cuda.max_memory_allocated over a step" if DEVICE.type == "cuda" else
                  "held = parameters + optimizer state (counted from the tensors); step rise = growth of the resident "
                  "set during the first timed step (malloc_trim and the high-water mark reset first)") + ". "
-              f"This depth took {wall_s:.0f} s of wall time, compiles and torch.optim.Muon apart included.", ""]
+              f"This depth took {wall_s:.0f} s of wall time, compiles, the defaults' dtype timings and "
+              "torch.optim.Muon apart included.", ""]
     return lines
 
 
@@ -459,7 +573,8 @@ def test_train_step(benchmark, corpus, depth):
     if muon_apart_s is None:
         muon_note = f"torch.optim.Muon runs inside the stock steps (one step of it measured {muon_s:.2f} s)"
     with cold_compiles(), contextlib.ExitStack() as stack:
-        variants = build_variants(depth, corpus, muon_apart_s, with_changes_alone=depth == 4)
+        variants, skipped = build_variants(depth, corpus, muon_apart_s, with_changes_alone=depth == 4,
+                                           compile_axis=GRID_COMPILE_AXIS[depth])
         for v in variants:
             stack.callback(v.loader.close)
         compile_s = {}
@@ -472,8 +587,8 @@ def test_train_step(benchmark, corpus, depth):
         baseline = next(v.name for v in variants if v.name.startswith("stock eager fp32"))
         compare(benchmark, op=f"Training step ({DEVICE.type})", baseline=baseline, rounds=ROUNDS[depth], warmup_rounds=0,
                 shape_set=f"depth {depth}, T={T}, {TOTAL} tokens per step", variants={v.name: v for v in variants},
-                notes=f"one full step per call; {muon_note}" + (
+                skipped=skipped, notes=f"one full step per call; {muon_note}" + (
                     "; the harness medians of the (Muon apart) variants exclude it, the step table below includes it"
                     if muon_apart_s else ""))
         benchmark.extra_info["table"] = step_table(depth, config, variants, compile_s, muon_note,
-                                                   time.perf_counter() - start)
+                                                   time.perf_counter() - start, skipped)

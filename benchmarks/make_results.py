@@ -6,21 +6,51 @@ from pathlib import Path
 
 import torch
 
-from nanochat_fast import precision
 from compiled_table import section_from_file
+from nanochat_fast.hardware import cpu_bf16_support, format_flops, measured_peaks
 from nanochat_fast.report import hardware
+
+# the /proc/cpuinfo flags that say whether a CPU has bf16 arithmetic (x86: AVX512-BF16, AMX; Arm: BF16)
+BF16_FLAGS = {"x86_64": ("avx512_bf16", "amx_bf16", "amx_tile"), "aarch64": ("bf16",)}
+
+
+def cpuinfo(path: Path = Path("/proc/cpuinfo")) -> dict:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    try:
+        block = path.read_text().split("\n\n")[0]
+    except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines()) if k.strip()}
+
+
+def cpu_line() -> str:
+    """Which kind of CPU the numbers come from: model (family/model: a name like "AMD EPYC" covers
+    several generations), its bf16 flags, and bf16's measured matmul rate against fp32's, the
+    fact that decides the dtypes here (hardware/tuning.py): flags alone do not."""
+    info = cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    ident = f" (family {info['cpu family']}, model {info['model']})" if "cpu family" in info else ""
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    wanted = BF16_FLAGS.get(platform.machine(), ())
+    bf16_flags = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in wanted) if flags else "flags unknown"
+    native = cpu_bf16_support()
+    rates = measured_peaks("cpu")
+    when = f", probed {rates['measured']}" if rates.get("measured") else ""
+    peaks = f"fp32 {format_flops(rates['fp32'])}, bf16 {format_flops(rates['bf16'])}"
+    return (f"{name}{ident}, ISA {torch.backends.cpu.get_cpu_capability()}; bf16 flags: {bf16_flags} "
+            f"({f'native bf16: {native}' if native else 'bf16 emulated'}); matmul peak measured here at "
+            f"{torch.get_num_threads()} threads: {peaks} = bf16 {rates['bf16'] / rates['fp32']:.2f}x fp32{when}")
 
 
 def machine() -> str:
-    bf16 = precision.cpu_bf16_support()
-    cpu_bf16 = f"native bf16 ({bf16})" if bf16 else "no native bf16 (bf16 emulated)"
-    return f"{hardware()}; CPU: {cpu_bf16}; torch {torch.__version__}, Python {platform.python_version()}"
+    return f"{hardware()}; torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
     data = json.loads(Path(json_path).read_text())
     lines = ["# Benchmark results", "",
              f"Machine: {machine()}  ",
+             f"CPU: {cpu_line()}  ",
              f"Date: {data.get('datetime', '?')[:19]}  ",
              "Produced by `make bench` (pytest-benchmark; variants timed in interleaved rounds, medians; "
              "ratio = median / median of the baseline, lower is faster; rounds = timed rounds per variant, "

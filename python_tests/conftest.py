@@ -7,6 +7,9 @@ import torch
 
 # torch.compile's cache defaults to a directory in /tmp shared by every user: keep ours private.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"nanochat_fast_inductor_{os.getuid()}"))
+# Nothing a test runs writes to the user's NANOCHAT_FAST_HOME (e.g. the hardware caches of an
+# optimizer measuring its dtype); tests that need a prepared home set their own.
+os.environ["NANOCHAT_FAST_HOME"] = tempfile.mkdtemp(prefix="nanochat_fast_test_home_")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -67,6 +67,7 @@ def machine(monkeypatch, nanochat_home):
         monkeypatch.setattr(tuning, "clock", fake.clock)
         monkeypatch.setattr(tuning, "measured_peaks", lambda device: dict(fake.probe))
         monkeypatch.setattr(tuning, "_matmul_call", fake.matmul_call)
+        monkeypatch.setattr(tuning, "machine_busy", lambda: False)
         return fake
     return install
 
@@ -101,7 +102,7 @@ def test_emulated_bf16_is_never_run_on_the_full_work(machine):
     assert fake.now <= tuning.MAX_SECONDS
 
 
-def test_rounds_are_interleaved_and_the_median_ignores_a_busy_moment(machine):
+def test_rounds_are_interleaved_and_a_busy_moment_is_ignored(machine):
     fake = machine("bf16 fast")
     seconds = dict(CPUS["bf16 fast"]["model"])
     work = fake.work("model", seconds, work_flops("bf16 fast", "model"))
@@ -259,3 +260,18 @@ def test_muon_alone_times_its_own_matrices_at_its_first_step(cpu, monkeypatch):
     opt.step()
     assert seen == [[[2, 8, 16], [1, 16, 8]]]  # once, at its own stacks
     assert opt.ns_precision.name == CPUS[cpu]["faster"]
+
+
+def test_a_busy_machine_is_not_cached_and_old_timings_are_taken_again(machine, monkeypatch):
+    fake = machine("bf16 fast")
+    work = fake.work("model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model"))
+    monkeypatch.setattr(tuning, "machine_busy", lambda: True)
+    assert tuning.measure(work, "cpu").winner == "bf16"  # used for this run
+    assert not tuning.CACHE.path.exists()
+    monkeypatch.setattr(tuning, "machine_busy", lambda: False)
+    tuning.measure(work, "cpu")
+    data = json.loads(tuning.CACHE.path.read_text())
+    (entry,) = data["entries"].values()
+    entry["measured"] = "2020-01-01 00:00:00"
+    tuning.CACHE.path.write_text(json.dumps(data))
+    assert tuning.measure(work, "cpu").source == "measured"

@@ -7,11 +7,15 @@ its fp32 rate, while a Zen 4 ran them faster than fp32; AVX2 CPUs emulate bf16. 
 
   1. the cache (NANOCHAT_FAST_HOME/hardware/dtype_timings.json), keyed by the machine
      (devices.machine_key: CPU model, ISA, bf16 feature, threads per process, torch) and by what
-     is timed (its kind and shapes): later runs reuse it in milliseconds;
+     is timed (its kind and shapes): later runs reuse it in milliseconds. Like the peak probe, a
+     timing is not cached while the machine is busy and is taken again after STALE_AFTER_DAYS;
   2. the work itself in each dtype (for a training run: the actual model's forward and backward
      of one micro-batch; for Muon: Newton-Schulz on its own matrix stacks, through the path each
      takes): one warm-up call each, then interleaved rounds (fp32, bf16, fp32, bf16, ...) and the
-     median of each, so a busy moment slows both alike;
+     fastest round of each (eager: compiling a graph per dtype would cost more than the timing
+     itself). Not the median: a neighbour only ever adds time, and under sustained load (a test
+     suite beside a 2-thread run) the medians of a depth-4 step measured bf16 0.95x fp32 where
+     the fastest rounds, like a quiet machine, gave 1.8x;
   3. where the work does not fit the budget (a short run, or shapes too big to time): matmuls at
      the work's largest shapes, with fewer rows until they fit (within MATMUL_MIN_SECONDS at
      least: a run too short for its 5% still gets its own shapes timed);
@@ -25,7 +29,6 @@ never started. bf16 wins only when it is at least BF16_MIN_SPEEDUP times faster:
 difference is within what a shared machine's noise and the model's non-matmul work can swing.
 """
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -33,9 +36,9 @@ from typing import Callable
 import torch
 
 from ..errors import UserError
-from .cache import MeasurementCache
+from .cache import MeasurementCache, age_days
 from .devices import machine_key, synchronize
-from .peak import DTYPES, measured_peaks
+from .peak import DTYPES, STALE_AFTER_DAYS, machine_busy, measured_peaks
 
 BF16_MIN_SPEEDUP = 1.1
 MAX_SECONDS = 30.0
@@ -54,7 +57,7 @@ class TuningError(UserError):
 
 @dataclass(frozen=True)
 class Timing:
-    seconds: dict           # dtype name -> median seconds of one call
+    seconds: dict           # dtype name -> seconds of one call (the fastest round)
     what: str               # what was timed, in words
     rounds: int
     source: str = "measured"  # "measured" | "cached" | "probe"
@@ -114,6 +117,8 @@ def measure(work: Work, device, max_seconds: float = MAX_SECONDS, remeasure: boo
     rates = measured_peaks(device)
     budget, matmul_budget = budgets(work, rates, max_seconds)
     cached = None if remeasure else CACHE.get(key)
+    if cached and age_days(cached) > STALE_AFTER_DAYS:
+        cached = None
     if cached and (cached.get("level") == "work" or not _fits(_predict(work.flops, rates), budget)):
         return Timing(cached["seconds"], cached["what"], cached["rounds"], "cached")
     timing, level = _time_work(work, device, rates, budget), "work"
@@ -123,7 +128,8 @@ def measure(work: Work, device, max_seconds: float = MAX_SECONDS, remeasure: boo
         if strict:
             raise TuningError(too_slow(work, rates, max_seconds))
         return probe_timing(device)
-    CACHE.put(key, {**asdict(timing), "level": level, "kind": work.kind, "spec": work.spec})
+    if not machine_busy():
+        CACHE.put(key, {**asdict(timing), "level": level, "kind": work.kind, "spec": work.spec})
     return timing
 
 
@@ -201,7 +207,7 @@ def _matmul_call(matmuls, rows: int, device, dtype):
 
 
 def time_interleaved(calls: dict, predicted: dict, budget: float, device, run_calls: int | None = None):
-    """(median seconds per name, rounds) of `calls` timed in interleaved rounds after one warm-up
+    """(fastest seconds per name, rounds) of `calls` timed in interleaved rounds after one warm-up
     each, or None when the warm-ups show that MIN_ROUNDS rounds would not fit `budget`. With
     run_calls, the budget also shrinks to RUN_FRACTION of the run as fp32's real time shows. The
     first call is fp32's: its time rescales every prediction to what this work really does."""
@@ -232,7 +238,7 @@ def time_interleaved(calls: dict, predicted: dict, budget: float, device, run_ca
             times[name].append(timed(call))
             predicted[name] = times[name][-1]
         budget = shrink(budget, times[next(iter(calls))][-1])
-    return {name: statistics.median(ts) for name, ts in times.items()}, len(times[next(iter(times))])
+    return {name: min(ts) for name, ts in times.items()}, len(times[next(iter(times))])
 
 
 def measure_everywhere(work: Work, device, **kwargs) -> Timing:

@@ -39,15 +39,18 @@ Where each row comes from:
     Zen 3 (one thread, interleaved, time relative to plain): symmetric 3.1 at m = 128, 1.00 at
     256, 0.82-0.92 from 384 to 768; Gram at n = 2m 1.02 (m = 128), 0.86 (256), 0.79 (512), at
     n = 4m 1.06, 0.65, 0.58, 0.51 (m = 128, 256, 512, 768): so the Gram form from m = 256.
-  - CPU, bf16: the symmetric row is an estimate (no CPU with native bf16 was at hand for it: a
-    native-bf16 CPU runs bf16 GEMMs ~2.2x faster than fp32 ones, the same engine at the same
-    shapes, so the fp32 crossover is assumed). No Gram row in bf16, measured: its error in bf16
-    is larger than the plain bf16 iteration's (max abs vs float64 on the normalised output,
-    Gaussian inputs, 5 steps: quintic 1.5e-2 vs 1.3e-2 at 64x256 and 2.0e-2 vs 1.9e-2 at
-    4x64x128; Polar Express 2.3e-2 vs 1.8e-2, 1.8e-2 vs 1.7e-2 at 128x512, 2.8e-2 vs 2.2e-2),
-    because the polynomial P_k amplifies its own bf16 rounding ~a^k on small singular
-    directions and the restarts cannot recover it at bf16 precision. The symmetric form in bf16
-    is the most accurate of the three (5e-3 .. 8e-3 there: one rounding per fused product).
+  - CPU, bf16: measured on a 2-core Zen 4 (AVX512-BF16, no AMX), 2 threads, against
+    torch.optim.Muon's per-matrix bf16 iteration (time relative to it, lower is faster): plain
+    0.87 (4x512x512), 0.95 (2x512x2048), 0.76 (2x2048x512), 0.97 (4x1280x1280), 0.99
+    (1280x5120); symmetric 0.88, 1.12, 0.81, 0.89, 1.14; Gram 1.09, 0.76, 0.54, 1.04, 0.71. So
+    the Gram form from n = 2m and the symmetric form for squarer matrices, from m = 256. The Gram
+    form rounds more in bf16 (its polynomial P_k amplifies its own rounding on small singular
+    directions): max abs error vs float64 on the normalised output, Gaussian inputs, 5 steps,
+    quintic / Polar Express, plain -> Gram: 256x1024 3.3e-3 -> 4.5e-3 / 2.1e-3 -> 6.1e-3,
+    2x512x2048 2.5e-3 -> 5.7e-3 / 1.7e-3 -> 3.3e-3, 1280x5120 1.3e-3 -> 1.5e-3 / 1.1e-3 ->
+    2.3e-3: within the 2e-2 bound from m = 256, but not below it (64x256 and 4x64x128 with Polar
+    Express: 2.3e-2 and 2.8e-2), which is why the row starts at m = 256. The symmetric form in
+    bf16 is as accurate as plain (one rounding per fused product).
   - CUDA: a paper estimate from flop counts, not measured on a GPU yet. The Triton symmetric
     kernels save 1.3-1.5x of the flops (newton_schulz_triton.flop_counts), but published
     symmetric GEMM (SYRK-style) kernels lose to cuBLAS's plain GEMM below m ~ 2048 and win
@@ -127,7 +130,8 @@ PATH_TABLE = (
     # device  dtype   path         m >=  n/m >=  where the row comes from (module docstring)
     Row("cpu",  "fp32", "gram",      256,  2.0,  "measured"),
     Row("cpu",  "fp32", "symmetric", 256,  1.0,  "measured"),
-    Row("cpu",  "bf16", "symmetric", 256,  1.0,  "estimate (fp32 crossover)"),
+    Row("cpu",  "bf16", "gram",      256,  2.0,  "measured"),
+    Row("cpu",  "bf16", "symmetric", 256,  1.0,  "measured"),
     Row("cuda", "fp32", "gram",      1,    2.0,  "paper (flop count)"),
     Row("cuda", "fp32", "symmetric", 2048, 1.0,  "paper (published SYRK vs GEMM)"),
     Row("cuda", "bf16", "symmetric", 2048, 1.0,  "paper (published SYRK vs GEMM)"),
