@@ -72,7 +72,7 @@ def test_compute_dtype_rejects_other_dtypes():
     ("cpu", F32, 64, 64, "plain"), ("cpu", F32, 255, 255, "plain"), ("cpu", F32, 256, 256, "symmetric"),
     ("cpu", F32, 512, 768, "symmetric"), ("cpu", F32, 512, 1024, "gram"), ("cpu", F32, 2048, 512, "gram"),
     ("cpu", F32, 128, 512, "plain"),  # the Gram form does not pay below m = 256
-    ("cpu", BF16, 512, 2048, "gram"), ("cpu", BF16, 512, 768, "symmetric"),
+    ("cpu", BF16, 512, 2048, "gram"), ("cpu", BF16, 512, 768, "plain"), ("cpu", BF16, 1280, 1280, "symmetric"),
     ("cpu", BF16, 128, 512, "plain"),  # no Gram in bf16 below m = 256: its error can pass the bound there
     ("cuda", BF16, 1280, 5120, "plain"), ("cuda", BF16, 2048, 2048, "symmetric"), ("cuda", BF16, 8192, 2048, "symmetric"),
     ("cuda", F32, 512, 2048, "gram"), ("cuda", F32, 4096, 4096, "symmetric"),

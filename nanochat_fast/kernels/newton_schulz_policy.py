@@ -42,8 +42,11 @@ Where each row comes from:
   - CPU, bf16: measured on a 2-core Zen 4 (AVX512-BF16, no AMX), 2 threads, against
     torch.optim.Muon's per-matrix bf16 iteration (time relative to it, lower is faster): plain
     0.87 (4x512x512), 0.95 (2x512x2048), 0.76 (2x2048x512), 0.97 (4x1280x1280), 0.99
-    (1280x5120); symmetric 0.88, 1.12, 0.81, 0.89, 1.14; Gram 1.09, 0.76, 0.54, 1.04, 0.71. So
-    the Gram form from n = 2m and the symmetric form for squarer matrices, from m = 256. The Gram
+    (1280x5120); symmetric 0.88, 1.12, 0.81, 0.89, 1.14; Gram 1.09, 0.76, 0.54, 1.04, 0.71. At
+    m = 512 the block rows cost more than they save in bf16 (the sliced products are copied to
+    contiguous ones; 32x512x512: plain 325 ms, symmetric 346 ms; the Gram form's m x m products
+    unsplit 158 ms, split 180 ms at 8x512x2048). So the Gram form from n = 2m and m = 256, and
+    the symmetric form for squarer matrices from m = 1024. The Gram
     form rounds more in bf16 (its polynomial P_k amplifies its own rounding on small singular
     directions): max abs error vs float64 on the normalised output, Gaussian inputs, 5 steps,
     quintic / Polar Express, plain -> Gram: 256x1024 3.3e-3 -> 4.5e-3 / 2.1e-3 -> 6.1e-3,
@@ -131,7 +134,7 @@ PATH_TABLE = (
     Row("cpu",  "fp32", "gram",      256,  2.0,  "measured"),
     Row("cpu",  "fp32", "symmetric", 256,  1.0,  "measured"),
     Row("cpu",  "bf16", "gram",      256,  2.0,  "measured"),
-    Row("cpu",  "bf16", "symmetric", 256,  1.0,  "measured"),
+    Row("cpu",  "bf16", "symmetric", 1024, 1.0,  "measured"),
     Row("cuda", "fp32", "gram",      1,    2.0,  "paper (flop count)"),
     Row("cuda", "fp32", "symmetric", 2048, 1.0,  "paper (published SYRK vs GEMM)"),
     Row("cuda", "bf16", "symmetric", 2048, 1.0,  "paper (published SYRK vs GEMM)"),

@@ -164,9 +164,9 @@ class Muon(ZeroOptimizer):
         device, requested = self._device(), self.defaults["ns_dtype"]
         timing = None
         if device.type == "cpu" and requested == "auto":
-            group = self.param_groups[0]
-            shapes = [(self._layout[g]["capacity"], *p["params"][0].shape) for g, p in enumerate(self.param_groups)]
-            work = newton_schulz_work(shapes, group["ns_steps"], group["ns_coefficients"], device, run_steps)
+            groups = self.param_groups
+            shapes = [(self._layout[g]["capacity"], *group["params"][0].shape) for g, group in enumerate(groups)]
+            work = newton_schulz_work(shapes, groups[0]["ns_steps"], groups[0]["ns_coefficients"], device, run_steps)
             timing = tuning.measure_everywhere(work, device)
         self._ns_precision = choose(device, requested, what="--ns-dtype", warn=warn, timing=timing)
         return self._ns_precision
