@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from .hardware.devices import cpu_bf16_support
+from .hardware.peak import DTYPES
 from .hardware.tuning import Timing, probe_timing
 
 CHOICES = ("auto", "fp32", "bf16")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
