@@ -7,20 +7,12 @@ from pathlib import Path
 import torch
 
 from compiled_table import section_from_file
-from nanochat_fast.hardware import cpu_bf16_support, format_flops, measured_peaks
+from nanochat_fast.hardware import cpu_bf16_support, cpu_model, format_flops, measured_peaks
+from nanochat_fast.hardware.devices import cpuinfo
 from nanochat_fast.report import hardware
 
 # the /proc/cpuinfo flags that say whether a CPU has bf16 arithmetic (x86: AVX512-BF16, AMX; Arm: BF16)
 BF16_FLAGS = {"x86_64": ("avx512_bf16", "amx_bf16", "amx_tile"), "aarch64": ("bf16",)}
-
-
-def cpuinfo(path: Path = Path("/proc/cpuinfo")) -> dict:
-    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
-    try:
-        block = path.read_text().split("\n\n")[0]
-    except OSError:
-        return {}
-    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines()) if k.strip()}
 
 
 def cpu_line() -> str:
@@ -28,7 +20,7 @@ def cpu_line() -> str:
     several generations), its bf16 flags, and bf16's measured matmul rate against fp32's, the
     fact that decides the dtypes here (hardware/tuning.py): flags alone do not."""
     info = cpuinfo()
-    name = info.get("model name") or platform.processor() or platform.machine()
+    name = cpu_model()
     ident = f" (family {info['cpu family']}, model {info['model']})" if "cpu family" in info else ""
     flags = set((info.get("flags") or info.get("Features") or "").split())
     wanted = BF16_FLAGS.get(platform.machine(), ())

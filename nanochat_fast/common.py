@@ -166,3 +166,13 @@ def any_rank(flag: bool, device) -> bool:
 def all_ranks_ok(ok: bool, device) -> bool:
     """True on every rank iff `ok` is True on every rank; doubles as a barrier."""
     return not any_rank(not ok, device)
+
+
+def rank0_decides(decide):
+    """decide() run on rank 0 alone and its result (any picklable object) returned on every rank:
+    one decision for the whole run where each rank measuring for itself could disagree."""
+    if not is_distributed():
+        return decide()
+    box = [decide() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

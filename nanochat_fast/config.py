@@ -232,14 +232,12 @@ class DeviceConfig(Config):
         kernels asked for can run here. UserError for a device, dtype or backend that cannot. A
         CPU's auto dtype comes from this machine's matmul probe here (rank 0's, for every rank);
         a training stage then times its own model (models.tune_for_training)."""
-        from .common import compute_init
+        from .common import compute_init, rank0_decides
         from .environment import check_kernels
         ddp, rank, local_rank, world_size, device = compute_init(self.device_type, seed=seed,
                                                                  deterministic=deterministic)
-        chosen = [precision.choose(device, self.dtype, what="--dtype", warn=rank == 0)]
-        if ddp:
-            torch.distributed.broadcast_object_list(chosen, src=0)
-        return Device(ddp, rank, local_rank, world_size, device, chosen[0], check_kernels(device.type))
+        chosen = rank0_decides(lambda: precision.choose(device, self.dtype, what="--dtype"))
+        return Device(ddp, rank, local_rank, world_size, device, chosen, check_kernels(device.type))
 
 
 @dataclass(frozen=True)

@@ -47,11 +47,11 @@ def main(argv=None) -> int:
           f"{rates['measured']}; {peak.CACHE.path})")
     for work in works:
         show("timed", tuning.measure(work, args.device, args.budget, remeasure=True, strict=True))
+    cached = tuning.cached_entries(args.device)
     if not args.tune:
-        prefix = peak.machine_key(args.device) + " | "
-        for e in (e for k, e in tuning.CACHE.entries().items() if k.startswith(prefix)):
+        for e in cached:
             show(f"cached {age_days(e):.0f} days ago", tuning.Timing(e["seconds"], e["what"], e["rounds"]))
-    if not works and not tuning.cached_works(args.device):
+    if not works and not cached:
         print("no dtype timings cached here yet: a training run times its own shapes (or --tune --depth N)")
     print(f"dtype timings: {tuning.CACHE.path}")
     return 0

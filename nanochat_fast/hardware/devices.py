@@ -23,14 +23,18 @@ def device_name(device) -> str:
     return cpu_model()
 
 
-def cpu_model() -> str:
+def cpuinfo(path: Path = Path("/proc/cpuinfo")) -> dict:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none): "model name",
+    "cpu family", "model", "flags" (x86) or "Features" (Arm), ..."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        block = path.read_text().split("\n\n")[0]
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines()) if k.strip()}
+
+
+def cpu_model() -> str:
+    return cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,15 +52,8 @@ def cpu_bf16_support() -> str | None:
 
 
 def cpuinfo_bf16(path: Path) -> str | None:
-    try:
-        text = path.read_text()
-    except OSError:
-        return None
-    flags = set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):  # x86 / Arm
-            flags.update(value.split())
+    info = cpuinfo(path)
+    flags = set((info.get("flags") or info.get("Features") or "").split())  # x86 / Arm
     return next((name for flag, name in BF16_FLAGS.items() if flag in flags), None)
 
 

@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from ..common import rank0_decides
 from ..errors import UserError
 from .cache import MeasurementCache, age_days
 from .devices import machine_key, synchronize
@@ -244,16 +245,15 @@ def time_interleaved(calls: dict, predicted: dict, budget: float, device, run_ca
 def measure_everywhere(work: Work, device, **kwargs) -> Timing:
     """measure() on rank 0, the same Timing on every rank: one decision for the whole run (the
     other ranks wait rather than time the same thing against each other)."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return measure(work, device, **kwargs)
-    box = [measure(work, device, **kwargs) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return rank0_decides(lambda: measure(work, device, **kwargs))
+
+
+def cached_entries(device) -> list[dict]:
+    """The timings cached for this machine (python -m nanochat_fast.hardware lists them)."""
+    prefix = machine_key(device) + " | "
+    return [e for k, e in CACHE.entries().items() if k.startswith(prefix)]
 
 
 def cached_works(device) -> list[Work]:
     """The work of every timing cached for this machine, rebuilt to be timed again (--tune)."""
-    prefix = machine_key(device) + " | "
-    return [_MEASURERS[e["kind"]](e["spec"], device) for k, e in CACHE.entries().items()
-            if k.startswith(prefix) and e.get("kind") in _MEASURERS]
+    return [_MEASURERS[e["kind"]](e["spec"], device) for e in cached_entries(device) if e.get("kind") in _MEASURERS]
