@@ -29,9 +29,10 @@ import torch
 pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install -e '.[web]'")
 import httpx  # noqa: E402
 
-from nanochat_fast import generation, paths  # noqa: E402
-from nanochat_fast.gpt import config_from_depth  # noqa: E402
-from nanochat_fast.tokenizer import RANKS_FILE, get_tokenizer  # noqa: E402
+from nanochat_fast.core import paths  # noqa: E402
+from nanochat_fast.data.tokenizer import RANKS_FILE, get_tokenizer  # noqa: E402
+from nanochat_fast.model import generation  # noqa: E402
+from nanochat_fast.model.gpt import config_from_depth  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))
 from chat_web_support import chat_web_process, load_chat_model, random_model, save_chat_checkpoint  # noqa: E402

@@ -32,9 +32,9 @@ import time
 import torch
 
 from harness import compare, matmul_gflops, plan_modes
-from nanochat_fast import precision
-from nanochat_fast.gpt import GPT, config_from_depth
+from nanochat_fast.hardware import precision
 from nanochat_fast.kernels.newton_schulz import QUINTIC, plan
+from nanochat_fast.model.gpt import GPT, config_from_depth
 from nanochat_fast.optim import Muon
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from harness import compare, matmul_gflops, plan_modes
-from nanochat_fast import precision
+from nanochat_fast.hardware import precision
 from nanochat_fast.kernels import newton_schulz, registry
 
 ns = importlib.import_module("nanochat_fast.kernels.newton_schulz")

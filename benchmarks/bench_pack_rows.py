@@ -36,9 +36,9 @@ import pytest
 import torch
 
 from harness import compare
-from nanochat_fast import paths
-from nanochat_fast.dataloader import DocStream, TokenRowLoader, make_row_stream
-from nanochat_fast.dataset import TokenShards, write_token_shard
+from nanochat_fast.core import paths
+from nanochat_fast.data.packed_loaders import DocStream, TokenRowLoader, make_row_stream
+from nanochat_fast.data.token_shards import TokenShards, write_token_shard
 from nanochat_fast.kernels import pack_rows
 
 B, T = 32, 2048

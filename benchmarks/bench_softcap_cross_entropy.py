@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import compare
-from nanochat_fast import precision
+from nanochat_fast.hardware import precision
 from nanochat_fast.kernels import registry, softcap_cross_entropy
 
 SOFTCAP = 15.0

@@ -6,15 +6,15 @@ make (the grid) and against stock PyTorch at its best on this machine.
 Variants:
   ours (defaults)      built the way base_train builds it (stage.run_stage), every flag at its
                        default: base_train's parser -> TrainingConfig -> the Device that
-                       DeviceConfig.init gives one process -> models.build_for_training
+                       DeviceConfig.init gives one process -> model_setup.build_for_training
                        (GPT.setup_optimizers with OptimConfig.optimizer_kwargs(): our AdamW and
                        Muon, the seeds recipe) -> base_train's horizon (20 tokens per parameter)
-                       -> models.tune_for_training (on a CPU: --dtype auto timed at this model's
+                       -> model_setup.tune_for_training (on a CPU: --dtype auto timed at this model's
                        forward+backward of one micro-batch, --ns-dtype auto at Muon's own matrix
                        stacks; hardware/tuning.py, cached under NANOCHAT_FAST_HOME/hardware/) ->
-                       models.compile_for_training with the default rule (the run's FLOPs at that
+                       model_setup.compile_for_training with the default rule (the run's FLOPs at that
                        horizon against hardware.peak_flops), under the chosen dtype's autocast,
-                       stepped by the training loop's own training.train_step: whatever the
+                       stepped by the training loop's own training_loop.train_step: whatever the
                        scripts default to (fused cross-entropy, Muon recipe, dtypes, compile) is
                        what runs.
   the grid             ours with the three choices forced by their flags: --dtype fp32|bf16 x
@@ -96,16 +96,19 @@ from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 import bench_pack_rows
 from bench_muon import HP, torch_muon
 from harness import compare
-from nanochat_fast import hardware, models, precision, training
-from nanochat_fast.compiling import CompileWatch
-from nanochat_fast.config import Device, TrainingConfig
-from nanochat_fast.dataloader import TokenRowLoader
-from nanochat_fast.gpt import GPT
+from nanochat_fast import hardware
+from nanochat_fast.core.compiling import CompileWatch
+from nanochat_fast.data.packed_loaders import TokenRowLoader
+from nanochat_fast.hardware import precision
 from nanochat_fast.kernels.newton_schulz import QUINTIC
 from nanochat_fast.kernels.registry import ENV_VAR as KERNELS_ENV
+from nanochat_fast.model import loading
+from nanochat_fast.model.gpt import GPT
 from nanochat_fast.optim import step as optim_step
-from nanochat_fast.environment import check_kernels
 from nanochat_fast.scripts import base_train
+from nanochat_fast.train import model_setup, training_loop
+from nanochat_fast.train.environment import check_kernels
+from nanochat_fast.train.training_config import Device, TrainingConfig
 
 corpus = bench_pack_rows.corpus  # the fixture: the default corpus, else synthetic documents
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -229,7 +232,7 @@ class LoopVariant(Variant):
         marks = self.observed.marks
         marks.clear()
         marks.update(forward=0.0, backward=0.0)
-        training.train_step(self.observed, self.optimizers, micro_batches, self.grad_clip, self.autocast_ctx)
+        training_loop.train_step(self.observed, self.optimizers, micro_batches, self.grad_clip, self.autocast_ctx)
         end = now()
         self.observed.last_param = marks["last"]
         backward = marks["backward"] + marks["grad"] - marks["fwd_end"]
@@ -290,13 +293,13 @@ def build_ours(depth, data, *extra_flags, seq_len=T, compile_kwargs=None, name=N
     stage = base_train.BASE
     cfg = training_config(depth, *extra_flags, seq_len=seq_len)
     dev = one_process_device(cfg)
-    model, optimizers = models.build_for_training(model_config(cfg), DEVICE, cfg.optim.optimizer_kwargs())
+    model, optimizers = model_setup.build_for_training(model_config(cfg), DEVICE, cfg.optim.optimizer_kwargs())
     horizon = stage.horizon(cfg, model, None)  # base_train's default horizon decides the defaults
     accum = stage.data.grad_accum_steps(cfg.data, dev.world_size)
-    dev, ns = models.tune_for_training(model, optimizers, dev, cfg.device.dtype, cfg.data.device_batch_size,
+    dev, ns = model_setup.tune_for_training(model, optimizers, dev, cfg.device.dtype, cfg.data.device_batch_size,
                                        seq_len, accum, horizon.tokens)
     if compile_kwargs is None:
-        step_model, why = models.compile_for_training(model, cfg.run.compile, DEVICE, horizon.tokens,
+        step_model, why = model_setup.compile_for_training(model, cfg.run.compile, DEVICE, horizon.tokens,
                                                       hardware.peak_flops(DEVICE).flops * dev.world_size,
                                                       stage.data.varying_shapes)
     else:
@@ -339,9 +342,9 @@ def build_stock(depth, data, name, *, compile=False, dtype="fp32", loss="stock",
     """Stock PyTorch (loss="stock", optim="stock"), or it with our loss ("model") or optimizers."""
     cfg = training_config(depth)
     if optim == "ours":
-        model, optimizers = models.build_for_training(model_config(cfg), DEVICE, cfg.optim.optimizer_kwargs())
+        model, optimizers = model_setup.build_for_training(model_config(cfg), DEVICE, cfg.optim.optimizer_kwargs())
     else:
-        model = models.new_model(model_config(cfg), DEVICE)
+        model = loading.new_model(model_config(cfg), DEVICE)
         optimizers = stock_optimizers(model, cfg.optim, muon_apart_s is not None)
     fn = stock_loss(model) if loss == "stock" else model
     if compile:

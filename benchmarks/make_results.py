@@ -8,8 +8,8 @@ import torch
 
 from compiled_table import section_from_file
 from nanochat_fast.hardware import cpu_bf16_support, cpu_model, format_flops, measured_peaks
-from nanochat_fast.hardware.devices import cpuinfo
-from nanochat_fast.report import hardware
+from nanochat_fast.hardware.machine import cpuinfo
+from nanochat_fast.train.run_report import hardware
 
 # the /proc/cpuinfo flags that say whether a CPU has bf16 arithmetic (x86: AVX512-BF16, AMX; Arm: BF16)
 BF16_FLAGS = {"x86_64": ("avx512_bf16", "amx_bf16", "amx_tile"), "aarch64": ("bf16",)}

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def random_model(config, seed: int = 0):
     """A GPT with nanochat's init and its zero-initialised output projections filled in too (else
     every logit is equal): as fast as a trained model of its shape, its replies are noise."""
-    from nanochat_fast import models
+    from nanochat_fast.model import loading
     torch.manual_seed(seed)
-    model = models.new_model(config, "cpu")
+    model = loading.new_model(config, "cpu")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name == "lm_head.weight" or name.endswith("c_proj.weight"):
@@ -37,7 +37,7 @@ def arithmetic_chat_model(tokenizer, config, steps: int = 120, seed: int = 0):
     """A GPT taught, in a few seconds, the shape of the tiny corpus' chats ("what is 2 plus 3?" ->
     "2 plus 3 is 5."), loss on the assistant's tokens only: its replies read as replies (for the page
     and its screenshot); their arithmetic is mostly wrong."""
-    from nanochat_fast import models
+    from nanochat_fast.model import loading
     rng = random.Random(seed)
     chats = []
     for _ in range(400):
@@ -49,7 +49,7 @@ def arithmetic_chat_model(tokenizer, config, steps: int = 120, seed: int = 0):
     rows = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in chats])
     masks = torch.tensor([mask + [0] * (width - len(mask)) for _, mask in chats], dtype=torch.bool)
     torch.manual_seed(seed)
-    model = models.new_model(config, "cpu")
+    model = loading.new_model(config, "cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this narrow gains nothing from a second thread, and a busy machine makes it wait
@@ -69,8 +69,8 @@ def arithmetic_chat_model(tokenizer, config, steps: int = 120, seed: int = 0):
 def save_chat_checkpoint(home: Path, run: str, model, step: int = 1) -> Path:
     """runs/<run>/checkpoints/step_<step> under `home`, written by the package's checkpoint writer
     as a "mid" checkpoint made with home's tokenizer, as training would leave it."""
-    from nanochat_fast import checkpoint
-    from nanochat_fast.tokenizer import get_tokenizer
+    from nanochat_fast.core import checkpoint
+    from nanochat_fast.data.tokenizer import get_tokenizer
     tokenizer = get_tokenizer(home / "tokenizer")
     meta = {"phase": "mid", "model_config": asdict(model.config),
             "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint}}
@@ -88,8 +88,8 @@ def chat_home(tiny_home: Path) -> Path:
     run (every chat_web test module asks for it)."""
     if tiny_home not in _chat_homes:
         import shutil
-        from nanochat_fast.gpt import GPTConfig
-        from nanochat_fast.tokenizer import get_tokenizer
+        from nanochat_fast.model.gpt import GPTConfig
+        from nanochat_fast.data.tokenizer import get_tokenizer
         home = tiny_home.parent / "chat_web_home"
         shutil.copytree(tiny_home, home)
         tokenizer = get_tokenizer(home / "tokenizer")
@@ -101,10 +101,10 @@ def chat_home(tiny_home: Path) -> Path:
 
 def load_chat_model(home: Path, run: str = "chat"):
     """(model, tokenizer) of a run, loaded the way chat_web loads it: the reference replies come from these."""
-    from nanochat_fast import models
-    from nanochat_fast.tokenizer import get_tokenizer
+    from nanochat_fast.model import loading
+    from nanochat_fast.data.tokenizer import get_tokenizer
     tokenizer = get_tokenizer(home / "tokenizer")
-    model, _, _ = models.load_model(home / "runs" / run, None, "cpu", tokenizer)
+    model, _, _ = loading.load_model(home / "runs" / run, None, "cpu", tokenizer)
     return model, tokenizer
 
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from nanochat_fast import optim
-from nanochat_fast.common import all_reduce_mean, all_reduce_sum, compute_cleanup, compute_init, get_dist_info
-from nanochat_fast.gpt import GPT, GPTConfig
+from nanochat_fast.core.distributed import all_reduce_mean, all_reduce_sum, compute_cleanup, compute_init, get_dist_info
+from nanochat_fast.model.gpt import GPT, GPTConfig
 from nanochat_fast.optim import MuonRecipe
 
 CONFIG = GPTConfig(sequence_len=16, vocab_size=4099, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)

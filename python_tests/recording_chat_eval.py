@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from nanochat_fast import scoring
+from nanochat_fast.evals import scoring
 from nanochat_fast.scripts import chat_eval
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat_fast.tokenizer import Tokenizer
+from nanochat_fast.data.tokenizer import Tokenizer
 
 HIGH = 20.0
 

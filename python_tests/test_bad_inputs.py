@@ -15,10 +15,11 @@ import sys
 import pytest
 import torch
 
-from nanochat_fast import checkpoint, cli, environment
+from nanochat_fast.core import checkpoint, cli
 from nanochat_fast.hardware import __main__ as hardware
 from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_sft, chat_web, mid_train, prepare_data,
                                    report, tok_train)
+from nanochat_fast.train import environment
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_with_base_run
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]

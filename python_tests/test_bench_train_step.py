@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from nanochat_fast import hardware, optim, precision
-from nanochat_fast.hardware import tuning
+from nanochat_fast import hardware, optim
+from nanochat_fast.data.token_shards import write_token_shard
+from nanochat_fast.hardware import precision, tuning
 from nanochat_fast.hardware.tuning import Timing
-from nanochat_fast.dataset import write_token_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_train_step as steps  # noqa: E402

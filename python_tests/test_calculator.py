@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from nanochat_fast.calculator import MAX_EXPR_CHARS, CalculatorError, calculate, evaluate
+from nanochat_fast.model.calculator import MAX_EXPR_CHARS, CalculatorError, calculate, evaluate
 
 VALID = [
     ("12/60", "0.2"),

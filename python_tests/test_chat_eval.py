@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_fast import checkpoint, evaluation, models, runs, scoring, tasks
-from nanochat_fast.gpt import GPTConfig
+from nanochat_fast.core import checkpoint
+from nanochat_fast.data.tokenizer import get_tokenizer
+from nanochat_fast.evals import task_runner, scoring, tasks
+from nanochat_fast.evals.tasks.core import MULTIPLE_CHOICE, CoreTask
+from nanochat_fast.model import loading
+from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.scripts import base_eval, chat_eval, mid_train
-from nanochat_fast.tasks.core import MULTIPLE_CHOICE, CoreTask
-from nanochat_fast.tokenizer import get_tokenizer
+from nanochat_fast.train import run_dirs
 from eval_home import write_eval_home, write_task
 from stub_models import FavouriteTokenModel, byte_tokenizer
 from recording_chat_eval import recording
@@ -152,13 +155,13 @@ def test_core_subset_against_a_hand_count(tmp_path, monkeypatch):
     tok = byte_tokenizer()
     model = FavouriteTokenModel(tok.get_vocab_size(), favourite=tok.encode("a")[0])
     core = hand_tasks(tmp_path)
-    summary = evaluation.core_subset(model, tok, core, batch_size=3)
+    summary = task_runner.core_subset(model, tok, core, batch_size=3)
     assert [(summary["counts"][t]["correct"], summary["counts"][t]["total"]) for t in ("two", "four")] == [(3, 5), (1, 4)]
     assert summary["results"] == {"two": 0.6, "four": 0.25}
     assert summary["centered"] == pytest.approx({"two": (0.6 - 0.5) / 0.5, "four": 0.0})
     assert summary["core_subset"] == pytest.approx(0.1) and summary["name"] == "CORE subset (2/22 tasks)"
     # each rank's shard (every 2nd item) adds up to the whole
-    shards = [evaluation.core_subset(model, tok, core, rank=r, world_size=2, batch_size=3)["counts"] for r in (0, 1)]
+    shards = [task_runner.core_subset(model, tok, core, rank=r, world_size=2, batch_size=3)["counts"] for r in (0, 1)]
     assert [shards[0][t]["total"] + shards[1][t]["total"] for t in ("two", "four")] == [5, 4]
     assert [shards[0][t]["correct"] + shards[1][t]["correct"] for t in ("two", "four")] == [3, 1]
 
@@ -184,7 +187,7 @@ def test_base_eval_scores_the_prepared_core_tasks(eval_home, monkeypatch, capsys
     core = entry["core_subset"]
     assert set(core["results"]) == set(scored) == {"arc_easy", "arc_challenge", "copa", "piqa", "winogrande", "boolq"}
     tok = get_tokenizer()
-    model, _, _ = models.load_model(runs.run_dir_of("b", ("base",)), None, "cpu", tok)
+    model, _, _ = loading.load_model(run_dirs.run_dir_of("b", ("base",)), None, "cpu", tok)
     for label, acc in core["results"].items():
         task = tasks.get(label)
         direct = core_counts(model, tok, task, task.items(5))

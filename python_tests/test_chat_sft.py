@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat_fast import checkpoint
-from nanochat_fast.padded_conversations import ConversationMixture, PaddedConversationLoader
+from nanochat_fast.core import checkpoint
+from nanochat_fast.data.padded_conversations import ConversationMixture, PaddedConversationLoader
+from nanochat_fast.data.tokenizer import get_tokenizer
 from nanochat_fast.scripts import chat_sft, mid_train
-from nanochat_fast.tokenizer import get_tokenizer
-from nanochat_fast.training_data import ConversationShards
+from nanochat_fast.train.stage_data import ConversationShards
 from eval_home import gsm8k, write_eval_home
 from test_gpt import random_model
 from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
@@ -97,7 +97,7 @@ def test_rows_hold_one_conversation_with_only_the_assistant_supervised(sft_home,
 
 
 def mid_config(home):
-    from nanochat_fast.gpt import GPTConfig
+    from nanochat_fast.model.gpt import GPTConfig
     return GPTConfig(**checkpoint.load_meta(checkpoint.complete_checkpoints(home / "runs" / "m")[-1])["model_config"])
 
 
@@ -168,7 +168,7 @@ def test_stop_and_resume_is_exact(sft_home, monkeypatch, capsys):
 
 
 def test_batch_must_divide_into_examples(sft_home, monkeypatch):
-    from nanochat_fast.errors import UserError
+    from nanochat_fast.core.errors import UserError
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(sft_home))
     with pytest.raises(UserError, match="nearest valid values: 8 or 12"):
         chat_sft.main(SFT[1:] + ["--device-batch-size=4", "--target-examples-per-step=10", "--run=x"])

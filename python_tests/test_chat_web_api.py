@@ -12,7 +12,8 @@ pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install
 import httpx  # noqa: E402
 
 from chat_web_support import chat_home, load_chat_model, sse_events  # noqa: E402
-from nanochat_fast import cli, generation  # noqa: E402
+from nanochat_fast.core import cli  # noqa: E402
+from nanochat_fast.model import generation  # noqa: E402
 from nanochat_fast.scripts import chat_web  # noqa: E402
 from nanochat_fast.web.app import Settings, create_app  # noqa: E402
 from nanochat_fast.web.pool import Replica, ReplicaPool  # noqa: E402

@@ -16,7 +16,7 @@ pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install
 import httpx  # noqa: E402
 
 from chat_web_support import chat_home, chat_web_process, load_chat_model  # noqa: E402
-from nanochat_fast import generation  # noqa: E402
+from nanochat_fast.model import generation  # noqa: E402
 
 pytestmark = pytest.mark.browser
 

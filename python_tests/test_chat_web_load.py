@@ -12,7 +12,7 @@ pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install
 import httpx  # noqa: E402
 
 from chat_web_support import chat_home, chat_web_process, load_chat_model, sse_events  # noqa: E402
-from nanochat_fast import generation  # noqa: E402
+from nanochat_fast.model import generation  # noqa: E402
 
 CLIENTS = 16
 QUESTION = [{"role": "user", "content": "what is 12 plus 7?"}]

@@ -4,10 +4,10 @@ runs in test_dist_parity.py."""
 import pytest
 import torch
 
-from nanochat_fast import common
-from nanochat_fast.cli import UserError
-from nanochat_fast.common import (all_reduce_mean, all_reduce_sum, autodetect_device_type, compute_cleanup,
-                                  compute_init, get_dist_info, print0)
+from nanochat_fast.core import distributed
+from nanochat_fast.core.cli import UserError
+from nanochat_fast.core.distributed import (all_reduce_mean, all_reduce_sum, autodetect_device_type, compute_cleanup,
+                                            compute_init, get_dist_info, print0)
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
@@ -18,7 +18,7 @@ def plain_process(monkeypatch):
     for k in TORCHRUN_VARS:
         monkeypatch.delenv(k, raising=False)
     yield
-    common.set_deterministic(False)
+    distributed.set_deterministic(False)
 
 
 def fake_torchrun(monkeypatch, rank, world_size):
@@ -62,7 +62,7 @@ def test_seed_and_deterministic_flag(plain_process):
 
 def test_deterministic_runs_are_bitwise_equal(plain_process):
     from nanochat_fast import optim
-    from nanochat_fast.gpt import GPT, GPTConfig
+    from nanochat_fast.model.gpt import GPT, GPTConfig
     from nanochat_fast.optim import MuonRecipe
 
     def train():

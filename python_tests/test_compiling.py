@@ -4,8 +4,8 @@ tracing and guards of torch.compile without inductor's code generation, so it is
 import pytest
 import torch
 
-from nanochat_fast.compiling import MIN_RUN_SECONDS_AT_PEAK, CompileWatch, default_compile, fail_on_recompile
-from nanochat_fast.gpt import GPT, GPTConfig
+from nanochat_fast.core.compiling import MIN_RUN_SECONDS_AT_PEAK, CompileWatch, default_compile, fail_on_recompile
+from nanochat_fast.model.gpt import GPT, GPTConfig
 
 
 def test_watch_counts_graphs_and_recompiles():

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from nanochat_fast.cli import UserError
-from nanochat_fast.dataloader import MASK_SHIFT, ConversationRowLoader, DocStream, TokenRowLoader, make_row_stream
-from nanochat_fast.dataset import TokenShards, write_token_shard
+from nanochat_fast.core.cli import UserError
+from nanochat_fast.data.packed_loaders import (MASK_SHIFT, ConversationRowLoader, DocStream, TokenRowLoader,
+                                               make_row_stream)
+from nanochat_fast.data.token_shards import TokenShards, write_token_shard
 from nanochat_fast.kernels import registry
 
 BOS = 0
@@ -339,7 +340,7 @@ def test_close_stops_the_prefetch_thread(tokens_root, backend):
 @pytest.mark.parametrize("backend", [pytest.param("cpp", marks=needs_cpp), "reference"])
 def test_prefetch_thread_does_not_block_process_exit(tokens_root, backend):
     code = textwrap.dedent(f"""
-        from nanochat_fast.dataloader import TokenRowLoader
+        from nanochat_fast.data.packed_loaders import TokenRowLoader
         l = TokenRowLoader(dataset="toy", tokens_root={str(tokens_root)!r}, device_batch_size=2, seq_len=15, buffer_docs=8,
                            backend={backend!r})
         next(l)
@@ -375,7 +376,7 @@ def test_conversation_targets_are_masked(tmp_path):
 
 
 def test_extra_conversations_are_mixed_in_deterministically(tmp_path):
-    from nanochat_fast.tokenizer import Tokenizer
+    from nanochat_fast.data.tokenizer import Tokenizer
     tok = Tokenizer.train(["hello there, how are you? " * 40, "fine thanks and you " * 40], 300)
     base = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(40)]
     rendered = [tok.render_conversation(c) for c in base]

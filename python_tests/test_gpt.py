@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from nanochat_fast.gpt import GPT, GPTConfig, KVCache, config_from_depth
+from nanochat_fast.model.gpt import GPT, GPTConfig, KVCache, config_from_depth
 from nanochat_fast.optim import AdamW, Muon
 
 TINY = GPTConfig(sequence_len=16, vocab_size=101, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
@@ -256,7 +256,7 @@ def test_evaluate_bpb_matches_a_hand_count():
     """Bits per byte = summed nats of the counted targets / (ln 2 * their UTF-8 bytes); targets that
     are masked (-1) or special (0 bytes) count neither nats nor bytes."""
     from contextlib import nullcontext
-    from nanochat_fast.training import evaluate_bpb
+    from nanochat_fast.train.training_loop import evaluate_bpb
     model = random_model()
     g = torch.Generator().manual_seed(1)
     token_bytes = torch.randint(1, 5, (TINY.vocab_size,), generator=g)

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from nanochat_fast import hardware
-from nanochat_fast.hardware import peak
-from nanochat_fast.cli import UserError
-from nanochat_fast.gpt import GPT, GPTConfig
-from nanochat_fast.hardware import UNKNOWN, Peak, decide_threads
+from nanochat_fast.core import threads
+from nanochat_fast.core.cli import UserError
+from nanochat_fast.core.threads import UNKNOWN, decide_threads
+from nanochat_fast.hardware import Peak, peak
+from nanochat_fast.model.gpt import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2"}
@@ -51,24 +52,24 @@ def test_bad_omp_num_threads_is_one_line(value):
 
 
 def test_cgroup_quota(tmp_path):
-    assert hardware.cgroup_cpu_limit(tmp_path) is None
+    assert threads.cgroup_cpu_limit(tmp_path) is None
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert hardware.cgroup_cpu_limit(tmp_path) is None
+    assert threads.cgroup_cpu_limit(tmp_path) is None
     (tmp_path / "cpu.max").write_text("250000 100000\n")
-    assert hardware.cgroup_cpu_limit(tmp_path) == 2.5
+    assert threads.cgroup_cpu_limit(tmp_path) == 2.5
     v1 = tmp_path / "v1"
     (v1 / "cpu").mkdir(parents=True)
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
     (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert hardware.cgroup_cpu_limit(v1) == 1.5
+    assert threads.cgroup_cpu_limit(v1) == 1.5
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
-    assert hardware.cgroup_cpu_limit(v1) is None
+    assert threads.cgroup_cpu_limit(v1) is None
 
 
 WORKER = textwrap.dedent("""
     import json, os, torch
-    from nanochat_fast import hardware
-    choice = hardware.configure_threads()
+    from nanochat_fast.core import threads
+    choice = threads.configure_threads()
     print("RESULT " + json.dumps({"threads": torch.get_num_threads(), "reason": choice.reason,
                                   "rank": os.environ.get("LOCAL_RANK")}), flush=True)
 """)
@@ -108,9 +109,9 @@ def test_launchers_environment_tells_torchruns_value_from_the_users(tmp_path):
     ranks = results(torchrun)
     assert len(ranks) == 2
     for r in ranks:
-        assert r["threads"] == max(1, hardware.usable_cores() // 2), r
+        assert r["threads"] == max(1, threads.usable_cores() // 2), r
         assert "split among 2 local ranks; torchrun's OMP_NUM_THREADS=1 default replaced" in r["reason"], r
-    assert results(late)[0]["threads"] == hardware.usable_cores()
+    assert results(late)[0]["threads"] == threads.usable_cores()
     assert results(early) == [{"threads": 1, "reason": "OMP_NUM_THREADS=1 set by the user", "rank": "0"}]
 
 

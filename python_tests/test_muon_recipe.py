@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from nanochat_fast import optim, training
-from nanochat_fast.gpt import GPT, GPTConfig
+from nanochat_fast import optim
+from nanochat_fast.model.gpt import GPT, GPTConfig
 from nanochat_fast.optim import Muon, MuonRecipe
+from nanochat_fast.train import training_loop
 from test_newton_schulz import float64_newton_schulz, published  # the published coefficients, not the package's
 
 
@@ -202,7 +203,7 @@ def test_current_recipe_trains_the_tiny_gpt():
     data = (torch.randint(0, 128, (31, 4, 1), generator=gen) + torch.arange(33)) % 128  # counting
     losses = []
     for step in range(30):
-        momentum = training.muon_momentum(opts, step, 30)
+        momentum = training_loop.muon_momentum(opts, step, 30)
         assert momentum == muon.recipe.momentum_at(step, 30) == muon.param_groups[0]["momentum"]
         assert muon.param_groups[0]["weight_decay"] == pytest.approx(muon.recipe.weight_decay_at(step, 30))
         loss = model(data[step, :, :-1], data[step, :, 1:])
@@ -222,6 +223,6 @@ def test_setup_optimizers_keeps_its_arguments():
     assert muon.recipe.name == "seeds" and muon.recipe.ns_coefficients == "polar_express"
     assert muon.param_groups[0]["lr"] == 0.01 and muon.param_groups[0]["weight_decay"] == 0.0
     assert adamw.param_groups[0]["weight_decay"] == 0.1
-    assert training.muon_momentum([adamw, muon], 150, None) == pytest.approx(0.9)
+    assert training_loop.muon_momentum([adamw, muon], 150, None) == pytest.approx(0.9)
     with pytest.raises(ValueError, match="muon recipe"):
         model.setup_optimizers(muon_recipe="nanochat")

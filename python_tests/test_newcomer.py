@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from nanochat_fast import checkpoint
+from nanochat_fast.core import checkpoint
 from nanochat_fast.scripts import mid_train, prepare_data
 from tiny_pipeline import ROOT, home_env, write_corpus
 

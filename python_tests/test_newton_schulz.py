@@ -204,7 +204,7 @@ def train_tiny_gpt(monkeypatch, backend, steps=20, device="cpu", ns_dtype="fp32"
     """Loss after `steps` Muon+AdamW steps with newton_schulz forced to `backend`, and how many
     newton_schulz calls that backend served."""
     from nanochat_fast import optim
-    from nanochat_fast.gpt import GPT, GPTConfig
+    from nanochat_fast.model.gpt import GPT, GPTConfig
     from nanochat_fast.optim import MuonRecipe
 
     calls = []

@@ -9,10 +9,9 @@ import importlib
 import pytest
 import torch
 
-from nanochat_fast import precision
+from nanochat_fast.hardware import precision
 from nanochat_fast.hardware.tuning import Timing
-from nanochat_fast.kernels import newton_schulz, registry
-from nanochat_fast.kernels import newton_schulz_policy as policy
+from nanochat_fast.kernels import newton_schulz, newton_schulz_policy as policy, registry
 from nanochat_fast.optim import Muon
 from test_newton_schulz import float64_newton_schulz, force_path, make_input, published
 

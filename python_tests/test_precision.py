@@ -2,10 +2,9 @@
 import pytest
 import torch
 
-from nanochat_fast import precision
-from nanochat_fast.hardware import devices
+from nanochat_fast.hardware import machine, precision
+from nanochat_fast.hardware.precision import decide
 from nanochat_fast.hardware.tuning import Timing
-from nanochat_fast.precision import decide
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -64,13 +63,13 @@ def test_bad_choice_names_the_flag():
 def test_cpuinfo_flags(tmp_path, flags, expected):
     info = tmp_path / "cpuinfo"
     info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
-    assert devices.cpuinfo_bf16(info) == expected
+    assert machine.cpuinfo_bf16(info) == expected
 
 
 def test_arm_features_line(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n")
-    assert devices.cpuinfo_bf16(info) == "BF16"
+    assert machine.cpuinfo_bf16(info) == "BF16"
 
 
 def test_this_machine_measures_and_warns_only_where_bf16_is_emulated(capsys, nanochat_home):
@@ -82,7 +81,7 @@ def test_this_machine_measures_and_warns_only_where_bf16_is_emulated(capsys, nan
     forced = precision.choose(torch.device("cpu"), "bf16")
     err = capsys.readouterr().err
     assert forced.dtype == BF16
-    if devices.cpu_bf16_support():
+    if machine.cpu_bf16_support():
         assert err == ""
     else:
         assert err.count("\n") == 1 and err.startswith("warning: --dtype bf16 on cpu")

@@ -13,10 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from nanochat_fast import dataset, paths, sources
-from nanochat_fast.cli import UserError
+from nanochat_fast.core import paths
+from nanochat_fast.core.cli import UserError
+from nanochat_fast.data import corpus_sources, documents, token_shards
+from nanochat_fast.data.tokenizer import Tokenizer
 from nanochat_fast.scripts import prepare_data
-from nanochat_fast.tokenizer import Tokenizer
 
 rng = random.Random(0)
 WORDS = "river stone light morning quiet harbor lantern winter orchard silver letter garden".split()
@@ -31,7 +32,7 @@ def norm(text):
 
 
 def read_split(name, split):
-    manifest = dataset.read_manifest(name)
+    manifest = documents.read_manifest(name)
     column = "text" if manifest["kind"] == "text" else "messages"
     rows = []
     for shard in manifest["shards"][split]:
@@ -43,7 +44,7 @@ def read_split(name, split):
 def stream(name, val_every):
     """The documents in the order they were written: every val_every-th went to val."""
     train, val = iter(read_split(name, "train")), iter(read_split(name, "val"))
-    total = sum(dataset.read_manifest(name)["docs"].values())
+    total = sum(documents.read_manifest(name)["docs"].values())
     return [next(val) if i % val_every == 0 else next(train) for i in range(total)]
 
 
@@ -75,7 +76,7 @@ def test_folder_to_readable_shards(nanochat_home, folder, capsys):
     assert run_text(path) == 0
     out = capsys.readouterr().out
     assert f"skipping empty input file {path / 'empty.txt'}" in out
-    manifest = dataset.read_manifest("mine")
+    manifest = documents.read_manifest("mine")
     assert manifest["kind"] == "text" and len(manifest["shards"]["train"]) >= 2
     docs = stream("mine", 4)
     assert all(len(text) <= 200 for text, _ in docs)
@@ -106,7 +107,7 @@ def test_rerun_skips_and_resumes(nanochat_home, folder, capsys):
     assert json.loads(manifest_path.read_text()) == manifest
     # other options: rebuilt from scratch
     run_text(path, "--doc-chars=300")
-    assert dataset.read_manifest("mine")["config"]["doc_chars"] == 300
+    assert documents.read_manifest("mine")["config"]["doc_chars"] == 300
     assert all(len(t) <= 300 for t, _ in stream("mine", 4))
 
 
@@ -116,7 +117,7 @@ def test_token_shards_round_trip(nanochat_home, folder, capsys):
     tok = Tokenizer.train([prose(20)], 300)
     tok.save(paths.tokenizer_dir())
     assert prepare_data.main(["--input", str(path), "--name", "mine", "--stage=tokens", "--num-threads=1"]) == 0
-    shards = dataset.TokenShards("mine", "train")
+    shards = token_shards.TokenShards("mine", "train")
     texts = [t for t, _ in read_split("mine", "train")]
     assert shards.n_docs == len(texts) and shards.fingerprint == tok.fingerprint
     decoded = []
@@ -128,7 +129,7 @@ def test_token_shards_round_trip(nanochat_home, folder, capsys):
     capsys.readouterr()
     # re-run: nothing redone; a shard whose .json is missing is unfinished and is redone
     prepare_data.main(["--input", str(path), "--name", "mine", "--stage=tokens"])
-    n = sum(len(shards) for shards in dataset.read_manifest("mine")["shards"].values())
+    n = sum(len(shards) for shards in documents.read_manifest("mine")["shards"].values())
     assert f"({n} shards already done)" in capsys.readouterr().out
     (paths.tokens_dir("mine") / "train" / "shard_00000.json").unlink()
     prepare_data.main(["--input", str(path), "--name", "mine", "--stage=tokens"])
@@ -151,7 +152,7 @@ def test_conversations_folder(nanochat_home, tmp_path):
     tok = Tokenizer.train([" ".join(f"question {i}? answer {i}." for i in range(50))], 290)
     tok.save(paths.tokenizer_dir())
     prepare_data.main(["--input", str(d), "--stage=tokens"])
-    shards = dataset.TokenShards("talks", "val")
+    shards = token_shards.TokenShards("talks", "val")
     for k, (m, _) in enumerate(read_split("talks", "val")):
         a, b = shards.offsets[0][k], shards.offsets[0][k + 1]
         ids, mask = tok.render_conversation({"messages": m})
@@ -267,7 +268,7 @@ def test_builtin_corpus_from_the_archives(nanochat_home):
         else:
             word = q.split("'")[1] if "'" in q else q.split()[-1].rstrip("?")
             assert a == f"{word} is spelled {'-'.join(word)}."
-    licences = {s["name"]: s["licence"] for s in dataset.read_manifest("chat")["sources"]}
+    licences = {s["name"]: s["licence"] for s in documents.read_manifest("chat")["sources"]}
     assert licences["chitchat"] == "MIT" and licences["chatterbot"] == "BSD-3-Clause" and "synthetic" in licences
 
 
@@ -275,11 +276,11 @@ def test_split_document():
     for trial in range(200):
         paragraphs = [" ".join("w" * rng.randint(1, 12) for _ in range(rng.randint(1, 80))) for _ in range(rng.randint(1, 9))]
         text, limit = "\n\n".join(paragraphs), rng.randint(12, 400)
-        docs = sources.split_document(text, limit)
+        docs = corpus_sources.split_document(text, limit)
         assert all(0 < len(d) <= limit for d in docs)
         assert norm(" ".join(docs)) == norm(text)
-    assert sources.split_document("Title\n\n" + "word " * 100, 120)[0].startswith("Title\n\nword"), "headings stay"
-    assert sources.split_document("  \n ", 10) == [] and sources.split_document("abc", 0) == ["abc"]
+    assert corpus_sources.split_document("Title\n\n" + "word " * 100, 120)[0].startswith("Title\n\nword"), "headings stay"
+    assert corpus_sources.split_document("  \n ", 10) == [] and corpus_sources.split_document("abc", 0) == ["abc"]
 
 
 def test_r_serialization_reader():
@@ -291,7 +292,7 @@ def test_r_serialization_reader():
     for line in lines:
         data = line.encode()
         blob += i32(9 | (1 << 15)) + i32(len(data)) + data
-    assert sources._unserialize_r(blob) == lines
+    assert corpus_sources._unserialize_r(blob) == lines
 
 
 def test_replace_atomically_leaves_nothing_on_failure(tmp_path):

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_fast import checkpoint, runs
-from nanochat_fast.cli import UserError
+from nanochat_fast.core import checkpoint
+from nanochat_fast.core.cli import UserError
 from nanochat_fast.scripts import base_train
+from nanochat_fast.train import run_dirs
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, run_script, train_rows
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
@@ -142,9 +143,9 @@ def test_sigterm_under_torchrun_saves_and_resumes(home):
 
 def test_resume_command_keeps_the_run_a_resume_path_named():
     ckpt = "/data/runs/r/checkpoints/step_000004"
-    line = runs.resume_command(["--depth=2", "--resume", ckpt, "--overwrite"], Path("/data/runs/r"))
+    line = run_dirs.resume_command(["--depth=2", "--resume", ckpt, "--overwrite"], Path("/data/runs/r"))
     assert line.endswith(" --depth=2 --out-dir=/data/runs/r"), line
-    assert runs.resume_command(["--run=r", f"--resume={ckpt}"], Path("/data/runs/r")).endswith(" --run=r")
+    assert run_dirs.resume_command(["--run=r", f"--resume={ckpt}"], Path("/data/runs/r")).endswith(" --run=r")
 
 
 def test_nan_guard_stops_before_the_update_and_saves_nothing_bad(home, capsys):

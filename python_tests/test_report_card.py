@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from nanochat_fast import checkpoint, evaluation
-from nanochat_fast.errors import UserError
+from nanochat_fast.core import checkpoint
+from nanochat_fast.core.errors import UserError
+from nanochat_fast.evals import task_runner
 from nanochat_fast.scripts import report
 
 MODEL = {"sequence_len": 64, "vocab_size": 320, "n_layer": 2, "n_head": 2, "n_kv_head": 2, "n_embd": 64}
@@ -31,7 +32,7 @@ def fake_run(home, name, phase, step, source=None, train_time=3600.0, tokens=100
 
 
 def chat_result(name, correct, total, chance):
-    return evaluation.TaskResult(name, "x", "test", correct, total, chance, 1.5).as_dict()
+    return task_runner.TaskResult(name, "x", "test", correct, total, chance, 1.5).as_dict()
 
 
 @pytest.fixture
@@ -49,13 +50,13 @@ def pipeline(nanochat_home):
             "counts": {"copa": {"correct": 6, "total": 10, "shots": 0, "split": "validation", "seconds": 1.0},
                        "piqa": {"correct": 5, "total": 10, "shots": 10, "split": "validation", "seconds": 1.0}},
             "max_examples": 10}
-    evaluation.record(home / "runs" / "b", 10, "base_eval",
+    task_runner.record(home / "runs" / "b", 10, "base_eval",
                       {"val_bpb": {"value": 1.9, "dataset": "base", "eval_tokens": 512}, "core_subset": core})
     chances = {"ARC-Easy": 0.25, "ARC-Challenge": 0.25, "MMLU": 0.25, "GSM8K": 0.0, "HumanEval": 0.0,
                "SpellingBee": 0.0}
     sft = {name: chat_result(name, 30 if chance else 0, 100, chance) for name, chance in chances.items()}
-    evaluation.record(home / "runs" / "s", 20, "chat_eval", sft)
-    evaluation.record(home / "runs" / "m", 10, "chat_eval", {"ARC-Easy": chat_result("ARC-Easy", 25, 100, 0.25)})
+    task_runner.record(home / "runs" / "s", 20, "chat_eval", sft)
+    task_runner.record(home / "runs" / "m", 10, "chat_eval", {"ARC-Easy": chat_result("ARC-Easy", 25, 100, 0.25)})
     return home
 
 

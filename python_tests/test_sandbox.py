@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from nanochat_fast.sandbox import isolation, run_program
-from nanochat_fast.tasks.humaneval import extract_program, check_program
+from nanochat_fast.evals.sandbox import isolation, run_program
+from nanochat_fast.evals.tasks.humaneval import extract_program, check_program
 
 # a HumanEval-style problem (prompt, canonical solution, tests), written here
 PROBLEM = {

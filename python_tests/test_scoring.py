@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from nanochat_fast import scoring, tasks
-from nanochat_fast.gpt import GPTConfig
-from nanochat_fast.tasks.core import MULTIPLE_CHOICE, SCHEMA, CoreTask
+from nanochat_fast.evals import scoring, tasks
+from nanochat_fast.evals.tasks.core import MULTIPLE_CHOICE, SCHEMA, CoreTask
+from nanochat_fast.model.gpt import GPTConfig
 from stub_models import FavouriteTokenModel, ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
 from test_gpt import random_model
 

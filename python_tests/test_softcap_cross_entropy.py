@@ -242,7 +242,7 @@ def test_auto_backend_order(monkeypatch):
 def test_gpt_forward_uses_the_fused_loss(monkeypatch):
     """GPT.forward with targets: the fused op (auto) gives the reference backend's loss and
     gradients for every reduction; the logits path is untouched."""
-    from nanochat_fast.gpt import GPT, GPTConfig
+    from nanochat_fast.model.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(sequence_len=16, vocab_size=97, n_layer=1, n_head=2, n_kv_head=1, n_embd=32))
     model.init_weights()

@@ -6,12 +6,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from nanochat_fast import checkpoint
-from nanochat_fast.config import DataConfig, ModelConfig, OptimConfig, RunConfig
-from nanochat_fast.errors import UserError
+from nanochat_fast.core import checkpoint
+from nanochat_fast.core.errors import UserError
 from nanochat_fast.scripts import base_train
-from nanochat_fast.stage import run_stage
-from nanochat_fast.training import lr_multiplier
+from nanochat_fast.train.stage import run_stage
+from nanochat_fast.train.training_config import DataConfig, ModelConfig, OptimConfig, RunConfig
+from nanochat_fast.train.training_loop import lr_multiplier
 from tiny_pipeline import TINY_LOOP, TINY_MODEL
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
@@ -96,7 +96,7 @@ def test_a_stage_can_add_its_own_evaluations(home):
 def test_dtype_choice_and_its_reason_open_the_log_and_the_report(home, capsys):
     """--dtype=bf16 where the CPU has no native bf16 runs (slowly) after precision's one warning
     line; the run's first lines (before its first step) and the report name the choice and why."""
-    from nanochat_fast import precision
+    from nanochat_fast.hardware import precision
     assert base_train.main(TINY + ["--num-iterations=1", "--run=bf", "--dtype=bf16"]) == 0
     captured = capsys.readouterr()
     chosen = precision.choose(torch.device("cpu"), "bf16", warn=False)

@@ -4,8 +4,8 @@ import random
 import pytest
 import torch
 
-from nanochat_fast.cli import UserError
-from nanochat_fast.tokenizer import SPECIAL_TOKENS, Tokenizer, get_token_bytes, get_tokenizer
+from nanochat_fast.core.cli import UserError
+from nanochat_fast.data.tokenizer import SPECIAL_TOKENS, Tokenizer, get_token_bytes, get_tokenizer
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hum "
          "numbers like 42 and 1234 appear, don't they? Überraschung: naïve café 東京 🙂").split()
@@ -168,7 +168,7 @@ def test_tok_train_script(nanochat_home, corpus, tmp_path, capsys):
 def test_text_stream_never_releases_a_partial_character(tok):
     """Streaming token by token: a character split over several byte-level tokens comes out whole,
     once, and the pieces add up to the decoded text."""
-    from nanochat_fast.generation import TextStream
+    from nanochat_fast.model.generation import TextStream
     text = "naïve café 東京 🙂 and 🙂🙂"
     ids = tok.encode(text)
     assert any("\ufffd" in tok.decode([i]) for i in ids), "the test needs a character split over tokens"

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from nanochat_fast import checkpoint
+from nanochat_fast.core import checkpoint
 from nanochat_fast.scripts import base_eval, base_train, chat_cli, mid_train
 from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
 
@@ -101,11 +101,11 @@ def assistant_targets(x: torch.Tensor, y: torch.Tensor, start_id: int, end_id: i
 def test_mid_train_loss_is_only_on_assistant_tokens(home):
     """The conversation loader masks every non-assistant target, and the training step's loss is
     the cross-entropy over the assistant's tokens alone, averaged over all of them in the step."""
-    from nanochat_fast.dataloader import ConversationRowLoader
-    from nanochat_fast.gpt import GPT, config_from_depth
+    from nanochat_fast.data.packed_loaders import ConversationRowLoader
+    from nanochat_fast.model.gpt import GPT, config_from_depth
     from nanochat_fast.optim import MuonRecipe
-    from nanochat_fast.tokenizer import get_tokenizer
-    from nanochat_fast.training import train_step
+    from nanochat_fast.data.tokenizer import get_tokenizer
+    from nanochat_fast.train.training_loop import train_step
     from contextlib import nullcontext
     import torch.nn.functional as F
 

@@ -5,10 +5,13 @@ import json
 import pytest
 import torch
 
-from nanochat_fast import hardware, models, precision
-from nanochat_fast.config import OptimConfig
-from nanochat_fast.gpt import GPTConfig
+from nanochat_fast import hardware
+from nanochat_fast.hardware import precision
+from nanochat_fast.model import loading
+from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.scripts import base_train
+from nanochat_fast.train import model_setup
+from nanochat_fast.train.training_config import OptimConfig
 from tiny_pipeline import DEFAULT_LOOP, TINY_LOOP, TINY_MODEL, run_script, train_rows
 
 STEPS_60 = TINY_MODEL + DEFAULT_LOOP + ["--device-batch-size=4", "--total-batch-size=256", "--num-iterations=60",
@@ -73,10 +76,10 @@ def test_a_cuda_machine_chooses_bf16_and_compile(monkeypatch):
     assert precision.choose(cuda, OptimConfig().ns_dtype, warn=False).name == "bf16"
     peak = hardware.peak_flops(cuda)
     assert (peak.source, peak.flops) == ("datasheet", 989e12)
-    model = models.new_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=16),
+    model = loading.new_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=16),
                              "cpu")  # built here; compile_for_training only decides and wraps
     run_tokens = round(3600 * peak.flops / model.estimate_flops())  # an hour at peak
-    compiled, why = models.compile_for_training(model, None, cuda, run_tokens, peak.flops)
+    compiled, why = model_setup.compile_for_training(model, None, cuda, run_tokens, peak.flops)
     assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule) and "compiled on cuda" in why
-    same, why = models.compile_for_training(model, None, "cpu", round(1e9 / model.estimate_flops()), 1e11)
+    same, why = model_setup.compile_for_training(model, None, "cpu", round(1e9 / model.estimate_flops()), 1e11)
     assert same is model and "short run" in why

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_fast import models, precision
-from nanochat_fast.gpt import GPTConfig
-from nanochat_fast.hardware import peak, tuning
+from nanochat_fast.hardware import peak, precision, tuning
 from nanochat_fast.hardware.tuning import Timing, TuningError, Work
+from nanochat_fast.model.gpt import GPTConfig
+from nanochat_fast.train import model_setup
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -191,7 +191,7 @@ def test_a_corrupt_or_foreign_cache_is_measured_again_with_one_notice(machine, c
 
 @pytest.mark.parametrize("cpu", list(CPUS))
 def test_a_training_run_takes_the_measured_dtypes(cpu, monkeypatch):
-    """models.tune_for_training (what run_stage calls): the measurements injected per kind of
+    """model_setup.tune_for_training (what run_stage calls): the measurements injected per kind of
     work; the model's dtype and Newton-Schulz's follow them, an explicit flag is never overridden."""
     times = {"model": CPUS[cpu]["model"], "newton_schulz": CPUS[cpu]["ns"]}
     measured = []
@@ -203,17 +203,17 @@ def test_a_training_run_takes_the_measured_dtypes(cpu, monkeypatch):
     config = GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32)
     dev = fake_device()
     for requested, expected in (("auto", CPUS[cpu]["faster"]), ("fp32", "fp32"), ("bf16", "bf16")):
-        model, optimizers = models.build_for_training(config, "cpu", dict(
+        model, optimizers = model_setup.build_for_training(config, "cpu", dict(
             unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0))
         optimizers[1].defaults["ns_dtype"] = requested
-        tuned, ns = models.tune_for_training(model, optimizers, dev, requested, rows=4, seq_len=32,
+        tuned, ns = model_setup.tune_for_training(model, optimizers, dev, requested, rows=4, seq_len=32,
                                              grad_accum_steps=2, run_tokens=4 * 32 * 2 * 100)
         assert (tuned.precision.name, ns.name) == (expected, expected)
     assert measured == [("model", 200), ("newton_schulz", 100)]  # auto only; run_calls: micro-steps, steps
 
 
 def fake_device():
-    from nanochat_fast.config import Device
+    from nanochat_fast.train.training_config import Device
     return Device(False, 0, 0, 1, torch.device("cpu"), precision.decide("cpu", "fp32"), {})
 
 

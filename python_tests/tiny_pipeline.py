@@ -61,7 +61,7 @@ def home_env(home: Path):
 def disk_full_at(checkpoint_name: str):
     """While active, saving any file of checkpoint `checkpoint_name` (e.g. "step_000008") fails
     with ENOSPC, as on a full disk."""
-    from nanochat_fast import checkpoint
+    from nanochat_fast.core import checkpoint
     real_save = checkpoint.save_torch
 
     def save_torch(path, obj):

@@ -1,8 +1,7 @@
 """
-What this machine gives a training process, decided or measured once:
+What this machine gives a training process, measured once and cached:
 
-    threads.py   intra-op threads per process (the cores it may use, shared among local ranks)
-    devices.py   what a device is called and reports (CPU model, ISA, bf16 feature): cache keys
+    machine.py   what a device is called and reports (CPU model, ISA, bf16 feature): cache keys
     peak.py      the peak matmul rate MFU is quoted against: a GPU's datasheet, or measured here
     tuning.py    fp32 or bf16, by timing both at the shapes that will run
     cache.py     the measurement files under NANOCHAT_FAST_HOME/hardware/
@@ -10,8 +9,6 @@ What this machine gives a training process, decided or measured once:
     python -m nanochat_fast.hardware            threads, peaks and the dtype timings cached here
     python -m nanochat_fast.hardware --tune     measure them again
 """
-from .devices import cpu_bf16_support, cpu_model, device_name, machine_key  # noqa: F401
+from .machine import cpu_bf16_support, cpu_model, device_name, machine_key  # noqa: F401
 from .peak import (DATASHEET_BF16, Peak, datasheet_peak, format_flops, measure_matmul_rate,  # noqa: F401
                    measured_peaks, mfu, mfu_text, peak_flops, revise_peak)
-from .threads import (UNKNOWN, ThreadChoice, cgroup_cpu_limit, configure_threads, decide_threads,  # noqa: F401
-                      thread_choice, usable_cores)

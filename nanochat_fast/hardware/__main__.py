@@ -9,10 +9,11 @@ its Muon matrices, as base_train would.
 """
 import torch
 
-from .. import cli, models, paths  # models and optim register how --tune re-times their work
-from ..environment import check_environment
-from ..optim import muon  # noqa: F401
-from . import peak, threads, tuning
+from ..core import cli, paths, threads
+from ..optim import muon  # noqa: F401  (model_setup and optim register how --tune re-times their work)
+from ..train import model_setup
+from ..train.environment import check_environment
+from . import peak, tuning
 from .cache import age_days
 
 
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
     works = []
     if args.tune:  # every timing planned, and checked against the budget, before anything is written
         if args.depth:
-            works += models.tuning_works(args.depth, vocab_size(), args.max_seq_len, args.device_batch_size,
+            works += model_setup.tuning_works(args.depth, vocab_size(), args.max_seq_len, args.device_batch_size,
                                          args.device)
         works += tuning.cached_works(args.device)
         for work in works:
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
 
 def vocab_size() -> int:
     """The trained tokenizer's vocabulary, else nanochat's default of 65,536."""
-    from ..tokenizer import RANKS_FILE, get_tokenizer
+    from ..data.tokenizer import RANKS_FILE, get_tokenizer
     return get_tokenizer().get_vocab_size() if (paths.tokenizer_dir() / RANKS_FILE).is_file() else 65536
 
 

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .. import paths
+from ..core import paths
 
 
 class MeasurementCache:

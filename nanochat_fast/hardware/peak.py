@@ -1,7 +1,7 @@
 """
 The matmul rate MFU is quoted against: the datasheet dense bf16 rate of a known CUDA GPU,
 otherwise this machine's own best rate over the dtypes it has, measured by a short matmul probe
-and cached under NANOCHAT_FAST_HOME/hardware/peak_flops.json (keyed by devices.machine_key).
+and cached under NANOCHAT_FAST_HOME/hardware/peak_flops.json (keyed by machine.machine_key).
 
 A probe taken while the machine is busy reads low, and a low peak inflates every later run's MFU.
 So the probe keeps the best of several interleaved rounds (a neighbour rarely stalls every round),
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .cache import MeasurementCache, age_days
-from .devices import device_name, machine_key, synchronize
+from .machine import device_name, machine_key, synchronize
 
 # Dense bf16 tensor-core FLOP/s from the vendors' datasheets, by the exact name
 # torch.cuda.get_device_name() reports (the same family's PCIe and SXM parts differ).

@@ -6,7 +6,7 @@ its fp32 rate, while a Zen 4 ran them faster than fp32; AVX2 CPUs emulate bf16. 
 `--dtype auto` and `--ns-dtype auto` come from `measure(work)`:
 
   1. the cache (NANOCHAT_FAST_HOME/hardware/dtype_timings.json), keyed by the machine
-     (devices.machine_key: CPU model, ISA, bf16 feature, threads per process, torch) and by what
+     (machine.machine_key: CPU model, ISA, bf16 feature, threads per process, torch) and by what
      is timed (its kind and shapes): later runs reuse it in milliseconds. Like the peak probe, a
      timing is not cached while the machine is busy and is taken again after STALE_AFTER_DAYS;
   2. the work itself in each dtype (for a training run: the actual model's forward and backward
@@ -35,10 +35,10 @@ from typing import Callable
 
 import torch
 
-from ..common import rank0_decides
-from ..errors import UserError
+from ..core.distributed import rank0_decides
+from ..core.errors import UserError
 from .cache import MeasurementCache, age_days
-from .devices import machine_key, synchronize
+from .machine import machine_key, synchronize
 from .peak import DTYPES, STALE_AFTER_DAYS, machine_busy, measured_peaks
 
 BF16_MIN_SPEEDUP = 1.1

@@ -6,7 +6,7 @@ and newton_schulz_triton.py (the CUDA kernels); neither imports the other's modu
 Compute dtype
 -------------
 `newton_schulz(..., dtype=None)` and Muon's `ns_dtype="auto"` take the precision policy's choice
-for the tensor's device (nanochat_fast.precision, flag name `--ns-dtype`): bf16 on CUDA (sm80+);
+for the tensor's device (nanochat_fast.hardware.precision, flag name `--ns-dtype`): bf16 on CUDA (sm80+);
 on a CPU the faster of fp32 and bf16 as measured here: Muon times its own matrix stacks
 (Muon.resolve_ns_precision, hardware/tuning.py), a direct call with dtype=None takes the
 machine's matmul probe. "fp32" and "bf16" force one. Only the iteration runs in that dtype: the
@@ -66,7 +66,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import precision
+from ..hardware import precision
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
 # Polar Express (Amsel et al. 2025, arXiv:2505.16932), 5 steps, as used by modded-nanogpt.

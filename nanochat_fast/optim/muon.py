@@ -30,9 +30,9 @@ any world size work and no rank holds much more state than 1/W of the total.
 import torch
 
 from ..hardware import tuning
+from ..hardware.precision import CHOICES, DTYPES, Precision, choose
 from ..kernels import newton_schulz
 from ..kernels.newton_schulz_policy import compute_dtype, resolve_coefficients
-from ..precision import CHOICES, DTYPES, Precision, choose
 from .recipe import MuonRecipe
 from .zero import (ZeroOptimizer, all_gather, check_hparam, copy_flat_pieces, normalize_param_groups,
                    reduce_scatter_sum)

@@ -24,15 +24,15 @@ presets, so a run names its recipe in one word and can override any part of it.
                 pass the run's own warmdown ratio)
 
 The dtype Newton-Schulz computes in (ns_dtype) is the same "auto" in both: it follows the hardware
-(nanochat_fast.precision), not the recipe.
+(nanochat_fast.hardware.precision), not the recipe.
 """
 import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
 
+from ..hardware.precision import CHOICES
 from ..kernels.newton_schulz_policy import resolve_coefficients
-from ..precision import CHOICES
 
 PRESET_NAMES = ("seeds", "current")
 WEIGHT_DECAY_SCHEDULES = ("constant", "cosine")

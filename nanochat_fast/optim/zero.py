@@ -32,7 +32,7 @@ import numbers
 import torch
 import torch.distributed as dist
 
-from ..common import all_gather_single, reduce_scatter_single
+from ..core.distributed import all_gather_single, reduce_scatter_single
 
 FORMAT = "nanochat_fast.optim/1"
 

@@ -22,14 +22,17 @@ nanochat_fast.scripts.prepare_data --datasets=eval` (without it, CORE is skipped
 evals.json for the report card.
 """
 
-from .. import cli, eval_data, evaluation, generation, models, runs, tasks
-from ..common import compute_cleanup, print0
-from ..config import DeviceConfig
-from ..dataloader import ConversationRowLoader, TokenRowLoader
-from ..environment import check_environment
-from ..tokenizer import get_token_bytes, get_tokenizer
-from ..training import evaluate_bpb
-from ..training_data import val_batches
+from ..core import cli
+from ..core.distributed import compute_cleanup, print0
+from ..data.packed_loaders import ConversationRowLoader, TokenRowLoader
+from ..data.tokenizer import get_token_bytes, get_tokenizer
+from ..evals import benchmark_files, task_runner, tasks
+from ..model import generation, loading
+from ..train import run_dirs
+from ..train.environment import check_environment
+from ..train.stage_data import val_batches
+from ..train.training_config import DeviceConfig
+from ..train.training_loop import evaluate_bpb
 from .base_train import DEFAULT_PROMPTS
 
 
@@ -57,8 +60,8 @@ def main(argv=None) -> int:
     try:
         print0(dev.describe())
         tokenizer = get_tokenizer()
-        run_dir = runs.run_dir_of(args.run, ("base",))
-        model, ckpt, meta = models.load_model(run_dir, args.step, dev.device, tokenizer)
+        run_dir = run_dirs.run_dir_of(args.run, ("base",))
+        model, ckpt, meta = loading.load_model(run_dir, args.step, dev.device, tokenizer)
         seq_len = model.config.sequence_len
         chat = meta["phase"] != "base"
         dataset = args.dataset or meta["args"].get("dataset") or ("chat" if chat else "base")
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
         if core is not None:
             results["core_subset"] = core
         if dev.rank == 0:
-            print(f"results: {evaluation.record(run_dir, meta['step'], 'base_eval', results)}")
+            print(f"results: {task_runner.record(run_dir, meta['step'], 'base_eval', results)}")
             with dev.autocast():
                 for prompt in DEFAULT_PROMPTS[:args.samples]:
                     print(f"  {prompt!r} -> {generation.complete(model, tokenizer, prompt, args.max_tokens)!r}")
@@ -91,9 +94,9 @@ def core_subset(model, tokenizer, args, dev) -> dict | None:
     """The CORE subset on the tasks whose data is prepared, printed task by task; None when skipped."""
     if args.max_examples == 0:
         return None
-    available = [t for t in tasks.CORE_SUBSET if eval_data.read_manifest(t.folder) is not None]
+    available = [t for t in tasks.CORE_SUBSET if benchmark_files.read_manifest(t.folder) is not None]
     if not available:
-        print0(f"{tasks.SUBSET_NAME}: skipped, no evaluation data ({eval_data.PREPARE_HINT})")
+        print0(f"{tasks.SUBSET_NAME}: skipped, no evaluation data ({benchmark_files.PREPARE_HINT})")
         return None
 
     def show(label, correct, total, accuracy, centred, seconds):
@@ -103,7 +106,7 @@ def core_subset(model, tokenizer, args, dev) -> dict | None:
     sample = f"{args.max_examples} items per task" if args.max_examples else "every item"
     print0(f"CORE subset ({len(available)} of the {len(tasks.CORE_SUBSET)} tasks we have offline, {sample}):")
     with dev.autocast():
-        summary = evaluation.core_subset(model, tokenizer, available, args.max_examples, dev.rank, dev.world_size,
+        summary = task_runner.core_subset(model, tokenizer, available, args.max_examples, dev.rank, dev.world_size,
                                          batch_size=args.device_batch_size, progress=True, on_task=show)
     print0(f"{summary['name']}: {summary['core_subset']:.4f} (mean centred accuracy; not comparable with full CORE)")
     return {**summary, "max_examples": args.max_examples}

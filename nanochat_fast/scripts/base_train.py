@@ -13,10 +13,11 @@ checkpoints, metrics.jsonl, loss.png and report.md. Stop it any time with Ctrl-C
 finishes the step, saves, and says how to resume (--resume auto; bit for bit on one CPU process
 with --deterministic).
 """
-from .. import cli, next_steps
-from ..config import DataConfig, HorizonConfig, ModelConfig, add_training_flags
-from ..stage import NewModel, Stage, complete_prompts, fixed_horizon, run_stage
-from ..training_data import TOKEN_ROWS
+from ..core import cli
+from ..train import next_steps
+from ..train.stage import NewModel, Stage, complete_prompts, fixed_horizon, run_stage
+from ..train.stage_data import TOKEN_ROWS
+from ..train.training_config import DataConfig, HorizonConfig, ModelConfig, add_training_flags
 
 DEFAULT_PROMPTS = ["The king said", "In the beginning", "To be, or not to be", "The whale"]
 

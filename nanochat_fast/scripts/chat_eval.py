@@ -23,12 +23,15 @@ import argparse
 import sys
 import time
 
-from .. import cli, evaluation, models, next_steps, runs, scoring, tasks
-from ..common import compute_cleanup, print0
-from ..config import DeviceConfig
-from ..environment import check_environment
-from ..errors import UserError
-from ..tokenizer import get_tokenizer
+from ..core import cli
+from ..core.distributed import compute_cleanup, print0
+from ..core.errors import UserError
+from ..data.tokenizer import get_tokenizer
+from ..evals import task_runner, scoring, tasks
+from ..model import loading
+from ..train import next_steps, run_dirs
+from ..train.environment import check_environment
+from ..train.training_config import DeviceConfig
 
 
 def task_list(value: str) -> list:
@@ -76,10 +79,10 @@ def main(argv=None) -> int:
     try:
         print0(dev.describe())
         tokenizer = get_tokenizer()
-        run_dir = runs.run_dir_of(args.run, ("sft", "mid"))
+        run_dir = run_dirs.run_dir_of(args.run, ("sft", "mid"))
         # every task's data first: a missing set stops the run before the model is loaded
         loaded = [(task, task.load(max_examples=args.max_examples)) for task in args.task]
-        model, ckpt, meta = models.load_model(run_dir, args.step, dev.device, tokenizer)
+        model, ckpt, meta = loading.load_model(run_dir, args.step, dev.device, tokenizer)
         if meta["phase"] == "base":
             print0(f"note: {ckpt} is a base checkpoint: it has not learned to chat", file=sys.stderr)
         print0(f"checkpoint: {ckpt}")
@@ -88,7 +91,7 @@ def main(argv=None) -> int:
         results, start = {}, time.time()
         for task, examples in loaded:
             with dev.autocast():
-                result = evaluation.chat_task(
+                result = task_runner.chat_task(
                     model, tokenizer, task, examples, dev.rank, dev.world_size, batch_size=args.batch_size,
                     num_samples=args.num_samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     top_k=args.top_k, progress=True, settings={**settings, "world_size": dev.world_size})
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
             print0(f"ChatCORE (mean accuracy centred by chance, all six tasks): {core:.4f}")
         print0(f"evaluated {len(results)} task(s) in {time.time() - start:.1f} s on {dev.world_size} process(es)")
         if dev.rank == 0:
-            path = evaluation.record(run_dir, meta["step"], "chat_eval",
+            path = task_runner.record(run_dir, meta["step"], "chat_eval",
                                      {name: r.as_dict() for name, r in results.items()})
             print(f"results: {path}")
             next_steps.show(next_steps.after_chat_eval())

@@ -23,83 +23,17 @@ count over the whole step on all processes. Learning rates default to nanochat's
 pretraining rates) with a linear decay to zero (--warmdown-ratio=1). --chat-eval-examples scores
 ARC-Easy and MMLU (letter logits) at every evaluation, as nanochat's SFT does.
 """
-from pathlib import Path
-
-from .. import cli, eval_data, evaluation, next_steps, tasks
-from ..common import print0
-from ..config import DataConfig, add_training_flags
-from ..dataset import CHAT, TokenShards
-from ..errors import UserError
-from ..padded_conversations import PaddedConversations
-from ..paths import tokens_dir
-from ..stage import FromRun, Stage, answer_questions, one_epoch, run_stage
-from ..training_data import VAL_EVERY, ConversationShards, Conversations
+from ..core import cli
+from ..core.distributed import print0
+from ..evals import benchmark_files, task_runner, tasks
+from ..train import next_steps
+from ..train.stage import FromRun, Stage, answer_questions, one_epoch, run_stage
+from ..train.stage_data import Conversations, PaddedConversations, sft_sources
+from ..train.training_config import DataConfig, add_training_flags
 from .mid_train import SAMPLE_QUESTIONS
 
 LR_FRACTION = 0.02  # nanochat's SFT trains at 2% of the pretraining learning rates
-TASK_LIMITS = {"SpellingBee": 600}  # examples taken from a task's train split (None: all)
 IN_TRAINING_EVAL_TASKS = ("ARC-Easy", "MMLU")  # categorical, so cheap enough to run at every eval
-
-
-def prepared_conversation_shards(dataset: str, split: str, tokenizer) -> TokenShards:
-    shards = TokenShards(dataset, split)
-    if shards.kind != CHAT:
-        raise UserError(f"dataset {dataset!r} holds prose, not conversations: pass a conversation dataset "
-                        "(e.g. --dataset=chat)")
-    if shards.fingerprint != tokenizer.fingerprint:
-        raise UserError(f"the token shards in {shards.directory} were made with another tokenizer; re-tokenize with "
-                        "`python -m nanochat_fast.scripts.prepare_data --stage=tokens`")
-    return shards
-
-
-def task_conversations() -> tuple[list[tuple[str, list]], list[str]]:
-    """[(name, conversations)] of every chat task's train splits that are prepared, and the names of
-    the tasks left out because their data is not."""
-    found, missing = [], []
-    for task in tasks.CHAT_TASKS:
-        if not task.train_splits:
-            continue
-        if eval_data.read_manifest(task.folder) is None:
-            missing.append(task.name)
-            continue
-        for split in task.train_splits:
-            examples = task.load(split, max_examples=TASK_LIMITS.get(task.name))
-            found.append((f"{task.name} {split}", [task.conversation(ex) for ex in examples]))
-    return found, missing
-
-
-def sft_sources(args, cfg, tokenizer):
-    """(train parts, val parts, dataset name, notes) of the mixture in the module docstring."""
-    dataset = cfg.data.dataset or "chat"
-    use_dataset = bool(cfg.data.dataset) or tokens_dir(dataset).is_dir()
-    in_memory, notes = task_conversations()
-    if notes:
-        notes = [f"{', '.join(notes)} left out: no evaluation data (`python -m nanochat_fast.scripts.prepare_data "
-                 "--datasets=eval` adds them)"]
-    extra = args.extra_conversations
-    if extra:
-        in_memory.append((Path(str(extra)).name, list(extra)))
-    if not use_dataset and not in_memory:
-        raise UserError(f"nothing to fine-tune on: no conversation dataset ({tokens_dir(dataset)}) and no evaluation "
-                        "data; prepare them with `python -m nanochat_fast.scripts.prepare_data --datasets=chat,eval`, "
-                        "or bring your own conversations with --extra-conversations=FILE.jsonl")
-    if use_dataset:
-        train = [(dataset, prepared_conversation_shards(dataset, "train", tokenizer))]
-        val = [(dataset, prepared_conversation_shards(dataset, "val", tokenizer))]
-        train += [(name, ConversationShards(convs, tokenizer, name)) for name, convs in in_memory]
-        return train, val, dataset, notes
-    # no conversation dataset: every VAL_EVERY-th conversation of each source is held out for val bpb
-    train, val = [], []
-    for name, convs in in_memory:
-        kept = [c for i, c in enumerate(convs) if i % VAL_EVERY]
-        if kept:
-            train.append((name, ConversationShards(kept, tokenizer, name)))
-        val.append((name, ConversationShards(convs[::VAL_EVERY], tokenizer, f"{name} (val)")))
-    if not train:
-        raise UserError(f"--extra-conversations {extra} holds one conversation; training on it alone needs at least "
-                        f"2 (every {VAL_EVERY}th, from the first, is held out for validation)")
-    notes.append(f"no conversation dataset prepared: every {VAL_EVERY}th conversation is held out for val bpb")
-    return train, val, "conversations:" + "+".join(name.split()[0] for name, _ in in_memory), notes
 
 
 def chat_evals(max_examples: int):
@@ -107,7 +41,7 @@ def chat_evals(max_examples: int):
     max_examples each, the same examples every time), counted over every rank."""
     def make(cfg, tokenizer, dev):
         chosen = [tasks.get(name) for name in IN_TRAINING_EVAL_TASKS]
-        missing = [t.name for t in chosen if eval_data.read_manifest(t.folder) is None]
+        missing = [t.name for t in chosen if benchmark_files.read_manifest(t.folder) is None]
         if max_examples == 0 or missing:
             if max_examples:
                 print0(f"note: no in-training chat evaluation: no evaluation data for {', '.join(missing)} "
@@ -116,7 +50,7 @@ def chat_evals(max_examples: int):
         loaded = [(task, task.load(max_examples=max_examples)) for task in chosen]
 
         def evaluate(model):
-            return {f"{task.name.lower().replace('-', '_')}_acc": evaluation.chat_task(
+            return {f"{task.name.lower().replace('-', '_')}_acc": task_runner.chat_task(
                 model, tokenizer, task, examples, dev.rank, dev.world_size,
                 batch_size=2 * cfg.data.device_batch_size).accuracy for task, examples in loaded}
         return evaluate

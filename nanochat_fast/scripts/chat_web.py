@@ -20,11 +20,13 @@ import time
 
 import torch
 
-from .. import cli, generation, models, runs
-from ..common import compute_init
-from ..environment import check_environment
-from ..errors import UserError
-from ..tokenizer import get_tokenizer
+from ..core import cli
+from ..core.distributed import compute_init
+from ..core.errors import UserError
+from ..data.tokenizer import get_tokenizer
+from ..model import generation, loading
+from ..train import run_dirs
+from ..train.environment import check_environment
 
 
 def build_parser():
@@ -100,10 +102,10 @@ def replica_devices(device: torch.device, workers: int | None) -> list[torch.dev
 
 def load_replicas(args, devices, tokenizer, Replica):
     """The model once per device. The one place chat_web finds and loads a checkpoint."""
-    run_dir = runs.run_dir_of(args.run, ("sft", "mid"))
+    run_dir = run_dirs.run_dir_of(args.run, ("sft", "mid"))
     replicas, name = [], None
     for device in devices:
-        model, ckpt, meta = models.load_model(run_dir, args.step, device, tokenizer)
+        model, ckpt, meta = loading.load_model(run_dir, args.step, device, tokenizer)
         replicas.append(Replica(model=model, tokenizer=tokenizer, device=str(device)))
         name = f"{run_dir.name} step {meta['step']} ({meta['phase']})"
         if meta["phase"] == "base" and len(replicas) == 1:

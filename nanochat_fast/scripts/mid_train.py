@@ -13,10 +13,11 @@ default chat); when no conversation dataset is prepared, the file alone is the t
 divided by their count over the whole step on all processes, so masked targets weigh the same on
 1 or N processes.
 """
-from .. import cli, next_steps
-from ..config import DataConfig, add_training_flags
-from ..stage import FromRun, Stage, answer_questions, one_epoch, run_stage
-from ..training_data import CONVERSATION_ROWS, Conversations
+from ..core import cli
+from ..train import next_steps
+from ..train.stage import FromRun, Stage, answer_questions, one_epoch, run_stage
+from ..train.stage_data import CONVERSATION_ROWS, Conversations
+from ..train.training_config import DataConfig, add_training_flags
 
 SAMPLE_QUESTIONS = ["Hello! How are you?", "What is 7 plus 5?", "Who wrote Hamlet?"]
 

@@ -25,11 +25,14 @@ import os
 import random
 from pathlib import Path
 
-from .. import cli, dataset, eval_data, next_steps, paths, sources
-from ..environment import check_environment
-from ..errors import UserError
+from ..core import cli, paths
+from ..core.errors import UserError
+from ..data import corpus_sources, documents, token_shards
+from ..evals import benchmark_files
+from ..train import next_steps
+from ..train.environment import check_environment
 
-EXTRAS = {s.name: s for s in sources.EXTRA_SOURCES}
+EXTRAS = {s.name: s for s in corpus_sources.EXTRA_SOURCES}
 
 
 def build_parser():
@@ -66,7 +69,7 @@ def _shuffled(docs, seed):
 
 
 def _read(source, cache, args, bar):
-    archive = sources.download(source, cache)
+    archive = corpus_sources.download(source, cache)
     docs = list(source.read(archive, args.doc_chars))
     bar.update()
     return docs[: args.limit_per_source] if args.limit_per_source else docs
@@ -77,7 +80,7 @@ def _source_info(s):
 
 
 def _config(args, srcs, **more):
-    return {"sources": [s.spec for s in srcs], "readers": sources.READERS_VERSION, "doc_chars": args.doc_chars,
+    return {"sources": [s.spec for s in srcs], "readers": corpus_sources.READERS_VERSION, "doc_chars": args.doc_chars,
             "seed": args.seed, "limit_per_source": args.limit_per_source, **more}
 
 
@@ -91,40 +94,40 @@ def prepare_builtin(name, args):
         unknown = [e for e in wanted if e not in EXTRAS]
         if unknown:
             raise UserError(f"--extras: unknown source {unknown[0]!r}; choose none, all or some of {', '.join(EXTRAS)}")
-        srcs = [s for s in sources.PIP_SOURCES if s.dataset == "base"] + [EXTRAS[e] for e in wanted]
+        srcs = [s for s in corpus_sources.PIP_SOURCES if s.dataset == "base"] + [EXTRAS[e] for e in wanted]
         config = _config(args, srcs)
 
         def docs():
-            with dataset.progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
+            with documents.progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
                 pairs = [(d, s.name) for s in srcs for d in _read(s, cache, args, bar)]
             return _shuffled(pairs, args.seed)
-        kind, infos = dataset.TEXT, [_source_info(s) for s in srcs]
+        kind, infos = documents.TEXT, [_source_info(s) for s in srcs]
     else:
-        srcs = [s for s in sources.PIP_SOURCES if s.dataset == "chat"]
+        srcs = [s for s in corpus_sources.PIP_SOURCES if s.dataset == "chat"]
         config = _config(args, srcs, synthetic=args.synthetic)
 
         def docs():
-            with dataset.progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
+            with documents.progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
                 pairs = [(c, s.name) for s in srcs for c in _read(s, cache, args, bar)]
-            words = sources.words_of([c for c, _ in pairs])
-            pairs += [(c, "synthetic") for c in sources.synthetic_conversations(args.synthetic, words, args.seed)]
+            words = corpus_sources.words_of([c for c, _ in pairs])
+            pairs += [(c, "synthetic") for c in corpus_sources.synthetic_conversations(args.synthetic, words, args.seed)]
             return _shuffled(pairs, args.seed)
-        kind, infos = dataset.CHAT, [_source_info(s) for s in srcs + [sources.SYNTHETIC]]
-    return dataset.write_dataset(name, kind, docs, config=config, sources=infos, val_every=args.val_every,
+        kind, infos = documents.CHAT, [_source_info(s) for s in srcs + [corpus_sources.SYNTHETIC]]
+    return documents.write_dataset(name, kind, docs, config=config, sources=infos, val_every=args.val_every,
                                  shard_chars=args.shard_chars, overwrite=args.overwrite)
 
 
 def prepare_folder(name, folder, args):
-    files = dataset.input_files(folder)
+    files = documents.input_files(folder)
     config = {"input": str(folder.resolve()), "doc_chars": args.doc_chars,
               "files": [[str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
     state = {}
 
     def docs():  # the kind is known once the first document is read; every file must agree
-        for doc, source in dataset.iter_input_folder(folder, args.doc_chars):
-            kind = dataset.TEXT if isinstance(doc, str) else dataset.CHAT
+        for doc, source in documents.iter_input_folder(folder, args.doc_chars):
+            kind = documents.TEXT if isinstance(doc, str) else documents.CHAT
             if state.setdefault("kind", kind) != kind:
-                what = "prose" if kind == dataset.TEXT else "conversations"
+                what = "prose" if kind == documents.TEXT else "conversations"
                 raise UserError(f"input file {folder / source} holds {what} but earlier files hold the other kind; "
                                 "prepare them as two datasets")
             yield doc, source
@@ -139,13 +142,13 @@ def prepare_folder(name, folder, args):
         yield from stream
     infos = [{"name": str(p.relative_to(folder)), "spec": str(p), "licence": "as provided by the user",
               "about": "user input"} for p in files]
-    return dataset.write_dataset(name, state["kind"], all_docs(), config=config, sources=infos,
+    return documents.write_dataset(name, state["kind"], all_docs(), config=config, sources=infos,
                                  val_every=args.val_every, shard_chars=args.shard_chars, overwrite=args.overwrite)
 
 
 def tokenize(names, args, required: bool):
     """Tokenize the prepared datasets, or (no tokenizer yet) say how to train one on them."""
-    from ..tokenizer import RANKS_FILE, get_tokenizer
+    from ..data.tokenizer import RANKS_FILE, get_tokenizer
     if not (paths.tokenizer_dir() / RANKS_FILE).is_file():
         if required:
             get_tokenizer()  # raises the UserError that says how to make one
@@ -154,11 +157,11 @@ def tokenize(names, args, required: bool):
         return
     tokenizer = get_tokenizer()
     for name in names:
-        totals = dataset.tokenize_dataset(name, tokenizer, overwrite=args.overwrite, num_threads=args.num_threads)
+        totals = token_shards.tokenize_dataset(name, tokenizer, overwrite=args.overwrite, num_threads=args.num_threads)
         print(f"tokens/{name}: {totals['docs']:,} documents, {totals['tokens']:,} tokens "
               f"({totals['skipped_shards']} shards already done)")
     if args.input:
-        next_steps.after_tokens(names[0], dataset.read_manifest(names[0])["kind"], totals["tokens"])
+        next_steps.after_tokens(names[0], documents.read_manifest(names[0])["kind"], totals["tokens"])
 
 
 def main(argv=None) -> int:
@@ -183,7 +186,7 @@ def main(argv=None) -> int:
         if "eval" in names:  # benchmark sets: JSONL files, never tokenized
             names.remove("eval")
             if args.stage != "tokens":
-                eval_data.prepare(overwrite=args.overwrite)
+                benchmark_files.prepare(overwrite=args.overwrite)
     if args.stage in ("all", "text"):
         for name in names:
             manifest = prepare_folder(name, folder, args) if args.input else prepare_builtin(name, args)

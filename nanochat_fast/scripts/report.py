@@ -21,10 +21,12 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint, cli, evaluation, paths, runs, tasks
-from ..environment import check_environment
-from ..errors import UserError
-from ..gpt import GPT, GPTConfig
+from ..core import checkpoint, cli, paths
+from ..core.errors import UserError
+from ..evals import task_runner, tasks
+from ..model.gpt import GPT, GPTConfig
+from ..train import run_dirs
+from ..train.environment import check_environment
 
 STAGES = (("base", "BASE"), ("mid", "MID"), ("sft", "SFT"))
 NONE = "none"
@@ -75,7 +77,7 @@ def pick_runs(args) -> dict:
 
     def newest(phase):
         try:
-            return runs.newest_run((phase,))
+            return run_dirs.newest_run((phase,))
         except UserError:
             return None
 
@@ -85,7 +87,7 @@ def pick_runs(args) -> dict:
             chosen[phase] = None
             continue
         if flag:
-            chosen[phase] = runs.run_dir_of(flag, (phase,))
+            chosen[phase] = run_dirs.run_dir_of(flag, (phase,))
             continue
         later = [d for d in chosen.values() if d is not None]
         if not later:
@@ -120,7 +122,7 @@ def stage_facts(run_dir: Path) -> dict:
     (or at the newest step that was evaluated)."""
     ckpt = checkpoint.resolve_checkpoint(run_dir)
     meta = checkpoint.load_meta(ckpt)
-    recorded = evaluation.read_records(run_dir)["steps"]
+    recorded = task_runner.read_records(run_dir)["steps"]
     step = str(meta["step"]) if str(meta["step"]) in recorded else max(recorded, key=int, default=None)
     return {"run_dir": run_dir, "ckpt": ckpt, "meta": meta, "evals": recorded.get(step, {}) if step else {},
             "evals_step": int(step) if step else None}

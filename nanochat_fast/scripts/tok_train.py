@@ -16,10 +16,12 @@ import time
 
 import torch
 
-from .. import cli, dataset, next_steps, paths
-from ..environment import check_environment
-from ..errors import UserError
-from ..tokenizer import MIN_VOCAB_SIZE, TOKEN_BYTES_FILE, Tokenizer
+from ..core import cli, paths
+from ..core.errors import UserError
+from ..data import documents, token_shards
+from ..data.tokenizer import MIN_VOCAB_SIZE, TOKEN_BYTES_FILE, Tokenizer
+from ..train import next_steps
+from ..train.environment import check_environment
 
 
 def build_parser():
@@ -38,7 +40,7 @@ def build_parser():
 
 
 def capped_texts(name: str, max_chars: int, doc_cap: int, counter: dict):
-    for text in dataset.iter_texts(name, "train", doc_cap):
+    for text in documents.iter_texts(name, "train", doc_cap):
         text = text[: max_chars - counter["chars"]]
         counter["chars"] += len(text)
         yield text
@@ -48,7 +50,7 @@ def capped_texts(name: str, max_chars: int, doc_cap: int, counter: dict):
 
 def training_dataset(name: str) -> str:
     """--dataset, or base, or the only prepared dataset; a UserError listing them otherwise."""
-    prepared = dataset.prepared_datasets()
+    prepared = documents.prepared_datasets()
     if name or "base" in prepared or not prepared:
         return name or "base"  # (read_manifest then says how to prepare a missing one)
     if len(prepared) == 1:
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
         raise UserError(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + the special tokens), "
                         f"got {args.vocab_size}")
     args.dataset = training_dataset(args.dataset)
-    manifest = dataset.read_manifest(args.dataset)  # a clear error when the text is not prepared yet
+    manifest = documents.read_manifest(args.dataset)  # a clear error when the text is not prepared yet
     counter = {"chars": 0}
     t0 = time.time()
     tokenizer = Tokenizer.train(capped_texts(args.dataset, args.max_chars, args.doc_cap, counter), args.vocab_size)
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
         print(f"note: the text supplies fewer merges than --vocab-size={args.vocab_size} asks for; "
               "the vocabulary is smaller")
 
-    val = list(dataset.iter_texts(args.dataset, "val"))
+    val = list(documents.iter_texts(args.dataset, "val"))
     n_chars = sum(map(len, val))
     n_tokens = sum(map(len, tokenizer.encode(val, num_threads=args.num_threads)))
     if n_tokens:
@@ -86,8 +88,8 @@ def main(argv=None) -> int:
               f"({n_chars:,} characters -> {n_tokens:,} tokens)")
 
     if not args.no_tokenize:
-        for name in dataset.prepared_datasets():
-            totals = dataset.tokenize_dataset(name, tokenizer, num_threads=args.num_threads)
+        for name in documents.prepared_datasets():
+            totals = token_shards.tokenize_dataset(name, tokenizer, num_threads=args.num_threads)
             print(f"tokens/{name}: {totals['docs']:,} documents, {totals['tokens']:,} tokens")
             if name == args.dataset:
                 trained_on = totals["tokens"]

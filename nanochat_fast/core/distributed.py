@@ -1,0 +1,178 @@
+"""
+Process setup shared by every script: which device, which rank, seeding, and the few collectives
+the run layer needs beyond the optimizers' own (sums for logging, agreement between ranks).
+
+Launched by torchrun, every process trains on its own share of the data:
+    CUDA  -> NCCL, one GPU per process (cuda:LOCAL_RANK)
+    CPU   -> gloo, so multi-process CPU training really is data-parallel (the optimizers
+             synchronise through it; nothing trains unsynchronised copies)
+    MPS   -> single process only (there is no MPS collective backend)
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+from .errors import UserError
+from .threads import configure_threads
+
+DEVICE_TYPES = ("cuda", "mps", "cpu")
+
+# the tensor collectives; torch >= 2.8 names them *_single and deprecates the *_tensor names
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def get_dist_info():
+    """(ddp, rank, local_rank, world_size): from the process group once it exists, else from the
+    environment torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE); (False, 0, 0, 1) in a plain process."""
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+        return True, rank, int(os.environ.get("LOCAL_RANK", rank)), dist.get_world_size()
+    if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    return False, 0, 0, 1
+
+
+def is_distributed() -> bool:
+    """True when a process group with more than one process is running."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def print0(*args, **kwargs):
+    """print() on rank 0 only."""
+    if get_dist_info()[1] == 0:
+        print(*args, **kwargs)
+
+
+def autodetect_device_type() -> str:
+    """cuda if a GPU is present, else mps (Apple silicon), else cpu."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def _check_device_type(device_type: str, world_size: int, local_rank: int):
+    if device_type not in DEVICE_TYPES:
+        raise UserError(f"unknown device type {device_type!r}: use cuda, mps, cpu or leave it empty to autodetect")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise UserError("device type cuda was asked for but no CUDA GPU is available: "
+                        "use --device-type=cpu (or leave it empty to autodetect)")
+    if device_type == "mps" and not torch.backends.mps.is_available():
+        raise UserError("device type mps was asked for but MPS is not available: "
+                        "use --device-type=cpu (or leave it empty to autodetect)")
+    if device_type == "mps" and world_size > 1:
+        raise UserError(f"MPS runs a single process but {world_size} were launched: run the script with "
+                        "plain `python -m ...` instead of torchrun")
+    if device_type == "cuda" and local_rank >= torch.cuda.device_count():
+        raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} are visible on this "
+                        "node, use --nproc_per_node <= the GPU count")
+
+
+def set_deterministic(enabled: bool, warn_only: bool = False):
+    """Bitwise reproducible runs (same device, same process count, same thread count): fixed
+    algorithms, no cuDNN autotuning. warn_only: ops without a deterministic implementation warn
+    instead of failing (on GPUs some attention backward kernels have none)."""
+    if enabled:
+        # must be set before cuBLAS starts; harmless on CPU
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    torch.backends.cudnn.deterministic = enabled
+    torch.backends.cudnn.benchmark = False
+
+
+def compute_init(device_type: str = "", seed: int = 42, deterministic: bool = False):
+    """Set up this process: device, process group (under torchrun), seeds.
+
+    Returns (ddp, ddp_rank, ddp_local_rank, ddp_world_size, device). Every rank is seeded the
+    same, so models initialised on every rank start identical. Mistakes the user can make (a device
+    that is not there, MPS under torchrun) raise UserError with one line saying what to do.
+    """
+    device_type = device_type or autodetect_device_type()
+    ddp, rank, local_rank, world_size = get_dist_info()
+    _check_device_type(device_type, world_size, local_rank)
+    # the cores this process may use, split among torchrun's local ranks (OMP_NUM_THREADS wins)
+    configure_threads()
+
+    torch.manual_seed(seed)
+    set_deterministic(deterministic, warn_only=device_type != "cpu")
+    if device_type == "cuda":
+        torch.cuda.manual_seed(seed)
+        # TF32 for fp32 matmuls outside autocast, unless the run must be reproducible
+        torch.set_float32_matmul_precision("highest" if deterministic else "high")
+
+    if ddp and device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl", device_id=device)
+    elif ddp:
+        # CPU (and a lone MPS process under torchrun): gloo carries the collectives
+        device = torch.device(device_type)
+        if not dist.is_initialized():
+            dist.init_process_group(backend="gloo")
+    else:
+        device = torch.device(device_type)
+    if ddp:
+        dist.barrier()
+    return ddp, rank, local_rank, world_size, device
+
+
+def compute_cleanup():
+    """Tear down the process group, if one was started."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _gather_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of `t` over ranks, added in rank order on every rank: the same bits everywhere and from
+    run to run (an all-reduce may sum in a different order on different ranks). For the small
+    tensors the training loop logs or counts."""
+    t = t.detach()
+    world_size = dist.get_world_size()
+    flat = t.reshape(-1).contiguous()
+    gathered = torch.empty(world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+    all_gather_single(gathered, flat)
+    return gathered.view(world_size, *t.shape).sum(dim=0, dtype=t.dtype if t.is_floating_point() else None)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over all ranks (a copy of `t` when not distributed), e.g. supervised-token counts."""
+    if not is_distributed():
+        return t.detach().clone()
+    return _gather_sum(t)
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean over all ranks (a copy of `t` when not distributed): the loss to log is the global one,
+    not rank 0's."""
+    if not is_distributed():
+        return t.detach().clone()
+    return _gather_sum(t) / dist.get_world_size()
+
+
+def any_rank(flag: bool, device) -> bool:
+    """True on every rank if `flag` is True on any rank (one all-reduce; `flag` when not
+    distributed). Ranks use it to take the same decision: stop, save, give up."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor(int(flag), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def all_ranks_ok(ok: bool, device) -> bool:
+    """True on every rank iff `ok` is True on every rank; doubles as a barrier."""
+    return not any_rank(not ok, device)
+
+
+def rank0_decides(decide):
+    """decide() run on rank 0 alone and its result (any picklable object) returned on every rank:
+    one decision for the whole run where each rank measuring for itself could disagree."""
+    if not is_distributed():
+        return decide()
+    box = [decide() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

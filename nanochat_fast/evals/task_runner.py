@@ -1,0 +1,139 @@
+"""
+Evaluating a model on the benchmark tasks (tasks/) with any number of processes, and the file of
+results the report card reads. chat_eval, base_eval and chat_sft's in-training evaluations all
+score through here:
+
+    chat_task(model, tokenizer, task, examples, ...)   one chat task -> TaskResult
+    core_subset(model, tokenizer, core_tasks, ...)     the CORE subset -> scoring.core_summary + counts
+    record(run_dir, step, script, results)             merge into runs/<run>/evals.json (rank 0)
+    read_records(run_dir)                              {"steps": {step: {script: {...}}}}
+
+Each rank scores its shard of the examples (every world_size-th, scoring.shard) and [correct,
+total] is summed over ranks, so N processes count exactly what one process counts. A progress bar
+(tqdm) shows rank 0's share of the work when stderr is a terminal.
+"""
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..core import paths
+from ..core.distributed import all_reduce_sum
+from . import scoring
+from .tasks import CATEGORICAL
+
+RESULTS_FILE = "evals.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class TaskResult:
+    """A task's counts over every rank, and what they mean."""
+    task: str
+    kind: str
+    split: str
+    correct: int
+    total: int
+    chance: float
+    seconds: float
+    settings: dict = field(default_factory=dict)   # max_examples, num_samples, ... as run
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else float("nan")
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        return scoring.wilson_interval(self.correct, self.total)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "accuracy": self.accuracy, "interval_95": list(self.interval)}
+
+    def line(self) -> str:
+        lo, hi = self.interval
+        return (f"{self.task}: {100 * self.accuracy:.2f}% ({self.correct}/{self.total} {self.split}) | chance "
+                f"{100 * self.chance:.0f}% | 95% interval {100 * lo:.1f}%-{100 * hi:.1f}% | {self.seconds:.1f} s")
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="example", dynamic_ncols=True, leave=False,
+                disable=not (enabled and sys.stderr.isatty()))
+
+
+def summed(counts: scoring.Counts, device) -> tuple[int, int]:
+    both = all_reduce_sum(torch.tensor([counts.correct, counts.total], dtype=torch.long, device=device))
+    return int(both[0]), int(both[1])
+
+
+def chat_task(model, tokenizer, task, examples: list[dict], rank: int = 0, world_size: int = 1, batch_size: int = 8,
+              num_samples: int = 1, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = 50,
+              seed: int = 42, progress: bool = False, settings: dict | None = None) -> TaskResult:
+    """`task` on `examples` (the same list on every rank): categorical tasks by the answer letters'
+    logits in batches of batch_size prompts, generative ones by sampling (calculator on; pass@k with
+    num_samples > 1) and checking."""
+    mine = [examples[i] for i in scoring.shard(len(examples), rank, world_size)]
+    start, counts = time.time(), scoring.Counts()
+    with progress_bar(len(mine), task.name, progress and rank == 0) as bar:
+        if task.kind == CATEGORICAL:  # the whole shard at once: batches of similar lengths
+            counts = scoring.categorical_counts(model, tokenizer, task, mine, batch_size, on_batch=bar.update)
+        else:
+            for ex in mine:
+                counts += scoring.generative_counts(model, tokenizer, task, [ex], num_samples, max_new_tokens,
+                                                    temperature, top_k, seed)
+                bar.update(1)
+    correct, total = summed(counts, model.get_device())
+    return TaskResult(task.name, task.kind, task.eval_split, correct, total, task.chance, time.time() - start,
+                      settings or {})
+
+
+def core_subset(model, tokenizer, core_tasks, max_examples: int | None = None, rank: int = 0, world_size: int = 1,
+                batch_size: int = 16, progress: bool = False, on_task=None) -> dict:
+    """Accuracy on each CORE task (few-shot likelihood of the choices; the items are loaded on every
+    rank, each scores its shard), then scoring.core_summary: the centred mean and its name.
+    on_task(label, correct, total, accuracy, centred, seconds) is called as each task finishes."""
+    accuracies, chances, counts = {}, {}, {}
+    for task in core_tasks:
+        start = time.time()
+        items = task.items(max_examples)
+        mine = scoring.shard(len(items), rank, world_size)
+        local = scoring.Counts()
+        with progress_bar(len(mine), task.name, progress and rank == 0) as bar:
+            for i in range(0, len(mine), batch_size):
+                indices = mine[i:i + batch_size]
+                local += scoring.core_counts(model, tokenizer, task, items, indices=indices, batch_size=batch_size)
+                bar.update(len(indices))
+        correct, total = summed(local, model.get_device())
+        accuracies[task.name], chances[task.name] = correct / total, task.chance
+        counts[task.name] = {"correct": correct, "total": total, "split": task.eval_split,
+                             "shots": task.num_fewshot, "seconds": time.time() - start}
+        if on_task is not None:
+            on_task(task.name, correct, total, accuracies[task.name],
+                    scoring.centered(accuracies[task.name], task.chance), time.time() - start)
+    return {**scoring.core_summary(accuracies, chances), "chance": chances, "counts": counts}
+
+
+def read_records(run_dir) -> dict:
+    """The evaluations recorded for a run: {"format", "steps": {"<step>": {script: {...}}}}."""
+    path = Path(run_dir) / RESULTS_FILE
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") == FORMAT_VERSION:
+            return data
+    except (OSError, json.JSONDecodeError, AttributeError):
+        pass
+    return {"format": FORMAT_VERSION, "steps": {}}
+
+
+def record(run_dir, step: int, script: str, results: dict) -> Path:
+    """Merge `results` ({name: value}) into the run's evals.json under this step and script; the
+    file is replaced atomically (a reader sees the old or the new one, never half)."""
+    data = read_records(run_dir)
+    entry = data["steps"].setdefault(str(step), {}).setdefault(script, {})
+    entry.update(results)
+    path = Path(run_dir) / RESULTS_FILE
+    paths.write_durably(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
+    return path

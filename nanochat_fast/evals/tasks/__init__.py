@@ -1,0 +1,57 @@
+"""
+Evaluation tasks over the prepared data (data/eval/, see eval_data.py), one module per family:
+
+    chat tasks (chat_eval, and training data for chat_sft)
+        ARC-Easy, ARC-Challenge   arc.py          categorical
+        MMLU                      mmlu.py         categorical
+        GSM8K                     gsm8k.py        generative, with the calculator
+        HumanEval                 humaneval.py    generative, run in the sandbox
+        SpellingBee               spellingbee.py  generative, with the calculator
+    base-model tasks (base_eval)
+        the CORE subset           core.py         few-shot likelihood of each choice
+
+    task = tasks.get("arc-easy")               # nanochat's names, any case
+    examples = task.load(max_examples=100)     # the evaluated split, shuffled with a fixed seed
+    task.conversation(examples[0])             # {"messages": [...]}: SFT data and the eval prompt
+    task.check(examples[0], "A")               # is this reply right?
+    tasks.get("hellaswag_zeroshot").items()    # CORE items ({query, choices, gold} ...)
+"""
+from ...core.errors import UserError
+from .arc import ARC
+from .core import CORE_SUBSET, SUBSET_NAME, CoreTask
+from .gsm8k import GSM8K, extract_answer
+from .humaneval import HumanEval
+from .mmlu import MMLU
+from .spellingbee import SpellingBee
+from .task_types import (CATEGORICAL, GENERATIVE, LIKELIHOOD, ChatTask, GenerativeTask, MultipleChoiceTask, Task,
+                         render_mc)
+
+CHAT_TASKS = [ARC("ARC-Easy"), ARC("ARC-Challenge"), MMLU(), GSM8K(), HumanEval(), SpellingBee()]
+CHAT_TASK_NAMES = [t.name for t in CHAT_TASKS]
+CORE_TASK_NAMES = [t.name for t in CORE_SUBSET]
+_BY_NAME = {t.name.lower(): t for t in CHAT_TASKS + CORE_SUBSET}
+
+
+def get(name: str) -> Task:
+    """The task named `name`: nanochat's chat task names (ARC-Easy, ARC-Challenge, MMLU, GSM8K,
+    HumanEval, SpellingBee) or a CORE label (hellaswag_zeroshot, arc_easy, ...), any case."""
+    task = _BY_NAME.get(name.strip().lower())
+    if task is None:
+        raise UserError(f"unknown task {name!r}; chat tasks: {', '.join(CHAT_TASK_NAMES)}; "
+                        f"CORE subset: {', '.join(CORE_TASK_NAMES)}")
+    return task
+
+
+def parse_names(spec: str, default: list[str]) -> list[Task]:
+    """The tasks of a --task value: comma-separated names, or "all" for `default`."""
+    names = [n for n in (p.strip() for p in spec.split(",")) if n]
+    if not names:
+        raise UserError("--task is empty; give task names (comma-separated) or all")
+    if [n.lower() for n in names] == ["all"]:
+        names = default
+    return [get(n) for n in names]
+
+
+__all__ = ["ARC", "CATEGORICAL", "CHAT_TASKS", "CHAT_TASK_NAMES", "CORE_SUBSET", "CORE_TASK_NAMES", "ChatTask",
+           "CoreTask", "GENERATIVE", "GSM8K", "GenerativeTask", "HumanEval", "LIKELIHOOD", "MMLU", "MultipleChoiceTask",
+           "SUBSET_NAME", "SpellingBee", "Task", "extract_answer", "get", "parse_names", "render_mc"]

@@ -1,0 +1,78 @@
+"""
+What this machine is, in the words the caches and the logs use: a device's name, and for a CPU the
+instruction set and the bf16 feature it reports. None of this decides a dtype: a CPU's flags do
+not say whether its bf16 is fast (tuning.py measures that); they key the caches, so that a
+measurement is never reused on another kind of machine, and they word a warning.
+"""
+import functools
+import platform
+from pathlib import Path
+
+import torch
+
+# /proc/cpuinfo flags of CPUs that execute bf16 arithmetic in hardware (not necessarily faster than fp32)
+BF16_FLAGS = {"amx_bf16": "AMX", "avx512_bf16": "AVX512-BF16", "bf16": "BF16"}
+
+
+def device_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return f"Apple MPS ({platform.machine()})"
+    return cpu_model()
+
+
+def cpuinfo(path: Path = Path("/proc/cpuinfo")) -> dict:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none): "model name",
+    "cpu family", "model", "flags" (x86) or "Features" (Arm), ..."""
+    try:
+        block = path.read_text().split("\n\n")[0]
+    except OSError:
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines()) if k.strip()}
+
+
+def cpu_model() -> str:
+    return cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_bf16_support() -> str | None:
+    """The CPU feature that executes bf16 here ("AMX", "AVX512-BF16", "BF16"), or None (emulated)."""
+    probe = getattr(torch, "cpu", None)
+    try:
+        if probe is not None and probe._is_amx_tile_supported():
+            return "AMX"
+        if probe is not None and probe._is_avx512_bf16_supported():
+            return "AVX512-BF16"
+    except AttributeError:  # older torch: fall back to the kernel's flags
+        pass
+    return cpuinfo_bf16(Path("/proc/cpuinfo"))
+
+
+def cpuinfo_bf16(path: Path) -> str | None:
+    info = cpuinfo(path)
+    flags = set((info.get("flags") or info.get("Features") or "").split())  # x86 / Arm
+    return next((name for flag, name in BF16_FLAGS.items() if flag in flags), None)
+
+
+def machine_key(device) -> str:
+    """What a measurement on `device` depends on: the device, its ISA (a CPU model name can be
+    vague, e.g. "AMD EPYC"), its bf16 feature, the threads in use, torch's version and its fp32
+    matmul precision setting."""
+    device = torch.device(device)
+    parts = [device.type, device_name(device)]
+    if device.type == "cpu":
+        parts += [torch.backends.cpu.get_cpu_capability(), f"bf16={cpu_bf16_support() or 'emulated'}",
+                  f"threads={torch.get_num_threads()}"]
+    elif device.type == "cuda":
+        parts.append("sm{}{}".format(*torch.cuda.get_device_capability(device)))
+    return " | ".join(parts + [f"torch={torch.__version__}", f"fp32 matmul={torch.get_float32_matmul_precision()}"])
+
+
+def synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

@@ -1,0 +1,329 @@
+"""
+The GPT of nanochat:
+- rotary position embeddings (no learned positions), QK-norm
+- untied token embedding and lm_head, no biases anywhere
+- parameter-free RMSNorm (after the embedding, before attention/MLP, before the lm_head)
+- ReLU² MLP
+- grouped-query attention (GQA/MQA) via n_kv_head
+- logits soft-capped at 15 by tanh
+
+One dial, `depth`, sets the width and the heads (config_from_depth). Master weights are fp32 on
+every device; CUDA runs the matmuls under bf16 autocast, CPU and MPS compute in fp32.
+"""
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..core.distributed import is_distributed, print0
+from ..kernels import softcap_cross_entropy
+
+LOGIT_SOFTCAP = 15.0
+
+
+@dataclass
+class GPTConfig:
+    sequence_len: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 6      # query heads
+    n_kv_head: int = 6   # key/value heads (GQA when fewer than n_head)
+    n_embd: int = 768
+
+    def __post_init__(self):
+        for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"head_dim = n_embd/n_head = {self.n_embd // self.n_head} must be even (rotary pairs channels)")
+        if self.n_kv_head > self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_ratio: int = 64,
+                      head_dim: int = 128, n_kv_head: int | None = None) -> GPTConfig:
+    """The depth dial: n_embd = ceil(aspect_ratio*depth / head_dim) * head_dim, n_head = n_embd / head_dim."""
+    for name, value in (("depth", depth), ("aspect_ratio", aspect_ratio), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    n_embd = math.ceil(aspect_ratio * depth / head_dim) * head_dim
+    n_head = n_embd // head_dim
+    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                     n_kv_head=n_head if n_kv_head is None else n_kv_head, n_embd=n_embd)
+
+
+def norm(x):
+    """Parameter-free RMSNorm over the last dimension."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rotary_emb(x, cos, sin):
+    """Rotate channel pairs (i, i + d/2) of x (B, T, H, D) by the position's angles."""
+    d = x.shape[3] // 2
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # fp32 tables; bf16 activations under autocast
+    x1, x2 = x[..., :d], x[..., d:]
+    y1 = x1 * cos + x2 * sin
+    y2 = x1 * (-sin) + x2 * cos
+    return torch.cat([y1, y2], 3)
+
+
+class KVCache:
+    """Keys and values of every layer for a batch of sequences, up to `max_len` positions.
+
+    Layers call insert_kv in order; the position advances once the last layer has inserted. The
+    storage is allocated at the first insert, in the dtype of the keys (bf16 under CUDA autocast).
+    """
+
+    def __init__(self, n_layer, max_len):
+        self.kv = None
+        self.n_layer = n_layer
+        self.max_len = max_len
+        self.pos = 0
+
+    def get_pos(self) -> int:
+        return self.pos
+
+    def insert_kv(self, layer_idx, k, v):
+        """Store k, v (B, H_kv, T, D) at the current position; return all keys/values so far."""
+        t0, t1 = self.pos, self.pos + k.size(2)
+        if self.kv is None:
+            B, H, _, D = k.shape
+            self.kv = torch.empty(self.n_layer, 2, B, H, self.max_len, D, dtype=k.dtype, device=k.device)
+        if t1 > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions, asked to grow to {t1}")
+        self.kv[layer_idx, 0, :, :, t0:t1] = k
+        self.kv[layer_idx, 1, :, :, t0:t1] = v
+        if layer_idx == self.n_layer - 1:
+            self.pos = t1
+        return self.kv[layer_idx, 0, :, :, :t1], self.kv[layer_idx, 1, :, :, :t1]
+
+    def select_rows(self, rows: torch.Tensor):
+        """Keep the sequences at `rows` (int64 indices into the batch, repeats allowed): a prompt
+        cached once becomes n rows with rows = [0] * n; finished rows leave the batch."""
+        if self.kv is not None:
+            self.kv = self.kv.index_select(2, rows.to(self.kv.device))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
+        self.head_dim = config.head_dim
+        self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
+        self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x, cos_sin, kv_cache):
+        B, T, _ = x.size()
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        cos, sin = cos_sin
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        q, k = norm(q), norm(k)  # QK-norm
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+        if kv_cache is not None:
+            k, v = kv_cache.insert_kv(self.layer_idx, k, v)
+        Tq, Tk = q.size(2), k.size(2)
+        gqa = self.n_head != self.n_kv_head
+        if Tq == Tk:
+            # training, or the first chunk into an empty cache: plain causal attention
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif Tq == 1:
+            # one new token attends to everything cached
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=gqa)
+        else:
+            # a chunk after a cached prefix: all of the prefix, causal within the chunk
+            prefix = Tk - Tq
+            mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos_sin, kv_cache):
+        x = x + self.attn(norm(x), cos_sin, kv_cache)
+        x = x + self.mlp(norm(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(config.vocab_size, config.n_embd),
+            "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+        })
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Rotary tables for 10x the training length, so generation can run past it. Not persistent:
+        # they are recomputed (init_weights) rather than stored in checkpoints.
+        self.rotary_seq_len = config.sequence_len * 10
+        cos, sin = self._precompute_rotary_embeddings(self.rotary_seq_len, config.head_dim)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """nanochat's init. Also recomputes the rotary tables, so a model built on the meta device
+        and materialised with `to_empty(device=...)` is complete after this call."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                # std 1/sqrt(fan_in), shrunk for wide-to-narrow maps (arXiv:2310.17813)
+                fan_out, fan_in = module.weight.shape
+                std = 1.0 / math.sqrt(fan_in) * min(1.0, math.sqrt(fan_out / fan_in))
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=1.0)
+        # zero the output projections: every block starts as the identity, the model as uniform logits
+        nn.init.zeros_(self.lm_head.weight)
+        for block in self.transformer.h:
+            nn.init.zeros_(block.mlp.c_proj.weight)
+            nn.init.zeros_(block.attn.c_proj.weight)
+        cos, sin = self._precompute_rotary_embeddings(self.rotary_seq_len, self.config.head_dim)
+        self.cos, self.sin = cos, sin
+
+    def _precompute_rotary_embeddings(self, seq_len, head_dim, base=10000):
+        device = self.transformer.wte.weight.device
+        channel_range = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
+        inv_freq = 1.0 / (base ** (channel_range / head_dim))
+        t = torch.arange(seq_len, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)
+        # fp32 tables (B=1, T, H=1, D/2); cast to the activations' dtype when applied
+        return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+
+    def get_device(self):
+        return self.transformer.wte.weight.device
+
+    def num_scaling_params(self) -> int:
+        """Every parameter, embeddings included (Chinchilla's count): what
+        `target_param_data_ratio` multiplies."""
+        return sum(p.numel() for p in self.parameters())
+
+    def estimate_flops(self) -> int:
+        """Training FLOPs per token: 6 per non-embedding weight (forward + backward matmuls) plus
+        attention scores and values, 12 * n_layer * n_head * head_dim * sequence_len."""
+        nparams = sum(p.numel() for p in self.parameters())
+        nparams_embedding = self.transformer.wte.weight.numel()
+        cfg = self.config
+        return 6 * (nparams - nparams_embedding) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.sequence_len
+
+    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
+                         adam_betas=(0.8, 0.95), ns_coefficients=None, muon_recipe="seeds"):
+        """[AdamW for lm_head and wte, Muon for every matrix in the blocks]; the distributed ZeRO-2
+        versions when torch.distributed runs more than one process. `weight_decay` is AdamW's; Muon
+        follows `muon_recipe` (a MuonRecipe or a preset name, see optim/recipe.py; ns_coefficients,
+        if given, overrides the recipe's) and keeps it as `.recipe` for the momentum schedule.
+        Every group records `initial_lr` for the LR schedule."""
+        from ..optim import AdamW, DistAdamW, DistMuon, Muon, MuonRecipe
+
+        recipe = MuonRecipe.of(muon_recipe)
+        if ns_coefficients is not None:
+            recipe = dataclasses.replace(recipe, ns_coefficients=ns_coefficients)
+        model_dim = self.config.n_embd
+        distributed = is_distributed()
+        matrix_params = list(self.transformer.h.named_parameters(prefix="transformer.h"))
+        embedding_params = list(self.transformer.wte.named_parameters(prefix="transformer.wte"))
+        lm_head_params = list(self.lm_head.named_parameters(prefix="lm_head"))
+        assert len(list(self.parameters())) == len(matrix_params) + len(embedding_params) + len(lm_head_params)
+        # AdamW LRs were tuned at width 768; scale them by 1/sqrt(width/768)
+        dmodel_lr_scale = (model_dim / 768) ** -0.5
+        print0(f"Scaling the LR for the AdamW parameters ∝1/√({model_dim}/768) = {dmodel_lr_scale:.6f}")
+        adam_groups = [
+            dict(params=lm_head_params, lr=unembedding_lr * dmodel_lr_scale),
+            dict(params=embedding_params, lr=embedding_lr * dmodel_lr_scale),
+        ]
+        adamw_kwargs = dict(betas=tuple(adam_betas), eps=1e-10, weight_decay=weight_decay)
+        adamw_optimizer = (DistAdamW if distributed else AdamW)(adam_groups, **adamw_kwargs)
+        muon_optimizer = (DistMuon if distributed else Muon)(matrix_params, lr=matrix_lr, **recipe.muon_kwargs())
+        muon_optimizer.recipe = recipe
+        optimizers = [adamw_optimizer, muon_optimizer]
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["initial_lr"] = group["lr"]
+        return optimizers
+
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        """idx (B, T) token ids -> logits (B, T, vocab) in fp32; with targets (B, T) the
+        cross-entropy instead (targets -1 are ignored): a scalar for "mean"/"sum", (B, T) for "none"."""
+        B, T = idx.size()
+        T0 = 0 if kv_cache is None else kv_cache.get_pos()
+        if T0 + T > self.cos.size(1):
+            raise ValueError(f"sequence of {T0 + T} tokens is longer than the rotary table ({self.cos.size(1)})")
+        cos_sin = self.cos[:, T0:T0 + T], self.sin[:, T0:T0 + T]
+        x = self.transformer.wte(idx)
+        x = norm(x)
+        for block in self.transformer.h:
+            x = block(x, cos_sin, kv_cache)
+        x = norm(x)
+        if targets is None:
+            logits = self.lm_head(x)
+            return LOGIT_SOFTCAP * torch.tanh(logits.float() / LOGIT_SOFTCAP)
+        # the fused lm_head + softcap + cross-entropy: row chunks, never all B*T x vocab logits
+        loss = softcap_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                     LOGIT_SOFTCAP, ignore_index=-1, reduction=loss_reduction)
+        return loss.view(B, T) if loss_reduction == "none" else loss
+
+    @torch.inference_mode()
+    def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42, use_kv_cache=True):
+        """Yield up to `max_tokens` sampled token ids continuing `tokens` (a list of ints).
+        temperature 0 is greedy; top_k keeps the k most likely tokens. With use_kv_cache the prompt
+        is run once and every new token costs one position; without it the whole sequence is
+        recomputed per token (same tokens, for checking the cache)."""
+        if not isinstance(tokens, list) or not tokens:
+            raise ValueError("tokens must be a non-empty list of token ids")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if len(tokens) + max_tokens > self.rotary_seq_len:
+            raise ValueError(f"prompt ({len(tokens)}) + max_tokens ({max_tokens}) exceeds the model's "
+                             f"{self.rotary_seq_len} positions")
+        device = self.get_device()
+        rng = None
+        if temperature > 0:
+            rng = torch.Generator(device=device)
+            rng.manual_seed(seed)
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        kv_cache = KVCache(self.config.n_layer, len(tokens) + max_tokens) if use_kv_cache else None
+        step_input = ids
+        for _ in range(max_tokens):
+            logits = self.forward(step_input if use_kv_cache else ids, kv_cache=kv_cache)[:, -1, :]
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            if temperature > 0:
+                probs = F.softmax(logits / temperature, dim=-1)
+                next_ids = torch.multinomial(probs, num_samples=1, generator=rng)
+            else:
+                next_ids = torch.argmax(logits, dim=-1, keepdim=True)
+            ids = torch.cat((ids, next_ids), dim=1)
+            step_input = next_ids
+            yield next_ids.item()

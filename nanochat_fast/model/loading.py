@@ -1,0 +1,68 @@
+"""
+Making a GPT and loading a trained one.
+
+    new_model(config, device, state)        a GPT on `device`, initialised (and loaded with `state`)
+    open_checkpoint(run_dir, step, tok)     (checkpoint, meta, GPTConfig), checked against the tokenizer
+    load_model(run_dir, step, device, tok)  a trained model in eval mode, for evaluation and chat
+
+Every script that needs a model goes through here, so the rules live once: models are built on
+the meta device and materialised where they run, and checkpoints must match the model config and
+the tokenizer. Setting a model up for a training run (optimizers, dtypes, compile) is
+train/model_setup.py.
+"""
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..core import checkpoint, paths
+from ..core.errors import UserError
+from .gpt import GPT, GPTConfig
+
+
+def new_model(config: GPTConfig, device, state: dict | None = None) -> GPT:
+    """GPT(config) built on the meta device and materialised on `device` with nanochat's init
+    (which also fills the rotary buffers, not saved in checkpoints), then loaded with `state`."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.init_weights()
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def check_tokenizer(meta: dict, ckpt: Path, tokenizer):
+    saved = meta.get("tokenizer", {})
+    if saved.get("vocab_size") != tokenizer.get_vocab_size() or (
+            saved.get("fingerprint") and saved.get("fingerprint") != tokenizer.fingerprint):
+        raise UserError(f"the tokenizer in {paths.tokenizer_dir()} (vocab {tokenizer.get_vocab_size()}) is not the one "
+                        f"checkpoint {ckpt} was trained with (vocab {saved.get('vocab_size')}); restore that tokenizer "
+                        "or train a new model")
+
+
+def check_compatible(meta: dict, ckpt: Path, config: GPTConfig, tokenizer):
+    """A checkpoint to resume must be of the same model config and tokenizer as this run."""
+    saved, wanted = meta["model_config"], asdict(config)
+    diff = [f"{k}={saved.get(k)} (this run: {v})" for k, v in wanted.items() if saved.get(k) != v]
+    if diff:
+        raise UserError(f"checkpoint {ckpt} is of another model config: {', '.join(diff)}; pass the flags it was "
+                        "trained with (see its meta.json) or start a new --run")
+    check_tokenizer(meta, ckpt, tokenizer)
+
+
+def open_checkpoint(run_dir: Path, step: int | None, tokenizer):
+    """(checkpoint path, meta, GPTConfig) of run_dir's checkpoint at `step` (None: the newest
+    complete one), made with `tokenizer`."""
+    ckpt = checkpoint.resolve_checkpoint(run_dir, step)
+    meta = checkpoint.load_meta(ckpt)
+    check_tokenizer(meta, ckpt, tokenizer)
+    return ckpt, meta, GPTConfig(**meta["model_config"])
+
+
+def load_model(run_dir: Path, step: int | None, device, tokenizer):
+    """(model in eval mode, checkpoint path, meta) for inference."""
+    ckpt, meta, config = open_checkpoint(run_dir, step, tokenizer)
+    model = new_model(config, device, checkpoint.load_model_state(ckpt, device))
+    model.eval()
+    return model, ckpt, meta

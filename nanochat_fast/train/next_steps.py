@@ -1,0 +1,98 @@
+"""
+The command to run next, printed at the end of each step of the pipeline.
+
+Every printed command works exactly as printed (python_tests/test_newcomer.py runs them): it names
+the dataset or run just made, and a training command is sized for this machine (on a machine
+without a GPU: a depth-4 model for about one pass over the data, as `make demo` trains; with a GPU:
+nanochat's defaults).
+
+    prepare_data   -> tok_train --dataset=NAME       (no tokenizer yet)
+                   -> base_train / mid_train ...     (a tokenizer exists: the data is tokenized too)
+    tok_train      -> base_train --dataset=NAME ...
+    base_train     -> base_eval --run=RUN
+    mid_train      -> chat_sft --source-run=RUN [--extra-conversations=FILE: the mid run's own]
+    chat_sft       -> chat_eval --run=RUN            (evaluation data prepared; on a CPU a sample of
+                                                     each task)
+                   -> chat_cli --run=RUN             (no evaluation data)
+    chat_eval      -> report                         (the report card of the pipeline)
+"""
+import math
+import shlex
+from pathlib import Path
+
+import torch
+
+from ..core import paths
+
+# a model and batch a 2-core CPU trains in minutes (make demo's): depth 4, 256-token rows, 8K-token steps
+CPU_RUN = ["--depth=4", "--max-seq-len=256", "--device-batch-size=16", "--total-batch-size=8192",
+           "--eval-tokens=32768"]
+CPU_BATCH_TOKENS, CPU_MAX_STEPS = 8192, 200
+CPU_EVAL_EXAMPLES = 100  # per task, for chat_eval on a machine without a GPU
+
+
+def command(script: str, *flags: str) -> str:
+    return " ".join(["python -m", f"nanochat_fast.scripts.{script}", *map(shlex.quote, flags)])
+
+
+def show(cmd: str):
+    """One line, `next: ` and the command: copy everything after the colon."""
+    print(f"next: {cmd}", flush=True)
+
+
+def dataset_flag(name: str) -> list[str]:
+    return [] if name in ("base", "chat") else [f"--dataset={name}"]
+
+
+def run_flag(run_dir: Path, flag: str = "--run") -> str:
+    """--run=NAME for a run under NANOCHAT_FAST_HOME/runs, --run=PATH for one elsewhere."""
+    run_dir = Path(run_dir)
+    inside = run_dir.resolve().parent == paths.runs_dir().resolve()
+    return f"{flag}={run_dir.name if inside else run_dir}"
+
+
+def train_tokenizer(name: str) -> str:
+    return command("tok_train", *dataset_flag(name))
+
+
+def pretrain(name: str, n_tokens: int) -> str:
+    """base_train on dataset `name` of about n_tokens tokens, sized for this machine."""
+    if torch.cuda.is_available():
+        return command("base_train", *dataset_flag(name))
+    steps = min(CPU_MAX_STEPS, max(1, math.ceil(n_tokens / CPU_BATCH_TOKENS)))
+    return command("base_train", *dataset_flag(name), *CPU_RUN, f"--num-iterations={steps}")
+
+
+def midtrain(name: str) -> str:
+    sizing = [] if torch.cuda.is_available() else ["--device-batch-size=16", "--total-batch-size=8192"]
+    return command("mid_train", *dataset_flag(name), *sizing)
+
+
+def after_tokens(name: str, kind: str, n_tokens: int):
+    """What to do with a dataset once it is tokenized."""
+    from ..data.documents import TEXT
+    show(pretrain(name, n_tokens) if kind == TEXT else midtrain(name))
+
+
+def after_midtraining(run_dir: Path) -> str:
+    """chat_sft from this mid run, with the mid run's own conversations (--extra-conversations)
+    mixed in again: without a conversation dataset they are what it trains on."""
+    from ..core.checkpoint import complete_checkpoints, load_meta
+    found = complete_checkpoints(run_dir)
+    extra = load_meta(found[-1])["args"].get("extra_conversations") if found else None
+    return command("chat_sft", run_flag(run_dir, "--source-run"), *([f"--extra-conversations={extra}"] if extra else []))
+
+
+def after_sft(run_dir: Path) -> str:
+    """chat_eval of this run where evaluation data is prepared (on a machine without a GPU, a sample
+    of CPU_EVAL_EXAMPLES per task: the full set takes a while there), else a chat with it."""
+    from ..evals.benchmark_files import read_manifest
+    from ..evals.tasks import CHAT_TASKS
+    if not any(read_manifest(task.folder) for task in CHAT_TASKS):
+        return command("chat_cli", run_flag(run_dir))
+    sizing = [] if torch.cuda.is_available() else [f"--max-examples={CPU_EVAL_EXAMPLES}"]
+    return command("chat_eval", run_flag(run_dir), *sizing)
+
+
+def after_chat_eval() -> str:
+    return command("report")

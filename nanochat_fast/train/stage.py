@@ -1,0 +1,236 @@
+"""
+A training stage, described once, and run_stage: the one function that runs any stage.
+
+A Stage says what differs between base_train, mid_train and the stages after them:
+
+    phase     "base", "mid", ...: written into every checkpoint; later stages find runs by it
+    title     the report's title
+    start     where the weights come from: NewModel() (the depth dial) or FromRun(...) (another
+              run's checkpoint, e.g. --base-run for mid_train)
+    data      what it trains and validates on (training_data.py: grad_accum_steps, open, and
+              varying_shapes: whether row lengths change between batches, which keeps it eager)
+    horizon   how long: fixed_horizon (steps, FLOPs budget or tokens per parameter) or one_epoch
+    sample    what to print every --sample-every steps: completions or chat replies
+    run_name  the default --run
+    evals     more evaluations, run with every val bpb eval (name, fn(cfg, tokenizer, dev) ->
+              fn(model) -> {metric: value}); their latest values go into the report
+
+run_stage(args, stage) does the rest the same way for every stage: checks the environment and
+every flag (config.py) before any work, sets up the process and the compute dtype, finds the
+starting point, opens (or resumes) the run directory, builds model, optimizers and loaders, runs
+the loop (training_loop.py) and writes the report.
+
+A later stage plugs in the same way. chat_sft, for instance: start=FromRun("source_run",
+"source_step", phases=("mid", "base")); data= a padded-conversation loader (one conversation per
+row, targets -1 on padding and on every token not the assistant's) behind the same two methods,
+whose grad_accum_steps counts examples instead of tokens; horizon=one_epoch (or N epochs);
+defaults for its flags (e.g. --warmdown-ratio=1: nanochat's linear decay); evals= its chat
+evaluations. run_stage does not change.
+
+The resume rule for learning rates: a learning-rate flag given on the command line replaces the
+checkpoint's value (and the log says so); a flag left at its default keeps the checkpoint's value.
+"""
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from .. import hardware
+from ..core import checkpoint, threads
+from ..core.cli import flag_name, flag_values
+from ..core.distributed import compute_cleanup, print0
+from ..core.errors import UserError
+from ..data.tokenizer import get_token_bytes, get_tokenizer
+from ..model import generation, loading
+from . import model_setup, next_steps, run_dirs, run_report, training_loop
+from .environment import check_environment
+from .run_report import MetricsLog
+from .training_config import OptimConfig, TrainingConfig
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    config: object                 # the GPTConfig to build
+    seq_len: int                   # row length of this run (at most config.sequence_len)
+    source: Path | None            # the checkpoint whose weights it starts from (None: fresh init)
+    name: str                      # what the default run name is made from
+    describe: dict                 # summary/report lines ("starting from": ...)
+
+
+class NewModel:
+    """Fresh weights: the model of the depth dial (--depth, --aspect-ratio, --head-dim)."""
+
+    with_model_flags = True
+
+    def resolve(self, args, cfg, tokenizer) -> StartPoint:
+        try:
+            config = cfg.model.gpt_config(tokenizer.get_vocab_size(), cfg.data.max_seq_len)
+        except ValueError as e:
+            raise UserError(f"the model flags give an invalid model: {e}") from None
+        return StartPoint(config, cfg.data.max_seq_len, None, f"d{cfg.model.depth}", {})
+
+
+class FromRun:
+    """The weights of another run's checkpoint: flag `run_flag` names the run (default: the newest
+    run of the first of `phases` that has one), `step_flag` its step (default: the newest)."""
+
+    with_model_flags = False
+
+    def __init__(self, run_flag: str, step_flag: str, phases: tuple):
+        self.run_flag, self.step_flag, self.phases = run_flag, step_flag, phases
+
+    def resolve(self, args, cfg, tokenizer) -> StartPoint:
+        run_dir = run_dirs.run_dir_of(getattr(args, self.run_flag), self.phases)
+        ckpt, meta, config = loading.open_checkpoint(run_dir, getattr(args, self.step_flag), tokenizer)
+        if meta.get("phase") not in self.phases:
+            raise UserError(f"{flag_name(self.run_flag)} {run_dir}: {ckpt} is a {meta.get('phase')} checkpoint, "
+                            f"not a {' or '.join(self.phases)} one")
+        seq_len = cfg.data.max_seq_len or config.sequence_len
+        if seq_len > config.sequence_len:
+            raise UserError(f"--max-seq-len {seq_len} is above the {meta.get('phase')} model's sequence_len "
+                            f"{config.sequence_len}; use at most {config.sequence_len}")
+        return StartPoint(config, seq_len, ckpt, run_dir.name, {"starting from": str(ckpt)})
+
+
+def fixed_horizon(cfg, model, data) -> training_loop.Horizon:
+    """--num-iterations, else --target-flops, else --target-param-data-ratio (tokens per parameter)."""
+    h, tokens_per_step = cfg.horizon, cfg.data.total_batch_size
+    if h.num_iterations > 0:
+        steps = h.num_iterations
+    elif h.target_flops > 0:
+        steps = max(1, round(h.target_flops / (model.estimate_flops() * tokens_per_step)))
+    elif h.target_param_data_ratio > 0:
+        steps = max(1, round(h.target_param_data_ratio * model.num_scaling_params() / tokens_per_step))
+    else:
+        raise UserError("no training horizon: pass --num-iterations N (> 0), --target-flops F or "
+                        "--target-param-data-ratio R")
+    tokens = steps * tokens_per_step
+    return training_loop.Horizon(steps, lambda step: step / steps, lambda: False,
+                            f"{steps:,} steps = {tokens:,} tokens ({tokens / model.num_scaling_params():.2f} tokens/param)",
+                            tokens)
+
+
+def one_epoch(cfg, model, data) -> training_loop.Horizon:
+    """--num-iterations if set, else until the training data has been read once."""
+    steps = cfg.horizon.num_iterations if cfg.horizon.num_iterations > 0 else None
+    if steps:
+        return training_loop.Horizon(steps, lambda step: step / steps, lambda: data.train.epochs_done >= 1, f"{steps} steps",
+                                steps * cfg.data.total_batch_size)
+    return training_loop.Horizon(None, lambda step: data.train.epoch_progress, lambda: data.train.epochs_done >= 1,
+                            "one epoch of the training data", getattr(data.train, "epoch_tokens", None))
+
+
+def complete_prompts(prompts, max_tokens=16):
+    """Samples of a base model: each prompt and its greedy continuation."""
+    return lambda model, tokenizer: [p + generation.complete(model, tokenizer, p, max_tokens) for p in prompts]
+
+
+def answer_questions(questions, max_tokens=32):
+    """Samples of a chat model: each question and the assistant's greedy reply."""
+    def sample(model, tokenizer):
+        return [f"{q} -> {generation.assistant_reply(model, tokenizer, [{'role': 'user', 'content': q}], max_tokens)}"
+                for q in questions]
+    return sample
+
+
+@dataclass(frozen=True)
+class Stage:
+    phase: str
+    title: str
+    start: object                          # NewModel() | FromRun(...)
+    data: object                           # training_data.PackedRows(...) or anything with its two methods
+    horizon: Callable                      # (cfg, model, data) -> training_loop.Horizon
+    sample: Callable                       # (model, tokenizer) -> list of texts to print
+    run_name: Callable                     # (cfg, StartPoint) -> the default --run
+    next_step: Callable | None = None      # run_dir -> the command to print once the run is done
+    evals: tuple = ()                      # (name, fn(cfg, tokenizer, dev) -> fn(model) -> {metric: value})
+
+
+def run_stage(args, stage: Stage) -> int:
+    """Run `stage` with the parsed flags `args`; the process exit code (0, or 3: the NaN guard)."""
+    check_environment()
+    cfg = TrainingConfig.from_args(args, with_model=stage.start.with_model_flags)
+    dev = cfg.device.init(seed=cfg.run.seed, deterministic=cfg.run.deterministic)
+    data = None
+    try:
+        print0(dev.describe(precision=False))
+        tokenizer = get_tokenizer()
+        point = stage.start.resolve(args, cfg, tokenizer)
+        cfg = replace(cfg, data=replace(cfg.data, max_seq_len=point.seq_len))
+        grad_accum_steps = stage.data.grad_accum_steps(cfg.data, dev.world_size)
+        run_name = cfg.run.run or stage.run_name(cfg, point)
+        run_dir, ckpt, meta = run_dirs.open_run_dir(cfg.run, run_name, dev.rank, stage.phase, dev.device)
+        if ckpt is not None:
+            loading.check_compatible(meta, ckpt, point.config, tokenizer)
+        weights = ckpt or point.source
+        orig_model, optimizers = model_setup.build_for_training(
+            point.config, dev.device, cfg.optim.optimizer_kwargs(),
+            checkpoint.load_model_state(weights, dev.device) if weights else None)
+        data = stage.data.open(args, cfg, tokenizer, dev)
+        horizon = stage.horizon(cfg, orig_model, data)
+        dev, ns = model_setup.tune_for_training(orig_model, optimizers, dev, cfg.device.dtype, cfg.data.device_batch_size,
+                                           point.seq_len, grad_accum_steps, horizon.tokens)
+        print0(f"precision: {dev.precision.describe()}")
+        peak = hardware.peak_flops(dev.device)
+        model, compile_why = model_setup.compile_for_training(orig_model, cfg.run.compile, dev.device, horizon.tokens,
+                                                         peak.flops * dev.world_size, stage.data.varying_shapes)
+        settings = {**flag_values(args), **cfg.as_dict(), "dataset": data.dataset}
+
+        def meta_of_run():
+            return {"phase": stage.phase, "model_config": asdict(point.config),
+                    "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
+                    "args": settings, "device": run_report.device_summary(dev),
+                    **({"base_checkpoint": str(point.source)} if point.source else {})}
+
+        run = training_loop.Run(
+            model=model, orig_model=orig_model, optimizers=optimizers, data=data,
+            token_bytes=get_token_bytes(device=dev.device), run_dir=run_dir, grad_accum_steps=grad_accum_steps,
+            flops_per_token=orig_model.estimate_flops(), horizon=horizon, optim=cfg.optim, loop=cfg.loop, dev=dev,
+            peak=peak, compiled=model is not orig_model,
+            meta=meta_of_run, sample=lambda: stage.sample(orig_model, tokenizer),
+            evals=tuple((name, make(cfg, tokenizer, dev)) for name, make in stage.evals),
+            resume_command=run_dirs.resume_command(getattr(args, "_argv", None), run_dir))
+        lines = {"horizon": horizon.describe, **point.describe, "data": data.describe.removeprefix("data: "),
+                 "compile": compile_why, "muon": cfg.optim.recipe().describe().removeprefix("muon recipe "), "newton-schulz precision": ns.describe(),
+                 "threads per process": threads.thread_choice().describe(), "mfu against": peak.describe()}
+        print0(run_report.summary(run, point.config, lines))
+        if ckpt is not None:
+            resume(run, ckpt, meta, cfg)
+        metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=run.state.step if ckpt else None) \
+            if dev.rank == 0 else None
+        wall = time.time()
+        code = training_loop.train(run, metrics)
+        if dev.rank == 0:
+            run_report.finish_report(run, metrics, f"{stage.title}: {run_name}", wall,
+                                 {"Stage": lines, "Settings": settings})
+            if run.finished and stage.next_step is not None:
+                next_steps.show(stage.next_step(run_dir))
+        return code
+    finally:
+        if data is not None:
+            data.close()
+        compute_cleanup()
+
+
+def resume(run: training_loop.Run, ckpt: Path, meta: dict, cfg: TrainingConfig):
+    """Restore the training state of `ckpt`, then apply the learning-rate rule (module docstring)."""
+    def groups_of(prefix):
+        return [g for opt in run.optimizers for g in opt.param_groups if g["param_names"][0].startswith(prefix)]
+
+    from_flags = {flag: [g["initial_lr"] for g in groups_of(prefix)] for flag, prefix in OptimConfig.LR_FLAGS}
+    training_loop.restore(run, ckpt, meta)
+    print0(f"resumed from {ckpt} (step {run.state.step}, saved with {meta['world_size']} process(es))")
+    for flag, prefix in OptimConfig.LR_FLAGS:
+        groups = groups_of(prefix)
+        saved = [g["initial_lr"] for g in groups]
+        if saved == from_flags[flag]:
+            continue
+        value = getattr(cfg.optim, flag)
+        if flag in cfg.explicit:
+            for g, lr in zip(groups, from_flags[flag]):
+                g["initial_lr"] = lr
+            print0(f"{flag_name(flag)}={value:g} given: it replaces the checkpoint's learning rate of {prefix} "
+                   f"(initial lr {saved[0]:g} -> {from_flags[flag][0]:g})")
+        else:
+            print0(f"{prefix} keeps the checkpoint's initial lr {saved[0]:g} (the default {flag_name(flag)}={value:g} "
+                   f"would give {from_flags[flag][0]:g}; pass {flag_name(flag)} to change it)")

@@ -1,0 +1,279 @@
+"""
+A training run's configuration: one small object per component, each validated when it is built.
+
+    ModelConfig    the depth dial (base_train; later stages take the checkpoint's model)
+    DataConfig     which dataset, row length, rows per micro-step, tokens per optimizer step
+    HorizonConfig  how long: steps, a FLOPs budget or tokens per parameter
+    OptimConfig    learning rates, weight decay, clipping, the lr schedule, Muon's options
+    LoopConfig     evaluation, sampling, checkpoints, the NaN guard
+    DeviceConfig   device type and compute dtype (also the eval and chat scripts)
+    RunConfig      run name or folder, resume/overwrite, compile, seed, determinism
+
+Each field is declared once, with its default, its check and its help: `add_flags` turns the
+fields into argparse flags (the check is the flag's type, so a bad value fails while parsing) and
+`from_args` builds the object from the parsed flags; `__post_init__` runs the same checks again,
+so a config built in code is held to the same rules. A bad value is a UserError in the words
+argparse uses ("argument --depth: must be a positive integer, got 0"), exit code 2. The optimizers
+and kernels keep their own ValueError checks for people who call them directly.
+"""
+import argparse
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from ..core import cli
+from ..core.cli import (boolean, choice, fraction, integer, non_negative_float, non_negative_int, optional,
+                        positive_int, positive_or_unset_float, positive_or_unset_int, random_seed, run_name)
+from ..core.errors import UserError
+from ..hardware import precision
+from ..hardware.device import Device
+from ..optim.recipe import PRESET_NAMES, MuonRecipe
+
+HIDDEN = argparse.SUPPRESS  # help text of the test hooks: not shown by --help
+
+
+def flag(default, check, help, **argparse_kwargs):
+    """A config field that is also a command-line flag (--field-name)."""
+    return field(default=default, metadata=dict(check=check, help=help, **argparse_kwargs))
+
+
+class Config:
+    """Base of the component configs (frozen dataclasses): flags, construction, validation."""
+
+    GROUP = ""  # the --help section of its flags
+
+    def __post_init__(self):
+        for f in fields(self):
+            if "check" in f.metadata:
+                object.__setattr__(self, f.name, cli.check_value(f.name, f.metadata["check"], getattr(self, f.name)))
+        self.validate()
+
+    def validate(self):
+        """Rules across fields (UserError); each field's own check has run already."""
+
+    @classmethod
+    def add_flags(cls, parser, only=None, **defaults):
+        """Add the flags of `cls` (or of the fields in `only`) to `parser`; `defaults` overrides
+        field defaults for this script (e.g. mid_train evaluates more often)."""
+        group = parser.add_argument_group(cls.GROUP)
+        for f in fields(cls):
+            if only is not None and f.name not in only:
+                continue
+            meta = dict(f.metadata)
+            check, default = meta.pop("check"), defaults.pop(f.name, f.default)
+            if check is boolean:
+                group.add_argument(cli.flag_name(f.name), action="store_true", default=default, **meta)
+            elif meta.pop("optional_bool", False):
+                group.add_argument(cli.flag_name(f.name), action=argparse.BooleanOptionalAction, default=default, **meta)
+            else:
+                group.add_argument(cli.flag_name(f.name), type=check, default=default, **meta)
+        if defaults:
+            raise TypeError(f"{cls.__name__} has no fields {sorted(defaults)}")
+        return group
+
+    @classmethod
+    def from_args(cls, args):
+        """The config of the parsed flags; fields without a flag in this script keep their default."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+@dataclass(frozen=True)
+class ModelConfig(Config):
+    GROUP = "model"
+    depth: int = flag(20, positive_int, "transformer layers; sets width and heads")
+    aspect_ratio: int = flag(64, positive_int, "n_embd ~= aspect_ratio * depth")
+    head_dim: int = flag(128, positive_int, "attention head dimension")
+
+    def validate(self):
+        if self.head_dim % 2:
+            raise UserError(f"argument --head-dim: must be even (rotary embeddings turn pairs of channels), "
+                            f"got {self.head_dim}")
+
+    def gpt_config(self, vocab_size: int, sequence_len: int):
+        from ..model.gpt import config_from_depth
+        return config_from_depth(self.depth, vocab_size, sequence_len, aspect_ratio=self.aspect_ratio,
+                                 head_dim=self.head_dim)
+
+
+@dataclass(frozen=True)
+class DataConfig(Config):
+    GROUP = "data and batch"
+    dataset: str = flag("", cli.plain_name, "dataset name under NANOCHAT_FAST_HOME/tokens/ ('': the stage's own)")
+    max_seq_len: int | None = flag(2048, optional(positive_int), "context length (tokens per row)")
+    device_batch_size: int = flag(32, positive_int, "rows per micro-step per process")
+    total_batch_size: int = flag(524288, positive_int, "tokens per optimizer step, all processes")
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        """Micro-steps per optimizer step: total_batch_size / (device_batch_size x max_seq_len x world_size)."""
+        return micro_steps("--total-batch-size", self.total_batch_size, "device_batch_size x max_seq_len x world_size",
+                           (self.device_batch_size, self.max_seq_len, world_size))
+
+
+def micro_steps(flag: str, total: int, what: str, factors: tuple) -> int:
+    """total / product(factors): the micro-steps of an optimizer step, or a UserError naming the
+    nearest totals that divide."""
+    per_micro_step = math.prod(factors)
+    if total % per_micro_step:
+        below = total // per_micro_step * per_micro_step
+        options = [v for v in (below, below + per_micro_step) if v > 0]
+        raise UserError(f"{flag} {total} is not a multiple of {what} = {' x '.join(map(str, factors))} = "
+                        f"{per_micro_step}; nearest valid values: {' or '.join(str(v) for v in options)}")
+    return total // per_micro_step
+
+
+@dataclass(frozen=True)
+class HorizonConfig(Config):
+    GROUP = "horizon (first one set wins)"
+    num_iterations: int = flag(-1, positive_or_unset_int, "optimizer steps (-1: use the next option)")
+    target_flops: float = flag(-1.0, positive_or_unset_float, "training FLOPs budget (-1: use the next option)")
+    target_param_data_ratio: float = flag(-1.0, positive_or_unset_float, "tokens per parameter (Chinchilla ~20)")
+
+
+@dataclass(frozen=True)
+class OptimConfig(Config):
+    GROUP = "optimization"
+    embedding_lr: float = flag(0.2, non_negative_float, "AdamW lr of the token embedding")
+    unembedding_lr: float = flag(0.004, non_negative_float, "AdamW lr of lm_head")
+    matrix_lr: float = flag(0.02, non_negative_float, "Muon lr of the block matrices")
+    weight_decay: float = flag(0.0, non_negative_float, "AdamW weight decay")
+    grad_clip: float = flag(1.0, non_negative_float, "clip the global grad norm to this (0: off)")
+    warmup_ratio: float = flag(0.0, fraction, "fraction of steps of linear lr warmup")
+    warmdown_ratio: float = flag(0.2, fraction, "fraction of steps of linear lr warmdown")
+    final_lr_frac: float = flag(0.0, fraction, "lr at the end, as a fraction of the peak")
+    muon_recipe: str = flag("seeds", choice(*PRESET_NAMES), "Muon's recipe (optim/recipe.py): seeds (quintic "
+                            "Newton-Schulz, momentum warmup) or current (nanochat today: Polar Express, MuonEq, "
+                            "Muon+, NorMuon, cautious weight decay, momentum warmdown); the flags below override "
+                            "parts of it", choices=list(PRESET_NAMES))
+    ns_dtype: str = flag("auto", choice(*precision.CHOICES), "dtype Newton-Schulz computes in (auto: bf16 on CUDA "
+                         "sm80+; on a CPU the faster one, timed at Muon's matrices and cached)", choices=list(precision.CHOICES))
+    ns_coefficients: str | None = flag(None, optional(choice("quintic", "polar_express")),
+                                       "Newton-Schulz coefficients (default: the recipe's)",
+                                       choices=["quintic", "polar_express"])
+    normuon: bool | None = flag(None, optional(boolean), "NorMuon's per-row normalisation of the update "
+                                "(default: the recipe's)", optional_bool=True)
+    muon_weight_decay: float | None = flag(None, optional(non_negative_float), "Muon's weight decay (default: the "
+                                           "recipe's: 0 for seeds, 0.28 cautious and cosine-scheduled for current)")
+
+    # The learning-rate flags and the parameters (by name prefix) whose optimizer groups they set:
+    # on resume, a flag given on the command line replaces the checkpoint's value (stage.py).
+    LR_FLAGS = (("embedding_lr", "transformer.wte"), ("unembedding_lr", "lm_head"), ("matrix_lr", "transformer.h"))
+
+    def validate(self):
+        if self.warmup_ratio + self.warmdown_ratio > 1:
+            raise UserError(f"--warmup-ratio {self.warmup_ratio} + --warmdown-ratio {self.warmdown_ratio} is above 1: "
+                            "the warmup and the warmdown would overlap; lower one of them")
+
+    def recipe(self) -> MuonRecipe:
+        """The Muon recipe: the --muon-recipe preset with the flags given on top. The current
+        recipe's momentum warmdown runs over this run's lr warmdown (--warmdown-ratio)."""
+        overrides = dict(ns_dtype=self.ns_dtype)
+        if self.muon_recipe == "current":
+            overrides["momentum_warmdown_ratio"] = self.warmdown_ratio
+        for name, value in (("ns_coefficients", self.ns_coefficients), ("normuon", self.normuon),
+                            ("weight_decay", self.muon_weight_decay)):
+            if value is not None:
+                overrides[name] = value
+        return MuonRecipe.preset(self.muon_recipe, **overrides)
+
+    def optimizer_kwargs(self) -> dict:
+        """The keyword arguments of GPT.setup_optimizers."""
+        return dict(unembedding_lr=self.unembedding_lr, embedding_lr=self.embedding_lr, matrix_lr=self.matrix_lr,
+                    weight_decay=self.weight_decay, muon_recipe=self.recipe())
+
+
+@dataclass(frozen=True)
+class LoopConfig(Config):
+    GROUP = "evaluation and checkpoints"
+    eval_every: int = flag(250, integer, "steps between val bits-per-byte evals, also run at the start and the end "
+                                         "(<=0: never)")
+    eval_tokens: int = flag(20 * 524288, positive_int, "validation tokens per eval")
+    sample_every: int = flag(2000, integer, "steps between printed samples (<=0: never)")
+    save_every: int = flag(-1, integer, "steps between checkpoints (<=0: only at the end and when stopped)")
+    keep_last: int = flag(0, non_negative_int, "keep only the newest K complete checkpoints (0: all)")
+    skip_nonfinite: int = flag(0, non_negative_int, "skip up to N steps whose loss or grad norm is not finite "
+                                                    "instead of stopping")
+    # test hooks: a NaN loss at a given step; a stop as if SIGTERM arrived
+    test_inject_nan_at_step: int | None = flag(None, optional(integer), HIDDEN)
+    test_preempt_at_step: int | None = flag(None, optional(integer), HIDDEN)
+
+
+@dataclass(frozen=True)
+class DeviceConfig(Config):
+    GROUP = "device"
+    device_type: str = flag("", choice("", "cpu", "cuda", "mps"), "'' = autodetect", choices=["", "cpu", "cuda", "mps"])
+    dtype: str = flag("auto", choice(*precision.CHOICES), "compute dtype of the model's matmuls (auto: bf16 on "
+                      "CUDA sm80+; on a CPU the faster one, timed at the run's shapes and cached; fp32 on MPS)", choices=list(precision.CHOICES))
+    # threads per process (hardware.py) is decided in compute_init from the environment
+
+    def init(self, seed: int = 42, deterministic: bool = False) -> Device:
+        """Set this process up (compute_init), then choose the compute dtype and check that the
+        kernels asked for can run here. UserError for a device, dtype or backend that cannot. A
+        CPU's auto dtype comes from this machine's matmul probe here (rank 0's, for every rank);
+        a training stage then times its own model (models.tune_for_training)."""
+        from ..core.distributed import compute_init, rank0_decides
+        from .environment import check_kernels
+        ddp, rank, local_rank, world_size, device = compute_init(self.device_type, seed=seed,
+                                                                 deterministic=deterministic)
+        chosen = rank0_decides(lambda: precision.choose(device, self.dtype, what="--dtype"))
+        return Device(ddp, rank, local_rank, world_size, device, chosen, check_kernels(device.type))
+
+
+@dataclass(frozen=True)
+class RunConfig(Config):
+    GROUP = "run"
+    run: str = flag("", run_name, "run name: a folder under NANOCHAT_FAST_HOME/runs ('': the stage's default)")
+    out_dir: str = flag("", str, "run directory anywhere (default: NANOCHAT_FAST_HOME/runs/<run>)")
+    resume: str = flag("", str, "auto: continue from the newest complete checkpoint of the run (start fresh if "
+                                "none); PATH: from that checkpoint directory", metavar="auto|PATH")
+    overwrite: bool = flag(False, boolean, "delete an existing run directory and start over")
+    compile: bool | None = flag(None, optional(boolean), "torch.compile the training step (default: on for CUDA "
+                                "and CPU unless the run is too short to win back the one-time compile, or its row "
+                                "lengths vary; off on MPS; the log says which and why)", optional_bool=True)
+    seed: int = flag(42, random_seed, "random seed")
+    deterministic: bool = flag(False, boolean, "bitwise reproducible CPU runs (slower)")
+
+    def validate(self):
+        out_dir = Path(self.out_dir).expanduser()
+        if self.out_dir and out_dir.exists() and not out_dir.is_dir():
+            raise UserError(f"argument --out-dir: {self.out_dir} exists and is not a directory; give a directory")
+        if self.resume and self.overwrite:
+            raise UserError("--resume and --overwrite contradict each other: --resume continues the run, "
+                            "--overwrite deletes it; pass one")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Every component of a training run, built from the parsed flags in one place."""
+    model: ModelConfig | None     # None: the stage takes the model of the checkpoint it starts from
+    data: DataConfig
+    horizon: HorizonConfig
+    optim: OptimConfig
+    loop: LoopConfig
+    device: DeviceConfig
+    run: RunConfig
+    explicit: frozenset           # the flags given on the command line (not defaulted)
+
+    @classmethod
+    def from_args(cls, args, with_model: bool):
+        return cls(model=ModelConfig.from_args(args) if with_model else None, data=DataConfig.from_args(args),
+                   horizon=HorizonConfig.from_args(args), optim=OptimConfig.from_args(args),
+                   loop=LoopConfig.from_args(args), device=DeviceConfig.from_args(args), run=RunConfig.from_args(args),
+                   explicit=cli.explicit_flags(args))
+
+    def as_dict(self) -> dict:
+        """Every setting, flat (meta.json's "args" and the report's table)."""
+        out = {}
+        for part in (self.model, self.data, self.horizon, self.optim, self.loop, self.device, self.run):
+            if part is not None:
+                out.update(asdict(part))
+        return out
+
+
+def add_training_flags(parser, **defaults):
+    """The flags every training stage shares: optimization, loop, device and run. `defaults`
+    overrides field defaults by name (eval_every=150, ...)."""
+    for cls in (OptimConfig, LoopConfig, DeviceConfig, RunConfig):
+        mine = {k: defaults.pop(k) for k in list(defaults) if k in {f.name for f in fields(cls)}}
+        cls.add_flags(parser, **mine)
+    if defaults:
+        raise TypeError(f"no training flags named {sorted(defaults)}")
