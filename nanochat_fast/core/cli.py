@@ -6,8 +6,8 @@ Command-line plumbing shared by every script in nanochat_fast.scripts.
 - A user mistake is one line on stderr and exit code 2: argparse errors, and any UserError raised
   by a script (`raise UserError("--depth must be > 0, got -1")`). No traceback for those.
 - The value checks below are argparse types (they convert the command-line text) and also
-  validate values set in code: config.py runs the same function on every field it is built with,
-  so each rule is written once.
+  validate values set in code: train/training_config.py runs the same function on every field it
+  is built with, so each rule is written once.
 - Exit codes and UserError live in errors.py (re-exported here).
 """
 import argparse

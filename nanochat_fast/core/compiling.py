@@ -3,35 +3,25 @@ torch.compile for training: whether to compile by default, and a context that sa
 compiled inside it and what that cost.
 
 The default (default_compile): compile on CUDA and CPU unless the run is too short to win back the
-one-time compile; MPS stays eager. Measured with benchmarks/compile_evidence.py on a 2-core AMD
-EPYC (AVX2, no native bf16), fp32, one thread (a shared machine: CPU time per step, which
-neighbours barely disturb at one thread, agreed with wall time within 1%), our defaults' full
-training step with 8 rows per step, torch 2.13:
-
-    depth  T    eager tok/s  compiled tok/s     cold compile  warm compile (FX graph cache)
-    4      256  823          1,066 (1.30x)      45 s
-    4      512  824          1,154 (1.40x)      42 s          4 s
-    8      256  195            199 (1.02x)      53 s
-    8      512  193            215 (1.12x)      44 s          2 s
-
-mode="max-autotune-no-cudagraphs" measured 1.18x / 1.21x / 1.07x / 1.12x (no better), so the
-default mode stays. Compiled was never slower; the gain is in forward and backward (the optimizer
-is not compiled), largest where elementwise work around the matmuls matters most (small widths,
-the 8192-wide softcapped logits). A cold compile costs ~45 s on this CPU: at depth 4, T=512 it is
-won back after ~40 steps. Rule: compile when the run's compute at the device's peak
-(FLOPs per token x tokens x steps / peak) is at least MIN_RUN_SECONDS_AT_PEAK; that keeps smoke
-runs and the test suite's tiny models eager.
+one-time compile; MPS stays eager. Compiling speeds up forward and backward (the optimizer is not
+compiled), most where elementwise work around the matmuls matters most (small widths, the wide
+softcapped logits), and was never measured slower; but a cold compile takes tens of seconds on a
+CPU, which a short run does not win back. Rule: compile when the run's compute at the device's
+peak (FLOPs per token x tokens x steps / peak) is at least MIN_RUN_SECONDS_AT_PEAK; that keeps
+smoke runs and the test suite's tiny models eager. The default mode stays (max-autotune was no
+faster). The measurements behind the rule (benchmarks/compile_evidence.py):
+docs/measurements.md#compile-policy.
 
 Recompiles. Guards decide which compiled graph a call may reuse. The training step calls the model
 with grad enabled, in train() mode, loss_reduction="sum" and one input shape. Evaluation through
 the compiled model changes grad mode, the training flag and loss_reduction: one more graph, a full
-compile (26 s cold at depth 4, T=256) for a steady evaluation only ~5% faster than the plain
-module's (4.7 s vs 5.0 s for 16K tokens), so ~100 evaluations to break even. A short last batch
+compile, for a steady evaluation hardly faster than the plain module's. A short last batch
 compiles another graph (dynamic=False); sampling through the compiled forward with a KV cache
-compiles one per position (kv_cache.pos is guarded: 5 graphs for 12 tokens, 104 s) until
-torch._dynamo.config.recompile_limit (8 per code object, shared by every compiled GPT in the
-process) makes the rest run eagerly. The training graph itself stays cached through all of it. So
-evaluation and sampling go through the plain module (orig_model): nothing compiled, no recompiles.
+compiles one per position (kv_cache.pos is guarded) until torch._dynamo.config.recompile_limit (8
+per code object, shared by every compiled GPT in the process) makes the rest run eagerly. The
+training graph itself stays cached through all of it. So evaluation and sampling go through the
+plain module (orig_model): nothing compiled, no recompiles (what each costs compiled: the same
+section of docs/measurements.md).
 
     with CompileWatch() as watch:
         loss = compiled_model(x, y)
@@ -41,8 +31,7 @@ import time
 
 import torch
 
-# Compiling saved 0.2-0.5 s per second of compute at peak above (1.1-1.4x over eager at 35-45% MFU)
-# against a ~45 s cold compile: break-even at 90-225 s at peak.
+# about where the per-step saving pays back a cold compile: docs/measurements.md#compile-policy
 MIN_RUN_SECONDS_AT_PEAK = 100.0
 
 

@@ -1,5 +1,5 @@
 """
-Training data loaders: (inputs, targets) rows packed from the pre-tokenized shards (dataset.py).
+Training data loaders: (inputs, targets) rows packed from the pre-tokenized shards (token_shards.py).
 
 One global, deterministic row stream per dataset and split. The documents are read in a fixed
 order (shard by shard, repeated epoch after epoch; position p of the stream is document p mod D)
@@ -278,8 +278,8 @@ class ConversationRowLoader(TokenRowLoader):
     the token is not the assistant's (the loss ignores them). `extra_conversations` (a list of
     {"messages": [...]}) are rendered with `tokenizer` (default: the trained one) and interleaved
     evenly into the epoch. `last_step` turns True after one full epoch of the mixture. `shards`
-    replaces the dataset's token shards with any object shaped like dataset.TokenShards (e.g.
-    conversations held in memory, training_data.ConversationShards)."""
+    replaces the dataset's token shards with any object shaped like token_shards.TokenShards (e.g.
+    conversations held in memory, train/stage_data.ConversationShards)."""
 
     with_mask = True
 

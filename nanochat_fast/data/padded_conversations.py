@@ -30,7 +30,7 @@ STATE_VERSION = 1
 
 
 class ConversationMixture:
-    """Several sources of rendered conversations (objects shaped like dataset.TokenShards of a
+    """Several sources of rendered conversations (objects shaped like token_shards.TokenShards of a
     conversation dataset: tokens, masks, offsets per shard, locate(i), n_docs) behind one index."""
 
     def __init__(self, parts: list[tuple[str, object]], seed: int = 42, shuffle: bool = True):
@@ -76,7 +76,7 @@ class ConversationMixture:
 class PaddedConversationLoader:
     """next(loader) -> (inputs, targets), int64 [device_batch_size, L] on `device`, L the longest
     row of this rank's batch (at most seq_len). Iterates forever, epoch after epoch (module
-    docstring); the interface of dataloader.TokenRowLoader that the training loop uses."""
+    docstring); the interface of packed_loaders.TokenRowLoader that the training loop uses."""
 
     def __init__(self, mixture: ConversationMixture, device_batch_size: int, seq_len: int, pad_id: int,
                  rank: int = 0, world_size: int = 1, device="cpu"):

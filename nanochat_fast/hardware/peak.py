@@ -78,8 +78,8 @@ def format_flops(rate: float) -> str:
 
 def measure_matmul_rate(device, dtype: torch.dtype, seconds: float = PROBE_SECONDS, max_size: int | None = None) -> float:
     """The best FLOP/s of square matmuls of growing size (64, 128, ...) within about `seconds`.
-    Small matmuls underuse a fast unit and large ones take long where it is slow (emulated bf16
-    runs ~1 GFLOP/s), so past 256 the size grows only while the next one, 8x the work, still fits
+    Small matmuls underuse a fast unit and large ones take long where it is slow (emulated bf16,
+    far below fp32), so past 256 the size grows only while the next one, 8x the work, still fits
     4 times (warm-up + 3) in the time left, judged by the fastest run of the current size."""
     device = torch.device(device)
     max_size = max_size or (8192 if device.type == "cuda" else 4096)

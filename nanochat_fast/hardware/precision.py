@@ -10,10 +10,10 @@ is the dtype the heavy arithmetic runs in:
                                       is at least 1.1x faster
     MPS, older GPUs                   fp32
 
-A CPU flag does not decide: CPUs with AVX512-BF16 have measured bf16 both at half and above their
-fp32 rate, and AVX2 CPUs emulate it. `--dtype` (the model) and `--ns-dtype` (Newton-Schulz) take
-auto|fp32|bf16, and an explicit value is never overridden; bf16 asked for on a CPU that emulates
-it is allowed (correct, only slow) and says so in one warning line.
+A CPU flag does not decide: CPUs with AVX512-BF16 have run bf16 both at half and above their fp32
+rate, and AVX2 CPUs emulate it (docs/measurements.md#bf16-on-cpus). `--dtype` (the model) and
+`--ns-dtype` (Newton-Schulz) take auto|fp32|bf16, and an explicit value is never overridden; bf16
+asked for on a CPU that emulates it is allowed (correct, only slow) and says so in one warning line.
 """
 import sys
 from contextlib import nullcontext

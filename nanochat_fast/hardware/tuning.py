@@ -1,9 +1,9 @@
 """
 Which dtype computes faster here, decided by timing both at the shapes that will run.
 
-A CPU's flags do not tell. With AVX512-BF16, an Intel Xeon without AMX ran bf16 matmuls at half
-its fp32 rate, while a Zen 4 ran them faster than fp32; AVX2 CPUs emulate bf16. So on a CPU,
-`--dtype auto` and `--ns-dtype auto` come from `measure(work)`:
+A CPU's flags do not tell: CPUs with AVX512-BF16 have run bf16 matmuls both at half their fp32
+rate and faster than fp32, and AVX2 CPUs emulate bf16 (docs/measurements.md#bf16-on-cpus). So on a
+CPU, `--dtype auto` and `--ns-dtype auto` come from `measure(work)`:
 
   1. the cache (NANOCHAT_FAST_HOME/hardware/dtype_timings.json), keyed by the machine
      (machine.machine_key: CPU model, ISA, bf16 feature, threads per process, torch) and by what
@@ -13,9 +13,8 @@ its fp32 rate, while a Zen 4 ran them faster than fp32; AVX2 CPUs emulate bf16. 
      of one micro-batch; for Muon: Newton-Schulz on its own matrix stacks, through the path each
      takes): one warm-up call each, then interleaved rounds (fp32, bf16, fp32, bf16, ...) and the
      fastest round of each (eager: compiling a graph per dtype would cost more than the timing
-     itself). Not the median: a neighbour only ever adds time, and under sustained load (a test
-     suite beside a 2-thread run) the medians of a depth-4 step measured bf16 0.95x fp32 where
-     the fastest rounds, like a quiet machine, gave 1.8x;
+     itself). Not the median: a neighbour only ever adds time, and under sustained load the
+     medians can hide a bf16 speed-up that the fastest rounds, like a quiet machine, show;
   3. where the work does not fit the budget (a short run, or shapes too big to time): matmuls at
      the work's largest shapes, with fewer rows until they fit (within MATMUL_MIN_SECONDS at
      least: a run too short for its 5% still gets its own shapes timed);

@@ -4,8 +4,9 @@ newton_schulz: the Newton-Schulz orthogonalization at the heart of Muon.
 Given G (m x n, or a stack K x m x n), returns an approximation of U V^T from G = U S V^T:
 X = G / (||G||_F + 1e-7), then per step (a, b, c):  A = X X^T;  B = b A + c A A;  X = a X + B X.
 Tall matrices are transposed once so X X^T is the small Gram matrix. Computes in `dtype` (default:
-the precision policy's choice for G's device: bf16 on CUDA and on CPUs with native bf16, fp32
-elsewhere), returns `out_dtype` (default: G's dtype). Which rewrite of the iteration runs for a
+the precision policy's choice for G's device: bf16 on CUDA sm80+, on a CPU whichever of fp32 and
+bf16 measured faster, fp32 elsewhere; newton_schulz_policy.py), returns `out_dtype` (default: G's
+dtype). Which rewrite of the iteration runs for a
 shape ("plain", "symmetric", "gram") is decided by the table in newton_schulz_policy.py.
 
 Backends:
@@ -13,9 +14,8 @@ Backends:
                a X + B X, one launch per kernel for a whole stack (newton_schulz_triton.py); under
                `auto` only for the table's "symmetric" path (large m), the torch backend otherwise
     torch      every path of the table, with fused products (baddbmm: no elementwise passes):
-               symmetric block products and, for wide matrices in fp32, the Gram form (see "the
-               torch backend" below); on CPU in fp32 1.1-1.3x (square) to 1.7-2.0x (1:4) faster
-               than the reference (benchmarks/RESULTS.md)
+               symmetric block products and, for wide matrices, the Gram form (see "the torch
+               backend" below); its speed against the reference: benchmarks/RESULTS.md
     reference  the plain iteration, as nanochat writes it
 """
 import torch
@@ -96,13 +96,13 @@ def triton_backend(G, coeffs, dtype, path="symmetric"):
 #    on the small singular directions (3.4445^5 ~ 490), and so does its rounding error: on
 #    low-rank inputs the unrestarted form is off by up to 2e-2 (fp32 plain: 1e-5). Forming X and
 #    restarting from X X^T after 2 steps and then every 3 (a few m^2 n flops) brings it back to the
-#    plain iteration's level (tested against float64 on low-rank inputs). fp32 only: in bf16 the
-#    same amplification is not recoverable (measured: newton_schulz_policy.py), so the table
-#    never picks it for bf16.
+#    plain iteration's level (tested against float64 on low-rank inputs). In bf16 the restarts do
+#    not bring it all the way back: the Gram form stays within the bf16 error bound only from
+#    m = 256, where the table's bf16 row starts (newton_schulz_policy.py).
 #
 # "plain" is the direct form with one block row: full products, still fused by baddbmm.
 
-SYM_BLOCK_ROWS = 192  # block rows of 128..256 measured within noise of each other (fp32, MKL)
+SYM_BLOCK_ROWS = 192  # any height in 128..256 does as well: docs/measurements.md#newton-schulz-paths
 
 
 def restart_points(steps: int) -> list[int]:

@@ -32,33 +32,21 @@ reads it, newton_schulz() passes the path to the backend, and on CUDA `auto` run
 kernels only for the "symmetric" path (the torch backend's cuBLAS products otherwise). A forced
 backend runs its own path: triton always the symmetric kernels, reference always plain.
 
-Where each row comes from:
-  - CPU, fp32: measured (benchmarks/RESULTS.md, bench_newton_schulz.py). On a 2-core AVX-512
-    Zen 4 (MKL): the Gram form ties the direct one at n/m = 1.5 and is 5-15% faster from 2;
-    splitting X X^T and A A into block rows pays from ~256 rows. Re-measured on a 2-core AVX2
-    Zen 3 (one thread, interleaved, time relative to plain): symmetric 3.1 at m = 128, 1.00 at
-    256, 0.82-0.92 from 384 to 768; Gram at n = 2m 1.02 (m = 128), 0.86 (256), 0.79 (512), at
-    n = 4m 1.06, 0.65, 0.58, 0.51 (m = 128, 256, 512, 768): so the Gram form from m = 256.
-  - CPU, bf16: measured on a 2-core Zen 4 (AVX512-BF16, no AMX), 2 threads, against
-    torch.optim.Muon's per-matrix bf16 iteration (time relative to it, lower is faster): plain
-    0.87 (4x512x512), 0.95 (2x512x2048), 0.76 (2x2048x512), 0.97 (4x1280x1280), 0.99
-    (1280x5120); symmetric 0.88, 1.12, 0.81, 0.89, 1.14; Gram 1.09, 0.76, 0.54, 1.04, 0.71. At
-    m = 512 the block rows cost more than they save in bf16 (the sliced products are copied to
-    contiguous ones; 32x512x512: plain 325 ms, symmetric 346 ms; the Gram form's m x m products
-    unsplit 158 ms, split 180 ms at 8x512x2048). So the Gram form from n = 2m and m = 256, and
-    the symmetric form for squarer matrices from m = 1024. The Gram
-    form rounds more in bf16 (its polynomial P_k amplifies its own rounding on small singular
-    directions): max abs error vs float64 on the normalised output, Gaussian inputs, 5 steps,
-    quintic / Polar Express, plain -> Gram: 256x1024 3.3e-3 -> 4.5e-3 / 2.1e-3 -> 6.1e-3,
-    2x512x2048 2.5e-3 -> 5.7e-3 / 1.7e-3 -> 3.3e-3, 1280x5120 1.3e-3 -> 1.5e-3 / 1.1e-3 ->
-    2.3e-3: within the 2e-2 bound from m = 256, but not below it (64x256 and 4x64x128 with Polar
-    Express: 2.3e-2 and 2.8e-2), which is why the row starts at m = 256. The symmetric form in
-    bf16 is as accurate as plain (one rounding per fused product).
-  - CUDA: a paper estimate from flop counts, not measured on a GPU yet. The Triton symmetric
-    kernels save 1.3-1.5x of the flops (newton_schulz_triton.flop_counts), but published
-    symmetric GEMM (SYRK-style) kernels lose to cuBLAS's plain GEMM below m ~ 2048 and win
-    above, so the symmetric path starts at m = 2048. fp32 on CUDA (forced, or before sm80) has
-    no tensor cores either way, so the Gram form's flop saving is taken as for the CPU.
+Where each row comes from (the measurements: docs/measurements.md#newton-schulz-paths):
+  - CPU, fp32: measured (bench_newton_schulz.py). The Gram form turns most of the steps' m x n
+    products into m x m ones, fewer flops once n >= 2m, and measured faster from m = 256 (not at
+    128); splitting X X^T and A A into block rows saves flops too and pays from about 256 rows.
+  - CPU, bf16: measured against torch.optim.Muon's per-matrix bf16 iteration. The Gram form from
+    n = 2m and m = 256, as in fp32; block rows only from m = 1024 (below that the sliced bf16
+    products, copied to contiguous ones, cost more than the split saves). The Gram form rounds
+    more in bf16 (its polynomial P_k amplifies its own rounding on small singular directions): its
+    error stays within the 2e-2 bound from m = 256 but not below, which is why the row starts at
+    m = 256. The symmetric form in bf16 is as accurate as plain (one rounding per fused product).
+  - CUDA: a paper estimate, from flop counts and published kernels. The Triton symmetric kernels
+    save 1.3-1.5x of the flops (newton_schulz_triton.flop_counts), but published symmetric GEMM
+    (SYRK-style) kernels lose to cuBLAS's plain GEMM below m ~ 2048 and win above, so the
+    symmetric path starts at m = 2048. fp32 on CUDA (forced, or before sm80) has no tensor cores
+    either way, so the Gram form's flop saving is taken as for the CPU.
   - MPS and any other device: plain.
 """
 import functools

@@ -34,7 +34,8 @@ from .triton_utils import to_bf16_rtne
 # Tile configs. H100 (sm90, 132 SMs): 128x128 output tiles with 64-deep K slices keep the tensor
 # cores busy (3 stages x 32 KB of bf16 operands in shared memory). A call with fewer 128-tiles than
 # SMs (one 768x768 matrix has 21 upper tiles) would leave most SMs idle, so it uses 64x64 tiles
-# (4x the programs). Not yet timed on a GPU: these are the usual Triton matmul choices for sm90.
+# (4x the programs). These are the usual Triton matmul choices for sm90
+# (docs/measurements.md#gpu-kernel-configs).
 GPU_LARGE = dict(BLOCK=128, BLOCK_K=64, num_warps=8, num_stages=3, DOT_FP32=False)
 GPU_SMALL = dict(BLOCK=64, BLOCK_K=64, num_warps=4, num_stages=4, DOT_FP32=False)
 # every config a GPU may launch: compiled and resource-checked ahead of time (kernels/triton_aot.py)

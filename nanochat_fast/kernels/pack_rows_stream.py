@@ -5,7 +5,7 @@ and make_row_stream() picks one through pack_rows' backend (cpp -> compiled, els
 
 A RowStream owns a document buffer (a RowPacker, pack_rows.py) and a cursor into a document
 stream (`docs`: anything with n_docs, runs and add_to(packer, start, count), i.e.
-dataloader.DocStream). next() packs the next global batch from the buffer and refills it; start()
+data/packed_loaders.DocStream). next() packs the next global batch from the buffer and refills it; start()
 runs next() ahead in a prefetch thread. The compiled twin does all of this without the GIL.
 """
 import queue
@@ -17,9 +17,8 @@ from . import registry
 from .pack_rows import OP, make_row_packer
 
 # A document read more than WAIT_FACTOR buffers ago is due and starts a row. Without this, best-fit
-# leaves documents of awkward lengths waiting for good (default corpus, T=512: 4% of documents
-# still waiting after 3 epochs); the price is some cropping (there: 11% of tokens cropped with no
-# limit, 14% / 17% / 19% with a factor of 8 / 4 / 2; at T=2048 about 1.4% either way).
+# leaves documents of awkward lengths waiting for good; the price is some cropping, the more the
+# smaller the factor (the figures: docs/measurements.md#packing-due-documents).
 WAIT_FACTOR = 4
 
 

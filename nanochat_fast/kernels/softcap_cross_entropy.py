@@ -50,14 +50,12 @@ register_op(OP, auto_order={
 REDUCTIONS = ("mean", "sum", "none")
 DTYPES = (torch.float32, torch.bfloat16)
 
-# Rows per chunk. What limits the chunk is the matmuls' efficiency: measured on the 2-core Zen 3
-# (fp32, N=4096, d=256, V=8192, 2 threads), the three matmuls over all chunks take 1.6x longer in
-# chunks of 256 rows than of 1024, and no less in one chunk of 4096; the whole op is within noise
-# from 1024 to 4096 rows, 1.04-1.4x slower at 256 (d=256 and 512). So 1024 rows: the smallest
-# chunk at full speed, 32 MiB of fp32 logits at V=8192 (the L3 size here), 1/4 of the full
-# logits at this N and a smaller share the longer the batch. benchmarks/bench_softcap_cross_entropy.py
-# (test_chunk_rows) repeats the measurement. CUDA: not timed here (no GPU); 4096 rows keep the
-# cuBLAS matmuls large (M = 4096) at 512 MiB of bf16 logits for a 64K vocabulary.
+# Rows per chunk. What limits the chunk is the matmuls' efficiency: smaller chunks make smaller,
+# slower matmuls, and a chunk bigger than needed for full speed only holds more logits. CPU: 1024
+# rows, the smallest chunk that ran at full speed (32 MiB of fp32 logits at V=8192); CUDA: 4096
+# rows keep the cuBLAS matmuls large (M = 4096) at 512 MiB of bf16 logits for a 64K vocabulary.
+# The measurements: docs/measurements.md#cross-entropy-chunk-rows;
+# benchmarks/bench_softcap_cross_entropy.py (test_chunk_rows) repeats them.
 CHUNK_ROWS = {"cpu": 1024, "cuda": 4096, "mps": 1024}
 
 

@@ -20,9 +20,9 @@ import triton.language as tl
 from .triton_utils import to_bf16_rtne
 
 # BLOCK: vocabulary entries per step of a row. On a GPU a row of nanochat's 65K vocabulary takes 16
-# steps of 4096 (16 fp32 per thread with 8 warps); not timed here (no GPU). The interpreter runs
-# one program at a time in numpy, so it takes large blocks (tests use small vocabularies, several
-# blocks per row with a partial last one).
+# steps of 4096 (16 fp32 per thread with 8 warps; docs/measurements.md#gpu-kernel-configs). The
+# interpreter runs one program at a time in numpy, so it takes large blocks (tests use small
+# vocabularies, several blocks per row with a partial last one).
 CONFIGS = {
     "cuda": dict(BLOCK=4096, num_warps=8),
     "cpu": dict(BLOCK=256, num_warps=1),

@@ -8,7 +8,8 @@ The GPT of nanochat:
 - logits soft-capped at 15 by tanh
 
 One dial, `depth`, sets the width and the heads (config_from_depth). Master weights are fp32 on
-every device; CUDA runs the matmuls under bf16 autocast, CPU and MPS compute in fp32.
+every device; the matmuls run in the compute dtype of hardware/precision.py, applied by the caller's
+autocast: bf16 on CUDA sm80+, fp32 on MPS, and on a CPU whichever of fp32 and bf16 measured faster.
 """
 import dataclasses
 import math
@@ -81,7 +82,7 @@ class KVCache:
     """Keys and values of every layer for a batch of sequences, up to `max_len` positions.
 
     Layers call insert_kv in order; the position advances once the last layer has inserted. The
-    storage is allocated at the first insert, in the dtype of the keys (bf16 under CUDA autocast).
+    storage is allocated at the first insert, in the dtype of the keys (bf16 under bf16 autocast).
     """
 
     def __init__(self, n_layer, max_len):

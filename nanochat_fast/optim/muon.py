@@ -157,10 +157,10 @@ class Muon(ZeroOptimizer):
         return self._ns_precision
 
     def resolve_ns_precision(self, run_steps: int | None = None, warn: bool = True) -> Precision:
-        """Decide ns_dtype "auto" for this optimizer (precision.py): on a CPU by timing Newton-Schulz
-        on its own matrix stacks in fp32 and bf16 (hardware/tuning.py; run_steps, the optimizer steps
-        the run will take, bounds the time spent); the same decision on every rank. Distributed, every
-        rank calls this together."""
+        """Decide ns_dtype "auto" for this optimizer (hardware/precision.py): on a CPU by timing
+        Newton-Schulz on its own matrix stacks in fp32 and bf16 (hardware/tuning.py; run_steps, the
+        optimizer steps the run will take, bounds the time spent); the same decision on every rank.
+        Distributed, every rank calls this together."""
         device, requested = self._device(), self.defaults["ns_dtype"]
         timing = None
         if device.type == "cpu" and requested == "auto":

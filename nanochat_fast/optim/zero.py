@@ -53,8 +53,8 @@ def sum_of_squares(tensors) -> torch.Tensor:
     (None when they hold no elements).
 
     On CUDA torch's norm reductions are trees and accurate. On CPU torch.norm / _foreach_norm lose
-    precision with size (measured here: relative error 2e-5..8e-5 at 2.6e5 elements, 8e-3 at 5e7),
-    which would make the clipping norm depend on how the gradient is split over ranks. There, each tensor is cut
+    precision with size (how much: docs/measurements.md#cpu-norm-precision), which would make
+    the clipping norm depend on how the gradient is split over ranks. There, each tensor is cut
     into rows of 256 whose dot products (bmm) are summed by torch's cascaded sum."""
     tensors = [t for t in tensors if t.numel()]
     if not tensors:

@@ -15,7 +15,7 @@ CORE (the DCLM paper's base-model benchmark, which nanochat reports) scores few-
 choice by the likelihood of each choice; each task's accuracy is centred by its chance level (0 at
 chance, 1 perfect) and the centred accuracies are averaged. Offline we have 10 of its 22 tasks
 (HellaSwag 0- and 10-shot, ARC-Easy, ARC-Challenge, COPA, CommonsenseQA, PIQA, OpenBookQA,
-Winogrande, BoolQ; tasks/core.py), so the figure is named "CORE subset (10/22 tasks)" everywhere:
+Winogrande, BoolQ; evals/tasks/core.py), so the figure is named "CORE subset (10/22 tasks)" everywhere:
 it is not comparable with published CORE scores. Its data: `python -m
 nanochat_fast.scripts.prepare_data --datasets=eval` (without it, CORE is skipped with a note).
 --max-examples N scores a fixed random sample of N items per task. Results go to the run's

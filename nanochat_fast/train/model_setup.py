@@ -94,7 +94,7 @@ def tune_for_training(model: GPT, optimizers: list, dev, requested_dtype: str, r
 def compile_for_training(model: GPT, requested: bool | None, device, run_tokens: int | None,
                          peak_flops: float | None, varying_shapes: bool = False):
     """(the module the training step calls, why): torch.compile'd or `model` itself.
-    --compile/--no-compile as given; by default compiling.default_compile's rule (CUDA and CPU
+    --compile/--no-compile as given; by default core/compiling.default_compile's rule (CUDA and CPU
     unless the run's FLOPs, model.estimate_flops() x run_tokens, are too few at peak_flops: the
     peak of all processes), and eager where the rows' length varies from batch to batch (padded
     conversations), which would compile a new graph for every length."""
@@ -105,5 +105,5 @@ def compile_for_training(model: GPT, requested: bool | None, device, run_tokens:
     else:
         run_flops = model.estimate_flops() * run_tokens if run_tokens else None
         on, why = default_compile(torch.device(device).type, run_flops, peak_flops)
-    # dynamic=False: one training shape; evaluation and sampling use the plain module (compiling.py)
+    # dynamic=False: one training shape; evaluation and sampling use the plain module (core/compiling.py)
     return (torch.compile(model, dynamic=False) if on else model), why

@@ -2,10 +2,10 @@
 Run directories: where a run writes, whether it resumes, and finding the runs a later stage or an
 evaluation starts from.
 
-    NANOCHAT_FAST_HOME/runs/<run>/checkpoints/step_NNNNNN/   (checkpoint.py)
+    NANOCHAT_FAST_HOME/runs/<run>/checkpoints/step_NNNNNN/   (core/checkpoint.py)
     NANOCHAT_FAST_HOME/runs/<run>/{metrics.jsonl, loss.png, report.md}
 
-A run name is a plain name (cli.run_name): one folder under runs/. --out-dir puts a run anywhere.
+A run name is a plain name (core/cli.run_name): one folder under runs/. --out-dir puts a run anywhere.
 A run directory that exists is continued only with --resume and replaced only with --overwrite.
 """
 import os

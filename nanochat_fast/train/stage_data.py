@@ -10,14 +10,20 @@ A stage's data is an object with two methods (stage.py calls them):
 
 A loader yields this rank's (inputs, targets) forever (targets -1 are not trained on) and has
 state_dict()/load_state_dict() (the global cursor, saved in checkpoints), epoch_progress and
-close(); dataloader.py's loaders are the ones used here.
+close(); the loaders are data/packed_loaders.py's and data/padded_conversations.py's.
 
-    PackedRows(ConversationRowLoader)  packed rows of conversations, assistant tokens supervised
+    PackedRows(ConversationRowLoader)  packed rows of conversations, assistant tokens supervised (mid)
     PackedRows(TokenRowLoader)         packed rows of prose, every token supervised (base)
+    PaddedConversations(sft_sources)   one conversation per row, padded (chat_sft)
 
 Validation reads the same rows on any number of processes (val_batches). mid_train's own
 conversations (--extra-conversations) are mixed into the chat dataset, or, when no conversation
 dataset is prepared, are the whole training set (ConversationShards; every 50th held out for val).
+
+chat_sft's mixture (sft_sources): the conversation dataset (--dataset, default chat), the train
+splits of the chat tasks whose evaluation data is prepared (at most TASK_LIMITS examples of a task)
+and --extra-conversations; with no conversation dataset prepared, every VAL_EVERY-th conversation of
+each source is held out for val bpb instead of the dataset's val split.
 """
 import argparse
 import json
@@ -99,7 +105,7 @@ class Conversations(list):
 
 
 class ConversationShards:
-    """Rendered conversations held in memory, shaped like dataset.TokenShards (one shard), so the
+    """Rendered conversations held in memory, shaped like data/token_shards.TokenShards (one shard), so the
     loaders read them as they read a prepared conversation dataset."""
 
     kind = CHAT
@@ -194,7 +200,7 @@ CONVERSATION_ROWS = PackedRows(ConversationRowLoader, "chat")
 
 
 class PaddedConversations:
-    """The data object of chat_sft (training_data.py describes the two methods): padded rows of the
+    """The data object of chat_sft (the module docstring describes the two methods): padded rows of the
     mixture that `sources(args, cfg, tokenizer)` returns as (train parts, val parts, dataset name,
     notes); examples_per_step conversations per optimizer step."""
 

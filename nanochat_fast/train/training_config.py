@@ -203,13 +203,13 @@ class DeviceConfig(Config):
     device_type: str = flag("", choice("", "cpu", "cuda", "mps"), "'' = autodetect", choices=["", "cpu", "cuda", "mps"])
     dtype: str = flag("auto", choice(*precision.CHOICES), "compute dtype of the model's matmuls (auto: bf16 on "
                       "CUDA sm80+; on a CPU the faster one, timed at the run's shapes and cached; fp32 on MPS)", choices=list(precision.CHOICES))
-    # threads per process (hardware.py) is decided in compute_init from the environment
+    # threads per process (core/threads.py) is decided in compute_init from the environment
 
     def init(self, seed: int = 42, deterministic: bool = False) -> Device:
         """Set this process up (compute_init), then choose the compute dtype and check that the
         kernels asked for can run here. UserError for a device, dtype or backend that cannot. A
         CPU's auto dtype comes from this machine's matmul probe here (rank 0's, for every rank);
-        a training stage then times its own model (models.tune_for_training)."""
+        a training stage then times its own model (model_setup.tune_for_training)."""
         from ..core.distributed import compute_init, rank0_decides
         from .environment import check_kernels
         ddp, rank, local_rank, world_size, device = compute_init(self.device_type, seed=seed,

@@ -61,7 +61,7 @@ class Job:
 
 class ReplicaPool:
     """`generate(model, tokenizer, messages, max_tokens, temperature, top_k, seed, on_text,
-    should_stop)` is generation.assistant_reply (or a stand-in with its signature)."""
+    should_stop)` is model/generation.assistant_reply (or a stand-in with its signature)."""
 
     def __init__(self, replicas: list[Replica], generate, queue_limit: int):
         if not replicas:
