@@ -1,5 +1,5 @@
 """
-Evaluation tasks over the prepared data (data/eval/, see eval_data.py), one module per family:
+Evaluation tasks over the prepared data (data/eval/, see benchmark_files.py), one module per family:
 
     chat tasks (chat_eval, and training data for chat_sft)
         ARC-Easy, ARC-Challenge   arc.py          categorical
