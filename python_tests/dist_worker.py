@@ -5,7 +5,7 @@ or through torch.multiprocessing.spawn (spawn_entry). The training routine is sh
 single-process reference run in the test (world_size 1, no process group).
 
 What one launch does (results under DIR, read and asserted by the test):
-  1. compute_init on gloo; all_reduce_mean / all_reduce_sum on known values          -> rank<r>.json
+  1. compute_init on gloo; all_reduce_sum on known values                            -> rank<r>.json
   2. a tiny GPT (vocab 4099, odd shapes) trained 5 steps with DistAdamW + DistMuon, every rank on
      its own rows of one global batch, global-norm clipping; checkpoint after step 3 -> final.pt
   3. resume from DIR/step3 (same world size: must be bitwise) and from --resume-from (a checkpoint
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from nanochat_fast import optim
-from nanochat_fast.core.distributed import all_reduce_mean, all_reduce_sum, compute_cleanup, compute_init, get_dist_info
+from nanochat_fast.core.distributed import all_reduce_sum, compute_cleanup, compute_init, get_dist_info
 from nanochat_fast.model.gpt import GPT, GPTConfig
 from nanochat_fast.optim import MuonRecipe
 
@@ -192,8 +192,8 @@ def run(args):
     out.mkdir(parents=True, exist_ok=True)
     info = dict(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, device=str(device),
                 backend=torch.distributed.get_backend(), dist_info=list(get_dist_info()))
-    info["mean_of_rank_plus_1"] = all_reduce_mean(torch.tensor([rank + 1.0, 2.0 * rank])).tolist()
     info["sum_of_rank_plus_1"] = all_reduce_sum(torch.tensor(rank + 1)).item()
+    info["float_sums"] = all_reduce_sum(torch.tensor([rank + 1.0, 2.0 * rank])).tolist()
 
     # 2. uninterrupted run, checkpoint after RESUME_STEP
     model = make_model()

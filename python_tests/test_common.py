@@ -1,13 +1,13 @@
 """Process setup in a single process: device choice, user errors, seeding, determinism, rank-0
-printing. The multi-process side (gloo under torchrun and spawn, all_reduce_mean/sum across ranks)
+printing. The multi-process side (gloo under torchrun and spawn, all_reduce_sum across ranks)
 runs in test_dist_parity.py."""
 import pytest
 import torch
 
 from nanochat_fast.core import distributed
 from nanochat_fast.core.cli import UserError
-from nanochat_fast.core.distributed import (all_reduce_mean, all_reduce_sum, autodetect_device_type, compute_cleanup,
-                                            compute_init, get_dist_info, print0)
+from nanochat_fast.core.distributed import (all_reduce_sum, autodetect_device_type, compute_cleanup, compute_init,
+                                            get_dist_info, print0)
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
@@ -114,9 +114,9 @@ def test_print0_prints_on_rank_0_only(monkeypatch, capsys):
     assert capsys.readouterr().out == "from rank 0!"
 
 
-def test_all_reduce_helpers_without_a_process_group(plain_process):
+def test_all_reduce_sum_without_a_process_group(plain_process):
     t = torch.tensor([1.5, 2.5])
-    mean, total = all_reduce_mean(t), all_reduce_sum(t)
-    assert torch.equal(mean, t) and torch.equal(total, t)
-    mean += 1  # copies, not the input
+    total = all_reduce_sum(t)
+    assert torch.equal(total, t)
+    total += 1  # a copy, not the input
     assert torch.equal(t, torch.tensor([1.5, 2.5]))

@@ -102,9 +102,9 @@ def test_runtime_on_gloo(runs, world_size):
         assert info["backend"] == "gloo"
         assert info["dist_info"] == [True, r, r, world_size]
         assert info["optimizer_types"] == ["DistAdamW", "DistMuon"]
-        # means/sums over ranks, identical on every rank
-        assert info["mean_of_rank_plus_1"] == [(world_size + 1) / 2, world_size - 1.0]
+        # sums over ranks, identical on every rank
         assert info["sum_of_rank_plus_1"] == world_size * (world_size + 1) // 2
+        assert info["float_sums"] == [world_size * (world_size + 1) / 2, world_size * (world_size - 1.0)]
     assert runs[1]["optimizers"] == ["AdamW", "Muon"]
 
 

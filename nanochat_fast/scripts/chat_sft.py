@@ -41,7 +41,7 @@ def chat_evals(max_examples: int):
     max_examples each, the same examples every time), counted over every rank."""
     def make(cfg, tokenizer, dev):
         chosen = [tasks.get(name) for name in IN_TRAINING_EVAL_TASKS]
-        missing = [t.name for t in chosen if benchmark_files.read_manifest(t.folder) is None]
+        missing = [t.name for t in chosen if benchmark_files.read_task_manifest(t.folder) is None]
         if max_examples == 0 or missing:
             if max_examples:
                 print0(f"note: no in-training chat evaluation: no evaluation data for {', '.join(missing)} "

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..core import cli, paths
 from ..core.errors import UserError
+from ..core.progress import progress_bar
 from ..data import corpus_sources, documents, token_shards
 from ..evals import benchmark_files
 from ..train import next_steps
@@ -98,7 +99,7 @@ def prepare_builtin(name, args):
         config = _config(args, srcs)
 
         def docs():
-            with documents.progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
+            with progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
                 pairs = [(d, s.name) for s in srcs for d in _read(s, cache, args, bar)]
             return _shuffled(pairs, args.seed)
         kind, infos = documents.TEXT, [_source_info(s) for s in srcs]
@@ -107,7 +108,7 @@ def prepare_builtin(name, args):
         config = _config(args, srcs, synthetic=args.synthetic)
 
         def docs():
-            with documents.progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
+            with progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
                 pairs = [(c, s.name) for s in srcs for c in _read(s, cache, args, bar)]
             words = corpus_sources.words_of([c for c, _ in pairs])
             pairs += [(c, "synthetic") for c in corpus_sources.synthetic_conversations(args.synthetic, words, args.seed)]
@@ -161,7 +162,7 @@ def tokenize(names, args, required: bool):
         print(f"tokens/{name}: {totals['docs']:,} documents, {totals['tokens']:,} tokens "
               f"({totals['skipped_shards']} shards already done)")
     if args.input:
-        next_steps.after_tokens(names[0], documents.read_manifest(names[0])["kind"], totals["tokens"])
+        next_steps.after_tokens(names[0], documents.read_dataset_manifest(names[0])["kind"], totals["tokens"])
 
 
 def main(argv=None) -> int:

@@ -52,7 +52,7 @@ def training_dataset(name: str) -> str:
     """--dataset, or base, or the only prepared dataset; a UserError listing them otherwise."""
     prepared = documents.prepared_datasets()
     if name or "base" in prepared or not prepared:
-        return name or "base"  # (read_manifest then says how to prepare a missing one)
+        return name or "base"  # (read_dataset_manifest then says how to prepare a missing one)
     if len(prepared) == 1:
         return prepared[0]
     raise UserError(f"data/base is not prepared and several datasets are ({', '.join(prepared)}): pick the one "
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         raise UserError(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + the special tokens), "
                         f"got {args.vocab_size}")
     args.dataset = training_dataset(args.dataset)
-    manifest = documents.read_manifest(args.dataset)  # a clear error when the text is not prepared yet
+    manifest = documents.read_dataset_manifest(args.dataset)  # a clear error when the text is not prepared yet
     counter = {"chars": 0}
     t0 = time.time()
     tokenizer = Tokenizer.train(capped_texts(args.dataset, args.max_chars, args.doc_cap, counter), args.vocab_size)

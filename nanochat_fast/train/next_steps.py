@@ -86,9 +86,9 @@ def after_midtraining(run_dir: Path) -> str:
 def after_sft(run_dir: Path) -> str:
     """chat_eval of this run where evaluation data is prepared (on a machine without a GPU, a sample
     of CPU_EVAL_EXAMPLES per task: the full set takes a while there), else a chat with it."""
-    from ..evals.benchmark_files import read_manifest
+    from ..evals.benchmark_files import read_task_manifest
     from ..evals.tasks import CHAT_TASKS
-    if not any(read_manifest(task.folder) for task in CHAT_TASKS):
+    if not any(read_task_manifest(task.folder) for task in CHAT_TASKS):
         return command("chat_cli", run_flag(run_dir))
     sizing = [] if torch.cuda.is_available() else [f"--max-examples={CPU_EVAL_EXAMPLES}"]
     return command("chat_eval", run_flag(run_dir), *sizing)

@@ -255,7 +255,7 @@ def task_conversations() -> tuple[list[tuple[str, list]], list[str]]:
     for task in tasks.CHAT_TASKS:
         if not task.train_splits:
             continue
-        if benchmark_files.read_manifest(task.folder) is None:
+        if benchmark_files.read_task_manifest(task.folder) is None:
             missing.append(task.name)
             continue
         for split in task.train_splits:

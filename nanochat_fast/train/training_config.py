@@ -6,7 +6,7 @@ A training run's configuration: one small object per component, each validated w
     HorizonConfig  how long: steps, a FLOPs budget or tokens per parameter
     OptimConfig    learning rates, weight decay, clipping, the lr schedule, Muon's options
     LoopConfig     evaluation, sampling, checkpoints, the NaN guard
-    DeviceConfig   device type and compute dtype (also the eval and chat scripts)
+    DeviceConfig   device type and compute dtype (also the eval and chat scripts: evaluation_process)
     RunConfig      run name or folder, resume/overwrite, compile, seed, determinism
 
 Each field is declared once, with its default, its check and its help: `add_flags` turns the
@@ -18,6 +18,7 @@ and kernels keep their own ValueError checks for people who call them directly.
 """
 import argparse
 import math
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -216,6 +217,22 @@ class DeviceConfig(Config):
                                                                  deterministic=deterministic)
         chosen = rank0_decides(lambda: precision.choose(device, self.dtype, what="--dtype"))
         return Device(ddp, rank, local_rank, world_size, device, chosen, check_kernels(device.type))
+
+
+@contextmanager
+def evaluation_process(args):
+    """For a command that evaluates a checkpoint (base_eval, chat_eval): the environment checked,
+    this process set up from the parsed device flags (DeviceConfig.init) and described on rank 0,
+    and compute_cleanup() when the command ends, however it ends. Yields the Device."""
+    from ..core.distributed import compute_cleanup, print0
+    from .environment import check_environment
+    check_environment()
+    dev = DeviceConfig.from_args(args).init()
+    try:
+        print0(dev.describe())
+        yield dev
+    finally:
+        compute_cleanup()
 
 
 @dataclass(frozen=True)

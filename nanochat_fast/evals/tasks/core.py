@@ -32,27 +32,27 @@ from .task_types import LIKELIHOOD, Task
 MULTIPLE_CHOICE, SCHEMA = "multiple_choice", "schema"
 
 
-def _arc(ex):
+def _arc_item(ex):
     return {"query": f"Question: {ex['question']}", "choices": ex["choices"], "gold": ex["answer"]}
 
 
-def _plain(ex):
+def _plain_item(ex):
     return {"query": ex["question"], "choices": ex["choices"], "gold": ex["answer"]}
 
 
-def _copa(ex):
+def _copa_item(ex):
     # "The man turned on the faucet, therefore" + " water flowed from the spout."
     connective = "because" if ex["relation"] == "cause" else "therefore"
     choices = [c[:1].lower() + c[1:] for c in ex["choices"]]
     return {"query": f"{ex['question'].rstrip('.')}, {connective}", "choices": choices, "gold": ex["answer"]}
 
 
-def _boolq(ex):
+def _boolq_item(ex):
     return {"query": f"Passage: {ex['passage']}\nQuestion: {ex['question']}?", "choices": ex["choices"],
             "gold": ex["answer"]}
 
 
-def _winogrande(ex):
+def _winogrande_item(ex):
     # "Sarah was a much better surgeon than Maria so _ always got the easier cases."
     # -> contexts "... so Sarah" / "... so Maria", continuation "always got the easier cases."
     blank = ex["question"].index("_")
@@ -96,16 +96,16 @@ class CoreTask(Task):
 
 
 CORE_SUBSET = [
-    CoreTask("hellaswag_zeroshot", "hellaswag", "validation", 0, " ", MULTIPLE_CHOICE, 0.25, _plain),
-    CoreTask("arc_easy", "arc-easy", "test", 10, "\nAnswer: ", MULTIPLE_CHOICE, 0.25, _arc),
-    CoreTask("arc_challenge", "arc-challenge", "test", 10, "\nAnswer: ", MULTIPLE_CHOICE, 0.25, _arc),
-    CoreTask("copa", "copa", "validation", 0, " ", MULTIPLE_CHOICE, 0.50, _copa),
-    CoreTask("commonsense_qa", "commonsenseqa", "validation", 10, " ", MULTIPLE_CHOICE, 0.20, _plain),
-    CoreTask("piqa", "piqa", "validation", 10, "\nAnswer: ", MULTIPLE_CHOICE, 0.50, _arc),
-    CoreTask("openbook_qa", "openbookqa", "validation", 0, " ", MULTIPLE_CHOICE, 0.25, _plain),
-    CoreTask("hellaswag", "hellaswag", "validation", 10, " ", MULTIPLE_CHOICE, 0.25, _plain),
-    CoreTask("winogrande", "winogrande", "validation", 0, " ", SCHEMA, 0.50, _winogrande),
-    CoreTask("boolq", "boolq", "validation", 10, "\nAnswer: ", MULTIPLE_CHOICE, 0.62, _boolq),
+    CoreTask("hellaswag_zeroshot", "hellaswag", "validation", 0, " ", MULTIPLE_CHOICE, 0.25, _plain_item),
+    CoreTask("arc_easy", "arc-easy", "test", 10, "\nAnswer: ", MULTIPLE_CHOICE, 0.25, _arc_item),
+    CoreTask("arc_challenge", "arc-challenge", "test", 10, "\nAnswer: ", MULTIPLE_CHOICE, 0.25, _arc_item),
+    CoreTask("copa", "copa", "validation", 0, " ", MULTIPLE_CHOICE, 0.50, _copa_item),
+    CoreTask("commonsense_qa", "commonsenseqa", "validation", 10, " ", MULTIPLE_CHOICE, 0.20, _plain_item),
+    CoreTask("piqa", "piqa", "validation", 10, "\nAnswer: ", MULTIPLE_CHOICE, 0.50, _arc_item),
+    CoreTask("openbook_qa", "openbookqa", "validation", 0, " ", MULTIPLE_CHOICE, 0.25, _plain_item),
+    CoreTask("hellaswag", "hellaswag", "validation", 10, " ", MULTIPLE_CHOICE, 0.25, _plain_item),
+    CoreTask("winogrande", "winogrande", "validation", 0, " ", SCHEMA, 0.50, _winogrande_item),
+    CoreTask("boolq", "boolq", "validation", 10, "\nAnswer: ", MULTIPLE_CHOICE, 0.62, _boolq_item),
 ]
 CORE_TOTAL_TASKS = 22  # in DCLM's CORE
 SUBSET_NAME = f"CORE subset ({len(CORE_SUBSET)}/{CORE_TOTAL_TASKS} tasks)"

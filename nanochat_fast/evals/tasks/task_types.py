@@ -15,7 +15,7 @@ import random
 from ..benchmark_files import load_split
 
 CATEGORICAL, GENERATIVE, LIKELIHOOD = "categorical", "generative", "likelihood"
-LETTERS = "ABCDEFGHIJ"
+ANSWER_LETTERS = "ABCDEFGHIJ"  # the letters of multiple-choice answers, in choice order
 
 
 class Task:
@@ -58,7 +58,7 @@ class GenerativeTask(ChatTask):
 
 
 def letters_for(example: dict) -> str:
-    return LETTERS[:len(example["choices"])]
+    return ANSWER_LETTERS[:len(example["choices"])]
 
 
 def render_mc(question: str, letters: str, choices: list[str]) -> str:
