@@ -192,8 +192,11 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak, world_size: int 
     return 100.0 * flops_per_token * tokens_per_second / (rate * world_size)
 
 
-def mfu_text(flops_per_token: float, tokens_per_second: float, peak: Peak | None, world_size: int = 1) -> str:
-    """'mfu 23.4% (of the fp32 peak 150 GFLOP/s (bf16 75), measured here)' for the step log."""
+def mfu_text(flops_per_token: float, tokens_per_second: float, peak: Peak | None, world_size: int = 1,
+             against: bool = True) -> str:
+    """'mfu 23.4% (of the fp32 peak 150 GFLOP/s (bf16 75), measured here)'; against=False: 'mfu 23.4%'
+    (the training loop's step line: the run's summary names the peak once)."""
     if peak is None:
         return "mfu n/a"
-    return f"mfu {mfu(flops_per_token, tokens_per_second, peak, world_size):.1f}% (of the {peak.describe()})"
+    text = f"mfu {mfu(flops_per_token, tokens_per_second, peak, world_size):.1f}%"
+    return f"{text} (of the {peak.describe()})" if against else text

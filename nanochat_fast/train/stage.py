@@ -7,7 +7,7 @@ A Stage says what differs between base_train, mid_train and the stages after the
     title     the report's title
     start     where the weights come from: NewModel() (the depth dial) or FromRun(...) (another
               run's checkpoint, e.g. --base-run for mid_train)
-    data      what it trains and validates on (training_data.py: grad_accum_steps, open, and
+    data      what it trains and validates on (stage_data.py: grad_accum_steps, open, and
               varying_shapes: whether row lengths change between batches, which keeps it eager)
     horizon   how long: fixed_horizon (steps, FLOPs budget or tokens per parameter) or one_epoch
     sample    what to print every --sample-every steps: completions or chat replies
@@ -15,10 +15,11 @@ A Stage says what differs between base_train, mid_train and the stages after the
     evals     more evaluations, run with every val bpb eval (name, fn(cfg, tokenizer, dev) ->
               fn(model) -> {metric: value}); their latest values go into the report
 
-run_stage(args, stage) does the rest the same way for every stage: checks the environment and
-every flag (config.py) before any work, sets up the process and the compute dtype, finds the
-starting point, opens (or resumes) the run directory, builds model, optimizers and loaders, runs
-the loop (training_loop.py) and writes the report.
+run_stage(args, stage) does the rest the same way for every stage: it checks the environment and
+every flag (training_config.py) before any work and sets up the process; set_up finds the starting
+point, opens (or resumes) the run directory and builds model and optimizers; then the stage's data
+is opened, make_run measures the compute dtypes, picks the compile and builds the Run
+(run_state.py), and train_and_report runs the loop (training_loop.py) and writes the report.
 
 A later stage plugs in the same way. chat_sft, for instance: start=FromRun("source_run",
 "source_step", phases=("mid", "base")); data= a padded-conversation loader (one conversation per
@@ -40,17 +41,21 @@ from ..core import checkpoint, threads
 from ..core.cli import flag_name, flag_values
 from ..core.distributed import compute_cleanup, print0
 from ..core.errors import UserError
-from ..data.tokenizer import get_token_bytes, get_tokenizer
+from ..data.tokenizer import Tokenizer, get_token_bytes, get_tokenizer
+from ..hardware.device import Device
 from ..model import generation, loading
+from ..model.gpt import GPT, GPTConfig
 from . import model_setup, next_steps, run_dirs, run_report, training_loop
 from .environment import check_environment
 from .run_report import MetricsLog
+from .run_state import Horizon, Run, restore
+from .stage_data import Data
 from .training_config import OptimConfig, TrainingConfig
 
 
 @dataclass(frozen=True)
 class StartPoint:
-    config: object                 # the GPTConfig to build
+    config: GPTConfig              # the model to build
     seq_len: int                   # row length of this run (at most config.sequence_len)
     source: Path | None            # the checkpoint whose weights it starts from (None: fresh init)
     name: str                      # what the default run name is made from
@@ -92,7 +97,7 @@ class FromRun:
         return StartPoint(config, seq_len, ckpt, run_dir.name, {"starting from": str(ckpt)})
 
 
-def fixed_horizon(cfg, model, data) -> training_loop.Horizon:
+def fixed_horizon(cfg, model, data) -> Horizon:
     """--num-iterations, else --target-flops, else --target-param-data-ratio (tokens per parameter)."""
     h, tokens_per_step = cfg.horizon, cfg.data.total_batch_size
     if h.num_iterations > 0:
@@ -105,19 +110,19 @@ def fixed_horizon(cfg, model, data) -> training_loop.Horizon:
         raise UserError("no training horizon: pass --num-iterations N (> 0), --target-flops F or "
                         "--target-param-data-ratio R")
     tokens = steps * tokens_per_step
-    return training_loop.Horizon(steps, lambda step: step / steps, lambda: False,
-                            f"{steps:,} steps = {tokens:,} tokens ({tokens / model.num_scaling_params():.2f} tokens/param)",
-                            tokens)
+    return Horizon(steps, lambda step: step / steps, lambda: False,
+                   f"{steps:,} steps = {tokens:,} tokens ({tokens / model.num_scaling_params():.2f} tokens/param)",
+                   tokens)
 
 
-def one_epoch(cfg, model, data) -> training_loop.Horizon:
+def one_epoch(cfg, model, data) -> Horizon:
     """--num-iterations if set, else until the training data has been read once."""
     steps = cfg.horizon.num_iterations if cfg.horizon.num_iterations > 0 else None
     if steps:
-        return training_loop.Horizon(steps, lambda step: step / steps, lambda: data.train.epochs_done >= 1, f"{steps} steps",
-                                steps * cfg.data.total_batch_size)
-    return training_loop.Horizon(None, lambda step: data.train.epoch_progress, lambda: data.train.epochs_done >= 1,
-                            "one epoch of the training data", getattr(data.train, "epoch_tokens", None))
+        return Horizon(steps, lambda step: step / steps, lambda: data.train.epochs_done >= 1, f"{steps} steps",
+                       steps * cfg.data.total_batch_size)
+    return Horizon(None, lambda step: data.train.epoch_progress, lambda: data.train.epochs_done >= 1,
+                   "one epoch of the training data", getattr(data.train, "epoch_tokens", None))
 
 
 def complete_prompts(prompts, max_tokens=16):
@@ -137,13 +142,29 @@ def answer_questions(questions, max_tokens=32):
 class Stage:
     phase: str
     title: str
-    start: object                          # NewModel() | FromRun(...)
-    data: object                           # training_data.PackedRows(...) or anything with its two methods
-    horizon: Callable                      # (cfg, model, data) -> training_loop.Horizon
+    start: NewModel | FromRun
+    data: object                           # stage_data.PackedRows(...) or anything with its two methods
+    horizon: Callable                      # (cfg, model, data) -> Horizon
     sample: Callable                       # (model, tokenizer) -> list of texts to print
     run_name: Callable                     # (cfg, StartPoint) -> the default --run
     next_step: Callable | None = None      # run_dir -> the command to print once the run is done
     evals: tuple = ()                      # (name, fn(cfg, tokenizer, dev) -> fn(model) -> {metric: value})
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """What run_stage settles before it opens the stage's data."""
+    cfg: TrainingConfig            # the flags' configs, max_seq_len set to the starting point's
+    dev: Device                    # the process, before the dtypes are measured at the run's shapes
+    tokenizer: Tokenizer
+    point: StartPoint
+    run_name: str
+    run_dir: Path
+    ckpt: Path | None              # the checkpoint to resume from (None: a fresh run)
+    meta: dict | None              # its meta.json
+    grad_accum_steps: int
+    orig_model: GPT
+    optimizers: list
 
 
 def run_stage(args, stage: Stage) -> int:
@@ -154,71 +175,95 @@ def run_stage(args, stage: Stage) -> int:
     data = None
     try:
         print0(dev.describe(precision=False))
-        tokenizer = get_tokenizer()
-        point = stage.start.resolve(args, cfg, tokenizer)
-        cfg = replace(cfg, data=replace(cfg.data, max_seq_len=point.seq_len))
-        grad_accum_steps = stage.data.grad_accum_steps(cfg.data, dev.world_size)
-        run_name = cfg.run.run or stage.run_name(cfg, point)
-        run_dir, ckpt, meta = run_dirs.open_run_dir(cfg.run, run_name, dev.rank, stage.phase, dev.device)
-        if ckpt is not None:
-            loading.check_compatible(meta, ckpt, point.config, tokenizer)
-        weights = ckpt or point.source
-        orig_model, optimizers = model_setup.build_for_training(
-            point.config, dev.device, cfg.optim.optimizer_kwargs(),
-            checkpoint.load_model_state(weights, dev.device) if weights else None)
-        data = stage.data.open(args, cfg, tokenizer, dev)
-        horizon = stage.horizon(cfg, orig_model, data)
-        dev, ns = model_setup.tune_for_training(orig_model, optimizers, dev, cfg.device.dtype, cfg.data.device_batch_size,
-                                           point.seq_len, grad_accum_steps, horizon.tokens)
-        print0(f"precision: {dev.precision.describe()}")
-        peak = hardware.peak_flops(dev.device)
-        model, compile_why = model_setup.compile_for_training(orig_model, cfg.run.compile, dev.device, horizon.tokens,
-                                                         peak.flops * dev.world_size, stage.data.varying_shapes)
-        settings = {**flag_values(args), **cfg.as_dict(), "dataset": data.dataset}
-
-        def meta_of_run():
-            return {"phase": stage.phase, "model_config": asdict(point.config),
-                    "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
-                    "args": settings, "device": run_report.device_summary(dev),
-                    **({"base_checkpoint": str(point.source)} if point.source else {})}
-
-        run = training_loop.Run(
-            model=model, orig_model=orig_model, optimizers=optimizers, data=data,
-            token_bytes=get_token_bytes(device=dev.device), run_dir=run_dir, grad_accum_steps=grad_accum_steps,
-            flops_per_token=orig_model.estimate_flops(), horizon=horizon, optim=cfg.optim, loop=cfg.loop, dev=dev,
-            peak=peak, compiled=model is not orig_model,
-            meta=meta_of_run, sample=lambda: stage.sample(orig_model, tokenizer),
-            evals=tuple((name, make(cfg, tokenizer, dev)) for name, make in stage.evals),
-            resume_command=run_dirs.resume_command(getattr(args, "_argv", None), run_dir))
-        lines = {"horizon": horizon.describe, **point.describe, "data": data.describe.removeprefix("data: "),
-                 "compile": compile_why, "muon": cfg.optim.recipe().describe().removeprefix("muon recipe "), "newton-schulz precision": ns.describe(),
-                 "threads per process": threads.thread_choice().describe(), "mfu against": peak.describe()}
-        print0(run_report.summary(run, point.config, lines))
-        if ckpt is not None:
-            resume(run, ckpt, meta, cfg)
-        metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=run.state.step if ckpt else None) \
-            if dev.rank == 0 else None
-        wall = time.time()
-        code = training_loop.train(run, metrics)
-        if dev.rank == 0:
-            run_report.finish_report(run, metrics, f"{stage.title}: {run_name}", wall,
-                                 {"Stage": lines, "Settings": settings})
-            if run.finished and stage.next_step is not None:
-                next_steps.show(stage.next_step(run_dir))
-        return code
+        setup = set_up(args, stage, cfg, dev)
+        data = stage.data.open(args, setup.cfg, setup.tokenizer, dev)
+        run, sections = make_run(args, stage, setup, data)
+        print0(run_report.summary(run, setup.point.config, sections["Stage"]))
+        if setup.ckpt is not None:
+            resume(run, setup.ckpt, setup.meta, setup.cfg)
+        return train_and_report(run, stage, setup, sections)
     finally:
         if data is not None:
             data.close()
         compute_cleanup()
 
 
-def resume(run: training_loop.Run, ckpt: Path, meta: dict, cfg: TrainingConfig):
+def set_up(args, stage: Stage, cfg: TrainingConfig, dev: Device) -> RunSetup:
+    """The starting point, the run directory (and the checkpoint to resume, if any), then the model
+    and its optimizers: the weights of that checkpoint, else of the starting point, else fresh."""
+    tokenizer = get_tokenizer()
+    point = stage.start.resolve(args, cfg, tokenizer)
+    cfg = replace(cfg, data=replace(cfg.data, max_seq_len=point.seq_len))
+    grad_accum_steps = stage.data.grad_accum_steps(cfg.data, dev.world_size)
+    run_name = cfg.run.run or stage.run_name(cfg, point)
+    run_dir, ckpt, meta = run_dirs.open_run_dir(cfg.run, run_name, dev.rank, stage.phase, dev.device)
+    if ckpt is not None:
+        loading.check_compatible(meta, ckpt, point.config, tokenizer)
+    weights = ckpt or point.source
+    orig_model, optimizers = model_setup.build_for_training(
+        point.config, dev.device, cfg.optim.optimizer_kwargs(),
+        checkpoint.load_model_state(weights, dev.device) if weights else None)
+    return RunSetup(cfg, dev, tokenizer, point, run_name, run_dir, ckpt, meta, grad_accum_steps, orig_model, optimizers)
+
+
+def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict]:
+    """The horizon, the dtypes measured at this model's shapes, the peak and the compile choice
+    (which needs the horizon); the Run, and the stage's sections of the report."""
+    cfg, orig_model, tokenizer = setup.cfg, setup.orig_model, setup.tokenizer
+    horizon = stage.horizon(cfg, orig_model, data)
+    dev, ns = model_setup.tune_for_training(orig_model, setup.optimizers, setup.dev, cfg.device.dtype,
+                                            cfg.data.device_batch_size, setup.point.seq_len, setup.grad_accum_steps,
+                                            horizon.tokens)
+    print0(f"precision: {dev.precision.describe()}")
+    peak = hardware.peak_flops(dev.device)
+    model, compile_why = model_setup.compile_for_training(orig_model, cfg.run.compile, dev.device, horizon.tokens,
+                                                          peak.flops * dev.world_size, stage.data.varying_shapes)
+    settings = {**flag_values(args), **cfg.as_dict(), "dataset": data.dataset}
+    run = Run(
+        model=model, orig_model=orig_model, optimizers=setup.optimizers, data=data,
+        token_bytes=get_token_bytes(device=dev.device), run_dir=setup.run_dir, grad_accum_steps=setup.grad_accum_steps,
+        flops_per_token=orig_model.estimate_flops(), horizon=horizon, optim=cfg.optim, loop=cfg.loop, dev=dev,
+        peak=peak, compiled=model is not orig_model, meta=meta_of_run(stage, setup, dev, settings),
+        sample=lambda: stage.sample(orig_model, tokenizer),
+        evals=tuple((name, make(cfg, tokenizer, dev)) for name, make in stage.evals),
+        resume_command=run_dirs.resume_command(getattr(args, "_argv", None), setup.run_dir))
+    lines = {"horizon": horizon.describe, **setup.point.describe, "data": data.describe.removeprefix("data: "),
+             "compile": compile_why, "muon": cfg.optim.recipe().describe().removeprefix("muon recipe "),
+             "newton-schulz precision": ns.describe(), "threads per process": threads.thread_choice().describe(),
+             "mfu against": peak.describe()}
+    return run, {"Stage": lines, "Settings": settings}
+
+
+def meta_of_run(stage: Stage, setup: RunSetup, dev: Device, settings: dict) -> Callable[[], dict]:
+    """What every checkpoint's meta.json says of the run, read when it is saved (the loop adds its
+    own state)."""
+    point, tokenizer = setup.point, setup.tokenizer
+    return lambda: {"phase": stage.phase, "model_config": asdict(point.config),
+                    "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
+                    "args": settings, "device": run_report.device_summary(dev),
+                    **({"base_checkpoint": str(point.source)} if point.source else {})}
+
+
+def train_and_report(run: Run, stage: Stage, setup: RunSetup, sections: dict) -> int:
+    """The loop, then (rank 0) the report and the command to run next."""
+    metrics = MetricsLog(setup.run_dir / "metrics.jsonl", resume_step=run.state.step if setup.ckpt else None) \
+        if run.rank == 0 else None
+    wall = time.time()
+    code = training_loop.train(run, metrics)
+    if run.rank == 0:
+        run_report.finish_report(run, metrics, f"{stage.title}: {setup.run_name}", wall, sections)
+        if run.finished and stage.next_step is not None:
+            next_steps.show(stage.next_step(setup.run_dir))
+    return code
+
+
+def resume(run: Run, ckpt: Path, meta: dict, cfg: TrainingConfig):
     """Restore the training state of `ckpt`, then apply the learning-rate rule (module docstring)."""
     def groups_of(prefix):
         return [g for opt in run.optimizers for g in opt.param_groups if g["param_names"][0].startswith(prefix)]
 
     from_flags = {flag: [g["initial_lr"] for g in groups_of(prefix)] for flag, prefix in OptimConfig.LR_FLAGS}
-    training_loop.restore(run, ckpt, meta)
+    restore(run, ckpt, meta)
     print0(f"resumed from {ckpt} (step {run.state.step}, saved with {meta['world_size']} process(es))")
     for flag, prefix in OptimConfig.LR_FLAGS:
         groups = groups_of(prefix)

@@ -1,0 +1,108 @@
+"""
+A run as the training loop sees it and as its checkpoints keep it: Run (model, optimizers, data,
+configs, device; stage.run_stage builds one), LoopState (the loop's own counters), Horizon (how
+long it trains); save writes a checkpoint, restore loads one back for an exact resume (any saved
+number of processes).
+"""
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import hardware
+from ..core import checkpoint
+from ..core.distributed import all_ranks_ok
+from ..hardware.device import Device
+from .stage_data import Data
+from .training_config import LoopConfig, OptimConfig
+
+
+@dataclass
+class LoopState:
+    """Everything about the loop (besides model, optimizer, data and RNG) a resume must restore."""
+    step: int = 0
+    smooth_loss: float = 0.0
+    train_time: float = 0.0       # seconds spent in training steps (not eval/sampling/saving/compiling)
+    compile_time: float = 0.0     # seconds torch.compile spent inside training steps (one-time)
+    tokens_seen: int = 0
+    nonfinite_skipped: int = 0
+    first_val_bpb: float | None = None
+    last_val_bpb: float | None = None
+    last_evals: dict = field(default_factory=dict)  # the stage's own evaluations, latest values
+
+
+@dataclass
+class Horizon:
+    """How long a stage trains: a number of steps, or until its data has done an epoch."""
+    num_iterations: int | None          # None: until epoch_done()
+    progress: Callable[[int], float]    # step -> fraction of training done: the lr schedule's clock
+    epoch_done: Callable[[], bool]      # the training loader finished its epoch (False: never stops on it)
+    describe: str                       # for the run's summary
+    tokens: int | None = None           # training tokens of the whole run, if known (the compile rule)
+
+
+@dataclass
+class Run:
+    """Everything the loop needs; stage.run_stage builds one for every stage."""
+    model: torch.nn.Module              # what runs forward/backward (possibly compiled)
+    orig_model: torch.nn.Module         # the plain module: state_dict keys, generate()
+    optimizers: list
+    data: Data                          # .train (this rank's loader), .val_batches()
+    token_bytes: torch.Tensor
+    run_dir: Path
+    grad_accum_steps: int
+    flops_per_token: float
+    horizon: Horizon
+    optim: OptimConfig                  # grad_clip and the lr schedule
+    loop: LoopConfig                    # eval/sample/save cadence, NaN guard
+    dev: Device                         # device, rank, world_size, precision
+    peak: hardware.Peak | None          # the peak MFU is quoted against (None: n/a)
+    compiled: bool                      # model is torch.compile'd: the first step's compile is timed apart
+    meta: Callable[[], dict]            # model config, settings... for meta.json
+    sample: Callable[[], list[str]]     # a few generations to print (rank 0 only)
+    evals: tuple = ()                   # (name, fn(model) -> {metric: value}) run with every val bpb eval
+    state: LoopState = field(default_factory=LoopState)
+    resume_command: str = ""
+    last_checkpoint: Path | None = None
+    finished: bool = False              # reached its horizon (not stopped by a signal or the NaN guard)
+
+    def __post_init__(self):
+        self.device, self.rank, self.world_size = self.dev.device, self.dev.rank, self.dev.world_size
+        self.autocast_ctx = self.dev.autocast()
+
+
+def save(run: Run) -> Path:
+    meta = {**run.meta(), "world_size": run.world_size, "loader_state": run.data.train.state_dict(),
+            "loop_state": asdict(run.state)}
+    path = checkpoint.save_checkpoint(
+        run.run_dir, run.state.step, model_state=run.orig_model.state_dict(), rank_state=rank_state(run),
+        meta=meta, rank=run.rank, all_ranks_ok=lambda ok: all_ranks_ok(ok, run.device),
+        keep_last=run.loop.keep_last, previous=run.last_checkpoint)
+    run.last_checkpoint = path
+    return path
+
+
+def rank_state(run: Run) -> dict:
+    """This rank's share of the training state: optimizer shards and RNG."""
+    rng = {"cpu": torch.get_rng_state()}
+    if run.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(run.device)
+    return {"optimizers": [opt.shard_state_dict() for opt in run.optimizers], "rng": rng}
+
+
+def restore(run: Run, ckpt: Path, meta: dict):
+    """Load the optimizer shards (any saved world size), RNG, loader and loop state of `ckpt`.
+    The model weights are loaded by the caller, before the optimizers are built."""
+    saved_world = meta["world_size"]
+    shards = checkpoint.load_rank_states(ckpt, saved_world, device=run.device)
+    for i, opt in enumerate(run.optimizers):
+        opt.load_shard_state_dicts([s["optimizers"][i] for s in shards])
+    if saved_world == run.world_size:  # RNG streams are per rank: only meaningful on the same layout
+        rng = shards[run.rank]["rng"]
+        torch.set_rng_state(rng["cpu"].cpu())
+        if run.device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"].cpu(), run.device)
+    run.data.train.load_state_dict(meta["loader_state"])
+    run.state = LoopState(**meta["loop_state"])
+    run.last_checkpoint = ckpt
