@@ -1,5 +1,5 @@
 """
-The training loop every stage shares (stage.py builds a Run, run_state.py, and calls train): the
+The training loop every stage shares (stage.py builds a Run of run_state.py and calls train): the
 two loops of the seeds (an outer loop of optimizer steps, an inner loop of gradient-accumulation
 micro-steps) plus what a long run on rented machines needs: evaluation, sampling, atomic
 checkpoints, exact resume, preemption and the NaN guard. `train` reads as one iteration does.
@@ -27,9 +27,9 @@ from .. import hardware, optim
 from ..core.compiling import CompileWatch
 from ..core.distributed import all_reduce_sum, any_rank, get_dist_info, print0
 from ..core.errors import EXIT_NONFINITE
-from .progress import Progress, StepRecord, describe_step
 from .run_report import MetricsLog
 from .run_state import Horizon, Run, save
+from .step_log import Progress, StepRecord, describe_step
 
 
 @dataclass

@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass
 
 from .. import hardware
+from ..core.progress import progress_bar
 
 
 class Progress:
@@ -16,8 +17,7 @@ class Progress:
     def __init__(self, total: int | None, initial: int, enabled: bool):
         self.bar = None
         if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+            self.bar = progress_bar(total=total, initial=initial, unit="step")
         self.enabled = enabled
 
     def step(self, line: str, postfix: str):
