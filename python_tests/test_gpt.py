@@ -256,7 +256,7 @@ def test_evaluate_bpb_matches_a_hand_count():
     """Bits per byte = summed nats of the counted targets / (ln 2 * their UTF-8 bytes); targets that
     are masked (-1) or special (0 bytes) count neither nats nor bytes."""
     from contextlib import nullcontext
-    from nanochat_fast.train.training_loop import evaluate_bpb
+    from nanochat_fast.evals.bits_per_byte import evaluate_bpb
     model = random_model()
     g = torch.Generator().manual_seed(1)
     token_bytes = torch.randint(1, 5, (TINY.vocab_size,), generator=g)

@@ -27,11 +27,11 @@ from ..core.distributed import print0
 from ..data.packed_loaders import ConversationRowLoader, TokenRowLoader
 from ..data.tokenizer import get_token_bytes, get_tokenizer
 from ..evals import benchmark_files, task_runner, tasks
+from ..evals.bits_per_byte import evaluate_bpb
 from ..model import generation, loading
 from ..train import run_dirs
 from ..train.stage_data import val_batches
 from ..train.training_config import DeviceConfig, evaluation_process
-from ..train.training_loop import evaluate_bpb
 from .base_train import DEFAULT_PROMPTS
 
 

@@ -27,6 +27,7 @@ from .. import hardware, optim
 from ..core.compiling import CompileWatch
 from ..core.distributed import all_reduce_sum, any_rank, get_dist_info, print0
 from ..core.errors import EXIT_NONFINITE
+from ..evals.bits_per_byte import evaluate_bpb
 from .run_report import MetricsLog
 from .run_state import Horizon, Run, save
 from .step_log import Progress, StepRecord, describe_step
@@ -313,26 +314,6 @@ def log_step(s: Session, m: StepRecord):
     s.bar.step(line, postfix)
     if s.metrics:
         s.metrics.log(**row)
-
-
-@torch.no_grad()
-def evaluate_bpb(model, batches, token_bytes: torch.Tensor, autocast_ctx) -> float:
-    """Bits per byte over (x, y) batches: summed next-token loss in nats over the summed UTF-8
-    bytes of the target tokens, special tokens (0 bytes) and masked targets (-1) excluded. All
-    ranks' sums are added, so the figure is the same for any number of processes."""
-    total_nats = torch.zeros((), dtype=torch.float64, device=token_bytes.device)
-    total_bytes = torch.zeros((), dtype=torch.float64, device=token_bytes.device)
-    for x, y in batches:
-        with autocast_ctx:
-            loss = model(x, y, loss_reduction="none").view(-1).double()
-        y = y.view(-1)
-        valid = y >= 0
-        nbytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
-        counted = nbytes > 0
-        total_nats += (loss * counted).sum()
-        total_bytes += nbytes.sum()
-    both = all_reduce_sum(torch.stack([total_nats, total_bytes]))
-    return (both[0] / (math.log(2) * both[1])).item() if both[1] > 0 else float("nan")
 
 
 class Preemption:
