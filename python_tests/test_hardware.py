@@ -15,7 +15,7 @@ from nanochat_fast import hardware
 from nanochat_fast.core import threads
 from nanochat_fast.core.cli import UserError
 from nanochat_fast.core.threads import UNKNOWN, decide_threads
-from nanochat_fast.hardware import Peak, peak
+from nanochat_fast.hardware import Peak, cache, peak
 from nanochat_fast.model.gpt import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,15 +133,15 @@ def fake_probe(monkeypatch, nanochat_home):
         return rate() if callable(rate) else rate
 
     monkeypatch.setattr(peak, "measure_matmul_rate", measure)
-    monkeypatch.setattr(peak, "_probed", {})
-    monkeypatch.setattr(peak, "machine_busy", lambda: False)
+    monkeypatch.setattr(peak.CACHE, "probed", {})
+    monkeypatch.setattr(cache, "machine_busy", lambda: False)
     yield calls, rates
     torch.set_num_threads(threads)
 
 
 def new_process(monkeypatch):
     """Forget this process's probes: only the file remembers."""
-    monkeypatch.setattr(peak, "_probed", {})
+    monkeypatch.setattr(peak.CACHE, "probed", {})
 
 
 def test_cache_hit_and_the_best_peak(fake_probe, monkeypatch):
@@ -202,7 +202,7 @@ def test_corrupt_or_foreign_cache_is_measured_again(fake_probe, capsys, content)
 
 
 def test_busy_machine_is_not_cached(fake_probe, monkeypatch):
-    monkeypatch.setattr(peak, "machine_busy", lambda: True)
+    monkeypatch.setattr(cache, "machine_busy", lambda: True)
     hardware.measured_peaks("cpu")
     assert not peak.CACHE.path.exists()
 

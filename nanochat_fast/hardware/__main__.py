@@ -2,10 +2,11 @@
 python -m nanochat_fast.hardware [--tune] [--budget S] [--depth N ...]
 
 What this machine gives a training process: threads per process, the peak matmul rates (MFU is
-quoted against the best of them), and the fp32-vs-bf16 timings cached for the shapes runs have
-used here. --tune measures the peaks and every cached timing again; with --depth (and the batch
-flags) it also times that model (the vocabulary of the tokenizer trained here, else 65,536) and
-its Muon matrices, as base_train would.
+quoted against the best of them), the memory bandwidth (MBU is quoted against it), and the
+fp32-vs-bf16 timings cached for the shapes runs have used here. --tune measures the peaks, the
+bandwidth and every cached timing again; with --depth (and the batch flags) it also times that
+model (the vocabulary of the tokenizer trained here, else 65,536) and its Muon matrices, as
+base_train would.
 """
 import torch
 
@@ -13,14 +14,15 @@ from ..core import cli, paths, threads
 from ..optim import muon  # noqa: F401  (model_setup and optim register how --tune re-times their work)
 from ..train import model_setup
 from ..train.environment import check_environment
-from . import peak, tuning
+from . import bandwidth, peak, tuning
 from .cache import age_days
 
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.hardware", description=__doc__.split("\n\n")[1])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda", "mps"])
-    p.add_argument("--tune", action="store_true", help="measure the peaks and the cached dtype timings again")
+    p.add_argument("--tune", action="store_true",
+                   help="measure the peaks, the bandwidth and the cached dtype timings again")
     p.add_argument("--budget", type=cli.non_negative_float, default=tuning.MAX_SECONDS,
                    help="seconds each timing may take (--tune)")
     p.add_argument("--depth", type=cli.positive_int, default=None, help="also time this model (--tune)")
@@ -46,6 +48,7 @@ def main(argv=None) -> int:
     print(f"device: {peak.device_name(args.device)}")
     print(f"peak: {peak.peak_flops(args.device).describe()} (probe of {rates['probe_seconds']} s on "
           f"{rates['measured']}; {peak.CACHE.path})")
+    print(f"bandwidth: {bandwidth_line(args.device, args.tune)}")
     for work in works:
         show("timed", tuning.measure(work, args.device, args.budget, remeasure=True, strict=True))
     cached = tuning.cached_entries(args.device)
@@ -62,6 +65,16 @@ def vocab_size() -> int:
     """The trained tokenizer's vocabulary, else nanochat's default of 65,536."""
     from ..data.tokenizer import RANKS_FILE, get_tokenizer
     return get_tokenizer().get_vocab_size() if (paths.tokenizer_dir() / RANKS_FILE).is_file() else 65536
+
+
+def bandwidth_line(device, remeasure: bool) -> str:
+    """The bandwidth MBU is quoted against and, when measured, how (a datasheet GPU is not probed)."""
+    found = bandwidth.memory_bandwidth(device, remeasure=remeasure)
+    if found.source == "datasheet":
+        return found.describe()
+    e = bandwidth.measured_bandwidth(device)
+    return (f"{found.describe()} (probe of {e['probe_seconds']} s reading {e['buffer_bytes'] / 2**20:.0f} MiB on "
+            f"{e['measured']}; {bandwidth.CACHE.path})")
 
 
 def show(how: str, timing: tuning.Timing):

@@ -4,13 +4,22 @@ written atomically, re-read before each write (another process may have added it
 A file this version did not write (corrupt, truncated, foreign, an older format) reads as empty,
 says so in one line, and is replaced by the next measurement: a cache can cost a measurement,
 never a run.
+
+ProbeCache is such a file for a probe of the machine (peak.py's matmul rate, bandwidth.py's memory
+bandwidth): taken once per process and key, reused from the file until STALE_AFTER_DAYS, and not
+written while the machine is busy (a probe taken under load reads low, and a low figure cached
+would inflate every later run's utilisation).
 """
 import json
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from ..core import paths
+
+STALE_AFTER_DAYS = 30
 
 
 class MeasurementCache:
@@ -67,3 +76,38 @@ def age_days(entry: dict) -> float:
         return (time.time() - time.mktime(time.strptime(entry["measured"], "%Y-%m-%d %H:%M:%S"))) / 86400
     except (KeyError, TypeError, ValueError, OverflowError):
         return float("inf")
+
+
+def machine_busy() -> bool:
+    """More runnable tasks than CPUs over the last minute: a probe now would measure the
+    neighbours as much as the machine, so it is used for this run but not cached."""
+    try:
+        return os.getloadavg()[0] > (os.cpu_count() or 1) + 0.5
+    except (AttributeError, OSError):
+        return False
+
+
+class ProbeCache(MeasurementCache):
+    def __init__(self, filename: str, version: int, valid, probe: Callable[[object], dict]):
+        """probe(device) -> the entry's measurements (a dict of JSON values)."""
+        super().__init__(filename, version, valid)
+        self.probe = probe
+        self.probed: dict[str, dict] = {}  # this process's probes (also those a busy machine kept out of the file)
+
+    def measured(self, key: str, device, remeasure: bool = False, store: bool = True) -> dict:
+        """The entry under `key` (machine.machine_key(device)): this process's own probe, else the
+        file's unless stale, else probed now (stamped with its seconds and time) and written
+        unless the machine is busy or `store` is False (then store() writes it later)."""
+        if key in self.probed and not remeasure:
+            return self.probed[key]
+        cached = None if remeasure else self.get(key)
+        if cached and age_days(cached) <= STALE_AFTER_DAYS:
+            return cached
+        t0 = time.perf_counter()
+        entry = self.probe(device)
+        entry.update(probe_seconds=round(time.perf_counter() - t0, 3), measured=time.strftime("%Y-%m-%d %H:%M:%S"))
+        self.probed[key] = entry
+        return self.store(key, entry) if store else entry
+
+    def store(self, key: str, entry: dict) -> dict:
+        return entry if machine_busy() else self.put(key, entry)

@@ -1,6 +1,7 @@
 """
 What this machine is, in the words the caches and the logs use: a device's name, and for a CPU the
-instruction set and the bf16 feature it reports. None of this decides a dtype: a CPU's flags do
+instruction set and the bf16 feature it reports (and its last-level cache, which sizes the
+bandwidth probe's buffer). None of this decides a dtype: a CPU's flags do
 not say whether its bf16 is fast (tuning.py measures that); they key the caches, so that a
 measurement is never reused on another kind of machine, and they word a warning.
 """
@@ -55,6 +56,26 @@ def cpuinfo_bf16(path: Path) -> str | None:
     info = cpuinfo(path)
     flags = set((info.get("flags") or info.get("Features") or "").split())  # x86 / Arm
     return next((name for flag, name in BF16_FLAGS.items() if flag in flags), None)
+
+
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu")) -> int | None:
+    """The CPU's last-level cache, every instance counted once (a many-chiplet CPU has one L3 per
+    chiplet, and threads on different chiplets fill them all), from sysfs; None where unreadable."""
+    instances = {}
+    for index in root.glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            if (index / "type").read_text().strip() == "Instruction":
+                continue
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+            shared = (index / "shared_cpu_list").read_text().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
+            instances[(level, shared)] = int(size.rstrip("KkMmGg")) * scale
+        except (OSError, ValueError):
+            continue
+    if not instances:
+        return None
+    top = max(level for level, _ in instances)
+    return sum(size for (level, _), size in instances.items() if level == top)
 
 
 def machine_key(device) -> str:

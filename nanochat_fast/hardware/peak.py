@@ -6,17 +6,17 @@ and cached under NANOCHAT_FAST_HOME/hardware/peak_flops.json (keyed by machine.m
 A probe taken while the machine is busy reads low, and a low peak inflates every later run's MFU.
 So the probe keeps the best of several interleaved rounds (a neighbour rarely stalls every round),
 is not cached when the load average says the machine is busy, is redone when its entry is older
-than STALE_AFTER_DAYS, and is redone during a run whose own measured rate beats it (a run cannot
-legitimately beat its peak): revise_peak.
+than STALE_AFTER_DAYS (those two rules: cache.ProbeCache, as for bandwidth.py's probe), and is
+redone during a run whose own measured rate beats it (a run cannot legitimately beat its peak):
+revise_peak.
 """
 import math
-import os
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
-from .cache import MeasurementCache, age_days
+from .cache import ProbeCache
 from .machine import device_name, machine_key, synchronize
 
 # Dense bf16 tensor-core FLOP/s from the vendors' datasheets, by the exact name
@@ -43,9 +43,9 @@ DATASHEET_BF16 = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROBE_ROUNDS = 3
 PROBE_SECONDS = 0.15      # per dtype and round
-STALE_AFTER_DAYS = 30
-CACHE = MeasurementCache("peak_flops.json", version=2, valid=lambda e: all(
-    isinstance(e.get(d), (int, float)) and math.isfinite(e[d]) and e[d] > 0 for d in DTYPES))
+CACHE = ProbeCache("peak_flops.json", version=2, valid=lambda e: all(
+    isinstance(e.get(d), (int, float)) and math.isfinite(e[d]) and e[d] > 0 for d in DTYPES),
+    probe=lambda device: _probe(device))
 
 
 @dataclass(frozen=True)
@@ -66,14 +66,19 @@ class Peak:
         return f"{text}{f' ({others})' if others else ''}, measured here"
 
 
-def _unit(rate: float) -> tuple[str, float]:
-    return next(((u, s) for u, s in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)) if rate >= s),
-                ("MFLOP/s", 1e6))
+def _unit(rate: float, unit: str = "FLOP/s") -> tuple[str, float]:
+    """The decimal prefix `rate` reads best in: (1.5e11, "FLOP/s") -> ("GFLOP/s", 1e9)."""
+    return next(((p + unit, s) for p, s in (("P", 1e15), ("T", 1e12), ("G", 1e9)) if rate >= s), ("M" + unit, 1e6))
+
+
+def format_rate(rate: float, unit: str) -> str:
+    """'150 GFLOP/s', '31.2 GB/s': three significant digits, decimal prefixes (as datasheets)."""
+    name, scale = _unit(rate, unit)
+    return f"{rate / scale:.3g} {name}"
 
 
 def format_flops(rate: float) -> str:
-    unit, scale = _unit(rate)
-    return f"{rate / scale:.3g} {unit}"
+    return format_rate(rate, "FLOP/s")
 
 
 def measure_matmul_rate(device, dtype: torch.dtype, seconds: float = PROBE_SECONDS, max_size: int | None = None) -> float:
@@ -104,15 +109,6 @@ def measure_matmul_rate(device, dtype: torch.dtype, seconds: float = PROBE_SECON
         n *= 2
 
 
-def machine_busy() -> bool:
-    """More runnable tasks than CPUs over the last minute: a probe now would measure the
-    neighbours as much as the machine, so it is used for this run but not cached."""
-    try:
-        return os.getloadavg()[0] > (os.cpu_count() or 1) + 0.5
-    except (AttributeError, OSError):
-        return False
-
-
 def _probe(device: torch.device) -> dict:
     """Both dtypes' best rates over PROBE_ROUNDS interleaved rounds. On a CPU running several
     threads, the rate of one thread is a floor: busy neighbours stall a multi-threaded matmul at
@@ -131,28 +127,15 @@ def _probe(device: torch.device) -> dict:
     return rates
 
 
-_probed: dict[str, dict] = {}  # this process's own probes (also those a busy machine kept out of the cache)
-
-
 def measured_peaks(device, remeasure: bool = False, store: bool = True) -> dict:
     """{"fp32": FLOP/s, "bf16": FLOP/s, ...} of this device at the current thread count: from the
     cache unless stale, else measured (about a second) and cached unless the machine is busy or
     `store` is False (then store_peaks writes it later; this process keeps it either way)."""
-    key = machine_key(device)
-    if key in _probed and not remeasure:
-        return _probed[key]
-    cached = CACHE.get(key)
-    if cached and not remeasure and age_days(cached) <= STALE_AFTER_DAYS:
-        return cached
-    t0 = time.perf_counter()
-    entry = _probe(torch.device(device))
-    entry.update(probe_seconds=round(time.perf_counter() - t0, 3), measured=time.strftime("%Y-%m-%d %H:%M:%S"))
-    _probed[key] = entry
-    return store_peaks(device, entry) if store else entry
+    return CACHE.measured(machine_key(device), torch.device(device), remeasure, store)
 
 
 def store_peaks(device, entry: dict) -> dict:
-    return entry if machine_busy() else CACHE.put(machine_key(device), entry)
+    return CACHE.store(machine_key(device), entry)
 
 
 def datasheet_peak(name: str) -> float | None:
@@ -188,8 +171,12 @@ def revise_peak(peak: Peak, achieved_flops: float, device) -> Peak:
 def mfu(flops_per_token: float, tokens_per_second: float, peak, world_size: int = 1) -> float:
     """Model FLOPs utilisation in percent: achieved FLOP/s over the peak of all processes.
     tokens_per_second counts every process's tokens; peak is one process's (a Peak or FLOP/s)."""
-    rate = peak.flops if isinstance(peak, Peak) else float(peak)
-    return 100.0 * flops_per_token * tokens_per_second / (rate * world_size)
+    return utilisation(flops_per_token, tokens_per_second, peak.flops if isinstance(peak, Peak) else peak, world_size)
+
+
+def utilisation(per_item: float, items_per_second: float, rate: float, world_size: int = 1) -> float:
+    """100 * per_item * items_per_second / (rate * world_size): MFU (FLOPs per token), MBU (bytes per step)."""
+    return 100.0 * per_item * items_per_second / (float(rate) * world_size)
 
 
 def mfu_text(flops_per_token: float, tokens_per_second: float, peak: Peak | None, world_size: int = 1,

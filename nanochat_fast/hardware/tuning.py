@@ -36,9 +36,9 @@ import torch
 
 from ..core.distributed import rank0_decides
 from ..core.errors import UserError
-from .cache import MeasurementCache, age_days
+from .cache import STALE_AFTER_DAYS, MeasurementCache, age_days, machine_busy
 from .machine import machine_key, synchronize
-from .peak import DTYPES, STALE_AFTER_DAYS, machine_busy, measured_peaks
+from .peak import DTYPES, measured_peaks
 
 BF16_MIN_SPEEDUP = 1.1
 MAX_SECONDS = 30.0
