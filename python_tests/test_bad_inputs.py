@@ -97,6 +97,12 @@ CASES = [
     ("cuda-without-gpu", "base_train", ["--device-type=cuda"], None, "no CUDA GPU is available"),
     ("no-chat-dataset", "mid_train", ["--base-run=b"], lambda h: shutil.rmtree(h / "tokens" / "chat"),
      "or train on your own conversations with --extra-conversations=FILE.jsonl"),
+    # chat_web's --body-timeout: checked before the port and the model (run "nope" would be the error otherwise)
+    *[(f"body-timeout-{value}", "chat_web", ["--run=nope", "--port=0", f"--body-timeout={value}"], None,
+       f"--body-timeout must be > 0 seconds (and finite), got {float(value)}")
+      for value in ("-1", "nan", "inf", "1e-400")],
+    ("body-timeout-not-a-number", "chat_web", ["--run=nope", "--port=0", "--body-timeout=soon"], None,
+     "argument --body-timeout: invalid float value: 'soon'"),
     ("extra-conversations-malformed", "mid_train", ["--base-run=b", "--extra-conversations={tmp}/bad.jsonl"],
      lambda h: (h.parent / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n'),
      "bad.jsonl line 2: expected"),
@@ -153,6 +159,7 @@ BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--shard-chars": "0", "--val-every": "0", "--synthetic": "-1", "--limit-per-source": "-1",
     "--num-threads": "0", "--vocab-size": "100", "--max-chars": "0", "--doc-cap": "-1", "--port": "-1",
     "--workers": "0", "--max-new-tokens": "0", "--queue-size": "-1", "--request-timeout": "0",
+    "--body-timeout": "0",
     "--test-token-delay": "x", "--source-run": "../nope", "--source-step": "-1", "--target-examples-per-step": "0",
     "--chat-eval-examples": "-1", "--task": "ARC-Hard", "--max-examples": "-1", "--num-samples": "0",
     "--batch-size": "0", "--budget": "-1", "--device": "tpu", "--mid-run": "../nope", "--sft-run": "../nope", "--output": "/dev/null/card.md",

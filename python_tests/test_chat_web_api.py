@@ -1,12 +1,18 @@
 """chat_web's HTTP API through the ASGI test client (httpx, no sockets): streamed replies that match
 the model's own reply, every kind of invalid body, the body-size cap, what is served and what is
-not, the bounded queue (503), the request timeout, and the command line's one-line errors."""
+not, the bounded queue (503), the request timeout, temperatures too small to divide by, and the
+command line's one-line errors. Uploads cut short or stalled go through a real uvicorn on a
+loopback port, byte by byte over a raw socket."""
 import asyncio
 import json
+import logging
+import math
+import socket
 import threading
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install -e '.[web]'")
 import httpx  # noqa: E402
@@ -17,6 +23,7 @@ from nanochat_fast.model import generation  # noqa: E402
 from nanochat_fast.scripts import chat_web  # noqa: E402
 from nanochat_fast.web.app import Settings, create_app  # noqa: E402
 from nanochat_fast.web.pool import Replica, ReplicaPool  # noqa: E402
+from nanochat_fast.web import schema  # noqa: E402
 from nanochat_fast.web.schema import Limits  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "what is 2 plus 3?"}]
@@ -40,11 +47,12 @@ def reference(model_and_tokenizer):
     return generation.assistant_reply(model, tokenizer, QUESTION, LIMITS.max_tokens, temperature=0.0)
 
 
-def make_app(model_and_tokenizer, generate=generation.assistant_reply, queue_limit=4, timeout=60.0):
+def make_app(model_and_tokenizer, generate=generation.assistant_reply, queue_limit=4, timeout=60.0,
+             temperature=0.0, body_timeout=10.0):
     model, tokenizer = model_and_tokenizer
     pool = ReplicaPool([Replica(model, tokenizer, "cpu")], generate, queue_limit=queue_limit)
-    settings = Settings(model_name="chat step 1 (mid)", temperature=0.0, top_k=0, request_timeout=timeout,
-                        limits=LIMITS)
+    settings = Settings(model_name="chat step 1 (mid)", temperature=temperature, top_k=0, request_timeout=timeout,
+                        body_timeout=body_timeout, limits=LIMITS)
     return create_app(pool, settings), pool
 
 
@@ -360,6 +368,9 @@ def test_bad_command_lines_exit_2_with_one_line(web_home, nanochat_home, monkeyp
                          (["--temperature=2.5"], "at most 2.0"), (["--top-k=201"], "at most 200")):
         code, err = run_main(argv, capsys)
         assert code == 2 and len(err) == 1 and reason in err[0], (argv, err)
+    for value in ("0", "-1", "nan", "inf"):
+        code, err = run_main([f"--body-timeout={value}"], capsys)
+        assert code == 2 and err == [f"error: --body-timeout must be > 0 seconds (and finite), got {float(value)}"], err
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(web_home))
     code, err = run_main(["--run=nope", "--port=0"], capsys)
     assert code == 2 and err == [f"error: no run named 'nope' (looked for {web_home}/runs/nope/checkpoints)"]
@@ -395,3 +406,165 @@ def test_closing_the_pool_stops_running_and_waiting_replies(model_and_tokenizer)
     assert sse_events(running) == [{"done": True}]  # stopped before its first token
     assert sse_events(waiting) == [{"error": "the server is shutting down"}, {"done": True}]
     assert pool.stats()["replicas_busy"] == 0 and pool.stats()["queue_length"] == 0
+
+
+# -- temperatures too small to divide by ------------------------------------------------------
+
+TINY_TEMPERATURES = (5e-324, 1e-45, 1e-40, 1e-38, 4.4e-38, 1e-20, 9.9e-7)  # all below MIN_TEMPERATURE: greedy
+
+
+def test_the_temperature_floor_is_where_softmax_still_works():
+    # the hazard: fp32 logits softcapped to +-15 over a temperature below 15 / 3.4e38 overflow to inf -> nan
+    logits = torch.tensor([[15.0, -15.0, 3.0, -math.inf]])  # -inf: a token top-k left out
+    assert torch.softmax(logits / 4.4e-38, dim=-1).isnan().all()
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.softmax(logits.to(dtype) / schema.MIN_TEMPERATURE, dim=-1).isfinite().all()
+        assert torch.softmax(logits.to(dtype) / schema.MAX_TEMPERATURE, dim=-1).isfinite().all()
+    assert generation.MIN_TEMPERATURE == schema.MIN_TEMPERATURE  # the library and the server agree
+    rng = torch.Generator().manual_seed(0)
+    for t in TINY_TEMPERATURES:  # a library caller of sample_next gets greedy too, not nan
+        assert generation.sample_next(logits, t, None, rng).tolist() == [[0]], t
+        assert generation.sample_next(logits, t, 2, rng).tolist() == [[0]], t
+    assert generation.sample_next(logits, schema.MIN_TEMPERATURE, None, rng).tolist() == [[0]]
+
+
+def test_tiny_temperatures_are_greedy_and_no_accepted_temperature_fails(model_and_tokenizer, reference, caplog):
+    caplog.set_level(logging.INFO)
+    for t in TINY_TEMPERATURES:
+        assert schema.parse_request(json.dumps({"messages": QUESTION, "temperature": t}).encode(),
+                                    LIMITS).temperature == 0.0, t
+    app, pool = make_app(model_and_tokenizer)
+    accepted = TINY_TEMPERATURES + (schema.MIN_TEMPERATURE, 1e-3, 0.7, schema.MAX_TEMPERATURE)
+
+    async def go():
+        async with client(app) as c:
+            replies = [await chat(c, {"messages": QUESTION, "temperature": t}) for t in accepted]
+            refused = [await c.post("/chat/completions", json={"messages": QUESTION, "temperature": t})
+                       for t in (1e308, 2.0000001, -5e-324)]
+            return replies, refused
+    replies, refused = asyncio.run(go())
+    pool.close()
+    for t, (status, _, chunks) in zip(accepted, replies):
+        events = sse_events(chunks)
+        assert status == 200 and events[-1] == {"done": True}, (t, events)
+        assert all(set(e) == {"token"} for e in events[:-1]), (t, events)  # no error event
+        if t < schema.MIN_TEMPERATURE:
+            assert "".join(e["token"] for e in events[:-1]) == reference, t
+    assert [r.status_code for r in refused] == [400, 400, 400]
+    assert pool.stats()["requests"]["failed"] == 0 and pool.stats()["requests"]["completed"] == len(accepted)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.text
+
+
+def test_a_tiny_server_default_temperature_is_greedy(model_and_tokenizer, reference, caplog):
+    app, pool = make_app(model_and_tokenizer, temperature=1e-40)  # chat_web --temperature=1e-40
+
+    async def go():
+        async with client(app) as c:
+            return await chat(c, {"messages": QUESTION})
+    status, _, chunks = asyncio.run(go())
+    pool.close()
+    events = sse_events(chunks)
+    assert status == 200 and "".join(e["token"] for e in events[:-1]) == reference, events
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+# -- uploads cut short or stalled, over a raw socket to a real uvicorn -------------------------
+
+BODY_TIMEOUT = 0.5
+POST = (b"POST /chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
+
+
+@pytest.fixture
+def live_server(model_and_tokenizer):
+    """The app on a free loopback port, served by uvicorn in a thread of this process (so caplog
+    sees every log record, uvicorn's own included); yields (base url, pool)."""
+    import uvicorn
+    app, pool = make_app(model_and_tokenizer, body_timeout=BODY_TIMEOUT)
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="info"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", pool
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def send_raw(url: str, data: bytes, then_close=True) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10)
+    s.sendall(data)
+    if then_close:
+        s.close()
+    return s
+
+
+def wait_for_record(caplog, text: str, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not any(text in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.01)
+
+
+def our_records(caplog):
+    return [r for r in caplog.records if r.name == "nanochat_fast.chat_web"]
+
+
+def no_traceback(caplog):
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text
+    assert "Traceback" not in caplog.text and "Exception in ASGI application" not in caplog.text, caplog.text
+
+
+def serves_the_next_request(url, pool, reference):
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", url + "/chat/completions", json={"messages": QUESTION, "temperature": 0}) as r:
+            status, chunks = r.status_code, list(r.iter_text())
+        stats = c.get(url + "/stats").json()
+    assert status == 200 and "".join(e.get("token", "") for e in sse_events(chunks)) == reference
+    assert stats["replicas_busy"] == 0 and stats["queue_length"] == 0
+    assert stats["requests"] == {"completed": 1, "cancelled": 0, "timed_out": 0, "failed": 0, "rejected": 0}
+
+
+CUT_SHORT = [  # (what the client sends before it closes the connection, the log line)
+    (POST + b"Content-Length: 100\r\n\r\n" + b'{"messages"', "client went away during its upload (11 of 100 bytes)"),
+    (POST + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mes\r\n", "client went away during its upload (5 bytes)"),
+    # a broken chunked body: uvicorn answers 400 and warns "Invalid HTTP request received." itself
+    (POST + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mes\r\nZZ\r\n", "client went away during its upload (5 bytes)"),
+]
+
+
+@pytest.mark.parametrize("sent, line", CUT_SHORT, ids=["content-length", "chunked", "broken-chunked"])
+def test_an_upload_cut_short_is_one_log_line_and_the_server_serves_on(live_server, reference, caplog, sent, line):
+    caplog.set_level(logging.INFO)
+    url, pool = live_server
+    send_raw(url, sent)
+    wait_for_record(caplog, "client went away")
+    time.sleep(0.2)  # anything the server would log after its line has time to show
+    assert [r.getMessage() for r in our_records(caplog)] == [line]
+    no_traceback(caplog)
+    serves_the_next_request(url, pool, reference)
+    no_traceback(caplog)
+
+
+def test_a_stalled_upload_is_a_408_after_the_body_timeout(live_server, reference, caplog):
+    caplog.set_level(logging.INFO)
+    url, pool = live_server
+    started = time.monotonic()
+    with send_raw(url, POST + b"Content-Length: 100\r\n\r\n" + b'{"messages"', then_close=False) as s:
+        response = b""
+        while chunk := s.recv(4096):  # the server closes the connection after its answer
+            response += chunk
+    took = time.monotonic() - started
+    head, body = response.decode().split("\r\n\r\n", 1)
+    assert head.startswith("HTTP/1.1 408 ") and "connection: close" in head.lower(), head
+    assert json.loads(body) == {"error": f"the request body did not arrive within {BODY_TIMEOUT:g} s"}
+    assert BODY_TIMEOUT <= took < BODY_TIMEOUT + 5, took
+    assert [r.getMessage() for r in our_records(caplog)] == [
+        f"request body not received within {BODY_TIMEOUT:g} s (11 of 100 bytes arrived): answered 408"]
+    no_traceback(caplog)
+    serves_the_next_request(url, pool, reference)

@@ -1,7 +1,8 @@
 """A real chat_web process on 127.0.0.1 under concurrent load: 16 streaming clients against one CPU
 replica all get the model's own reply; with a queue bound below 16 the rest get 503 and nothing
 else; the server's memory does not grow over rounds; a client that disconnects frees the replica;
-paths reach the server unnormalised over a raw socket and still find nothing but the page."""
+paths reach the server unnormalised over a raw socket and still find nothing but the page; an
+upload cut short is one log line, one that stalls a 408 after --body-timeout."""
 import asyncio
 import socket
 import time
@@ -77,7 +78,8 @@ def test_16_concurrent_clients_all_complete_and_memory_stays_flat(web_home, refe
 @pytest.fixture(scope="module")
 def slow_server(web_home):
     """A replica that takes 50 ms per token, so requests overlap and a stream can be left midway."""
-    with chat_web_process(web_home, ["--run=chat", "--queue-size=4", "--test-token-delay=0.05"]) as server:
+    args = ["--run=chat", "--queue-size=4", "--test-token-delay=0.05", "--body-timeout=1"]
+    with chat_web_process(web_home, args) as server:
         yield server
 
 
@@ -131,3 +133,28 @@ def test_over_a_raw_socket_only_the_page_is_served(slow_server):
                  "/static/%2e%2e/pool.py", "/static/..\\app.py", "/nanochat_fast/web/app.py"):
         assert raw_http(url, f"GET {path} HTTP/1.1") == "HTTP/1.1 404 Not Found", path
     assert raw_http(url, "GET /health HTTP/1.1", host="rebound.example:80") == "HTTP/1.1 400 Bad Request"
+
+
+def test_uploads_cut_short_or_stalled_over_a_raw_socket(slow_server):
+    before = wait_idle(slow_server)
+    _, address = slow_server.url.split("://")
+    name, port = address.split(":")
+    post = b"POST /chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    partial = post + b"Content-Length: 100\r\n\r\n" + b'{"messages"'
+    with socket.create_connection((name, int(port)), timeout=10) as s:
+        s.sendall(partial)  # and goes away
+    with socket.create_connection((name, int(port)), timeout=10) as s:
+        s.sendall(partial)  # and waits
+        started = time.monotonic()
+        status = s.recv(4096).decode().split("\r\n")[0]
+    assert status == "HTTP/1.1 408 Request Timeout" and 0.5 <= time.monotonic() - started < 6
+    deadline = time.monotonic() + 5
+    while not any("answered 408" in line for line in slow_server.log):
+        assert time.monotonic() < deadline, "".join(slow_server.log)
+        time.sleep(0.02)
+    log = "".join(slow_server.log)
+    assert log.count("client went away during its upload (11 of 100 bytes)") == 1, log
+    assert log.count("request body not received within 1 s (11 of 100 bytes arrived): answered 408") == 1, log
+    assert "Traceback" not in log and "ERROR" not in log, log
+    after = wait_idle(slow_server)
+    assert after["requests"] == before["requests"]  # neither reached the queue

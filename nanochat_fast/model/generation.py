@@ -107,13 +107,18 @@ class ToolUse:
 # sampling
 
 
+# below this, temperature is greedy: logits / T overflows fp32 for T < 15 / 3.4e38 (logits are
+# softcapped to +-15) and softmax turns inf into nan; the reasoning is at web/schema.MIN_TEMPERATURE
+MIN_TEMPERATURE = 1e-6
+
+
 def sample_next(logits, temperature: float, top_k: int | None, rng) -> torch.Tensor:
-    """(B, V) logits -> (B, 1) token ids: greedy at temperature 0, else softmax sampling among the
-    top_k most likely (all when None)."""
+    """(B, V) logits -> (B, 1) token ids: greedy at temperature 0 (or below MIN_TEMPERATURE), else
+    softmax sampling among the top_k most likely (all when None)."""
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
-    if temperature > 0:
+    if temperature >= MIN_TEMPERATURE:
         return torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1, generator=rng)
     return torch.argmax(logits, dim=-1, keepdim=True)
 

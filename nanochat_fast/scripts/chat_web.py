@@ -43,12 +43,14 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=cli.positive_int, default=512,
                    help="longest reply in tokens, and the most a request may ask for (capped at half the model's context)")
     p.add_argument("--temperature", type=cli.non_negative_float, default=0.8,
-                   help="default sampling temperature (0 = greedy)")
+                   help="default sampling temperature (0 = greedy, as is anything below 1e-6)")
     p.add_argument("--top-k", type=cli.non_negative_int, default=50, help="default top-k (0 = the whole vocabulary)")
     p.add_argument("--queue-size", type=cli.non_negative_int, default=16,
                    help="requests that may wait for a busy replica; more get HTTP 503 with Retry-After")
     p.add_argument("--request-timeout", type=float, default=120.0,
                    help="seconds a request may take from arrival to its last token (waiting included)")
+    p.add_argument("--body-timeout", type=float, default=10.0,
+                   help="seconds a request's body may take to arrive in full; a slower upload gets HTTP 408")
     p.add_argument("--device-type", default="", choices=["", "cpu", "cuda", "mps"], help="'' = autodetect")
     # test hook, hidden from --help: sleep this long before every token (a slow model, for stop/queue tests)
     p.add_argument("--test-token-delay", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -73,6 +75,8 @@ def check_ranges(args):
     from ..web.schema import MAX_TEMPERATURE, MAX_TOP_K
     if not 0 < args.request_timeout < math.inf:
         raise UserError(f"--request-timeout must be > 0 seconds (and finite), got {args.request_timeout}")
+    if not 0 < args.body_timeout < math.inf:
+        raise UserError(f"--body-timeout must be > 0 seconds (and finite), got {args.body_timeout}")
     if args.temperature > MAX_TEMPERATURE:
         raise UserError(f"--temperature must be at most {MAX_TEMPERATURE}, got {args.temperature}")
     if args.top_k > MAX_TOP_K:
@@ -155,6 +159,7 @@ def main(argv=None) -> int:
         pool = web_pool.ReplicaPool(replicas, generate, queue_limit=args.queue_size)
         settings = web_app.Settings(
             model_name=name, temperature=args.temperature, top_k=args.top_k, request_timeout=args.request_timeout,
+            body_timeout=args.body_timeout,
             limits=web_schema.Limits(max_tokens=args.max_new_tokens),
             allowed_hosts=("*",) if warning else (*web_app.LOOPBACK_HOSTS, args.host))
         app = web_app.create_app(pool, settings)

@@ -8,13 +8,15 @@ The chat web server's routes (FastAPI):
     POST /chat/completions    the assistant's reply as server-sent events:
                               data: {"token": str} ... then data: {"done": true}
 
-Safe by default: the body is read with a size cap before it is parsed (413), validated strictly
+Safe by default: the body is read with a size cap (413) and a time limit (408, Settings.body_timeout:
+a client that stalls mid-upload does not hold a connection) before it is parsed, validated strictly
 (400 with a one-line reason), JSON only (415: a cross-site form cannot post it without a CORS
 preflight, and no CORS headers are ever sent), and the Host header must name the loopback
 when the server listens there (a DNS-rebinding page cannot talk to it).
 """
 import asyncio
 import json
+import logging
 import random
 import time
 from contextlib import asynccontextmanager
@@ -25,9 +27,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import ClientDisconnect
 
 from .pool import Job, QueueFull, ReplicaPool
-from .schema import Limits, parse_request
+from .schema import Limits, greedy_below_min, parse_request
+
+log = logging.getLogger("nanochat_fast.chat_web")
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
@@ -45,6 +50,7 @@ class Settings:
     temperature: float = 0.8        # defaults for requests that do not say
     top_k: int = 50                 # 0: no top-k
     request_timeout: float = 120.0  # seconds from arrival to the last token, queueing included
+    body_timeout: float = 10.0      # seconds for the request body to arrive in full (else 408)
     limits: Limits = Limits()
     allowed_hosts: tuple = tuple(LOOPBACK_HOSTS)  # ("*",) when listening beyond the loopback
 
@@ -66,20 +72,49 @@ def sse(event: dict) -> str:
     return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
+class Upload:
+    """How much of a request body has arrived, for the log line when it stops short."""
+
+    def __init__(self, request: Request):
+        self.declared = request.headers.get("content-length")
+        self.received = 0
+
+    def __str__(self):
+        of = f"of {self.declared} " if self.declared is not None else ""
+        return f"{self.received} {of}bytes"
+
+
+async def read_body(request: Request, max_bytes: int, upload: Upload) -> bytes:
     """The request body, refused (413) as soon as it is known to exceed max_bytes: from
-    Content-Length before reading anything, else while it streams in (chunked uploads)."""
+    Content-Length before reading anything, else while it streams in (chunked uploads).
+    Raises ClientDisconnect when the client goes away before the body's end."""
     too_large = HTTPException(413, f"request body larger than {max_bytes} bytes")
-    declared = request.headers.get("content-length")
+    declared = upload.declared
     if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
         raise too_large
-    chunks, size = [], 0
+    chunks = []
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
+        upload.received += len(chunk)
+        if upload.received > max_bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def read_body_in_time(request: Request, max_bytes: int, timeout: float) -> bytes | Response:
+    """The body (read_body), or the response to give when it does not arrive: a 408 after
+    `timeout` seconds, or nothing anyone will read when the client left. One log line each."""
+    upload = Upload(request)
+    try:
+        async with asyncio.timeout(timeout):
+            return await read_body(request, max_bytes, upload)
+    except TimeoutError:
+        log.warning("request body not received within %g s (%s arrived): answered 408", timeout, upload)
+        return error(408, f"the request body did not arrive within {timeout:g} s",
+                     headers={"Connection": "close"})
+    except ClientDisconnect:
+        log.warning("client went away during its upload (%s)", upload)
+        return Response(status_code=400)  # the connection is gone: nobody reads this
 
 
 async def reply_events(job: Job, pool: ReplicaPool, arrived: float, timeout: float):
@@ -151,13 +186,16 @@ def create_app(pool: ReplicaPool, settings: Settings) -> FastAPI:
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if content_type != "application/json":
             return error(415, "the body must be JSON: send the header Content-Type: application/json")
+        body = await read_body_in_time(request, limits.max_body_bytes, settings.body_timeout)
+        if isinstance(body, Response):
+            return body
         try:
-            req = parse_request(await read_body(request, limits.max_body_bytes), limits)
+            req = parse_request(body, limits)
         except ValueError as e:
             return error(400, str(e))
         job = Job(messages=[m.model_dump() for m in req.messages],
                   max_tokens=req.max_tokens or limits.max_tokens,
-                  temperature=settings.temperature if req.temperature is None else req.temperature,
+                  temperature=greedy_below_min(settings.temperature if req.temperature is None else req.temperature),
                   top_k=(settings.top_k if req.top_k is None else req.top_k) or None,
                   seed=random.getrandbits(31))
         try:

@@ -4,6 +4,9 @@ What a chat request may contain, checked before it reaches a replica.
     {"messages": [{"role": "user"|"assistant", "content": str}, ...],
      "temperature"?: float, "top_k"?: int, "max_tokens"?: int}
 
+temperature is in [0, 2]; 0 is greedy, and so is any temperature below MIN_TEMPERATURE (1e-6):
+such a value is accepted and served as 0 (see greedy_below_min), never refused.
+
 Types are strict (a number in quotes is not a number), unknown keys are refused (a misspelt
 "top-k" would otherwise be silently ignored), and every violation becomes one line that says
 which field is wrong and what it must be.
@@ -11,9 +14,20 @@ which field is wrong and what it must be.
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 MAX_TEMPERATURE = 2.0
+# Temperatures below this are greedy. Sampling takes softmax(logits / T); the model's logits are
+# fp32, softcapped to +-15 (model/gpt.py), so logits / T stays finite only for
+# T >= 15 / 3.4028e38 = 4.41e-38 (bf16 has fp32's range: 4.43e-38). Below that the top logits
+# become inf, softmax computes inf - inf = nan and sampling fails. 1e-6 is 32 orders of
+# magnitude clear of that and already greedy in all but name: at T < 1e-6 a token whose logit is
+# 1e-4 below the top one keeps less than exp(-100) of the top one's odds, so only logits tied to
+# within 1e-4 (about 100 fp32 steps at 15, well under a bf16 matmul's rounding) could compete.
+# The other end is harmless: T <= MAX_TEMPERATURE only flattens (logits / 2 lie in [-7.5, 7.5]).
+# model/generation.py applies the same rule to library callers (web/ imports nothing of the
+# package, so the number is written twice; test_chat_web_api checks that they agree).
+MIN_TEMPERATURE = 1e-6
 MAX_TOP_K = 200  # 0 means no top-k filtering (the whole vocabulary)
 
 
@@ -41,6 +55,11 @@ class ChatRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=0, le=MAX_TOP_K)
     max_tokens: int | None = Field(default=None, ge=1)
 
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_is_greedy(cls, t: float | None) -> float | None:
+        return None if t is None else greedy_below_min(t)
+
     @model_validator(mode="after")
     def _conversation(self, info: ValidationInfo):
         limits: Limits = (info.context or {}).get("limits", Limits())
@@ -66,6 +85,11 @@ class ChatRequest(BaseModel):
             raise ValueError(f"max_tokens: at most {limits.max_tokens} on this server (its --max-new-tokens), "
                              f"got {self.max_tokens}")
         return self
+
+
+def greedy_below_min(temperature: float) -> float:
+    """The temperature a replica samples at: 0 (greedy) below MIN_TEMPERATURE, else itself."""
+    return 0.0 if temperature < MIN_TEMPERATURE else temperature
 
 
 def parse_request(body: bytes, limits: Limits) -> ChatRequest:
