@@ -29,7 +29,8 @@ def byte_tokenizer() -> Tokenizer:
 class StubModel(torch.nn.Module):
     """The interface generation and scoring use: config (n_layer, sequence_len, vocab_size),
     get_device(), forward(idx, targets=None, kv_cache=None, loss_reduction="mean"). The logits at
-    absolute position p come from next_token(p); positions go into the KV cache like a real model's."""
+    absolute position p come from next_token(p); positions go into the KV cache like a real model's
+    (a prompt's prefill starts at the cache's position; a batched decode step has one per row)."""
 
     def __init__(self, vocab_size: int, sequence_len: int = 4096):
         super().__init__()
@@ -44,15 +45,16 @@ class StubModel(torch.nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         B, T = idx.shape
-        t0 = 0
+        starts = [0] * B
         if kv_cache is not None:
-            t0 = kv_cache.get_pos()
+            pos = kv_cache.get_pos()  # an int, or (B,) positions in a batched decode step
+            starts = [pos] * B if isinstance(pos, int) else pos.tolist()
             dummy = torch.zeros(B, 1, T, 1)
             kv_cache.insert_kv(0, dummy, dummy)
         logits = torch.zeros(B, T, self.config.vocab_size)
         for t in range(T):
             for b in range(B):
-                logits[b, t, self.next_token(idx[b], t0 + t)] = HIGH
+                logits[b, t, self.next_token(idx[b], starts[b] + t)] = HIGH
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(-1), ignore_index=-1, reduction=loss_reduction)
@@ -81,7 +83,8 @@ class ScriptedModel(StubModel):
         self.start = None
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
-        if kv_cache is None or kv_cache.get_pos() == 0:  # the prompt: find where the reply begins
+        if kv_cache is None or (isinstance(kv_cache.get_pos(), int) and kv_cache.get_pos() == 0):
+            # the prompt: find where the reply begins
             where = (idx[0] == self.assistant_start).nonzero()
             self.start = int(where[-1]) if len(where) else idx.size(1) - 1
         return super().forward(idx, targets, kv_cache, loss_reduction)

@@ -1,35 +1,32 @@
 """
-Text generation on top of the model's KV-cached forward: a plain continuation for base models,
-the assistant's next message for chat models (streamed piece by piece for chat_cli and the web
-chat), and batches of samples for evaluation.
+Text generation, all of it through the batch engine (batch_engine.py): a plain continuation for
+base models, the assistant's next message for chat models (streamed piece by piece for chat_cli and
+the web chat), and batches of samples for evaluation.
 
-Tool use: when the assistant writes `<|python_start|>expr<|python_end|>`, expr goes to the
-calculator (calculator.py) and `<|output_start|>result<|output_end|>` is forced into the sequence
-(fed to the model like any token, marked as not sampled), then generation goes on. In text, the
-tool tokens read the way GSM8K writes its calculator notes: `<<expr=result>>`.
+Tool use (sampling.py): when the assistant writes `<|python_start|>expr<|python_end|>`, the
+calculator's answer is forced in as `<|output_start|>result<|output_end|>` and generation goes on.
+In text, the tool tokens read the way GSM8K writes its calculator notes: `<<expr=result>>`.
 
 Batched samples (generate_batch): the prompt is run once, its KV cache copied into num_samples
-rows, and every row decodes one token per step with its own tool state; a row leaves the batch
-when it ends (<|assistant_end|> or <|bos|>).
+rows, and every row decodes one token per step with its own tool state and its own generator
+(seeded seed + row); a row leaves the batch when it ends (<|assistant_end|> or <|bos|>).
 """
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .calculator import calculate
-from .gpt import KVCache
+from .batch_engine import BatchEngine, Request
 
 # How tool tokens read in text: a call and its output look like GSM8K's "<<12/60=0.2>>".
 TOOL_TEXT = {"<|python_start|>": "<<", "<|python_end|>": "=", "<|output_start|>": "", "<|output_end|>": ">>"}
 
 
-@torch.no_grad()
 def complete(model, tokenizer, prompt: str, max_tokens: int) -> str:
-    """The greedy continuation of `prompt` (after <|bos|>), as text."""
+    """The greedy continuation of `prompt` (after <|bos|>), as text; it stops early where the model
+    starts a new document (<|bos|>)."""
     ids = tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id())
-    return tokenizer.decode(list(model.generate(ids, max_tokens=max_tokens, temperature=0.0)))
+    [sample] = generate_batch(model, tokenizer, ids, 1, max_tokens, temperature=0.0, use_tools=False)
+    return tokenizer.decode(sample.ids)
 
 
 def decode_reply(tokenizer, ids) -> str:
@@ -68,61 +65,6 @@ class TextStream:
         return decode_reply(self.tokenizer, self.ids)
 
 
-# ---------------------------------------------------------------------------------------------
-# tool use
-
-
-@dataclass
-class RowState:
-    """One sequence's tool state: the expression being written and the tokens to force next."""
-    forced: deque = field(default_factory=deque)
-    expr: list | None = None  # token ids since <|python_start|>, None outside a call
-    done: bool = False
-
-
-class ToolUse:
-    """The per-row state machine: watches each new token, and after <|python_end|> queues the
-    calculator's answer as <|output_start|> result <|output_end|>. A refused expression gets no
-    output (the model carries on without one)."""
-
-    def __init__(self, tokenizer, calculator=calculate):
-        special = tokenizer.encode_special
-        self.tokenizer, self.calculator = tokenizer, calculator
-        self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
-        self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
-
-    def observe(self, state: RowState, token: int):
-        if token == self.python_start:
-            state.expr = []
-        elif token == self.python_end and state.expr is not None:
-            result = self.calculator(self.tokenizer.decode(state.expr))
-            if result is not None:
-                state.forced.extend([self.output_start, *self.tokenizer.encode(result), self.output_end])
-            state.expr = None
-        elif state.expr is not None:
-            state.expr.append(token)
-
-
-# ---------------------------------------------------------------------------------------------
-# sampling
-
-
-# below this, temperature is greedy: logits / T overflows fp32 for T < 15 / 3.4e38 (logits are
-# softcapped to +-15) and softmax turns inf into nan; the reasoning is at web/schema.MIN_TEMPERATURE
-MIN_TEMPERATURE = 1e-6
-
-
-def sample_next(logits, temperature: float, top_k: int | None, rng) -> torch.Tensor:
-    """(B, V) logits -> (B, 1) token ids: greedy at temperature 0 (or below MIN_TEMPERATURE), else
-    softmax sampling among the top_k most likely (all when None)."""
-    if top_k is not None:
-        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
-    if temperature >= MIN_TEMPERATURE:
-        return torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1, generator=rng)
-    return torch.argmax(logits, dim=-1, keepdim=True)
-
-
 def fit_context(ids: list[int], max_tokens: int, sequence_len: int, bos_id: int):
     """(ids, max_tokens) within the context the model was trained on: the reply gets at most half
     of it; a longer prompt keeps <|bos|> and its end."""
@@ -139,46 +81,18 @@ def generate_steps(model, tokenizer, prompt: list[int], num_samples: int = 1, ma
                    should_stop=None):
     """Yield, once per step, {row: (token, forced)} for the rows still going (forced: the token
     came from the tool, not from sampling). A row ends after <|assistant_end|> or <|bos|> (which it
-    yields); all end after max_tokens steps, or when should_stop() (asked before each step) says so."""
+    yields); all end after max_tokens steps, or when should_stop() (asked before each step) says so.
+    Row r samples with a generator seeded seed + r."""
     if not isinstance(prompt, list) or not prompt:
         raise ValueError("prompt must be a non-empty list of token ids")
     if num_samples < 1 or max_tokens < 0:
         raise ValueError(f"num_samples must be >= 1 and max_tokens >= 0, got {num_samples} and {max_tokens}")
-    device = model.get_device()
-    rng = torch.Generator(device=device)
-    rng.manual_seed(seed)
-    stop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
-    tools = ToolUse(tokenizer) if use_tools else None
-    cache = KVCache(model.config.n_layer, len(prompt) + max_tokens)
-    logits = model.forward(torch.tensor([prompt], dtype=torch.long, device=device), kv_cache=cache)[:, -1, :]
-    if num_samples > 1:  # the prompt was run once; every sample starts from its cache
-        cache.select_rows(torch.zeros(num_samples, dtype=torch.long))
-        logits = logits.expand(num_samples, -1)
-    rows = list(range(num_samples))  # the rows in the batch, in batch order
-    states = [RowState() for _ in rows]
-    for step in range(max_tokens):
+    engine = BatchEngine(model, tokenizer, slots=num_samples, max_len=len(prompt) + max_tokens)
+    engine.add(Request(prompt, max_tokens, temperature, top_k, seed, use_tools), copies=num_samples)
+    while engine.active:
         if should_stop is not None and should_stop():
             return
-        sampled = sample_next(logits, temperature, top_k, rng)[:, 0].tolist()
-        column = {}
-        for r, token in zip(rows, sampled):
-            state = states[r]
-            forced = bool(state.forced)
-            if forced:
-                token = state.forced.popleft()
-            column[r] = (token, forced)
-            if tools is not None:
-                tools.observe(state, token)
-            state.done = token in stop
-        yield column
-        going = [i for i, r in enumerate(rows) if not states[r].done]
-        if not going or step == max_tokens - 1:
-            return
-        if len(going) < len(rows):
-            cache.select_rows(torch.tensor(going, dtype=torch.long))
-            rows = [rows[i] for i in going]
-        ids = torch.tensor([[column[r][0]] for r in rows], dtype=torch.long, device=device)
-        logits = model.forward(ids, kv_cache=cache)[:, -1, :]
+        yield {t.row.copy: (t.token, t.forced) for t in engine.step()}
 
 
 @dataclass

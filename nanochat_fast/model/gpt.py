@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from ..core.distributed import is_distributed, print0
 from ..kernels import softcap_cross_entropy
+from .kv_cache import KVCache, SlotBatch  # noqa: F401 (KVCache: model.gpt is where callers import it from)
+from .sampling import sample_next
 
 LOGIT_SOFTCAP = 15.0
 
@@ -78,43 +80,6 @@ def apply_rotary_emb(x, cos, sin):
     return torch.cat([y1, y2], 3)
 
 
-class KVCache:
-    """Keys and values of every layer for a batch of sequences, up to `max_len` positions.
-
-    Layers call insert_kv in order; the position advances once the last layer has inserted. The
-    storage is allocated at the first insert, in the dtype of the keys (bf16 under bf16 autocast).
-    """
-
-    def __init__(self, n_layer, max_len):
-        self.kv = None
-        self.n_layer = n_layer
-        self.max_len = max_len
-        self.pos = 0
-
-    def get_pos(self) -> int:
-        return self.pos
-
-    def insert_kv(self, layer_idx, k, v):
-        """Store k, v (B, H_kv, T, D) at the current position; return all keys/values so far."""
-        t0, t1 = self.pos, self.pos + k.size(2)
-        if self.kv is None:
-            B, H, _, D = k.shape
-            self.kv = torch.empty(self.n_layer, 2, B, H, self.max_len, D, dtype=k.dtype, device=k.device)
-        if t1 > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions, asked to grow to {t1}")
-        self.kv[layer_idx, 0, :, :, t0:t1] = k
-        self.kv[layer_idx, 1, :, :, t0:t1] = v
-        if layer_idx == self.n_layer - 1:
-            self.pos = t1
-        return self.kv[layer_idx, 0, :, :, :t1], self.kv[layer_idx, 1, :, :, :t1]
-
-    def select_rows(self, rows: torch.Tensor):
-        """Keep the sequences at `rows` (int64 indices into the batch, repeats allowed): a prompt
-        cached once becomes n rows with rows = [0] * n; finished rows leave the batch."""
-        if self.kv is not None:
-            self.kv = self.kv.index_select(2, rows.to(self.kv.device))
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
@@ -140,7 +105,10 @@ class CausalSelfAttention(nn.Module):
             k, v = kv_cache.insert_kv(self.layer_idx, k, v)
         Tq, Tk = q.size(2), k.size(2)
         gqa = self.n_head != self.n_kv_head
-        if Tq == Tk:
+        if isinstance(kv_cache, SlotBatch):
+            # rows at different lengths, one token each: every row masked to its own cached entries
+            y = kv_cache.attend(q, k, v, enable_gqa=gqa)
+        elif Tq == Tk:
             # training, or the first chunk into an empty cache: plain causal attention
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif Tq == 1:
@@ -273,14 +241,26 @@ class GPT(nn.Module):
                 group["initial_lr"] = group["lr"]
         return optimizers
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
-        """idx (B, T) token ids -> logits (B, T, vocab) in fp32; with targets (B, T) the
-        cross-entropy instead (targets -1 are ignored): a scalar for "mean"/"sum", (B, T) for "none"."""
-        B, T = idx.size()
+    def _rotary(self, T, kv_cache):
+        """cos, sin of the T new positions: (1, T, 1, D/2) from the cache's position on, or in a
+        SlotBatch decode step (one token per row, each row at its own position) (B, 1, 1, D/2)."""
+        if isinstance(kv_cache, SlotBatch):
+            if T != 1:
+                raise ValueError(f"a slot-batch decode step feeds one token per row, got {T}")
+            # positions < the engine's max_len, which it checked against the table's length
+            pos = kv_cache.get_pos()
+            return self.cos[0, pos].unsqueeze(1), self.sin[0, pos].unsqueeze(1)
         T0 = 0 if kv_cache is None else kv_cache.get_pos()
         if T0 + T > self.cos.size(1):
             raise ValueError(f"sequence of {T0 + T} tokens is longer than the rotary table ({self.cos.size(1)})")
-        cos_sin = self.cos[:, T0:T0 + T], self.sin[:, T0:T0 + T]
+        return self.cos[:, T0:T0 + T], self.sin[:, T0:T0 + T]
+
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        """idx (B, T) token ids -> logits (B, T, vocab) in fp32; with targets (B, T) the
+        cross-entropy instead (targets -1 are ignored): a scalar for "mean"/"sum", (B, T) for "none".
+        kv_cache: None (training, scoring), a KVCache, or a slot cache view of batch_engine.py."""
+        B, T = idx.size()
+        cos_sin = self._rotary(T, kv_cache)
         x = self.transformer.wte(idx)
         x = norm(x)
         for block in self.transformer.h:
@@ -308,23 +288,14 @@ class GPT(nn.Module):
             raise ValueError(f"prompt ({len(tokens)}) + max_tokens ({max_tokens}) exceeds the model's "
                              f"{self.rotary_seq_len} positions")
         device = self.get_device()
-        rng = None
-        if temperature > 0:
-            rng = torch.Generator(device=device)
-            rng.manual_seed(seed)
+        rng = torch.Generator(device=device)
+        rng.manual_seed(seed)
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
         kv_cache = KVCache(self.config.n_layer, len(tokens) + max_tokens) if use_kv_cache else None
         step_input = ids
         for _ in range(max_tokens):
             logits = self.forward(step_input if use_kv_cache else ids, kv_cache=kv_cache)[:, -1, :]
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            if temperature > 0:
-                probs = F.softmax(logits / temperature, dim=-1)
-                next_ids = torch.multinomial(probs, num_samples=1, generator=rng)
-            else:
-                next_ids = torch.argmax(logits, dim=-1, keepdim=True)
+            next_ids = sample_next(logits, temperature, top_k, rng)
             ids = torch.cat((ids, next_ids), dim=1)
             step_input = next_ids
             yield next_ids.item()

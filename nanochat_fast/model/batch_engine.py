@@ -1,0 +1,237 @@
+"""
+Continuous batching: many conversations decoded together, each at its own length.
+
+The engine owns a SlotCache (kv_cache.py): keys and values for `slots` sequences, preallocated
+once. A request joins between steps (add): at the next step its prompt is run alone (B=1) into a
+free slot, and its first token sampled. From then on it is one row of the decode batch: every step
+is one forward of B rows x 1 token, each row at its own position (its own rotary angles) and
+attending only to its own cached entries (a per-row mask). A row leaves when it ends (it wrote
+<|assistant_end|> or <|bos|>, reached max_tokens, or was cancelled) and its slot goes back to the
+pool at once. A step allocates nothing but small index tensors, the mask and the activations.
+
+Each row samples with its own settings and its own torch.Generator, seeded request.seed + copy, so
+what a request gets does not depend on what else is in the batch; each has its own calculator
+state (sampling.ToolUse): a tool's answer is forced in token by token and fed like any token.
+
+Exactness: a row's arithmetic in a batch is the arithmetic it would do alone (its own positions,
+only its own entries, masked ones weighted by exactly 0), so at temperature 0 it chooses the same
+tokens. The floating-point rounding can still differ in the last bits, since matmul kernels pick
+their blocking by batch size and attention reads up to the longest row: in fp32 that is ~1e-6 of
+a logit, which changes a token only where the two best logits are that close (python_tests/
+test_batch_engine.py checks batched == alone, token for token); in bf16 the rounding is ~1e-2 and
+greedy ties break differently more often. A prompt's prefill runs alone in every case, so the first
+token is always the same as alone.
+
+Autocast and grad: step() runs under torch.inference_mode() itself; the caller's autocast context
+(if any) applies, and the cache takes the dtype of the first keys written (bf16 under bf16
+autocast), kept from then on.
+"""
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import SlotBatch, SlotCache, SlotPrefill
+from .sampling import RowState, ToolUse, sample_next
+
+
+@dataclass
+class Request:
+    """What one conversation asks for: its prompt, how many tokens at most, how to sample them."""
+    prompt: list[int]            # token ids, already within the context (generation.fit_context)
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int | None = None
+    seed: int = 42               # copy c samples with a generator seeded seed + c
+    use_tools: bool = True
+
+
+class EngineFull(Exception):
+    """Fewer free slots than the copies asked for: wait for rows to end (step) or cancel some."""
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence of a request (one per copy): the caller's handle, filled in by the engine."""
+    request: Request
+    slot: int | None             # its cache slot (kept after it ends; None when max_tokens was 0)
+    copy: int = 0                # 0..copies-1
+    tokens: list[int] = field(default_factory=list)  # generated ids, forced tool tokens included
+    done: bool = False
+    reason: str | None = None    # once done: "stop" | "max_tokens" | "cancelled"
+    length: int = field(default=0, repr=False)  # positions of the slot in use (0 until prefilled)
+    state: RowState = field(default_factory=RowState, repr=False)
+    rng: torch.Generator | None = field(default=None, repr=False)  # None at temperature 0
+
+
+@dataclass
+class Token:
+    row: Row
+    token: int
+    forced: bool                 # written by the calculator tool, not sampled
+    last: bool                   # the row ended with this token (its slot is free again)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class BatchEngine:
+    """Up to `slots` rows decoding together, each up to `max_len` positions (prompt + tokens).
+
+    One thread drives it: add() and cancel() between steps, step() to advance every row by one
+    token. The model needs config (n_layer, vocab_size, sequence_len), get_device() and
+    forward(idx, kv_cache=...) with the kv_cache.py views; GPT is such a model."""
+
+    def __init__(self, model, tokenizer, slots: int, max_len: int | None = None):
+        max_len = model.config.sequence_len if max_len is None else max_len
+        for name, value in (("slots", slots), ("max_len", max_len)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        rotary_len = getattr(model, "rotary_seq_len", None)
+        if rotary_len is not None and max_len > rotary_len:
+            raise ValueError(f"max_len ({max_len}) exceeds the model's {rotary_len} positions")
+        self.model, self.tokenizer = model, tokenizer
+        self.slots, self.max_len = slots, max_len
+        self.device = model.get_device()
+        self.cache = SlotCache(model.config.n_layer, slots, max_len)
+        self.stop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+        self.tools = ToolUse(tokenizer)
+        self._free = list(range(slots))  # a heap: the lowest free slot first keeps the rows packed
+        self._rows: list[Row] = []        # rows holding a slot, in the order they joined
+        self._waiting: list[list[Row]] = []  # the copies of each request added since the last step
+
+    @staticmethod
+    def kv_bytes(config, slots: int, max_len: int, dtype=torch.float32) -> int:
+        """Bytes of the cache an engine of `slots` x `max_len` holds for a model of `config`."""
+        return SlotCache.nbytes(config.n_layer, slots, config.n_kv_head, max_len, config.head_dim, dtype)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def active(self) -> list[Row]:
+        """The rows holding a slot (waiting for their prefill or decoding), in the order they joined."""
+        return list(self._rows)
+
+    def add(self, request: Request, copies: int = 1) -> list[Row]:
+        """`copies` rows continuing request.prompt (its prefill runs once, at the next step, and its
+        cache is copied into each copy's slot). max_tokens 0 gives rows already done."""
+        self._check(request, copies)
+        if request.max_tokens == 0:
+            return [Row(request, None, c, done=True, reason="max_tokens") for c in range(copies)]
+        if copies > len(self._free):
+            raise EngineFull(f"{copies} slots asked for, {len(self._free)} of {self.slots} free")
+        rows = []
+        for c in range(copies):
+            row = Row(request, heapq.heappop(self._free), c)
+            if request.temperature > 0:
+                row.rng = torch.Generator(device=self.device)
+                row.rng.manual_seed(request.seed + c)
+            rows.append(row)
+        self._rows += rows
+        self._waiting.append(list(rows))
+        return rows
+
+    def _check(self, request: Request, copies: int):
+        prompt, vocab = request.prompt, self.model.config.vocab_size
+        if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
+            raise ValueError("prompt must be a non-empty list of token ids")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
+        if not _is_int(request.max_tokens) or request.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, got {request.max_tokens!r}")
+        if len(prompt) + request.max_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) exceeds the "
+                             f"engine's max_len ({self.max_len})")
+        t = request.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if request.top_k is not None and (not _is_int(request.top_k) or request.top_k < 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {request.top_k!r}")
+        if not _is_int(request.seed):
+            raise ValueError(f"seed must be an int, got {request.seed!r}")
+        if not _is_int(copies) or not 1 <= copies <= self.slots:
+            raise ValueError(f"copies must be an int in [1, {self.slots}] (the engine's slots), got {copies!r}")
+
+    def cancel(self, row: Row):
+        """End `row` now (reason "cancelled"): its slot is free at once and it yields nothing more.
+        A row already done is left as it is."""
+        if row.done:
+            return
+        if row not in self._rows:
+            raise ValueError("cancel: the row is not one of this engine's")
+        for group in self._waiting:
+            if row in group:
+                group.remove(row)
+        self._waiting = [group for group in self._waiting if group]
+        self._end(row, "cancelled")
+
+    def _end(self, row: Row, reason: str):
+        row.done, row.reason = True, reason
+        self._rows.remove(row)
+        heapq.heappush(self._free, row.slot)
+
+    def step(self) -> list[Token]:
+        """One token for every active row: the rows added since the last step have their prompts
+        run (each alone) and sample their first token; the others feed their last token in one
+        batched forward. Returns this step's tokens in join order; rows that end free their slots."""
+        with torch.inference_mode():
+            decoding = sorted((r for r in self._rows if r.length > 0), key=lambda r: r.slot)
+            parts = [(decoding, self._decode(decoding))] if decoding else []
+            parts += [(group, self._prefill(group)) for group in self._waiting]
+            self._waiting = []
+            if not parts:
+                return []
+            rows = [row for group, _ in parts for row in group]
+            tokens = self._sample(rows, torch.cat([logits for _, logits in parts]))
+            joined = {row: i for i, row in enumerate(self._rows)}
+            out = sorted(zip(rows, tokens), key=lambda pair: joined[pair[0]])
+            return [self._advance(row, token) for row, token in out]
+
+    def _prefill(self, group: list[Row]) -> torch.Tensor:
+        """Run the request's prompt alone into the first copy's slot, copy that into the other
+        copies' slots; the next-token logits, one row per copy."""
+        prompt = group[0].request.prompt
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        logits = self.model(ids, kv_cache=SlotPrefill(self.cache, group[0].slot))[:, -1, :]
+        for row in group[1:]:
+            self.cache.copy_slot(group[0].slot, row.slot, len(prompt))
+        for row in group:
+            row.length = len(prompt)
+        return logits.expand(len(group), -1)
+
+    def _decode(self, rows: list[Row]) -> torch.Tensor:
+        """Feed every row its last token (rows in slot order) in one forward; their next-token logits."""
+        ids = torch.tensor([[row.tokens[-1]] for row in rows], dtype=torch.long, device=self.device)
+        batch = SlotBatch(self.cache, [row.slot for row in rows], [row.length for row in rows], self.device)
+        logits = self.model(ids, kv_cache=batch)[:, -1, :]
+        for row in rows:
+            row.length += 1
+        return logits
+
+    def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
+        """Each row's token from its logits row: greedy rows in one argmax, the others each with
+        their own settings and generator; one transfer to the host. Every row samples, even one
+        whose next token the tool will force: its generator moves the same way in any batch."""
+        chosen = torch.argmax(logits, dim=-1)
+        for i, row in enumerate(rows):
+            if row.request.temperature > 0:
+                r = row.request
+                chosen[i] = sample_next(logits[i:i + 1], r.temperature, r.top_k, row.rng)[0, 0]
+        return chosen.tolist()
+
+    def _advance(self, row: Row, token: int) -> Token:
+        """The row's next token (the tool's, when it has one queued), its tool state, whether it ended."""
+        forced = bool(row.state.forced)
+        if forced:
+            token = row.state.forced.popleft()
+        row.tokens.append(token)
+        if row.request.use_tools:
+            self.tools.observe(row.state, token)
+        reason = "stop" if token in self.stop else "max_tokens" if len(row.tokens) >= row.request.max_tokens else None
+        if reason is not None:
+            self._end(row, reason)
+        return Token(row, token, forced, last=reason is not None)

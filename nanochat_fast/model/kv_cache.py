@@ -1,0 +1,163 @@
+"""
+The GPT's key/value caches, what a forward pass writes each layer's keys and values into so that the
+next token costs one position instead of the whole sequence:
+
+- KVCache: one batch of sequences that all sit at the same position (one prompt, or its samples).
+  Grows with the sequence up to its max_len.
+- SlotCache: the continuous-batching cache of batch_engine.py. Storage for `slots` sequences is
+  preallocated once, [n_layer, 2, slots, n_kv_head, max_len, head_dim]; each conversation holds one
+  slot while it decodes and gives it back when it ends. Two views write into it:
+    SlotPrefill  a prompt run alone (B=1) into its slot; KVCache's interface, so the model's usual
+                 causal path runs it.
+    SlotBatch    one decode step of rows at different lengths: row i feeds one token at its own
+                 position in its own slot, and attends to its own valid entries only (a per-row mask).
+"""
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    """Keys and values of every layer for a batch of sequences, up to `max_len` positions.
+
+    Layers call insert_kv in order; the position advances once the last layer has inserted. The
+    storage is allocated at the first insert, in the dtype of the keys (bf16 under bf16 autocast).
+    """
+
+    def __init__(self, n_layer, max_len):
+        self.kv = None
+        self.n_layer = n_layer
+        self.max_len = max_len
+        self.pos = 0
+
+    def get_pos(self) -> int:
+        return self.pos
+
+    def insert_kv(self, layer_idx, k, v):
+        """Store k, v (B, H_kv, T, D) at the current position; return all keys/values so far."""
+        t0, t1 = self.pos, self.pos + k.size(2)
+        if self.kv is None:
+            B, H, _, D = k.shape
+            self.kv = torch.empty(self.n_layer, 2, B, H, self.max_len, D, dtype=k.dtype, device=k.device)
+        if t1 > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions, asked to grow to {t1}")
+        self.kv[layer_idx, 0, :, :, t0:t1] = k
+        self.kv[layer_idx, 1, :, :, t0:t1] = v
+        if layer_idx == self.n_layer - 1:
+            self.pos = t1
+        return self.kv[layer_idx, 0, :, :, :t1], self.kv[layer_idx, 1, :, :, :t1]
+
+    def select_rows(self, rows: torch.Tensor):
+        """Keep the sequences at `rows` (int64 indices into the batch, repeats allowed): a prompt
+        cached once becomes n rows with rows = [0] * n; finished rows leave the batch."""
+        if self.kv is not None:
+            self.kv = self.kv.index_select(2, rows.to(self.kv.device))
+
+
+class SlotCache:
+    """Preallocated keys and values for `slots` sequences of up to `max_len` positions each.
+
+    The storage is made at the first keys written (SlotPrefill/SlotBatch.insert_kv), taking their
+    heads, head_dim, dtype and device: so it is bf16 when the model computes under bf16 autocast.
+    It is zero-filled rather than left empty: a decode step reads whole blocks of it and masks the
+    entries a row may not see, and a masked entry must still be a finite number (0 * NaN is NaN).
+    Entries left by a slot's previous conversation are finite and masked the same way, so a slot
+    is reused as is, without clearing.
+    """
+
+    def __init__(self, n_layer: int, slots: int, max_len: int):
+        self.n_layer, self.slots, self.max_len = n_layer, slots, max_len
+        self.kv = None
+
+    @staticmethod
+    def nbytes(n_layer: int, slots: int, n_kv_head: int, max_len: int, head_dim: int, dtype) -> int:
+        return n_layer * 2 * slots * n_kv_head * max_len * head_dim * dtype.itemsize
+
+    def storage(self, k: torch.Tensor) -> torch.Tensor:
+        """The storage, allocated on the first call from the shape, dtype and device of k (B, H, T, D)."""
+        if self.kv is None:
+            _, n_kv_head, _, head_dim = k.shape
+            self.kv = torch.zeros(self.n_layer, 2, self.slots, n_kv_head, self.max_len, head_dim,
+                                  dtype=k.dtype, device=k.device)
+        return self.kv
+
+    def copy_slot(self, src: int, dst: int, length: int):
+        """Slot dst continues from slot src's first `length` positions (a prompt run once, sampled
+        in several slots)."""
+        if self.kv is not None:
+            self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
+
+
+class SlotPrefill:
+    """One slot seen as a KVCache of batch 1: a prompt's forward writes its keys and values straight
+    into the slot, and the model runs its usual causal path over them."""
+
+    def __init__(self, cache: SlotCache, slot: int):
+        self.cache, self.slot, self.pos = cache, slot, 0
+
+    def get_pos(self) -> int:
+        return self.pos
+
+    def insert_kv(self, layer_idx, k, v):
+        """Store k, v (1, H_kv, T, D) at the slot's current position; return the slot's keys/values so far."""
+        t0, t1 = self.pos, self.pos + k.size(2)
+        if t1 > self.cache.max_len:
+            raise ValueError(f"a slot holds {self.cache.max_len} positions, asked to grow to {t1}")
+        kv = self.cache.storage(k)
+        kv[layer_idx, 0, self.slot, :, t0:t1] = k[0]
+        kv[layer_idx, 1, self.slot, :, t0:t1] = v[0]
+        if layer_idx == self.cache.n_layer - 1:
+            self.pos = t1
+        rows = slice(self.slot, self.slot + 1)
+        return kv[layer_idx, 0, rows, :, :t1], kv[layer_idx, 1, rows, :, :t1]
+
+
+class SlotBatch:
+    """One decode step of B rows: row i feeds one token at position positions[i] of slot slots[i]
+    (slots in increasing order, each once).
+
+    Attention reads the cache in place, with no copy of any row's keys: the block of slots from the
+    rows' lowest slot to their highest, up to the longest row's length. A per-row mask keeps each
+    row to its own entries 0..positions[i]; a slot in the block that no row of this step uses gets
+    an all-true mask row (its answer is computed and dropped) so that no softmax is over nothing.
+    Everything built here is small: index tensors, the mask, and the queries spread over the block
+    when unused slots sit between the rows.
+    """
+
+    def __init__(self, cache: SlotCache, slots: list[int], positions: list[int], device):
+        if sorted(set(slots)) != list(slots) or len(slots) != len(positions):
+            raise ValueError("a slot batch takes distinct slots in increasing order, one position each")
+        self.cache = cache
+        self.lo, self.hi = slots[0], slots[-1] + 1
+        self.length = max(positions) + 1  # keys read per slot: the longest row's
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
+        self.positions = torch.tensor(positions, dtype=torch.long, device=device)
+        # index of each row within the block; None when the rows fill the block, in order
+        self.rows_in_block = None if self.hi - self.lo == len(slots) else self.slots - self.lo
+        valid = [self.length] * (self.hi - self.lo)
+        for slot, pos in zip(slots, positions):
+            valid[slot - self.lo] = pos + 1
+        valid = torch.tensor(valid, dtype=torch.long, device=device)
+        keys = torch.arange(self.length, device=device)
+        self.mask = (keys[None, :] < valid[:, None]).view(self.hi - self.lo, 1, 1, self.length)
+
+    def get_pos(self) -> torch.Tensor:
+        """Each row's position, (B,) int64: where its token goes and which rotary angles it gets."""
+        return self.positions
+
+    def insert_kv(self, layer_idx, k, v):
+        """Store each row's k, v (B, H_kv, 1, D) at its position in its slot; return the block's
+        keys and values, (slots in the block, H_kv, length, D), views of the cache."""
+        kv = self.cache.storage(k)
+        keys, values = kv[layer_idx, 0], kv[layer_idx, 1]
+        keys[self.slots, :, self.positions] = k[:, :, 0]
+        values[self.slots, :, self.positions] = v[:, :, 0]
+        block = slice(self.lo, self.hi)
+        return keys[block, :, :self.length], values[block, :, :self.length]
+
+    def attend(self, q, keys, values, enable_gqa: bool):
+        """The rows' queries q (B, H, 1, D) over the block insert_kv returned, each row masked to
+        its own entries -> (B, H, 1, D)."""
+        if self.rows_in_block is not None:
+            q = q.new_zeros(self.hi - self.lo, *q.shape[1:]).index_copy_(0, self.rows_in_block, q)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=enable_gqa)
+        return y if self.rows_in_block is None else y.index_select(0, self.rows_in_block)
