@@ -38,6 +38,38 @@ def machine() -> str:
     return f"{hardware()}; torch {torch.__version__}, Python {platform.python_version()}"
 
 
+def inference_sweep_section(data: dict) -> list[str]:
+    """RESULTS.md's "Inference sweep": bench_infer.py's infer_bench figures, one row per batch size."""
+    found = [b["extra_info"]["inference_sweep"] for b in data["benchmarks"]
+             if "inference_sweep" in b.get("extra_info", {})]
+    if not found:
+        return []
+    r = found[0]
+    cfg = r["model_config"]
+    lines = [f"## Inference sweep ({r['device']}, {r['dtype']})", "",
+             "| batch | prefill tok/s | decode tok/s | per-token latency (ms) | TTFT median (ms) | peak memory (MiB) "
+             "| MBU | MFU |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in r["sweep"]:
+        lines.append(f"| {row['batch_size']} | {row['prefill_tok_per_s']:,.0f} | {row['decode_tok_per_s']:,.1f} | "
+                     f"{row['per_token_latency_s'] * 1e3:.2f} | {row['ttft_median_s'] * 1e3:.1f} | "
+                     f"{row['peak_memory_bytes'] / 2 ** 20:,.1f} | {row['mbu_percent']:.1f}% | "
+                     f"{row['mfu_percent']:.2f}% |")
+    bandwidth, peak = r["bandwidth"], r["peak_flops"]
+    lines += ["", f"*`{r['command']}`: depth-{cfg['n_layer']} model (n_embd {cfg['n_embd']}, {cfg['n_head']} heads, "
+              f"vocab {cfg['vocab_size']}), random weights, {r['params']:,} parameters; per batch size B, B requests "
+              f"of {r['prompt_tokens']} random prompt tokens and {r['decode_tokens']} greedy tokens each (no stop "
+              f"tokens, no tools) through one BatchEngine, {r['threads']} thread(s); per batch size the fastest "
+              f"decode of {r['sweeps']} sweeps (a neighbour only ever adds time). Decode tok/s = B x "
+              f"{r['decode_tokens'] - 1} decode steps / their time; TTFT: all B prefills run in the engine's first "
+              f"step. MBU = bytes per decode step x steps/s / {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s "
+              f"({bandwidth['source']} memory bandwidth), bytes per step = {r['weight_bytes_per_step']:,} (every "
+              f"weight, {r['dtype']}) + B x {r['kv_bytes_per_position']:,} (KV bytes per position, {r['kv_dtype']}) "
+              f"x {r['mean_context']:g} (mean context); MFU against the {peak['dtype']} peak "
+              f"{peak['flops_per_s'] / 1e9:.0f} GFLOP/s ({peak['source']}). Peak memory: {r['peak_memory_source']}.*",
+              ""]
+    return lines
+
+
 def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
     data = json.loads(Path(json_path).read_text())
     lines = ["# Benchmark results", "",
@@ -75,6 +107,7 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
         lines += [f"## {t['title']}", "", "| " + " | ".join(t["columns"]) + " |", "|---" * len(t["columns"]) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in t["rows"]] + ["", f"*{t['notes']}*", ""]
     lines += section_from_file(Path(out_path).with_name("compiled.json"))  # compiled, not run: compiled_table.py
+    lines += inference_sweep_section(data)  # bench_infer.py
     Path(out_path).write_text("\n".join(lines))
     print(f"wrote {out_path}")
 

@@ -17,15 +17,18 @@ import torch
 
 from nanochat_fast.core import checkpoint, cli
 from nanochat_fast.hardware import __main__ as hardware
-from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_sft, chat_web, mid_train, prepare_data,
-                                   report, tok_train)
+from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_sft, chat_web, infer_bench, mid_train,
+                                   prepare_data, report, tok_train)
 from nanochat_fast.train import environment
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_with_base_run
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 SCRIPTS = {"base_train": base_train, "mid_train": mid_train, "base_eval": base_eval, "chat_cli": chat_cli,
            "prepare_data": prepare_data, "tok_train": tok_train, "chat_web": chat_web, "chat_sft": chat_sft,
-           "chat_eval": chat_eval, "report": report, "hardware": hardware}
+           "chat_eval": chat_eval, "report": report, "hardware": hardware, "infer_bench": infer_bench}
+# infer_bench on a random model small enough to finish at once, should a bad value slip through
+BENCH = ["--depth=1", "--vocab-size=300", "--max-seq-len=32", "--batch-sizes=1", "--prompt-tokens=4",
+         "--decode-tokens=2", "--dtype=fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +109,21 @@ CASES = [
     ("extra-conversations-malformed", "mid_train", ["--base-run=b", "--extra-conversations={tmp}/bad.jsonl"],
      lambda h: (h.parent / "bad.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n'),
      "bad.jsonl line 2: expected"),
+    # infer_bench: the sweep, the memory limit, the context, which model
+    ("bench-batch-sizes-not-positive", "infer_bench", BENCH + ["--batch-sizes=0,-1"], None,
+     "argument --batch-sizes: must be a positive integer, got 0"),
+    ("bench-batch-sizes-not-integers", "infer_bench", BENCH + ["--batch-sizes=1,two"], None,
+     "argument --batch-sizes: expected an integer, got 'two'"),
+    ("bench-batch-sizes-empty", "infer_bench", BENCH + ["--batch-sizes="], None,
+     "argument --batch-sizes: expected batch sizes separated by commas, e.g. 1,4,16, got ''"),
+    ("bench-batch-beyond-kv-memory", "infer_bench", BENCH + ["--batch-sizes=1,64", "--kv-memory=64KiB"], None,
+     "--batch-sizes: batch 64 needs 384 KiB of KV cache (64 rows x 6 positions), above --kv-memory 64 KiB; at most "
+     "10 rows fit"),
+    ("bench-beyond-context", "infer_bench", ["--run=b", "--prompt-tokens=60", "--decode-tokens=8"], None,
+     "--prompt-tokens 60 + --decode-tokens 8 = 68 is beyond the model's context of 64 tokens"),
+    ("bench-no-model", "infer_bench", ["--batch-sizes=1"], None,
+     "give --run=NAME (a run's checkpoint) or --depth=N (a random model)"),
+    ("bench-two-models", "infer_bench", ["--run=b", "--depth=2"], None, "or --depth=N (a random model), not both"),
 ]
 
 
@@ -159,7 +177,8 @@ BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--shard-chars": "0", "--val-every": "0", "--synthetic": "-1", "--limit-per-source": "-1",
     "--num-threads": "0", "--vocab-size": "100", "--max-chars": "0", "--doc-cap": "-1", "--port": "-1",
     "--workers": "0", "--max-new-tokens": "0", "--queue-size": "-1", "--request-timeout": "0",
-    "--body-timeout": "0",
+    "--body-timeout": "0", "--batch-sizes": "0,-1", "--prompt-tokens": "0", "--decode-tokens": "1",
+    "--kv-memory": "lots",
     "--test-token-delay": "x", "--source-run": "../nope", "--source-step": "-1", "--target-examples-per-step": "0",
     "--chat-eval-examples": "-1", "--task": "ARC-Hard", "--max-examples": "-1", "--num-samples": "0",
     "--batch-size": "0", "--budget": "-1", "--device": "tpu", "--mid-run": "../nope", "--sft-run": "../nope", "--output": "/dev/null/card.md",
@@ -171,7 +190,7 @@ CONTEXT = {"base_train": TINY + ["--num-iterations=1", "--run=flagcheck"], "mid_
            "chat_web": ["--run=b", "--host=127.0.0.1", "--port={busy_port}"],
            "chat_sft": ["--source-run=b", "--num-iterations=1", "--eval-every=-1", "--run=sftcheck"],
            "chat_eval": ["--run=b", "--task=ARC-Easy", "--max-examples=1"], "report": [],
-           "hardware": ["--tune", "--depth=1", "--max-seq-len=16", "--device-batch-size=1"]}
+           "hardware": ["--tune", "--depth=1", "--max-seq-len=16", "--device-batch-size=1"], "infer_bench": BENCH}
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +245,7 @@ ENV_CASES = [  # (id, variables set, expected text); torchrun rows start from a 
     ("master-addr-missing", {k: v for k, v in TORCHRUN.items() if k != "MASTER_ADDR"}, "MASTER_ADDR is not set"),
     ("master-port", {**TORCHRUN, "MASTER_PORT": "99999"}, "MASTER_PORT='99999': must be an integer in [1, 65535]"),
 ]
-MODEL_SCRIPTS = ("base_train", "mid_train", "base_eval", "chat_cli", "chat_sft", "chat_eval")
+MODEL_SCRIPTS = ("base_train", "mid_train", "base_eval", "chat_cli", "chat_sft", "chat_eval", "infer_bench")
 
 
 def test_every_environment_variable_has_a_row():

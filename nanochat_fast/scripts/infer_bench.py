@@ -1,0 +1,366 @@
+"""
+Inference benchmark: what a model costs to serve, swept over the decode batch size.
+
+    python -m nanochat_fast.scripts.infer_bench --depth=4                  # a random depth-4 model, no training
+    python -m nanochat_fast.scripts.infer_bench --run=demo_sft --batch-sizes=1,4,16
+    python -m nanochat_fast.scripts.infer_bench --depth=20 --prompt-tokens=512 | tail -1 | jq .sweep
+
+Prefill (the prompt, all positions at once) is compute-bound; decode (one token per step) reads
+every weight and the KV cache to do a little arithmetic, so it is bandwidth-bound and batching is
+nearly free until compute saturates. The sweep traces that trade-off between latency and throughput.
+
+For each batch size B, B requests of --prompt-tokens random token ids (one prompt each, fixed seed)
+go through one BatchEngine (model/batch_engine.py) as a server runs them: its first step runs the
+B prefills (each prompt alone) and samples every row's first token; each later step is one forward
+of B rows x 1 token. Every row decodes exactly --decode-tokens tokens, greedily: the engine's stop
+tokens are cleared and tools are off, so no row ends early and nothing is forced. An untimed run of
+a few tokens first (kernels chosen, the cache allocated), then the timed one, with the device
+synchronised at every clock reading:
+
+  prefill tok/s   B x prompt tokens / the first step's time
+  TTFT            add -> a row's first token, median over the rows (the engine runs every waiting
+                  prefill in one step, so the B rows get their first tokens together)
+  decode tok/s    B x decode steps / their time; decode steps = decode tokens - 1 (the first token
+                  is the prefill's)
+  ms/token        per-token latency: decode time / decode steps
+  peak memory     CUDA: torch.cuda.max_memory_allocated; elsewhere the weights as stored + the KV
+                  cache, computed (activations not counted)
+  MBU             bytes read per decode step x steps/s over the memory bandwidth (hardware/bandwidth.py):
+                    bytes/step = every parameter once, in the compute dtype (as nanochat counts it,
+                                 the embedding table whole)
+                               + B x KV bytes per position x (prompt + decode/2): each row's valid
+                                 cache entries, prompt + i at decode step i, averaged over the steps
+  MFU             decode FLOPs x tok/s over the peak (hardware/peak.py); per token 2 per matmul
+                  weight (all but the embedding) + 4 x n_layer x n_head x head_dim x (prompt + decode/2)
+
+--depth runs nanochat's init of that depth with a byte-level stand-in tokenizer: the engine only
+looks up its special tokens (stops and tools, both off here), so no trained tokenizer is needed.
+The last line of stdout is one JSON document with every figure:
+    json.loads(subprocess.run([...], capture_output=True, text=True).stdout.splitlines()[-1])
+"""
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+from ..core import cli
+from ..core.errors import UserError
+from ..core.progress import progress_bar
+from ..data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, get_tokenizer
+from ..hardware import bandwidth as hw_bandwidth, peak as hw_peak
+from ..hardware.machine import synchronize
+from ..model import loading
+from ..model.batch_engine import BatchEngine, Request
+from ..model.gpt import config_from_depth
+from ..train import run_dirs
+from ..train.training_config import DeviceConfig, evaluation_process
+
+AUTO_MAX_BATCH = {"cuda": 256}  # the default sweep's last batch size (at most what fits)
+AUTO_MAX_BATCH_ELSE = 32
+AUTO_KV_FRACTION = {"cuda": 0.8}  # of the free memory after the weights (auto --kv-memory) ...
+AUTO_KV_FRACTION_ELSE = 0.5       # ... or of the available RAM
+WARMUP_TOKENS = 4
+UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+         "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def batch_sizes(value: str) -> list[int] | None:
+    """'1,4,16' -> [1, 4, 16]; 'auto' -> None (powers of two up to what fits)."""
+    if value == "auto":
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    if not value.strip() or not all(parts):
+        raise argparse.ArgumentTypeError(f"expected batch sizes separated by commas, e.g. 1,4,16, got {value!r}")
+    sizes = [cli.positive_int(p) for p in parts]
+    if len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(f"each batch size once, got {value!r}")
+    return sizes
+
+
+def memory_size(value: str) -> int | None:
+    """'2GiB', '512MiB', '1.5GB', '1e9' (bytes) -> bytes; 'auto' -> None."""
+    if value == "auto":
+        return None
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+    unit = m and m.group(2).lower()
+    try:
+        size = float(m.group(1)) * UNITS[unit] if m else math.nan
+    except (ValueError, KeyError):
+        size = math.nan
+    if not (math.isfinite(size) and size >= 1):
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MiB or 1e9 (bytes), got {value!r}")
+    return int(size)
+
+
+def at_least_two(value) -> int:
+    n = cli.positive_int(value)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (the first token is the prefill's; decode speed needs a "
+                                         f"decode step), got {value}")
+    return n
+
+
+def build_parser():
+    p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.infer_bench", description=__doc__)
+    model = p.add_argument_group("model (one of --run and --depth)")
+    model.add_argument("--run", type=cli.run_ref, default=None, help="a run's checkpoint: run name or directory")
+    model.add_argument("--step", type=cli.non_negative_int, default=None,
+                       help="checkpoint step of --run (None: the newest complete one)")
+    model.add_argument("--depth", type=cli.positive_int, default=None,
+                       help="a randomly initialised model of this depth (the depth dial of base_train)")
+    model.add_argument("--max-seq-len", type=cli.positive_int, default=2048, help="context of the --depth model")
+    model.add_argument("--vocab-size", type=cli.positive_int, default=8192,
+                       help=f"vocabulary of the --depth model (>= {MIN_VOCAB_SIZE})")
+    bench = p.add_argument_group("benchmark")
+    bench.add_argument("--batch-sizes", type=batch_sizes, default="auto",
+                       help=f"decode batch sizes, comma-separated (auto: 1, 2, 4, ... up to what fits --kv-memory, "
+                            f"at most {AUTO_MAX_BATCH['cuda']} on CUDA, {AUTO_MAX_BATCH_ELSE} elsewhere)")
+    bench.add_argument("--prompt-tokens", type=cli.positive_int, default=128, help="prompt length of every request")
+    bench.add_argument("--decode-tokens", type=at_least_two, default=128, help="tokens every row generates")
+    bench.add_argument("--kv-memory", type=memory_size, default="auto",
+                       help="most memory the KV cache may take: 2GiB, 512MiB, 1.5GB or a number of bytes (auto: "
+                            "80%% of the GPU's free memory after the weights; half the available RAM elsewhere)")
+    bench.add_argument("--seed", type=cli.random_seed, default=42, help="seed of the random prompts (and --depth init)")
+    DeviceConfig.add_flags(p)
+    return p
+
+
+def check_model_flags(args):
+    """Exactly one of --run and --depth; each one's own flags only with it."""
+    if (args.run is None) == (args.depth is None):
+        raise UserError("give --run=NAME (a run's checkpoint) or --depth=N (a random model)" +
+                        (", not both" if args.run is not None else ""))
+    given = cli.explicit_flags(args)
+    if args.run is not None and given & {"max_seq_len", "vocab_size"}:
+        raise UserError("--max-seq-len and --vocab-size shape a --depth model; a --run's checkpoint has its own")
+    if args.depth is not None and "step" in given:
+        raise UserError("--step picks a checkpoint of --run; a --depth model has none")
+    if args.depth is not None and args.vocab_size < MIN_VOCAB_SIZE:
+        raise UserError(f"argument --vocab-size: must be >= {MIN_VOCAB_SIZE} (256 bytes + the special tokens), "
+                        f"got {args.vocab_size}")
+
+
+def stand_in_tokenizer() -> Tokenizer:
+    """Bytes 0-255 and the special tokens after them: all the engine asks a tokenizer for here."""
+    return Tokenizer({bytes([i]): i for i in range(256)})
+
+
+def open_model(args, device):
+    """(model in eval mode, tokenizer, what it is for the JSON); the context checked before the weights load."""
+    if args.depth is not None:
+        config = config_from_depth(args.depth, args.vocab_size, args.max_seq_len)
+        check_context(args, config)
+        torch.manual_seed(args.seed)
+        model = loading.new_model(config, device).eval()
+        return model, stand_in_tokenizer(), {
+            "depth": args.depth, "init": f"random (nanochat's init, seed {args.seed})",
+            "tokenizer": "byte-level stand-in (the engine looks up special tokens only)"}
+    tokenizer = get_tokenizer()
+    run_dir = run_dirs.run_dir_of(args.run, ("sft", "mid", "base"))
+    _, _, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
+    check_context(args, config)
+    model, ckpt, meta = loading.load_model(run_dir, args.step, device, tokenizer)
+    return model, tokenizer, {"run": str(run_dir), "checkpoint": str(ckpt), "step": meta.get("step"),
+                              "phase": meta.get("phase"), "tokenizer": "the run's (NANOCHAT_FAST_HOME/tokenizer)"}
+
+
+def check_context(args, config):
+    if args.prompt_tokens + args.decode_tokens > config.sequence_len:
+        raise UserError(f"--prompt-tokens {args.prompt_tokens} + --decode-tokens {args.decode_tokens} = "
+                        f"{args.prompt_tokens + args.decode_tokens} is beyond the model's context of "
+                        f"{config.sequence_len} tokens; ask for fewer")
+
+
+def engine_for(model, tokenizer, slots: int, max_len: int) -> BatchEngine:
+    """An engine whose rows always run to max_tokens: no token ends a row (its stop set emptied;
+    requests are made with use_tools=False, so no tool writes into them either)."""
+    engine = BatchEngine(model, tokenizer, slots, max_len)
+    engine.stop = frozenset()
+    return engine
+
+
+def kv_dtype(model, tokenizer, dev) -> torch.dtype:
+    """The dtype the cache takes under this run's autocast (that of the keys), from a one-token forward."""
+    engine = engine_for(model, tokenizer, 1, 2)
+    with dev.autocast():
+        engine.add(Request([0], 1, use_tools=False))
+        engine.step()
+    return engine.cache.kv.dtype
+
+
+def auto_kv_memory(device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * AUTO_KV_FRACTION["cuda"])
+    try:
+        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return int(available * AUTO_KV_FRACTION_ELSE)
+
+
+def plan_sweep(args, config, dtype, device) -> tuple[list[int], int]:
+    """(the batch sizes, the KV limit in bytes): each batch's cache within the limit, or a UserError."""
+    limit = args.kv_memory if args.kv_memory is not None else auto_kv_memory(device)
+    max_len = args.prompt_tokens + args.decode_tokens
+    per_row = BatchEngine.kv_bytes(config, 1, max_len, dtype)
+    fits = limit // per_row
+    if args.batch_sizes is None:
+        if fits < 1:
+            raise UserError(f"one row's KV cache ({size_text(per_row)}: {max_len} positions) does not fit "
+                            f"--kv-memory {size_text(limit)}; give more --kv-memory or fewer tokens")
+        cap = min(fits, AUTO_MAX_BATCH.get(device.type, AUTO_MAX_BATCH_ELSE))
+        return [2 ** i for i in range(cap.bit_length())], limit
+    for b in args.batch_sizes:
+        if b > fits:
+            raise UserError(f"--batch-sizes: batch {b} needs {size_text(b * per_row)} of KV cache ({b} rows x "
+                            f"{max_len} positions), above --kv-memory {size_text(limit)}; at most {fits} rows fit")
+    return args.batch_sizes, limit
+
+
+def size_text(n: float) -> str:
+    unit = next((u for u in ("GiB", "MiB", "KiB") if n >= UNITS[u.lower()]), "B")
+    return f"{n / UNITS[unit.lower()]:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+def run_requests(engine, requests, device, bar=None) -> dict:
+    """Run the requests to their end in `engine`: the clock readings, each row's tokens."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    rows = [row for r in requests for row in engine.add(r)]
+    first, ttft = None, {}
+    while engine.active:
+        tokens = engine.step()
+        synchronize(device)
+        now = time.perf_counter()
+        for t in tokens:
+            ttft.setdefault(t.row, now - t0)
+        if first is None:
+            first = now
+        elif bar is not None:
+            bar.update(1)
+    return {"t0": t0, "first": first, "end": time.perf_counter(), "rows": rows, "ttft": list(ttft.values())}
+
+
+def measure(model, tokenizer, dev, args, batch: int) -> dict:
+    """One batch size: warm-up, then the timed run; times, tokens per row, peak memory."""
+    device = dev.device
+    engine = engine_for(model, tokenizer, batch, args.prompt_tokens + args.decode_tokens)
+    ids = prompts(batch, args.prompt_tokens, model.config.vocab_size, args.seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with dev.autocast():
+        run_requests(engine, [Request(p, min(WARMUP_TOKENS, args.decode_tokens), use_tools=False) for p in ids], device)
+        bar = progress_bar(total=args.decode_tokens - 1, desc=f"batch {batch}", leave=False, file=sys.stderr)
+        with bar:
+            run = run_requests(engine, [Request(p, args.decode_tokens, use_tools=False) for p in ids], device, bar)
+    counts = {len(row.tokens) for row in run["rows"]}
+    if counts != {args.decode_tokens} or any(row.reason != "max_tokens" for row in run["rows"]):
+        raise RuntimeError(f"rows ended early: {sorted(counts)} tokens, asked for {args.decode_tokens}")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else weights + engine.cache.kv.nbytes)
+    return {"prefill_s": run["first"] - run["t0"], "decode_s": run["end"] - run["first"],
+            "decode_steps": args.decode_tokens - 1, "tokens_per_row": counts.pop(), "ttft": run["ttft"],
+            "peak_memory_bytes": peak, "kv_cache_bytes": engine.cache.kv.nbytes}
+
+
+def costs(model, dtype, kv_dtype_, args) -> dict:
+    """What a decode step reads and computes, from the model's shapes (the module docstring's formulas)."""
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())
+    context = args.prompt_tokens + args.decode_tokens / 2  # mean over the decode steps of prompt + i
+    return {"params": params, "weight_bytes_per_step": params * dtype.itemsize,
+            "kv_bytes_per_position": BatchEngine.kv_bytes(cfg, 1, 1, kv_dtype_), "mean_context": context,
+            "decode_flops_per_token": 2 * (params - model.transformer.wte.weight.numel())
+            + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * context}
+
+
+def figures(batch: int, m: dict, cost: dict, args, bandwidth, peak) -> dict:
+    kv_read = batch * cost["kv_bytes_per_position"] * cost["mean_context"]
+    bytes_per_step = cost["weight_bytes_per_step"] + kv_read
+    steps_per_s = m["decode_steps"] / m["decode_s"]
+    decode_tok_s = batch * steps_per_s
+    return {"batch_size": batch, "prefill_tok_per_s": batch * args.prompt_tokens / m["prefill_s"],
+            "decode_tok_per_s": decode_tok_s, "per_token_latency_s": m["decode_s"] / m["decode_steps"],
+            "ttft_median_s": statistics.median(m["ttft"]), "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
+            "decode_steps": m["decode_steps"], "tokens_per_row": m["tokens_per_row"],
+            "peak_memory_bytes": m["peak_memory_bytes"], "kv_cache_bytes": m["kv_cache_bytes"],
+            "kv_read_bytes_per_step": kv_read, "bytes_per_step": bytes_per_step, "steps_per_s": steps_per_s,
+            "mbu_percent": hw_bandwidth.mbu(bytes_per_step, steps_per_s, bandwidth),
+            "mfu_percent": hw_peak.mfu(cost["decode_flops_per_token"], decode_tok_s, peak)}
+
+
+COLUMNS = [("batch", 6, "batch_size", "{:d}"), ("prefill tok/s", 14, "prefill_tok_per_s", "{:,.0f}"),
+           ("decode tok/s", 13, "decode_tok_per_s", "{:,.1f}"), ("ms/token", 9, "per_token_latency_s", "ms"),
+           ("TTFT ms", 9, "ttft_median_s", "ms"), ("peak MiB", 9, "peak_memory_bytes", "MiB"),
+           ("MBU %", 7, "mbu_percent", "{:.1f}"), ("MFU %", 7, "mfu_percent", "{:.2f}")]
+
+
+def table_row(row: dict) -> str:
+    cells = []
+    for _, width, key, fmt in COLUMNS:
+        value = row[key]
+        text = f"{value * 1e3:.2f}" if fmt == "ms" else f"{value / 2 ** 20:,.1f}" if fmt == "MiB" else fmt.format(value)
+        cells.append(text.rjust(width))
+    return " ".join(cells)
+
+
+def print_card(info: dict, cost: dict, payload: dict, bandwidth, peak):
+    cfg = payload["model_config"]
+    what = f"run {info['run']} step {info['step']}" if "run" in info else f"depth {info['depth']}, {info['init']}"
+    print(f"model: {what} | {cost['params']:,} parameters | n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}, "
+          f"heads {cfg['n_head']} (kv {cfg['n_kv_head']}), vocab {cfg['vocab_size']} | tokenizer: {info['tokenizer']}")
+    print(f"requests: {payload['prompt_tokens']} prompt tokens (random ids, seed {payload['seed']}) + "
+          f"{payload['decode_tokens']} greedy tokens each, no stop tokens, no tools | KV cache {payload['kv_dtype']}, "
+          f"limit {size_text(payload['kv_memory_bytes'])}")
+    print(f"bytes per decode step = {cost['weight_bytes_per_step']:,} (weights, {payload['dtype']}) + B x "
+          f"{cost['kv_bytes_per_position']:,} x {cost['mean_context']:g} (KV bytes per position x mean context) | "
+          f"MBU against the {bandwidth.describe()} | MFU against the {peak.describe()}")
+    print(f"peak memory: {payload['peak_memory_source']}")
+    header = " ".join(name.rjust(width) for name, width, _, _ in COLUMNS)
+    print(header + "\n" + "-" * len(header), flush=True)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    check_model_flags(args)
+    with evaluation_process(args) as dev:
+        if dev.world_size > 1:
+            raise UserError("infer_bench measures one process: run it without torchrun")
+        model, tokenizer, info = open_model(args, dev.device)
+        dtype = kv_dtype(model, tokenizer, dev)
+        sizes, limit = plan_sweep(args, model.config, dtype, dev.device)
+        bandwidth, peak = hw_bandwidth.memory_bandwidth(dev.device), hw_peak.peak_flops(dev.device)
+        cost = costs(model, dev.precision.dtype, dtype, args)
+        payload = {"model": info, "model_config": asdict(model.config), "device": str(dev.device),
+                   "device_name": bandwidth.device, "dtype": dev.precision.name, "kv_dtype": str(dtype).split(".")[-1],
+                   "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "seed": args.seed,
+                   "kv_memory_bytes": limit, **cost,
+                   "bandwidth": {"bytes_per_s": bandwidth.bytes_per_s, "source": bandwidth.source},
+                   "peak_flops": {"flops_per_s": peak.flops, "dtype": peak.dtype, "source": peak.source},
+                   "peak_memory_source": "torch.cuda.max_memory_allocated" if dev.device.type == "cuda"
+                   else "computed: weights as stored + the KV cache (activations not counted)",
+                   "threads": torch.get_num_threads(), "sweep": []}
+        print_card(info, cost, payload, bandwidth, peak)
+        for batch in sizes:
+            row = figures(batch, measure(model, tokenizer, dev, args, batch), cost, args, bandwidth, peak)
+            payload["sweep"].append(row)
+            print(table_row(row), flush=True)
+        print(json.dumps(payload))
+        return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
