@@ -106,6 +106,9 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
     for t in tables:
         lines += [f"## {t['title']}", "", "| " + " | ".join(t["columns"]) + " |", "|---" * len(t["columns"]) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in t["rows"]] + ["", f"*{t['notes']}*", ""]
+        if t.get("targets"):  # figures from the same run against what they should reach
+            lines += ["| figure | measured | target | met |", "|---|---:|---|---|"]
+            lines += ["| " + " | ".join(row) + " |" for row in t["targets"]] + [""]
     lines += section_from_file(Path(out_path).with_name("compiled.json"))  # compiled, not run: compiled_table.py
     lines += inference_sweep_section(data)  # bench_infer.py
     Path(out_path).write_text("\n".join(lines))

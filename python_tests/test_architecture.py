@@ -15,7 +15,7 @@ BELOW = {  # folder -> the folders it may import (its own is always allowed)
     "model": {"core", "hardware", "kernels", "optim"},
     "evals": {"core", "hardware", "kernels", "data", "model"},
     "train": {"core", "hardware", "kernels", "optim", "data", "model", "evals"},
-    "web": set(),  # the browser app knows nothing of models: chat_web hands it a generate function
+    "web": set(),  # the browser app knows nothing of models: chat_web hands it engines and a prepare function
 }
 ENTRY_POINTS = {"scripts"}  # and every package's __main__: they may import anything
 PUBLIC_NAMES = {"common": {"core"}, "gpt": {"model"}}  # the SPEC's import paths, re-exports only

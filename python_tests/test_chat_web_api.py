@@ -1,8 +1,9 @@
 """chat_web's HTTP API through the ASGI test client (httpx, no sockets): streamed replies that match
-the model's own reply, every kind of invalid body, the body-size cap, what is served and what is
-not, the bounded queue (503), the request timeout, temperatures too small to divide by, and the
-command line's one-line errors. Uploads cut short or stalled go through a real uvicorn on a
-loopback port, byte by byte over a raw socket."""
+the model's own reply, many replies decoded together in one replica's engine, every kind of invalid
+body, the body-size cap, what is served and what is not, the bounded queue (503), the request
+timeout, a failing step, the /stats counters, temperatures too small to divide by, and the command
+line's one-line errors. Uploads cut short or stalled go through a real uvicorn on a loopback port,
+byte by byte over a raw socket."""
 import asyncio
 import json
 import logging
@@ -22,7 +23,7 @@ from nanochat_fast.core import cli  # noqa: E402
 from nanochat_fast.model import generation, sampling  # noqa: E402
 from nanochat_fast.scripts import chat_web  # noqa: E402
 from nanochat_fast.web.app import Settings, create_app  # noqa: E402
-from nanochat_fast.web.pool import Replica, ReplicaPool  # noqa: E402
+from nanochat_fast.web.pool import ReplicaPool  # noqa: E402
 from nanochat_fast.web import schema  # noqa: E402
 from nanochat_fast.web.schema import Limits  # noqa: E402
 
@@ -47,10 +48,14 @@ def reference(model_and_tokenizer):
     return generation.assistant_reply(model, tokenizer, QUESTION, LIMITS.max_tokens, temperature=0.0)
 
 
-def make_app(model_and_tokenizer, generate=generation.assistant_reply, queue_limit=4, timeout=60.0,
-             temperature=0.0, body_timeout=10.0):
+def make_app(model_and_tokenizer, wrap=None, slots=4, queue_limit=4, timeout=60.0, temperature=0.0,
+             body_timeout=10.0, delay=0.0):
+    """The app over one CPU replica made as chat_web makes it; wrap(engine) stands in for its engine."""
     model, tokenizer = model_and_tokenizer
-    pool = ReplicaPool([Replica(model, tokenizer, "cpu")], generate, queue_limit=queue_limit)
+    replica = chat_web.make_replica(model, tokenizer, "cpu", slots, delay)
+    if wrap is not None:
+        replica.engine = wrap(replica.engine)
+    pool = ReplicaPool([replica], queue_limit=queue_limit)
     settings = Settings(model_name="chat step 1 (mid)", temperature=temperature, top_k=0, request_timeout=timeout,
                         body_timeout=body_timeout, limits=LIMITS)
     return create_app(pool, settings), pool
@@ -68,13 +73,9 @@ async def chat(c: httpx.AsyncClient, body, **kwargs):
         return r.status_code, r.headers, [chunk async for chunk in r.aiter_text()]
 
 
-def slow(delay):
-    return chat_web.slowed(generation.assistant_reply, delay)
-
-
 def test_reply_streams_in_chunks_and_matches_the_model(model_and_tokenizer, reference):
     # a pause per token: a server that buffered the reply would write it in one piece
-    app, pool = make_app(model_and_tokenizer, generate=slow(0.01))
+    app, pool = make_app(model_and_tokenizer, delay=0.01)
     body = json.dumps({"messages": QUESTION, "temperature": 0}).encode()
     status, chunks = asyncio.run(asgi_call(app, "POST", "/chat/completions", body,
                                            [(b"content-type", b"application/json")]))
@@ -86,6 +87,7 @@ def test_reply_streams_in_chunks_and_matches_the_model(model_and_tokenizer, refe
     assert len(chunks) >= 3, chunks  # streamed as generated, not sent at the end
     stats = pool.stats()
     assert stats["requests"]["completed"] == 1 and stats["replicas_busy"] == 0 and stats["tokens_generated"] >= 4
+    assert stats["slots"]["in_use"] == 0 and stats["ttft_s"]["requests"] == 1 and stats["tokens_per_s"] > 0
 
 
 def test_the_asgi_client_sees_the_event_stream(model_and_tokenizer, reference):
@@ -235,14 +237,25 @@ async def asgi_call(app, method: str, raw_path: str, body: bytes = b"", headers=
     return sent[0]["status"], [m["body"].decode() for m in sent[1:] if m.get("body")]
 
 
-def gated(gate: threading.Event):
-    """assistant_reply that waits for `gate` first (still stoppable while it waits)."""
-    def generate(*args, should_stop, **kwargs):
-        while not gate.wait(0.005):
-            if should_stop():
-                return ""
-        return generation.assistant_reply(*args, should_stop=should_stop, **kwargs)
-    return generate
+class Gated(chat_web.Slowed):
+    """An engine whose steps give nothing until `gate` is set (each waits up to 5 ms for it), so the
+    worker still sees stops and admits requests between them; then it fails its first step if told."""
+
+    def __init__(self, engine, gate: threading.Event, fail_once=False):
+        super().__init__(engine, 0.0)
+        self.gate, self.fail_once = gate, fail_once
+
+    def step(self):
+        if not self.gate.wait(0.005):
+            return []
+        if self.fail_once:
+            self.fail_once = False
+            raise RuntimeError("boom")
+        return self.engine.step()
+
+
+def gated(gate, **kwargs):
+    return lambda engine: Gated(engine, gate, **kwargs)
 
 
 async def wait_for(predicate, timeout=10.0):
@@ -252,41 +265,120 @@ async def wait_for(predicate, timeout=10.0):
         await asyncio.sleep(0.005)
 
 
+def slots_in_use(pool) -> int:
+    return pool.stats()["slots"]["in_use"]
+
+
 def test_queue_full_is_503_with_retry_after_and_queued_requests_complete(model_and_tokenizer, reference):
+    # admission is every slot plus the queue: 2 slots generating and 1 request waiting, then 503
     gate = threading.Event()
-    app, pool = make_app(model_and_tokenizer, generate=gated(gate), queue_limit=1)
+    app, pool = make_app(model_and_tokenizer, wrap=gated(gate), slots=2, queue_limit=1)
     body = {"messages": QUESTION, "temperature": 0}
 
     async def go():
         async with client(app) as c:
-            running = asyncio.create_task(chat(c, body))
-            await wait_for(lambda: pool.stats()["replicas_busy"] == 1)
+            running = [asyncio.create_task(chat(c, body)) for _ in range(2)]
+            await wait_for(lambda: slots_in_use(pool) == 2)
             queued = asyncio.create_task(chat(c, body))
             await wait_for(lambda: pool.stats()["queue_length"] == 1)
             refused = await c.post("/chat/completions", json=body)
             gate.set()
-            return refused, await running, await queued
+            return refused, *[await t for t in running], await queued
     refused, *served = asyncio.run(go())
     pool.close()
     assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
-    assert "server busy" in refused.json()["error"] and "\n" not in refused.json()["error"]
+    assert "server busy: all 2 slot(s) generating and 1 request(s) waiting" in refused.json()["error"]
+    assert "\n" not in refused.json()["error"]
     for status, _, chunks in served:
         events = sse_events(chunks)
         assert status == 200 and events[-1] == {"done": True}
         assert "".join(e["token"] for e in events[:-1]) == reference
-    assert pool.stats()["requests"] == {"completed": 2, "cancelled": 0, "timed_out": 0, "failed": 0, "rejected": 1}
+    assert pool.stats()["requests"] == {"completed": 3, "cancelled": 0, "timed_out": 0, "failed": 0, "rejected": 1}
+
+
+QUESTIONS = [[{"role": "user", "content": f"what is {a} plus {b}?"}] for a, b in
+             ((2, 3), (12, 7), (4, 4), (0, 9), (15, 15), (1, 20), (8, 3), (6, 11))]
+
+
+def test_eight_streams_are_decoded_together_in_one_engine(model_and_tokenizer):
+    """8 requests held at the gate until all 8 hold a slot of the one replica: they are then decoded
+    in the same steps, and each reply is the one its question gets decoded alone, greedily."""
+    model, tokenizer = model_and_tokenizer
+    alone = [generation.assistant_reply(model, tokenizer, q, LIMITS.max_tokens, temperature=0.0) for q in QUESTIONS]
+    assert len(set(alone)) > 1
+    gate = threading.Event()
+    app, pool = make_app(model_and_tokenizer, wrap=gated(gate), slots=8, queue_limit=0)
+    in_use = []
+
+    async def go():
+        async with client(app) as c:
+            calls = [asyncio.create_task(chat(c, {"messages": q, "temperature": 0})) for q in QUESTIONS]
+            await wait_for(lambda: slots_in_use(pool) == 8)
+            gate.set()
+            while not all(t.done() for t in calls):
+                in_use.append(slots_in_use(pool))
+                await asyncio.sleep(0.002)
+            return [await t for t in calls]
+    replies = asyncio.run(go())
+    stats = pool.stats()
+    pool.close()
+    for (status, _, chunks), want in zip(replies, alone):
+        events = sse_events(chunks)
+        assert status == 200 and events[-1] == {"done": True}
+        assert "".join(e["token"] for e in events[:-1]) == want
+    assert max(in_use) > 1 and stats["slots"] == {
+        "total": 8, "in_use": 0, "per_replica": [{"device": "cpu", "slots": 8, "in_use": 0, **{
+            k: stats["slots"]["per_replica"][0][k] for k in ("tokens_generated", "tokens_per_s")}}]}
+    assert stats["requests"]["completed"] == 8 and stats["ttft_s"]["requests"] == 8
+    assert 0 < stats["ttft_s"]["p50"] <= stats["ttft_s"]["p90"] <= stats["ttft_s"]["p99"]
+    assert stats["tokens_generated"] >= sum(map(len, alone)) // 2 and stats["tokens_per_s"] > 0
+
+
+def test_stats_decode_time_is_the_union_of_busy_replicas_and_ttft_is_nearest_rank():
+    from nanochat_fast.web.stats import ServerStats, percentile
+    stats = ServerStats(2)
+    stats.started(0, 10.0, truncated=False)     # replica 0 busy 10..14, replica 1 busy 12..17:
+    stats.started(1, 12.0, truncated=True)      # the server decoded for 7 s, not 4 + 5
+    stats.stepped(0, 40, [0.5])
+    stats.stepped(1, 30, [0.1, 0.2])
+    stats.ended(0, "completed", 4.0, 14.0, busy=False)
+    stats.ended(1, "cancelled", 5.0, 17.0, busy=False)
+    s = stats.snapshot(20.0)
+    assert s["decode_seconds"] == 7.0 and s["tokens_per_s"] == 10.0 and s["prompts_truncated"] == 1
+    assert s["per_replica"] == [{"tokens_generated": 40, "tokens_per_s": 10.0},
+                                {"tokens_generated": 30, "tokens_per_s": 6.0}]
+    assert s["ttft_s"] == {"p50": 0.2, "p90": 0.5, "p99": 0.5, "requests": 3}
+    assert s["requests"]["completed"] == 1 and s["requests"]["cancelled"] == 1 and stats.mean_reply_seconds() == 4.5
+    assert [percentile(list(range(1, 101)), p) for p in (50, 90, 99)] == [50, 90, 99]
+    stats.started(0, 30.0, truncated=False)     # busy now: the time so far counts
+    assert stats.snapshot(32.5)["decode_seconds"] == 9.5
+
+
+def test_a_conversation_longer_than_the_context_keeps_its_end_and_is_counted(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    long = [{"role": "user", "content": "what is 2 plus 3? " * 60}]  # ~ 500 tokens, the context is 256
+    want = generation.assistant_reply(model, tokenizer, long, LIMITS.max_tokens, temperature=0.0)
+    app, pool = make_app(model_and_tokenizer)
+
+    async def go():
+        async with client(app) as c:
+            return await chat(c, {"messages": long}), await chat(c, {"messages": QUESTION})
+    (status, _, chunks), _ = asyncio.run(go())
+    pool.close()
+    assert status == 200 and "".join(e.get("token", "") for e in sse_events(chunks)) == want
+    assert pool.stats()["prompts_truncated"] == 1 and pool.stats()["requests"]["completed"] == 2
 
 
 def test_a_client_that_leaves_while_queued_leaves_the_queue(model_and_tokenizer, reference):
     gate = threading.Event()
-    app, pool = make_app(model_and_tokenizer, generate=gated(gate), queue_limit=1)
+    app, pool = make_app(model_and_tokenizer, wrap=gated(gate), slots=1, queue_limit=1)
     body = json.dumps({"messages": QUESTION, "temperature": 0}).encode()
     headers = [(b"content-type", b"application/json")]
 
     async def go():
         leave = asyncio.Event()
         running = asyncio.create_task(asgi_call(app, "POST", "/chat/completions", body, headers))
-        await wait_for(lambda: pool.stats()["replicas_busy"] == 1)
+        await wait_for(lambda: slots_in_use(pool) == 1)
         queued = asyncio.create_task(asgi_call(app, "POST", "/chat/completions", body, headers, leave=leave))
         await wait_for(lambda: pool.stats()["queue_length"] == 1)
         leave.set()
@@ -300,9 +392,9 @@ def test_a_client_that_leaves_while_queued_leaves_the_queue(model_and_tokenizer,
     assert pool.stats()["requests"]["cancelled"] == 1 and pool.stats()["requests"]["completed"] == 1
 
 
-def test_request_timeout_ends_the_stream_and_frees_the_replica(model_and_tokenizer):
+def test_request_timeout_ends_the_stream_and_frees_the_slot(model_and_tokenizer):
     gate = threading.Event()  # never set: the reply would never start
-    app, pool = make_app(model_and_tokenizer, generate=gated(gate), timeout=0.3)
+    app, pool = make_app(model_and_tokenizer, wrap=gated(gate), timeout=0.3)
 
     async def go():
         async with client(app) as c:
@@ -314,31 +406,35 @@ def test_request_timeout_ends_the_stream_and_frees_the_replica(model_and_tokeniz
     assert status == 200 and 0.3 <= took < 5
     assert "request timeout (0.3 s)" in events[0]["error"] and events[-1] == {"done": True}
     deadline = time.monotonic() + 5
-    while pool.stats()["replicas_busy"] and time.monotonic() < deadline:
+    while slots_in_use(pool) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert pool.stats()["replicas_busy"] == 0 and pool.stats()["requests"]["timed_out"] == 1
     pool.close()
 
 
-def test_a_failing_generation_is_an_error_event_and_the_replica_serves_on(model_and_tokenizer, reference):
-    calls = []
-
-    def generate(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("boom")
-        return generation.assistant_reply(*args, **kwargs)
-    app, pool = make_app(model_and_tokenizer, generate=generate)
+def test_a_failing_step_ends_its_replies_with_an_error_and_the_replica_serves_on(model_and_tokenizer, reference,
+                                                                                 caplog):
+    gate = threading.Event()
+    app, pool = make_app(model_and_tokenizer, wrap=gated(gate, fail_once=True))
 
     async def go():
         async with client(app) as c:
-            return [await chat(c, {"messages": QUESTION}) for _ in range(2)]
-    (s1, _, c1), (s2, _, c2) = asyncio.run(go())
+            calls = [asyncio.create_task(chat(c, {"messages": QUESTION})) for _ in range(3)]
+            await wait_for(lambda: slots_in_use(pool) == 3)
+            gate.set()  # the next step fails, with all 3 replies in it
+            failed = [await t for t in calls]
+            return failed, await chat(c, {"messages": QUESTION})
+    failed, (s2, _, c2) = asyncio.run(go())
     pool.close()
-    assert s1 == 200 and sse_events(c1) == [{"error": "generation failed (RuntimeError); see the server log"},
-                                            {"done": True}]
+    for status, _, chunks in failed:
+        assert status == 200 and sse_events(chunks) == [
+            {"error": "generation failed (RuntimeError); see the server log"}, {"done": True}]
     assert "".join(e.get("token", "") for e in sse_events(c2)) == reference
-    assert pool.stats()["requests"]["failed"] == 1 and pool.stats()["requests"]["completed"] == 1
+    stats = pool.stats()
+    assert stats["requests"]["failed"] == 3 and stats["requests"]["completed"] == 1 and stats["slots"]["in_use"] == 0
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in errors] == [
+        "a decode step failed on cpu (RuntimeError: boom); 3 repl(ies) ended with an error"]
 
 
 # -- the command line -------------------------------------------------------------------------
@@ -390,13 +486,13 @@ def test_only_addresses_off_the_loopback_warn():
 
 def test_closing_the_pool_stops_running_and_waiting_replies(model_and_tokenizer):
     gate = threading.Event()  # never set: replies wait until stopped
-    app, pool = make_app(model_and_tokenizer, generate=gated(gate), queue_limit=1)
+    app, pool = make_app(model_and_tokenizer, wrap=gated(gate), slots=1, queue_limit=1)
     body = json.dumps({"messages": QUESTION}).encode()
     headers = [(b"content-type", b"application/json")]
 
     async def go():
         calls = [asyncio.create_task(asgi_call(app, "POST", "/chat/completions", body, headers))]
-        await wait_for(lambda: pool.stats()["replicas_busy"] == 1)
+        await wait_for(lambda: slots_in_use(pool) == 1)
         calls.append(asyncio.create_task(asgi_call(app, "POST", "/chat/completions", body, headers)))
         await wait_for(lambda: pool.stats()["queue_length"] == 1)
         pool.close()  # what the server's shutdown does

@@ -1,8 +1,10 @@
 """A real chat_web process on 127.0.0.1 under concurrent load: 16 streaming clients against one CPU
-replica all get the model's own reply; with a queue bound below 16 the rest get 503 and nothing
-else; the server's memory does not grow over rounds; a client that disconnects frees the replica;
-paths reach the server unnormalised over a raw socket and still find nothing but the page; an
-upload cut short is one log line, one that stalls a 408 after --body-timeout."""
+replica (8 slots, the rest queued) all get the model's own reply; against a bounded server (2 slots,
+a queue of 4) each gets its whole reply or a 503 and nothing else, and every slot is free after;
+the server's memory does not grow over rounds; a client that disconnects mid-reply frees its slot
+while the others go on; paths reach the server unnormalised over a raw socket and still find
+nothing but the page; an upload cut short is one log line, one that stalls a 408 after
+--body-timeout."""
 import asyncio
 import socket
 import time
@@ -48,14 +50,16 @@ def stats(server) -> dict:
 
 def wait_idle(server, timeout=30.0) -> dict:
     deadline = time.monotonic() + timeout
-    while (s := stats(server))["replicas_busy"] or s["queue_length"]:
+    while (s := stats(server))["slots"]["in_use"] or s["queue_length"]:
         assert time.monotonic() < deadline, s
         time.sleep(0.02)
+    assert s["replicas_busy"] == 0
     return s
 
 
 def test_16_concurrent_clients_all_complete_and_memory_stays_flat(web_home, reference):
     with chat_web_process(web_home, ["--run=chat", f"--queue-size={CLIENTS}"]) as server:
+        assert "8 slots each" in server.banner  # the CPU default
         rss = []
         for _ in range(3):
             replies = asyncio.run(clients_at_once(server.url, CLIENTS))
@@ -69,6 +73,7 @@ def test_16_concurrent_clients_all_complete_and_memory_stays_flat(web_home, refe
         assert not any("Traceback" in line or "ERROR" in line for line in server.log), "".join(server.log)
     assert s["requests"] == {"completed": 3 * CLIENTS, "cancelled": 0, "timed_out": 0, "failed": 0, "rejected": 0}
     assert s["tokens_per_s"] > 0 and s["tokens_generated"] >= 3 * CLIENTS * len(reference) // 2
+    assert s["slots"]["total"] == 8 and s["ttft_s"]["requests"] == 3 * CLIENTS and s["prompts_truncated"] == 0
     # The first round warms allocators and caches; after it, rounds add nothing (measured: +0.1 MiB
     # over two rounds). 2 MiB over 32 requests would catch, e.g., each request's KV cache (~160 KiB) kept.
     growth = rss[2] - rss[0]
@@ -77,43 +82,62 @@ def test_16_concurrent_clients_all_complete_and_memory_stays_flat(web_home, refe
 
 @pytest.fixture(scope="module")
 def slow_server(web_home):
-    """A replica that takes 50 ms per token, so requests overlap and a stream can be left midway."""
-    args = ["--run=chat", "--queue-size=4", "--test-token-delay=0.05", "--body-timeout=1"]
+    """A replica of 2 slots that takes 100 ms per step, so requests overlap, queue and are refused,
+    and a stream can be left midway while another goes on."""
+    args = ["--run=chat", "--slots=2", "--queue-size=4", "--test-token-delay=0.1", "--body-timeout=1"]
     with chat_web_process(web_home, args) as server:
         yield server
 
 
-def test_over_the_queue_bound_clients_get_503_and_nothing_else(slow_server, reference):
+def test_over_the_slots_and_queue_clients_get_503_and_nothing_else(slow_server, reference):
     replies = asyncio.run(clients_at_once(slow_server.url, CLIENTS))
     served = [r for r in replies if r[0] == 200]
     refused = [r for r in replies if r[0] != 200]
     assert all(status == 503 for status, _, _ in refused)
-    assert len(served) >= 1 + 4 and len(refused) >= 1, [r[0] for r in replies]  # 1 replica + 4 waiting
+    assert len(served) >= 2 + 4 and len(refused) >= 1, [r[0] for r in replies]  # 2 slots + 4 waiting
     for status, headers, chunks in refused:
         assert int(headers["retry-after"]) >= 1 and "server busy" in "".join(chunks)
     for status, _, chunks in served:
         events = sse_events(chunks)
         assert events[-1] == {"done": True} and "".join(e["token"] for e in events[:-1]) == reference
         assert len(chunks) >= 3  # streamed over the socket as generated
-    s = wait_idle(slow_server)
+    s = wait_idle(slow_server)  # every client has gone: every slot is free, the queue empty
     assert s["requests"]["rejected"] == len(refused) and s["requests"]["completed"] == len(served)
+    assert s["slots"] == {"total": 2, "in_use": 0, "per_replica": [
+        {"device": "cpu", "slots": 2, "in_use": 0, "tokens_generated": s["tokens_generated"],
+         "tokens_per_s": s["tokens_per_s"]}]}
     assert not any("Traceback" in line or "ERROR" in line for line in slow_server.log), "".join(slow_server.log)
 
 
-def test_a_client_that_disconnects_frees_the_replica(slow_server):
+def test_a_client_that_disconnects_frees_its_slot_while_another_goes_on(slow_server, reference):
     before = wait_idle(slow_server)
+    seen = []  # /stats while the staying client streams
 
-    async def read_one_token_and_leave():
-        async with httpx.AsyncClient(timeout=60) as c:
-            async with c.stream("POST", slow_server.url + "/chat/completions", json={"messages": QUESTION}) as r:
-                async for chunk in r.aiter_text():
-                    assert chunk.startswith("data: {\"token\"")
-                    return  # closes the connection mid-reply
-    asyncio.run(read_one_token_and_leave())
-    after = wait_idle(slow_server, timeout=5)  # a finished reply would take >= 0.5 s more
+    async def stay(c):
+        return await stream_reply(c, slow_server.url)
+
+    async def read_one_token_and_leave(c):
+        async with c.stream("POST", slow_server.url + "/chat/completions", json={"messages": QUESTION}) as r:
+            async for chunk in r.aiter_text():
+                assert chunk.startswith("data: {\"token\"")
+                return  # closes the connection mid-reply
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=4)) as c:
+            staying = asyncio.create_task(stay(c))
+            while (await c.get(slow_server.url + "/stats")).json()["slots"]["in_use"] < 1:
+                await asyncio.sleep(0.01)
+            await read_one_token_and_leave(c)
+            while not staying.done():
+                seen.append((await c.get(slow_server.url + "/stats")).json()["slots"]["in_use"])
+                await asyncio.sleep(0.01)
+            return await staying
+    status, _, chunks = asyncio.run(go())
+    assert 1 in seen and 2 not in seen[seen.index(1):], seen  # the slot came back while the other streamed
+    assert status == 200 and "".join(e["token"] for e in sse_events(chunks)[:-1]) == reference
+    after = wait_idle(slow_server, timeout=5)
     assert after["requests"]["cancelled"] == before["requests"]["cancelled"] + 1
-    assert after["requests"]["completed"] == before["requests"]["completed"]
-    assert after["tokens_generated"] - before["tokens_generated"] < 5
+    assert after["requests"]["completed"] == before["requests"]["completed"] + 1
     assert not any("Traceback" in line or "ERROR" in line for line in slow_server.log), "".join(slow_server.log)
 
 

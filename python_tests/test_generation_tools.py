@@ -152,3 +152,24 @@ def test_decode_reply_and_stream_write_tool_calls_readably():
     assert generation.decode_reply(tok, ids) == "x <<2+2=4>> café"
     stream = generation.TextStream(tok)
     assert "".join(stream.push(i) for i in ids) == "x <<2+2=4>> café" == stream.text()
+
+
+def test_streams_release_what_decoding_the_whole_text_would():
+    """TextStream decodes only the ids since its last piece; the pieces are the ones decoding the
+    whole text at every token would release (held while it ends in a partial character), for any
+    bytes, broken UTF-8 and special tokens included. ReplyStream adds nothing for the end tokens."""
+    import random
+    rng = random.Random(0)
+    alphabet = list(range(256)) + list(chars("é東🙂")) * 8 + [SP("<|python_start|>"), SP("<|output_end|>")]
+    for _ in range(200):
+        ids = [rng.choice(alphabet) for _ in range(rng.randint(1, 30))]
+        stream, sent, want = generation.TextStream(tok), 0, []
+        for n in range(1, len(ids) + 1):  # the whole text at every token
+            text = generation.decode_reply(tok, ids[:n])
+            want.append("" if text.endswith("\ufffd") else text[sent:])
+            sent = sent if text.endswith("\ufffd") else len(text)
+        assert [stream.push(i) for i in ids] == want, ids
+        assert stream.text() == generation.decode_reply(tok, ids)
+    reply = generation.ReplyStream(tok)
+    assert [reply.push(i) for i in chars("ok") + [END, tok.get_bos_token_id()]] == ["o", "k", "", ""]
+    assert reply.text() == "ok"

@@ -150,6 +150,34 @@ def random_seed(value) -> int:
     return n
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def byte_size(value) -> int:
+    """A memory size in bytes: a number, optionally with K, M, G or T (powers of 1024, as memory is
+    counted; KB, KiB, kb... mean the same), e.g. 512M or 1.5G."""
+    if isinstance(value, str):
+        match = _SIZE.fullmatch(value.strip())
+        if not match:
+            raise argparse.ArgumentTypeError(f"expected a size like 512M or 2G (bytes, or K/M/G/T), got {value!r}")
+        n = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+    else:
+        n = _number(value, int)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {value}")
+    return n
+
+
+def format_bytes(n: int) -> str:
+    """2147483648 -> '2.00 GiB' (the unit that keeps the number below 1024)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 
 

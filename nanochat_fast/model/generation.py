@@ -46,23 +46,40 @@ def decode_reply(tokenizer, ids) -> str:
 class TextStream:
     """Token ids in, text pieces out. A character can span several tokens (UTF-8 bytes split by
     BPE); a piece is released only once the text decoded so far no longer ends in a partial
-    character, so a streamed reply never shows a replacement character that the final text lacks."""
+    character, so a streamed reply never shows a replacement character that the final text lacks.
+
+    Only the ids since the last released piece are decoded at each push: a piece ends on a whole
+    character, so the bytes after it decode on their own to what the whole text would add (decoding
+    the whole reply at every token costs O(n) per token, and a server streams many replies at once)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.sent = 0  # characters of the decoded text already released
+        self.released = ""  # the text of ids[:self.sent_ids], every piece released so far
+        self.sent_ids = 0
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.text()
-        if text.endswith("\ufffd"):
+        piece = decode_reply(self.tokenizer, self.ids[self.sent_ids:])
+        if piece.endswith("\ufffd"):
             return ""
-        piece, self.sent = text[self.sent:], len(text)
+        self.released += piece
+        self.sent_ids = len(self.ids)
         return piece
 
     def text(self) -> str:
-        return decode_reply(self.tokenizer, self.ids)
+        return self.released + decode_reply(self.tokenizer, self.ids[self.sent_ids:])
+
+
+class ReplyStream(TextStream):
+    """The text of an assistant's reply: the token that ends it (<|assistant_end|>, <|bos|>) adds none."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.stop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+
+    def push(self, token_id: int) -> str:
+        return "" if token_id in self.stop else super().push(token_id)
 
 
 def fit_context(ids: list[int], max_tokens: int, sequence_len: int, bos_id: int):
@@ -73,6 +90,14 @@ def fit_context(ids: list[int], max_tokens: int, sequence_len: int, bos_id: int)
     if len(ids) > room:
         ids = [bos_id] + ids[-(room - 1):]
     return ids, max_tokens
+
+
+def reply_prompt(model, tokenizer, messages: list[dict], max_tokens: int):
+    """(ids, max_tokens, truncated): the prompt of the assistant's next message after `messages`,
+    fit to the model's context (fit_context); truncated says whether the conversation lost its start."""
+    ids = tokenizer.render_for_completion({"messages": messages})
+    fitted, max_tokens = fit_context(ids, max_tokens, model.config.sequence_len, tokenizer.get_bos_token_id())
+    return fitted, max_tokens, len(fitted) < len(ids)
 
 
 @torch.inference_mode()
@@ -131,14 +156,12 @@ def assistant_reply(model, tokenizer, messages: list[dict], max_tokens: int, tem
     every new token and ends the reply early when it returns True (a stop button, a client gone).
     Prompt + reply stay within the context the model was trained on: the reply gets at most half
     of it, a long conversation keeps its end."""
-    ids = tokenizer.render_for_completion({"messages": messages})
-    ids, max_tokens = fit_context(ids, max_tokens, model.config.sequence_len, tokenizer.get_bos_token_id())
-    stop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
-    stream = TextStream(tokenizer)
+    ids, max_tokens, _ = reply_prompt(model, tokenizer, messages, max_tokens)
+    stream = ReplyStream(tokenizer)
     for column in generate_steps(model, tokenizer, ids, 1, max_tokens, temperature, top_k, seed,
                                  should_stop=should_stop):
         token, _ = column[0]
-        if token in stop:
+        if token in stream.stop:
             break
         piece = stream.push(token)
         if piece and on_text is not None:

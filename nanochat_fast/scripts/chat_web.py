@@ -1,10 +1,12 @@
 """
 Chat with a trained model in the browser: a page served by FastAPI + uvicorn, replies streamed
-token by token (server-sent events), one model replica per GPU (one on CPU) fed from a bounded queue.
+token by token (server-sent events), one model replica per GPU (one on CPU), each decoding up to --slots
+replies at once in one continuous-batching engine (model/batch_engine.py), fed from a bounded queue.
 
     python -m nanochat_fast.scripts.chat_web                      # newest sft (else mid) run, http://127.0.0.1:8000/
     python -m nanochat_fast.scripts.chat_web --run=demo_mid --port=8080 --temperature=0.6
     python -m nanochat_fast.scripts.chat_web --port=0             # any free port (printed)
+    python -m nanochat_fast.scripts.chat_web --slots=16 --kv-memory=2G
 
 It listens on 127.0.0.1 (this machine only) unless --host says otherwise; there is no login, so
 any other address lets everyone who can reach it use the model. Needs the web extra:
@@ -25,8 +27,22 @@ from ..core.distributed import compute_init
 from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
 from ..model import generation, loading
+from ..model.batch_engine import BatchEngine, Request
 from ..train import run_dirs
 from ..train.environment import check_environment
+from ..web.pool import Prepared, Replica, ReplicaPool
+
+# Replies decoded together per replica when --slots is not given. A CUDA decode step is bound by
+# reading the weights, once for all rows: 32 rows cost little more than one, so throughput grows
+# almost 32-fold while each reply keeps its speed. On a CPU each row adds its own matmul work on a
+# few cores and its own keys to read: a step of 8 rows costs about twice one row's on a 2-core
+# machine (benchmarks/bench_chat_web.py), and past that the step grows almost as fast as the rows,
+# slowing every reply for little more throughput; requests beyond the slots wait in the queue.
+# MPS (a laptop's GPU, its memory shared with the system) gets the CPU's 8.
+DEFAULT_SLOTS = {"cuda": 32, "cpu": 8, "mps": 8}
+# chat_web runs the model as loaded (fp32 weights, no autocast), so its KV cache holds fp32; were
+# the weights bf16, the cache would be half this, never more than --kv-memory
+KV_DTYPE = torch.float32
 
 
 def build_parser():
@@ -45,14 +61,23 @@ def build_parser():
     p.add_argument("--temperature", type=cli.non_negative_float, default=0.8,
                    help="default sampling temperature (0 = greedy, as is anything below 1e-6)")
     p.add_argument("--top-k", type=cli.non_negative_int, default=50, help="default top-k (0 = the whole vocabulary)")
+    p.add_argument("--slots", type=cli.positive_int, default=None,
+                   help="replies each replica decodes together, one row of its batch and one slot of its KV cache "
+                        "each (default: 32 on CUDA, where a step reads the weights once for all rows, so 32 cost "
+                        "little more than one; 8 on CPU or MPS, where each row adds its own compute and more rows "
+                        "slow every reply)")
+    p.add_argument("--kv-memory", type=cli.byte_size, default=None,
+                   help="most KV-cache memory per replica, e.g. 512M or 2G: it holds --slots replies at the "
+                        "model's full context and is allocated once, at start (default: what --slots need; "
+                        "with --slots left out, the slots shrink to what fits)")
     p.add_argument("--queue-size", type=cli.non_negative_int, default=16,
-                   help="requests that may wait for a busy replica; more get HTTP 503 with Retry-After")
+                   help="requests that may wait for a free slot; more get HTTP 503 with Retry-After")
     p.add_argument("--request-timeout", type=float, default=120.0,
                    help="seconds a request may take from arrival to its last token (waiting included)")
     p.add_argument("--body-timeout", type=float, default=10.0,
                    help="seconds a request's body may take to arrive in full; a slower upload gets HTTP 408")
     p.add_argument("--device-type", default="", choices=["", "cpu", "cuda", "mps"], help="'' = autodetect")
-    # test hook, hidden from --help: sleep this long before every token (a slow model, for stop/queue tests)
+    # test hook, hidden from --help: sleep this long before every engine step (a slow model, for stop/queue tests)
     p.add_argument("--test-token-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     return p
 
@@ -104,18 +129,69 @@ def replica_devices(device: torch.device, workers: int | None) -> list[torch.dev
     return [device] * (workers or 1)
 
 
-def load_replicas(args, devices, tokenizer, Replica):
-    """The model once per device. The one place chat_web finds and loads a checkpoint."""
+def kv_slots(args, config, device_type: str) -> int:
+    """Slots per replica: --slots (else the device's default) at the model's full context (the
+    engine's max_len), checked against --kv-memory; a default shrinks to what the memory holds."""
+    per_slot = BatchEngine.kv_bytes(config, 1, config.sequence_len, KV_DTYPE)
+    slots = args.slots or DEFAULT_SLOTS[device_type]
+    if args.kv_memory is not None:
+        fits, memory = args.kv_memory // per_slot, cli.format_bytes(args.kv_memory)
+        each = f"{cli.format_bytes(per_slot)} per reply at the model's {config.sequence_len} positions"
+        if fits < 1:
+            raise UserError(f"--kv-memory {memory} cannot hold one slot: the KV cache needs {each}")
+        if slots > fits:
+            if args.slots:
+                raise UserError(f"--slots {slots} need {cli.format_bytes(slots * per_slot)} of KV cache ({each}), "
+                                f"more than --kv-memory {memory}: use --slots={fits} or a larger --kv-memory")
+            slots = fits
+    return slots
+
+
+class Slowed:
+    """An engine whose every step first sleeps (the --test-token-delay hook: a slow model)."""
+
+    def __init__(self, engine, delay: float):
+        self.engine, self.delay = engine, delay
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self):
+        time.sleep(self.delay)
+        return self.engine.step()
+
+
+def make_replica(model, tokenizer, device: str, slots: int, delay: float = 0.0) -> Replica:
+    """A replica for web/pool.py: an engine of `slots` rows at the model's full context, its KV cache
+    allocated now by a one-token warm-up (a cache that does not fit fails before serving, and the
+    first request does not pay for the first call), and how a request becomes an engine request."""
+    engine = BatchEngine(model, tokenizer, slots, max_len=model.config.sequence_len)
+    engine.add(Request([tokenizer.get_bos_token_id()], max_tokens=1))
+    engine.step()
+
+    def prepare(job) -> Prepared:
+        # the prompt and the text exactly as generation.assistant_reply makes them
+        ids, max_tokens, truncated = generation.reply_prompt(model, tokenizer, job.messages, job.max_tokens)
+        stream = generation.ReplyStream(tokenizer)
+        return Prepared(Request(ids, max_tokens, job.temperature, job.top_k, job.seed), stream.push, truncated)
+    return Replica(engine=Slowed(engine, delay) if delay > 0 else engine, prepare=prepare, device=device)
+
+
+def load_replicas(args, devices, tokenizer):
+    """(replicas, name, slots): the model once per device, each with its engine. The one place
+    chat_web finds and loads a checkpoint; the KV cache is checked before any weights load."""
     run_dir = run_dirs.run_dir_of(args.run, ("sft", "mid"))
+    _, _, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
+    slots = kv_slots(args, config, devices[0].type)
     replicas, name = [], None
     for device in devices:
         model, ckpt, meta = loading.load_model(run_dir, args.step, device, tokenizer)
-        replicas.append(Replica(model=model, tokenizer=tokenizer, device=str(device)))
+        replicas.append(make_replica(model, tokenizer, str(device), slots, args.test_token_delay))
         name = f"{run_dir.name} step {meta['step']} ({meta['phase']})"
         if meta["phase"] == "base" and len(replicas) == 1:
             print(f"note: {ckpt} is a {meta['phase']} (not fine-tuned) checkpoint: it has not learned to chat",
                   file=sys.stderr)
-    return replicas, name
+    return replicas, name, slots
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -128,13 +204,6 @@ def listen(host: str, port: int) -> socket.socket:
                         "(--port=0 takes any free one) or --host") from None
 
 
-def slowed(generate, delay: float):
-    """`generate` with a pause before every token (the --test-token-delay hook)."""
-    def run(*args, should_stop, **kwargs):
-        return generate(*args, should_stop=lambda: time.sleep(delay) or should_stop(), **kwargs)
-    return run
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
@@ -145,18 +214,16 @@ def main(argv=None) -> int:
     check_ranges(args)
     import uvicorn
 
-    from ..web import app as web_app, pool as web_pool, schema as web_schema
+    from ..web import app as web_app, schema as web_schema
 
     device = compute_init(args.device_type)[-1]
     devices = replica_devices(device, args.workers)
     tokenizer = get_tokenizer()
     sock = listen(args.host, args.port)
     try:
-        replicas, name = load_replicas(args, devices, tokenizer, web_pool.Replica)
-        generate = generation.assistant_reply
-        if args.test_token_delay > 0:
-            generate = slowed(generate, args.test_token_delay)
-        pool = web_pool.ReplicaPool(replicas, generate, queue_limit=args.queue_size)
+        replicas, name, slots = load_replicas(args, devices, tokenizer)
+        kv_bytes = sum(r.engine.cache.kv.nbytes for r in replicas) // len(replicas)  # as allocated
+        pool = ReplicaPool(replicas, queue_limit=args.queue_size)
         settings = web_app.Settings(
             model_name=name, temperature=args.temperature, top_k=args.top_k, request_timeout=args.request_timeout,
             body_timeout=args.body_timeout,
@@ -165,8 +232,9 @@ def main(argv=None) -> int:
         app = web_app.create_app(pool, settings)
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
-        print(f"chat_web: {name} on {len(replicas)} replica(s) ({', '.join(map(str, devices))}), "
-              f"queue {args.queue_size}; open http://{url_host}:{port}/", flush=True)
+        print(f"chat_web: {name} on {len(replicas)} replica(s) ({', '.join(map(str, devices))}), {slots} slots "
+              f"each ({cli.format_bytes(kv_bytes)} of KV cache), queue {args.queue_size}; "
+              f"open http://{url_host}:{port}/", flush=True)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)).run(sockets=[sock])
     finally:

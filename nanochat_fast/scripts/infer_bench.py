@@ -40,9 +40,7 @@ The last line of stdout is one JSON document with every figure:
 """
 import argparse
 import json
-import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -67,8 +65,6 @@ AUTO_MAX_BATCH_ELSE = 32
 AUTO_KV_FRACTION = {"cuda": 0.8}  # of the free memory after the weights (auto --kv-memory) ...
 AUTO_KV_FRACTION_ELSE = 0.5       # ... or of the available RAM
 WARMUP_TOKENS = 4
-UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-         "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 
 
 def batch_sizes(value: str) -> list[int] | None:
@@ -85,18 +81,8 @@ def batch_sizes(value: str) -> list[int] | None:
 
 
 def memory_size(value: str) -> int | None:
-    """'2GiB', '512MiB', '1.5GB', '1e9' (bytes) -> bytes; 'auto' -> None."""
-    if value == "auto":
-        return None
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
-    unit = m and m.group(2).lower()
-    try:
-        size = float(m.group(1)) * UNITS[unit] if m else math.nan
-    except (ValueError, KeyError):
-        size = math.nan
-    if not (math.isfinite(size) and size >= 1):
-        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MiB or 1e9 (bytes), got {value!r}")
-    return int(size)
+    """'2G', '512M' (cli.byte_size) -> bytes; 'auto' -> None."""
+    return None if value == "auto" else cli.byte_size(value)
 
 
 def at_least_two(value) -> int:
@@ -125,7 +111,7 @@ def build_parser():
     bench.add_argument("--prompt-tokens", type=cli.positive_int, default=128, help="prompt length of every request")
     bench.add_argument("--decode-tokens", type=at_least_two, default=128, help="tokens every row generates")
     bench.add_argument("--kv-memory", type=memory_size, default="auto",
-                       help="most memory the KV cache may take: 2GiB, 512MiB, 1.5GB or a number of bytes (auto: "
+                       help="most memory the KV cache may take: 2G, 512M, 1.5G or a number of bytes (auto: "
                             "80%% of the GPU's free memory after the weights; half the available RAM elsewhere)")
     bench.add_argument("--seed", type=cli.random_seed, default=42, help="seed of the random prompts (and --depth init)")
     DeviceConfig.add_flags(p)
@@ -214,20 +200,15 @@ def plan_sweep(args, config, dtype, device) -> tuple[list[int], int]:
     fits = limit // per_row
     if args.batch_sizes is None:
         if fits < 1:
-            raise UserError(f"one row's KV cache ({size_text(per_row)}: {max_len} positions) does not fit "
-                            f"--kv-memory {size_text(limit)}; give more --kv-memory or fewer tokens")
+            raise UserError(f"one row's KV cache ({cli.format_bytes(per_row)}: {max_len} positions) does not fit "
+                            f"--kv-memory {cli.format_bytes(limit)}; give more --kv-memory or fewer tokens")
         cap = min(fits, AUTO_MAX_BATCH.get(device.type, AUTO_MAX_BATCH_ELSE))
         return [2 ** i for i in range(cap.bit_length())], limit
     for b in args.batch_sizes:
         if b > fits:
-            raise UserError(f"--batch-sizes: batch {b} needs {size_text(b * per_row)} of KV cache ({b} rows x "
-                            f"{max_len} positions), above --kv-memory {size_text(limit)}; at most {fits} rows fit")
+            raise UserError(f"--batch-sizes: batch {b} needs {cli.format_bytes(b * per_row)} of KV cache ({b} rows x "
+                            f"{max_len} positions), above --kv-memory {cli.format_bytes(limit)}; at most {fits} rows fit")
     return args.batch_sizes, limit
-
-
-def size_text(n: float) -> str:
-    unit = next((u for u in ("GiB", "MiB", "KiB") if n >= UNITS[u.lower()]), "B")
-    return f"{n / UNITS[unit.lower()]:.3g} {unit}" if unit != "B" else f"{int(n)} B"
 
 
 def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -324,7 +305,7 @@ def print_card(info: dict, cost: dict, payload: dict, bandwidth, peak):
           f"heads {cfg['n_head']} (kv {cfg['n_kv_head']}), vocab {cfg['vocab_size']} | tokenizer: {info['tokenizer']}")
     print(f"requests: {payload['prompt_tokens']} prompt tokens (random ids, seed {payload['seed']}) + "
           f"{payload['decode_tokens']} greedy tokens each, no stop tokens, no tools | KV cache {payload['kv_dtype']}, "
-          f"limit {size_text(payload['kv_memory_bytes'])}")
+          f"limit {cli.format_bytes(payload['kv_memory_bytes'])}")
     print(f"bytes per decode step = {cost['weight_bytes_per_step']:,} (weights, {payload['dtype']}) + B x "
           f"{cost['kv_bytes_per_position']:,} x {cost['mean_context']:g} (KV bytes per position x mean context) | "
           f"MBU against the {bandwidth.describe()} | MFU against the {peak.describe()}")

@@ -4,7 +4,8 @@ The chat web server's routes (FastAPI):
     GET  /                    the chat page (static/index.html)
     GET  /static/<file>       the page's own CSS, JS and icon; nothing else on disk is reachable
     GET  /health              {"status": "ok", model, replicas, device, defaults, limits}
-    GET  /stats               queue length, replicas busy, request counts, tokens/s
+    GET  /stats               slots (total, in use, per replica), queue length, request counts,
+                              tokens/s, time to first token, truncated prompts (web/stats.py)
     POST /chat/completions    the assistant's reply as server-sent events:
                               data: {"token": str} ... then data: {"done": true}
 
@@ -118,26 +119,33 @@ async def read_body_in_time(request: Request, max_bytes: int, timeout: float) ->
 
 
 async def reply_events(job: Job, pool: ReplicaPool, arrived: float, timeout: float):
-    """The SSE stream of one job. Ending it early (client gone, server stopping) stops the job."""
+    """The SSE stream of one job. Ending it early (client gone, server stopping) stops the job.
+
+    The request timeout is one timer per request that drops a "timeout" event into the job's
+    queue, rather than a wait_for around every event (a task and a timer per token: with many
+    replies streaming, the event loop's own work per token is what competes with the replicas
+    for the GIL)."""
+    loop = asyncio.get_running_loop()
+    timer = loop.call_at(loop.time() + arrived + timeout - time.monotonic(), job.events.put_nowait, ("timeout", None))
     kind = None
     try:
         while kind != "done":
-            left = arrived + timeout - time.monotonic()
-            try:
-                kind, value = await asyncio.wait_for(job.events.get(), timeout=max(0.0, left))
-            except asyncio.TimeoutError:
-                pool.cancel(job, "timeout")
-                message = f"the reply was cut off by the server's request timeout ({timeout:g} s)"
-                yield sse({"error": message}) + sse({"done": True})
-                return
+            kind, value = await job.events.get()
             # pieces that arrived together go out in one write
             batch = [(kind, value)]
-            while kind != "done" and not job.events.empty():
+            while kind not in ("done", "timeout") and not job.events.empty():
                 kind, value = job.events.get_nowait()
                 batch.append((kind, value))
+            if kind == "timeout":
+                pool.cancel(job, "timeout")
+                message = f"the reply was cut off by the server's request timeout ({timeout:g} s)"
+                batch[-1:] = [("error", message), ("done", None)]
             yield "".join(sse({"done": True}) if k == "done" else sse({k: v}) for k, v in batch)
+            if kind == "timeout":
+                return
     finally:
-        if kind != "done":
+        timer.cancel()
+        if kind not in ("done", "timeout"):
             pool.cancel(job, "client")
 
 
