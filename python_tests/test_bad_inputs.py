@@ -129,7 +129,7 @@ CASES = [
     ("bench-batch-sizes-empty", "infer_bench", BENCH + ["--batch-sizes="], None,
      "argument --batch-sizes: expected batch sizes separated by commas, e.g. 1,4,16, got ''"),
     ("bench-batch-beyond-kv-memory", "infer_bench", BENCH + ["--batch-sizes=1,64", "--kv-memory=64KiB"], None,
-     "--batch-sizes: batch 64 needs 384 KiB of KV cache (64 rows x 6 positions), above --kv-memory 64 KiB; at most "
+     "--batch-sizes: batch 64 needs 384.00 KiB of KV cache (64 rows x 6 positions), above --kv-memory 64.00 KiB; at most "
      "10 rows fit"),
     ("bench-beyond-context", "infer_bench", ["--run=b", "--prompt-tokens=60", "--decode-tokens=8"], None,
      "--prompt-tokens 60 + --decode-tokens 8 = 68 is beyond the model's context of 64 tokens"),

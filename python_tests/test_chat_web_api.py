@@ -664,3 +664,11 @@ def test_a_stalled_upload_is_a_408_after_the_body_timeout(live_server, reference
         f"request body not received within {BODY_TIMEOUT:g} s (11 of 100 bytes arrived): answered 408"]
     no_traceback(caplog)
     serves_the_next_request(url, pool, reference)
+
+
+def test_cpu_replicas_leave_a_core_to_the_server_unless_omp_num_threads_is_set():
+    from nanochat_fast.core.threads import ThreadChoice
+    assert chat_web.server_threads(ThreadChoice(2, "the 2 core(s) this process may use")) == 1
+    assert chat_web.server_threads(ThreadChoice(16, "the 16 core(s) this process may use")) == 15
+    assert chat_web.server_threads(ThreadChoice(1, "the 1 core(s) this process may use")) == 1
+    assert chat_web.server_threads(ThreadChoice(2, "OMP_NUM_THREADS=2 set by the user")) == 2

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from ..core import cli
+from ..core import cli, threads
 from ..core.distributed import compute_init
 from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
@@ -204,6 +204,16 @@ def listen(host: str, port: int) -> socket.socket:
                         "(--port=0 takes any free one) or --host") from None
 
 
+def server_threads(choice) -> int:
+    """Intra-op threads of the CPU replicas: one core fewer than a training process would take,
+    unless the user set OMP_NUM_THREADS. The event loop that parses requests and streams every
+    token needs a core of its own; on a 2-core machine a replica at 1 thread served 1 and 8
+    clients faster than at 2 (benchmarks/RESULTS.md, chat_web)."""
+    if "OMP_NUM_THREADS" in choice.reason:
+        return choice.threads
+    return max(1, choice.threads - 1)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
@@ -217,6 +227,8 @@ def main(argv=None) -> int:
     from ..web import app as web_app, schema as web_schema
 
     device = compute_init(args.device_type)[-1]
+    if device.type == "cpu":
+        torch.set_num_threads(server_threads(threads.thread_choice()))
     devices = replica_devices(device, args.workers)
     tokenizer = get_tokenizer()
     sock = listen(args.host, args.port)
@@ -233,7 +245,8 @@ def main(argv=None) -> int:
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         print(f"chat_web: {name} on {len(replicas)} replica(s) ({', '.join(map(str, devices))}), {slots} slots "
-              f"each ({cli.format_bytes(kv_bytes)} of KV cache), queue {args.queue_size}; "
+              f"each ({cli.format_bytes(kv_bytes)} of KV cache), {torch.get_num_threads()} thread(s), "
+              f"queue {args.queue_size}; "
               f"open http://{url_host}:{port}/", flush=True)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)).run(sockets=[sock])
