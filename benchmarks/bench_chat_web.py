@@ -25,6 +25,7 @@ client's per-token latency (the median over the 1-client rounds).
 """
 import asyncio
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -144,8 +145,10 @@ def through_server(url: str, clients: int) -> dict:
 def test_chat_web_latency(benchmark, demo_home):
     model, tokenizer = load_chat_model(demo_home, "demo_random")
     threads = torch.get_num_threads()
+    # the server as deployed: its own thread choice (on a CPU one core fewer than the machine's)
     with chat_web_process(demo_home, ["--run=demo_random", f"--max-new-tokens={MAX_TOKENS}", "--queue-size=16"],
-                          threads=threads) as server:
+                          threads=None) as server:
+        server_threads = int(re.search(r"(\d+) thread\(s\)", server.banner).group(1))
         variants = {"direct (no server)": lambda: direct(model, tokenizer),
                     "direct, 8 together in one engine (no server)": lambda: direct_together(model, tokenizer),
                     "chat_web, 1 client": lambda: through_server(server.url, 1),
@@ -191,6 +194,7 @@ def test_chat_web_latency(benchmark, demo_home):
         "notes": f"depth-{cfg.n_layer} model (n_embd {cfg.n_embd}, vocab {cfg.vocab_size}, {cfg.sequence_len} "
                  f"positions), random weights; greedy replies of up to {MAX_TOKENS} tokens to a "
                  f"{len(tokenizer.render_for_completion({'messages': QUESTION}))}-token prompt; {threads} torch "
-                 f"thread(s) in the server and in the direct baseline; {ROUNDS} interleaved rounds, medians. "
+                 f"thread(s) in the direct baseline, {server_threads} in the server (its default: the event loop "
+                 f"keeps a core); {ROUNDS} interleaved rounds, medians. "
                  "The 8 clients are decoded together, one row each of the replica's batch engine."}
     print(json.dumps(benchmark.extra_info["table"], indent=1))
