@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import SlotBatch, SlotCache, SlotPrefill
-from .sampling import RowState, ToolUse, sample_next
+from .sampling import RowState, ToolUse, sample_next, stop_tokens
 
 
 @dataclass
@@ -96,7 +96,7 @@ class BatchEngine:
         self.slots, self.max_len = slots, max_len
         self.device = model.get_device()
         self.cache = SlotCache(model.config.n_layer, slots, max_len)
-        self.stop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+        self.stop = stop_tokens(tokenizer)
         self.tools = ToolUse(tokenizer)
         self._free = list(range(slots))  # a heap: the lowest free slot first keeps the rows packed
         self._rows: list[Row] = []        # rows holding a slot, in the order they joined

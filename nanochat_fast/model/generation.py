@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .batch_engine import BatchEngine, Request
+from .sampling import stop_tokens
 
 # How tool tokens read in text: a call and its output look like GSM8K's "<<12/60=0.2>>".
 TOOL_TEXT = {"<|python_start|>": "<<", "<|python_end|>": "=", "<|output_start|>": "", "<|output_end|>": ">>"}
@@ -76,7 +77,7 @@ class ReplyStream(TextStream):
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
-        self.stop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+        self.stop = stop_tokens(tokenizer)
 
     def push(self, token_id: int) -> str:
         return "" if token_id in self.stop else super().push(token_id)
@@ -135,7 +136,7 @@ def generate_batch(model, tokenizer, prompt: list[int], num_samples: int = 1, ma
     ids = [[] for _ in range(num_samples)]
     forced = [[] for _ in range(num_samples)]
     finished = [False] * num_samples
-    stop = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
+    stop = stop_tokens(tokenizer)
     for column in generate_steps(model, tokenizer, prompt, num_samples, max_tokens, temperature, top_k, seed,
                                  use_tools):
         for r, (token, was_forced) in column.items():

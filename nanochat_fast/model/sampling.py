@@ -16,6 +16,11 @@ import torch.nn.functional as F
 from .calculator import calculate
 
 
+def stop_tokens(tokenizer) -> frozenset:
+    """The tokens that end a reply: <|assistant_end|>, and <|bos|> (a new document begins)."""
+    return frozenset({tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()})
+
+
 @dataclass
 class RowState:
     """One sequence's tool state: the expression being written and the tokens to force next."""
