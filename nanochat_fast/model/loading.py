@@ -3,6 +3,7 @@ Making a GPT and loading a trained one.
 
     new_model(config, device, state)        a GPT on `device`, initialised (and loaded with `state`)
     open_checkpoint(run_dir, step, tok)     (checkpoint, meta, GPTConfig), checked against the tokenizer
+    restore_model(ckpt, config, device)     an opened checkpoint's weights in a GPT, in eval mode
     load_model(run_dir, step, device, tok)  a trained model in eval mode, for evaluation and chat
 
 Every script that needs a model goes through here, so the rules live once: models are built on
@@ -60,9 +61,14 @@ def open_checkpoint(run_dir: Path, step: int | None, tokenizer):
     return ckpt, meta, GPTConfig(**meta["model_config"])
 
 
+def restore_model(ckpt: Path, config: GPTConfig, device) -> GPT:
+    """The weights of an opened checkpoint (open_checkpoint) in a GPT on `device`, in eval mode."""
+    model = new_model(config, device, checkpoint.load_model_state(ckpt, device))
+    model.eval()
+    return model
+
+
 def load_model(run_dir: Path, step: int | None, device, tokenizer):
     """(model in eval mode, checkpoint path, meta) for inference."""
     ckpt, meta, config = open_checkpoint(run_dir, step, tokenizer)
-    model = new_model(config, device, checkpoint.load_model_state(ckpt, device))
-    model.eval()
-    return model, ckpt, meta
+    return restore_model(ckpt, config, device), ckpt, meta

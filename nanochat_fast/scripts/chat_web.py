@@ -181,17 +181,14 @@ def load_replicas(args, devices, tokenizer):
     """(replicas, name, slots): the model once per device, each with its engine. The one place
     chat_web finds and loads a checkpoint; the KV cache is checked before any weights load."""
     run_dir = run_dirs.run_dir_of(args.run, ("sft", "mid"))
-    _, _, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
+    ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     slots = kv_slots(args, config, devices[0].type)
-    replicas, name = [], None
-    for device in devices:
-        model, ckpt, meta = loading.load_model(run_dir, args.step, device, tokenizer)
-        replicas.append(make_replica(model, tokenizer, str(device), slots, args.test_token_delay))
-        name = f"{run_dir.name} step {meta['step']} ({meta['phase']})"
-        if meta["phase"] == "base" and len(replicas) == 1:
-            print(f"note: {ckpt} is a {meta['phase']} (not fine-tuned) checkpoint: it has not learned to chat",
-                  file=sys.stderr)
-    return replicas, name, slots
+    if meta["phase"] == "base":
+        print(f"note: {ckpt} is a {meta['phase']} (not fine-tuned) checkpoint: it has not learned to chat",
+              file=sys.stderr)
+    replicas = [make_replica(loading.restore_model(ckpt, config, device), tokenizer, str(device), slots,
+                             args.test_token_delay) for device in devices]
+    return replicas, f"{run_dir.name} step {meta['step']} ({meta['phase']})", slots
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -150,9 +150,9 @@ def open_model(args, device):
             "tokenizer": "byte-level stand-in (the engine looks up special tokens only)"}
     tokenizer = get_tokenizer()
     run_dir = run_dirs.run_dir_of(args.run, ("sft", "mid", "base"))
-    _, _, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
+    ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     check_context(args, config)
-    model, ckpt, meta = loading.load_model(run_dir, args.step, device, tokenizer)
+    model = loading.restore_model(ckpt, config, device)
     return model, tokenizer, {"run": str(run_dir), "checkpoint": str(ckpt), "step": meta.get("step"),
                               "phase": meta.get("phase"), "tokenizer": "the run's (NANOCHAT_FAST_HOME/tokenizer)"}
 
