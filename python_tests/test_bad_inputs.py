@@ -6,6 +6,7 @@ mistakes found deep in a run (CASES, each on its own copy of a trained home), a 
 flag of every script (BAD_VALUES; a test fails when a script gains a flag without a row) and of
 every environment variable the package reads, for every script (ENV_CASES). Two cases also run as
 real subprocesses."""
+import json
 import os
 import shutil
 import socket
@@ -17,25 +18,35 @@ import torch
 
 from nanochat_fast.core import checkpoint, cli
 from nanochat_fast.hardware import __main__ as hardware
-from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_sft, chat_web, infer_bench, mid_train,
-                                   prepare_data, report, tok_train)
+from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_rl, chat_sft, chat_web, infer_bench,
+                                   mid_train, prepare_data, report, tok_train)
 from nanochat_fast.train import environment
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_with_base_run
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 SCRIPTS = {"base_train": base_train, "mid_train": mid_train, "base_eval": base_eval, "chat_cli": chat_cli,
            "prepare_data": prepare_data, "tok_train": tok_train, "chat_web": chat_web, "chat_sft": chat_sft,
-           "chat_eval": chat_eval, "report": report, "hardware": hardware, "infer_bench": infer_bench}
+           "chat_eval": chat_eval, "report": report, "hardware": hardware, "infer_bench": infer_bench,
+           "chat_rl": chat_rl}
 # infer_bench on a random model small enough to finish at once, should a bad value slip through
 BENCH = ["--depth=1", "--vocab-size=300", "--max-seq-len=32", "--batch-sizes=1", "--prompt-tokens=4",
          "--decode-tokens=2", "--dtype=fp32"]
 
 
+SFT_LIKE = {}  # where trained_home put sft_like
+
+
 @pytest.fixture(scope="module")
 def trained_home(tiny_home, tmp_path_factory):
-    """tiny_home plus a 4-step base run `b` (checkpoints at steps 2 and 4)."""
-    return home_with_base_run(tiny_home, tmp_path_factory.mktemp("bad") / "home",
+    """tiny_home plus a 4-step base run `b` (checkpoints at steps 2 and 4); beside the home (not
+    among its runs), `sft_like`: run b labelled an sft run, a chat model for chat_rl to start from."""
+    home = home_with_base_run(tiny_home, tmp_path_factory.mktemp("bad") / "home",
                               TINY + ["--num-iterations=4", "--save-every=2", "--run=b"])
+    SFT_LIKE["path"] = home.parent / "sft_like"
+    shutil.copytree(home / "runs" / "b", home.parent / "sft_like")
+    for meta_file in (home.parent / "sft_like").glob("checkpoints/*/meta.json"):
+        meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "phase": "sft"}))
+    return home
 
 
 def truncate(path, keep=100):
@@ -95,6 +106,17 @@ CASES = [
      "valid values: 28 or 32"),
     ("sft-nothing-to-train-on", "chat_sft", ["--source-run=b"], lambda h: shutil.rmtree(h / "tokens" / "chat"),
      "nothing to fine-tune on"),
+    # chat_rl: its sampling flags and its starting point (a chat model)
+    ("rl-no-samples", "chat_rl", ["--num-samples=0"], None, "argument --num-samples: must be a positive integer, got 0"),
+    ("rl-one-sample", "chat_rl", ["--num-samples=1"], None,
+     "argument --num-samples: must be at least 2 (the advantage compares a question's samples), got 1"),
+    ("rl-negative-temperature", "chat_rl", ["--temperature=-1"], None, "argument --temperature: must be >= 0, got -1"),
+    ("rl-zero-temperature", "chat_rl", ["--temperature=0"], None, "argument --temperature: must be > 0"),
+    ("rl-unknown-task", "chat_rl", ["--task=unknown"], None,
+     "argument --task: unknown RL task 'unknown'; choose one of GSM8K, SpellingBee, last-digit"),
+    ("rl-from-a-base-model", "chat_rl", ["--source-run=b", "--task=last-digit"], None,
+     "is a base checkpoint, not a sft or mid one"),
+    ("rl-no-chat-model", "chat_rl", ["--task=last-digit"], None, "no sft or mid run with a complete checkpoint"),
     ("report-output-is-a-folder", "report", ["--output={tmp}"], None, "is a directory; give a file name"),
     ("no-such-step", "base_eval", ["--run=b", "--step=3"], None, "no complete checkpoint at step 3 (complete steps: 2, 4)"),
     ("cuda-without-gpu", "base_train", ["--device-type=cuda"], None, "no CUDA GPU is available"),
@@ -194,6 +216,7 @@ BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--test-token-delay": "x", "--source-run": "../nope", "--source-step": "-1", "--target-examples-per-step": "0",
     "--chat-eval-examples": "-1", "--task": "ARC-Hard", "--max-examples": "-1", "--num-samples": "0",
     "--batch-size": "0", "--budget": "-1", "--device": "tpu", "--mid-run": "../nope", "--sft-run": "../nope", "--output": "/dev/null/card.md",
+    "--rl-run": "../nope", "--examples-per-step": "0", "--num-epochs": "0", "--eval-examples": "-1",
 }
 # what each script gets before the bad flag: enough to run and end, should the bad value slip through
 # (chat_web: a port that is taken, so it stops before serving)
@@ -202,7 +225,9 @@ CONTEXT = {"base_train": TINY + ["--num-iterations=1", "--run=flagcheck"], "mid_
            "chat_web": ["--run=b", "--host=127.0.0.1", "--port={busy_port}"],
            "chat_sft": ["--source-run=b", "--num-iterations=1", "--eval-every=-1", "--run=sftcheck"],
            "chat_eval": ["--run=b", "--task=ARC-Easy", "--max-examples=1"], "report": [],
-           "hardware": ["--tune", "--depth=1", "--max-seq-len=16", "--device-batch-size=1"], "infer_bench": BENCH}
+           "hardware": ["--tune", "--depth=1", "--max-seq-len=16", "--device-batch-size=1"], "infer_bench": BENCH,
+           "chat_rl": ["--source-run={sft_like}", "--task=last-digit", "--num-iterations=1", "--eval-examples=2",
+                       "--max-new-tokens=4", "--run=rlcheck"]}
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +237,8 @@ def busy_port():
 
 
 def context(script, busy_port) -> list[str]:
-    return [a.replace("{busy_port}", str(busy_port)) for a in CONTEXT[script]]
+    return [a.replace("{busy_port}", str(busy_port)).replace("{sft_like}", str(SFT_LIKE.get("path")))
+            for a in CONTEXT[script]]
 
 
 def long_flags(script) -> list[str]:

@@ -145,3 +145,34 @@ def test_counts_add_up():
     total = a + b
     assert (total.correct, total.total, [r["id"] for r in total.records]) == (1, 2, ["1", "2"])
     assert list(scoring.shard(7, 1, 3)) == [1, 4]
+
+
+def test_prompts_longer_than_the_context_are_cut_to_their_end_and_counted():
+    """A model of 48 positions (rotary table 480): categorical prompts of up to ~700 tokens, a
+    generative one and CORE rows far past it. Nothing fails; each path counts the prompts it cut,
+    and a cut categorical prompt scores exactly as its last 47 tokens after <|bos|> do alone."""
+    model = tiny_gpt(seed=5, sequence_len=48)
+    examples = mc_examples([0, 1, 2, 3])
+    examples[1]["question"] = "why " * 170 + "number 1?"  # ~700 tokens: past the rotary table too
+    counts = scoring.categorical_counts(model, tok, ARC, examples, batch_size=2)
+    prompts = [tok.render_for_completion(ARC.conversation(ex)) for ex in examples]
+    assert len(prompts[1]) > 10 * 48
+    assert counts.truncated == sum(len(p) > 48 for p in prompts) > 0 and counts.total == 4
+    letter_ids = [i for [i] in tok.encode(list("ABCD"))]
+    with torch.no_grad():
+        alone = model(torch.tensor([[tok.get_bos_token_id()] + prompts[1][-47:]]))[0, -1, letter_ids]
+    assert counts.records[1]["letter_logits"] == pytest.approx(alone.tolist(), abs=2e-4)
+
+    gsm8k = tasks.get("GSM8K")
+    scripted = ScriptedModel(tok, tok.encode("#### 4") + [tok.encode_special("<|assistant_end|>")])
+    scripted.config.sequence_len = 48
+    long_question = [{"id": "a", "question": "2 + 2? " * 100, "answer": "#### 4"}, {"id": "b", "question": "2+2",
+                                                                                      "answer": "#### 4"}]
+    generated = scoring.generative_counts(scripted, tok, gsm8k, long_question, max_tokens=8)
+    assert (generated.correct, generated.truncated) == (2, 1)
+
+    task = CoreTask("test_mc", "unused", "validation", 2, "\nAnswer: ", MULTIPLE_CHOICE, 1 / 3, None)
+    items = [{"query": "Question: what is item 0? " * (40 if i == 2 else 1), "choices": ["apple", "kiwi"], "gold": 0}
+             for i in range(4)]
+    core = scoring.core_counts(model, tok, task, items, batch_size=4)
+    assert core.total == 4 and core.truncated == 4  # two few-shot examples put every item past 48 tokens

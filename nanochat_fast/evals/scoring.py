@@ -11,9 +11,15 @@ script gives each rank a shard (`shard`), all-reduces [correct, total] and gathe
                         an example counts as solved when any sample is right (pass@k)
     core_counts         base model, a CORE task: the few-shot mean loss of each choice
 
+    pass_at_k           the chance that one of k samples is right, from n samples c of which are
     wilson_interval     95% interval of an accuracy
     centered            accuracy rescaled so that chance is 0 and perfect is 1
     core_summary        per-task accuracies, centred, and their mean: the CORE subset score
+
+A prompt longer than the model's context (its sequence_len) never reaches the model whole: every
+path keeps its end (where the answer is) and counts it in Counts.truncated, which the result line
+reports ("3 of 14042 prompts longer than the context were truncated"). So an evaluation, also one
+inside a training run, never fails on its input.
 """
 import math
 from contextlib import contextmanager
@@ -32,6 +38,7 @@ class Counts:
     correct: int = 0
     total: int = 0
     records: list = field(default_factory=list)  # one dict per example: id, prediction, correct, ...
+    truncated: int = 0  # prompts longer than the context, cut to their end
 
     def add(self, correct: bool, **record):
         self.correct += int(correct)
@@ -39,7 +46,8 @@ class Counts:
         self.records.append(dict(record, correct=bool(correct)))
 
     def __add__(self, other: "Counts") -> "Counts":
-        return Counts(self.correct + other.correct, self.total + other.total, self.records + other.records)
+        return Counts(self.correct + other.correct, self.total + other.total, self.records + other.records,
+                      self.truncated + other.truncated)
 
     @property
     def accuracy(self) -> float:
@@ -49,6 +57,22 @@ class Counts:
 def shard(n: int, rank: int, world_size: int) -> range:
     """The example indices of `rank`: every world_size-th, starting at rank."""
     return range(rank, n, world_size)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The chance that at least one of k samples drawn (without replacement) from n samples, c of
+    them right, is right: 1 - C(n-c, k) / C(n, k), the unbiased estimator of pass@k (Chen et al.
+    2021); it does not depend on the order the samples came in."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def fit_prompt(ids: list[int], max_len: int, bos: int) -> tuple[list[int], bool]:
+    """(ids, truncated): a prompt longer than max_len keeps <|bos|> and its last max_len - 1 tokens."""
+    if len(ids) <= max_len:
+        return ids, False
+    return [bos] + ids[-(max_len - 1):], True
 
 
 def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
@@ -134,7 +158,9 @@ def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size:
     order of `examples`. on_batch(n) is called after each batch of n examples (progress)."""
     device = _device_of(model, device)
     bos = tokenizer.get_bos_token_id()
-    prompts = [tokenizer.render_for_completion(task.conversation(ex)) for ex in examples]
+    fitted = [fit_prompt(tokenizer.render_for_completion(task.conversation(ex)), model.config.sequence_len, bos)
+              for ex in examples]
+    prompts = [ids for ids, _ in fitted]
     order = sorted(range(len(examples)), key=lambda i: len(prompts[i]))
     outcomes = [None] * len(examples)
     for start in range(0, len(order), batch_size):
@@ -152,7 +178,7 @@ def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size:
                                                           letter_logits=[round(x, 4) for x in letter_logits.tolist()]))
         if on_batch is not None:
             on_batch(len(batch))
-    counts = Counts()
+    counts = Counts(truncated=sum(cut for _, cut in fitted))
     for correct, record in outcomes:
         counts.add(correct, **record)
     return counts
@@ -165,8 +191,9 @@ def generative_counts(model, tokenizer, task, examples: list[dict], num_samples:
     bos = tokenizer.get_bos_token_id()
     counts = Counts()
     for ex in examples:
-        prompt = tokenizer.render_for_completion(task.conversation(ex))
-        prompt, budget = fit_context(prompt, max_tokens, model.config.sequence_len, bos)
+        whole = tokenizer.render_for_completion(task.conversation(ex))
+        prompt, budget = fit_context(whole, max_tokens, model.config.sequence_len, bos)
+        counts.truncated += len(prompt) < len(whole)
         samples = generate_batch(model, tokenizer, prompt, num_samples, budget, temperature, top_k, seed)
         outcomes = [task.check(ex, s.text) for s in samples]
         counts.add(any(outcomes), id=ex["id"], prediction=samples[0].text, samples_right=sum(outcomes))
@@ -224,6 +251,7 @@ def core_counts(model, tokenizer, task, items: list[dict], indices=None, batch_s
         item = items[index]
         rows = tokenizer.encode(task.prompts(item, task.fewshot(items, index)), prepend=bos)
         spans = _scored_spans(task, rows)
+        counts.truncated += any(len(row) > max_seq_len for row in rows)
         for j, row in enumerate(rows):  # too long: keep the end, where the answer is
             cut = len(row) - max_seq_len
             if cut > 0:

@@ -4,6 +4,7 @@ results the report card reads. chat_eval, base_eval and chat_sft's in-training e
 score through here:
 
     chat_task(model, tokenizer, task, examples, ...)   one chat task -> TaskResult
+    pass_at_k(model, tokenizer, task, examples, ...)   pass@1..n of a generative task (chat_rl)
     core_subset(model, tokenizer, core_tasks, ...)     the CORE subset -> scoring.core_summary + counts
     record(run_dir, step, script, results)             merge into runs/<run>/evals.json (rank 0)
     read_records(run_dir)                              {"steps": {step: {script: {...}}}}
@@ -41,6 +42,7 @@ class TaskResult:
     chance: float
     seconds: float
     settings: dict = field(default_factory=dict)   # max_examples, num_samples, ... as run
+    truncated: int = 0                             # prompts longer than the context, cut to their end
 
     @property
     def accuracy(self) -> float:
@@ -56,7 +58,12 @@ class TaskResult:
     def line(self) -> str:
         lo, hi = self.interval
         return (f"{self.task}: {100 * self.accuracy:.2f}% ({self.correct}/{self.total} {self.split}) | chance "
-                f"{100 * self.chance:.0f}% | 95% interval {100 * lo:.1f}%-{100 * hi:.1f}% | {self.seconds:.1f} s")
+                f"{100 * self.chance:.0f}% | 95% interval {100 * lo:.1f}%-{100 * hi:.1f}% | {self.seconds:.1f} s"
+                + (f" | {truncated_note(self.truncated, self.total)}" if self.truncated else ""))
+
+
+def truncated_note(truncated: int, total: int) -> str:
+    return f"{truncated:,} of {total:,} prompts longer than the context were truncated (their end kept)"
 
 
 def examples_bar(total: int, desc: str, enabled: bool):
@@ -65,9 +72,11 @@ def examples_bar(total: int, desc: str, enabled: bool):
                         disable=not (enabled and sys.stderr.isatty()))
 
 
-def summed(counts: scoring.Counts, device) -> tuple[int, int]:
-    both = all_reduce_sum(torch.tensor([counts.correct, counts.total], dtype=torch.long, device=device))
-    return int(both[0]), int(both[1])
+def summed(counts: scoring.Counts, device) -> tuple[int, int, int]:
+    """[correct, total, truncated] over every rank."""
+    both = all_reduce_sum(torch.tensor([counts.correct, counts.total, counts.truncated], dtype=torch.long,
+                                       device=device))
+    return int(both[0]), int(both[1]), int(both[2])
 
 
 def chat_task(model, tokenizer, task, examples: list[dict], rank: int = 0, world_size: int = 1, batch_size: int = 8,
@@ -86,16 +95,32 @@ def chat_task(model, tokenizer, task, examples: list[dict], rank: int = 0, world
                 counts += scoring.generative_counts(model, tokenizer, task, [ex], num_samples, max_new_tokens,
                                                     temperature, top_k, seed)
                 bar.update(1)
-    correct, total = summed(counts, model.get_device())
+    correct, total, truncated = summed(counts, model.get_device())
     return TaskResult(task.name, task.kind, task.eval_split, correct, total, task.chance, time.time() - start,
-                      settings or {})
+                      settings or {}, truncated)
+
+
+def pass_at_k(model, tokenizer, task, examples: list[dict], rank: int = 0, world_size: int = 1, num_samples: int = 1,
+              max_new_tokens: int = 256, temperature: float = 1.0, top_k: int | None = 50, seed: int = 42) -> dict:
+    """{"pass@k": value} for k = 1..num_samples on `examples` (the same list on every rank; each
+    rank samples its shard): num_samples replies per question (scoring.generative_counts), each
+    question's unbiased pass@k (scoring.pass_at_k), averaged over the questions of every rank."""
+    mine = [examples[i] for i in scoring.shard(len(examples), rank, world_size)]
+    counts = scoring.generative_counts(model, tokenizer, task, mine, num_samples, max_new_tokens, temperature, top_k,
+                                       seed)
+    sums = torch.zeros(num_samples + 1, dtype=torch.float64)
+    for record in counts.records:
+        sums += torch.tensor([scoring.pass_at_k(num_samples, record["samples_right"], k)
+                              for k in range(1, num_samples + 1)] + [1.0], dtype=torch.float64)
+    sums = all_reduce_sum(sums.to(model.get_device())).tolist()
+    return {f"pass@{k}": sums[k - 1] / sums[-1] for k in range(1, num_samples + 1)}
 
 
 def core_subset(model, tokenizer, core_tasks, max_examples: int | None = None, rank: int = 0, world_size: int = 1,
                 batch_size: int = 16, progress: bool = False, on_task=None) -> dict:
     """Accuracy on each CORE task (few-shot likelihood of the choices; the items are loaded on every
     rank, each scores its shard), then scoring.core_summary: the centred mean and its name.
-    on_task(label, correct, total, accuracy, centred, seconds) is called as each task finishes."""
+    on_task(label, correct, total, accuracy, centred, seconds, truncated) is called as each task finishes."""
     accuracies, chances, counts = {}, {}, {}
     for task in core_tasks:
         start = time.time()
@@ -107,13 +132,13 @@ def core_subset(model, tokenizer, core_tasks, max_examples: int | None = None, r
                 indices = mine[i:i + batch_size]
                 local += scoring.core_counts(model, tokenizer, task, items, indices=indices, batch_size=batch_size)
                 bar.update(len(indices))
-        correct, total = summed(local, model.get_device())
+        correct, total, truncated = summed(local, model.get_device())
         accuracies[task.name], chances[task.name] = correct / total, task.chance
         counts[task.name] = {"correct": correct, "total": total, "split": task.eval_split,
-                             "shots": task.num_fewshot, "seconds": time.time() - start}
+                             "shots": task.num_fewshot, "seconds": time.time() - start, "truncated": truncated}
         if on_task is not None:
             on_task(task.name, correct, total, accuracies[task.name],
-                    scoring.centered(accuracies[task.name], task.chance), time.time() - start)
+                    scoring.centered(accuracies[task.name], task.chance), time.time() - start, truncated)
     return {**scoring.core_summary(accuracies, chances), "chance": chances, "counts": counts}
 
 

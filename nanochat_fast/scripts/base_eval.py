@@ -93,9 +93,10 @@ def core_subset_if_prepared(model, tokenizer, args, dev) -> dict | None:
         print0(f"{tasks.SUBSET_NAME}: skipped, no evaluation data ({benchmark_files.PREPARE_HINT})")
         return None
 
-    def show(label, correct, total, accuracy, centred, seconds):
-        print0(f"  {label:<20} {100 * accuracy:6.2f}% ({correct}/{total}) | centred {centred:+.4f} | {seconds:.1f} s",
-               flush=True)
+    def show(label, correct, total, accuracy, centred, seconds, truncated):
+        cut = f" | {task_runner.truncated_note(truncated, total)}" if truncated else ""
+        print0(f"  {label:<20} {100 * accuracy:6.2f}% ({correct}/{total}) | centred {centred:+.4f} | {seconds:.1f} s"
+               f"{cut}", flush=True)
 
     sample = f"{args.max_examples} items per task" if args.max_examples else "every item"
     print0(f"CORE subset ({len(available)} of the {len(tasks.CORE_SUBSET)} tasks we have offline, {sample}):")

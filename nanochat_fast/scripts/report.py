@@ -1,14 +1,15 @@
 """
-The report card of a pipeline: the base, mid and sft runs and their evaluations in one report.md,
-like nanochat's report card, also printed.
+The report card of a pipeline: the base, mid, sft and rl runs and their evaluations in one
+report.md, like nanochat's report card, also printed.
 
-    python -m nanochat_fast.scripts.report                  # the newest sft run and the runs it started from
-    python -m nanochat_fast.scripts.report --sft-run=sft_d20 --output=report.md
-    python -m nanochat_fast.scripts.report --base-run=base_d4 --mid-run=mid_d4 --sft-run=none
+    python -m nanochat_fast.scripts.report                  # the newest rl (else sft) run and the runs it started from
+    python -m nanochat_fast.scripts.report --sft-run=sft_d20 --rl-run=none --output=report.md
+    python -m nanochat_fast.scripts.report --base-run=base_d4 --mid-run=mid_d4 --sft-run=none --rl-run=none
 
-Which runs: --sft-run (default: the newest sft run); --mid-run (default: the run that sft run
-started from, else the newest mid run); --base-run (default: the run the mid (or sft) run started
-from, else the newest base run). "none" leaves a stage out. Each run is read at its newest complete
+Which runs: --rl-run (default: the newest rl run); --sft-run (default: the run that rl run started
+from, else the newest sft run); --mid-run (default: the run that sft run started from, else the
+newest mid run); --base-run (default: the run the mid (or sft) run started from, else the newest
+base run). "none" leaves a stage out. Each run is read at its newest complete
 checkpoint: its meta.json (model, steps, tokens, training time, device) and evals.json (what
 base_eval and chat_eval measured at that step; chat_eval's and base_eval's own run time is there).
 
@@ -28,7 +29,7 @@ from ..model.gpt import GPT, GPTConfig
 from ..train import run_dirs
 from ..train.environment import check_environment
 
-STAGES = (("base", "BASE"), ("mid", "MID"), ("sft", "SFT"))
+STAGES = (("base", "BASE"), ("mid", "MID"), ("sft", "SFT"), ("rl", "RL"))
 NONE = "none"
 
 
@@ -81,7 +82,7 @@ def pick_runs(args) -> dict:
         except UserError:
             return None
 
-    for phase, _ in reversed(STAGES):  # sft first: the earlier stages follow its lineage
+    for phase, _ in reversed(STAGES):  # rl first: the earlier stages follow its lineage
         flag = getattr(args, f"{phase}_run")
         if flag == NONE:
             chosen[phase] = None
@@ -97,7 +98,8 @@ def pick_runs(args) -> dict:
         chosen[phase] = lineage[0] if lineage else None
     if not any(chosen.values()):
         raise UserError(f"no runs to report on in {paths.runs_dir()}: train one with "
-                        "`python -m nanochat_fast.scripts.base_train` (or pick runs with --base-run, --mid-run, --sft-run)")
+                        "`python -m nanochat_fast.scripts.base_train` (or pick runs with --base-run, --mid-run, --sft-run, "
+                        "--rl-run)")
     return {phase: chosen[phase] for phase, _ in STAGES}
 
 
@@ -161,6 +163,11 @@ def summary_rows(facts: dict) -> list[tuple[str, dict]]:
     chatcore = cell(lambda f: chat_core(f["evals"].get("chat_eval", {})))
     if chatcore:
         rows.append(("ChatCORE (six tasks, centred by chance)", {p: f"{v:.4f}" for p, v in chatcore.items()}))
+    rl = cell(lambda f: f["meta"]["loop_state"].get("last_evals", {}).get("pass@1") if f["meta"].get("phase") == "rl"
+              else None)
+    if rl:
+        task = next(f["meta"]["args"].get("task") for f in facts.values() if f and f["meta"].get("phase") == "rl")
+        rows.append((f"pass@1 on held-out {task} questions (chat_rl's eval, sampled)", {p: f"{v:.4f}" for p, v in rl.items()}))
     rows += [("training time (optimizer steps)", cell(lambda f: f"{f['meta']['loop_state']['train_time']:.0f} s")),
              ("tokens seen", cell(lambda f: f"{f['meta']['loop_state']['tokens_seen']:,}")),
              ("cost", cell(lambda f: cost(f["meta"])))]
@@ -223,7 +230,7 @@ def render(facts: dict) -> str:
     present = [(phase, title) for phase, title in STAGES if facts[phase] is not None]
     lines = ["# nanochat_fast report card", "", f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}.", "",
              "Runs: " + ", ".join(f"{phase} `{facts[phase]['run_dir'].name}` (step {facts[phase]['meta']['step']})"
-                                  for phase, _ in present) + ". Pick others with --base-run, --mid-run, --sft-run "
+                                  for phase, _ in present) + ". Pick others with --base-run, --mid-run, --sft-run, --rl-run "
              "(a run name or directory, or none).", "", "## Summary", "",
              "| metric | " + " | ".join(title for _, title in present) + " |",
              "|---|" + "---|" * len(present)]

@@ -14,6 +14,7 @@ nanochat's defaults).
     chat_sft       -> chat_eval --run=RUN            (evaluation data prepared; on a CPU a sample of
                                                      each task)
                    -> chat_cli --run=RUN             (no evaluation data)
+    chat_rl        -> chat_eval --run=RUN --task=TASK  (the task it learned; on a CPU a sample)
     chat_eval      -> report                         (the report card of the pipeline)
 """
 import math
@@ -92,6 +93,12 @@ def after_sft(run_dir: Path) -> str:
         return command("chat_cli", run_flag(run_dir))
     sizing = [] if torch.cuda.is_available() else [f"--max-examples={CPU_EVAL_EXAMPLES}"]
     return command("chat_eval", run_flag(run_dir), *sizing)
+
+
+def after_rl(run_dir: Path, task: str) -> str:
+    """chat_eval of this run on the task it learned (on a machine without a GPU, a sample)."""
+    sizing = [] if torch.cuda.is_available() else [f"--max-examples={CPU_EVAL_EXAMPLES}"]
+    return command("chat_eval", run_flag(run_dir), f"--task={task}", *sizing)
 
 
 def after_chat_eval() -> str:

@@ -8,7 +8,8 @@ A Stage says what differs between base_train, mid_train and the stages after the
     start     where the weights come from: NewModel() (the depth dial) or FromRun(...) (another
               run's checkpoint, e.g. --base-run for mid_train)
     data      what it trains and validates on (stage_data.py: grad_accum_steps, open, and
-              varying_shapes: whether row lengths change between batches, which keeps it eager)
+              varying_shapes: whether row lengths change between batches, which keeps it eager;
+              chat_rl's samples its batches from the model being trained: rollouts.py)
     horizon   how long: fixed_horizon (steps, FLOPs budget or tokens per parameter) or one_epoch
     sample    what to print every --sample-every steps: completions or chat replies
     run_name  the default --run
@@ -176,7 +177,7 @@ def run_stage(args, stage: Stage) -> int:
     try:
         print0(dev.describe(precision=False))
         setup = set_up(args, stage, cfg, dev)
-        data = stage.data.open(args, setup.cfg, setup.tokenizer, dev)
+        data = stage.data.open(args, setup.cfg, setup.tokenizer, dev, setup.orig_model)
         run, sections = make_run(args, stage, setup, data)
         print0(run_report.summary(run, setup.point.config, sections["Stage"]))
         if setup.ckpt is not None:

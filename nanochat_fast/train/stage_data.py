@@ -5,8 +5,10 @@ A stage's data is an object with two methods (stage.py calls them):
 
     grad_accum_steps(data_config, world_size)   micro-steps per optimizer step (UserError if the
                                                 batch does not divide), checked before any work
-    open(args, cfg, tokenizer, dev) -> Data     the training loader of this rank and a factory of
-                                                its validation batches
+    open(args, cfg, tokenizer, dev, model) -> Data
+                                                the training loader of this rank and a factory of
+                                                its validation batches (model: the one being
+                                                trained, which chat_rl's rollouts sample from)
 
 A loader yields this rank's (inputs, targets) forever (targets -1 are not trained on) and has
 state_dict()/load_state_dict() (the global cursor, saved in checkpoints), epoch_progress and
@@ -136,7 +138,7 @@ class PackedRows:
     def grad_accum_steps(self, data_config, world_size: int) -> int:
         return data_config.grad_accum_steps(world_size)
 
-    def open(self, args, cfg, tokenizer, dev) -> Data:
+    def open(self, args, cfg, tokenizer, dev, model=None) -> Data:
         data = cfg.data
         extra = getattr(args, "extra_conversations", None) or None
         dataset, options, note = data.dataset or self.default_dataset, {}, ""
@@ -214,7 +216,7 @@ class PaddedConversations:
         return micro_steps("--target-examples-per-step", self.examples_per_step, "device_batch_size x world_size",
                            (data_config.device_batch_size, world_size))
 
-    def open(self, args, cfg, tokenizer, dev) -> Data:
+    def open(self, args, cfg, tokenizer, dev, model=None) -> Data:
         train_parts, val_parts, dataset, notes = self.sources(args, cfg, tokenizer)
         data, pad = cfg.data, tokenizer.encode_special("<|assistant_end|>")
         mixtures = {"train": ConversationMixture(train_parts, seed=cfg.run.seed),

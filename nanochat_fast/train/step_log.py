@@ -4,7 +4,7 @@ StepRecord of what the step measured; the same step's metrics row comes with it)
 when attached to a terminal, as plain lines otherwise (Progress).
 """
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import hardware
 from ..core.progress import progress_bar
@@ -51,6 +51,7 @@ class StepRecord:
     smooth_loss: float            # the debiased EMA of the loss
     eta_seconds: float | None
     tokens_seen: int
+    extra: dict = field(default_factory=dict)  # the loader's own figures of the step (chat_rl: reward, ...)
 
 
 def format_eta(seconds: float) -> str:
@@ -66,9 +67,10 @@ def describe_step(m: StepRecord, flops_per_token: float, peak: hardware.Peak | N
     mfu_text = hardware.mfu_text(flops_per_token, tok_per_sec, peak, world_size, against=False)
     total = f"/{m.num_iterations}" if m.num_iterations else ""
     eta = f" | eta {format_eta(m.eta_seconds)}" if m.eta_seconds is not None else ""
-    line = (f"step {m.step:05d}{total} | loss {m.loss:.4f} | lrm {m.lrm:.3f} | dt {m.dt * 1000:.0f}ms | "
+    extra = "".join(f" | {k.replace('_', ' ')} {v:.4g}" for k, v in m.extra.items())
+    line = (f"step {m.step:05d}{total} | loss {m.loss:.4f}{extra} | lrm {m.lrm:.3f} | dt {m.dt * 1000:.0f}ms | "
             f"tok/s {tok_per_sec:,.0f} | {mfu_text}{eta}")
-    postfix = f"loss {m.loss:.3f} tok/s {tok_per_sec:,.0f}"
+    postfix = f"loss {m.loss:.3f}{extra.replace(' | ', ' ')} tok/s {tok_per_sec:,.0f}"
     row = dict(kind="train", step=m.step, loss=m.loss, smooth_loss=m.smooth_loss, lrm=m.lrm, grad_norm=m.grad_norm,
-               dt=m.dt, tok_per_sec=tok_per_sec, mfu=mfu, tokens_seen=m.tokens_seen)
+               dt=m.dt, tok_per_sec=tok_per_sec, mfu=mfu, tokens_seen=m.tokens_seen, **m.extra)
     return line, postfix, row

@@ -12,7 +12,9 @@ One step:
     the logged loss is the global mean: all-reduced loss sums / count
     optim.step(): reduce-scatter, global grad norm, clip, update
 Dividing by the global count of supervised tokens (not per-rank means) makes the gradient the
-same on 1 and N processes, also for masked targets (mid-training).
+same on 1 and N processes, also for masked targets (mid-training). A micro-batch of three tensors
+(x, y, row weights) weighs each row's token losses (chat_rl: the advantages, rl_objective.py); a
+loader with step_metrics() adds its own figures of the step to the step's log line.
 """
 import contextlib
 import math
@@ -28,6 +30,7 @@ from ..core.compiling import CompileWatch
 from ..core.distributed import all_reduce_sum, any_rank, get_dist_info, print0
 from ..core.errors import EXIT_NONFINITE
 from ..evals.bits_per_byte import evaluate_bpb
+from .rl_objective import weighted_loss_sum
 from .run_report import MetricsLog
 from .run_state import Horizon, Run, save
 from .step_log import Progress, StepRecord, describe_step
@@ -221,15 +224,15 @@ class StepResult:
 def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx, inject_nan=False) -> StepResult:
     """One optimizer step over this rank's micro-batches (see the module docstring)."""
     local = torch.stack([torch.stack([(y >= 0).sum(), torch.tensor(x.numel(), device=x.device)])
-                         for x, y in micro_batches]).sum(0).double()
+                         for x, y, *_ in micro_batches]).sum(0).double()
     n_sup, n_tokens = all_reduce_sum(local).unbind()  # one collective for both counts
     # The optimizers average gradients over ranks (sum / world_size), so each rank scales its part
     # by world_size: the averaged gradient is then d(global loss sum)/d(params) / n_sup.
     world_size = get_dist_info()[3]
     loss_sum = torch.zeros((), dtype=torch.float64, device=n_sup.device)
-    for x, y in micro_batches:
+    for batch in micro_batches:
         with autocast_ctx:
-            loss = model(x, y, loss_reduction="sum")
+            loss = micro_batch_loss(model, batch)
         if inject_nan:
             loss = loss * float("nan")
         (loss * world_size / n_sup.clamp(min=1)).backward()
@@ -241,6 +244,15 @@ def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx, inject
     grad_norm = optim.step(optimizers, grad_clip).item()
     model.zero_grad(set_to_none=True)
     return StepResult(global_loss, grad_norm, int(n_sup.item()), math.isfinite(grad_norm), int(n_tokens.item()))
+
+
+def micro_batch_loss(model, batch):
+    """The summed loss of (x, y): the cross-entropy; of (x, y, row_weights): each row's token
+    cross-entropies times its weight."""
+    x, y, *weights = batch
+    if not weights:
+        return model(x, y, loss_reduction="sum")
+    return weighted_loss_sum(model(x, y, loss_reduction="none"), weights[0])
 
 
 def without_compile_time(s: Session, step: int, dt: float, watch: CompileWatch | None) -> float:
@@ -284,9 +296,11 @@ def count_step(s: Session, result: StepResult, lrm: float, dt: float) -> StepRec
     beta = 0.9  # EMA of the loss, debiased as in nanochat (and of dt: the recent speed)
     state.smooth_loss = beta * state.smooth_loss + (1 - beta) * result.loss
     s.dt_ema = dt if s.dt_ema is None else beta * s.dt_ema + (1 - beta) * dt
+    step_metrics = getattr(s.run.data.train, "step_metrics", None)  # on every rank: it may all-reduce
     return StepRecord(state.step, horizon.num_iterations, result.loss, result.grad_norm, lrm, dt, result.n_tokens,
                       smooth_loss=state.smooth_loss / (1 - beta ** state.step),
-                      eta_seconds=eta_seconds(horizon, state.step, s.dt_ema), tokens_seen=state.tokens_seen)
+                      eta_seconds=eta_seconds(horizon, state.step, s.dt_ema), tokens_seen=state.tokens_seen,
+                      extra=step_metrics() if step_metrics else {})
 
 
 def eta_seconds(horizon: Horizon, step: int, dt_ema: float) -> float | None:

@@ -7,6 +7,8 @@ Evaluation tasks over the prepared data (data/eval/, see evals/benchmark_files.p
         GSM8K                     gsm8k.py        generative, with the calculator
         HumanEval                 humaneval.py    generative, run in the sandbox
         SpellingBee               spellingbee.py  generative, with the calculator
+    synthetic (made, not prepared; chat_rl's proof of learning on a CPU; chat_eval --task takes it)
+        last-digit                last_digit.py   generative, "#### N" like GSM8K
     base-model tasks (base_eval)
         the CORE subset           core.py         few-shot likelihood of each choice
 
@@ -21,6 +23,7 @@ from .arc import ARC
 from .core import CORE_SUBSET, SUBSET_NAME, CoreTask
 from .gsm8k import GSM8K, extract_answer
 from .humaneval import HumanEval
+from .last_digit import LastDigit
 from .mmlu import MMLU
 from .spellingbee import SpellingBee
 from .task_types import (CATEGORICAL, GENERATIVE, LIKELIHOOD, ChatTask, GenerativeTask, MultipleChoiceTask, Task,
@@ -29,16 +32,20 @@ from .task_types import (CATEGORICAL, GENERATIVE, LIKELIHOOD, ChatTask, Generati
 CHAT_TASKS = [ARC("ARC-Easy"), ARC("ARC-Challenge"), MMLU(), GSM8K(), HumanEval(), SpellingBee()]
 CHAT_TASK_NAMES = [t.name for t in CHAT_TASKS]
 CORE_TASK_NAMES = [t.name for t in CORE_SUBSET]
-_BY_NAME = {t.name.lower(): t for t in CHAT_TASKS + CORE_SUBSET}
+SYNTHETIC_TASKS = [LastDigit()]
+# what chat_rl trains on: generative tasks whose reply ends in "#### N" (a reward of 0 or 1)
+RL_TASK_NAMES = ["GSM8K", "SpellingBee", LastDigit.name]
+_BY_NAME = {t.name.lower(): t for t in CHAT_TASKS + SYNTHETIC_TASKS + CORE_SUBSET}
 
 
 def get(name: str) -> Task:
     """The task named `name`: nanochat's chat task names (ARC-Easy, ARC-Challenge, MMLU, GSM8K,
-    HumanEval, SpellingBee) or a CORE label (hellaswag_zeroshot, arc_easy, ...), any case."""
+    HumanEval, SpellingBee), a synthetic task (last-digit) or a CORE label (hellaswag_zeroshot,
+    arc_easy, ...), any case."""
     task = _BY_NAME.get(name.strip().lower())
     if task is None:
-        raise UserError(f"unknown task {name!r}; chat tasks: {', '.join(CHAT_TASK_NAMES)}; "
-                        f"CORE subset: {', '.join(CORE_TASK_NAMES)}")
+        raise UserError(f"unknown task {name!r}; chat tasks: {', '.join(CHAT_TASK_NAMES)}; synthetic: "
+                        f"{', '.join(t.name for t in SYNTHETIC_TASKS)}; CORE subset: {', '.join(CORE_TASK_NAMES)}")
     return task
 
 
@@ -53,5 +60,6 @@ def parse_names(spec: str, default: list[str]) -> list[Task]:
 
 
 __all__ = ["ARC", "CATEGORICAL", "CHAT_TASKS", "CHAT_TASK_NAMES", "CORE_SUBSET", "CORE_TASK_NAMES", "ChatTask",
-           "CoreTask", "GENERATIVE", "GSM8K", "GenerativeTask", "HumanEval", "LIKELIHOOD", "MMLU", "MultipleChoiceTask",
-           "SUBSET_NAME", "SpellingBee", "Task", "extract_answer", "get", "parse_names", "render_mc"]
+           "CoreTask", "GENERATIVE", "GSM8K", "GenerativeTask", "HumanEval", "LIKELIHOOD", "LastDigit", "MMLU",
+           "MultipleChoiceTask", "RL_TASK_NAMES", "SUBSET_NAME", "SYNTHETIC_TASKS", "SpellingBee", "Task",
+           "extract_answer", "get", "parse_names", "render_mc"]

@@ -38,6 +38,9 @@ class Task:
     def __repr__(self):
         return f"<{type(self).__name__} {self.name} ({self.kind}, chance {self.chance:.0%})>"
 
+    def __str__(self):
+        return self.name  # as a flag's value (chat_rl --task) in meta.json and the report
+
 
 class ChatTask(Task):
     """A task for the chat model: each example renders as a conversation (user question, the
