@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from nanochat_fast.core import checkpoint
 from nanochat_fast.data.padded_conversations import ConversationMixture, PaddedConversationLoader
 from nanochat_fast.data.tokenizer import get_tokenizer
-from nanochat_fast.scripts import chat_sft, mid_train
+from nanochat_fast.evals import tasks
+from nanochat_fast.scripts import chat_eval, chat_sft, mid_train
 from nanochat_fast.train.stage_data import ConversationShards
-from eval_home import gsm8k, write_eval_home
+from eval_home import gsm8k, mc, write_eval_home, write_task
 from test_gpt import random_model
 from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
 
@@ -172,3 +173,26 @@ def test_batch_must_divide_into_examples(sft_home, monkeypatch):
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(sft_home))
     with pytest.raises(UserError, match="nearest valid values: 8 or 12"):
         chat_sft.main(SFT[1:] + ["--device-batch-size=4", "--target-examples-per-step=10", "--run=x"])
+
+
+def test_prompts_longer_than_the_context_stop_neither_training_nor_evaluation(sft_home, tmp_path, monkeypatch,
+                                                                             capsys):
+    """Two MMLU questions of ~1,000 tokens, past the rotary table of the 64-position model (640):
+    chat_sft with the default mixture, its in-training MMLU evaluation included, finishes; chat_eval
+    --task=MMLU scores every question and says how many prompts it cut to their end."""
+    home = tmp_path / "home"
+    shutil.copytree(sft_home, home)
+    long = [dict(e, question=e["question"] + " Think of the colour of the evening sky." * 25)
+            for e in mc("mmlu-long", 2)]
+    write_task(home, "mmlu", {"dev": mc("mmlu-dev", 2), "validation": mc("mmlu-val", 4) + long,
+                              "test": [dict(e, subject="colours") for e in mc("mmlu", 6) + long]})
+    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
+    assert chat_sft.main(SFT + ["--num-iterations=2", "--eval-every=1", "--run=long"]) == 0
+    assert "mmlu acc" in capsys.readouterr().out
+    assert chat_eval.main(["--run=long", "--task=MMLU", "--dtype=fp32"]) == 0
+    out = capsys.readouterr().out
+    tok, mmlu = get_tokenizer(), tasks.get("MMLU")
+    lengths = [len(tok.render_for_completion(mmlu.conversation(ex))) for ex in mmlu.load()]
+    assert len(lengths) == 8 and max(lengths) > 10 * 64
+    assert f"| {sum(n > 64 for n in lengths)} of 8 prompts longer than the context were truncated (their end kept)" \
+        in out, out
