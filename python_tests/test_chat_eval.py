@@ -26,7 +26,10 @@ from recording_chat_eval import recording
 from test_gpt import random_model
 from tiny_pipeline import FP32, ROOT, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run
 
-BASE = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
+# a context of 128: the multiple-choice prompts (up to ~90 tokens here) fit whole; a longer one would be
+# cut to its end and lose its question (scoring.py)
+BASE = [a if not a.startswith("--max-seq-len") else "--max-seq-len=128" for a in TINY_MODEL] + TINY_LOOP + \
+    ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 # fp32 pinned: 1 and 2 processes batch the prompts differently, and their scores are compared
 EVAL = ["--run=spread", "--task=all", "--max-new-tokens=12", "--batch-size=3", "--dtype=fp32"]
 
