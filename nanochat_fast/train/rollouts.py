@@ -89,9 +89,13 @@ class Rollouts:
                                cfg.data.max_seq_len, cfg.run.seed, dev, self.num_epochs)
         pad = tokenizer.encode_special("<|assistant_end|>")
         val = ConversationMixture([(self.task.name, ConversationShards(
-            [self.task.conversation(ex) for ex in held_out], tokenizer, f"{self.task.name} held out"))], shuffle=False)
+            [self.task.conversation(ex) for ex in held_out], tokenizer, f"{self.task.name} held out"))],
+            shuffle=False) if held_out else None
 
         def batches():
+            if val is None:  # --eval-examples=0: nothing held out (val bpb n/a)
+                return iter(())
+
             def make_loader(split, rank, world_size):
                 return PaddedConversationLoader(val, cfg.data.device_batch_size, cfg.data.max_seq_len, pad, rank,
                                                 world_size, dev.device)
