@@ -275,3 +275,19 @@ def test_a_busy_machine_is_not_cached_and_old_timings_are_taken_again(machine, m
     entry["measured"] = "2020-01-01 00:00:00"
     tuning.CACHE.path.write_text(json.dumps(data))
     assert tuning.measure(work, "cpu").source == "measured"
+
+
+def test_measuring_leaves_the_runs_random_stream_alone(machine):
+    """The timed work and the peak probe draw random inputs; the run's own draws after them (its
+    initial weights) must be those of a run whose timings came from the cache."""
+    from nanochat_fast.hardware import peak
+    fake = machine("bf16 fast")
+    work = fake.work("model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model"))
+    original = work.make
+    work.make = lambda: (torch.randn(1000), original())[1]  # as step_work's new model does
+    torch.manual_seed(0)
+    expected = torch.randn(8)
+    torch.manual_seed(0)
+    assert tuning.measure(work, "cpu").source == "measured"
+    peak.measure_matmul_rate("cpu", torch.float32, seconds=0.0, max_size=64)
+    assert torch.equal(torch.randn(8), expected)
