@@ -216,3 +216,22 @@ def test_import_refuses_a_home_with_another_tokenizer(home, nano, tmp_path, caps
     assert code == 2 and "holds another tokenizer" in err
     assert (home / "tokenizer" / "tokenizer.tiktoken").read_bytes() == before and not (home / "runs" / "x").exists()
     shutil.rmtree(nano["tok_dir"])
+
+
+class Shell:
+    """A pickle that would run a command when unpickled by pickle.load (never run here)."""
+
+    def __reduce__(self):
+        return (__import__("os").system, ("touch SHOULD_NOT_EXIST",))
+
+
+@pytest.mark.parametrize("payload, named", [(Shell(), "posix.system"), ({"pat_str": "x"}, "holds a dict")])
+def test_the_restricted_unpickler_runs_nothing(payload, named, tmp_path, monkeypatch):
+    from nanochat_fast.core.errors import UserError
+    from nanochat_fast.data import nanochat_tokenizer
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "tokenizer.pkl"
+    path.write_bytes(pickle.dumps(payload))
+    with pytest.raises(UserError, match=named):
+        nanochat_tokenizer.read_encoding_state(path)
+    assert not (tmp_path / "SHOULD_NOT_EXIST").exists()

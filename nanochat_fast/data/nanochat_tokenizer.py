@@ -5,10 +5,9 @@ nanochat's tokenizer files, read and written without trusting them:
     token_bytes.pt   int32[vocab]: UTF-8 bytes per token id, 0 for the special tokens
 
 A pickle can run any code while it loads, so tokenizer.pkl is read by an unpickler whose
-find_class admits only the one class a tiktoken encoding pickles as (tiktoken.core.Encoding, plus
-copyreg's reconstructor for the oldest pickle protocols). Even that class is not built: a stand-in
-records the state the pickle hands to Encoding.__setstate__ (a dict of str, bytes and int), which is
-then checked field by field. Anything else is refused with one line. token_bytes.pt loads with
+find_class admits only the one class a tiktoken encoding pickles as (tiktoken.core.Encoding). Even
+that class is not built: a stand-in records the state the pickle hands to Encoding.__setstate__ (a
+dict of str, bytes and int), which is then checked field by field. Anything else is refused with one line. token_bytes.pt loads with
 weights_only=True.
 
 Our Tokenizer (tokenizer.py) is made from the same ranks, pattern and special tokens, so its ids
@@ -43,23 +42,18 @@ class _EncodingState:
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    ALLOWED = {("tiktoken.core", "Encoding"): _EncodingState,
-               ("copyreg", "_reconstructor"): None,  # protocols 0 and 1: _reconstructor(cls, object, None)
-               ("builtins", "object"): object}
+    """Every class or function a pickle names goes through find_class: only Encoding is admitted
+    (pickle.dump(encoding) names nothing else with protocols 2 to 5, which nanochat writes)."""
 
     def __init__(self, file, path):
         super().__init__(file)
         self.path = path
 
     def find_class(self, module, name):
-        if (module, name) not in self.ALLOWED:
+        if (module, name) != ("tiktoken.core", "Encoding"):
             raise UserError(f"{self.path} refers to {module}.{name}: only a tiktoken encoding is read from a "
                             "tokenizer.pkl (pickles can run code); give the tokenizer folder nanochat's tok_train wrote")
-        target = self.ALLOWED[(module, name)]
-        if target is None:
-            import copyreg
-            return copyreg._reconstructor
-        return target
+        return _EncodingState
 
 
 def _checked_state(obj, path: Path) -> dict:
