@@ -19,7 +19,7 @@ from nanochat_fast.model.gpt import GPT, GPTConfig
 from nanochat_fast.scripts import base_eval, base_train, chat_cli, export_nanochat, import_nanochat, mid_train
 from nanochat_files import (gpt_shapes, optimizer_files, random_weights, write_checkpoint,
                             write_tokenizer)
-from tiny_pipeline import TINY_LOOP, TINY_MODEL, home_env
+from tiny_pipeline import TINY_LOOP, TINY_MODEL
 
 # our TINY_MODEL (depth 2, aspect 32, head_dim 32, 64-token rows) as nanochat's model_config
 CFG = dict(sequence_len=64, vocab_size=320, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)

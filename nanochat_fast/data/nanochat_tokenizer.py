@@ -7,8 +7,8 @@ nanochat's tokenizer files, read and written without trusting them:
 A pickle can run any code while it loads, so tokenizer.pkl is read by an unpickler whose
 find_class admits only the one class a tiktoken encoding pickles as (tiktoken.core.Encoding). Even
 that class is not built: a stand-in records the state the pickle hands to Encoding.__setstate__ (a
-dict of str, bytes and int), which is then checked field by field. Anything else is refused with one line. token_bytes.pt loads with
-weights_only=True.
+dict of str, bytes and int), which is then checked field by field. Anything else is refused with
+one line. token_bytes.pt loads with weights_only=True.
 
 Our Tokenizer (tokenizer.py) is made from the same ranks, pattern and special tokens, so its ids
 are nanochat's by construction; check_same_ids confirms it on a sample at import.

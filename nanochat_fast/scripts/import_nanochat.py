@@ -20,9 +20,9 @@ tokenizer. Not carried over: nanochat's data position (a resumed run reads our d
 Nothing here unpickles arbitrary objects: tokenizer.pkl goes through a restricted unpickler that
 admits only a tiktoken encoding, and every .pt file loads with weights_only=True. The converted
 tokenizer is checked to give nanochat's ids on a multilingual sample with the special tokens.
---phase is what the run counts as (base: base_eval, mid_train --base-run; mid/sft: chat_cli,
-chat_eval, chat_web, chat_sft --source-run); by default it follows nanochat's folder name
-(base_checkpoints, mid_checkpoints, chatsft_checkpoints), else base.
+--phase is what the run counts as (base: base_eval, base_train --resume, mid_train --base-run;
+mid and sft: chat_cli, chat_eval, chat_web; base and mid: chat_sft --source-run); by default it
+follows nanochat's folder name (base_checkpoints, mid_checkpoints, chatsft_checkpoints), else base.
 """
 import math
 import os
@@ -47,9 +47,9 @@ PHASE_OF_FOLDER = {"base_checkpoints": "base", "mid_checkpoints": "mid", "chatsf
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.import_nanochat", description=__doc__)
-    p.add_argument("--from", dest="source", required=True, help="nanochat's checkpoint folder (model_*.pt, meta_*.json)")
+    p.add_argument("--from", dest="source", required=True, metavar="DIR", help="nanochat's checkpoint folder (model_*.pt, meta_*.json)")
     p.add_argument("--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest)")
-    p.add_argument("--tokenizer", required=True, help="nanochat's tokenizer folder (tokenizer.pkl, token_bytes.pt)")
+    p.add_argument("--tokenizer", required=True, metavar="DIR", help="nanochat's tokenizer folder (tokenizer.pkl, token_bytes.pt)")
     p.add_argument("--run", type=cli.run_name, required=True, help="name of the run to create under NANOCHAT_FAST_HOME/runs")
     p.add_argument("--phase", default="", choices=["", "base", "mid", "sft"],
                    help="what the run counts as ('': from nanochat's folder name, else base)")
