@@ -226,18 +226,20 @@ def test_tune_refuses_a_budget_nothing_fits(nanochat_home):
     assert not (nanochat_home / "hardware").exists() or not any((nanochat_home / "hardware").iterdir())
 
 
-def test_tune_times_a_model_and_later_runs_reuse_it(nanochat_home):
+def test_tune_times_a_model_and_later_runs_reuse_it(nanochat_home, monkeypatch, capsys):
     """The real thing on this machine, small: --tune --depth times the model and its Muon
-    matrices; a second invocation lists them from the cache."""
+    matrices; a second invocation lists them from the cache. (In this process, with the load check
+    off: on a loaded machine nothing is cached by design, test_a_busy_machine_is_not_cached...)"""
+    from nanochat_fast.hardware import __main__ as hardware_cli, cache
+    monkeypatch.setattr(cache, "machine_busy", lambda: False)
+    monkeypatch.setattr(tuning, "machine_busy", lambda: False)
     small = ["--depth=1", "--max-seq-len=32", "--device-batch-size=2", "--budget=5"]
-    proc = subprocess.run([sys.executable, "-m", "nanochat_fast.hardware", "--tune", *small],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    timed = [l for l in proc.stdout.splitlines() if l.startswith("timed: ")]
+    assert hardware_cli.main(["--tune", *small]) == 0
+    timed = [l for l in capsys.readouterr().out.splitlines() if l.startswith("timed: ")]
     assert len(timed) == 2 and "forward+backward (2x32 tokens)" in timed[0] and "Newton-Schulz" in timed[1]
-    listed = subprocess.run([sys.executable, "-m", "nanochat_fast.hardware"], capture_output=True, text=True,
-                            cwd=REPO, timeout=120)
-    assert listed.stdout.count("cached 0 days ago: bf16 ") == 2, listed.stdout
+    assert hardware_cli.main([]) == 0
+    listed = capsys.readouterr().out
+    assert listed.count("cached 0 days ago: bf16 ") == 2, listed
 
 
 @pytest.mark.parametrize("cpu", list(CPUS))
