@@ -29,7 +29,8 @@ PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest
 install: $(STAMP)
 
 # extras: web = chat_web's FastAPI + uvicorn; test = pytest tools, httpx and Playwright, which drives the
-# system's Chromium in the browser test (never `playwright install`; .ci/run apt-installs chromium)
+# system's Chromium in the browser test (never `playwright install`; .ci/run apt-installs chromium), and
+# wandb + tensorboard for the tracking tests (the extras a user installs for --wandb / --tensorboard)
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --disable-pip-version-check -q $(TORCH_SPEC) $(TRITON_SPEC)

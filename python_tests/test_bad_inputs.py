@@ -18,31 +18,31 @@ import torch
 
 from nanochat_fast.core import checkpoint, cli
 from nanochat_fast.hardware import __main__ as hardware
-from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_rl, chat_sft, chat_web, infer_bench,
-                                   mid_train, prepare_data, report, tok_train)
+from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_rl, chat_sft, chat_web,
+                                   export_nanochat, import_nanochat, infer_bench, mid_train, prepare_data, report,
+                                   tok_train)
 from nanochat_fast.train import environment
-from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_with_base_run
+from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_env, home_with_base_run
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 SCRIPTS = {"base_train": base_train, "mid_train": mid_train, "base_eval": base_eval, "chat_cli": chat_cli,
            "prepare_data": prepare_data, "tok_train": tok_train, "chat_web": chat_web, "chat_sft": chat_sft,
            "chat_eval": chat_eval, "report": report, "hardware": hardware, "infer_bench": infer_bench,
-           "chat_rl": chat_rl}
+           "import_nanochat": import_nanochat, "export_nanochat": export_nanochat, "chat_rl": chat_rl}
 # infer_bench on a random model small enough to finish at once, should a bad value slip through
 BENCH = ["--depth=1", "--vocab-size=300", "--max-seq-len=32", "--batch-sizes=1", "--prompt-tokens=4",
          "--decode-tokens=2", "--dtype=fp32"]
 
 
-SFT_LIKE = {}  # where trained_home put sft_like
-
-
 @pytest.fixture(scope="module")
 def trained_home(tiny_home, tmp_path_factory):
-    """tiny_home plus a 4-step base run `b` (checkpoints at steps 2 and 4); beside the home (not
-    among its runs), `sft_like`: run b labelled an sft run, a chat model for chat_rl to start from."""
+    """tiny_home plus a 4-step base run `b` (checkpoints at steps 2 and 4), exported in nanochat's
+    layout to nanochat/ (what import_nanochat's rows read); beside the home (not among its runs),
+    `sft_like`: run b labelled an sft run, a chat model for chat_rl to start from."""
     home = home_with_base_run(tiny_home, tmp_path_factory.mktemp("bad") / "home",
                               TINY + ["--num-iterations=4", "--save-every=2", "--run=b"])
-    SFT_LIKE["path"] = home.parent / "sft_like"
+    with home_env(home):
+        assert export_nanochat.main(["--run=b", f"--out={home / 'nanochat'}"]) == 0
     shutil.copytree(home / "runs" / "b", home.parent / "sft_like")
     for meta_file in (home.parent / "sft_like").glob("checkpoints/*/meta.json"):
         meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "phase": "sft"}))
@@ -61,6 +61,9 @@ def first(pattern, home):
 def retrain_tokenizer(home):
     assert tok_train.main(["--vocab-size=300", "--no-tokenize"]) == 0
 
+
+# import_nanochat's source: run b exported by export_nanochat (trained_home)
+NANO = ["--from={home}/nanochat/base_checkpoints/d2", "--tokenizer={home}/nanochat/tokenizer"]
 
 CASES = [
     # (id, script, argv, setup(home), expected text in the one line)
@@ -158,6 +161,13 @@ CASES = [
     ("bench-no-model", "infer_bench", ["--batch-sizes=1"], None,
      "give --run=NAME (a run's checkpoint) or --depth=N (a random model)"),
     ("bench-two-models", "infer_bench", ["--run=b", "--depth=2"], None, "or --depth=N (a random model), not both"),
+    # import_nanochat / export_nanochat (test_nanochat_interop.py has the rest: pickles, shapes, vocab)
+    ("import-not-a-nanochat-folder", "import_nanochat", ["--from={tmp}", "--tokenizer={tmp}", "--run=x"], None,
+     "no meta_*.json there"),
+    ("import-run-exists", "import_nanochat", NANO + ["--run=b"], None, "already exists: pick another --run"),
+    ("export-over-a-checkpoint", "export_nanochat", ["--run=b", "--out={home}/nanochat"], None,
+     "model_000004.pt exists; pass --overwrite"),
+    ("export-no-run", "export_nanochat", ["--run=nope", "--out={tmp}"], None, "no run named 'nope'"),
 ]
 
 
@@ -172,7 +182,7 @@ def test_bad_input_is_one_line_and_exit_2(case, trained_home, tmp_path, monkeypa
     if setup:
         setup(home)
         capsys.readouterr()
-    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{home}", str(home)) for a in argv]
     assert expected.replace("{home}", str(home)) in one_line_exit_2(script, argv, capsys)
 
 
@@ -194,7 +204,7 @@ def one_line_exit_2(script, argv, capsys) -> str:
 # flags that take any value (switches, free text), only print help, or (--host) are checked by
 # binding to them (a made-up host name would wait on a DNS lookup here)
 NO_BAD_VALUE = {"--help", "--overwrite", "--deterministic", "--compile", "--no-compile", "--no-tokenize", "--prompt",
-                "--host", "--normuon", "--no-normuon", "--tune"}
+                "--host", "--normuon", "--no-normuon", "--tune", "--no-optimizer", "--tensorboard"}
 BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--depth": "0", "--aspect-ratio": "-1", "--head-dim": "3", "--max-seq-len": "0", "--dataset": "../x",
     "--device-batch-size": "-4", "--total-batch-size": "0", "--num-iterations": "0", "--target-flops": "-5",
@@ -217,6 +227,7 @@ BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--chat-eval-examples": "-1", "--task": "ARC-Hard", "--max-examples": "-1", "--num-samples": "0",
     "--batch-size": "0", "--budget": "-1", "--device": "tpu", "--mid-run": "../nope", "--sft-run": "../nope", "--output": "/dev/null/card.md",
     "--rl-run": "../nope", "--examples-per-step": "0", "--num-epochs": "0", "--eval-examples": "-1",
+    "--from": "/nonexistent", "--tokenizer": "/nonexistent", "--phase": "rl", "--out": "/dev/null", "--wandb": "a/b",
 }
 # what each script gets before the bad flag: enough to run and end, should the bad value slip through
 # (chat_web: a port that is taken, so it stops before serving)
@@ -226,7 +237,8 @@ CONTEXT = {"base_train": TINY + ["--num-iterations=1", "--run=flagcheck"], "mid_
            "chat_sft": ["--source-run=b", "--num-iterations=1", "--eval-every=-1", "--run=sftcheck"],
            "chat_eval": ["--run=b", "--task=ARC-Easy", "--max-examples=1"], "report": [],
            "hardware": ["--tune", "--depth=1", "--max-seq-len=16", "--device-batch-size=1"], "infer_bench": BENCH,
-           "chat_rl": ["--source-run={sft_like}", "--task=last-digit", "--num-iterations=1", "--eval-examples=2",
+           "import_nanochat": NANO + ["--run=imported"], "export_nanochat": ["--run=b", "--out={home}/exported"],
+           "chat_rl": ["--source-run={home}/../sft_like", "--task=last-digit", "--num-iterations=1", "--eval-examples=2",
                        "--max-new-tokens=4", "--run=rlcheck"]}
 
 
@@ -236,9 +248,8 @@ def busy_port():
         yield taken.getsockname()[1]
 
 
-def context(script, busy_port) -> list[str]:
-    return [a.replace("{busy_port}", str(busy_port)).replace("{sft_like}", str(SFT_LIKE.get("path")))
-            for a in CONTEXT[script]]
+def context(script, busy_port, home) -> list[str]:
+    return [a.replace("{busy_port}", str(busy_port)).replace("{home}", str(home)) for a in CONTEXT[script]]
 
 
 def long_flags(script) -> list[str]:
@@ -256,7 +267,7 @@ def test_every_flag_of_every_script_has_a_row():
 @pytest.mark.parametrize("script, flag", FLAG_ROWS, ids=[f"{s}{f}" for s, f in FLAG_ROWS])
 def test_bad_flag_value_is_one_line_naming_the_flag(script, flag, trained_home, busy_port, monkeypatch, capsys):
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(trained_home))
-    line = one_line_exit_2(script, context(script, busy_port) + [f"{flag}={BAD_VALUES[flag]}"], capsys)
+    line = one_line_exit_2(script, context(script, busy_port, trained_home) + [f"{flag}={BAD_VALUES[flag]}"], capsys)
     assert flag in line, line
 
 
@@ -302,7 +313,7 @@ def test_bad_environment_variable_is_one_line(case, script, trained_home, busy_p
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    assert expected in one_line_exit_2(script, context(script, busy_port), capsys)
+    assert expected in one_line_exit_2(script, context(script, busy_port, trained_home), capsys)
 
 
 @pytest.mark.parametrize("script", MODEL_SCRIPTS)

@@ -667,8 +667,9 @@ def test_a_stalled_upload_is_a_408_after_the_body_timeout(live_server, reference
 
 
 def test_cpu_replicas_leave_a_core_to_the_server_unless_omp_num_threads_is_set():
-    from nanochat_fast.core.threads import ThreadChoice
-    assert chat_web.server_threads(ThreadChoice(2, "the 2 core(s) this process may use")) == 1
-    assert chat_web.server_threads(ThreadChoice(16, "the 16 core(s) this process may use")) == 15
-    assert chat_web.server_threads(ThreadChoice(1, "the 1 core(s) this process may use")) == 1
-    assert chat_web.server_threads(ThreadChoice(2, "OMP_NUM_THREADS=2 set by the user")) == 2
+    from nanochat_fast.core.threads import decide_threads
+    assert chat_web.server_threads(decide_threads({}, cores=2, launcher_env={})) == 1
+    assert chat_web.server_threads(decide_threads({}, cores=16, launcher_env={})) == 15
+    assert chat_web.server_threads(decide_threads({}, cores=1, launcher_env={})) == 1
+    assert chat_web.server_threads(decide_threads({"OMP_NUM_THREADS": "2"}, cores=2, launcher_env={})) == 2
+    assert chat_web.server_threads(decide_threads({"OMP_NUM_THREADS": "1"}, cores=16, launcher_env={})) == 1

@@ -226,18 +226,20 @@ def test_tune_refuses_a_budget_nothing_fits(nanochat_home):
     assert not (nanochat_home / "hardware").exists() or not any((nanochat_home / "hardware").iterdir())
 
 
-def test_tune_times_a_model_and_later_runs_reuse_it(nanochat_home):
+def test_tune_times_a_model_and_later_runs_reuse_it(nanochat_home, monkeypatch, capsys):
     """The real thing on this machine, small: --tune --depth times the model and its Muon
-    matrices; a second invocation lists them from the cache."""
+    matrices; a second invocation lists them from the cache. (In this process, with the load check
+    off: on a loaded machine nothing is cached by design, test_a_busy_machine_is_not_cached...)"""
+    from nanochat_fast.hardware import __main__ as hardware_cli, cache
+    monkeypatch.setattr(cache, "machine_busy", lambda: False)
+    monkeypatch.setattr(tuning, "machine_busy", lambda: False)
     small = ["--depth=1", "--max-seq-len=32", "--device-batch-size=2", "--budget=5"]
-    proc = subprocess.run([sys.executable, "-m", "nanochat_fast.hardware", "--tune", *small],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    timed = [l for l in proc.stdout.splitlines() if l.startswith("timed: ")]
+    assert hardware_cli.main(["--tune", *small]) == 0
+    timed = [l for l in capsys.readouterr().out.splitlines() if l.startswith("timed: ")]
     assert len(timed) == 2 and "forward+backward (2x32 tokens)" in timed[0] and "Newton-Schulz" in timed[1]
-    listed = subprocess.run([sys.executable, "-m", "nanochat_fast.hardware"], capture_output=True, text=True,
-                            cwd=REPO, timeout=120)
-    assert listed.stdout.count("cached 0 days ago: bf16 ") == 2, listed.stdout
+    assert hardware_cli.main([]) == 0
+    listed = capsys.readouterr().out
+    assert listed.count("cached 0 days ago: bf16 ") == 2, listed
 
 
 @pytest.mark.parametrize("cpu", list(CPUS))
@@ -275,3 +277,19 @@ def test_a_busy_machine_is_not_cached_and_old_timings_are_taken_again(machine, m
     entry["measured"] = "2020-01-01 00:00:00"
     tuning.CACHE.path.write_text(json.dumps(data))
     assert tuning.measure(work, "cpu").source == "measured"
+
+
+def test_measuring_leaves_the_runs_random_stream_alone(machine):
+    """The timed work and the peak probe draw random inputs; the run's own draws after them (its
+    initial weights) must be those of a run whose timings came from the cache."""
+    from nanochat_fast.hardware import peak
+    fake = machine("bf16 fast")
+    work = fake.work("model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model"))
+    original = work.make
+    work.make = lambda: (torch.randn(1000), original())[1]  # as step_work's new model does
+    torch.manual_seed(0)
+    expected = torch.randn(8)
+    torch.manual_seed(0)
+    assert tuning.measure(work, "cpu").source == "measured"
+    peak.measure_matmul_rate("cpu", torch.float32, seconds=0.0, max_size=64)
+    assert torch.equal(torch.randn(8), expected)

@@ -26,6 +26,7 @@ import torch
 class ThreadChoice:
     threads: int
     reason: str
+    by_user: bool = False  # OMP_NUM_THREADS said so: callers keep it as it is
 
     def describe(self) -> str:
         return f"{self.threads} thread(s) per process ({self.reason})"
@@ -52,7 +53,7 @@ def decide_threads(env, cores: int, launcher_env=UNKNOWN, bound_per_rank: bool =
         else:
             from_torchrun = under_torchrun and launcher_env is not None and "OMP_NUM_THREADS" not in launcher_env
         if not from_torchrun:
-            return ThreadChoice(_omp_threads(omp), f"OMP_NUM_THREADS={omp} set by the user")
+            return ThreadChoice(_omp_threads(omp), f"OMP_NUM_THREADS={omp} set by the user", by_user=True)
     if under_torchrun and local_ranks > 1 and not bound_per_rank:
         threads = max(1, cores // local_ranks)
         ignored = "; torchrun's OMP_NUM_THREADS=1 default replaced" if omp is not None else ""

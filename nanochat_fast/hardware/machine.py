@@ -92,6 +92,16 @@ def machine_key(device) -> str:
     return " | ".join(parts + [f"torch={torch.__version__}", f"fp32 matmul={torch.get_float32_matmul_precision()}"])
 
 
+def rng_untouched(device):
+    """A context whose random draws leave the global generators as they were. A measurement's
+    random inputs must not move the run's own random stream: else a run's initial weights, and so
+    every figure it reports, would depend on whether its timings came from the cache."""
+    device = torch.device(device)
+    if device.type in ("cuda", "mps"):
+        return torch.random.fork_rng(devices=[device.index or 0], device_type=device.type)
+    return torch.random.fork_rng(devices=[])
+
+
 def synchronize(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -90,8 +90,9 @@ def measure_matmul_rate(device, dtype: torch.dtype, seconds: float = PROBE_SECON
     max_size = max_size or (8192 if device.type == "cuda" else 4096)
     deadline = time.perf_counter() + seconds
     best, n = 0.0, 64
+    gen = torch.Generator(device).manual_seed(0)  # its own: the run's random stream is not moved
     while True:
-        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        a, b = (torch.randn(n, n, device=device, generator=gen).to(dtype) for _ in range(2))
         out = torch.empty(n, n, device=device, dtype=dtype)
         torch.mm(a, b, out=out)  # the first call picks kernels and touches the memory
         synchronize(device)

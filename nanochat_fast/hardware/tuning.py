@@ -37,7 +37,7 @@ import torch
 from ..core.distributed import rank0_decides
 from ..core.errors import UserError
 from .cache import STALE_AFTER_DAYS, MeasurementCache, age_days, machine_busy
-from .machine import machine_key, synchronize
+from .machine import machine_key, rng_untouched, synchronize
 from .peak import DTYPES, measured_peaks
 
 BF16_MIN_SPEEDUP = 1.1
@@ -121,9 +121,10 @@ def measure(work: Work, device, max_seconds: float = MAX_SECONDS, remeasure: boo
         cached = None
     if cached and (cached.get("level") == "work" or not _fits(_predict(work.flops, rates), budget)):
         return Timing(cached["seconds"], cached["what"], cached["rounds"], "cached")
-    timing, level = _time_work(work, device, rates, budget), "work"
-    if timing is None:
-        timing, level = _time_matmuls(work, device, rates, matmul_budget), "matmuls"
+    with rng_untouched(device):  # the timed calls' random inputs leave the run's stream alone
+        timing, level = _time_work(work, device, rates, budget), "work"
+        if timing is None:
+            timing, level = _time_matmuls(work, device, rates, matmul_budget), "matmuls"
     if timing is None:
         if strict:
             raise TuningError(too_slow(work, rates, max_seconds))

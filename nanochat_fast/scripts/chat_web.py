@@ -206,7 +206,7 @@ def server_threads(choice) -> int:
     unless the user set OMP_NUM_THREADS. The event loop that parses requests and streams every
     token needs a core of its own; on a 2-core machine a replica at 1 thread served 1 and 8
     clients faster than at 2 (benchmarks/RESULTS.md, chat_web)."""
-    if "OMP_NUM_THREADS" in choice.reason:
+    if choice.by_user:
         return choice.threads
     return max(1, choice.threads - 1)
 

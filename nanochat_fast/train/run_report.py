@@ -19,8 +19,9 @@ class MetricsLog:
     """Append-only JSONL log. On resume from step k, rows logged after step k by the run that was
     interrupted are dropped, so the file describes exactly one history."""
 
-    def __init__(self, path: Path, resume_step: int | None = None):
+    def __init__(self, path: Path, resume_step: int | None = None, trackers=None):
         self.path = Path(path)
+        self.trackers = trackers  # tracking.Trackers (wandb, TensorBoard): each row goes there too
         if resume_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
@@ -32,6 +33,8 @@ class MetricsLog:
         row.setdefault("time", round(time.time(), 3))
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(row)
 
     def rows(self) -> list[dict]:
         if not self.path.exists():

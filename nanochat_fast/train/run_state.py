@@ -12,7 +12,7 @@ import torch
 
 from .. import hardware
 from ..core import checkpoint
-from ..core.distributed import all_ranks_ok
+from ..core.distributed import all_ranks_ok, print0
 from ..hardware.device import Device
 from .stage_data import Data
 from .training_config import LoopConfig, OptimConfig
@@ -103,6 +103,9 @@ def restore(run: Run, ckpt: Path, meta: dict):
         torch.set_rng_state(rng["cpu"].cpu())
         if run.device.type == "cuda" and "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"].cpu(), run.device)
-    run.data.train.load_state_dict(meta["loader_state"])
+    if meta.get("loader_state") is not None:
+        run.data.train.load_state_dict(meta["loader_state"])
+    else:  # an imported checkpoint (scripts/import_nanochat): nanochat's data position does not carry over
+        print0(f"{ckpt} has no data position (imported): the training data is read from its start")
     run.state = LoopState(**meta["loop_state"])
     run.last_checkpoint = ckpt

@@ -46,7 +46,7 @@ from ..data.tokenizer import Tokenizer, get_token_bytes, get_tokenizer
 from ..hardware.device import Device
 from ..model import generation, loading
 from ..model.gpt import GPT, GPTConfig
-from . import model_setup, next_steps, run_dirs, run_report, training_loop
+from . import model_setup, next_steps, run_dirs, run_report, tracking, training_loop
 from .environment import check_environment
 from .run_report import MetricsLog
 from .run_state import Horizon, Run, restore
@@ -247,10 +247,18 @@ def meta_of_run(stage: Stage, setup: RunSetup, dev: Device, settings: dict) -> C
 
 def train_and_report(run: Run, stage: Stage, setup: RunSetup, sections: dict) -> int:
     """The loop, then (rank 0) the report and the command to run next."""
-    metrics = MetricsLog(setup.run_dir / "metrics.jsonl", resume_step=run.state.step if setup.ckpt else None) \
-        if run.rank == 0 else None
+    metrics = None
+    if run.rank == 0:  # only rank 0 logs, to metrics.jsonl and the trackers asked for (--wandb, --tensorboard)
+        trackers = tracking.open_trackers(setup.cfg.run.wandb, setup.cfg.run.tensorboard, setup.run_name,
+                                          setup.run_dir, sections["Settings"])
+        metrics = MetricsLog(setup.run_dir / "metrics.jsonl", resume_step=run.state.step if setup.ckpt else None,
+                             trackers=trackers)
     wall = time.time()
-    code = training_loop.train(run, metrics)
+    try:
+        code = training_loop.train(run, metrics)
+    finally:
+        if metrics is not None:
+            metrics.trackers.close()
     if run.rank == 0:
         run_report.finish_report(run, metrics, f"{stage.title}: {setup.run_name}", wall, sections)
         if run.finished and stage.next_step is not None:
@@ -266,6 +274,8 @@ def resume(run: Run, ckpt: Path, meta: dict, cfg: TrainingConfig):
     from_flags = {flag: [g["initial_lr"] for g in groups_of(prefix)] for flag, prefix in OptimConfig.LR_FLAGS}
     restore(run, ckpt, meta)
     print0(f"resumed from {ckpt} (step {run.state.step}, saved with {meta['world_size']} process(es))")
+    if meta.get("imported_from", {}).get("optimizer") is False:
+        print0(f"{ckpt} was imported without optimizer state: the optimizers start fresh (no momentum)")
     for flag, prefix in OptimConfig.LR_FLAGS:
         groups = groups_of(prefix)
         saved = [g["initial_lr"] for g in groups]

@@ -248,8 +248,16 @@ class RunConfig(Config):
                                 "lengths vary; off on MPS; the log says which and why)", optional_bool=True)
     seed: int = flag(42, random_seed, "random seed")
     deterministic: bool = flag(False, boolean, "bitwise reproducible CPU runs (slower)")
+    wandb: str = flag("", cli.plain_name, "log to wandb under this project, with nanochat's metric names (needs "
+                               "pip install \"nanochat_fast[wandb]\"; WANDB_MODE=offline keeps it local)", metavar="PROJECT")
+    tensorboard: bool = flag(False, boolean, "also write TensorBoard event files into the run folder's tensorboard/ "
+                                             "(needs pip install \"nanochat_fast[tensorboard]\")")
 
     def validate(self):
+        from .tracking import require
+        for what in ("wandb", "tensorboard"):
+            if getattr(self, what):
+                require(what)
         out_dir = Path(self.out_dir).expanduser()
         if self.out_dir and out_dir.exists() and not out_dir.is_dir():
             raise UserError(f"argument --out-dir: {self.out_dir} exists and is not a directory; give a directory")

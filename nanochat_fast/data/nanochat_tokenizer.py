@@ -1,0 +1,155 @@
+"""
+nanochat's tokenizer files, read and written without trusting them:
+
+    tokenizer.pkl    a pickled tiktoken.Encoding (name, split pattern, mergeable ranks, special tokens)
+    token_bytes.pt   int32[vocab]: UTF-8 bytes per token id, 0 for the special tokens
+
+A pickle can run any code while it loads, so tokenizer.pkl is read by an unpickler whose
+find_class admits only the one class a tiktoken encoding pickles as (tiktoken.core.Encoding). Even
+that class is not built: a stand-in records the state the pickle hands to Encoding.__setstate__ (a
+dict of str, bytes and int), which is then checked field by field. Anything else is refused with
+one line. token_bytes.pt loads with weights_only=True.
+
+Our Tokenizer (tokenizer.py) is made from the same ranks, pattern and special tokens, so its ids
+are nanochat's by construction; check_same_ids confirms it on a sample at import.
+"""
+import pickle
+from pathlib import Path
+
+import tiktoken
+import torch
+
+from ..core import paths
+from ..core.errors import UserError
+from .tokenizer import SPECIAL_TOKENS, TOKEN_BYTES_FILE, Tokenizer
+
+PICKLE_FILE = "tokenizer.pkl"
+ENCODING_NAME = "rustbpe"  # the name nanochat's RustBPETokenizer gives its tiktoken encoding
+
+# A multilingual sample with every special token in it: what the round-trip check encodes.
+SAMPLE_TEXT = ("<|bos|>Hello, world! The year 2025 had 365 days.\n"
+               "<|user_start|>Grüße aus Köln – café, naïve, façade.<|user_end|>"
+               "<|assistant_start|>日本語のテキストと中文文本。 Русский текст. Ελληνικά. العربية. हिन्दी.<|assistant_end|>"
+               "<|python_start|>print(sum(range(10)))<|python_end|><|output_start|>45<|output_end|>"
+               "   spaces\ttabs\r\nemoji 🙂🚀 and code: def f(x): return x**2\n")
+
+
+class _EncodingState:
+    """Stands in for tiktoken.core.Encoding while unpickling: keeps the state, runs nothing."""
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Every class or function a pickle names goes through find_class: only Encoding is admitted
+    (pickle.dump(encoding) names nothing else with protocols 2 to 5, which nanochat writes)."""
+
+    def __init__(self, file, path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module, name):
+        if (module, name) != ("tiktoken.core", "Encoding"):
+            raise UserError(f"{self.path} refers to {module}.{name}: only a tiktoken encoding is read from a "
+                            "tokenizer.pkl (pickles can run code); give the tokenizer folder nanochat's tok_train wrote")
+        return _EncodingState
+
+
+def _checked_state(obj, path: Path) -> dict:
+    """The encoding's fields from the unpickled stand-in, each of the type tiktoken requires."""
+    state = getattr(obj, "state", None) if isinstance(obj, _EncodingState) else None
+    if isinstance(state, str):
+        raise UserError(f"{path} names tiktoken's built-in encoding {state!r}, not a trained nanochat tokenizer")
+    ok = isinstance(state, dict) and isinstance(state.get("pat_str"), str) and \
+        isinstance(state.get("mergeable_ranks"), dict) and isinstance(state.get("special_tokens"), dict)
+    ok = ok and all(isinstance(k, bytes) and type(v) is int for k, v in state["mergeable_ranks"].items())
+    ok = ok and all(isinstance(k, str) and type(v) is int for k, v in state["special_tokens"].items())
+    if not ok:
+        raise UserError(f"{path} holds a {type(obj).__name__}, not a tiktoken encoding (name, pat_str, "
+                        "mergeable_ranks, special_tokens)")
+    return state
+
+
+def read_encoding_state(path) -> dict:
+    """{name, pat_str, mergeable_ranks, special_tokens} of a nanochat tokenizer.pkl, read safely."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} is missing: --tokenizer must be the folder holding nanochat's tokenizer.pkl")
+    try:
+        with open(path, "rb") as f:
+            obj = _RestrictedUnpickler(f, path).load()
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"{path} is not a readable pickle ({type(e).__name__}: {e})") from None
+    return _checked_state(obj, path)
+
+
+def tokenizer_from_state(state: dict, path) -> Tokenizer:
+    """Our Tokenizer with nanochat's ranks, pattern and special tokens (ids included)."""
+    specials = state["special_tokens"]
+    if set(specials) != set(SPECIAL_TOKENS):
+        raise UserError(f"{path} has special tokens {sorted(specials)}; nanochat_fast chats with exactly "
+                        f"{SPECIAL_TOKENS}")
+    order = sorted(specials, key=specials.get)
+    offset = len(state["mergeable_ranks"])
+    if [specials[name] for name in order] != list(range(offset, offset + len(order))):
+        raise UserError(f"{path}: special token ids {sorted(specials.values())} do not follow the "
+                        f"{offset} merge ranks; this tokenizer was not written by nanochat")
+    try:
+        return Tokenizer(dict(state["mergeable_ranks"]), state["pat_str"], order)
+    except Exception as e:  # e.g. a split pattern tiktoken cannot compile, ranks with gaps
+        raise UserError(f"{path}: tiktoken cannot build this encoding ({type(e).__name__}: {e})") from None
+
+
+def check_same_ids(tokenizer: Tokenizer, state: dict, text: str = SAMPLE_TEXT) -> int:
+    """Our encoding of `text` (special tokens included) equals the encoding nanochat builds from
+    `state`; returns the number of tokens compared. UserError when they differ."""
+    reference = tiktoken.Encoding(name=ENCODING_NAME, pat_str=state["pat_str"],
+                                  mergeable_ranks=state["mergeable_ranks"], special_tokens=state["special_tokens"])
+    theirs = reference.encode(text, allowed_special="all")
+    ours = tokenizer.enc.encode(text, allowed_special="all")
+    if ours != theirs:
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        raise UserError(f"the converted tokenizer disagrees with nanochat's at token {first} of the sample; "
+                        "not importing it")
+    return len(ours)
+
+
+def read_token_bytes(directory, vocab_size: int):
+    """nanochat's token_bytes.pt (None if the folder has none), checked to be int[vocab_size]."""
+    path = Path(directory) / TOKEN_BYTES_FILE
+    if not path.is_file():
+        return None
+    try:
+        tb = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"{path} cannot be read as tensors ({type(e).__name__}); remove it or re-run nanochat's "
+                        "tok_train") from None
+    if not isinstance(tb, torch.Tensor) or tb.shape != (vocab_size,) or tb.is_floating_point():
+        raise UserError(f"{path} is not an integer tensor of the tokenizer's {vocab_size} tokens")
+    return tb
+
+
+def token_bytes_of(tokenizer: Tokenizer) -> torch.Tensor:
+    return torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.int32)
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, directory):
+    """tokenizer.pkl and token_bytes.pt as nanochat writes them, each replaced atomically."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    specials = sorted(tokenizer.special_tokens, key=tokenizer.special_tokens.get)
+    ranks = tokenizer.enc._mergeable_ranks
+    offset = len(ranks)
+    enc = tiktoken.Encoding(name=ENCODING_NAME, pat_str=tokenizer.pattern, mergeable_ranks=ranks,
+                            special_tokens={name: offset + i for i, name in enumerate(specials)})
+
+    def dump(tmp: Path):
+        with open(tmp, "wb") as f:
+            pickle.dump(enc, f)
+
+    paths.replace_atomically(directory / PICKLE_FILE, dump)
+    token_bytes = token_bytes_of(tokenizer)
+    paths.replace_atomically(directory / TOKEN_BYTES_FILE, lambda tmp: torch.save(token_bytes, tmp))

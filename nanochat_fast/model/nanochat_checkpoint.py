@@ -1,0 +1,158 @@
+"""
+nanochat's checkpoint folder, read and written. nanochat saves a training step as
+
+    model_NNNNNN.pt          the model's state_dict (torch.save; wte in bf16 when trained on CUDA)
+    meta_NNNNNN.json         {"step", "val_bpb", "model_config": {sequence_len, vocab_size, n_layer,
+                              n_head, n_kv_head, n_embd}, "user_config", "loop_state", ...}
+    optim_NNNNNN_rankR.pt    each rank's optimizer state (optional; model/nanochat_optimizer.py)
+
+Its GPT and ours are the same network with the same parameter names and shapes, so converting is a
+matter of files: the keys lose a torch.compile "_orig_mod." prefix, every tensor becomes fp32 (our
+master weights), and the rows nanochat's later versions pad the vocabulary with (to a multiple of
+64; no token id reaches them) are dropped. Everything else must match the model_config exactly,
+or the import stops with one line. Every .pt file loads with weights_only=True.
+"""
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..core.errors import UserError
+from .gpt import GPT, GPTConfig
+
+MODEL_FILE, META_FILE, OPTIM_FILE = "model_{:06d}.pt", "meta_{:06d}.json", "optim_{:06d}_rank{}.pt"
+VOCAB_PAD = 64  # nanochat pads wte and lm_head rows to a multiple of this
+
+
+@dataclass
+class NanochatCheckpoint:
+    folder: Path
+    step: int
+    meta: dict
+    config: GPTConfig
+    optim_files: list[Path]   # optim_NNNNNN_rank0.pt, rank1, ... (empty: none saved)
+
+
+def steps_in(folder: Path) -> list[int]:
+    """Steps that have a meta_NNNNNN.json in `folder`, ascending."""
+    return sorted(int(m.group(1)) for p in folder.glob("meta_*.json") if (m := re.fullmatch(r"meta_(\d+)\.json", p.name)))
+
+
+def load_pt(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"{path} cannot be read as plain tensors ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                        ) from None
+
+
+def open_checkpoint(folder, step: int | None) -> NanochatCheckpoint:
+    """The checkpoint at `step` (None: the newest) of a nanochat checkpoint folder: meta read and
+    its model_config checked; the tensors are read by model_state/optimizer files later."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"--from {folder}: no such folder (give nanochat's checkpoint folder, e.g. "
+                        "~/.cache/nanochat/base_checkpoints/d20)")
+    steps = steps_in(folder)
+    if not steps:
+        raise UserError(f"--from {folder}: no meta_*.json there; this is not a nanochat checkpoint folder "
+                        "(it holds model_NNNNNN.pt and meta_NNNNNN.json)")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise UserError(f"--step {step}: {folder} has no checkpoint at that step (steps: "
+                        f"{', '.join(map(str, steps))})")
+    meta_path = folder / META_FILE.format(step)
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{meta_path} is not readable JSON ({e})") from None
+    if not (folder / MODEL_FILE.format(step)).is_file():
+        raise UserError(f"{folder / MODEL_FILE.format(step)} is missing: the checkpoint at step {step} is incomplete")
+    config = config_of(meta, meta_path)
+    optim_files = []
+    while (folder / OPTIM_FILE.format(step, len(optim_files))).is_file():
+        optim_files.append(folder / OPTIM_FILE.format(step, len(optim_files)))
+    return NanochatCheckpoint(folder, step, meta, config, optim_files)
+
+
+def config_of(meta: dict, meta_path: Path) -> GPTConfig:
+    """GPTConfig of a meta's model_config. nanochat's later window_pattern is accepted when every
+    layer attends to the full context ("L"), which is what our GPT does."""
+    mc = meta.get("model_config") if isinstance(meta, dict) else None
+    if not isinstance(mc, dict):
+        raise UserError(f"{meta_path} has no model_config; it was not written by nanochat's training scripts")
+    mc = dict(mc)
+    window = mc.pop("window_pattern", "L")
+    if not (isinstance(window, str) and set(window) == {"L"}):
+        raise UserError(f"{meta_path}: window_pattern {window!r} (sliding-window attention) is a newer nanochat "
+                        "model than nanochat_fast's GPT, which attends to the full context")
+    names = {f for f in asdict(GPTConfig())}
+    if set(mc) != names:
+        extra, missing = sorted(set(mc) - names), sorted(names - set(mc))
+        raise UserError(f"{meta_path}: model_config has keys {extra} our GPT lacks / lacks {missing}; this nanochat "
+                        "model is not the GPT nanochat_fast runs")
+    try:
+        return GPTConfig(**mc)
+    except ValueError as e:
+        raise UserError(f"{meta_path}: model_config is not a valid GPT ({e})") from None
+
+
+def expected_shapes(config: GPTConfig) -> dict[str, tuple]:
+    with torch.device("meta"):
+        model = GPT(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def padded_rows(rows: int, vocab_size: int) -> bool:
+    """Rows of a vocab-sized tensor as nanochat's padding leaves them (vocab rounded up to 64)."""
+    return rows == -(-vocab_size // VOCAB_PAD) * VOCAB_PAD
+
+
+def model_state(ckpt: NanochatCheckpoint) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights as our GPT's fp32 state_dict; UserError for any tensor that does
+    not match its model_config (names, shapes, non-tensors)."""
+    path = ckpt.folder / MODEL_FILE.format(ckpt.step)
+    raw = load_pt(path)
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} holds a {type(raw).__name__}, not a state_dict")
+    raw = {str(k).removeprefix("_orig_mod."): v for k, v in raw.items()}
+    want = expected_shapes(ckpt.config)
+    missing, extra = sorted(set(want) - set(raw)), sorted(set(raw) - set(want))
+    if missing or extra:
+        raise UserError(f"{path} does not hold the GPT of its model_config: missing {missing[:3]}, unexpected "
+                        f"{extra[:3]} (a nanochat model with other parameters cannot run here)")
+    state = {}
+    for name, shape in want.items():
+        t = raw[name]
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise UserError(f"{path}: {name} is not a floating-point tensor")
+        got = tuple(t.shape)
+        if got != shape and name in ("transformer.wte.weight", "lm_head.weight") and got[1:] == shape[1:] \
+                and padded_rows(got[0], shape[0]):
+            t = t[:shape[0]]  # nanochat's vocab padding
+        elif got != shape:
+            raise UserError(f"{path}: {name} has shape {list(got)} but model_config {asdict(ckpt.config)} gives "
+                            f"{list(shape)}; the meta does not describe these weights")
+        state[name] = t.float().contiguous()
+    return state
+
+
+def meta_summary(ckpt: NanochatCheckpoint) -> str:
+    """What the import shows: step, config and val bpb."""
+    bpb = ckpt.meta.get("val_bpb")
+    bpb_text = f"{bpb:.4f}" if isinstance(bpb, (int, float)) else "n/a (not in the meta)"
+    cfg = ", ".join(f"{k}={v}" for k, v in asdict(ckpt.config).items())
+    return f"nanochat checkpoint {ckpt.folder} step {ckpt.step}: {cfg}; val bpb {bpb_text}"
+
+
+def export_state(state: dict) -> dict[str, torch.Tensor]:
+    """Our state_dict as nanochat's model_NNNNNN.pt: the same names, fp32 tensors (what nanochat
+    writes from a CPU run; its loader casts as it needs), unpadded vocabulary rows."""
+    return {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+
+
+def export_meta(step: int, config: GPTConfig, val_bpb: float | None, **extra) -> dict:
+    return {"step": step, "val_bpb": val_bpb, "model_config": asdict(config), **extra}

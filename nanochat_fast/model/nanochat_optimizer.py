@@ -1,0 +1,156 @@
+"""
+nanochat's optimizer state (optim_NNNNNN_rankR.pt) in our world-size independent format (optim/zero.py).
+
+Each of nanochat's files is [AdamW state_dict, Muon state_dict], torch.optim's format: "state"
+keyed by an integer index, "param_groups" listing the indices of their parameters in order.
+The indices stand for the parameters in the order the groups were built:
+    AdamW  [lm_head], [wte]                         (setup_optimizers' two groups)
+    Muon   the block matrices grouped by numel (Muon) or by shape (DistMuon), each group in
+           model order
+so a group's parameters are found by the size of the state it holds and its count.
+State per parameter:
+    AdamW  step, exp_avg, exp_avg_sq: whole tensors (torch.optim.AdamW, one process) or, from
+           DistAdamW, rank r's rows [r*R/W, (r+1)*R/W): concatenated over the rank files here
+    Muon   momentum_buffer (whole, in the file of the rank that owned the matrix),
+           second_momentum_buffer (NorMuon's, rows x 1 or 1 x cols): our normuon_second_moment
+nanochat's AdamW counts steps per parameter; ours counts them per optimizer (they are equal).
+"""
+import torch
+
+from ..core.errors import UserError
+from ..optim import FORMAT
+
+ADAMW_NAMES = ["lm_head.weight", "transformer.wte.weight"]  # nanochat's AdamW groups, in order
+CARRIED = ("lr", "initial_lr", "betas", "eps")  # hyperparameters that mean the same in both
+
+
+def _fail(what: str):
+    raise UserError(f"nanochat optimizer state: {what}; import without it with --no-optimizer")
+
+
+def _pair(data, path):
+    ok = isinstance(data, (list, tuple)) and len(data) == 2 and all(
+        isinstance(d, dict) and isinstance(d.get("state"), dict) and isinstance(d.get("param_groups"), list)
+        for d in data)
+    if not ok:
+        _fail(f"{path} is not nanochat's [AdamW, Muon] pair of optimizer state_dicts")
+    return data
+
+
+def _merged_state(files: list, which: int) -> dict:
+    """{index: [entry from each rank file that has one]} for optimizer `which` (0 AdamW, 1 Muon)."""
+    merged = {}
+    for data in files:
+        for index, entry in data[which]["state"].items():
+            merged.setdefault(int(index), []).append(entry)
+    return merged
+
+
+def _hparams(group: dict) -> dict:
+    out = {}
+    for key in CARRIED:
+        if key in group:
+            value = group[key]
+            out[key] = list(value) if isinstance(value, (tuple, list)) else float(value)
+    return out
+
+
+def _tensor(entry: dict, key: str, name: str) -> torch.Tensor:
+    t = entry.get(key)
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} has no tensor {key!r}")
+    return t.float()
+
+
+def _rows_fitted(t: torch.Tensor, shape, name):
+    """A state tensor of a vocab-sized parameter may carry nanochat's padded rows: dropped."""
+    if tuple(t.shape) != tuple(shape) and t.dim() == 2 and t.shape[1] == shape[1] and t.shape[0] > shape[0]:
+        t = t[:shape[0]]
+    if tuple(t.shape) != tuple(shape):
+        _fail(f"state of {name} has shape {list(t.shape)}, the parameter {list(shape)}")
+    return t
+
+
+def adamw_shard(files: list, shapes: dict) -> dict:
+    groups = files[0][0]["param_groups"]
+    if [len(g.get("params", [])) for g in groups] != [1, 1]:
+        _fail("its AdamW does not have nanochat's two groups (lm_head, wte)")
+    merged = _merged_state(files, 0)
+    state, steps = {}, set()
+    for g, name in zip(groups, ADAMW_NAMES):
+        entries = merged.get(int(g["params"][0]), [])
+        if not entries:
+            continue
+        entry = {"shape": list(shapes[name]), "offset": 0, "numel": 0}
+        for key in ("exp_avg", "exp_avg_sq"):
+            # one piece per rank file (DistAdamW's row slices, in rank order) or one whole tensor
+            t = torch.cat([_tensor(e, key, name) for e in entries], dim=0)
+            entry[key] = _rows_fitted(t, shapes[name], name).reshape(-1).contiguous()
+        entry["numel"] = entry["exp_avg"].numel()
+        state[name] = entry
+        steps |= {int(torch.as_tensor(e.get("step", 0)).item()) for e in entries}
+    if len(steps) > 1:
+        _fail(f"its AdamW parameters were updated different numbers of times ({sorted(steps)})")
+    if state and len(state) != len(ADAMW_NAMES):
+        _fail(f"AdamW state for only {sorted(state)} (load every optim_NNNNNN_rank*.pt of the checkpoint)")
+    return {"format": FORMAT, "kind": "adamw", "world_size": 1, "rank": 0, "num_updates": steps.pop() if steps else 0,
+            "param_groups": [{"param_names": [n], **_hparams(g)} for g, n in zip(groups, ADAMW_NAMES)],
+            "state": state}
+
+
+def _muon_members(count: int, entries: dict, indices: list, matrices: list) -> list[str]:
+    """The names of a Muon group's parameters: the matrices of its state's shape (DistMuon) or
+    numel (Muon), whichever gives the group's count, in model order."""
+    shape = next((tuple(_tensor(e[0], "momentum_buffer", "a Muon parameter").shape)
+                  for i in indices if (e := entries.get(int(i)))), None)
+    if shape is None:
+        _fail("a Muon group holds no state")
+    numel = shape[0] * shape[1] if len(shape) == 2 else -1
+    by_shape = [n for n, s in matrices if tuple(s) == shape]
+    by_numel = [n for n, s in matrices if s[0] * s[1] == numel]
+    for names in (by_shape, by_numel):
+        if len(names) == count:
+            return names
+    _fail(f"a Muon group of {count} matrices of shape {list(shape)} matches none of the model's")
+
+
+def muon_shard(files: list, shapes: dict, num_updates: int) -> dict:
+    matrices = [(n, s) for n, s in shapes.items() if n not in ADAMW_NAMES]
+    merged = _merged_state(files, 1)
+    state, groups = {}, []
+    for g in files[0][1]["param_groups"]:
+        indices = list(g.get("params", []))
+        names = _muon_members(len(indices), merged, indices, matrices)
+        groups.append({"param_names": names, **_hparams(g)})
+        for index, name in zip(indices, names):
+            entries = merged.get(int(index), [])
+            if not entries:
+                continue
+            e = entries[0]  # DistMuon: only the owner's file has it
+            entry = {"shape": list(shapes[name]), "offset": 0, "numel": 0,
+                     "momentum_buffer": _rows_fitted(_tensor(e, "momentum_buffer", name), shapes[name], name)}
+            entry["numel"] = entry["momentum_buffer"].numel()
+            if "second_momentum_buffer" in e:
+                entry["normuon_second_moment"] = _tensor(e, "second_momentum_buffer", name)
+            state[name] = entry
+    missing = sorted(n for n, _ in matrices if n not in state)
+    if state and missing:
+        _fail(f"no Muon state for {missing[:3]} (load every optim_NNNNNN_rank*.pt of the checkpoint)")
+    return {"format": FORMAT, "kind": "muon", "world_size": 1, "rank": 0, "num_updates": num_updates if state else 0,
+            "param_groups": groups, "state": state}
+
+
+def convert(files: list, shapes: dict, paths: list) -> list[dict]:
+    """nanochat's per-rank optimizer files (loaded, rank order) -> our [AdamW, Muon] shards.
+    `shapes`: our GPT's {parameter name: shape}."""
+    files = [_pair(d, p) for d, p in zip(files, paths)]
+    adamw = adamw_shard(files, shapes)
+    return [adamw, muon_shard(files, shapes, adamw["num_updates"])]
+
+
+def empty_shards(shapes: dict) -> list[dict]:
+    """Fresh optimizer state (no update yet) in our format: what a checkpoint without optim files gets."""
+    matrices = [n for n in shapes if n not in ADAMW_NAMES]
+    return [{"format": FORMAT, "kind": kind, "world_size": 1, "rank": 0, "num_updates": 0,
+             "param_groups": [{"param_names": names}], "state": {}}
+            for kind, names in (("adamw", ADAMW_NAMES), ("muon", matrices))]
