@@ -23,6 +23,8 @@ Muon's as whole matrices), so a checkpoint written with one sharding and world s
 any other. Gradient clipping (clipping.py) works unchanged: each element of a gradient lives on
 exactly one rank, and each rank's sum of squares is over its own rows.
 """
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -88,7 +90,7 @@ class FsdpAdamW(AdamW):
         check_row_sharded(self, self.world_size, self.rank)
 
     def _owned_range(self, p):
-        row = p[0].numel() if p.dim() > 1 else 1
+        row = math.prod(p.shape[1:])  # from the shape: indexing a DTensor would be a collective
         lo, hi = shard_rows(p.shape[0], self.world_size, self.rank)
         return lo * row, hi * row
 
@@ -165,7 +167,8 @@ class FsdpMuon(Muon):
             for g, i in self._owned_by[me]:
                 lo, hi = self._rows_of(g, s)
                 n = self._piece_size(g, s)
-                stacks[g][index[(g, i)], lo:hi].copy_(self._pending["recv"][offset:offset + n].view(hi - lo, -1))
+                rows = stacks[g][index[(g, i)], lo:hi]
+                rows.copy_(self._pending["recv"][offset:offset + n].view(rows.shape))
                 offset += n
         return stacks
 
