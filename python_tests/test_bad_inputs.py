@@ -17,15 +17,16 @@ import torch
 
 from nanochat_fast.core import checkpoint, cli
 from nanochat_fast.hardware import __main__ as hardware
-from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_sft, chat_web, infer_bench, mid_train,
-                                   prepare_data, report, tok_train)
+from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_sft, chat_web, export_checkpoint,
+                                   infer_bench, mid_train, prepare_data, report, tok_train)
 from nanochat_fast.train import environment
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_with_base_run
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 SCRIPTS = {"base_train": base_train, "mid_train": mid_train, "base_eval": base_eval, "chat_cli": chat_cli,
            "prepare_data": prepare_data, "tok_train": tok_train, "chat_web": chat_web, "chat_sft": chat_sft,
-           "chat_eval": chat_eval, "report": report, "hardware": hardware, "infer_bench": infer_bench}
+           "chat_eval": chat_eval, "report": report, "hardware": hardware, "infer_bench": infer_bench,
+           "export_checkpoint": export_checkpoint}
 # infer_bench on a random model small enough to finish at once, should a bad value slip through
 BENCH = ["--depth=1", "--vocab-size=300", "--max-seq-len=32", "--batch-sizes=1", "--prompt-tokens=4",
          "--decode-tokens=2", "--dtype=fp32"]
@@ -82,6 +83,8 @@ CASES = [
      lambda h: (h / "runs/b/checkpoints/step_000004/meta.json").write_text("{"), "meta.json is corrupt"),
     ("resume-path-not-a-checkpoint", "base_train", TINY + ["--resume=/nonexistent/step_000001"], None,
      "not a complete checkpoint directory"),
+    ("fsdp-on-one-process", "base_train", TINY + ["--sharding=fsdp", "--num-iterations=1", "--run=x"], None,
+     "--sharding=fsdp shards the model over processes but this run has one: launch with torchrun"),
     ("run-dir-exists", "base_train", TINY + ["--run=b"], None, "already exists: pass --resume auto"),
     ("out-dir-not-writable", "base_train", TINY + ["--out-dir=/dev/null/run"], None, "cannot write to run directory"),
     ("no-such-run", "base_eval", ["--run=nope"], None, "no run named 'nope'"),
@@ -179,7 +182,7 @@ BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--target-param-data-ratio": "nan", "--embedding-lr": "-1", "--unembedding-lr": "inf", "--matrix-lr": "abc",
     "--weight-decay": "-0.1", "--grad-clip": "-1", "--warmup-ratio": "1.5", "--warmdown-ratio": "-0.1",
     "--final-lr-frac": "2", "--ns-coefficients": "cubic", "--muon-recipe": "latest",
-    "--ns-dtype": "tf32", "--muon-weight-decay": "-0.5", "--eval-every": "x", "--eval-tokens": "0",
+    "--sharding": "bogus", "--ns-dtype": "tf32", "--muon-weight-decay": "-0.5", "--eval-every": "x", "--eval-tokens": "0",
     "--sample-every": "1.5", "--save-every": "often", "--keep-last": "-1", "--skip-nonfinite": "-2",
     "--test-inject-nan-at-step": "x", "--test-preempt-at-step": "y", "--device-type": "tpu", "--dtype": "fp16",
     "--run": "../../x", "--out-dir": "/dev/null", "--resume": "/nonexistent/step_000001", "--seed": "-1",
@@ -202,7 +205,8 @@ CONTEXT = {"base_train": TINY + ["--num-iterations=1", "--run=flagcheck"], "mid_
            "chat_web": ["--run=b", "--host=127.0.0.1", "--port={busy_port}"],
            "chat_sft": ["--source-run=b", "--num-iterations=1", "--eval-every=-1", "--run=sftcheck"],
            "chat_eval": ["--run=b", "--task=ARC-Easy", "--max-examples=1"], "report": [],
-           "hardware": ["--tune", "--depth=1", "--max-seq-len=16", "--device-batch-size=1"], "infer_bench": BENCH}
+           "hardware": ["--tune", "--depth=1", "--max-seq-len=16", "--device-batch-size=1"], "infer_bench": BENCH,
+           "export_checkpoint": ["--run=b"]}
 
 
 @pytest.fixture(scope="module")

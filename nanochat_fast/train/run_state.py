@@ -76,10 +76,11 @@ class Run:
 def save(run: Run) -> Path:
     meta = {**run.meta(), "world_size": run.world_size, "loader_state": run.data.train.state_dict(),
             "loop_state": asdict(run.state)}
+    sharded = sharding.is_sharded(run.orig_model)  # its weights go to DCP shards, one file per rank
     path = checkpoint.save_checkpoint(
-        run.run_dir, run.state.step, model_state=sharding.full_state_dict(run.orig_model), rank_state=rank_state(run),
+        run.run_dir, run.state.step, model_state=sharding.model_state_dict(run.orig_model), rank_state=rank_state(run),
         meta=meta, rank=run.rank, all_ranks_ok=lambda ok: all_ranks_ok(ok, run.device),
-        keep_last=run.loop.keep_last, previous=run.last_checkpoint)
+        keep_last=run.loop.keep_last, previous=run.last_checkpoint, sharded=sharded)
     run.last_checkpoint = path
     return path
 
