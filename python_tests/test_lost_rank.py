@@ -4,6 +4,7 @@ is killed with SIGKILL once step 7 is logged; torchrun restarts both ranks, whic
 newest complete checkpoint, and the run ends with the final weights of an uninterrupted run.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +40,6 @@ def final_weights(run_dir: Path) -> dict:
 
 def test_killed_rank_is_restarted_and_the_run_ends_as_uninterrupted(tiny_home, tmp_path):
     home = tmp_path / "home"
-    import shutil
     shutil.copytree(tiny_home, home)
     mark = uuid.uuid4().hex
     env = {**os.environ, "NANOCHAT_FAST_HOME": str(home), "OMP_NUM_THREADS": "1", "LOST_RANK_TEST": mark}

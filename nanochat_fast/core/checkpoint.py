@@ -201,7 +201,7 @@ def load_model_state(ckpt: Path, device="cpu") -> dict:
         with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=reader, no_dist=True)
-    except Exception as e:
+    except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
         raise UserError(f"the model shards in {ckpt / MODEL_SHARDS} are missing, truncated or corrupt "
                         f"({type(e).__name__}); delete that checkpoint directory or pick another with --resume PATH "
                         "(or --step)") from e
