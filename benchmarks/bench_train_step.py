@@ -79,9 +79,12 @@ How it is measured:
 import contextlib
 import ctypes
 import gc
+import json
 import os
 import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -595,3 +598,57 @@ def test_train_step(benchmark, corpus, depth):
                     if muon_apart_s else ""))
         benchmark.extra_info["table"] = step_table(depth, config, variants, compile_s, muon_note,
                                                    time.perf_counter() - start, skipped)
+
+
+# ---------------------------------------------------------------------------------------------
+# two processes on gloo: --sharding=zero2 against --sharding=fsdp (train_step_worker.py)
+
+DIST_DEPTH, DIST_ROUNDS, DIST_REPEATS = 4, 3, 2
+
+
+def run_dist_worker(mode: str, out: Path) -> dict:
+    """One torchrun launch of train_step_worker.py (2 processes, one thread each); its figures."""
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(here / "train_step_worker.py"), f"--mode={mode}", f"--depth={DIST_DEPTH}",
+           f"--rounds={DIST_ROUNDS}", f"--out={out}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the 2-process rows are gloo on a CPU")
+def test_train_step_two_processes(benchmark, tmp_path):
+    """zero2 and fsdp launched alternately DIST_REPEATS times each; per mode the faster launch's
+    medians (a launch that shared the machine with a neighbour's burst counts less)."""
+    figures = {"zero2": [], "fsdp": []}
+
+    def one_round():
+        for mode in figures:
+            figures[mode].append(run_dist_worker(mode, tmp_path / f"{mode}{len(figures[mode])}.json"))
+    benchmark.pedantic(one_round, rounds=DIST_REPEATS, warmup_rounds=0, iterations=1)
+    best = {mode: min(runs, key=lambda f: f["step_s"]) for mode, runs in figures.items()}
+    rows = []
+    for mode, f in best.items():
+        backward = f["step_s"] - f["forward_s"] - f["optimizer_s"]
+        rows.append([f"--sharding={mode}", f"{f['tokens_per_step'] / f['step_s']:,.0f}", f"{f['step_s'] * 1e3:.0f}",
+                     f"{f['forward_s'] * 1e3:.0f}", f"{backward * 1e3:.0f}", f"{f['optimizer_s'] * 1e3:.0f}",
+                     f"{max(f['held_bytes']) / 2 ** 20:.1f}"])
+    ratio = best["fsdp"]["step_s"] / best["zero2"]["step_s"]
+    benchmark.extra_info["table"] = {
+        "title": f"Training step on 2 processes (gloo, CPU): zero2 vs fsdp, depth {DIST_DEPTH}",
+        "columns": ["sharding", "tokens/s", "step ms", "forward ms", "backward ms (+ its reduce-scatters)",
+                    "optimizer ms", "held MB per rank"],
+        "rows": rows,
+        "notes": (f"2 processes x 1 thread, T={T}, {B} rows per rank, vocab {VOCAB}, fp32, eager (the same arithmetic "
+                  f"in both modes); base_train's model, optimizers and train_step on random tokens; medians of "
+                  f"{DIST_ROUNDS} steps after one untimed, the faster of {DIST_REPEATS} alternating launches per mode. "
+                  "held = parameters + gradients + optimizer state, counted from the tensors of each rank. "
+                  "fsdp gathers each block's weights for its forward and again for its backward and "
+                  "reduce-scatters its gradient (gloo: on the CPU, not overlapped with compute); zero2 "
+                  "reduce-scatters and all-gathers once, in the optimizer."),
+        "targets": [["fsdp step time / zero2 step time", f"{ratio:.2f}x", "<= 1.3x", "yes" if ratio <= 1.3 else "no"]],
+    }
+    print("\n".join(" | ".join(row) for row in rows), f"\nfsdp / zero2 step time: {ratio:.2f}x")

@@ -19,8 +19,8 @@ import torch
 from nanochat_fast.core import checkpoint, cli
 from nanochat_fast.hardware import __main__ as hardware
 from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_rl, chat_sft, chat_web,
-                                   export_nanochat, import_nanochat, infer_bench, mid_train, prepare_data, report,
-                                   tok_train)
+                                   export_checkpoint, export_nanochat, import_nanochat, infer_bench, mid_train,
+                                   prepare_data, report, tok_train)
 from nanochat_fast.train import environment
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_env, home_with_base_run
 
@@ -28,7 +28,8 @@ TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=51
 SCRIPTS = {"base_train": base_train, "mid_train": mid_train, "base_eval": base_eval, "chat_cli": chat_cli,
            "prepare_data": prepare_data, "tok_train": tok_train, "chat_web": chat_web, "chat_sft": chat_sft,
            "chat_eval": chat_eval, "report": report, "hardware": hardware, "infer_bench": infer_bench,
-           "import_nanochat": import_nanochat, "export_nanochat": export_nanochat, "chat_rl": chat_rl}
+           "import_nanochat": import_nanochat, "export_nanochat": export_nanochat, "chat_rl": chat_rl,
+           "export_checkpoint": export_checkpoint}
 # infer_bench on a random model small enough to finish at once, should a bad value slip through
 BENCH = ["--depth=1", "--vocab-size=300", "--max-seq-len=32", "--batch-sizes=1", "--prompt-tokens=4",
          "--decode-tokens=2", "--dtype=fp32"]
@@ -96,6 +97,8 @@ CASES = [
      lambda h: (h / "runs/b/checkpoints/step_000004/meta.json").write_text("{"), "meta.json is corrupt"),
     ("resume-path-not-a-checkpoint", "base_train", TINY + ["--resume=/nonexistent/step_000001"], None,
      "not a complete checkpoint directory"),
+    ("fsdp-on-one-process", "base_train", TINY + ["--sharding=fsdp", "--num-iterations=1", "--run=x"], None,
+     "--sharding=fsdp shards the model over processes but this run has one: launch with torchrun"),
     ("run-dir-exists", "base_train", TINY + ["--run=b"], None, "already exists: pass --resume auto"),
     ("out-dir-not-writable", "base_train", TINY + ["--out-dir=/dev/null/run"], None, "cannot write to run directory"),
     ("no-such-run", "base_eval", ["--run=nope"], None, "no run named 'nope'"),
@@ -211,7 +214,7 @@ BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--target-param-data-ratio": "nan", "--embedding-lr": "-1", "--unembedding-lr": "inf", "--matrix-lr": "abc",
     "--weight-decay": "-0.1", "--grad-clip": "-1", "--warmup-ratio": "1.5", "--warmdown-ratio": "-0.1",
     "--final-lr-frac": "2", "--ns-coefficients": "cubic", "--muon-recipe": "latest",
-    "--ns-dtype": "tf32", "--muon-weight-decay": "-0.5", "--eval-every": "x", "--eval-tokens": "0",
+    "--sharding": "bogus", "--ns-dtype": "tf32", "--muon-weight-decay": "-0.5", "--eval-every": "x", "--eval-tokens": "0",
     "--sample-every": "1.5", "--save-every": "often", "--keep-last": "-1", "--skip-nonfinite": "-2",
     "--test-inject-nan-at-step": "x", "--test-preempt-at-step": "y", "--device-type": "tpu", "--dtype": "fp16",
     "--run": "../../x", "--out-dir": "/dev/null", "--resume": "/nonexistent/step_000001", "--seed": "-1",
@@ -239,7 +242,8 @@ CONTEXT = {"base_train": TINY + ["--num-iterations=1", "--run=flagcheck"], "mid_
            "hardware": ["--tune", "--depth=1", "--max-seq-len=16", "--device-batch-size=1"], "infer_bench": BENCH,
            "import_nanochat": NANO + ["--run=imported"], "export_nanochat": ["--run=b", "--out={home}/exported"],
            "chat_rl": ["--source-run={home}/../sft_like", "--task=last-digit", "--num-iterations=1", "--eval-examples=2",
-                       "--max-new-tokens=4", "--run=rlcheck"]}
+                       "--max-new-tokens=4", "--run=rlcheck"],
+           "export_checkpoint": ["--run=b"]}
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,16 @@ Checkpoints that survive kills, full disks and changes of world size.
 
     runs/<run>/checkpoints/step_NNNNNN/
         model.pt            the uncompiled model's state_dict, fp32 tensors        (rank 0)
+     or model/              the same, sharded: torch.distributed.checkpoint (DCP)  (every rank its shard)
         optim_rank<R>.pt    rank R's optimizer shards + RNG state                  (every rank)
         meta.json           format version, step, model config, loader and loop state, args
         COMPLETE            written last, by rank 0, after a barrier
+
+A model sharded over the ranks (--sharding=fsdp) is saved with DCP: every rank writes its own
+rows in parallel and no rank ever holds the whole model. Reading either layout gives the whole
+state_dict (load_model_state); a run on any number of processes and either sharding loads it and
+shards it its own way. export_model writes a DCP checkpoint's weights as one model.pt, which is
+then what readers use.
 
 Every file is written to a temporary name, fsynced and renamed into place, so a reader never
 sees half a file; a checkpoint counts only once COMPLETE exists, so a kill at any moment leaves
@@ -17,6 +24,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,21 +56,38 @@ def save_json(path: Path, obj):
     paths.write_durably(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
 
 
+MODEL_FILE = "model.pt"
+MODEL_SHARDS = "model"
+
+
 def all_finite(tensors) -> bool:
-    return all(torch.isfinite(t).all() for t in tensors if torch.is_floating_point(t))
+    """Every element this process holds is finite (a DTensor: its local shard)."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return all(bool(torch.isfinite(t).all()) for t in tensors if torch.is_floating_point(t))
+
+
+def _save_model_shards(path: Path, model_state: dict):
+    """Every rank writes its shards of `model_state` (DTensors; plain tensors are written once)."""
+    import torch.distributed.checkpoint as dcp
+    try:
+        dcp.save(model_state, checkpoint_id=path / MODEL_SHARDS)
+    except dcp.CheckpointException as e:  # one rank's failure, raised on every rank
+        raise OSError(errno.EIO, f"writing the model's shards failed: {e}") from e
+    _slow_writes_for_tests()
 
 
 def save_checkpoint(run_dir, step: int, *, model_state: dict, rank_state: dict, meta: dict,
                     rank: int, all_ranks_ok=lambda ok: ok, keep_last: int | None = None,
-                    previous: Path | None = None) -> Path:
+                    previous: Path | None = None, sharded: bool = False) -> Path:
     """Write checkpoint `step`. Every rank calls this; `all_ranks_ok(ok)` must return True on every
-    rank iff `ok` is True on every rank (an all-reduce; it doubles as the barrier).
+    rank iff `ok` is True on every rank (an all-reduce; it doubles as the barrier). model_state:
+    whole tensors on rank 0 (model.pt), or with `sharded` every rank's DTensors (model/, DCP).
 
     Refuses to write non-finite weights. If any rank fails to write (disk full, permissions) the
     partial step directory is removed on every rank and a UserError says which complete
     checkpoint is still intact; no rank is left waiting at a barrier."""
     path = step_dir(run_dir, step)
-    if not all_finite(model_state.values()):
+    if not all_ranks_ok(all_finite(model_state.values())):
         raise RuntimeError(f"refusing to save step {step}: the model has non-finite weights")
     error = None
 
@@ -81,10 +106,17 @@ def save_checkpoint(run_dir, step: int, *, model_state: dict, rank_state: dict, 
         path.mkdir(parents=True)
 
     def write_rank0_files():
-        save_torch(path / "model.pt", {k: v.detach().float().cpu() for k, v in model_state.items()})
+        if not sharded:
+            save_torch(path / MODEL_FILE, {k: v.detach().float().cpu() for k, v in model_state.items()})
         save_json(path / "meta.json", {"format_version": FORMAT_VERSION, "step": step, **meta})
 
     ok = attempt(make_dir if rank == 0 else lambda: None)
+    if sharded and ok:  # collective: every rank takes part, and learns if any failed
+        try:
+            _save_model_shards(path, model_state)
+        except OSError as e:
+            error = e
+        ok = all_ranks_ok(error is None)
     ok = ok and attempt(lambda: save_torch(path / f"optim_rank{rank}.pt", rank_state))
     ok = ok and attempt(write_rank0_files if rank == 0 else lambda: None)
     ok = ok and attempt((lambda: paths.write_durably(path / COMPLETE, lambda f: f.write(b"ok\n"))) if rank == 0 else lambda: None)
@@ -112,6 +144,12 @@ def complete_checkpoints(run_dir) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.glob("step_*") if (p / COMPLETE).exists())
+
+
+def incomplete_checkpoints(run_dir) -> list[Path]:
+    """Step directories of saves that did not finish (no COMPLETE marker), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(p for p in root.glob("step_*") if not (p / COMPLETE).exists()) if root.is_dir() else []
 
 
 def remove_incomplete(run_dir):
@@ -149,7 +187,35 @@ def load_meta(ckpt: Path) -> dict:
 
 
 def load_model_state(ckpt: Path, device="cpu") -> dict:
-    return _load(Path(ckpt) / "model.pt", device)
+    """The whole model state_dict of a checkpoint: model.pt, or else the DCP shards of model/
+    (each process reads them all, without collectives)."""
+    ckpt = Path(ckpt)
+    if (ckpt / MODEL_FILE).exists() or not (ckpt / MODEL_SHARDS).is_dir():
+        return _load(ckpt / MODEL_FILE, device)
+    import torch.distributed.checkpoint as dcp
+    try:
+        reader = dcp.FileSystemReader(str(ckpt / MODEL_SHARDS))
+        entries = reader.read_metadata().state_dict_metadata
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in entries.items()
+                 if isinstance(m, dcp.TensorStorageMetadata)}
+        with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
+        raise UserError(f"the model shards in {ckpt / MODEL_SHARDS} are missing, truncated or corrupt "
+                        f"({type(e).__name__}); delete that checkpoint directory or pick another with --resume PATH "
+                        "(or --step)") from e
+    return {k: v.to(device) for k, v in state.items()}
+
+
+def export_model(ckpt: Path, output: Path | None = None) -> Path:
+    """The checkpoint's weights as one file of whole fp32 tensors (default: model.pt beside the
+    shards, which readers then prefer), written atomically. Returns its path."""
+    ckpt = Path(ckpt)
+    output = Path(output) if output else ckpt / MODEL_FILE
+    state = load_model_state(ckpt)
+    paths.write_durably(output, lambda f: torch.save({k: v.float() for k, v in state.items()}, f))
+    return output
 
 
 def load_rank_states(ckpt: Path, world_size_saved: int, device="cpu") -> list[dict]:

@@ -107,17 +107,29 @@ def compute_init(device_type: str = "", seed: int = 42, deterministic: bool = Fa
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl", device_id=device)
+            dist.init_process_group(backend="nccl", device_id=device, **_attempt_store())
     elif ddp:
         # CPU (and a lone MPS process under torchrun): gloo carries the collectives
         device = torch.device(device_type)
         if not dist.is_initialized():
-            dist.init_process_group(backend="gloo")
+            dist.init_process_group(backend="gloo", **_attempt_store())
     else:
         device = torch.device(device_type)
     if ddp:
         dist.barrier()
     return ddp, rank, local_rank, world_size, device
+
+
+def _attempt_store() -> dict:
+    """Under torchrun --max-restarts, a store of this attempt's own: the restarted ranks share the
+    launcher's store with the attempt before, whose keys (the dead ranks' addresses) would
+    otherwise be read back as theirs. Empty (env:// as usual) outside torchrun."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return {}
+    from torch.distributed.rendezvous import rendezvous
+    store, rank, world_size = next(rendezvous("env://"))
+    return dict(store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank, world_size=world_size)
 
 
 def compute_cleanup():

@@ -5,7 +5,7 @@ Where nanochat_fast keeps its files: everything lives under NANOCHAT_FAST_HOME
     data/<dataset>/{train,val}/*.parquet     prepared text / conversations
     tokens/<dataset>/...                     pre-tokenized shards
     tokenizer/                               BPE ranks, pattern, special tokens, token_bytes.pt
-    runs/<run>/checkpoints/step_NNNNNN/      model.pt, optim_rank<R>.pt, meta.json, COMPLETE
+    runs/<run>/checkpoints/step_NNNNNN/      model.pt (or model/: DCP shards), optim_rank<R>.pt, meta.json, COMPLETE
     runs/<run>/{metrics.jsonl, loss.png, report.md}
 """
 import json

@@ -209,11 +209,12 @@ class GPT(nn.Module):
     def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
                          adam_betas=(0.8, 0.95), ns_coefficients=None, muon_recipe="seeds"):
         """[AdamW for lm_head and wte, Muon for every matrix in the blocks]; the distributed ZeRO-2
-        versions when torch.distributed runs more than one process. `weight_decay` is AdamW's; Muon
+        versions when torch.distributed runs more than one process, the FSDP ones (optim/fsdp.py) once
+        the model is sharded by fully_shard (its parameters are DTensors). `weight_decay` is AdamW's; Muon
         follows `muon_recipe` (a MuonRecipe or a preset name, see optim/recipe.py; ns_coefficients,
         if given, overrides the recipe's) and keeps it as `.recipe` for the momentum schedule.
         Every group records `initial_lr` for the LR schedule."""
-        from ..optim import AdamW, DistAdamW, DistMuon, Muon, MuonRecipe
+        from ..optim import AdamW, DistAdamW, DistMuon, FsdpAdamW, FsdpMuon, Muon, MuonRecipe
 
         recipe = MuonRecipe.of(muon_recipe)
         if ns_coefficients is not None:
@@ -232,8 +233,10 @@ class GPT(nn.Module):
             dict(params=embedding_params, lr=embedding_lr * dmodel_lr_scale),
         ]
         adamw_kwargs = dict(betas=tuple(adam_betas), eps=1e-10, weight_decay=weight_decay)
-        adamw_optimizer = (DistAdamW if distributed else AdamW)(adam_groups, **adamw_kwargs)
-        muon_optimizer = (DistMuon if distributed else Muon)(matrix_params, lr=matrix_lr, **recipe.muon_kwargs())
+        sharded = hasattr(self.lm_head.weight, "placements")  # a DTensor: fully_shard'ed
+        adamw_cls, muon_cls = (FsdpAdamW, FsdpMuon) if sharded else (DistAdamW, DistMuon) if distributed else (AdamW, Muon)
+        adamw_optimizer = adamw_cls(adam_groups, **adamw_kwargs)
+        muon_optimizer = muon_cls(matrix_params, lr=matrix_lr, **recipe.muon_kwargs())
         muon_optimizer.recipe = recipe
         optimizers = [adamw_optimizer, muon_optimizer]
         for opt in optimizers:

@@ -42,6 +42,16 @@ class AdamW(ZeroOptimizer):
         for group in self.param_groups:
             yield from group["params"]
 
+    def _owned_range(self, p) -> tuple[int, int]:
+        """(lo, hi): the flat elements of p whose update and state this rank owns."""
+        lo, hi, _ = owned_range(p.numel(), self.world_size, self.rank)
+        return lo, hi
+
+    def _owned_param(self, p) -> torch.Tensor:
+        """The owned elements of p, a flat view this rank updates in place."""
+        lo, hi = self._owned_range(p)
+        return p.data.view(-1)[lo:hi]
+
     # -- phases ----------------------------------------------------------------------------------
 
     def _launch_reduce(self):
@@ -72,15 +82,14 @@ class AdamW(ZeroOptimizer):
         if slot["work"] is not None:
             slot["work"].wait()
             slot["work"] = None
-        lo, hi, _ = owned_range(p.numel(), self.world_size, self.rank)
+        lo, hi = self._owned_range(p)
         return slot["grad"][:hi - lo]
 
     def _owned_grads(self):
         return [self._wait_grad(p) for p in self._params()]
 
     def _apply(self, clip_coef):
-        W, r = self.world_size, self.rank
-        scale = (1.0 if clip_coef is None else clip_coef) / W
+        scale = (1.0 if clip_coef is None else clip_coef) / self.grad_divisor
         step = self.num_updates + 1
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, lr_muls, wd_muls = [], [], [], [], [], []
@@ -90,12 +99,12 @@ class AdamW(ZeroOptimizer):
                     continue
                 if scale != 1.0:
                     g.mul_(scale)
-                lo, hi, _ = owned_range(p.numel(), W, r)
+                lo, hi = self._owned_range(p)
                 state = self.state[p]
                 if not state:
                     state["exp_avg"] = torch.zeros(hi - lo, dtype=torch.float32, device=p.device)
                     state["exp_avg_sq"] = torch.zeros(hi - lo, dtype=torch.float32, device=p.device)
-                params.append(p.data.view(-1)[lo:hi])
+                params.append(self._owned_param(p))
                 grads.append(g)
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
@@ -104,7 +113,7 @@ class AdamW(ZeroOptimizer):
             beta1, beta2 = group["betas"]
             adamw_slice_update(params, grads, exp_avgs, exp_avg_sqs, step, group["lr"], beta1, beta2,
                                group["eps"], group["weight_decay"], lr_muls, wd_muls)
-            if W > 1:
+            if self.world_size > 1 and self.grads_are_sums:  # ZeRO-2: every rank gets the whole update
                 for p in group["params"]:
                     self._start_gather(p)
         self.num_updates = step
@@ -141,7 +150,7 @@ class AdamW(ZeroOptimizer):
         for p, state in self.state.items():
             if not state:
                 continue
-            lo, hi, _ = owned_range(p.numel(), self.world_size, self.rank)
+            lo, hi = self._owned_range(p)
             entries[self.names[p]] = dict(shape=list(p.shape), offset=lo, numel=hi - lo,
                                           exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
         return entries
@@ -150,7 +159,7 @@ class AdamW(ZeroOptimizer):
         self.state.clear()
         for p in self._params():
             name = self.names[p]
-            lo, hi, _ = owned_range(p.numel(), self.world_size, self.rank)
+            lo, hi = self._owned_range(p)
             if hi == lo:
                 continue
             entries = pieces.get(name, [])

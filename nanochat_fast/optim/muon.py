@@ -110,6 +110,27 @@ tuning.register("newton_schulz", lambda spec, device: newton_schulz_work(
     [tuple(s) for s in spec["shapes"]], spec["steps"], spec["coefficients"], device))
 
 
+def apply_updates(group: dict, params: list, tensors: list, updates, lr: float):
+    """tensors[i] (params[i]'s data, or the part of it this rank holds) -= lr' * updates[i], after
+    the group's (cautious) weight decay; lr' = lr times the parameter's lr_mul. Elementwise, so a
+    shard of a matrix is updated exactly as the same rows of the whole matrix would be."""
+    wd = group["weight_decay"]
+    lr_muls = [getattr(p, "lr_mul", 1.0) for p in params]
+    if not tensors:
+        return
+    if wd == 0 and all(m == 1.0 for m in lr_muls):
+        torch._foreach_add_(list(tensors), [u.to(t.dtype) for t, u in zip(tensors, updates)], alpha=-lr)
+        return
+    for param, p, u, lr_mul in zip(params, tensors, updates, lr_muls):
+        u = u.to(p.dtype)
+        decay = lr * lr_mul * wd * getattr(param, "wd_mul", 1.0)
+        if decay and group["cautious_weight_decay"]:
+            p.sub_(p * ((u * p) >= 0), alpha=decay)  # only where the step moves p towards 0
+        elif decay:
+            p.mul_(1 - decay)
+        p.add_(u, alpha=-lr * lr_mul)
+
+
 class Muon(ZeroOptimizer):
     """Muon in one process. Params: 2-D tensors (or (name, tensor) pairs); they are regrouped by
     shape, each group keeping the hyperparameters (lr, momentum, nesterov, ns_steps, ns_coefficients,
@@ -139,7 +160,7 @@ class Muon(ZeroOptimizer):
         self.recipe = None
         shapes = [tuple(g["params"][0].shape) for g in self.param_groups]
         sizes = [len(g["params"]) for g in self.param_groups]
-        owners = assign_owners(shapes, sizes, self.world_size)
+        owners = self._assign_owners(shapes, sizes)
         # per group: capacity c, and for every rank the indices (into the group) of the matrices it owns
         self._layout = []
         for g, group_owners in enumerate(owners):
@@ -149,6 +170,9 @@ class Muon(ZeroOptimizer):
         # the dtype Newton-Schulz computes in: an explicit one now (with its one warning line where
         # bf16 is emulated); "auto" at the first step, or when the run calls resolve_ns_precision
         self._ns_precision = None if ns_dtype == "auto" else self.resolve_ns_precision()
+
+    def _assign_owners(self, shapes, sizes) -> list[list[int]]:
+        return assign_owners(shapes, sizes, self.world_size)
 
     @property
     def ns_precision(self) -> Precision:
@@ -237,7 +261,7 @@ class Muon(ZeroOptimizer):
     def _apply(self, clip_coef):
         self.ns_precision  # noqa: B018  (resolved on every rank together, before any rank's update)
         W = self.world_size
-        scale = (1.0 if clip_coef is None else clip_coef) / W
+        scale = (1.0 if clip_coef is None else clip_coef) / self.grad_divisor
         for g, (group, G) in enumerate(zip(self.param_groups, self._owned_grads())):
             owned = [group["params"][i] for i in self._owned(g)]
             if owned:
@@ -249,6 +273,12 @@ class Muon(ZeroOptimizer):
         self.num_updates += 1
 
     def _update(self, g, group, owned, G):
+        U, lr = self._direction(g, group, G)
+        apply_updates(group, owned, [p.data for p in owned], U.unbind(0), lr)
+
+    def _direction(self, g, group, G):
+        """(U, lr): the orthogonalised fp32 updates of group g's owned matrices G (k, rows, cols),
+        momentum and NorMuon state advanced, and the learning rate their shape gets."""
         buf = self._momentum_stack(g, G)
         momentum = group["momentum"]
         buf.lerp_(G, 1 - momentum)
@@ -263,20 +293,7 @@ class Muon(ZeroOptimizer):
         if group["normuon_beta"] is not None:
             normuon_(U, self._second_moment_stack(g, U.shape, U.device), group["normuon_beta"])
         rows, cols = G.shape[-2:]
-        lr = group["lr"] * max(1.0, rows / cols) ** 0.5
-        wd = group["weight_decay"]
-        lr_muls = [getattr(p, "lr_mul", 1.0) for p in owned]
-        if wd == 0 and all(m == 1.0 for m in lr_muls):
-            torch._foreach_add_([p.data for p in owned], list(U.to(owned[0].dtype).unbind(0)), alpha=-lr)
-            return
-        for param, u, lr_mul in zip(owned, U.unbind(0), lr_muls):
-            p, u = param.data, u.to(param.dtype)
-            decay = lr * lr_mul * wd * getattr(param, "wd_mul", 1.0)
-            if decay and group["cautious_weight_decay"]:
-                p.sub_(p * ((u * p) >= 0), alpha=decay)  # only where the step moves p towards 0
-            elif decay:
-                p.mul_(1 - decay)
-            p.add_(u, alpha=-lr * lr_mul)
+        return U, group["lr"] * max(1.0, rows / cols) ** 0.5
 
     def _momentum_stack(self, g, G):
         return self._state_stack(g, self._momentum, "momentum_buffer", G.shape, G.device)

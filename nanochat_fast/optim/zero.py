@@ -125,6 +125,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     the step phases and _state_entries/_load_entries."""
 
     kind = ""
+    # ZeRO-2 receives each gradient summed over ranks (divided by the world size at the update);
+    # under FSDP (optim/fsdp.py) the gradients arrive averaged already
+    grads_are_sums = True
 
     def __init__(self, params, defaults, distributed: bool):
         super().__init__(normalize_param_groups(params), defaults)
@@ -146,6 +149,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.num_updates = 0  # completed steps (AdamW's bias correction counts them)
         self._pending = None
         self._initialized = True
+
+    @property
+    def grad_divisor(self) -> int:
+        """What the gradients this rank receives are divided by to be the average over ranks."""
+        return self.world_size if self.grads_are_sums else 1
 
     def add_param_group(self, param_group):
         if getattr(self, "_initialized", False):
@@ -188,7 +196,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         total = sum_of_squares(self._owned_grads())
         if total is None:
             return torch.zeros((), dtype=torch.float32, device=self._device())
-        return total / (self.world_size ** 2)  # of the average over ranks
+        return total / (self.grad_divisor ** 2)  # of the average over ranks
 
     def _apply(self, clip_coef):
         raise NotImplementedError

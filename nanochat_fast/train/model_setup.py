@@ -3,6 +3,7 @@ A GPT set up for a training run: its optimizers, its compute dtypes and whether 
 
     build_for_training(...)                 the model (model/loading.new_model) and its optimizers
     tune_for_training(model, ...)           the compute dtypes (model, Newton-Schulz) measured at the run's shapes
+    shard_for_training(model, ...)          --sharding=fsdp: the model sharded by FSDP2, and its optimizers
     compile_for_training(model, ...)        the module the training step calls: compiled or not, and why
     tuning_works(depth, ...)                what `python -m nanochat_fast.hardware --tune --depth N` times
 """
@@ -12,8 +13,10 @@ from dataclasses import asdict, replace
 import torch
 
 from ..core.compiling import default_compile
+from ..core.errors import UserError
 from ..hardware import precision, tuning
 from ..model.gpt import GPT, GPTConfig, config_from_depth
+from ..model import sharding
 from ..model.loading import new_model
 from ..optim.muon import newton_schulz_work
 
@@ -89,6 +92,35 @@ def tune_for_training(model: GPT, optimizers: list, dev, requested_dtype: str, r
     muon = next(opt for opt in optimizers if opt.kind == "muon")
     ns = muon.resolve_ns_precision(micro_steps // grad_accum_steps if micro_steps else None, warn=False)
     return dev, ns
+
+
+def check_sharding(mode: str, dev):
+    """--sharding=fsdp shards over processes: refused, with what to do, on a single one."""
+    if mode == "fsdp" and dev.world_size < 2:
+        raise UserError("--sharding=fsdp shards the model over processes but this run has one: launch with "
+                        "torchrun --nproc_per_node=N (N >= 2), or drop the flag (zero2, the default)")
+
+
+def describe_sharding(mode: str, world_size: int) -> str:
+    if world_size < 2:
+        return "none (one process)"
+    if mode == "fsdp":
+        return f"fsdp over {world_size} processes: parameters, gradients and optimizer state sharded (FSDP2)"
+    return f"zero2 over {world_size} processes: optimizer state sharded, whole model and gradient on each"
+
+
+def shard_for_training(model: GPT, optimizers: list, optim_config, dev) -> list:
+    """The optimizers of the run. --sharding=fsdp: `model` is sharded in place by FSDP2 (compute
+    dtype: the run's, now measured) and gets optimizers for its shards, which keep the Muon
+    precision already decided; zero2: `optimizers` as they are."""
+    if optim_config.sharding != "fsdp":
+        return optimizers
+    sharding.shard(model, dev.precision.dtype)
+    sharded = model.setup_optimizers(**optim_config.optimizer_kwargs())
+    for old, new in zip(optimizers, sharded):
+        if old.kind == "muon":
+            new._ns_precision = old.ns_precision
+    return sharded
 
 
 def compile_for_training(model: GPT, requested: bool | None, device, run_tokens: int | None,

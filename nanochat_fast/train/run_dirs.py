@@ -44,6 +44,10 @@ def open_run_dir(run, run_name: str, rank: int, phase: str, device):
     if resume == "auto":
         found = checkpoint.complete_checkpoints(run_dir)
         ckpt = found[-1] if found else None
+        for half in checkpoint.incomplete_checkpoints(run_dir):
+            if ckpt is None or half.name > ckpt.name:
+                print0(f"--resume auto: ignoring {half}, a save that did not finish (it is deleted); "
+                       f"{'using ' + str(ckpt) if ckpt else 'no complete checkpoint before it'}")
         if ckpt is None:
             print0(f"--resume auto: {run_dir} has no complete checkpoint, starting from scratch")
     elif resume:

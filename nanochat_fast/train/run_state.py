@@ -14,6 +14,7 @@ from .. import hardware
 from ..core import checkpoint
 from ..core.distributed import all_ranks_ok, print0
 from ..hardware.device import Device
+from ..model import sharding
 from .stage_data import Data
 from .training_config import LoopConfig, OptimConfig
 
@@ -46,7 +47,7 @@ class Horizon:
 class Run:
     """Everything the loop needs; stage.run_stage builds one for every stage."""
     model: torch.nn.Module              # what runs forward/backward (possibly compiled)
-    orig_model: torch.nn.Module         # the plain module: state_dict keys, generate()
+    orig_model: torch.nn.Module         # the plain module (FSDP-sharded with --sharding=fsdp): state_dict keys
     optimizers: list
     data: Data                          # .train (this rank's loader), .val_batches()
     token_bytes: torch.Tensor
@@ -60,7 +61,7 @@ class Run:
     peak: hardware.Peak | None          # the peak MFU is quoted against (None: n/a)
     compiled: bool                      # model is torch.compile'd: the first step's compile is timed apart
     meta: Callable[[], dict]            # model config, settings... for meta.json
-    sample: Callable[[], list[str]]     # a few generations to print (rank 0 only)
+    sample: Callable[[torch.nn.Module], list[str]]  # a few generations of a plain model to print (rank 0 only)
     evals: tuple = ()                   # (name, fn(model) -> {metric: value}) run with every val bpb eval
     state: LoopState = field(default_factory=LoopState)
     resume_command: str = ""
@@ -75,10 +76,11 @@ class Run:
 def save(run: Run) -> Path:
     meta = {**run.meta(), "world_size": run.world_size, "loader_state": run.data.train.state_dict(),
             "loop_state": asdict(run.state)}
+    sharded = sharding.is_sharded(run.orig_model)  # its weights go to DCP shards, one file per rank
     path = checkpoint.save_checkpoint(
-        run.run_dir, run.state.step, model_state=run.orig_model.state_dict(), rank_state=rank_state(run),
+        run.run_dir, run.state.step, model_state=sharding.model_state_dict(run.orig_model), rank_state=rank_state(run),
         meta=meta, rank=run.rank, all_ranks_ok=lambda ok: all_ranks_ok(ok, run.device),
-        keep_last=run.loop.keep_last, previous=run.last_checkpoint)
+        keep_last=run.loop.keep_last, previous=run.last_checkpoint, sharded=sharded)
     run.last_checkpoint = path
     return path
 

@@ -173,6 +173,7 @@ def run_stage(args, stage: Stage) -> int:
     check_environment()
     cfg = TrainingConfig.from_args(args, with_model=stage.start.with_model_flags)
     dev = cfg.device.init(seed=cfg.run.seed, deterministic=cfg.run.deterministic)
+    model_setup.check_sharding(cfg.optim.sharding, dev)
     data = None
     try:
         print0(dev.describe(precision=False))
@@ -216,20 +217,22 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
                                             cfg.data.device_batch_size, setup.point.seq_len, setup.grad_accum_steps,
                                             horizon.tokens)
     print0(f"precision: {dev.precision.describe()}")
+    optimizers = model_setup.shard_for_training(orig_model, setup.optimizers, cfg.optim, dev)
     peak = hardware.peak_flops(dev.device)
     model, compile_why = model_setup.compile_for_training(orig_model, cfg.run.compile, dev.device, horizon.tokens,
                                                           peak.flops * dev.world_size, stage.data.varying_shapes)
     settings = {**flag_values(args), **cfg.as_dict(), "dataset": data.dataset}
     run = Run(
-        model=model, orig_model=orig_model, optimizers=setup.optimizers, data=data,
+        model=model, orig_model=orig_model, optimizers=optimizers, data=data,
         token_bytes=get_token_bytes(device=dev.device), run_dir=setup.run_dir, grad_accum_steps=setup.grad_accum_steps,
         flops_per_token=orig_model.estimate_flops(), horizon=horizon, optim=cfg.optim, loop=cfg.loop, dev=dev,
         peak=peak, compiled=model is not orig_model, meta=meta_of_run(stage, setup, dev, settings),
-        sample=lambda: stage.sample(orig_model, tokenizer),
+        sample=lambda model: stage.sample(model, tokenizer),
         evals=tuple((name, make(cfg, tokenizer, dev)) for name, make in stage.evals),
         resume_command=run_dirs.resume_command(getattr(args, "_argv", None), setup.run_dir))
     lines = {"horizon": horizon.describe, **setup.point.describe, "data": data.describe.removeprefix("data: "),
-             "compile": compile_why, "muon": cfg.optim.recipe().describe().removeprefix("muon recipe "),
+             "compile": compile_why, "sharding": model_setup.describe_sharding(cfg.optim.sharding, dev.world_size),
+             "muon": cfg.optim.recipe().describe().removeprefix("muon recipe "),
              "newton-schulz precision": ns.describe(), "threads per process": threads.thread_choice().describe(),
              "mfu against": peak.describe()}
     return run, {"Stage": lines, "Settings": settings}

@@ -154,6 +154,10 @@ class OptimConfig(Config):
                                 "(default: the recipe's)", optional_bool=True)
     muon_weight_decay: float | None = flag(None, optional(non_negative_float), "Muon's weight decay (default: the "
                                            "recipe's: 0 for seeds, 0.28 cautious and cosine-scheduled for current)")
+    sharding: str = flag("zero2", choice("zero2", "fsdp"), "how several processes share the model: zero2 (each "
+                         "holds the whole model and gradient, the optimizer state is sharded) or fsdp (parameters, "
+                         "gradients and optimizer state all sharded by FSDP2; for models that do not fit one device; "
+                         "needs >= 2 processes)", choices=["zero2", "fsdp"])
 
     # The learning-rate flags and the parameters (by name prefix) whose optimizer groups they set:
     # on resume, a flag given on the command line replaces the checkpoint's value (stage.py).

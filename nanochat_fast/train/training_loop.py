@@ -30,6 +30,7 @@ from ..core.compiling import CompileWatch
 from ..core.distributed import all_reduce_sum, any_rank, get_dist_info, print0
 from ..core.errors import EXIT_NONFINITE
 from ..evals.bits_per_byte import evaluate_bpb
+from ..model import sharding
 from .rl_objective import weighted_loss_sum
 from .run_report import MetricsLog
 from .run_state import Horizon, Run, save
@@ -102,39 +103,43 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
 
 
 def evaluate_and_sample(s: Session, at: Boundary):
-    loop = s.run.loop
-    if loop.eval_every > 0 and (at.step % loop.eval_every == 0 or at.last):
-        evaluate(s.run, at.step, s.bar, s.metrics)
-    if s.run.rank == 0 and loop.sample_every > 0 and (at.step % loop.sample_every == 0 or at.last) and at.step > 0:
-        print_samples(s.run, s.bar)
+    loop, run = s.run.loop, s.run
+    evaluating = loop.eval_every > 0 and (at.step % loop.eval_every == 0 or at.last)
+    sampling = loop.sample_every > 0 and (at.step % loop.sample_every == 0 or at.last) and at.step > 0
+    if not (evaluating or sampling):
+        return
+    # through the plain module (a sharded model's weights gathered into one: model/sharding.py): the
+    # compiled training graph is neither reused nor recompiled for evaluation's other grad mode, loss
+    # reduction and shapes (core/compiling.py), and rank 0 samples alone
+    with sharding.whole_weights(run.orig_model) as model:
+        model.eval()
+        if evaluating:
+            evaluate(run, model, at.step, s.bar, s.metrics)
+        if sampling and run.rank == 0:
+            print_samples(run, model, s.bar)
+        model.train()
 
 
-def evaluate(run: Run, step: int, bar: Progress, metrics: MetricsLog | None):
+def evaluate(run: Run, model, step: int, bar: Progress, metrics: MetricsLog | None):
     """Val bits per byte, then the stage's own evaluations, logged at `step`."""
     state = run.state
-    # through the plain module: the compiled training graph is neither reused nor recompiled for
-    # evaluation's other grad mode, loss reduction and shapes (core/compiling.py)
-    run.orig_model.eval()
-    bpb = evaluate_bpb(run.orig_model, run.data.val_batches(), run.token_bytes, run.autocast_ctx)
+    bpb = evaluate_bpb(model, run.data.val_batches(), run.token_bytes, run.autocast_ctx)
     state.first_val_bpb = bpb if state.first_val_bpb is None else state.first_val_bpb
     state.last_val_bpb = bpb
     results = {"val_bpb": bpb}
     with run.autocast_ctx:
         for _, fn in run.evals:
-            results.update(fn(run.orig_model))
-    run.orig_model.train()
+            results.update(fn(model))
     state.last_evals = {k: v for k, v in results.items() if k != "val_bpb"}
     bar.write(f"step {step:05d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
     if metrics:
         metrics.log(kind="eval", step=step, **results)
 
 
-def print_samples(run: Run, bar: Progress):
-    run.orig_model.eval()
+def print_samples(run: Run, model, bar: Progress):
     with run.autocast_ctx:
-        for text in run.sample():
+        for text in run.sample(model):
             bar.write(f"  sample: {text!r}")
-    run.orig_model.train()
 
 
 def preemption_agreed(s: Session, step: int) -> bool:

@@ -1,0 +1,83 @@
+"""
+How a GPT's weights are spread over the ranks of a multi-process run (--sharding):
+
+    zero2   every rank holds the whole model and the whole gradient; the optimizer state is
+            sharded (optim/zero.py: DistAdamW, DistMuon). The seeds' design, the default.
+    fsdp    FSDP2 (torch.distributed.fsdp.fully_shard) on every transformer block and on the root:
+            parameters, gradients and optimizer state are all sharded by rows; a block's weights
+            are gathered for its forward and backward and freed after. The optimizers are
+            optim/fsdp.py's (GPT.setup_optimizers picks them for DTensor parameters).
+
+Under fsdp, mixed precision follows the run's compute dtype: blocks are gathered and run in it,
+the sharded master weights stay fp32 and gradients are reduced in fp32.
+
+A forward on some ranks only (samples on rank 0, evaluations whose work differs between ranks)
+would wait forever for the other ranks' share of the gather: `whole_weights` gathers the weights
+once into a plain GPT, whose forwards need no collective.
+"""
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+MODES = ("zero2", "fsdp")
+
+
+def shard(model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn.Module:
+    """fully_shard every block of `model` (a GPT) and then the root (wte, lm_head) over all ranks,
+    in place; returns the model. Its optimizers must be built afterwards (setup_optimizers)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+                                  reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def whole_weights(model: torch.nn.Module):
+    """A plain GPT with the whole weights of `model` (every rank enters together: the weights are
+    gathered), for forwards that need no collective; `model` itself when it is not sharded. The
+    copy is not the FSDP module: forwards through FSDP's hooks on one rank alone would also leave
+    that rank's record of the forward order (its backward prefetch) out of step with the others."""
+    if not is_sharded(model):
+        yield model
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from .loading import new_model
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    plain = new_model(model.config, next(iter(state.values())).device, state)
+    plain.train(model.training)
+    try:
+        yield plain
+    finally:
+        del plain, state
+
+
+def model_state_dict(model: torch.nn.Module) -> dict:
+    """What a checkpoint saves of the model: its state_dict, of DTensors (each rank's rows, for
+    torch.distributed.checkpoint) when it is sharded."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    return get_model_state_dict(model)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """The model's state_dict with whole tensors: on rank 0 only (on the CPU) for a sharded model,
+    whose shards every rank must take part in gathering; model.state_dict() for a plain one."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

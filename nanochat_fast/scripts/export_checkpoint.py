@@ -1,0 +1,47 @@
+"""
+Write a checkpoint's weights as one file of whole fp32 tensors.
+
+    python -m nanochat_fast.scripts.export_checkpoint --run=base_d32            # newest checkpoint
+    python -m nanochat_fast.scripts.export_checkpoint --run=base_d32 --step=2000 --output=d32.pt
+
+A run trained with --sharding=fsdp saves its model as shards (torch.distributed.checkpoint, one
+file per rank, in the checkpoint's model/ folder). Every reader (chat_cli, chat_web, base_eval,
+chat_eval, a later stage) assembles them by itself; this command does it once: by default it
+writes model.pt into the checkpoint, which the readers then load directly, or --output a file
+anywhere (a state_dict for torch.load). One process, no GPU needed.
+"""
+from pathlib import Path
+
+from ..core import checkpoint, cli
+from ..core.errors import UserError
+from ..train import run_dirs
+from ..train.environment import check_environment
+
+PHASES = ("sft", "mid", "base")
+
+
+def build_parser():
+    p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.export_checkpoint", description=__doc__)
+    p.add_argument("--run", type=cli.run_ref, default="", help="run name or directory (default: the newest run)")
+    p.add_argument("--step", type=cli.non_negative_int, default=None,
+                   help="checkpoint step (default: the newest complete one)")
+    p.add_argument("--output", type=str, default="",
+                   help="file to write (default: model.pt inside the checkpoint directory)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    check_environment()
+    run_dir = run_dirs.run_dir_of(args.run, PHASES)
+    ckpt = checkpoint.resolve_checkpoint(run_dir, args.step)
+    output = Path(args.output).expanduser() if args.output else None
+    if output is not None and (output.is_dir() or not output.parent.is_dir()):
+        raise UserError(f"--output {args.output}: give a file name in an existing directory")
+    written = checkpoint.export_model(ckpt, output)
+    print(f"exported {ckpt} -> {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
