@@ -55,9 +55,12 @@ def whole_weights(model: torch.nn.Module):
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from ..hardware.machine import rng_untouched
     from .loading import new_model
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    plain = new_model(model.config, next(iter(state.values())).device, state)
+    device = next(iter(state.values())).device
+    with rng_untouched(device):  # the copy's init, overwritten at once, must not move the run's random stream
+        plain = new_model(model.config, device, state)
     plain.train(model.training)
     try:
         yield plain
