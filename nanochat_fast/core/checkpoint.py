@@ -154,10 +154,8 @@ def incomplete_checkpoints(run_dir) -> list[Path]:
 
 def remove_incomplete(run_dir):
     """Delete the leftovers of saves that were interrupted (no COMPLETE marker)."""
-    root = Path(run_dir) / "checkpoints"
-    for p in root.glob("step_*") if root.is_dir() else []:
-        if not (p / COMPLETE).exists():
-            shutil.rmtree(p, ignore_errors=True)
+    for p in incomplete_checkpoints(run_dir):
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _load(path: Path, map_location):

@@ -68,13 +68,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def fit_prompt(ids: list[int], max_len: int, bos: int) -> tuple[list[int], bool]:
-    """(ids, truncated): a prompt longer than max_len keeps <|bos|> and its last max_len - 1 tokens."""
-    if len(ids) <= max_len:
-        return ids, False
-    return [bos] + ids[-(max_len - 1):], True
-
-
 def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
     """The Wilson score interval of a proportion (95% by default): unlike the normal
     approximation p ± z·sqrt(p(1-p)/n) it stays inside [0, 1] and is sound at 0% or 100% and for
@@ -158,9 +151,9 @@ def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size:
     order of `examples`. on_batch(n) is called after each batch of n examples (progress)."""
     device = _device_of(model, device)
     bos = tokenizer.get_bos_token_id()
-    fitted = [fit_prompt(tokenizer.render_for_completion(task.conversation(ex)), model.config.sequence_len, bos)
-              for ex in examples]
-    prompts = [ids for ids, _ in fitted]
+    whole = [tokenizer.render_for_completion(task.conversation(ex)) for ex in examples]
+    # the whole context is the prompt's: nothing is generated after it (fit_context with no reply)
+    prompts = [fit_context(ids, 0, model.config.sequence_len, bos)[0] for ids in whole]
     order = sorted(range(len(examples)), key=lambda i: len(prompts[i]))
     outcomes = [None] * len(examples)
     for start in range(0, len(order), batch_size):
@@ -178,7 +171,7 @@ def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size:
                                                           letter_logits=[round(x, 4) for x in letter_logits.tolist()]))
         if on_batch is not None:
             on_batch(len(batch))
-    counts = Counts(truncated=sum(cut for _, cut in fitted))
+    counts = Counts(truncated=sum(len(p) < len(w) for p, w in zip(prompts, whole)))
     for correct, record in outcomes:
         counts.add(correct, **record)
     return counts
