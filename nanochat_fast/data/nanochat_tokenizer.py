@@ -21,7 +21,7 @@ import torch
 
 from ..core import paths
 from ..core.errors import UserError
-from .tokenizer import SPECIAL_TOKENS, TOKEN_BYTES_FILE, Tokenizer
+from .tokenizer import SPECIAL_TOKENS, TOKEN_BYTES_FILE, Tokenizer, save_token_bytes
 
 PICKLE_FILE = "tokenizer.pkl"
 ENCODING_NAME = "rustbpe"  # the name nanochat's RustBPETokenizer gives its tiktoken encoding
@@ -132,10 +132,6 @@ def read_token_bytes(directory, vocab_size: int):
     return tb
 
 
-def token_bytes_of(tokenizer: Tokenizer) -> torch.Tensor:
-    return torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.int32)
-
-
 def write_tokenizer_files(tokenizer: Tokenizer, directory):
     """tokenizer.pkl and token_bytes.pt as nanochat writes them, each replaced atomically."""
     directory = Path(directory)
@@ -151,5 +147,4 @@ def write_tokenizer_files(tokenizer: Tokenizer, directory):
             pickle.dump(enc, f)
 
     paths.replace_atomically(directory / PICKLE_FILE, dump)
-    token_bytes = token_bytes_of(tokenizer)
-    paths.replace_atomically(directory / TOKEN_BYTES_FILE, lambda tmp: torch.save(token_bytes, tmp))
+    save_token_bytes(tokenizer, directory)

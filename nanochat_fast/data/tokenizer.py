@@ -268,6 +268,21 @@ def get_tokenizer(directory=None) -> Tokenizer:
         raise UserError(str(e)) from None
 
 
+def token_bytes_tensor(tokenizer: Tokenizer):
+    """int32[vocab]: token_byte_lengths as token_bytes.pt holds them (ours and nanochat's alike)."""
+    import torch
+    return torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.int32)
+
+
+def save_token_bytes(tokenizer: Tokenizer, directory) -> Path:
+    """Write directory/token_bytes.pt (token_bytes_tensor), replaced atomically."""
+    import torch
+    token_bytes = token_bytes_tensor(tokenizer)
+    path = Path(directory) / TOKEN_BYTES_FILE
+    paths.replace_atomically(path, lambda tmp: torch.save(token_bytes, tmp))
+    return path
+
+
 def get_token_bytes(device="cpu", directory=None):
     """int32[vocab] bytes per token (0 for special tokens), for bits-per-byte."""
     import torch

@@ -35,7 +35,7 @@ import torch
 from ..core import checkpoint, cli, paths
 from ..core.errors import UserError
 from ..data import nanochat_tokenizer
-from ..data.tokenizer import RANKS_FILE, TOKEN_BYTES_FILE, Tokenizer, get_tokenizer
+from ..data.tokenizer import RANKS_FILE, TOKEN_BYTES_FILE, Tokenizer, get_tokenizer, save_token_bytes, token_bytes_tensor
 from ..model import nanochat_checkpoint, nanochat_optimizer
 from ..model.gpt import GPTConfig
 from ..train.environment import check_environment
@@ -68,7 +68,7 @@ def read_tokenizer(directory: Path, vocab_size: int) -> Tokenizer:
         raise UserError(f"the tokenizer in {directory} has {tokenizer.get_vocab_size()} tokens but the model's vocab_size "
                         f"is {vocab_size}: give the tokenizer this model was trained with")
     theirs = nanochat_tokenizer.read_token_bytes(directory, vocab_size)
-    if theirs is not None and not torch.equal(theirs.to(torch.int32), nanochat_tokenizer.token_bytes_of(tokenizer)):
+    if theirs is not None and not torch.equal(theirs.to(torch.int32), token_bytes_tensor(tokenizer)):
         raise UserError(f"{directory / TOKEN_BYTES_FILE} does not match tokenizer.pkl's tokens; re-run nanochat's tok_train")
     print(f"tokenizer: {tokenizer.get_vocab_size():,} tokens; same ids as nanochat's on a {n}-token multilingual "
           "sample with every special token")
@@ -130,9 +130,7 @@ def write_run(run_dir: Path, ckpt, model_state: dict, shards: list, meta: dict, 
         checkpoint.save_checkpoint(tmp, ckpt.step, model_state=model_state, meta=meta, rank=0,
                                    rank_state={"optimizers": shards, "rng": {"cpu": torch.get_rng_state()}})
         if tokenizer is not None:
-            out = tokenizer.save(paths.tokenizer_dir())
-            token_bytes = nanochat_tokenizer.token_bytes_of(tokenizer)
-            paths.replace_atomically(out / TOKEN_BYTES_FILE, lambda t: torch.save(token_bytes, t))
+            save_token_bytes(tokenizer, tokenizer.save(paths.tokenizer_dir()))
         if run_dir.exists():
             shutil.rmtree(run_dir)
         tmp.rename(run_dir)

@@ -14,12 +14,10 @@ changes the tokenizer's fingerprint, and the token shards are then rebuilt.
 import os
 import time
 
-import torch
-
 from ..core import cli, paths
 from ..core.errors import UserError
 from ..data import documents, token_shards
-from ..data.tokenizer import MIN_VOCAB_SIZE, TOKEN_BYTES_FILE, Tokenizer
+from ..data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, save_token_bytes
 from ..train import next_steps
 from ..train.environment import check_environment
 
@@ -72,8 +70,7 @@ def main(argv=None) -> int:
     tokenizer = Tokenizer.train(capped_texts(args.dataset, args.max_chars, args.doc_cap, counter), args.vocab_size)
     train_s = time.time() - t0
     out = tokenizer.save(paths.tokenizer_dir())
-    token_bytes = torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.int32)
-    paths.replace_atomically(out / TOKEN_BYTES_FILE, lambda tmp: torch.save(token_bytes, tmp))
+    save_token_bytes(tokenizer, out)
     print(f"trained a {tokenizer.get_vocab_size():,}-token tokenizer on {counter['chars']:,} characters of "
           f"data/{args.dataset} in {train_s:.1f}s -> {out} (fingerprint {tokenizer.fingerprint})")
     if tokenizer.get_vocab_size() < args.vocab_size:
