@@ -227,12 +227,17 @@ def run(args):
     compute_cleanup()
 
 
-def spawn_entry(rank, world_size, port, argv):
-    """torch.multiprocessing.spawn target: the environment torchrun would set, then run()."""
+def as_if_torchrun(rank, world_size, port):
+    """The environment torchrun would set for `rank`, one thread each (a spawned process's start)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+
+
+def spawn_entry(rank, world_size, port, argv):
+    """torch.multiprocessing.spawn target: the environment torchrun would set, then run()."""
+    as_if_torchrun(rank, world_size, port)
     run(parse_args(argv))
 
 

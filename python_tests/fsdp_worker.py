@@ -16,7 +16,6 @@ Multi-process worker for test_fsdp.py: run under
 """
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -162,10 +161,7 @@ def run(args):
 
 
 def spawn_entry(rank, world_size, port, argv):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    W.as_if_torchrun(rank, world_size, port)
     run(parse_args(argv))
 
 
