@@ -22,4 +22,16 @@ TORCH_LIBRARY(nanochat_fast, m) {
   m.def(
       "softcap_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, float softcap, int ignore_index, "
       "Tensor? grad_scale, int chunk_rows) -> (Tensor, Tensor, Tensor, Tensor)");
+
+  // y = x @ weight^T for a few rows of x (decode steps), from weight [N, K] packed once by
+  // pack_linear_weight into column panels [ceil(N / 32), K, 32]; float32. Every output is summed in
+  // the same order whatever the number of rows: a row's result does not depend on the others.
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+
+  // One query token per row over its own cached entries: out[b, h] = softmax(q[b, h] .
+  // keys[rows[b], h / g, :lengths[b]] * scale) @ values[rows[b], h / g, :lengths[b]], g = H / Hkv.
+  // q float32 [B, H, D]; keys, values [S, Hkv, L, D] (views of a cache: any strides but the last);
+  // rows, lengths int64 [B]. A row reads nothing of the others: its result does not depend on them.
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor rows, Tensor lengths, float scale) -> Tensor");
 }

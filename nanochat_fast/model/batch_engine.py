@@ -14,13 +14,14 @@ what a request gets does not depend on what else is in the batch; each has its o
 state (sampling.ToolUse): a tool's answer is forced in token by token and fed like any token.
 
 Exactness: a row's arithmetic in a batch is the arithmetic it would do alone (its own positions,
-only its own entries, masked ones weighted by exactly 0), so at temperature 0 it chooses the same
-tokens. The floating-point rounding can still differ in the last bits, since matmul kernels pick
-their blocking by batch size and attention reads up to the longest row: in fp32 that is ~1e-6 of
-a logit, which changes a token only where the two best logits are that close (python_tests/
-test_batch_engine.py checks batched == alone, token for token); in bf16 the rounding is ~1e-2 and
-greedy ties break differently more often. A prompt's prefill runs alone in every case, so the first
-token is always the same as alone.
+only its own entries), so at temperature 0 it chooses the same tokens. On a CPU in fp32 it is the
+same to the bit: the decode step's linears and attention run kernels whose sums do not depend on
+the other rows (packed_linears.py, kernels/decode_attention.py; python_tests/test_decode_kernels.py).
+Elsewhere (a GPU, bf16) the stock kernels pick their blocking by batch size and attention reads up
+to the longest row, so the last bits can differ: in fp32 ~1e-6 of a logit, which changes a token
+only where the two best logits are that close; in bf16 ~1e-2, and greedy ties break differently
+more often (python_tests/test_batch_engine.py checks batched == alone, token for token). A prompt's
+prefill runs alone in every case, so the first token is always the same as alone.
 
 Autocast and grad: step() runs under torch.inference_mode() itself; the caller's autocast context
 (if any) applies, and the cache takes the dtype of the first keys written (bf16 under bf16
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import packed_linears
 from .kv_cache import SlotBatch, SlotCache, SlotPrefill
 from .sampling import RowState, ToolUse, sample_next, stop_tokens
 
@@ -207,7 +209,8 @@ class BatchEngine:
         """Feed every row its last token (rows in slot order) in one forward; their next-token logits."""
         ids = torch.tensor([[row.tokens[-1]] for row in rows], dtype=torch.long, device=self.device)
         batch = SlotBatch(self.cache, [row.slot for row in rows], [row.length for row in rows], self.device)
-        logits = self.model(ids, kv_cache=batch)[:, -1, :]
+        with packed_linears.decoding(self.model, len(rows)):
+            logits = self.model(ids, kv_cache=batch)[:, -1, :]
         for row in rows:
             row.length += 1
         return logits

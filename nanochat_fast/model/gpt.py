@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..core.distributed import is_distributed, print0
 from ..kernels import softcap_cross_entropy
+from . import packed_linears
 from .kv_cache import KVCache, SlotBatch  # noqa: F401 (KVCache: model.gpt is where callers import it from)
 from .sampling import sample_next
 
@@ -80,6 +81,19 @@ def apply_rotary_emb(x, cos, sin):
     return torch.cat([y1, y2], 3)
 
 
+class Linear(nn.Linear):
+    """nn.Linear without bias, whose product runs through a packed copy of the weight during a
+    decode step (packed_linears.py: a few rows, where CPU sgemm is slowest)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x):
+        if not torch.compiler.is_compiling() and (packed := packed_linears.current(self)) is not None:
+            return packed(x)
+        return F.linear(x, self.weight)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
@@ -87,10 +101,10 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_kv_head = config.n_kv_head
         self.head_dim = config.head_dim
-        self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
-        self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
-        self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.c_q = Linear(config.n_embd, self.n_head * self.head_dim)
+        self.c_k = Linear(config.n_embd, self.n_kv_head * self.head_dim)
+        self.c_v = Linear(config.n_embd, self.n_kv_head * self.head_dim)
+        self.c_proj = Linear(config.n_embd, config.n_embd)
 
     def forward(self, x, cos_sin, kv_cache):
         B, T, _ = x.size()
@@ -126,8 +140,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=False)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd)
 
     def forward(self, x):
         return self.c_proj(F.relu(self.c_fc(x)).square())
@@ -153,7 +167,7 @@ class GPT(nn.Module):
             "wte": nn.Embedding(config.vocab_size, config.n_embd),
             "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
         })
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size)
         # Rotary tables for 10x the training length, so generation can run past it. Not persistent:
         # they are recomputed (init_weights) rather than stored in checkpoints.
         self.rotary_seq_len = config.sequence_len * 10

@@ -10,10 +10,11 @@ next token costs one position instead of the whole sequence:
     SlotPrefill  a prompt run alone (B=1) into its slot; KVCache's interface, so the model's usual
                  causal path runs it.
     SlotBatch    one decode step of rows at different lengths: row i feeds one token at its own
-                 position in its own slot, and attends to its own valid entries only (a per-row mask).
+                 position in its own slot, and attends to its own valid entries only.
 """
 import torch
-import torch.nn.functional as F
+
+from ..kernels.decode_attention import decode_attention
 
 
 class KVCache:
@@ -58,8 +59,9 @@ class SlotCache:
 
     The storage is made at the first keys written (SlotPrefill/SlotBatch.insert_kv), taking their
     heads, head_dim, dtype and device: so it is bf16 when the model computes under bf16 autocast.
-    It is zero-filled rather than left empty: a decode step reads whole blocks of it and masks the
-    entries a row may not see, and a masked entry must still be a finite number (0 * NaN is NaN).
+    It is zero-filled rather than left empty: decode attention's reference backend reads whole
+    blocks of it and masks the entries a row may not see, and a masked entry must still be a finite
+    number (0 * NaN is NaN).
     Entries left by a slot's previous conversation are finite and masked the same way, so a slot
     is reused as is, without clearing.
     """
@@ -116,11 +118,8 @@ class SlotBatch:
     (slots in increasing order, each once).
 
     Attention reads the cache in place, with no copy of any row's keys: the block of slots from the
-    rows' lowest slot to their highest, up to the longest row's length. A per-row mask keeps each
-    row to its own entries 0..positions[i]; a slot in the block that no row of this step uses gets
-    an all-true mask row (its answer is computed and dropped) so that no softmax is over nothing.
-    Everything built here is small: index tensors, the mask, and the queries spread over the block
-    when unused slots sit between the rows.
+    rows' lowest slot to their highest, up to the longest row's length, each row to its own entries
+    0..positions[i] (kernels/decode_attention.py). Everything built here is small index tensors.
     """
 
     def __init__(self, cache: SlotCache, slots: list[int], positions: list[int], device):
@@ -128,17 +127,11 @@ class SlotBatch:
             raise ValueError("a slot batch takes distinct slots in increasing order, one position each")
         self.cache = cache
         self.lo, self.hi = slots[0], slots[-1] + 1
-        self.length = max(positions) + 1  # keys read per slot: the longest row's
+        self.length = max(positions) + 1  # keys in the block per slot: the longest row's
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
         self.positions = torch.tensor(positions, dtype=torch.long, device=device)
-        # index of each row within the block; None when the rows fill the block, in order
-        self.rows_in_block = None if self.hi - self.lo == len(slots) else self.slots - self.lo
-        valid = [self.length] * (self.hi - self.lo)
-        for slot, pos in zip(slots, positions):
-            valid[slot - self.lo] = pos + 1
-        valid = torch.tensor(valid, dtype=torch.long, device=device)
-        keys = torch.arange(self.length, device=device)
-        self.mask = (keys[None, :] < valid[:, None]).view(self.hi - self.lo, 1, 1, self.length)
+        self.rows_in_block = self.slots - self.lo  # each row's slot within the block
+        self.lengths = self.positions + 1          # each row's valid entries
 
     def get_pos(self) -> torch.Tensor:
         """Each row's position, (B,) int64: where its token goes and which rotary angles it gets."""
@@ -155,9 +148,6 @@ class SlotBatch:
         return keys[block, :, :self.length], values[block, :, :self.length]
 
     def attend(self, q, keys, values, enable_gqa: bool):
-        """The rows' queries q (B, H, 1, D) over the block insert_kv returned, each row masked to
-        its own entries -> (B, H, 1, D)."""
-        if self.rows_in_block is not None:
-            q = q.new_zeros(self.hi - self.lo, *q.shape[1:]).index_copy_(0, self.rows_in_block, q)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=enable_gqa)
-        return y if self.rows_in_block is None else y.index_select(0, self.rows_in_block)
+        """The rows' queries q (B, H, 1, D) over the block insert_kv returned, each row to its own
+        entries -> (B, H, 1, D)."""
+        return decode_attention(q, keys, values, self.rows_in_block, self.lengths, enable_gqa)

@@ -58,4 +58,5 @@ def step(optimizers, grad_clip: float | None = None) -> torch.Tensor:
         opt._apply(coef)
     for opt in optimizers:
         opt._gather()
+        opt._mark_updated()
     return norm

@@ -11,6 +11,7 @@ A step has four phases (nanochat_fast.optim.step drives them for a list of optim
     _apply(clip)       scale the owned gradients by clip/world_size, update the owned parameters
                        and optimizer state, start the all-gathers of the updated parameters
     _gather()          wait for the all-gathers; every rank again holds identical parameters
+    _mark_updated()    move the parameters' version counters, as an in-place update would
 (or _discard() instead of _apply/_gather: the NaN guard drops the step, nothing is changed).
 
 Gloo constraints this code respects (and NCCL is happy with): no Work.get_future() (waits use
@@ -181,6 +182,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._launch_reduce()
         self._apply(None)
         self._gather()
+        self._mark_updated()
         return loss
 
     # -- the phases (see the module docstring) --------------------------------------------------
@@ -203,6 +205,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _gather(self):
         raise NotImplementedError
+
+    def _mark_updated(self):
+        """After _gather: tell autograd the parameters changed in place. The updates write through
+        p.data and the kernels, which leave a parameter's version counter alone, as torch.optim's
+        in-place updates do not; what caches a function of the weights reads that counter
+        (model/packed_linears.py)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                torch.autograd.graph.increment_version(p)
 
     def _discard(self):
         """Drop a step whose gradient was not finite: wait for the collectives in flight (every

@@ -35,8 +35,8 @@ from ..web.pool import Prepared, Replica, ReplicaPool
 # Replies decoded together per replica when --slots is not given. A CUDA decode step is bound by
 # reading the weights, once for all rows: 32 rows cost little more than one, so throughput grows
 # almost 32-fold while each reply keeps its speed. On a CPU each row adds its own matmul work on a
-# few cores and its own keys to read: a step of 8 rows costs about twice one row's on a 2-core
-# machine (benchmarks/bench_chat_web.py), and past that the step grows almost as fast as the rows,
+# few cores and its own keys to read: a step of 8 rows costs about 1.5x one row's on a 2-core machine
+# (benchmarks/bench_decode_step.py), and past that the step grows almost as fast as the rows,
 # slowing every reply for little more throughput; requests beyond the slots wait in the queue.
 # MPS (a laptop's GPU, its memory shared with the system) gets the CPU's 8.
 DEFAULT_SLOTS = {"cuda": 32, "cpu": 8, "mps": 8}

@@ -1,0 +1,123 @@
+"""A decode step on CPU: the packed linears and the decode attention against stock PyTorch.
+
+The model is chat_web's benchmark model (depth 4: n_embd 256, 2 heads of 128, vocab 4096), random
+weights, fp32, one thread (a chat_web replica's). A decode step feeds B rows one token each.
+
+  test_linears    every linear of one decode step (4 x [q, k, v, o, fc, proj] + lm_head) on B rows:
+                  packed_linear vs F.linear (MKL sgemm), MKL's packed sgemm (torch.ops.mkl._mkl_linear,
+                  what inductor's freezing uses for fp32 linears on CPU) and F.linear in bf16
+  test_attention  4 layers of one decode step's attention, 8 rows at lengths 100..170 in a cache of
+                  8 slots x 512 positions: decode_attention vs SDPA with the per-row mask (flash, the
+                  CPU default, and math). Here the cache sits in the CPU's caches between calls; in a
+                  real step the weights pass between two layers' reads and the keys come from DRAM.
+  test_engine     whole BatchEngine.step()s of B rows: the kernels above vs the same engine on stock
+                  PyTorch (NANOCHAT_FAST_KERNELS=packed_linear=reference,decode_attention=reference),
+                  fp32 and under bf16 autocast
+"""
+import time
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import compare
+from nanochat_fast.kernels import registry
+from nanochat_fast.kernels.decode_attention import decode_attention
+from nanochat_fast.kernels.packed_linear import pack_linear
+from nanochat_fast.model.batch_engine import BatchEngine, Request
+from nanochat_fast.model.gpt import GPT, config_from_depth
+
+pytestmark = pytest.mark.skipif(registry.extension() is None, reason="extension not built")
+CONFIG = config_from_depth(4, 4096, 512)
+STOCK = "packed_linear=reference,decode_attention=reference"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def model():
+    torch.manual_seed(0)
+    m = GPT(CONFIG)
+    m.init_weights()
+    for p in m.parameters():
+        p.data.normal_(0, 0.02)  # init_weights zeroes some matrices: random everywhere, like trained ones
+    return m.eval()
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_linears(benchmark, rows):
+    weights = [mod.weight.detach() for mod in model().modules() if isinstance(mod, torch.nn.Linear)]
+    x = {w.size(1): torch.randn(rows, w.size(1)) for w in weights}
+    packed = [pack_linear(w, backend="cpp") for w in weights]
+    mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
+    bf16 = [w.bfloat16() for w in weights]
+    xb = {k: v.bfloat16() for k, v in x.items()}
+    compare(benchmark, op=f"decode-step linears, {rows} row(s)", baseline="F.linear fp32 (sgemm)",
+            shape_set=f"depth-4 GPT: {len(weights)} fp32 matrices, {sum(w.numel() for w in weights) / 1e6:.1f}M values",
+            variants={"packed_linear (ours)": lambda: [p(x[p.weight.size(1)]) for p in packed],
+                      "F.linear fp32 (sgemm)": lambda: [F.linear(x[w.size(1)], w) for w in weights],
+                      "MKL packed sgemm fp32": lambda: [torch.ops.mkl._mkl_linear(x[w.size(1)], m, w, None, rows)
+                                                        for w, m in zip(weights, mkl)],
+                      "F.linear bf16": lambda: [F.linear(xb[w.size(1)], w) for w in bf16]},
+            rounds=30, notes="one thread; ratio < 1 is faster than sgemm")
+
+
+def test_attention(benchmark):
+    g = torch.Generator().manual_seed(0)
+    D, H = CONFIG.head_dim, CONFIG.n_kv_head
+    caches = [torch.randn(2, 8, H, 512, D, generator=g) for _ in range(CONFIG.n_layer)]
+    lengths = torch.arange(100, 180, 10)
+    rows = torch.arange(8)
+    q = torch.randn(8, CONFIG.n_head, 1, D, generator=g)
+    L = int(lengths.max())
+
+    def layers(backend, sdpa=None):
+        def run():
+            with torch.nn.attention.sdpa_kernel(sdpa) if sdpa is not None else nullcontext():
+                for kv in caches:
+                    decode_attention(q, kv[0, :, :, :L], kv[1, :, :, :L], rows, lengths, backend=backend)
+        return run
+    compare(benchmark, op="decode-step attention, 8 rows", baseline="SDPA flash, masked",
+            shape_set=f"4 layers x 8 rows x {CONFIG.n_head} heads of {D}, lengths 100..170",
+            variants={"decode_attention (ours)": layers("cpp"),
+                      "SDPA flash, masked": layers("reference"),
+                      "SDPA math, masked": layers("reference", torch.nn.attention.SDPBackend.MATH)},
+            rounds=30, notes="one thread; the reference backend is the SDPA with the per-row mask")
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_engine(benchmark, rows, monkeypatch):
+    m = model()
+
+    class Tokens:  # no stop tokens in reach: every row decodes all its tokens
+        def encode_special(self, s):
+            return 4095
+
+        def get_bos_token_id(self):
+            return 4095
+
+    def steps(kernels, autocast):
+        def run():
+            monkeypatch.setenv(registry.ENV_VAR, kernels)
+            engine = BatchEngine(m, Tokens(), slots=8, max_len=512)
+            for i in range(rows):
+                engine.add(Request(list(range(10 + i, 34 + i)), 64, use_tools=False))
+            with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
+                engine.step()  # the prefills
+                start = time.perf_counter()
+                while engine.active:
+                    engine.step()
+            return (time.perf_counter() - start) / 63  # seconds per decode step
+        return run
+    compare(benchmark, op=f"BatchEngine decode step, {rows} row(s)", baseline="stock fp32",
+            shape_set="depth-4 GPT, vocab 4096, 24-token prompts, 63 decode steps",
+            variants={"packed_linear + decode_attention (ours)": steps("auto", False),
+                      "stock fp32": steps(STOCK, False),
+                      "stock bf16 autocast": steps(STOCK, True)},
+            rounds=7, notes="one thread; seconds per decode step")

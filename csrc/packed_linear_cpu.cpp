@@ -1,0 +1,142 @@
+// packed_linear on CPU: y = x @ weight^T for a few rows of x (a decode step: one row per
+// conversation), from a copy of the weight packed once into column panels.
+//
+// Why not BLAS: MKL's sgemm runs these shapes (M = 1..16 rows, K and N in the hundreds or
+// thousands) far below the core's FMA rate, and a step of 8 rows cost up to 4x one row's, where the
+// weights are read once for all rows and the arithmetic is still small. Here each panel of 32 output
+// columns is stored k-major ([K, 32] contiguous), so one k reads two 16-float vectors of the panel
+// and every row of the tile adds x[m, k] times them to its own accumulators (an outer product: no
+// horizontal sums, no transposes). A tile is up to 8 rows x 32 columns: 16 vector accumulators,
+// which stay in registers with AVX-512's 32 (AVX2 spills some; still faster than sgemm here). The
+// figures: benchmarks/bench_decode_step.py.
+//
+// Batch invariance: every output is summed in the same order whatever the number of rows and
+// wherever its row sits in a tile: over k in blocks of kBlock (a sequential fused multiply-add
+// chain from 0 inside a block), the blocks' sums added in order. So a row's result in a batch of
+// 8 is bitwise its result alone: a conversation decodes the same tokens whoever shares its step.
+// The blocks also bound the error growth of a sequential sum (~kBlock + K/kBlock roundings).
+//
+// Written with GCC/Clang vector extensions (a 16-float vector: one zmm, two ymm or four NEON
+// registers), compiled per target by target_clones on x86-64 Linux (see target_clones.h).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "target_clones.h"
+
+namespace nanochat_fast {
+namespace {
+
+constexpr int64_t kPanel = 32;   // output columns per panel: two vectors
+constexpr int64_t kBlock = 64;   // k per partial sum
+constexpr int kMaxTileRows = 8;  // rows per tile: 8 x 2 accumulators
+
+typedef float Vec __attribute__((vector_size(64)));
+
+#define NANOCHAT_FAST_INLINE inline __attribute__((always_inline))
+
+NANOCHAT_FAST_INLINE Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+NANOCHAT_FAST_INLINE void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+// out[m, 0:ncols] = x[m, :] . panel columns, for MR rows of x (row stride K) and one panel.
+template <int MR>
+NANOCHAT_FAST_INLINE void tile(const float* x, int64_t K, const float* panel, float* out, int64_t ldo,
+                               int64_t ncols) {
+  Vec sum[MR][2];
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+    const int64_t k1 = std::min(K, k0 + kBlock);
+    Vec acc[MR][2];
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = Vec{};
+    for (int64_t k = k0; k < k1; ++k) {
+      const Vec w0 = load(panel + k * kPanel), w1 = load(panel + k * kPanel + 16);
+      for (int m = 0; m < MR; ++m) {
+        const float xk = x[m * K + k];
+        acc[m][0] += xk * w0;
+        acc[m][1] += xk * w1;
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      sum[m][0] = k0 == 0 ? acc[m][0] : sum[m][0] + acc[m][0];
+      sum[m][1] = k0 == 0 ? acc[m][1] : sum[m][1] + acc[m][1];
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float row[kPanel];
+    store(row, sum[m][0]);
+    store(row + 16, sum[m][1]);
+    std::memcpy(out + m * ldo, row, ncols * sizeof(float));
+  }
+}
+
+template <int MR>
+NANOCHAT_FAST_INLINE void tiles(const float* x, int64_t M, int64_t K, const float* panel, float* out,
+                                int64_t N, int64_t ncols) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile<MR>(x + m * K, K, panel, out + m * N, N, ncols);
+  if constexpr (MR > 1) {  // the last M % 8 rows: one tile of exactly that many
+    if (m < M) tiles<MR - 1>(x + m * K, M - m, K, panel, out + m * N, N, ncols);
+  }
+}
+
+NANOCHAT_FAST_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
+void panels(const float* __restrict__ x, int64_t M, int64_t K, const float* __restrict__ packed, int64_t N,
+            float* __restrict__ out, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t ncols = std::min(kPanel, N - p * kPanel);
+    tiles<kMaxTileRows>(x, M, K, packed + p * K * kPanel, out + p * kPanel, N, ncols);
+  }
+}
+
+void check_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "packed_linear: weight must be 2-D [out_features, in_features], got ",
+              weight.dim(), "-D");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "packed_linear: weight must be float32, got ",
+              weight.scalar_type());
+}
+
+at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
+  check_weight(weight);
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  at::Tensor padded = at::zeros({P * kPanel, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();  // [P, K, 32]
+}
+
+at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear: x must be float32 [rows, in_features], got ",
+              x.scalar_type(), " of ", x.dim(), " dims");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, P = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.size(0) == P &&
+                  packed.size(1) == K && packed.size(2) == kPanel && packed.is_contiguous(),
+              "packed_linear: packed must be pack_linear_weight's [", P, ", ", K, ", ", kPanel,
+              "] float32 for in_features ", K, " and out_features ", N, ", got ", packed.sizes());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const float* xp = xc.const_data_ptr<float>();
+  const float* wp = packed.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  // Panels split across threads: each output's sum is computed by one thread, in the same order.
+  // A work item of >= ~64K multiply-adds is worth a thread.
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K * kPanel));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) { panels(xp, M, K, wp, N, op, p0, p1); });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nanochat_fast, CPU, m) {
+  m.impl("pack_linear_weight", &pack_linear_weight_cpu);
+  m.impl("packed_linear", &packed_linear_cpu);
+}
+
+}  // namespace nanochat_fast

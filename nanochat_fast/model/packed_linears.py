@@ -1,0 +1,73 @@
+"""
+Decode steps through packed weights. A decode step multiplies a few rows (one per conversation) by
+every weight of the model: the shape where CPU sgemm is slowest, and where kernels/packed_linear.py
+is fast and gives each row the same result whatever rows share the step. While BatchEngine runs a
+decode step (`with decoding(model, rows)`), every gpt.Linear of the model takes its packed weight
+from here; outside one (training, prefill, evaluation of logits) nothing changes.
+
+The packs are kept with the model, so that the engines that come and go (one per generate call)
+share them, and remade when a weight's version counter moves: any in-place change of the parameter
+(an optimizer step, torch.optim's or this package's; load_state_dict). A write through p.data
+outside an optimizer leaves the counter alone and is not seen. They cost one more copy of the
+linear weights.
+"""
+import contextlib
+import contextvars
+import weakref
+
+import torch
+import torch.nn as nn
+
+from ..kernels import registry
+from ..kernels.packed_linear import MAX_ROWS, OP, PackedLinear, pack_linear
+
+# The packs of the decode step running in this thread (module -> PackedLinear), None outside one.
+# A context variable: chat_web's replicas decode in threads of their own.
+_active: contextvars.ContextVar = contextvars.ContextVar("packed_linears", default=None)
+_by_model: "weakref.WeakKeyDictionary[nn.Module, PackedLinears]" = weakref.WeakKeyDictionary()
+
+
+def current(module: nn.Module) -> PackedLinear | None:
+    """The packed weight of `module` in the decode step running in this thread, or None."""
+    packs = _active.get()
+    return None if packs is None else packs.get(module)
+
+
+class PackedLinears:
+    """Packed copies of a model's nn.Linear weights, kept up to date with the weights."""
+
+    def __init__(self, model: nn.Module):
+        self.linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.bias is None]
+        self._packs: dict[nn.Module, tuple[tuple, PackedLinear]] = {}
+
+    def current(self) -> dict[nn.Module, PackedLinear]:
+        """module -> its PackedLinear, repacking the weights that changed since they were packed
+        (module docstring), or whose backend NANOCHAT_FAST_KERNELS changed."""
+        backend = registry.requested(OP)
+        for module in self.linears:
+            w = module.weight
+            key = (w.data_ptr(), w._version, w.dtype, w.device, backend)
+            held = self._packs.get(module)
+            if held is None or held[0] != key:
+                self._packs[module] = (key, pack_linear(w))
+        return {module: packed for module, (_, packed) in self._packs.items()}
+
+
+@contextlib.contextmanager
+def decoding(model: nn.Module, rows: int):
+    """Run the model's linears through their packed weights inside the block, when that helps: a
+    CPU, no autocast (under bf16 autocast the stock bf16 matmuls run), no gradient wanted (the
+    packed op has no backward) and at most MAX_ROWS rows."""
+    device = model.get_device()
+    if (device.type != "cpu" or rows > MAX_ROWS or torch.is_grad_enabled()
+            or torch.is_autocast_enabled(device.type)):
+        yield
+        return
+    packs = _by_model.get(model)
+    if packs is None:
+        packs = _by_model[model] = PackedLinears(model)
+    token = _active.set(packs.current())
+    try:
+        yield
+    finally:
+        _active.reset(token)
