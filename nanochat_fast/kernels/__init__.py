@@ -2,6 +2,7 @@
 The hot paths of nanochat_fast, each with several backends chosen per device (see registry.py):
 
     adamw_slice_update   AdamW over the parameter slices a rank owns
+    decode_attention     a decode step's attention, each row over its own cached entries
     newton_schulz        Newton-Schulz orthogonalization (Muon)
     packed_linear        few-row products (decode steps) through a packed copy of the weight
     pack_rows            best-fit packing of documents into BOS-aligned training rows
@@ -11,10 +12,11 @@ The hot paths of nanochat_fast, each with several backends chosen per device (se
 """
 from .registry import KernelUnavailableError, backends, ops, requested, select
 from .adamw_slice import adamw_slice_update
+from .decode_attention import decode_attention
 from .newton_schulz import newton_schulz
 from .pack_rows import pack_rows
 from .packed_linear import pack_linear
 from .softcap_cross_entropy import softcap_cross_entropy
 
-__all__ = ["adamw_slice_update", "newton_schulz", "pack_linear", "pack_rows", "softcap_cross_entropy",
-           "KernelUnavailableError", "backends", "ops", "requested", "select"]
+__all__ = ["adamw_slice_update", "decode_attention", "newton_schulz", "pack_linear", "pack_rows",
+           "softcap_cross_entropy", "KernelUnavailableError", "backends", "ops", "requested", "select"]

@@ -3,7 +3,7 @@ What AdamW and Muon share: ZeRO-2 sharding over the ranks of torch.distributed, 
 phases so several optimizers can clip by one global norm, and a state format that does not depend
 on the number of processes.
 
-A step has four phases (nanochat_fast.optim.step drives them for a list of optimizers;
+A step has five phases (nanochat_fast.optim.step drives them for a list of optimizers;
 `opt.step()` runs them for one, without clipping):
     _launch_reduce()   start the async reduce-scatters: each rank receives the SUM over ranks of
                        the gradient parts it owns
@@ -208,8 +208,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _mark_updated(self):
         """After _gather: tell autograd the parameters changed in place. The updates write through
-        p.data and the kernels, which leave a parameter's version counter alone, as torch.optim's
-        in-place updates do not; what caches a function of the weights reads that counter
+        p.data and the kernels, which leave a parameter's version counter where it was (torch.optim's
+        in-place updates move it); what caches a function of the weights reads that counter
         (model/packed_linears.py)."""
         for group in self.param_groups:
             for p in group["params"]:
