@@ -103,12 +103,30 @@ void check_weight(const at::Tensor& weight) {
               weight.scalar_type());
 }
 
+// [N, K] -> [P, K, 32]: panel p holds rows 32p..32p+31 of the weight, transposed, zero past N. One
+// panel at a time (its 32 rows are 32 x K floats, in cache), panels split across threads.
 at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
   check_weight(weight);
-  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
-  at::Tensor padded = at::zeros({P * kPanel, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();  // [P, K, 32]
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+  at::Tensor packed = at::empty({P, K, kPanel}, w.options());
+  const float* src = w.const_data_ptr<float>();
+  float* dst = packed.mutable_data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      float* panel = dst + p * K * kPanel;
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const int64_t n = p * kPanel + j;
+        if (n < N) {
+          const float* row = src + n * K;
+          for (int64_t k = 0; k < K; ++k) panel[k * kPanel + j] = row[k];
+        } else {
+          for (int64_t k = 0; k < K; ++k) panel[k * kPanel + j] = 0.0f;
+        }
+      }
+    }
+  });
+  return packed;
 }
 
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {

@@ -53,6 +53,14 @@ class PackedLinears:
         return {module: packed for module, (_, packed) in self._packs.items()}
 
 
+def nbytes(model: nn.Module) -> int:
+    """Bytes of the packed copies held for `model` (0 before its first packed decode step)."""
+    packs = _by_model.get(model)
+    if packs is None:
+        return 0
+    return sum(p.packed.nbytes for _, p in packs._packs.values() if p.packed is not None)
+
+
 @contextlib.contextmanager
 def decoding(model: nn.Module, rows: int):
     """Run the model's linears through their packed weights inside the block, when that helps: a

@@ -26,7 +26,7 @@ from ..core import cli, threads
 from ..core.distributed import compute_init
 from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
-from ..model import generation, loading
+from ..model import generation, loading, packed_linears
 from ..model.batch_engine import BatchEngine, Request
 from ..train import run_dirs
 from ..train.environment import check_environment
@@ -163,11 +163,13 @@ class Slowed:
 
 def make_replica(model, tokenizer, device: str, slots: int, delay: float = 0.0) -> Replica:
     """A replica for web/pool.py: an engine of `slots` rows at the model's full context, its KV cache
-    allocated now by a one-token warm-up (a cache that does not fit fails before serving, and the
-    first request does not pay for the first call), and how a request becomes an engine request."""
+    allocated now by a two-token warm-up (a prefill and a decode step: a cache that does not fit fails
+    before serving, and the first request pays neither for the first calls nor for packing the
+    decode weights), and how a request becomes an engine request."""
     engine = BatchEngine(model, tokenizer, slots, max_len=model.config.sequence_len)
-    engine.add(Request([tokenizer.get_bos_token_id()], max_tokens=1))
-    engine.step()
+    engine.add(Request([tokenizer.get_bos_token_id()], max_tokens=2, use_tools=False))
+    while engine.active:
+        engine.step()
 
     def prepare(job) -> Prepared:
         # the prompt and the text exactly as generation.assistant_reply makes them
@@ -232,6 +234,7 @@ def main(argv=None) -> int:
     try:
         replicas, name, slots = load_replicas(args, devices, tokenizer)
         kv_bytes = sum(r.engine.cache.kv.nbytes for r in replicas) // len(replicas)  # as allocated
+        packed = sum(packed_linears.nbytes(r.engine.model) for r in replicas) // len(replicas)
         pool = ReplicaPool(replicas, queue_limit=args.queue_size)
         settings = web_app.Settings(
             model_name=name, temperature=args.temperature, top_k=args.top_k, request_timeout=args.request_timeout,
@@ -242,7 +245,9 @@ def main(argv=None) -> int:
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         print(f"chat_web: {name} on {len(replicas)} replica(s) ({', '.join(map(str, devices))}), {slots} slots "
-              f"each ({cli.format_bytes(kv_bytes)} of KV cache), {torch.get_num_threads()} thread(s), "
+              f"each ({cli.format_bytes(kv_bytes)} of KV cache"
+              f"{f', {cli.format_bytes(packed)} of packed decode weights' if packed else ''}), "
+              f"{torch.get_num_threads()} thread(s), "
               f"queue {args.queue_size}; "
               f"open http://{url_host}:{port}/", flush=True)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

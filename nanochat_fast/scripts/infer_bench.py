@@ -23,7 +23,8 @@ synchronised at every clock reading:
   decode tok/s    B x decode steps / their time; decode steps = decode tokens - 1 (the first token
                   is the prefill's)
   ms/token        per-token latency: decode time / decode steps
-  peak memory     CUDA: torch.cuda.max_memory_allocated; elsewhere the weights as stored + the KV
+  peak memory     CUDA: torch.cuda.max_memory_allocated; elsewhere the weights as stored + their
+                  packed copies when fp32 decode steps use them (model/packed_linears.py) + the KV
                   cache, computed (activations not counted)
   MBU             bytes read per decode step x steps/s over the memory bandwidth (hardware/bandwidth.py):
                     bytes/step = every parameter once, in the compute dtype (as nanochat counts it,
@@ -54,7 +55,7 @@ from ..core.progress import progress_bar
 from ..data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, get_tokenizer
 from ..hardware import bandwidth as hw_bandwidth, peak as hw_peak
 from ..hardware.machine import synchronize
-from ..model import loading
+from ..model import loading, packed_linears
 from ..model.batch_engine import BatchEngine, Request
 from ..model.gpt import config_from_depth
 from ..train import run_dirs
@@ -251,7 +252,8 @@ def measure(model, tokenizer, dev, args, batch: int) -> dict:
     if counts != {args.decode_tokens} or any(row.reason != "max_tokens" for row in run["rows"]):
         raise RuntimeError(f"rows ended early: {sorted(counts)} tokens, asked for {args.decode_tokens}")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda" else weights + engine.cache.kv.nbytes)
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else weights + packed_linears.nbytes(model) + engine.cache.kv.nbytes)
     return {"prefill_s": run["first"] - run["t0"], "decode_s": run["end"] - run["first"],
             "decode_steps": args.decode_tokens - 1, "tokens_per_row": counts.pop(), "ttft": run["ttft"],
             "peak_memory_bytes": peak, "kv_cache_bytes": engine.cache.kv.nbytes}
@@ -332,7 +334,8 @@ def main(argv=None) -> int:
                    "bandwidth": {"bytes_per_s": bandwidth.bytes_per_s, "source": bandwidth.source},
                    "peak_flops": {"flops_per_s": peak.flops, "dtype": peak.dtype, "source": peak.source},
                    "peak_memory_source": "torch.cuda.max_memory_allocated" if dev.device.type == "cuda"
-                   else "computed: weights as stored + the KV cache (activations not counted)",
+                   else "computed: weights as stored + their packed copies for decode steps (when used) + the "
+                        "KV cache (activations not counted)",
                    "threads": torch.get_num_threads(), "sweep": []}
         print_card(info, cost, payload, bandwidth, peak)
         for batch in sizes:
