@@ -14,8 +14,10 @@ weights, fp32, one thread (a chat_web replica's). A decode step feeds B rows one
                   PyTorch (NANOCHAT_FAST_KERNELS=packed_linear=reference,decode_attention=reference),
                   fp32 and under bf16 autocast
 """
+import sys
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,17 +30,12 @@ from nanochat_fast.kernels.packed_linear import pack_linear
 from nanochat_fast.model.batch_engine import BatchEngine, Request
 from nanochat_fast.model.gpt import GPT, config_from_depth
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))
+from stub_models import one_thread  # noqa: E402, F401 (an autouse fixture: a chat_web replica's one thread)
+
 pytestmark = pytest.mark.skipif(registry.extension() is None, reason="extension not built")
 CONFIG = config_from_depth(4, 4096, 512)
 STOCK = "packed_linear=reference,decode_attention=reference"
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def model():
