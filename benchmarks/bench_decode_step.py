@@ -28,9 +28,10 @@ from nanochat_fast.kernels import registry
 from nanochat_fast.kernels.decode_attention import decode_attention
 from nanochat_fast.kernels.packed_linear import pack_linear
 from nanochat_fast.model.batch_engine import BatchEngine, Request
-from nanochat_fast.model.gpt import GPT, config_from_depth
+from nanochat_fast.model.gpt import config_from_depth
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))
+from chat_web_support import random_model  # noqa: E402
 from stub_models import one_thread  # noqa: E402, F401 (an autouse fixture: a chat_web replica's one thread)
 
 pytestmark = pytest.mark.skipif(registry.extension() is None, reason="extension not built")
@@ -39,12 +40,7 @@ STOCK = "packed_linear=reference,decode_attention=reference"
 
 
 def model():
-    torch.manual_seed(0)
-    m = GPT(CONFIG)
-    m.init_weights()
-    for p in m.parameters():
-        p.data.normal_(0, 0.02)  # init_weights zeroes some matrices: random everywhere, like trained ones
-    return m.eval()
+    return random_model(CONFIG).eval()
 
 
 @pytest.mark.parametrize("rows", [1, 8, 64])

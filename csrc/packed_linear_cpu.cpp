@@ -37,8 +37,6 @@ constexpr int kMaxTileRows = 8;  // rows per tile: 8 x 2 accumulators
 
 typedef float Vec __attribute__((vector_size(64)));
 
-#define NANOCHAT_FAST_INLINE inline __attribute__((always_inline))
-
 NANOCHAT_FAST_INLINE Vec load(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof v);

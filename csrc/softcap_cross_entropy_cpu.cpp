@@ -32,8 +32,6 @@
 namespace nanochat_fast {
 namespace {
 
-#define NANOCHAT_FAST_INLINE inline __attribute__((always_inline))
-
 NANOCHAT_FAST_INLINE int32_t float_bits(float f) {
   int32_t i;
   std::memcpy(&i, &f, sizeof i);

@@ -8,3 +8,8 @@
 #else
 #define NANOCHAT_FAST_CLONES(...)
 #endif
+
+// A helper called from a cloned function must be inlined into it to be compiled for that clone's
+// target: left out of line it is compiled once, for the default target (measured: packed_linear's
+// vector helpers then ran as scalar code, 18x to 44x slower).
+#define NANOCHAT_FAST_INLINE inline __attribute__((always_inline))

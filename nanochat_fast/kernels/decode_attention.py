@@ -33,11 +33,9 @@ def decode_attention(q, keys, values, rows, lengths, enable_gqa: bool = False, *
                          f"{tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
     if keys.size(1) != q.size(1) and not enable_gqa:
         raise ValueError(f"{q.size(1)} query heads over {keys.size(1)} key heads needs enable_gqa=True")
-    impl = registry.select(OP, q.device.type, backend)
-    if impl.name == "cpp" and not all(t.dtype == torch.float32 for t in (q, keys, values)):
-        if backend is not None or registry.requested(OP) == "cpp":
-            raise ValueError(f"decode_attention's cpp backend takes float32, got q {q.dtype}, cache {keys.dtype}")
-        impl = registry.select(OP, q.device.type, "reference")
+    fp32 = all(t.dtype == torch.float32 for t in (q, keys, values))
+    impl = registry.select_for_inputs(OP, q.device.type, backend, lambda name: (
+        f"takes float32, got q {q.dtype}, cache {keys.dtype}" if name == "cpp" and not fp32 else None))
     return impl.fn(q, keys, values, rows, lengths, enable_gqa)
 
 

@@ -54,11 +54,8 @@ def pack_linear(weight: torch.Tensor, backend: str | None = None) -> PackedLinea
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D tensor [out_features, in_features], got "
                          f"{getattr(weight, 'shape', type(weight).__name__)}")
-    impl = registry.select(OP, weight.device.type, backend)
-    if impl.name == "cpp" and weight.dtype != torch.float32:
-        if backend is not None or registry.requested(OP) == "cpp":
-            raise ValueError(f"packed_linear's cpp backend takes float32 weights, got {weight.dtype}")
-        impl = registry.select(OP, weight.device.type, "reference")
+    impl = registry.select_for_inputs(OP, weight.device.type, backend, lambda name: (
+        f"takes float32 weights, got {weight.dtype}" if name == "cpp" and weight.dtype != torch.float32 else None))
     return impl.fn(weight.detach())
 
 

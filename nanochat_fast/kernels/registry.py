@@ -179,3 +179,17 @@ def select(op: str, device_type: str, name: str | None = None) -> Backend:
             f"{op}: backend {name!r} is unavailable on {device_type}: {reason}. "
             f"Unset {ENV_VAR} (or set it to auto) to use the best available backend")
     return impl
+
+
+def select_for_inputs(op: str, device_type: str, name: str | None,
+                      why_not_inputs: Callable[[str], str | None]) -> Backend:
+    """select(), for inputs the picked backend may not take (why_not_inputs(backend name) -> the
+    reason, or None): an automatic choice then takes the op's reference backend, a forced one
+    (`name`, or NANOCHAT_FAST_KERNELS) is a ValueError saying why."""
+    impl = select(op, device_type, name)
+    reason = why_not_inputs(impl.name)
+    if reason is None:
+        return impl
+    if (name or requested(op)) != "auto":
+        raise ValueError(f"{op}'s {impl.name} backend {reason}")
+    return select(op, device_type, "reference")

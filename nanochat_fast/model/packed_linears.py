@@ -38,7 +38,8 @@ class PackedLinears:
 
     def __init__(self, model: nn.Module):
         self.linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.bias is None]
-        self._packs: dict[nn.Module, tuple[tuple, PackedLinear]] = {}
+        self.packs: dict[nn.Module, PackedLinear] = {}
+        self._packed_at: dict[nn.Module, tuple] = {}  # what each weight was when packed
 
     def current(self) -> dict[nn.Module, PackedLinear]:
         """module -> its PackedLinear, repacking the weights that changed since they were packed
@@ -47,10 +48,9 @@ class PackedLinears:
         for module in self.linears:
             w = module.weight
             key = (w.data_ptr(), w._version, w.dtype, w.device, backend)
-            held = self._packs.get(module)
-            if held is None or held[0] != key:
-                self._packs[module] = (key, pack_linear(w))
-        return {module: packed for module, (_, packed) in self._packs.items()}
+            if self._packed_at.get(module) != key:
+                self.packs[module], self._packed_at[module] = pack_linear(w), key
+        return self.packs
 
 
 def nbytes(model: nn.Module) -> int:
@@ -58,7 +58,7 @@ def nbytes(model: nn.Module) -> int:
     packs = _by_model.get(model)
     if packs is None:
         return 0
-    return sum(p.packed.nbytes for _, p in packs._packs.values() if p.packed is not None)
+    return sum(p.packed.nbytes for p in packs.packs.values() if p.packed is not None)
 
 
 @contextlib.contextmanager
