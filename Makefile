@@ -5,8 +5,9 @@
 #                   report card (CPU, within 15 min)
 #   make bench      run benchmarks/ and write benchmarks/results.json and benchmarks/RESULTS.md
 #   make test-gpu   the GPU-only tests (needs a CUDA build of torch, see TORCH_SPEC)
-#   make gpu-check  on a CUDA machine: its own venv with a CUDA torch, the extension built with CUDA,
-#                   the gpu tests, the CUDA benchmarks, a depth-12 run -> benchmarks/RESULTS-cuda.md
+#   make gpu-bundle what the offline GPU node lacks (wheels for its Python, a prepared home) -> build/gpu-bundle
+#   make gpu-check  on the GPU node, offline, OUT=DIR: the extension built with CUDA, every kernel checked,
+#                   the CUDA benchmarks, a depth-12 run, infer_bench -> DIR/RESULTS-cuda.md (8 minutes)
 #
 # TORCH_SPEC is the pip requirement for torch. The default is the CPU build this project is
 # developed on; on a CUDA machine use e.g.
@@ -24,7 +25,7 @@ STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC) $(TRITON_SPEC)' |
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cpp)
 PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest
 
-.PHONY: install test ctest test-gpu gpu-check bench demo kernels clean
+.PHONY: install test ctest test-gpu gpu-bundle gpu-check bench demo kernels clean
 
 install: $(STAMP)
 
@@ -59,20 +60,20 @@ bench: install
 	    --benchmark-json=benchmarks/results.json --benchmark-columns=median,rounds
 	$(PY) benchmarks/make_results.py benchmarks/results.json benchmarks/RESULTS.md
 
-# The GPU verdict in one command. It runs in a copy of the tree ($(GPU_DIR)/src) with its own venv and
-# a CUDA torch (PyPI's Linux torch wheels are CUDA builds; pick another CUDA with e.g.
-# GPU_TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"), so the CPU .venv
-# and its in-place extension stay as they are. Without a GPU (or nvcc) it stops at the first line,
-# with one line saying why, before installing anything.
-GPU_TORCH_SPEC ?= torch==2.13.0
-GPU_DIR := build/gpu-check
-GPU_PREFLIGHT = $(shell $(PYTHON) benchmarks/gpu_check.py preflight 2>&1)
+# The GPU verdict on the GPU node users have: one GPU, its own python3 with torch and triton, no network
+# (README, "GPU"). Here, with the package registries, `make gpu-bundle` writes what the node lacks into
+# $(BUNDLE) (wheels for its Python, a prepared home, a manifest); copy it there with the source tree and run
+# `make gpu-check OUT=DIR` on the node: every step under its own time cap, the report in DIR. Without a GPU,
+# nvcc, a supported torch, a bundle for that Python or OUT, it stops before any work with one line.
+GPU_PYTHON ?= 3.12
+BUNDLE ?= build/gpu-bundle
+GPU_PREFLIGHT = $(shell $(PYTHON) benchmarks/gpu_check.py preflight --bundle $(BUNDLE) $(if $(OUT),--out $(OUT)) 2>&1)
+gpu-bundle: install
+	$(PY) benchmarks/gpu_bundle.py $(BUNDLE) --python-version $(GPU_PYTHON)
+
 gpu-check:
 	$(if $(GPU_PREFLIGHT),$(error $(GPU_PREFLIGHT)))
-	$(PYTHON) benchmarks/gpu_check.py stage $(GPU_DIR)/src
-	$(MAKE) -C $(GPU_DIR)/src install TORCH_SPEC="$(GPU_TORCH_SPEC)" TRITON_SPEC= PYTHON=$(PYTHON)
-	cd $(GPU_DIR)/src && .venv/bin/python benchmarks/gpu_check.py run --out $(abspath benchmarks/RESULTS-cuda.md) \
-	    --home $(abspath $(GPU_DIR)/home) --logs $(abspath $(GPU_DIR)/logs)
+	$(PYTHON) benchmarks/gpu_check.py check --bundle $(BUNDLE) --out $(OUT)
 
 kernels: install
 	$(PY) -m nanochat_fast.kernels

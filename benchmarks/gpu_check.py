@@ -1,293 +1,508 @@
 """
-`make gpu-check`: the whole GPU verdict in one command on a CUDA machine (README, "GPU").
+`make gpu-check`: the GPU verdict on the node users have: one GPU, its own Python, torch and triton, no network.
 
-    python3 benchmarks/gpu_check.py preflight     # standard library only, before anything is installed:
-                                                  # one line (and exit 2) without an NVIDIA GPU or nvcc
-    python3 benchmarks/gpu_check.py stage DIR     # sync the source tree into DIR, which gets its own
-                                                  # venv with a CUDA torch (the CPU .venv is left alone)
-    DIR/.venv/bin/python benchmarks/gpu_check.py run --out RESULTS-cuda.md --home HOME --logs LOGS
+    make gpu-bundle                                  # where the package registries are: build/gpu-bundle
+    make gpu-check BUNDLE=build/gpu-bundle OUT=DIR   # on the node, with the bundle beside the source tree
+      = python3 benchmarks/gpu_check.py check --bundle build/gpu-bundle --out DIR
 
-`run` (inside DIR, with the CUDA build installed) records each step, ok or FAILED and why, and carries on:
-  1. the GPU and the software: torch sees the GPU, the extension was built with CUDA
-  2. the tests marked `gpu`
-  3. the benchmarks on CUDA (CUDA_BENCHMARKS; each writes pytest-benchmark JSON)
-  4. a 50-step base_train at depth 12 on the built-in corpus: tokens/s and MFU
-then writes RESULTS-cuda.md (the GPU's name, the verdict table, the benchmark tables) and exits 1 if
-any step failed.
+check     The preflight says in one line (exit 2), before any work, what this machine lacks: a GPU, nvcc,
+          a torch the package supports, a bundle for this Python, an OUT folder. Then the plan (PLAN), each
+          step under its own time cap, all caps together within BUDGET_S on one H100:
+            install        a venv over the node's own packages (torch and triton as they are), the bundle's
+                           wheels with pip's index off, the package with --no-build-isolation, the extension
+                           built with CUDA on every core (MAX_JOBS); "with CUDA" read from _C.with_cuda
+            environment    the GPU, the versions, the kernel table, the node's packages against gpu_node.txt
+            kernels, adamw, newton_schulz, muon, cross_entropy   gpu_measure.py, against stock PyTorch
+            train          a depth-12 base_train of 50 steps with the defaults: tokens/s, MFU, peak memory
+            train_reference  the same with NANOCHAT_FAST_KERNELS=reference, 20 steps: the kernels' ratio
+            infer          infer_bench at batch 1, 8 and 32: decode tokens/s and MBU
+            gpu_tests      the tests marked gpu, in what is left of the budget
+          A step that hits its cap is recorded as such, with what it measured so far, and the check goes on.
+          OUT gets RESULTS-cuda.md, results-cuda.json (every figure) and logs.tar.gz, rewritten after every
+          step, so a check killed at its limit leaves what it measured. Exit 1 if any step failed.
+rehearse  Every part that needs no GPU, here, offline (python_tests/test_gpu_check.py, on every CI run): a
+          small bundle for this Python; the node's cp312 wheels resolved by pip for the node against
+          gpu_node.txt; a stand-in for the node's python3 (a venv seeing only the installed packages the
+          node has); its preflight must say "no GPU" and nothing else; then `check --rehearse`: the same
+          install (PIP_NO_INDEX=1) and every step's own command with small shapes appended, on the CPU.
+
+The preflight and the plan use the standard library only: they run on the node's python3 before anything
+is installed. Working files go to build/gpu-check/ (the venv, the prepared home, each step's log).
 """
-from __future__ import annotations  # preflight runs on the machine's python3, maybe older than the venv's
-
 import argparse
+import hashlib
 import json
 import os
+import re
 import shutil
-import statistics
+import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
-import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_BENCHMARKS = ["bench_adamw_slice_cuda.py", "bench_newton_schulz.py", "bench_muon.py", "bench_softcap_cross_entropy.py",
-                   "bench_train_step.py"]
-TRAIN_FLAGS = ["--depth=12", "--num-iterations=50", "--eval-every=-1", "--sample-every=-1", "--run=gpu_check_d12",
-               "--overwrite"]
-WARMUP_STEPS = 10  # compilation and autotuning land in the first steps; medians skip them
-# the staged copy's own install, kept between runs (the rest of DIR mirrors the source tree)
-STAGE_KEEP = (".venv", "build", ".pytest_cache", "nanochat_fast/_C.so")
-STAGE_SKIP = {".venv", "build", ".git", "__pycache__", ".pytest_cache", ".benchmarks"}
+WORK = ROOT / "build" / "gpu-check"
+BUDGET_S = 480  # the node's check gets 8 minutes, the build included
+OUTPUTS = ("RESULTS-cuda.md", "results-cuda.json", "logs.tar.gz")
+WARMUP_STEPS = 10  # compilation lands in the first steps; the medians skip them
+TRAIN = ["-m", "nanochat_fast.scripts.base_train", "--depth=12", "--eval-every=-1", "--sample-every=-1", "--overwrite"]
+# what the rehearsal appends to a step's command (argparse keeps the last value): CPU-sized, same code
+TINY_TRAIN = ["--depth=1", "--max-seq-len=64", "--device-batch-size=2", "--total-batch-size=256", "--num-iterations=3"]
+
+
+@dataclass
+class Step:
+    key: str
+    title: str
+    cap_s: int
+    command: list      # argv after the venv's python ("" entries dropped); {work} is the work folder
+    env: dict = field(default_factory=dict)
+    tiny: list = field(default_factory=list)  # appended by the rehearsal
+
+
+def measure(key: str, title: str, cap_s: int) -> Step:
+    return Step(key, title, cap_s, ["benchmarks/gpu_measure.py", key, "--json", "{work}/" + key + ".json"],
+                tiny=["--tiny"])
+
+
+# Caps for one H100, from estimates (a depth-12 step of 524,288 tokens ~1 s, the first torch.compile ~1 min);
+# RESULTS-cuda.md's time column shows what each step took, to set them from.
+PLAN = [
+    Step("install", "venv, bundle wheels, extension built with CUDA", 110, []),
+    Step("environment", "GPU, versions, extension with CUDA, kernel table", 10,
+         ["benchmarks/gpu_check.py", "facts", "--json", "{work}/environment.json"]),
+    measure("kernels", "Triton kernels at every GPU config, CUDA AdamW: max error", 55),
+    measure("adamw", "fused AdamW slice update vs torch fused AdamW", 15),
+    measure("newton_schulz", "Newton-Schulz m = 1024..8192 vs bf16 cuBLAS", 25),
+    measure("muon", "Muon step, depth 12 and 20, vs torch.optim.Muon", 25),
+    measure("cross_entropy", "softcapped cross-entropy fwd+bwd vs stock eager and compiled", 30),
+    Step("train", "base_train depth 12, 50 steps, defaults", 120,
+         [*TRAIN, "--num-iterations=50", "--run=gpu_check_d12"], tiny=TINY_TRAIN),
+    Step("train_reference", "the same with NANOCHAT_FAST_KERNELS=reference, 20 steps", 55,
+         [*TRAIN, "--num-iterations=20", "--run=gpu_check_d12_reference"], {"NANOCHAT_FAST_KERNELS": "reference"},
+         tiny=TINY_TRAIN),
+    Step("infer", "infer_bench depth 12 at batch 1, 8, 32", 30,
+         ["-m", "nanochat_fast.scripts.infer_bench", "--depth=12", "--batch-sizes=1,8,32"],
+         tiny=["--depth=1", "--batch-sizes=1,2", "--prompt-tokens=8", "--decode-tokens=4", "--max-seq-len=64"]),
+]
+# last, in whatever the plan left of the budget (the measurements above come first)
+GPU_TESTS = Step("gpu_tests", "the tests marked gpu", 0,
+                 ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "--junitxml={work}/gpu-tests.xml"])
 
 
 # ---------------------------------------------------------------------------------------------
-# preflight and staging: standard library only (torch is not installed yet)
+# preflight (standard library only: the node's python3, before anything is installed)
 
 
-def _nvcc() -> str | None:
+def _version_tuple(v: str) -> tuple:
+    return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
+
+
+def torch_floor(root: Path = ROOT) -> str:
+    """The lowest torch the package supports: pyproject.toml's torch>=X."""
+    found = re.search(r'"torch\s*>=\s*([\d.]+)', (root / "pyproject.toml").read_text())
+    return found.group(1) if found else "0"
+
+
+def nvcc() -> str | None:
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
     found = [str(Path(h) / "bin" / "nvcc") for h in homes if h and (Path(h) / "bin" / "nvcc").exists()]
     return shutil.which("nvcc") or (found[0] if found else None)
 
 
-def preflight() -> str:
-    """Why this machine cannot run the check, in one line; empty when it can."""
+def gpu_problem() -> str:
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return ("make gpu-check needs an NVIDIA GPU: no nvidia-smi here (no NVIDIA driver); run it on a "
-                "machine with a CUDA GPU")
+        return "no GPU (no nvidia-smi: no NVIDIA driver here)"
     listed = subprocess.run([smi, "-L"], capture_output=True, text=True)
     if listed.returncode != 0 or not any(line.startswith("GPU ") for line in listed.stdout.splitlines()):
         why = (listed.stderr or listed.stdout).strip().splitlines()[:1] or ["it lists none"]
-        return f"make gpu-check needs an NVIDIA GPU: nvidia-smi -L finds no GPU ({why[0]})"
-    if _nvcc() is None:
-        return ("make gpu-check builds the CUDA kernels and needs nvcc (the CUDA toolkit): install it, put it "
-                "on PATH or set CUDA_HOME")
+        return f"no GPU (nvidia-smi -L: {why[0]})"
     return ""
 
 
-def _source_files(root: Path) -> set[str]:
-    """Paths (relative) of the source tree: git's tracked and untracked-but-not-ignored files when
-    it is a git checkout, else every file outside the build and cache directories."""
-    git = subprocess.run(["git", "-C", str(root), "ls-files", "-co", "--exclude-standard"],
-                         capture_output=True, text=True)
-    if git.returncode == 0:
-        return {line for line in git.stdout.splitlines() if (root / line).is_file()}
-    return {str(p.relative_to(root)) for p in root.rglob("*")
-            if p.is_file() and not STAGE_SKIP & set(p.relative_to(root).parts) and p.suffix not in (".so", ".o")}
+def preflight(bundle: Path | None, out: Path | None, rehearse: bool = False) -> dict:
+    """What keeps this machine from running the check: {what: one phrase}, empty when nothing."""
+    problems = {}
+    gpu = "" if rehearse else gpu_problem()  # the rehearsal runs the rest of the check on a CPU
+    if gpu:
+        problems["gpu"] = gpu
+    if nvcc() is None and not rehearse:
+        problems["nvcc"] = "no nvcc (the CUDA toolkit): put it on PATH or set CUDA_HOME"
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        problems["torch"] = f"no torch in {sys.executable}: the check uses the node's own torch and triton"
+    else:
+        floor = torch_floor()
+        if _version_tuple(torch_version) < _version_tuple(floor):
+            problems["torch"] = f"torch {torch_version} is older than the package supports (torch>={floor})"
+        elif not gpu and not rehearse and "+cpu" in torch_version:
+            problems["torch"] = f"torch {torch_version} is a CPU build: the node's python3 needs a CUDA torch"
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if bundle is None or not (bundle / "manifest.json").is_file():
+        problems["bundle"] = (f"no bundle at {bundle or 'BUNDLE='}: make one with `make gpu-bundle` where the package "
+                              "registries are reachable, and copy it beside the source tree")
+    else:
+        made_for = json.loads((bundle / "manifest.json").read_text()).get("python")
+        if made_for != here:
+            problems["bundle"] = (f"the bundle at {bundle} is for Python {made_for}, this is Python {here} "
+                                  f"({sys.executable}): make it with `make gpu-bundle GPU_PYTHON={here}`")
+    if out is None:
+        problems["out"] = "no OUT: name a folder for the report, e.g. make gpu-check OUT=gpu-report"
+    return problems
 
 
-def stage(dst: Path, root: Path = ROOT):
-    """Make dst a copy of the source tree. Unchanged files keep their time stamps (so the Makefile
-    does not reinstall), files gone from the source are removed, the copy's own install stays."""
-    files = _source_files(root)
-    for rel in sorted(files):
-        src, out = root / rel, dst / rel
-        if not out.exists() or out.stat().st_size != src.stat().st_size or out.stat().st_mtime != src.stat().st_mtime:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, out)
-    for path in sorted(dst.rglob("*"), reverse=True):
-        rel = path.relative_to(dst)
-        kept = any(rel.parts[:len(Path(k).parts)] == Path(k).parts for k in STAGE_KEEP)
-        if path.is_file() and str(rel) not in files and not kept and "__pycache__" not in rel.parts \
-                and not rel.parts[0].endswith(".egg-info"):
-            path.unlink()
+def preflight_line(problems: dict) -> str:
+    return f"gpu-check cannot run here: {'; '.join(problems.values())}" if problems else ""
+
+
+def check_plan(plan=PLAN, budget_s=BUDGET_S) -> str:
+    """'' when every step's command names a file or module of the tree and the caps fit the budget."""
+    total = sum(s.cap_s for s in plan)
+    if total > budget_s:
+        return f"the plan's caps add up to {total} s, over the {budget_s} s budget"
+    for s in plan:
+        if not s.command:
+            continue
+        target = s.command[1].replace(".", "/") + ".py" if s.command[0] == "-m" else s.command[0]
+        if s.command[0] == "-m" and s.command[1] == "pytest":
+            continue
+        if not (ROOT / target).is_file():
+            return f"step {s.key}: {target} is not in the tree"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------
-# the steps (inside the staged copy, CUDA torch installed)
+# install: a venv over the node's packages
 
 
-@dataclass
-class Step:
-    name: str
-    ok: bool
-    detail: str
-    seconds: float = 0.0
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
 
 
-def _run(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run cmd in the tree's root with its output teed to `log` (and the terminal)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                env={**os.environ, **(env or {})})
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            f.write(line)
+def install_stamp(bundle: Path) -> str:
+    """What the installed venv was made from: the bundle, the build sources, this Python and torch."""
+    h = hashlib.sha256()
+    for path in [bundle / "manifest.json", ROOT / "setup.py", ROOT / "pyproject.toml",
+                 *sorted((ROOT / "csrc").rglob("*")), Path(sys.executable)]:
+        if path.is_file():
+            h.update(str(path).encode() + path.read_bytes() if path.stat().st_size < 1 << 20 else str(path).encode())
+    h.update(metadata.version("torch").encode())
+    return h.hexdigest()
+
+
+def make_venv(venv: Path, log) -> list[str]:
+    """A venv over this Python's packages; returns the pip command that installs into it.
+
+    --system-site-packages reaches the *base* interpreter's packages; where python3 is itself a venv (the
+    node's is /opt/torch/.venv) its site-packages are added as site directories, so torch stays the node's
+    own. No pip of the venv's own: ensurepip would bring its old setuptools, which shadows the node's."""
+    if venv.exists():
+        shutil.rmtree(venv)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+                   stdout=log, stderr=subprocess.STDOUT, check=True)
+    if sys.prefix != sys.base_prefix:
+        import site
+        add_site_dirs(venv, site.getsitepackages(), "_node_python_packages.pth")
+    python = str(venv_python(venv))
+    if subprocess.run([python, "-c", "import pip"], capture_output=True).returncode != 0:
+        subprocess.run([python, "-m", "ensurepip"], stdout=log, stderr=subprocess.STDOUT, check=True)
+    return [python, "-m", "pip"]
+
+
+def add_site_dirs(venv: Path, dirs: list, name: str):
+    """Make `dirs` site directories of the venv (their own .pth files processed too, as the parent's are)."""
+    purelib = subprocess.run([str(venv_python(venv)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, name).write_text("".join(f"import site; site.addsitedir({str(d)!r})\n" for d in dirs))
+
+
+def install(bundle: Path, work: Path, cap_s: int, log_path: Path, no_ext: bool = False) -> tuple[str, str]:
+    """(status, detail): the package installed into work/venv from the bundle alone, or why not."""
+    venv, stamp = work / "venv", install_stamp(bundle)
+    if (venv / ".installed").is_file() and (venv / ".installed").read_text() == stamp:
+        return "ok", "already installed from this bundle and these sources (build/gpu-check/venv)"
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        pip = make_venv(venv, log)
+        env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+               "MAX_JOBS": str(os.cpu_count() or 1)}
+        if no_ext:
+            env["NANOCHAT_FAST_NO_EXT"] = "1"
+        cmd = [*pip, "install", "--no-index", "--find-links", str(bundle / "wheels"), "--no-build-isolation",
+               "-e", str(ROOT)]
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        status = run_capped(cmd, cap_s - (time.perf_counter() - t0), log, env)
+    if status != "ok":
+        return status, tail(log_path)
+    (venv / ".installed").write_text(stamp)
+    return "ok", f"installed in {time.perf_counter() - t0:.0f} s with MAX_JOBS={env['MAX_JOBS']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# running steps
+
+
+def run_capped(cmd: list[str], cap_s: float, log, env: dict | None = None) -> str:
+    """Run cmd in the tree's root, output to log, killed (with its children) at cap_s: 'ok', 'failed'
+    (non-zero exit) or 'hit its cap'."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env or os.environ,
+                            start_new_session=True)
+    try:
+        return "ok" if proc.wait(timeout=max(cap_s, 1)) == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # nothing to save: the figures so far are already on disk
         proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode)
+        return "hit its cap"
 
 
-def _tail(log: Path) -> str:
-    lines = [line.strip() for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
-    return lines[-1][:200] if lines else "no output"
+def tail(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
+    return lines[-1][:300] if lines else "no output"
 
 
-def environment() -> tuple[dict, list[Step]]:
-    """What runs where; a failed step when torch cannot use the GPU or the extension lacks CUDA."""
+def step_command(step: Step, python: Path, work: Path, rehearse: bool) -> list[str]:
+    return [str(python), *(a.replace("{work}", str(work)) for a in step.command), *(step.tiny if rehearse else [])]
+
+
+def prepared_home(bundle: Path, work: Path) -> Path:
+    """A NANOCHAT_FAST_HOME whose data is the bundle's (linked, read only) and whose runs are the check's."""
+    home = work / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    for part in ("tokenizer", "tokens"):
+        link = home / part
+        if link.is_symlink() or link.exists():
+            link.unlink() if link.is_symlink() else shutil.rmtree(link)
+        link.symlink_to((bundle / "home" / part).resolve(), target_is_directory=True)
+    return home
+
+
+def gpu_test_files() -> list[str]:
+    """The test files with a test marked gpu (collecting the others would import what the node lacks)."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "python_tests").glob("test_*.py")
+                  if "@pytest.mark.gpu" in p.read_text())
+
+
+def check(bundle: Path, out: Path, rehearse: bool = False, no_ext: bool = False) -> int:
+    problems = preflight(bundle, out, rehearse)
+    if problems:
+        print(preflight_line(problems), file=sys.stderr)
+        return 2
+    import gpu_report
+    work, started = WORK, time.perf_counter()
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    report = gpu_report.Report(out, work, bundle, rehearse)
+    python = venv_python(work / "venv")
+    env = {**os.environ, "NANOCHAT_FAST_HOME": str(prepared_home(bundle, work)), "PYTHONUNBUFFERED": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")}
+    plan = PLAN + [GPU_TESTS]
+    for step in plan:
+        t0, log = time.perf_counter(), work / "logs" / f"{step.key}.log"
+        cap = step.cap_s if step is not GPU_TESTS else max(0, BUDGET_S - (t0 - started))
+        cap = max(cap, 300) if rehearse else cap  # a 2-core CPU runs the small shapes slower than an H100 the big
+        print(f"\n=== {step.key}: {step.title} (cap {cap:.0f} s)", flush=True)
+        if step.key == "install":
+            status, detail = install(bundle, work, cap, log, no_ext)
+        elif step is GPU_TESTS and cap < 10:
+            status, detail = "skipped", f"{cap:.0f} s of the budget left"
+        else:
+            cmd = step_command(step, python, work, rehearse)
+            if step is GPU_TESTS:
+                cmd[3:3] = gpu_test_files()  # after `python -m pytest`
+            with open(log, "w") as f:
+                f.write(f"$ {' '.join(cmd)}\n")
+                f.flush()
+                status = run_capped(cmd, cap, f, {**env, **step.env})
+            detail = tail(log)
+        report.add(step, status, detail, time.perf_counter() - t0, cap)
+        print(f"--- {step.key}: {status} in {time.perf_counter() - t0:.0f} s", flush=True)
+        if step.key == "install" and status != "ok":
+            break  # nothing else can run without the package
+    report.write(final=True)
+    print(f"\n{report.verdict()}\nwrote {', '.join(str(out / name) for name in OUTPUTS)}")
+    return 0 if report.all_ok() else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# facts: run inside the venv (torch imported)
+
+
+def facts(path: Path):
+    """The GPU, the versions, the extension, the kernel table and the node's packages, as JSON."""
     import torch
     import triton
     from nanochat_fast.kernels import registry
-    facts = dict(torch=torch.__version__, cuda=torch.version.cuda, triton=triton.__version__,
-                 python=sys.version.split()[0])
-    if torch.version.cuda is None:
-        return facts, [Step("torch uses the GPU", False, f"torch {torch.__version__} is a CPU build: set "
-                            "GPU_TORCH_SPEC to a CUDA wheel, e.g. 'torch==2.13.0 --index-url "
-                            "https://download.pytorch.org/whl/cu130'")]
-    if not torch.cuda.is_available():
-        return facts, [Step("torch uses the GPU", False, f"torch {torch.__version__} (CUDA {torch.version.cuda}) "
-                            "cannot use the GPU: is the driver older than that CUDA? (nvidia-smi)")]
-    props = torch.cuda.get_device_properties(0)
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.split()
-    facts.update(gpu=props.name, count=torch.cuda.device_count(), arch=f"sm_{props.major}{props.minor}",
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_bundle import read_node
+    node = read_node()
+    installed = {}
+    for name in node.packages:
+        try:
+            installed[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            installed[name] = None
+    f = dict(python=sys.version.split()[0], torch=torch.__version__, cuda=torch.version.cuda, triton=triton.__version__,
+             extension=registry._C is not None, extension_cuda=bool(getattr(registry._C, "with_cuda", False)),
+             extension_why_not=registry.cpp_why_not("cuda", has_cuda_kernel=True),
+             node_packages_differ={n: dict(listed=node.packages[n], installed=v) for n, v in installed.items()
+                                   if v is None or v.split("+")[0] != node.packages[n]})
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.split()
+        f.update(gpu=props.name, count=torch.cuda.device_count(), arch=f"sm_{props.major}{props.minor}",
                  sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2 ** 30, 1),
-                 driver=smi[0] if smi else "?")
-    with_cuda = registry._C is not None and bool(getattr(registry._C, "with_cuda", False))
-    facts["extension_cuda"] = with_cuda
-    why = "" if with_cuda else f": {registry.cpp_why_not('cuda', has_cuda_kernel=True)}"
-    return facts, [Step("torch uses the GPU", True, f"{props.name}, torch {torch.__version__}"),
-                   Step("extension built with CUDA", with_cuda, f"{'yes' if with_cuda else 'no'}{why}")]
-
-
-def gpu_tests(logs: Path) -> Step:
-    t0, xml = time.perf_counter(), logs / "gpu-tests.xml"
-    result = _run([sys.executable, "-m", "pytest", "python_tests", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                   f"--junitxml={xml}"], logs / "gpu-tests.log")
-    counts = "no JUnit report"
-    if xml.exists():
-        suite = ET.parse(xml).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-        total, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
-        counts = f"{total - failed - errors - skipped} passed, {failed} failed, {errors} errors, {skipped} skipped"
-    return Step("tests marked gpu", result.returncode == 0, counts, time.perf_counter() - t0)
-
-
-def benchmarks(logs: Path) -> tuple[list[Step], dict]:
-    """Each CUDA benchmark file on its own (one failing does not lose the others); merged JSON."""
-    steps, merged = [], {"benchmarks": []}
-    for name in CUDA_BENCHMARKS:
-        t0, path, out = time.perf_counter(), ROOT / "benchmarks" / name, logs / f"{Path(name).stem}.json"
-        if not path.exists():
-            steps.append(Step(name, False, "missing: this benchmark is part of the check"))
-            continue
-        result = _run([sys.executable, "-m", "pytest", str(path), "-o", "python_files=bench_*.py", "-p",
-                       "no:cacheprovider", f"--benchmark-json={out}", "--benchmark-columns=median,rounds"],
-                      logs / f"{Path(name).stem}.log")
-        n = 0
-        if out.exists():
-            data = json.loads(out.read_text())
-            merged.setdefault("datetime", data.get("datetime"))
-            merged["benchmarks"] += data["benchmarks"]
-            n = len(data["benchmarks"])
-        ok = result.returncode == 0 and n > 0
-        steps.append(Step(name, ok, f"{n} benchmark(s)" if ok else _tail(logs / f"{Path(name).stem}.log"),
-                          time.perf_counter() - t0))
-    return steps, merged
-
-
-def train_summary(metrics: Path) -> str:
-    """Median tokens/s and MFU of the steps after warmup, from a run's metrics.jsonl."""
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    train = [r for r in rows if r.get("kind") == "train"]
-    timed = [r for r in train if r["step"] > WARMUP_STEPS] or train
-    tok = statistics.median(r["tok_per_sec"] for r in timed)
-    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
-    mfu = f"MFU {statistics.median(mfus):.1f}%" if mfus else "MFU n/a (no peak known for this GPU)"
-    return (f"{len(train)} steps, final loss {train[-1]['loss']:.3f}; steps {timed[0]['step']}-{timed[-1]['step']}: "
-            f"median {tok:,.0f} tokens/s, {mfu}")
-
-
-def base_train(home: Path, logs: Path) -> Step:
-    t0 = time.perf_counter()
-    env = {"NANOCHAT_FAST_HOME": str(home)}
-    py = [sys.executable, "-m"]
-    for module, flags in (("nanochat_fast.scripts.prepare_data", ["--datasets=base"]),
-                          ("nanochat_fast.scripts.tok_train", []),
-                          ("nanochat_fast.scripts.base_train", TRAIN_FLAGS)):
-        log = logs / f"{module.rsplit('.', 1)[1]}.log"
-        if _run(py + [module, *flags], log, env).returncode != 0:
-            return Step("base_train depth 12, 50 steps", False, f"{module}: {_tail(log)}", time.perf_counter() - t0)
-    summary = train_summary(home / "runs" / "gpu_check_d12" / "metrics.jsonl")
-    return Step("base_train depth 12, 50 steps", True, summary, time.perf_counter() - t0)
+                 driver=smi[0] if smi else None)
+    table = subprocess.run([sys.executable, "-m", "nanochat_fast.kernels", "--json"], capture_output=True, text=True)
+    f["kernels"] = json.loads(table.stdout) if table.returncode == 0 else table.stderr.strip()[-300:]
+    path.write_text(json.dumps(f, indent=1))
+    print(json.dumps({k: v for k, v in f.items() if k != "kernels"}, indent=1))
+    ok = bool(f.get("gpu")) and f["extension_cuda"]
+    print(f"{f.get('gpu', 'no GPU')}; torch {f['torch']}, triton {f['triton']}; extension "
+          f"{'with CUDA' if f['extension_cuda'] else 'WITHOUT CUDA'}; {len(f['node_packages_differ'])} package(s) "
+          "differ from gpu_node.txt")
+    return 0 if ok else 1
 
 
 # ---------------------------------------------------------------------------------------------
-# the report
+# the rehearsal (this machine's .venv: torch and packaging installed)
 
 
-def benchmark_tables(bench: dict) -> list[str]:
-    """The benchmark sections as make_results.py renders them (its header lines left out)."""
-    if not bench.get("benchmarks"):
-        return ["No benchmark results."]
-    import tempfile
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import make_results
-    with tempfile.TemporaryDirectory() as tmp:
-        src, md = Path(tmp) / "results.json", Path(tmp) / "results.md"
-        src.write_text(json.dumps(bench))
-        make_results.main(str(src), str(md))
-        text = md.read_text()
-    start = text.find("\n## ")
-    return text[start + 1:].splitlines() if start >= 0 else []
+def node_stand_in(venv: Path, node_packages: dict) -> Path:
+    """A python3 like the node's: a fresh venv whose only packages are those of this environment that
+    the node has (linked from here through a .pth file), so what the node lacks is missing here too."""
+    import sysconfig
+    from packaging.utils import canonicalize_name
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True)
+    view = venv / "node-packages"
+    view.mkdir()
+    site_packages = Path(sysconfig.get_paths()["purelib"])
+    for dist in metadata.distributions(path=[str(site_packages)]):
+        if canonicalize_name(dist.metadata["Name"]) not in node_packages:
+            continue
+        tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
+        for top in tops:
+            if (site_packages / top).exists() and not (view / top).exists() and top != "__pycache__":
+                (view / top).symlink_to(site_packages / top)
+    add_site_dirs(venv, [view], "node_packages.pth")
+    return venv_python(venv)
 
 
-def write_report(out: Path, facts: dict, steps: list[Step], bench: dict, logs: str):
-    ok = all(s.ok for s in steps)
-    gpu = facts.get("gpu", "no usable GPU")
-    where = (f"{facts.get('count', 1)} x {gpu} ({facts.get('arch', '?')}, {facts.get('sms', '?')} SMs, "
-             f"{facts.get('memory_gib', '?')} GiB), driver {facts.get('driver', '?')}" if "gpu" in facts else gpu)
-    lines = [f"# GPU check: {gpu}", "",
-             f"Produced by `make gpu-check` on {time.strftime('%Y-%m-%d %H:%M')}: {where}; torch {facts.get('torch')} "
-             f"(CUDA {facts.get('cuda')}), Triton {facts.get('triton')}, Python {facts.get('python')}.  ",
-             f"Verdict: **{'all steps passed' if ok else 'FAILED'}**. Logs: `{logs}`.", "",
-             "| step | result | detail | time |", "|---|---|---|---:|"]
-    lines += [f"| {s.name} | {'ok' if s.ok else '**FAILED**'} | {s.detail} | {s.seconds:.0f} s |" for s in steps]
-    lines += ["", *benchmark_tables(bench), ""]
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text("\n".join(lines))
-    os.replace(tmp, out)
+def small_corpus(folder: Path):
+    """A few hundred KB of text for the rehearsal's home (the real bundle tokenizes the built-in corpus)."""
+    import random
+    rng = random.Random(0)
+    words = ("the a river stone light over under between quietly seven old new house field song wind "
+             "north morning evening bread water road village garden letter window").split()
+    folder.mkdir(parents=True)
+    (folder / "corpus.txt").write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(150)) for _ in range(400)))
 
 
-def run(out: Path, home: Path, logs: Path) -> int:
-    logs.mkdir(parents=True, exist_ok=True)
-    facts, steps = environment()
-    bench = {}
-    if "gpu" in facts:  # torch can use the GPU: everything else can run
-        steps.append(gpu_tests(logs))
-        bench_steps, bench = benchmarks(logs)
-        steps += bench_steps
-        steps.append(base_train(home, logs))
-        (logs / "results-cuda.json").write_text(json.dumps(bench, indent=1))
-    write_report(out, facts, steps, bench, str(logs))
-    print(f"\n{'all steps passed' if all(s.ok for s in steps) else 'FAILED'}: "
-          + "; ".join(f"{s.name}: {'ok' if s.ok else 'FAILED'}" for s in steps))
-    print(f"wrote {out}")
-    return 0 if all(s.ok for s in steps) else 1
+def rehearse(keep: Path | None = None, requirements: list[str] | None = None) -> int:
+    """Every part of the check that needs no GPU, here; 0 when all went as on the node."""
+    import gpu_bundle
+    tmp = Path(tempfile.mkdtemp(prefix="gpu-rehearsal-")) if keep is None else keep
+    try:
+        node = gpu_bundle.read_node()
+        reqs = gpu_bundle.runtime_requirements() if requirements is None else requirements
+        here = f"{sys.version_info.major}.{sys.version_info.minor}"
+        print(f"1. the node's wheels (cp{node.python.replace('.', '')}) resolved for the node against gpu_node.txt", flush=True)
+        gpu_bundle.download_wheels(reqs, tmp / f"wheels-{node.python}", node, node.python)
+        why = gpu_bundle.resolve_for_node(reqs, tmp / f"wheels-{node.python}", node)
+        if why:
+            print(f"rehearsal: {why}", file=sys.stderr)
+            return 1
+        print(f"2. a small bundle for this Python ({here})", flush=True)
+        small_corpus(tmp / "corpus")
+        gpu_bundle.build(tmp / "src" / "build" / "gpu-bundle", here, tmp / "corpus", vocab_size=512, requirements=reqs)
+        print("3. the source tree staged, and a stand-in for the node's python3", flush=True)
+        stage(tmp / "src")
+        python = node_stand_in(tmp / "node-python", node.packages)
+        script = str(tmp / "src" / "benchmarks" / "gpu_check.py")
+        bundle, out = "build/gpu-bundle", str(tmp / "out")
+        print("4. its preflight must find only the missing GPU", flush=True)
+        pre = subprocess.run([str(python), script, "preflight", "--bundle", bundle, "--out", out], capture_output=True,
+                             text=True, cwd=tmp / "src")
+        missing = {"gpu": gpu_problem(), **({"nvcc": preflight(None, None)["nvcc"]} if nvcc() is None else {})}
+        expected = preflight_line(missing)  # on a machine like CI's, the GPU alone
+        if pre.returncode != 2 or pre.stderr.strip() != expected:
+            print(f"rehearsal: the preflight said {pre.stderr.strip()!r} (exit {pre.returncode}), not {expected!r}",
+                  file=sys.stderr)
+            return 1
+        why = check_plan()
+        if why:
+            print(f"rehearsal: {why}", file=sys.stderr)
+            return 1
+        print("5. the check itself, small shapes on the CPU", flush=True)
+        env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull}
+        env.pop("PIP_FIND_LINKS", None)
+        result = subprocess.run([str(python), script, "check", "--bundle", bundle, "--out", out, "--rehearse"],
+                                cwd=tmp / "src", env=env)
+        steps = json.loads((Path(out) / "results-cuda.json").read_text())["steps"]
+        # on a CPU the environment step fails (no GPU, no CUDA in the extension) and the gpu tests skip
+        # themselves; both must still have left their figures
+        wrong = [s["key"] for s in steps if (s["status"] != "ok" and s["key"] not in ("environment", "gpu_tests"))
+                 or not s["figures"] and s["key"] != "install"]
+        print(f"rehearsal: {len(steps)} steps ran; check exit {result.returncode}; "
+              f"{'all as expected' if not wrong else 'FAILED: ' + ', '.join(wrong)}")
+        return 1 if wrong or len(steps) != len(PLAN) + 1 else 0
+    finally:
+        if keep is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+STAGE_SKIP = {".venv", "build", ".git", "__pycache__", ".pytest_cache", ".benchmarks"}
+
+
+def stage(dst: Path, root: Path = ROOT):
+    """Copy the source tree (git's tracked and untracked-but-not-ignored files where it is a checkout)."""
+    git = subprocess.run(["git", "-C", str(root), "ls-files", "-co", "--exclude-standard"], capture_output=True, text=True)
+    if git.returncode == 0:
+        files = [line for line in git.stdout.splitlines() if (root / line).is_file()]
+    else:
+        files = [str(p.relative_to(root)) for p in root.rglob("*")
+                 if p.is_file() and not STAGE_SKIP & set(p.relative_to(root).parts) and p.suffix not in (".so", ".o")]
+    for rel in files:
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / rel, dst / rel)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/gpu_check.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("preflight", help="one line and exit 2 when this machine cannot run the check")
-    p = sub.add_parser("stage", help="sync the source tree into DIR")
-    p.add_argument("dir", type=Path)
-    p = sub.add_parser("run", help="run every step and write the report")
-    p.add_argument("--out", type=Path, required=True, help="the report (RESULTS-cuda.md)")
-    p.add_argument("--home", type=Path, required=True, help="NANOCHAT_FAST_HOME for the training run")
-    p.add_argument("--logs", type=Path, required=True, help="where each step's log goes")
+    for name, what in (("preflight", "one line and exit 2 when this machine cannot run the check"),
+                       ("check", "the preflight, then every step of the plan; the report in OUT")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("--bundle", type=Path, default=None, help="the bundle `make gpu-bundle` made")
+        p.add_argument("--out", type=Path, default=None, help="the folder for the report (RESULTS-cuda.md ...)")
+        if name == "check":
+            p.add_argument("--rehearse", action="store_true", help=argparse.SUPPRESS)  # rehearse's own run
+    p = sub.add_parser("facts", help="(inside the venv) the environment step's figures")
+    p.add_argument("--json", type=Path, required=True)
+    p = sub.add_parser("rehearse", help="every part that needs no GPU, here (a test)")
+    p.add_argument("--keep", type=Path, default=None, help="work in this folder and keep it")
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     if args.command == "preflight":
-        why = preflight()
-        if why:
-            print(why, file=sys.stderr)
-        return 2 if why else 0
-    if args.command == "stage":
-        stage(args.dir.resolve())
-        return 0
-    return run(args.out.resolve(), args.home.resolve(), args.logs.resolve())
+        line = preflight_line(preflight(args.bundle, args.out))
+        if line:
+            print(line, file=sys.stderr)
+        return 2 if line else 0
+    if args.command == "check":
+        bundle = args.bundle.resolve() if args.bundle else None
+        return check(bundle, args.out.resolve() if args.out else None, args.rehearse, no_ext=args.rehearse)
+    if args.command == "facts":
+        return facts(args.json)
+    return rehearse(args.keep)
 
 
 if __name__ == "__main__":

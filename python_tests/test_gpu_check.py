@@ -1,18 +1,21 @@
-"""`make gpu-check` where it can be tested without a GPU: the one-line refusal before anything is
-installed, the staging of the tree, and the report written from fake step results and benchmarks."""
+"""`make gpu-bundle` and `make gpu-check` where they can be tested without a GPU: the one-line preflight,
+the plan's caps, a step stopped at its cap, the report, the bundle's limits, and the rehearsal of the
+whole check on this CPU, offline (benchmarks/gpu_check.py rehearse), with its dependency resolution for
+the node."""
 import json
 import os
-import shutil
-import statistics
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_bundle  # noqa: E402
 import gpu_check  # noqa: E402
+import gpu_report  # noqa: E402
 
 
 def fake_tool(bin_dir: Path, name: str, script: str) -> Path:
@@ -23,131 +26,181 @@ def fake_tool(bin_dir: Path, name: str, script: str) -> Path:
     return path
 
 
-NO_DRIVER = ('echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."; exit 9')
+def fake_bundle(folder: Path, python: str) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"python": python}))
+    return folder
 
 
-def test_make_gpu_check_without_a_gpu_is_one_line_and_installs_nothing(tmp_path):
+HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
+NO_DRIVER = 'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."; exit 9'
+
+
+def test_make_gpu_check_without_a_gpu_is_one_line_and_does_no_work(tmp_path):
     bin_dir = tmp_path / "bin"
     fake_tool(bin_dir, "nvidia-smi", NO_DRIVER)  # a driver-less machine, whatever this one has
-    staged = ROOT / "build" / "gpu-check"
-    existed = staged.exists()
-    result = subprocess.run(["make", "--no-print-directory", "gpu-check", f"PYTHON={sys.executable}"], cwd=ROOT,
-                            capture_output=True, text=True, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    existed = gpu_check.WORK.exists()
+    result = subprocess.run(["make", "--no-print-directory", "gpu-check", f"PYTHON={sys.executable}",
+                             f"BUNDLE={fake_bundle(tmp_path / 'bundle', HERE)}", f"OUT={tmp_path / 'out'}"],
+                            cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
     output = (result.stdout + result.stderr).strip().splitlines()
     assert result.returncode != 0
     assert len(output) == 1, output
-    assert "make gpu-check needs an NVIDIA GPU: nvidia-smi -L finds no GPU (NVIDIA-SMI has failed" in output[0]
-    assert staged.exists() == existed
+    assert "gpu-check cannot run here: no GPU (nvidia-smi -L: NVIDIA-SMI has failed because it couldn't " in output[0]
+    assert ("no nvcc" in output[0]) == (gpu_check.nvcc() is None)  # the GPU alone is missing where nvcc is here
+    assert gpu_check.WORK.exists() == existed and not (tmp_path / "out").exists()
 
 
-def test_preflight_says_what_is_missing(tmp_path, monkeypatch):
+@pytest.fixture
+def node_like(tmp_path, monkeypatch):
+    """A machine that lacks nothing: a GPU listed, nvcc found, a supported torch."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    monkeypatch.setenv("PATH", str(bin_dir))
-    assert gpu_check.preflight().startswith("make gpu-check needs an NVIDIA GPU: no nvidia-smi here")
-    fake_tool(bin_dir, "nvidia-smi", 'echo "No devices were found"; exit 6')
-    assert gpu_check.preflight() == "make gpu-check needs an NVIDIA GPU: nvidia-smi -L finds no GPU (No devices were found)"
     fake_tool(bin_dir, "nvidia-smi", 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"')
-    monkeypatch.setattr(gpu_check, "_nvcc", lambda: None)
-    assert "needs nvcc (the CUDA toolkit)" in gpu_check.preflight()
-    monkeypatch.setattr(gpu_check, "_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
-    assert gpu_check.preflight() == ""
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(gpu_check, "nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setattr(gpu_check.metadata, "version", lambda name: "2.11.0+cu130")
+    return fake_bundle(tmp_path / "bundle", HERE), tmp_path / "out"
 
 
-def test_stage_mirrors_the_tree_and_keeps_its_own_install(tmp_path):
-    src, dst = tmp_path / "src", tmp_path / "dst"
-    for rel in ("Makefile", "nanochat_fast/a.py", "benchmarks/b.py", ".venv/bin/python", "nanochat_fast/_C.so",
-                "build/x.o", "nanochat_fast/__pycache__/a.pyc"):
-        (src / rel).parent.mkdir(parents=True, exist_ok=True)
-        (src / rel).write_text(rel)
-    gpu_check.stage(dst, root=src)
-    copied = {str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()}
-    assert copied == {"Makefile", "nanochat_fast/a.py", "benchmarks/b.py"}  # not the CPU venv, builds, caches
-    (dst / ".venv/bin").mkdir(parents=True)
-    (dst / ".venv/bin/python").write_text("the staged venv")
-    (dst / "nanochat_fast/_C.so").write_text("the CUDA extension")
-    (src / "benchmarks/b.py").unlink()
-    (src / "nanochat_fast/a.py").write_text("changed")
-    gpu_check.stage(dst, root=src)
-    assert not (dst / "benchmarks/b.py").exists()
-    assert (dst / "nanochat_fast/a.py").read_text() == "changed"
-    assert (dst / ".venv/bin/python").read_text() == "the staged venv"
-    assert (dst / "nanochat_fast/_C.so").read_text() == "the CUDA extension"
+def test_preflight_names_each_missing_thing_in_one_line(node_like, tmp_path, monkeypatch):
+    bundle, out = node_like
+    assert gpu_check.preflight(bundle, out) == {}
+    cases = {
+        "gpu": lambda: fake_tool(tmp_path / "bin", "nvidia-smi", 'echo "No devices were found"; exit 6'),
+        "nvcc": lambda: monkeypatch.setattr(gpu_check, "nvcc", lambda: None),
+        "torch": lambda: monkeypatch.setattr(gpu_check.metadata, "version", lambda name: "1.13.1"),
+        "bundle": lambda: (bundle / "manifest.json").write_text(json.dumps({"python": "3.9"})),
+    }
+    expected = {"gpu": "no GPU (nvidia-smi -L: No devices were found)",
+                "nvcc": "no nvcc (the CUDA toolkit): put it on PATH or set CUDA_HOME",
+                "torch": f"torch 1.13.1 is older than the package supports (torch>={gpu_check.torch_floor()})",
+                "bundle": f"the bundle at {bundle} is for Python 3.9, this is Python {HERE}"}
+    for key, make_it_so in cases.items():
+        make_it_so()
+        problems = gpu_check.preflight(bundle, out)
+        assert list(problems) == list(cases)[:list(cases).index(key) + 1]  # each adds its own, none hides another
+        assert problems[key].startswith(expected[key])
+    line = gpu_check.preflight_line(gpu_check.preflight(bundle, None))
+    assert "\n" not in line and line.startswith("gpu-check cannot run here: no GPU") and line.endswith(
+        "no OUT: name a folder for the report, e.g. make gpu-check OUT=gpu-report")
 
 
-def test_train_summary_skips_the_warmup_steps(tmp_path):
-    rows = [{"kind": "eval", "step": 0, "val_bpb": 3.0}]
-    rows += [{"kind": "train", "step": s, "loss": 10 - s / 10, "tok_per_sec": 1000.0 * s, "mfu": s / 2}
-             for s in range(1, 51)]
+def test_preflight_without_torch_or_bundle(node_like, tmp_path, monkeypatch):
+    def no_torch(name):
+        raise metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(gpu_check.metadata, "version", no_torch)
+    problems = gpu_check.preflight(tmp_path / "nowhere", tmp_path / "out")
+    assert problems["torch"].startswith("no torch in ")
+    assert problems["bundle"].startswith(f"no bundle at {tmp_path / 'nowhere'}: make one with `make gpu-bundle`")
+
+
+def test_check_refuses_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "WORK", tmp_path / "work")
+    monkeypatch.setattr(gpu_check, "gpu_problem", lambda: "no GPU (nvidia-smi -L: none)")
+    assert gpu_check.check(fake_bundle(tmp_path / "bundle", HERE), tmp_path / "out") == 2
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
+
+
+def test_the_plan_fits_the_budget_and_names_real_commands(monkeypatch):
+    assert gpu_check.check_plan() == ""
+    assert sum(s.cap_s for s in gpu_check.PLAN) <= gpu_check.BUDGET_S == 480
+    over = gpu_check.PLAN + [gpu_check.Step("extra", "one more", 100, ["benchmarks/gpu_measure.py"])]
+    assert gpu_check.check_plan(over).startswith("the plan's caps add up to")
+    missing = [gpu_check.Step("gone", "a module that is not there", 1, ["-m", "nanochat_fast.scripts.nothing"])]
+    assert gpu_check.check_plan(missing) == "step gone: nanochat_fast/scripts/nothing.py is not in the tree"
+    assert "python_tests/test_gpu_compile.py" in gpu_check.gpu_test_files()
+    assert "python_tests/test_gpu_check.py" not in gpu_check.gpu_test_files()  # collecting it needs packaging
+
+
+def test_a_step_at_its_cap_is_recorded_with_what_it_measured(tmp_path, monkeypatch):
+    """The loop of check(): each step under its cap, the report rewritten after each; a step killed at
+    its cap keeps the figures it wrote, and the next step still runs."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    bundle = fake_bundle(tmp_path / "bundle", HERE)
+    for part in ("tokenizer", "tokens"):
+        (bundle / "home" / part).mkdir(parents=True)
+    slow = ("import json, sys, time; open(sys.argv[1], 'w').write(json.dumps({'results': {'newton_schulz/1024': "
+            "{'ok': True}}})); print('measured one', flush=True); time.sleep(60)")
+    monkeypatch.setattr(gpu_check, "WORK", work)
+    monkeypatch.setattr(gpu_check, "preflight", lambda *a, **k: {})
+    monkeypatch.setattr(gpu_check, "install", lambda *a: ("ok", "stand-in"))
+    monkeypatch.setattr(gpu_check, "venv_python", lambda venv: Path(sys.executable))
+    monkeypatch.setattr(gpu_check, "PLAN", [
+        gpu_check.Step("install", "stand-in", 1, []),
+        gpu_check.Step("newton_schulz", "slow", 3, ["-c", slow, "{work}/newton_schulz.json"]),
+        gpu_check.Step("muon", "quick", 30, ["-c", "raise SystemExit(3)"])])
+    monkeypatch.setattr(gpu_check, "GPU_TESTS", gpu_check.Step("gpu_tests", "none left", 0, ["-c", "pass"]))
+    monkeypatch.setattr(gpu_check, "BUDGET_S", 5)
+    assert gpu_check.check(bundle, out) == 1
+    data = json.loads((out / "results-cuda.json").read_text())
+    steps = {s["key"]: s for s in data["steps"]}
+    assert steps["newton_schulz"]["status"] == "hit its cap"
+    assert 3 <= steps["newton_schulz"]["seconds"] < 20
+    assert steps["newton_schulz"]["figures"] == {"results": {"newton_schulz/1024": {"ok": True}}}
+    assert steps["muon"]["status"] == "failed"
+    assert steps["gpu_tests"]["status"] == "skipped"  # the budget is spent
+    assert data["finished"] and data["verdict"] == ("1 of 4 steps passed; not: newton_schulz (hit its cap), muon (failed), "
+                                                                  "gpu_tests (skipped)")
+    text = (out / "RESULTS-cuda.md").read_text()
+    assert "| newton_schulz: slow | **hit its cap** | " in text
+    assert sorted(p.name for p in out.iterdir()) == sorted(gpu_check.OUTPUTS)
+
+
+def test_train_figures_skip_the_warmup_and_count_passes(tmp_path):
+    rows = [{"kind": "eval", "step": 0}]
+    rows += [{"kind": "train", "step": s, "loss": 10 - s / 10, "tok_per_sec": 1000.0 * s, "mfu": s / 2,
+              "tokens_seen": 1000 * s, "peak_memory_bytes": 2 ** 30 * (1 + (s == 3))} for s in range(1, 51)]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    timed = range(gpu_check.WARMUP_STEPS + 1, 51)
-    expected_tok = statistics.median(1000.0 * s for s in timed)
-    expected_mfu = statistics.median(s / 2 for s in timed)
-    assert gpu_check.train_summary(metrics) == (f"50 steps, final loss 5.000; steps 11-50: median "
-                                                f"{expected_tok:,.0f} tokens/s, MFU {expected_mfu:.1f}%")
+    f = gpu_report.train_figures(metrics, train_tokens=20_000)
+    assert f["steps"] == 50 and f["timed_steps"] == "10-50"
+    assert f["tok_per_sec"] == 30_000.0 and f["mfu"] == 15.0  # medians of steps 10..50
+    assert f["peak_memory_gib"] == 2.0 and f["passes_over_data"] == 2.5 and f["final_loss"] == 5.0
 
 
-def fake_benchmarks() -> dict:
-    info = {"op": "AdamW step (cuda)", "shape_set": "depth-8 GPT", "baseline": "torch fused", "notes": "share: 80%",
-            "variants": {"triton (ours)": {"median_s": 0.0005, "ratio_to_baseline": 0.8},
-                         "torch fused": {"median_s": 0.000625, "ratio_to_baseline": 1.0}}}
-    return {"datetime": "2026-01-01T00:00:00", "benchmarks": [{"extra_info": info}]}
+def test_report_names_a_config_that_failed(tmp_path):
+    work = tmp_path / "work"
+    (work / "logs").mkdir(parents=True)
+    (work / "kernels.json").write_text(json.dumps({"results": {
+        "newton_schulz_triton/large/bf16": {"ok": True, "max_error": 4e-3, "tolerance": 2e-2, "stock_bf16_error": 5e-3},
+        "newton_schulz_triton/small/fp32": {"ok": False, "error": "CompilationError: out of resources"}}}))
+    report = gpu_report.Report(tmp_path, work, tmp_path, rehearse=False)
+    report.add(gpu_check.PLAN[2], "failed", "1 measured; failed: newton_schulz_triton/small/fp32", 12.0, 40)
+    text = (tmp_path / "RESULTS-cuda.md").read_text()
+    assert "| newton_schulz_triton/large/bf16 | 4.00e-03 | 2.0e-02 | ok: stock bf16 5.00e-03 |" in text
+    assert "| newton_schulz_triton/small/fp32 | n/a | n/a | **FAILED**: CompilationError: out of resources |" in text
+    assert "Verdict: **0 of 1 steps passed; not: kernels (failed)** (so far" in text
 
 
-def test_report_from_fake_results(tmp_path):
-    facts = dict(gpu="NVIDIA H100 80GB HBM3", count=1, arch="sm_90", sms=132, memory_gib=79.1, driver="570.1",
-                 torch="2.13.0+cu130", cuda="13.0", triton="3.9.0", python="3.11.7")
-    steps = [gpu_check.Step("tests marked gpu", True, "7 passed, 0 failed, 0 errors, 0 skipped", 41.0),
-             gpu_check.Step("bench_train_step.py", False, "missing: this benchmark is part of the check")]
-    out = tmp_path / "RESULTS-cuda.md"
-    gpu_check.write_report(out, facts, steps, fake_benchmarks(), "build/gpu-check/logs")
-    text = out.read_text()
-    assert text.startswith("# GPU check: NVIDIA H100 80GB HBM3\n")
-    assert "1 x NVIDIA H100 80GB HBM3 (sm_90, 132 SMs, 79.1 GiB), driver 570.1" in text
-    assert "Verdict: **FAILED**" in text
-    assert "| tests marked gpu | ok | 7 passed, 0 failed, 0 errors, 0 skipped | 41 s |" in text
-    assert "| bench_train_step.py | **FAILED** | missing: this benchmark is part of the check | 0 s |" in text
-    assert "## AdamW step (cuda)" in text
-    assert "| depth-8 GPT | triton (ours) | 0.500 | 0.800 |" in text
-    assert "| depth-8 GPT | torch fused (baseline) | 0.625 | 1.000 |" in text
-    assert "Machine:" not in text  # make_results' header (this machine's CPU) is left out
-    assert not list(tmp_path.glob(".*.tmp"))
+def test_node_list_names_the_node_and_the_bundle_carries_the_rest():
+    node = gpu_bundle.read_node()
+    assert node.python == "3.12" and node.packages["torch"] == "2.11.0" and node.packages["triton"] == "3.6.0"
+    missing = [r for r in gpu_bundle.runtime_requirements() if gpu_bundle.Requirement(r).name not in node.packages]
+    assert missing == ["rustbpe"]  # what the bundle carries today
 
 
-def test_run_on_a_cpu_build_of_torch_reports_why(tmp_path):
-    """Past the preflight with a torch that cannot use a GPU: the report names it and run() fails."""
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a usable GPU")
-    out = tmp_path / "RESULTS-cuda.md"
-    assert gpu_check.run(out, tmp_path / "home", tmp_path / "logs") == 1
-    text = out.read_text()
-    assert "Verdict: **FAILED**" in text
-    assert "| torch uses the GPU | **FAILED** |" in text
-    assert "No benchmark results." in text
+def test_an_oversized_bundle_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
+    gpu_check.small_corpus(tmp_path / "corpus")
+    monkeypatch.setattr(gpu_bundle, "MAX_BYTES", 10_000)
+    with pytest.raises(gpu_bundle.BundleError, match=r"the bundle takes .* MiB, over its 0 MiB"):
+        gpu_bundle.build(tmp_path / "bundle", HERE, tmp_path / "corpus", vocab_size=300, requirements=[])
+    assert list(tmp_path.iterdir()) == [tmp_path / "corpus"]
 
 
-def test_steps_run_pytest_and_merge_the_benchmark_json(tmp_path, monkeypatch):
-    """The test and benchmark steps on a stand-in tree: real pytest runs, their JUnit and
-    pytest-benchmark output read back; a benchmark file that is missing fails its step."""
-    (tmp_path / "python_tests").mkdir()
-    (tmp_path / "python_tests" / "test_stand_in.py").write_text(
-        "import pytest\n\n@pytest.mark.gpu\ndef test_runs():\n    pass\n\n"
-        "@pytest.mark.gpu\ndef test_skips():\n    pytest.skip('no')\n\ndef test_not_gpu():\n    raise AssertionError\n")
-    (tmp_path / "benchmarks").mkdir()
-    shutil.copy(ROOT / "benchmarks" / "harness.py", tmp_path / "benchmarks")
-    (tmp_path / "benchmarks" / "bench_stand_in.py").write_text(
-        "from harness import compare\n\ndef test_sum(benchmark):\n"
-        "    compare(benchmark, op='sum', shape_set='1000', baseline='builtin', rounds=3, warmup_rounds=1,\n"
-        "            variants={'builtin': lambda: sum(range(1000)), 'loop': lambda: [i for i in range(1000)]})\n")
-    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
-    monkeypatch.setattr(gpu_check, "CUDA_BENCHMARKS", ["bench_stand_in.py", "bench_missing.py"])
-    logs = tmp_path / "logs"
-    step = gpu_check.gpu_tests(logs)
-    assert (step.ok, step.detail) == (True, "1 passed, 0 failed, 0 errors, 1 skipped")
-    (ran, missing), merged = gpu_check.benchmarks(logs)
-    assert (ran.ok, ran.detail) == (True, "1 benchmark(s)")
-    assert not missing.ok and missing.detail.startswith("missing")
-    [bench] = merged["benchmarks"]
-    assert set(bench["extra_info"]["variants"]) == {"builtin", "loop"}
+def test_rehearsal(tmp_path):
+    """Everything the node's check does that needs no GPU, here and offline: its exit code is the
+    verdict. Then the failure it exists for: a dependency added without a wheel in the bundle."""
+    keep = tmp_path / "rehearsal"
+    keep.mkdir()
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "rehearse", "--keep", str(keep)],
+                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "rehearsal: 11 steps ran; check exit 1; all as expected" in result.stdout
+    node = gpu_bundle.read_node()
+    wheels = keep / f"wheels-{node.python}"
+    assert [p.name.split("-")[0] for p in wheels.glob("*.whl")] == ["rustbpe"]
+    why = gpu_bundle.resolve_for_node(gpu_bundle.runtime_requirements() + ["fastapi"], wheels, node)
+    assert why.startswith("the package does not install on the node (Python 3.12) from the bundle: ") and "fastapi" in why
+    report = json.loads((keep / "out" / "results-cuda.json").read_text())
+    assert report["rehearsal"] and [s["key"] for s in report["steps"]] == [s.key for s in gpu_check.PLAN] + ["gpu_tests"]

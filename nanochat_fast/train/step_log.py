@@ -6,6 +6,8 @@ when attached to a terminal, as plain lines otherwise (Progress).
 import sys
 from dataclasses import dataclass, field
 
+import torch
+
 from .. import hardware
 from ..core.progress import progress_bar
 
@@ -73,4 +75,6 @@ def describe_step(m: StepRecord, flops_per_token: float, peak: hardware.Peak | N
     postfix = f"loss {m.loss:.3f}{extra.replace(' | ', ' ')} tok/s {tok_per_sec:,.0f}"
     row = dict(kind="train", step=m.step, loss=m.loss, smooth_loss=m.smooth_loss, lrm=m.lrm, grad_norm=m.grad_norm,
                dt=m.dt, tok_per_sec=tok_per_sec, mfu=mfu, tokens_seen=m.tokens_seen, **m.extra)
+    if torch.cuda.is_initialized():  # this process's GPU: what a larger batch or model has left to grow into
+        row["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     return line, postfix, row
