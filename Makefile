@@ -8,6 +8,12 @@
 #   make gpu-bundle what the offline GPU node lacks (wheels for its Python, a prepared home) -> build/gpu-bundle
 #   make gpu-check  on the GPU node, offline, OUT=DIR: the extension built with CUDA, every kernel checked,
 #                   the CUDA benchmarks, a depth-12 run, infer_bench -> DIR/RESULTS-cuda.md (8 minutes)
+#   make aot-compat no GPU needed: every Triton kernel variant compiled for sm_80/sm_90/sm_100 by the pinned
+#                   Triton and by COMPAT_TRITON (default 3.6.0, the Triton of torch 2.11.0+cu130) in a side
+#                   venv, each checked against its target's limits -> benchmarks/compiled.json and the
+#                   "Compiled, not run" section of benchmarks/RESULTS.md, both versions side by side. Run it
+#                   when a kernel, its configs or the supported Triton versions change (~3 min on 2 cores,
+#                   plus ~2 min to set up the side venv the first time).
 #
 # TORCH_SPEC is the pip requirement for torch. The default is the CPU build this project is
 # developed on; on a CUDA machine use e.g.
@@ -25,7 +31,7 @@ STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC) $(TRITON_SPEC)' |
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cpp)
 PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest
 
-.PHONY: install test ctest test-gpu gpu-bundle gpu-check bench demo kernels clean
+.PHONY: install test ctest test-gpu gpu-bundle gpu-check aot-compat bench demo kernels clean
 
 install: $(STAMP)
 
@@ -75,6 +81,24 @@ gpu-check:
 	$(if $(GPU_PREFLIGHT),$(error $(GPU_PREFLIGHT)))
 	$(PYTHON) benchmarks/gpu_check.py check --bundle $(BUNDLE) --out $(OUT)
 
+# Another Triton version's compile of every kernel variant, beside the pinned one's. Its venv has the same CPU
+# torch (a CPU torch wheel requires no triton, so pip takes any version) and numpy for the package's imports;
+# the package itself comes from this tree (PYTHONPATH). The first compile's failures must not stop the
+# second: the table is written either way, naming every variant that does not compile or fit, and the
+# second command exits non-zero for them.
+COMPAT_TRITON ?= 3.6.0
+COMPAT_VENV := .venv-triton-$(COMPAT_TRITON)
+COMPAT_RUN := build/aot-compat/triton-$(COMPAT_TRITON).json
+$(COMPAT_VENV)/.installed:
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --disable-pip-version-check -q $(TORCH_SPEC) triton==$(COMPAT_TRITON) numpy
+	touch $@
+
+aot-compat: install $(COMPAT_VENV)/.installed
+	rm -f $(COMPAT_RUN)
+	-PYTHONPATH=$(CURDIR) $(COMPAT_VENV)/bin/python benchmarks/compiled_table.py --triton-only $(COMPAT_RUN)
+	$(PY) benchmarks/compiled_table.py --add $(COMPAT_RUN)
+
 kernels: install
 	$(PY) -m nanochat_fast.kernels
 
@@ -102,4 +126,4 @@ demo: install
 	@echo; $(PY) -m nanochat_fast.scripts.report --base-run=demo_base --mid-run=demo_mid --sft-run=demo_sft
 
 clean:
-	rm -rf build $(VENV) *.egg-info nanochat_fast/_C*.so
+	rm -rf build $(VENV) .venv-triton-* *.egg-info nanochat_fast/_C*.so

@@ -10,10 +10,20 @@ nanochat_fast/kernels/gpu_targets.py.
     python benchmarks/compiled_table.py   # compiles everything, writes benchmarks/compiled.json and
                                           # this section of benchmarks/RESULTS.md
 
-make_results.py appends the same section (from compiled.json) whenever `make bench` rewrites RESULTS.md.
+The Triton variants are compiled by the installed Triton. Other Triton versions (`make aot-compat`:
+the one a user's CUDA torch brings) are compiled in their own venv and put beside it, one column
+per version in the "Triton versions" table:
+
+    OTHER_VENV/bin/python benchmarks/compiled_table.py --triton-only run.json   # that venv's Triton only
+    python benchmarks/compiled_table.py --add run.json
+
+compiled.json keeps every version's run while the kernel sources stay the same, so a later plain
+run (or `make bench`, whose make_results.py appends this section from compiled.json) keeps them.
 """
+import argparse
 import dataclasses
 import datetime
+import hashlib
 import importlib
 import json
 import os
@@ -69,8 +79,21 @@ def cuda_records(archs=("sm_80", "sm_90")) -> list[dict]:
     return out
 
 
-def collect(workers=None) -> dict:
-    from nanochat_fast.kernels import newton_schulz_triton as nst
+def kernel_sources() -> str:
+    """sha256 of what decides a variant's record besides the Triton version: the kernels' modules, the
+    kernel list, the compile and its checks. Records of two versions compare only at the same sources."""
+    from nanochat_fast.kernels import gpu_targets, triton_aot, triton_kernel_list
+    modules = {importlib.import_module(e.module) for e in triton_kernel_list.KERNELS}
+    digest = hashlib.sha256()
+    for module in sorted(modules | {gpu_targets, triton_aot, triton_kernel_list}, key=lambda m: m.__name__):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()
+
+
+def triton_run(workers=None) -> dict:
+    """Every Triton variant compiled by the installed Triton, each record with its call's cost, and
+    what the run was: Triton version, the ptxas that reported, time, the kernel sources."""
+    import triton
     from nanochat_fast.kernels import triton_aot
     from nanochat_fast.kernels import triton_kernel_list as kernel_list
     t0 = time.perf_counter()
@@ -81,6 +104,49 @@ def collect(workers=None) -> dict:
         call = entries[r["module"], r["kernel"]].work(importlib.import_module(r["module"]), r["config_values"],
                                                       triton_aot.torch_dtype(r["dtype"]))
         r["call"] = dataclasses.asdict(call)
+    return dict(triton=triton.__version__, date=datetime.date.today().isoformat(),
+                ptxas=sorted({r.get("ptxas", "") for r in records} - {""}), seconds=seconds,
+                summary=triton_aot.summary(records, seconds), sources=kernel_sources(), records=records)
+
+
+def merge_runs(installed: dict, added=(), previous=()) -> list[dict]:
+    """compiled.json's Triton runs: the installed Triton's first (the one the roofline table shows),
+    then one per other version, an added run before the previous compiled.json's. A run of other
+    kernel sources would compare other code: an added one is refused, a previous one dropped."""
+    runs = {installed["triton"]: installed}
+    for run in added:
+        if run["triton"] in runs:
+            raise ValueError(f"two runs of Triton {run['triton']}: add only other versions than the installed one")
+        if run["sources"] != installed["sources"]:
+            raise ValueError(f"the Triton {run['triton']} run of {run['date']} compiled other kernel sources than "
+                             "these: compile it again")
+        runs[run["triton"]] = run
+    for run in previous:
+        if run["triton"] in runs:
+            continue
+        if run["sources"] == installed["sources"]:
+            runs[run["triton"]] = run
+        else:
+            print(f"dropped the Triton {run['triton']} records of {run['date']}: the kernels changed since "
+                  "(make aot-compat compiles them again)")
+    return list(runs.values())
+
+
+def _variant(r: dict) -> tuple:
+    return r["kernel"], r["config"], r["dtype"], r["target"]
+
+
+def by_variant(runs: list[dict]) -> dict[tuple, list]:
+    """(kernel, config, dtype, target) of every variant of any run -> its record in each run, in the
+    runs' order (None where a run has no such variant)."""
+    index = [{_variant(r): r for r in run["records"]} for run in runs]
+    return {key: [i.get(key) for i in index] for run in runs for key in map(_variant, run["records"])}
+
+
+def collect(workers=None, added=(), previous=()) -> dict:
+    from nanochat_fast.kernels import newton_schulz_triton as nst
+    from nanochat_fast.kernels import triton_kernel_list as kernel_list
+    runs = merge_runs(triton_run(workers), added, previous)
     ns = []
     for K, m, n in NS_SHAPES:
         plain = nst.flop_counts(m, n, 128, K)["full_step"]
@@ -89,14 +155,11 @@ def collect(workers=None) -> dict:
     adamw = [dict(dtype=name, bytes=kernel_list.adamw_bytes_per_param(d), flops=kernel_list.ADAMW_FLOPS_PER_PARAM,
                   call=dataclasses.asdict(kernel_list.adamw_call(d)))
              for d, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))]
-    import triton
     nvcc = _nvcc()
     nvcc_version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout if nvcc else ""
-    return dict(date=datetime.date.today().isoformat(), triton=triton.__version__,
-                ptxas=sorted({r.get("ptxas", "") for r in records} - {""}),
+    return dict(date=datetime.date.today().isoformat(),
                 nvcc=(re.findall(r"release [\d.]+", nvcc_version) or ["not found"])[0],
-                summary=triton_aot.summary(records, seconds), triton_records=records, cuda_records=cuda_records(),
-                ns_flops=ns, adamw=adamw)
+                triton_runs=runs, cuda_records=cuda_records(), ns_flops=ns, adamw=adamw)
 
 
 def _us(seconds: float) -> str:
@@ -104,6 +167,8 @@ def _us(seconds: float) -> str:
 
 
 def _resource_row(name, config, dtype, r, spill_marks) -> str:
+    if "error" in r:
+        return f"| {name} | {config} | {dtype} | {r['target']} | does not compile | | | | | | | | |"
     spills = r["spill_stores"] + r["spill_loads"]
     mark = ""
     if spills and r.get("spills_ok"):
@@ -119,14 +184,62 @@ def _resource_row(name, config, dtype, r, spill_marks) -> str:
             f"{spills:,}{mark} {cost}")
 
 
+def _usage_cells(r: dict | None) -> list[str]:
+    """registers, shared memory (KiB), spills (B) of one variant under one Triton version."""
+    if r is None:
+        return ["not compiled", "", ""]
+    if "error" in r:
+        return ["does not compile", "", ""]
+    return [str(r["registers"]), f"{r['shared'] / 1024:.1f}", f"{r['spill_stores'] + r['spill_loads']:,}"]
+
+
+def _cubin_note(r: dict | None) -> str:
+    # Triton's own cubin, assembled by the ptxas it picks for the target (an older one for sm_80 and
+    # sm_90 in some versions), is what a GPU loads: its count where it differs from the newest ptxas's
+    if r is None or "error" in r or r["cubin_registers"] == r["registers"]:
+        return ""
+    return f" (cubin {r['cubin_registers']})"
+
+
+def versions_table(runs: list[dict]) -> list[str]:
+    """Every variant's registers, shared memory and spills under each Triton version, side by side;
+    a value that differs from the first version's in bold ([] with one version)."""
+    if len(runs) < 2:
+        return []
+    names = [run["triton"] for run in runs]
+    lines = ["", "### Triton versions", "",
+             f"The same variants, from the same kernel sources, compiled by Triton {', '.join(names)} "
+             "(`make aot-compat`), each checked against its target as above. Each version generates its own PTX "
+             "and assembles it with the newest ptxas it ships, so registers and shared memory may differ; "
+             f"**bold**: differs from {names[0]}; (cubin N): the cubin Triton itself builds, with the ptxas it picks "
+             "for that target, has N registers (also checked).", "",
+             "| Triton | compiled | ptxas | run |", "|---|---|---|---|"]
+    lines += [f"| {run['triton']} | {run['date']} | {', '.join(run['ptxas']) or '—'} | {run['summary']} |"
+              for run in runs]
+    lines += ["", "| kernel | config | dtype | target | " +
+              " | ".join(f"{what} {v}" for what in ("registers", "smem (KiB)", "spills (B)") for v in names) +
+              " | over the limits with |", "|---|---|---|---|" + "---:|" * (3 * len(runs)) + "---|"]
+    for (kernel, config, dtype, target), records in by_variant(runs).items():
+        cells = [_usage_cells(r) for r in records]
+        columns = [[c[i] for c in cells] for i in range(3)]
+        values = [f"**{v}**" if v and v != column[0] else v for column in columns for v in column]
+        values[:len(records)] = [v + _cubin_note(r) for v, r in zip(values, records)]
+        failing = [name for name, r in zip(names, records) if r is None or r["problems"]]
+        lines.append(f"| {kernel} | {config} | {dtype} | {target} | {' | '.join(values)} | {', '.join(failing)} |")
+    return lines
+
+
 def section(data: dict) -> list[str]:
     """The markdown lines of the section."""
+    installed, *others = data["triton_runs"]
+    also = f" Also compiled by Triton {', '.join(run['triton'] for run in others)}: the table \"Triton versions\"."
     lines = [HEADING, "",
              f"Compiled {data['date']} on a machine without a GPU by `python benchmarks/compiled_table.py`: Triton "
-             f"{data['triton']} (registers and spills from `ptxas -v`, {', '.join(data['ptxas'])}; shared memory from "
-             f"Triton's compile metadata) and nvcc {data['nvcc']} (`-Xptxas -v`); {data['summary']}. Every variant is "
-             "checked against its target: shared memory per block, <= 255 registers per thread, registers x threads "
-             "<= 64K, and no spills unless the kernel list says why (notes below the table).", "",
+             f"{installed['triton']} (registers and spills from `ptxas -v`, {', '.join(installed['ptxas'])}; shared "
+             f"memory from Triton's compile metadata) and nvcc {data['nvcc']} (`-Xptxas -v`); {installed['summary']}. "
+             "Every variant is checked against its target: shared memory per block, <= 255 registers per thread, "
+             "registers x threads <= 64K, and no spills unless the kernel list says why (notes below the table)."
+             f"{also if others else ''}", "",
              "Roofline on paper, per call: compulsory HBM bytes at the peak bandwidth vs flops at the peak math rate "
              "(bf16: tensor cores, fp32: CUDA cores); the longer binds. A lower bound: peak rates, no launch cost, "
              "perfect reuse on chip. The calls are a depth-12 GPT's at nanochat's 65,536-token vocabulary: AdamW "
@@ -141,12 +254,13 @@ def section(data: dict) -> list[str]:
     rule = "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|"
     marks: dict = {}
     lines += ["", "### Triton kernels", "", head, rule]
-    lines += [_resource_row(r["kernel"], r["config"], r["dtype"], r, marks) for r in data["triton_records"]]
+    lines += [_resource_row(r["kernel"], r["config"], r["dtype"], r, marks) for r in installed["records"]]
     lines += [""] + [f"{mark} {reason}" for reason, mark in marks.items()]
+    lines += versions_table(data["triton_runs"])
     if data["cuda_records"]:
         lines += ["", "### CUDA C++ kernels (nvcc)", "", head, rule]
         lines += [_resource_row(r["function"], r["file"], "", r, marks) for r in data["cuda_records"]]
-    problems = [p for r in data["triton_records"] + data["cuda_records"] for p in r["problems"]]
+    problems = problems_of(data)
     if problems:
         lines += ["", "**Over the limits:**", ""] + [f"- {p}" for p in problems]
     lines += ["", "### AdamW: bytes per parameter per step", "",
@@ -189,18 +303,46 @@ def replace_section(results_md: Path, lines: list[str]):
         text = text.rstrip("\n") + "\n\n" + "\n".join(lines)
     else:
         end = text.find("\n## ", start + len(HEADING))
-        text = text[:start] + "\n".join(lines) + (text[end + 1:] if end >= 0 else "")
+        text = text[:start] + "\n".join(lines) + ("\n" + text[end + 1:] if end >= 0 else "")
     _write(results_md, text)
 
 
+def problems_of(data: dict) -> list[str]:
+    """Every variant over its target's limits (or not compiling), each Triton one naming its version."""
+    triton = [f"Triton {run['triton']}: {p}"
+              for run in data["triton_runs"] for r in run["records"] for p in r["problems"]]
+    return triton + [p for r in data["cuda_records"] for p in r["problems"]]
+
+
 def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--triton-only", metavar="RUN_JSON", type=Path,
+                        help="compile the Triton variants with the installed Triton only and write that run here "
+                             "(for --add), not compiled.json or RESULTS.md")
+    parser.add_argument("--add", metavar="RUN_JSON", type=Path, action="append", default=[],
+                        help="another Triton version's run (from --triton-only) to put beside the installed one's")
+    args = parser.parse_args(argv)
+    if args.triton_only:
+        run = triton_run()
+        args.triton_only.parent.mkdir(parents=True, exist_ok=True)
+        _write(args.triton_only, json.dumps(run, indent=1))
+        problems = problems_of(dict(triton_runs=[run], cuda_records=[]))
+        print("\n".join([f"Triton {run['triton']}: {run['summary']}"] + problems))
+        print(f"wrote {args.triton_only}")
+        return 1 if problems else 0
+    missing = [str(path) for path in args.add if not path.exists()]
+    if missing:
+        parser.error(f"no run {', '.join(missing)} (did its compile stop early?)")
     out = Path(__file__).resolve().parent
-    data = collect()
+    previous = json.loads((out / "compiled.json").read_text()) if (out / "compiled.json").exists() else {}
+    data = collect(added=[json.loads(path.read_text()) for path in args.add],
+                   previous=previous.get("triton_runs", []))
     _write(out / "compiled.json", json.dumps(data, indent=1))
     replace_section(out / "RESULTS.md", section(data))
-    print(data["summary"])
+    problems = problems_of(data)
+    print("\n".join([f"Triton {run['triton']}: {run['summary']}" for run in data["triton_runs"]] + problems))
     print(f"wrote {out / 'compiled.json'} and the section '{HEADING[3:]}' of {out / 'RESULTS.md'}")
-    return 1 if any(r["problems"] for r in data["triton_records"] + data["cuda_records"]) else 0
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
