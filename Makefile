@@ -15,9 +15,16 @@
 #                   when a kernel, its configs or the supported Triton versions change (~3 min on 2 cores,
 #                   plus ~2 min to set up the side venv the first time).
 #
+# Run by hand, not by CI, when the torch floor (pyproject.toml's torch>=X), setup.py, csrc/ or the Triton
+# kernels change; no GPU needed, both share a venv with PyPI's torch==X (a CUDA build, ~5 GB, its own triton):
+#   make test-torch-floor   the CPU suite (python_tests) on the oldest torch we support (7 min of tests
+#                           on 2 cores, after a first install of ~4 min)
+#   make cuda-build-check   the whole extension built with CUDA (nvcc) as a GPU node builds it:
+#                           _C.with_cuda and the CUDA backends listed, and the build time (80 s at 2 jobs)
+#
 # TORCH_SPEC is the pip requirement for torch. The default is the CPU build this project is
 # developed on; on a CUDA machine use e.g.
-#   make test-gpu TORCH_SPEC="torch==2.9.1 --index-url https://download.pytorch.org/whl/cu128" TRITON_SPEC=
+#   make test-gpu TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" TRITON_SPEC=
 # (CUDA wheels of torch bring their own triton; TRITON_SPEC= leaves it alone).
 
 TORCH_SPEC ?= torch==2.13.0
@@ -31,14 +38,17 @@ STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC) $(TRITON_SPEC)' |
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cpp)
 PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest
 
-.PHONY: install test ctest test-gpu gpu-bundle gpu-check aot-compat bench demo kernels clean
+.PHONY: install test ctest test-gpu gpu-bundle gpu-check aot-compat test-torch-floor cuda-build-check floor-install \
+        bench demo kernels clean
 
 install: $(STAMP)
 
 # extras: web = chat_web's FastAPI + uvicorn; test = pytest tools, httpx and Playwright, which drives the
 # system's Chromium in the browser test (never `playwright install`; .ci/run apt-installs chromium), and
 # wandb + tensorboard for the tracking tests (the extras a user installs for --wandb / --tensorboard)
-$(STAMP): $(SOURCES)
+# The extension is built in place (nanochat_fast/_C.so) and every venv of this tree loads it: when
+# another venv (another torch, VENV=...) has rebuilt it since this venv's stamp, it is rebuilt for this one.
+$(STAMP): $(SOURCES) $(wildcard nanochat_fast/_C.so)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --disable-pip-version-check -q $(TORCH_SPEC) $(TRITON_SPEC)
 	$(PIP) install --disable-pip-version-check -q setuptools wheel ninja
@@ -98,6 +108,32 @@ aot-compat: install $(COMPAT_VENV)/.installed
 	rm -f $(COMPAT_RUN)
 	-PYTHONPATH=$(CURDIR) $(COMPAT_VENV)/bin/python benchmarks/compiled_table.py --triton-only $(COMPAT_RUN)
 	$(PY) benchmarks/compiled_table.py --add $(COMPAT_RUN)
+
+# The oldest torch we support is pyproject.toml's torch>=X, read by nanochat_fast/core/torch_floor.py; these two
+# targets use exactly that torch, so the floor is tested (python_tests/test_torch_floor.py checks they agree).
+# They run in copies of the tree (the build is in place, so a venv with another torch would overwrite the
+# CPU .venv's _C.so) sharing one venv, $(FLOOR_DIR)/src/.venv. FLOOR_PYTHON makes that venv (once), e.g.
+# FLOOR_PYTHON=python3.12 for the GPU node's Python. On a machine without a GPU a CUDA torch builds the
+# extension CPU-only (setup.py), so the suite is the CPU suite. The C++ test (ctest) is left out: CMake's
+# find_package(Torch) for a CUDA torch wants the whole CUDA toolkit (cudart, nvrtc, a GPU or an arch list).
+TORCH_FLOOR = $(shell $(PYTHON) nanochat_fast/core/torch_floor.py)
+FLOOR_TORCH_SPEC = torch==$(TORCH_FLOOR)
+FLOOR_PYTHON ?= $(PYTHON)
+FLOOR_DIR := build/torch-floor
+FLOOR_PY := $(abspath $(FLOOR_DIR)/src/.venv/bin/python)
+CUDA_BUILD_DIR := build/cuda-build
+floor-install:
+	$(PYTHON) benchmarks/stage_tree.py $(FLOOR_DIR)/src
+	$(MAKE) -C $(FLOOR_DIR)/src install TORCH_SPEC="$(FLOOR_TORCH_SPEC)" TRITON_SPEC= PYTHON=$(FLOOR_PYTHON)
+
+test-torch-floor: floor-install
+	cd $(FLOOR_DIR)/src && OMP_NUM_THREADS=2 $(FLOOR_PY) -m pytest python_tests
+
+# NANOCHAT_FAST_FORCE_CUDA=1 alone, as a GPU-less image build would do it (setup.py picks the GPU targets);
+# in its own copy of the tree, so the floor copy's CPU _C.so stays. MAX_JOBS caps the parallel compiles.
+cuda-build-check: floor-install
+	$(PYTHON) benchmarks/stage_tree.py $(CUDA_BUILD_DIR)/src
+	cd $(CUDA_BUILD_DIR)/src && $(FLOOR_PY) benchmarks/cuda_build_check.py
 
 kernels: install
 	$(PY) -m nanochat_fast.kernels

@@ -33,19 +33,19 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from nanochat_fast.core import torch_floor  # noqa: E402  standard library only, like this module
 WORK = ROOT / "build" / "gpu-check"
 BUDGET_S = 480  # the node's check gets 8 minutes, the build included
 OUTPUTS = ("RESULTS-cuda.md", "results-cuda.json", "logs.tar.gz")
@@ -99,16 +99,6 @@ GPU_TESTS = Step("gpu_tests", "the tests marked gpu", 0,
 # preflight (standard library only: the node's python3, before anything is installed)
 
 
-def _version_tuple(v: str) -> tuple:
-    return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
-
-
-def torch_floor(root: Path = ROOT) -> str:
-    """The lowest torch the package supports: pyproject.toml's torch>=X."""
-    found = re.search(r'"torch\s*>=\s*([\d.]+)', (root / "pyproject.toml").read_text())
-    return found.group(1) if found else "0"
-
-
 def nvcc() -> str | None:
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
     found = [str(Path(h) / "bin" / "nvcc") for h in homes if h and (Path(h) / "bin" / "nvcc").exists()]
@@ -139,9 +129,9 @@ def preflight(bundle: Path | None, out: Path | None, rehearse: bool = False) -> 
     except metadata.PackageNotFoundError:
         problems["torch"] = f"no torch in {sys.executable}: the check uses the node's own torch and triton"
     else:
-        floor = torch_floor()
-        if _version_tuple(torch_version) < _version_tuple(floor):
-            problems["torch"] = f"torch {torch_version} is older than the package supports (torch>={floor})"
+        too_old = torch_floor.why_not(torch_version)
+        if too_old:
+            problems["torch"] = too_old
         elif not gpu and not rehearse and "+cpu" in torch_version:
             problems["torch"] = f"torch {torch_version} is a CPU build: the node's python3 needs a CUDA torch"
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -409,6 +399,7 @@ def small_corpus(folder: Path):
 def rehearse(keep: Path | None = None, requirements: list[str] | None = None) -> int:
     """Every part of the check that needs no GPU, here; 0 when all went as on the node."""
     import gpu_bundle
+    import stage_tree
     tmp = Path(tempfile.mkdtemp(prefix="gpu-rehearsal-")) if keep is None else keep
     try:
         node = gpu_bundle.read_node()
@@ -424,7 +415,7 @@ def rehearse(keep: Path | None = None, requirements: list[str] | None = None) ->
         small_corpus(tmp / "corpus")
         gpu_bundle.build(tmp / "src" / "build" / "gpu-bundle", here, tmp / "corpus", vocab_size=512, requirements=reqs)
         print("3. the source tree staged, and a stand-in for the node's python3", flush=True)
-        stage(tmp / "src")
+        stage_tree.stage(tmp / "src")
         python = node_stand_in(tmp / "node-python", node.packages)
         script = str(tmp / "src" / "benchmarks" / "gpu_check.py")
         bundle, out = "build/gpu-bundle", str(tmp / "out")
@@ -457,22 +448,6 @@ def rehearse(keep: Path | None = None, requirements: list[str] | None = None) ->
     finally:
         if keep is None:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-STAGE_SKIP = {".venv", "build", ".git", "__pycache__", ".pytest_cache", ".benchmarks"}
-
-
-def stage(dst: Path, root: Path = ROOT):
-    """Copy the source tree (git's tracked and untracked-but-not-ignored files where it is a checkout)."""
-    git = subprocess.run(["git", "-C", str(root), "ls-files", "-co", "--exclude-standard"], capture_output=True, text=True)
-    if git.returncode == 0:
-        files = [line for line in git.stdout.splitlines() if (root / line).is_file()]
-    else:
-        files = [str(p.relative_to(root)) for p in root.rglob("*")
-                 if p.is_file() and not STAGE_SKIP & set(p.relative_to(root).parts) and p.suffix not in (".so", ".o")]
-    for rel in files:
-        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(root / rel, dst / rel)
 
 
 def main(argv=None) -> int:

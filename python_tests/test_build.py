@@ -51,3 +51,23 @@ def test_runs_on_fallbacks_without_the_extension():
     assert first == "reference 0.9"  # one Adam step moves each weight by lr (sign of the grad)
     assert "pip install -e . --no-build-isolation" in second
     assert "running on PyTorch fallbacks" in out.stderr  # the user is told once, at import
+
+
+def test_forced_cuda_build_fails_loudly(tmp_path):
+    """NANOCHAT_FAST_FORCE_CUDA=1 asks for the CUDA kernels, so a build that cannot make them fails with
+    one line and a non-zero exit instead of installing without them. With a CPU torch it stops before
+    compiling; with a CUDA torch (make test-torch-floor) the compiler fails (CXX=/bin/false), after
+    setup.py chose the GPU targets itself where no GPU is visible and no TORCH_CUDA_ARCH_LIST is given."""
+    import torch
+
+    result, wheels = build_wheel(tmp_path, NANOCHAT_FAST_FORCE_CUDA="1", TORCH_CUDA_ARCH_LIST="", MAX_JOBS="1",
+                                 CXX="/bin/false", CC="/bin/false")
+    out = result.stderr + result.stdout
+    assert result.returncode != 0 and not wheels, out[-2000:]
+    if torch.version.cuda is None:
+        assert f"nanochat_fast: NANOCHAT_FAST_FORCE_CUDA=1: torch {torch.__version__} is a build without CUDA" in out
+    else:
+        assert "nanochat_fast: NANOCHAT_FAST_FORCE_CUDA=1: building the CUDA extension failed" in out
+        if not torch.cuda.is_available():
+            assert "TORCH_CUDA_ARCH_LIST=8.0;9.0;10.0" in out
+    assert "installed without it" not in out  # not the warning of an unforced build
