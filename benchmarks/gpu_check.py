@@ -49,7 +49,6 @@ from nanochat_fast.core import torch_floor  # noqa: E402  standard library only,
 WORK = ROOT / "build" / "gpu-check"
 BUDGET_S = 480  # the node's check gets 8 minutes, the build included
 OUTPUTS = ("RESULTS-cuda.md", "results-cuda.json", "logs.tar.gz")
-WARMUP_STEPS = 10  # compilation lands in the first steps; the medians skip them
 TRAIN = ["-m", "nanochat_fast.scripts.base_train", "--depth=12", "--eval-every=-1", "--sample-every=-1", "--overwrite"]
 # what the rehearsal appends to a step's command (argparse keeps the last value): CPU-sized, same code
 TINY_TRAIN = ["--depth=1", "--max-seq-len=64", "--device-batch-size=2", "--total-batch-size=256", "--num-iterations=3"]
