@@ -69,13 +69,13 @@ def arithmetic_chat_model(tokenizer, config, steps: int = 120, seed: int = 0):
 def save_chat_checkpoint(home: Path, run: str, model, step: int = 1) -> Path:
     """runs/<run>/checkpoints/step_<step> under `home`, written by the package's checkpoint writer
     as a "mid" checkpoint made with home's tokenizer, as training would leave it."""
-    from nanochat_fast.core import checkpoint
+    from nanochat_fast import checkpoints
     from nanochat_fast.data.tokenizer import get_tokenizer
     tokenizer = get_tokenizer(home / "tokenizer")
     meta = {"phase": "mid", "model_config": asdict(model.config),
             "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint}}
-    return checkpoint.save_checkpoint(home / "runs" / run, step, model_state=model.state_dict(), rank_state={},
-                                      meta=meta, rank=0)
+    return checkpoints.save_checkpoint(home / "runs" / run, step, model_state=model.state_dict(), rank_state={},
+                                       meta=meta, rank=0)
 
 
 # the tests' chat model: the tiny corpus' tokenizer, 2 layers of width 64, 256 positions (replies up to 128 tokens)

@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from nanochat_fast.core import checkpoint, cli
+from nanochat_fast import checkpoints
+from nanochat_fast.core import cli
 from nanochat_fast.hardware import __main__ as hardware
 from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_rl, chat_sft, chat_web,
                                    export_checkpoint, export_nanochat, import_nanochat, infer_bench, mid_train,
@@ -285,7 +286,6 @@ ENV_CASES = [  # (id, variables set, expected text); torchrun rows start from a 
     ("kernels-unknown-op", {"NANOCHAT_FAST_KERNELS": "adamw=cpp"}, "unknown op 'adamw'"),
     ("no-ext", {"NANOCHAT_FAST_NO_EXT": "yes"}, "NANOCHAT_FAST_NO_EXT='yes': must be 0 or 1"),
     ("force-cuda", {"NANOCHAT_FAST_FORCE_CUDA": "2"}, "NANOCHAT_FAST_FORCE_CUDA='2': must be 0 or 1"),
-    ("slow-save", {"NANOCHAT_FAST_TEST_SLOW_SAVE": "slow"}, "NANOCHAT_FAST_TEST_SLOW_SAVE='slow'"),
     ("misspelt", {"NANOCHAT_FAST_KERNEL": "cpp"}, "did you mean NANOCHAT_FAST_KERNELS?"),
     ("omp-zero", {"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0': must be a positive integer"),
     ("triton-interpret", {"TRITON_INTERPRET": "maybe"}, "TRITON_INTERPRET='maybe'"),
@@ -350,9 +350,9 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(trained_home, tmp_
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1
     assert "disk full" in err and "step_000002 is intact" in err
     run_dir = home / "runs" / "full"
-    assert [p.name for p in checkpoint.complete_checkpoints(run_dir)] == ["step_000002"]
+    assert [p.name for p in checkpoints.complete_checkpoints(run_dir)] == ["step_000002"]
     assert not (run_dir / "checkpoints" / "step_000004").exists()
-    checkpoint.load_model_state(run_dir / "checkpoints" / "step_000002")
+    checkpoints.load_model_state(run_dir / "checkpoints" / "step_000002")
 
 
 def test_a_real_process_exits_2_with_one_line(trained_home):

@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_fast.core import checkpoint
+from nanochat_fast import checkpoints
 from nanochat_fast.data.tokenizer import get_tokenizer
 from nanochat_fast.evals import task_runner, scoring, tasks
 from nanochat_fast.evals.tasks.core import MULTIPLE_CHOICE, CoreTask
 from nanochat_fast.model import loading
 from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.scripts import base_eval, chat_eval, mid_train
-from nanochat_fast.train import run_dirs
 from eval_home import write_eval_home, write_task
 from stub_models import FavouriteTokenModel, byte_tokenizer
 from recording_chat_eval import recording
@@ -53,11 +52,11 @@ def spread_run(home):
     steps their rows are still equal and their logits tie exactly: the first letter always wins,
     and any two ways of scoring agree. Random rows give each letter its own score."""
     shutil.copytree(home / "runs" / "m", home / "runs" / "spread")
-    ckpt = checkpoint.complete_checkpoints(home / "runs" / "spread")[-1]
+    ckpt = checkpoints.complete_checkpoints(home / "runs" / "spread")[-1]
     trained = torch.load(ckpt / "model.pt", weights_only=True)
     # seed 5: the answers are not all one letter (with seeds 1-8 but 5 they are), the closest two
     # letters 1.5e-3 apart
-    weights = random_model(GPTConfig(**checkpoint.load_meta(ckpt)["model_config"]), seed=5).state_dict()
+    weights = random_model(GPTConfig(**checkpoints.load_meta(ckpt)["model_config"]), seed=5).state_dict()
     assert weights.keys() == trained.keys()
     torch.save(weights, ckpt / "model.pt")
 
@@ -190,7 +189,7 @@ def test_base_eval_scores_the_prepared_core_tasks(eval_home, monkeypatch, capsys
     core = entry["core_subset"]
     assert set(core["results"]) == set(scored) == {"arc_easy", "arc_challenge", "copa", "piqa", "winogrande", "boolq"}
     tok = get_tokenizer()
-    model, _, _ = loading.load_model(run_dirs.run_dir_of("b", ("base",)), None, "cpu", tok)
+    model, _, _ = loading.load_model(checkpoints.run_dir_of("b", ("base",)), None, "cpu", tok)
     for label, acc in core["results"].items():
         task = tasks.get(label)
         direct = core_counts(model, tok, task, task.items(5))

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from nanochat_fast.core import checkpoint
+from nanochat_fast import checkpoints
 from nanochat_fast.evals import tasks
 from nanochat_fast.scripts import base_train, chat_rl, chat_sft, report
 from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, run_script, train_rows
@@ -98,7 +98,7 @@ def test_stop_and_resume_is_exact(rl_home, monkeypatch, capsys):
     assert chat_rl.main(args + ["--run=part", "--test-preempt-at-step=2"]) == 0
     assert "stopped by --test-preempt-at-step at step 2" in capsys.readouterr().out
     assert chat_rl.main(args + ["--run=part", "--resume=auto"]) == 0
-    full, part = (torch.load(checkpoint.complete_checkpoints(rl_home / "runs" / r)[-1] / "model.pt",
+    full, part = (torch.load(checkpoints.complete_checkpoints(rl_home / "runs" / r)[-1] / "model.pt",
                              weights_only=True) for r in ("full", "part"))
     assert all(torch.equal(full[k], part[k]) for k in full)
     a, b = train_rows(rl_home / "runs" / "full"), train_rows(rl_home / "runs" / "part")

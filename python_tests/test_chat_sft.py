@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat_fast.core import checkpoint
+from nanochat_fast import checkpoints
 from nanochat_fast.data.padded_conversations import ConversationMixture, PaddedConversationLoader
 from nanochat_fast.data.tokenizer import get_tokenizer
 from nanochat_fast.evals import tasks
@@ -99,7 +99,7 @@ def test_rows_hold_one_conversation_with_only_the_assistant_supervised(sft_home,
 
 def mid_config(home):
     from nanochat_fast.model.gpt import GPTConfig
-    return GPTConfig(**checkpoint.load_meta(checkpoint.complete_checkpoints(home / "runs" / "m")[-1])["model_config"])
+    return GPTConfig(**checkpoints.load_meta(checkpoints.complete_checkpoints(home / "runs" / "m")[-1])["model_config"])
 
 
 def test_default_mixture_and_its_report(sft_home, monkeypatch, capsys):
@@ -114,7 +114,7 @@ def test_default_mixture_and_its_report(sft_home, monkeypatch, capsys):
         assert part in data, data
     assert "test" not in data and "HumanEval" not in data
     run_dir = sft_home / "runs" / "mix"
-    meta = checkpoint.load_meta(checkpoint.complete_checkpoints(run_dir)[-1])
+    meta = checkpoints.load_meta(checkpoints.complete_checkpoints(run_dir)[-1])
     assert meta["phase"] == "sft" and meta["base_checkpoint"].endswith("m/checkpoints/step_000002")
     assert meta["device"]["type"] == "cpu" and meta["device"]["processes"] == 1
     assert "| arc_easy_acc (last eval) |" in (run_dir / "report.md").read_text()
@@ -161,7 +161,7 @@ def test_stop_and_resume_is_exact(sft_home, monkeypatch, capsys):
     assert chat_sft.main(args + ["--run=part", "--test-preempt-at-step=3"]) == 0
     assert "stopped by --test-preempt-at-step at step 3" in capsys.readouterr().out
     assert chat_sft.main(args + ["--run=part", "--resume=auto"]) == 0
-    full, part = (torch.load(checkpoint.complete_checkpoints(sft_home / "runs" / r)[-1] / "model.pt",
+    full, part = (torch.load(checkpoints.complete_checkpoints(sft_home / "runs" / r)[-1] / "model.pt",
                              weights_only=True) for r in ("full", "part"))
     assert all(torch.equal(full[k], part[k]) for k in full)
     a, b = train_rows(sft_home / "runs" / "full"), train_rows(sft_home / "runs" / "part")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_fast.core import checkpoint
+from nanochat_fast import checkpoints
 from nanochat_fast.core.errors import UserError
 from nanochat_fast.scripts import base_train, export_checkpoint
 from tiny_pipeline import DEFAULT_LOOP, FP32, TINY_MODEL, home_env, run_script, train_rows
@@ -91,7 +91,7 @@ def test_half_written_checkpoint_is_ignored_with_a_notice(home, capsys):
     out = capsys.readouterr().out
     assert f"ignoring {half}, a save that did not finish" in out
     assert "using " + str(run / "checkpoints/step_000010") in out
-    assert not half.exists() and checkpoint.complete_checkpoints(run)[-1].name == "step_000010"
+    assert not half.exists() and checkpoints.complete_checkpoints(run)[-1].name == "step_000010"
 
 
 def test_truncated_shard_is_a_user_error(home, tmp_path):
@@ -100,4 +100,4 @@ def test_truncated_shard_is_a_user_error(home, tmp_path):
     shard = broken / "model/__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(UserError, match="model shards in .* are missing, truncated or corrupt"):
-        checkpoint.load_model_state(broken)
+        checkpoints.load_model_state(broken)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from nanochat_fast.core import checkpoint
+from nanochat_fast import checkpoints
 from tiny_pipeline import FP32, ROOT, TINY_MODEL, run_script, train_rows
 
 ARGS = TINY_MODEL + FP32 + ["--eval-tokens=512", "--sample-every=-1", "--eval-every=-1", "--device-batch-size=4",
@@ -35,7 +35,7 @@ def workers_marked(mark: str, rank: int) -> list[int]:
 
 
 def final_weights(run_dir: Path) -> dict:
-    return checkpoint.load_model_state(checkpoint.complete_checkpoints(run_dir)[-1])
+    return checkpoints.load_model_state(checkpoints.complete_checkpoints(run_dir)[-1])
 
 
 def test_killed_rank_is_restarted_and_the_run_ends_as_uninterrupted(tiny_home, tmp_path):

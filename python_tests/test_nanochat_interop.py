@@ -228,7 +228,7 @@ class Shell:
 @pytest.mark.parametrize("payload, named", [(Shell(), "posix.system"), ({"pat_str": "x"}, "holds a dict")])
 def test_the_restricted_unpickler_runs_nothing(payload, named, tmp_path, monkeypatch):
     from nanochat_fast.core.errors import UserError
-    from nanochat_fast.data import nanochat_tokenizer
+    from nanochat_fast.interop import nanochat_tokenizer
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "tokenizer.pkl"
     path.write_bytes(pickle.dumps(payload))

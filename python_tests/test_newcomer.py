@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from nanochat_fast.core import checkpoint
+from nanochat_fast import checkpoints
 from nanochat_fast.scripts import mid_train, prepare_data
 from tiny_pipeline import ROOT, home_env, write_corpus
 
@@ -70,7 +70,7 @@ def test_prepare_data_input_prints_commands_that_work_as_printed(own_prose, shel
     assert own_prose["tok_line"] == "python -m nanochat_fast.scripts.tok_train --dataset=mytext"
     assert own_prose["train_line"].startswith("python -m nanochat_fast.scripts.base_train --dataset=mytext ")
     run_dir = shell.home / "runs" / "base_d4"
-    meta = checkpoint.load_meta(checkpoint.complete_checkpoints(run_dir)[-1])
+    meta = checkpoints.load_meta(checkpoints.complete_checkpoints(run_dir)[-1])
     assert meta["phase"] == "base" and meta["args"]["dataset"] == "mytext"
     evaluated = shell(next_command(own_prose["trained"].stdout))  # base_eval --run=base_d4
     assert re.search(r"val bpb \(mytext val split", evaluated.stdout), evaluated.stdout

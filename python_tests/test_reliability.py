@@ -11,21 +11,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_fast.core import checkpoint
+from nanochat_fast import checkpoints
 from nanochat_fast.core.cli import UserError
 from nanochat_fast.scripts import base_train
-from nanochat_fast.train import run_dirs
+from nanochat_fast.train import next_steps
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, run_script, train_rows
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 
 
 def model_state(run_dir: Path) -> dict:
-    return torch.load(checkpoint.complete_checkpoints(run_dir)[-1] / "model.pt", weights_only=True)
+    return torch.load(checkpoints.complete_checkpoints(run_dir)[-1] / "model.pt", weights_only=True)
 
 
-def popen(name, args, home, nproc=1, env=None):
+def popen(name, args, home, nproc=1, env=None, slow_writes=0.0):
+    """The script as a process; with `slow_writes`, each checkpoint tensor file takes that many
+    seconds longer (python_tests/slow_checkpoint_writes.py)."""
     cmd = [sys.executable, "-m", f"nanochat_fast.scripts.{name}", *args]
+    if slow_writes:
+        cmd = [sys.executable, str(ROOT / "python_tests" / "slow_checkpoint_writes.py"), str(slow_writes),
+               f"nanochat_fast.scripts.{name}", *args]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", f"nanochat_fast.scripts.{name}", "--", *args]
@@ -60,18 +65,18 @@ def children(pid: int) -> list[int]:
 def test_kill_during_checkpoint_write_keeps_the_previous_one(home):
     run_dir = home / "runs" / "k"
     proc = popen("base_train", TINY + ["--num-iterations=30", "--save-every=5", "--run=k"], home,
-                 env={"NANOCHAT_FAST_TEST_SLOW_SAVE": "1.5"})  # each checkpoint file takes >= 1.5 s
+                 slow_writes=1.5)  # each checkpoint file takes >= 1.5 s
     wait_until(lambda: (run_dir / "checkpoints" / "step_000010").exists(), proc)
     proc.send_signal(signal.SIGKILL)  # in the middle of writing step 10
     proc.wait()
-    assert [p.name for p in checkpoint.complete_checkpoints(run_dir)] == ["step_000005"]
-    assert not (run_dir / "checkpoints" / "step_000010" / checkpoint.COMPLETE).exists()
-    checkpoint.load_model_state(run_dir / "checkpoints" / "step_000005")  # intact
+    assert [p.name for p in checkpoints.complete_checkpoints(run_dir)] == ["step_000005"]
+    assert not (run_dir / "checkpoints" / "step_000010" / checkpoints.COMPLETE).exists()
+    checkpoints.load_model_state(run_dir / "checkpoints" / "step_000005")  # intact
 
     resumed = run_script("base_train", TINY + ["--num-iterations=12", "--save-every=5", "--run=k", "--resume=auto"], home)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout and "step_000005" in resumed.stdout
-    assert [p.name for p in checkpoint.complete_checkpoints(run_dir)] == ["step_000005", "step_000010", "step_000012"]
+    assert [p.name for p in checkpoints.complete_checkpoints(run_dir)] == ["step_000005", "step_000010", "step_000012"]
 
 
 def test_stop_and_resume_is_bitwise_on_one_process(home, capsys):
@@ -79,7 +84,7 @@ def test_stop_and_resume_is_bitwise_on_one_process(home, capsys):
     assert base_train.main(args + ["--run=full"]) == 0
     assert base_train.main(args + ["--run=part", "--test-preempt-at-step=6"]) == 0
     assert "stopped by --test-preempt-at-step at step 6" in capsys.readouterr().out
-    assert [p.name for p in checkpoint.complete_checkpoints(home / "runs" / "part")] == ["step_000006"]
+    assert [p.name for p in checkpoints.complete_checkpoints(home / "runs" / "part")] == ["step_000006"]
     assert base_train.main(args + ["--run=part", "--resume=auto"]) == 0
     full, part = model_state(home / "runs" / "full"), model_state(home / "runs" / "part")
     assert all(torch.equal(full[k], part[k]) for k in full)
@@ -131,21 +136,21 @@ def test_sigterm_under_torchrun_saves_and_resumes(home):
     (resume_line,) = [l for l in out.splitlines() if "Resume with:" in l]
     assert "Resume with: torchrun --nproc_per_node=2 -m nanochat_fast.scripts.base_train -- " in resume_line
     assert resume_line.endswith(" --run=t --resume auto"), resume_line
-    (ckpt,) = checkpoint.complete_checkpoints(run_dir)
-    step = checkpoint.load_meta(ckpt)["step"]
+    (ckpt,) = checkpoints.complete_checkpoints(run_dir)
+    step = checkpoints.load_meta(ckpt)["step"]
     assert 3 <= step < 2000
 
     resumed = run_script("base_train", args + ["--resume=auto", f"--test-preempt-at-step={step + 2}"], home, nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"(step {step}," in resumed.stdout
-    assert checkpoint.complete_checkpoints(run_dir)[-1].name == f"step_{step + 2:06d}"
+    assert checkpoints.complete_checkpoints(run_dir)[-1].name == f"step_{step + 2:06d}"
 
 
 def test_resume_command_keeps_the_run_a_resume_path_named():
     ckpt = "/data/runs/r/checkpoints/step_000004"
-    line = run_dirs.resume_command(["--depth=2", "--resume", ckpt, "--overwrite"], Path("/data/runs/r"))
+    line = next_steps.resume_command(["--depth=2", "--resume", ckpt, "--overwrite"], Path("/data/runs/r"))
     assert line.endswith(" --depth=2 --out-dir=/data/runs/r"), line
-    assert run_dirs.resume_command(["--run=r", f"--resume={ckpt}"], Path("/data/runs/r")).endswith(" --run=r")
+    assert next_steps.resume_command(["--run=r", f"--resume={ckpt}"], Path("/data/runs/r")).endswith(" --run=r")
 
 
 def test_nan_guard_stops_before_the_update_and_saves_nothing_bad(home, capsys):
@@ -153,9 +158,9 @@ def test_nan_guard_stops_before_the_update_and_saves_nothing_bad(home, capsys):
     assert code == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "non-finite loss at step 5" in err[0] and "step_000003" in err[0]
-    saved = checkpoint.complete_checkpoints(home / "runs" / "n")
+    saved = checkpoints.complete_checkpoints(home / "runs" / "n")
     assert [p.name for p in saved] == ["step_000003"]
-    assert checkpoint.all_finite(checkpoint.load_model_state(saved[0]).values())
+    assert checkpoints.all_finite(checkpoints.load_model_state(saved[0]).values())
 
     assert base_train.main(TINY + ["--num-iterations=8", "--run=s", "--skip-nonfinite=1",
                                    "--test-inject-nan-at-step=5"]) == 0
@@ -165,7 +170,7 @@ def test_nan_guard_stops_before_the_update_and_saves_nothing_bad(home, capsys):
 
 def test_keep_last_prunes_only_after_a_newer_checkpoint_is_complete(home):
     args = TINY + ["--num-iterations=9", "--save-every=2", "--keep-last=2", "--run=p"]
-    complete = lambda: [p.name for p in checkpoint.complete_checkpoints(home / "runs" / "p")]
+    complete = lambda: [p.name for p in checkpoints.complete_checkpoints(home / "runs" / "p")]
     with disk_full_at("step_000008"), pytest.raises(UserError, match="disk full"):  # it never completes
         base_train.main(args)
     assert complete() == ["step_000004", "step_000006"]  # nothing pruned for a save that failed

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from nanochat_fast.core import checkpoint
+from nanochat_fast import checkpoints
 from nanochat_fast.core.errors import UserError
 from nanochat_fast.evals import task_runner
 from nanochat_fast.scripts import report
@@ -18,7 +18,7 @@ def fake_run(home, name, phase, step, source=None, train_time=3600.0, tokens=100
     """A run directory holding one complete checkpoint's meta.json (no weights: the card reads none)."""
     ckpt = home / "runs" / name / "checkpoints" / f"step_{step:06d}"
     ckpt.mkdir(parents=True)
-    meta = {"format_version": checkpoint.FORMAT_VERSION, "step": step, "phase": phase, "model_config": MODEL,
+    meta = {"format_version": checkpoints.FORMAT_VERSION, "step": step, "phase": phase, "model_config": MODEL,
             "args": {"dataset": "chat" if phase != "base" else "base"}, "world_size": 2,
             "device": device or {"type": "cpu", "processes": 2, "threads_per_process": 2, "hardware": "a test CPU"},
             "loop_state": {"step": step, "train_time": train_time, "tokens_seen": tokens, "first_val_bpb": bpb[0],
@@ -26,8 +26,8 @@ def fake_run(home, name, phase, step, source=None, train_time=3600.0, tokens=100
     if source is not None:
         meta["base_checkpoint"] = str(home / "runs" / source / "checkpoints" / "step_000010")
     (ckpt / "meta.json").write_text(json.dumps(meta))
-    (ckpt / checkpoint.COMPLETE).write_text("")
-    os.utime(ckpt / checkpoint.COMPLETE, (1e9 + mtime, 1e9 + mtime))  # newest_run goes by this time
+    (ckpt / checkpoints.COMPLETE).write_text("")
+    os.utime(ckpt / checkpoints.COMPLETE, (1e9 + mtime, 1e9 + mtime))  # newest_run goes by this time
     return home / "runs" / name
 
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from nanochat_fast.core import checkpoint
+from nanochat_fast import checkpoints
 from nanochat_fast.core.errors import UserError
 from nanochat_fast.scripts import base_train
 from nanochat_fast.train.stage import run_stage
@@ -56,7 +56,7 @@ def initial_lrs(ckpt) -> dict:
 def test_an_explicit_lr_flag_wins_on_resume_and_a_default_one_does_not(home, capsys):
     run_dir = home / "runs" / "r"
     assert base_train.main(TINY + ["--num-iterations=2", "--run=r", "--matrix-lr=0.01"]) == 0
-    saved = initial_lrs(checkpoint.complete_checkpoints(run_dir)[-1])
+    saved = initial_lrs(checkpoints.complete_checkpoints(run_dir)[-1])
     muon = [k for k in saved if k.startswith("transformer.h")]
     assert muon and all(saved[k] == 0.01 for k in muon)
     capsys.readouterr()
@@ -65,13 +65,13 @@ def test_an_explicit_lr_flag_wins_on_resume_and_a_default_one_does_not(home, cap
     assert base_train.main(TINY + ["--num-iterations=3", "--run=r", "--resume=auto"]) == 0
     out = capsys.readouterr().out
     assert "transformer.h keeps the checkpoint's initial lr 0.01" in out
-    assert initial_lrs(checkpoint.complete_checkpoints(run_dir)[-1]) == saved
+    assert initial_lrs(checkpoints.complete_checkpoints(run_dir)[-1]) == saved
 
     # --matrix-lr given: it replaces the checkpoint's; the AdamW groups keep theirs
     assert base_train.main(TINY + ["--num-iterations=4", "--run=r", "--resume=auto", "--matrix-lr=0.03"]) == 0
     out = capsys.readouterr().out
     assert "--matrix-lr=0.03 given: it replaces the checkpoint's learning rate of transformer.h" in out
-    now = initial_lrs(checkpoint.complete_checkpoints(run_dir)[-1])
+    now = initial_lrs(checkpoints.complete_checkpoints(run_dir)[-1])
     assert all(now[k] == 0.03 for k in muon)
     assert {k: v for k, v in now.items() if k not in muon} == {k: v for k, v in saved.items() if k not in muon}
 
@@ -87,7 +87,7 @@ def test_a_stage_can_add_its_own_evaluations(home):
     run_dir = home / "runs" / "e"
     evals = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [0, 2]
-    final = checkpoint.load_model_state(checkpoint.complete_checkpoints(run_dir)[-1])
+    final = checkpoints.load_model_state(checkpoints.complete_checkpoints(run_dir)[-1])
     assert evals[-1]["embedding_norm"] == pytest.approx(final["transformer.wte.weight"].norm().item(), rel=1e-6)
     assert evals[0]["embedding_norm"] != evals[-1]["embedding_norm"]
     assert "| embedding_norm (last eval) |" in (run_dir / "report.md").read_text()

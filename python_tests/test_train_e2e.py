@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from nanochat_fast.core import checkpoint
+from nanochat_fast import checkpoints
 from nanochat_fast.scripts import base_eval, base_train, chat_cli, mid_train
 from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
 
@@ -30,9 +30,9 @@ def test_base_train_learns_and_writes_outputs(base_run):
     assert last < 0.6 * first, (first, last)  # the grammar is learnable: the loss falls clearly
     evals = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in l]
     assert [e["step"] for e in evals] == [0, 15, 30] and evals[-1]["val_bpb"] < evals[0]["val_bpb"]
-    ckpt = checkpoint.complete_checkpoints(run_dir)[-1]
+    ckpt = checkpoints.complete_checkpoints(run_dir)[-1]
     assert ckpt.name == "step_000030"
-    meta = checkpoint.load_meta(ckpt)
+    meta = checkpoints.load_meta(ckpt)
     assert meta["step"] == 30 and meta["phase"] == "base" and meta["model_config"]["n_embd"] == 64
     state = torch.load(ckpt / "model.pt", weights_only=True, map_location="cpu")
     assert not any(k.startswith("_orig_mod") for k in state) and "lm_head.weight" in state
@@ -71,7 +71,7 @@ def test_mid_train_base_eval_and_chat(base_run, monkeypatch, capsys):
                            "--eval-every=3", "--eval-tokens=512", "--base-run=b", "--run=m"]) == 0
     rows = train_rows(base_run / "runs" / "m")
     assert len(rows) == 6 and all(math.isfinite(r["loss"]) for r in rows)
-    meta = checkpoint.load_meta(checkpoint.complete_checkpoints(base_run / "runs" / "m")[-1])
+    meta = checkpoints.load_meta(checkpoints.complete_checkpoints(base_run / "runs" / "m")[-1])
     assert meta["phase"] == "mid" and meta["base_checkpoint"].endswith("step_000030")
     capsys.readouterr()
 

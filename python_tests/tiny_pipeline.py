@@ -61,19 +61,19 @@ def home_env(home: Path):
 def disk_full_at(checkpoint_name: str):
     """While active, saving any file of checkpoint `checkpoint_name` (e.g. "step_000008") fails
     with ENOSPC, as on a full disk."""
-    from nanochat_fast.core import checkpoint
-    real_save = checkpoint.save_torch
+    from nanochat_fast.checkpoints import files
+    real_write = files.write_tensors
 
-    def save_torch(path, obj):
+    def write_tensors(path, obj):
         if checkpoint_name in str(path):
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(path, obj)
+        real_write(path, obj)
 
-    checkpoint.save_torch = save_torch
+    files.write_tensors = write_tensors
     try:
         yield
     finally:
-        checkpoint.save_torch = real_save
+        files.write_tensors = real_write
 
 
 def build_tiny_home(root: Path) -> Path:

@@ -35,7 +35,7 @@ def runs_dir() -> Path:
 
 def replace_atomically(path: Path, write):
     """write(tmp_path) then rename onto path: readers see the old file, the new one, or none;
-    a write that fails leaves no temporary file behind. (Checkpoints also fsync: checkpoint.py.)"""
+    a write that fails leaves no temporary file behind. (Checkpoints also fsync: write_durably.)"""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from ..core import checkpoint, paths
+from .. import checkpoints
+from ..core import paths
 from ..core.errors import UserError
 from .gpt import GPT, GPTConfig
 
@@ -55,15 +56,15 @@ def check_compatible(meta: dict, ckpt: Path, config: GPTConfig, tokenizer):
 def open_checkpoint(run_dir: Path, step: int | None, tokenizer):
     """(checkpoint path, meta, GPTConfig) of run_dir's checkpoint at `step` (None: the newest
     complete one), made with `tokenizer`."""
-    ckpt = checkpoint.resolve_checkpoint(run_dir, step)
-    meta = checkpoint.load_meta(ckpt)
+    ckpt = checkpoints.resolve_checkpoint(run_dir, step)
+    meta = checkpoints.load_meta(ckpt)
     check_tokenizer(meta, ckpt, tokenizer)
     return ckpt, meta, GPTConfig(**meta["model_config"])
 
 
 def restore_model(ckpt: Path, config: GPTConfig, device) -> GPT:
     """The weights of an opened checkpoint (open_checkpoint) in a GPT on `device`, in eval mode."""
-    model = new_model(config, device, checkpoint.load_model_state(ckpt, device))
+    model = new_model(config, device, checkpoints.load_model_state(ckpt, device))
     model.eval()
     return model
 

@@ -22,6 +22,7 @@ nanochat_fast.scripts.prepare_data --datasets=eval` (without it, CORE is skipped
 evals.json for the report card.
 """
 
+from .. import checkpoints
 from ..core import cli
 from ..core.distributed import print0
 from ..data.packed_loaders import ConversationRowLoader, TokenRowLoader
@@ -29,7 +30,6 @@ from ..data.tokenizer import get_token_bytes, get_tokenizer
 from ..evals import benchmark_files, task_runner, tasks
 from ..evals.bits_per_byte import evaluate_bpb
 from ..model import generation, loading
-from ..train import run_dirs
 from ..train.stage_data import val_batches
 from ..train.training_config import DeviceConfig, evaluation_process
 from .base_train import DEFAULT_PROMPTS
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     with evaluation_process(args) as dev:
         tokenizer = get_tokenizer()
-        run_dir = run_dirs.run_dir_of(args.run, ("base",))
+        run_dir = checkpoints.run_dir_of(args.run, ("base",))
         model, ckpt, meta = loading.load_model(run_dir, args.step, dev.device, tokenizer)
         seq_len = model.config.sequence_len
         chat = meta["phase"] != "base"

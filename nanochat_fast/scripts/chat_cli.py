@@ -9,10 +9,10 @@ Interactive commands: 'clear' starts a new conversation, 'quit' (or Ctrl-D) leav
 """
 import sys
 
+from .. import checkpoints
 from ..core import cli
 from ..data.tokenizer import get_tokenizer
 from ..model import generation, loading
-from ..train import run_dirs
 from ..train.environment import check_environment
 from ..train.training_config import DeviceConfig
 
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     check_environment()
     dev = DeviceConfig.from_args(args).init()
     tokenizer = get_tokenizer()
-    model, ckpt, meta = loading.load_model(run_dirs.run_dir_of(args.run, ("sft", "mid")), args.step, dev.device, tokenizer)
+    model, ckpt, meta = loading.load_model(checkpoints.run_dir_of(args.run, ("sft", "mid")), args.step, dev.device, tokenizer)
     if meta["phase"] == "base":
         print(f"note: {ckpt} is a base (not mid-trained) checkpoint: it has not learned to chat", file=sys.stderr)
     if args.prompt:

@@ -23,13 +23,14 @@ import argparse
 import sys
 import time
 
+from .. import checkpoints
 from ..core import cli
 from ..core.distributed import print0
 from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
 from ..evals import task_runner, scoring, tasks
 from ..model import loading
-from ..train import next_steps, run_dirs
+from ..train import next_steps
 from ..train.training_config import DeviceConfig, evaluation_process
 
 
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     with evaluation_process(args) as dev:
         tokenizer = get_tokenizer()
-        run_dir = run_dirs.run_dir_of(args.run, ("sft", "mid"))
+        run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid"))
         # every task's data first: a missing set stops the run before the model is loaded
         loaded = [(task, task.load(max_examples=args.max_examples)) for task in args.task]
         model, ckpt, meta = loading.load_model(run_dir, args.step, dev.device, tokenizer)

@@ -22,13 +22,13 @@ import time
 
 import torch
 
+from .. import checkpoints
 from ..core import cli, threads
 from ..core.distributed import compute_init
 from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
 from ..model import generation, loading, packed_linears
 from ..model.batch_engine import BatchEngine, Request
-from ..train import run_dirs
 from ..train.environment import check_environment
 from ..web.pool import Prepared, Replica, ReplicaPool
 
@@ -182,7 +182,7 @@ def make_replica(model, tokenizer, device: str, slots: int, delay: float = 0.0) 
 def load_replicas(args, devices, tokenizer):
     """(replicas, name, slots): the model once per device, each with its engine. The one place
     chat_web finds and loads a checkpoint; the KV cache is checked before any weights load."""
-    run_dir = run_dirs.run_dir_of(args.run, ("sft", "mid"))
+    run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid"))
     ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     slots = kv_slots(args, config, devices[0].type)
     if meta["phase"] == "base":

@@ -12,9 +12,9 @@ anywhere (a state_dict for torch.load). One process, no GPU needed.
 """
 from pathlib import Path
 
-from ..core import checkpoint, cli
+from .. import checkpoints
+from ..core import cli
 from ..core.errors import UserError
-from ..train import run_dirs
 from ..train.environment import check_environment
 
 PHASES = ("sft", "mid", "base")
@@ -33,12 +33,12 @@ def build_parser():
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
-    run_dir = run_dirs.run_dir_of(args.run, PHASES)
-    ckpt = checkpoint.resolve_checkpoint(run_dir, args.step)
+    run_dir = checkpoints.run_dir_of(args.run, PHASES)
+    ckpt = checkpoints.resolve_checkpoint(run_dir, args.step)
     output = Path(args.output).expanduser() if args.output else None
     if output is not None and (output.is_dir() or not output.parent.is_dir()):
         raise UserError(f"--output {args.output}: give a file name in an existing directory")
-    written = checkpoint.export_model(ckpt, output)
+    written = checkpoints.export_model(ckpt, output)
     print(f"exported {ckpt} -> {written}")
     return 0
 

@@ -18,15 +18,13 @@ already in --out, or a checkpoint already there, is not replaced without --overw
 """
 from pathlib import Path
 
-from ..core import checkpoint, cli, paths
+from .. import checkpoints
+from ..core import cli
 from ..core.errors import UserError
-from ..data import nanochat_tokenizer
 from ..data.tokenizer import get_tokenizer
-from ..model import loading, nanochat_checkpoint
-from ..train import run_dirs
+from ..interop import nanochat_checkpoint, nanochat_tokenizer
+from ..model import loading
 from ..train.environment import check_environment
-
-FOLDER_OF_PHASE = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints"}
 
 
 def build_parser():
@@ -39,46 +37,29 @@ def build_parser():
     return p
 
 
-def check_out_tokenizer(folder: Path, tokenizer, overwrite: bool):
-    """A tokenizer already in --out must be this one (its other checkpoints were made with it)."""
-    pkl = folder / nanochat_tokenizer.PICKLE_FILE
-    if not pkl.exists() or overwrite:
-        return
-    state = nanochat_tokenizer.read_encoding_state(pkl)
-    theirs = nanochat_tokenizer.tokenizer_from_state(state, pkl)
-    if theirs.fingerprint != tokenizer.fingerprint:
-        raise UserError(f"{pkl} is another tokenizer; export into another --out, or pass --overwrite to replace it")
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
     tokenizer = get_tokenizer()
-    run_dir = run_dirs.run_dir_of(args.run, ("sft", "mid", "base"))
+    run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid", "base"))
     ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     phase = meta.get("phase")
-    if phase not in FOLDER_OF_PHASE:
+    if phase not in nanochat_checkpoint.FOLDER_OF_PHASE:
         raise UserError(f"{ckpt} is a {phase!r} checkpoint; nanochat has folders for base, mid and sft ones")
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a folder")
-    folder, step = out / FOLDER_OF_PHASE[phase] / f"d{config.n_layer}", meta["step"]
-    model_path = folder / nanochat_checkpoint.MODEL_FILE.format(step)
+    folder, step = nanochat_checkpoint.export_folder(out, phase, config.n_layer), meta["step"]
+    model_path = nanochat_checkpoint.model_path(folder, step)
     if model_path.exists() and not args.overwrite:
         raise UserError(f"{model_path} exists; pass --overwrite to replace it")
-    check_out_tokenizer(out / "tokenizer", tokenizer, args.overwrite)
-    state = nanochat_checkpoint.export_state(checkpoint.load_model_state(ckpt))
-    loop = meta.get("loop_state", {})
-    nano_meta = nanochat_checkpoint.export_meta(
-        step, config, loop.get("last_val_bpb"), user_config={**meta.get("args", {}), "exported_from": str(ckpt)},
-        loop_state={"min_val_bpb": loop.get("last_val_bpb"), "smooth_train_loss": loop.get("smooth_loss"),
-                    "total_training_time": loop.get("train_time")})
-    folder.mkdir(parents=True, exist_ok=True)
-    checkpoint.save_torch(model_path, state)
-    paths.write_json(folder / nanochat_checkpoint.META_FILE.format(step), nano_meta)
-    nanochat_tokenizer.write_tokenizer_files(tokenizer, out / "tokenizer")
+    tokenizer_dir = nanochat_tokenizer.folder_in(out)
+    nanochat_tokenizer.check_out_tokenizer(tokenizer_dir, tokenizer, args.overwrite)
+    state = nanochat_checkpoint.export_state(checkpoints.load_model_state(ckpt))
+    nanochat_checkpoint.write_checkpoint(folder, step, state, nanochat_checkpoint.export_meta(step, config, meta, ckpt))
+    nanochat_tokenizer.write_tokenizer_files(tokenizer, tokenizer_dir)
     print(f"exported {ckpt} ({phase}, step {step}) to {folder}: {model_path.name}, "
-          f"{nanochat_checkpoint.META_FILE.format(step)}; tokenizer to {out / 'tokenizer'}")
+          f"{nanochat_checkpoint.meta_path(folder, step).name}; tokenizer to {tokenizer_dir}")
     print(f"in a nanochat checkout: NANOCHAT_BASE_DIR={out} and load_model('{phase}', device, phase='eval', "
           f"model_tag='d{config.n_layer}', step={step})")
     return 0

@@ -25,54 +25,32 @@ mid and sft: chat_cli, chat_eval, chat_web; base and mid: chat_sft --source-run)
 follows nanochat's folder name (base_checkpoints, mid_checkpoints, chatsft_checkpoints), else base.
 """
 import math
-import os
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from ..core import checkpoint, cli, paths
+from .. import checkpoints
+from ..core import cli, paths
 from ..core.errors import UserError
-from ..data import nanochat_tokenizer
-from ..data.tokenizer import RANKS_FILE, TOKEN_BYTES_FILE, Tokenizer, get_tokenizer, save_token_bytes, token_bytes_tensor
-from ..model import nanochat_checkpoint, nanochat_optimizer
+from ..data.tokenizer import RANKS_FILE, Tokenizer, get_tokenizer, save_token_bytes
+from ..interop import nanochat_checkpoint, nanochat_optimizer, nanochat_tokenizer
 from ..model.gpt import GPTConfig
 from ..train.environment import check_environment
 from ..train.run_state import LoopState
 
-PHASE_OF_FOLDER = {"base_checkpoints": "base", "mid_checkpoints": "mid", "chatsft_checkpoints": "sft",
-                   "chatrl_checkpoints": "sft"}
-
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.import_nanochat", description=__doc__)
-    p.add_argument("--from", dest="source", required=True, metavar="DIR", help="nanochat's checkpoint folder (model_*.pt, meta_*.json)")
+    p.add_argument("--from", dest="source", required=True, metavar="DIR", help=f"nanochat's checkpoint folder ({nanochat_checkpoint.FOLDER_FILES})")
     p.add_argument("--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest)")
-    p.add_argument("--tokenizer", required=True, metavar="DIR", help="nanochat's tokenizer folder (tokenizer.pkl, token_bytes.pt)")
+    p.add_argument("--tokenizer", required=True, metavar="DIR", help=f"nanochat's tokenizer folder ({nanochat_tokenizer.FOLDER_FILES})")
     p.add_argument("--run", type=cli.run_name, required=True, help="name of the run to create under NANOCHAT_FAST_HOME/runs")
     p.add_argument("--phase", default="", choices=["", "base", "mid", "sft"],
                    help="what the run counts as ('': from nanochat's folder name, else base)")
     p.add_argument("--no-optimizer", action="store_true", help="leave the optimizer state out (fresh state)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run of that name")
     return p
-
-
-def read_tokenizer(directory: Path, vocab_size: int) -> Tokenizer:
-    """nanochat's tokenizer as ours, checked: same ids on the sample, the model's vocab size, and
-    (when present) the same bytes per token as its token_bytes.pt."""
-    state = nanochat_tokenizer.read_encoding_state(directory / nanochat_tokenizer.PICKLE_FILE)
-    tokenizer = nanochat_tokenizer.tokenizer_from_state(state, directory / nanochat_tokenizer.PICKLE_FILE)
-    n = nanochat_tokenizer.check_same_ids(tokenizer, state)
-    if tokenizer.get_vocab_size() != vocab_size:
-        raise UserError(f"the tokenizer in {directory} has {tokenizer.get_vocab_size()} tokens but the model's vocab_size "
-                        f"is {vocab_size}: give the tokenizer this model was trained with")
-    theirs = nanochat_tokenizer.read_token_bytes(directory, vocab_size)
-    if theirs is not None and not torch.equal(theirs.to(torch.int32), token_bytes_tensor(tokenizer)):
-        raise UserError(f"{directory / TOKEN_BYTES_FILE} does not match tokenizer.pkl's tokens; re-run nanochat's tok_train")
-    print(f"tokenizer: {tokenizer.get_vocab_size():,} tokens; same ids as nanochat's on a {n}-token multilingual "
-          "sample with every special token")
-    return tokenizer
 
 
 def home_tokenizer_to_write(tokenizer: Tokenizer) -> bool:
@@ -83,18 +61,6 @@ def home_tokenizer_to_write(tokenizer: Tokenizer) -> bool:
         return False
     raise UserError(f"{paths.tokenizer_dir()} holds another tokenizer, which this home's runs and token shards use; "
                     "import into a fresh home (NANOCHAT_FAST_HOME=DIR) or move that tokenizer away")
-
-
-def optimizer_shards(ckpt, shapes: dict, skip: bool) -> tuple[list, str]:
-    """Our optimizer shards and the line saying what became of nanochat's optimizer state."""
-    if ckpt.optim_files and not skip:
-        shards = nanochat_optimizer.convert([nanochat_checkpoint.load_pt(p) for p in ckpt.optim_files], shapes,
-                                            ckpt.optim_files)
-        return shards, (f"optimizer state: imported from {len(ckpt.optim_files)} file(s) (AdamW after "
-                        f"{shards[0]['num_updates']} updates, Muon momentum of {len(shards[1]['state'])} matrices)")
-    why = "--no-optimizer" if skip else f"no optim_{ckpt.step:06d}_rank*.pt in {ckpt.folder}"
-    return nanochat_optimizer.empty_shards(shapes), f"optimizer state: none ({why}); training from this run starts " \
-                                                    "with fresh optimizer state"
 
 
 def base_train_flags(config: GPTConfig) -> str | None:
@@ -110,32 +76,20 @@ def base_train_flags(config: GPTConfig) -> str | None:
 
 
 def run_meta(ckpt, phase: str, tokenizer: Tokenizer, optimizer: bool) -> dict:
-    nano, bpb = ckpt.meta, ckpt.meta.get("val_bpb")
-    loop = nano.get("loop_state") if isinstance(nano.get("loop_state"), dict) else {}
-    bpb = float(bpb) if isinstance(bpb, (int, float)) else None
-    state = LoopState(step=ckpt.step, smooth_loss=float(loop.get("smooth_train_loss", 0.0) or 0.0),
-                      train_time=float(loop.get("total_training_time", 0.0) or 0.0), first_val_bpb=bpb, last_val_bpb=bpb)
+    state = LoopState(**nanochat_checkpoint.carried_loop_state(ckpt))
     return {"phase": phase, "model_config": asdict(ckpt.config),
             "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
             "args": {}, "device": None, "world_size": 1, "loader_state": None, "loop_state": asdict(state),
-            "imported_from": {"nanochat_checkpoint": str(ckpt.folder), "step": ckpt.step, "optimizer": optimizer,
-                              "user_config": nano.get("user_config")}}
+            "imported_from": nanochat_checkpoint.origin(ckpt, optimizer)}
 
 
 def write_run(run_dir: Path, ckpt, model_state: dict, shards: list, meta: dict, tokenizer: Tokenizer | None):
     """The run folder (built under a temporary name, then renamed) and, if given, the home's tokenizer."""
-    tmp = run_dir.with_name(f".{run_dir.name}.importing{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        checkpoint.save_checkpoint(tmp, ckpt.step, model_state=model_state, meta=meta, rank=0,
-                                   rank_state={"optimizers": shards, "rng": {"cpu": torch.get_rng_state()}})
+    with checkpoints.new_run_dir(run_dir) as tmp:
+        checkpoints.save_checkpoint(tmp, ckpt.step, model_state=model_state, meta=meta, rank=0,
+                                    rank_state={"optimizers": shards, "rng": {"cpu": torch.get_rng_state()}})
         if tokenizer is not None:
             save_token_bytes(tokenizer, tokenizer.save(paths.tokenizer_dir()))
-        if run_dir.exists():
-            shutil.rmtree(run_dir)
-        tmp.rename(run_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv=None) -> int:
@@ -143,14 +97,16 @@ def main(argv=None) -> int:
     check_environment()
     ckpt = nanochat_checkpoint.open_checkpoint(args.source, args.step)
     print(nanochat_checkpoint.meta_summary(ckpt))
-    phase = args.phase or PHASE_OF_FOLDER.get(ckpt.folder.parent.name, "base")
+    phase = args.phase or nanochat_checkpoint.phase_of(ckpt)
     run_dir = paths.runs_dir() / args.run
     if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
         raise UserError(f"run directory {run_dir} already exists: pick another --run or pass --overwrite")
-    tokenizer = read_tokenizer(Path(args.tokenizer).expanduser(), ckpt.config.vocab_size)
+    tokenizer, n = nanochat_tokenizer.read_tokenizer(Path(args.tokenizer).expanduser(), ckpt.config.vocab_size)
+    print(f"tokenizer: {tokenizer.get_vocab_size():,} tokens; same ids as nanochat's on a {n}-token multilingual "
+          "sample with every special token")
     write_tokenizer = home_tokenizer_to_write(tokenizer)
     model_state = nanochat_checkpoint.model_state(ckpt)
-    shards, optim_line = optimizer_shards(ckpt, {k: tuple(v.shape) for k, v in model_state.items()}, args.no_optimizer)
+    shards, optim_line = nanochat_optimizer.optimizer_shards(ckpt, {k: tuple(v.shape) for k, v in model_state.items()}, args.no_optimizer)
     print(optim_line)
     meta = run_meta(ckpt, phase, tokenizer, optimizer=bool(shards[0]["num_updates"] or shards[1]["state"]))
     run_dir.parent.mkdir(parents=True, exist_ok=True)

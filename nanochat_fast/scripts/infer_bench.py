@@ -49,6 +49,7 @@ from dataclasses import asdict
 
 import torch
 
+from .. import checkpoints
 from ..core import cli
 from ..core.errors import UserError
 from ..core.progress import progress_bar
@@ -58,7 +59,6 @@ from ..hardware.machine import synchronize
 from ..model import loading, packed_linears
 from ..model.batch_engine import BatchEngine, Request
 from ..model.gpt import config_from_depth
-from ..train import run_dirs
 from ..train.training_config import DeviceConfig, evaluation_process
 
 AUTO_MAX_BATCH = {"cuda": 256}  # the default sweep's last batch size (at most what fits)
@@ -150,7 +150,7 @@ def open_model(args, device):
             "depth": args.depth, "init": f"random (nanochat's init, seed {args.seed})",
             "tokenizer": "byte-level stand-in (the engine looks up special tokens only)"}
     tokenizer = get_tokenizer()
-    run_dir = run_dirs.run_dir_of(args.run, ("sft", "mid", "base"))
+    run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid", "base"))
     ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     check_context(args, config)
     model = loading.restore_model(ckpt, config, device)

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from ..core import checkpoint, cli, paths
+from .. import checkpoints
+from ..core import cli, paths
 from ..core.errors import UserError
 from ..evals import task_runner, tasks
 from ..model.gpt import GPT, GPTConfig
-from ..train import run_dirs
 from ..train.environment import check_environment
 
 STAGES = (("base", "BASE"), ("mid", "MID"), ("sft", "SFT"), ("rl", "RL"))
@@ -54,11 +54,11 @@ def source_run(meta: dict) -> Path | None:
     """The run directory of the checkpoint a run started from, if it is still there."""
     source = meta.get("base_checkpoint")
     run_dir = Path(source).parent.parent if source else None
-    return run_dir if run_dir is not None and checkpoint.complete_checkpoints(run_dir) else None
+    return run_dir if run_dir is not None and checkpoints.complete_checkpoints(run_dir) else None
 
 
 def newest_meta(run_dir: Path) -> dict:
-    return checkpoint.load_meta(checkpoint.resolve_checkpoint(run_dir))
+    return checkpoints.load_meta(checkpoints.resolve_checkpoint(run_dir))
 
 
 def ancestor(run_dir: Path, phase: str) -> Path | None:
@@ -78,7 +78,7 @@ def pick_runs(args) -> dict:
 
     def newest(phase):
         try:
-            return run_dirs.newest_run((phase,))
+            return checkpoints.newest_run((phase,))
         except UserError:
             return None
 
@@ -88,7 +88,7 @@ def pick_runs(args) -> dict:
             chosen[phase] = None
             continue
         if flag:
-            chosen[phase] = run_dirs.run_dir_of(flag, (phase,))
+            chosen[phase] = checkpoints.run_dir_of(flag, (phase,))
             continue
         later = [d for d in chosen.values() if d is not None]
         if not later:
@@ -122,8 +122,8 @@ def cost(meta: dict) -> str:
 def stage_facts(run_dir: Path) -> dict:
     """Everything the card shows about one run: its newest checkpoint's meta and its evaluations there
     (or at the newest step that was evaluated)."""
-    ckpt = checkpoint.resolve_checkpoint(run_dir)
-    meta = checkpoint.load_meta(ckpt)
+    ckpt = checkpoints.resolve_checkpoint(run_dir)
+    meta = checkpoints.load_meta(ckpt)
     recorded = task_runner.read_records(run_dir)["steps"]
     step = str(meta["step"]) if str(meta["step"]) in recorded else max(recorded, key=int, default=None)
     return {"run_dir": run_dir, "ckpt": ckpt, "meta": meta, "evals": recorded.get(step, {}) if step else {},

@@ -9,7 +9,6 @@ NANOCHAT_FAST_KERNEL is silently ignored). check_environment() turns each into o
     NANOCHAT_FAST_KERNELS         backend choice: one name or op=name pairs (kernels/registry.py)
     NANOCHAT_FAST_NO_EXT          1: the extension was not built on purpose (also read by setup.py)
     NANOCHAT_FAST_FORCE_CUDA      1: setup.py builds the CUDA sources without a visible GPU
-    NANOCHAT_FAST_TEST_SLOW_SAVE  seconds to pause between checkpoint files (a test hook)
     OMP_NUM_THREADS               threads per process: a positive integer (or OpenMP's list "4,2")
     TRITON_INTERPRET              1/true/yes/on: run Triton kernels on CPU tensors (tests)
     RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
@@ -27,8 +26,7 @@ from ..core.errors import UserError
 from ..kernels import registry
 
 PREFIX = "NANOCHAT_FAST_"
-KNOWN = ("NANOCHAT_FAST_HOME", "NANOCHAT_FAST_KERNELS", "NANOCHAT_FAST_NO_EXT", "NANOCHAT_FAST_FORCE_CUDA",
-         "NANOCHAT_FAST_TEST_SLOW_SAVE")
+KNOWN = ("NANOCHAT_FAST_HOME", "NANOCHAT_FAST_KERNELS", "NANOCHAT_FAST_NO_EXT", "NANOCHAT_FAST_FORCE_CUDA")
 FLAGS_01 = ("NANOCHAT_FAST_NO_EXT", "NANOCHAT_FAST_FORCE_CUDA")
 TORCHRUN_CORE = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 
@@ -88,14 +86,6 @@ def _check_simple(env):
     for name in FLAGS_01:
         if env.get(name, "") not in ("", "0", "1"):
             raise _bad(name, env[name], "must be 0 or 1")
-    slow = env.get("NANOCHAT_FAST_TEST_SLOW_SAVE", "")
-    if slow:
-        try:
-            ok = float(slow) >= 0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise _bad("NANOCHAT_FAST_TEST_SLOW_SAVE", slow, "must be a number of seconds >= 0")
     interpret = env.get("TRITON_INTERPRET")
     if interpret is not None and interpret.strip().lower() not in registry.TRUE_WORDS + registry.FALSE_WORDS:
         raise _bad("TRITON_INTERPRET", interpret, "must be 1 or 0 (or true/false, yes/no, on/off)")

@@ -16,9 +16,13 @@ nanochat's defaults).
                    -> chat_cli --run=RUN             (no evaluation data)
     chat_rl        -> chat_eval --run=RUN --task=TASK  (the task it learned; on a CPU a sample)
     chat_eval      -> report                         (the report card of the pipeline)
+
+resume_command is the other command a run prints: the one that continues it after a stop.
 """
 import math
+import os
 import shlex
+import sys
 from pathlib import Path
 
 import torch
@@ -52,6 +56,30 @@ def run_flag(run_dir: Path, flag: str = "--run") -> str:
     return f"{flag}={run_dir.name if inside else run_dir}"
 
 
+def resume_command(argv, run_dir: Path) -> str:
+    """The command line that, with --resume auto appended, resumes this run: this one's flags
+    without --resume/--overwrite, plus --out-dir when only a --resume PATH named the run."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    kept, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=")[0].replace("_", "-")
+        if name in ("--resume", "--overwrite"):
+            skip = name == "--resume" and "=" not in a
+            continue
+        kept.append(a)
+    if not any(a.split("=")[0].replace("_", "-") in ("--run", "--out-dir") for a in kept):
+        kept.append(f"--out-dir={run_dir}")
+    main_spec = getattr(sys.modules["__main__"], "__spec__", None)
+    module = main_spec.name if main_spec else f"nanochat_fast.scripts.{Path(sys.argv[0]).stem}"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # `--` keeps torchrun from reading --run as an abbreviation of its --run-path
+        return " ".join([f"torchrun --nproc_per_node={world} -m", module, "--", *map(shlex.quote, kept)])
+    return " ".join(["python -m", module, *map(shlex.quote, kept)])
+
+
 def train_tokenizer(name: str) -> str:
     return command("tok_train", *dataset_flag(name))
 
@@ -78,7 +106,7 @@ def after_tokens(name: str, kind: str, n_tokens: int):
 def after_midtraining(run_dir: Path) -> str:
     """chat_sft from this mid run, with the mid run's own conversations (--extra-conversations)
     mixed in again: without a conversation dataset they are what it trains on."""
-    from ..core.checkpoint import complete_checkpoints, load_meta
+    from ..checkpoints import complete_checkpoints, load_meta
     found = complete_checkpoints(run_dir)
     extra = load_meta(found[-1])["args"].get("extra_conversations") if found else None
     return command("chat_sft", run_flag(run_dir, "--source-run"), *([f"--extra-conversations={extra}"] if extra else []))

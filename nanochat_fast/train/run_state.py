@@ -1,8 +1,9 @@
 """
 A run as the training loop sees it and as its checkpoints keep it: Run (model, optimizers, data,
 configs, device; stage.run_stage builds one), LoopState (the loop's own counters), Horizon (how
-long it trains); save writes a checkpoint, restore loads one back for an exact resume (any saved
-number of processes).
+long it trains); save hands this run's state dicts (model, each rank's optimizer shards and RNG,
+meta) to the checkpoint home, restore puts a checkpoint's back for an exact resume (any saved
+number of processes). Files are the home's business (nanochat_fast.checkpoints).
 """
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -10,8 +11,7 @@ from typing import Callable
 
 import torch
 
-from .. import hardware
-from ..core import checkpoint
+from .. import checkpoints, hardware
 from ..core.distributed import all_ranks_ok, print0
 from ..hardware.device import Device
 from ..model import sharding
@@ -77,7 +77,7 @@ def save(run: Run) -> Path:
     meta = {**run.meta(), "world_size": run.world_size, "loader_state": run.data.train.state_dict(),
             "loop_state": asdict(run.state)}
     sharded = sharding.is_sharded(run.orig_model)  # its weights go to DCP shards, one file per rank
-    path = checkpoint.save_checkpoint(
+    path = checkpoints.save_checkpoint(
         run.run_dir, run.state.step, model_state=sharding.model_state_dict(run.orig_model), rank_state=rank_state(run),
         meta=meta, rank=run.rank, all_ranks_ok=lambda ok: all_ranks_ok(ok, run.device),
         keep_last=run.loop.keep_last, previous=run.last_checkpoint, sharded=sharded)
@@ -97,7 +97,7 @@ def restore(run: Run, ckpt: Path, meta: dict):
     """Load the optimizer shards (any saved world size), RNG, loader and loop state of `ckpt`.
     The model weights are loaded by the caller, before the optimizers are built."""
     saved_world = meta["world_size"]
-    shards = checkpoint.load_rank_states(ckpt, saved_world, device=run.device)
+    shards = checkpoints.load_rank_states(ckpt, saved_world, device=run.device)
     for i, opt in enumerate(run.optimizers):
         opt.load_shard_state_dicts([s["optimizers"][i] for s in shards])
     if saved_world == run.world_size:  # RNG streams are per rank: only meaningful on the same layout

@@ -37,8 +37,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from .. import hardware
-from ..core import checkpoint, threads
+from .. import checkpoints, hardware
+from ..core import threads
 from ..core.cli import flag_name, flag_values
 from ..core.distributed import compute_cleanup, print0
 from ..core.errors import UserError
@@ -46,7 +46,7 @@ from ..data.tokenizer import Tokenizer, get_token_bytes, get_tokenizer
 from ..hardware.device import Device
 from ..model import generation, loading
 from ..model.gpt import GPT, GPTConfig
-from . import model_setup, next_steps, run_dirs, run_report, tracking, training_loop
+from . import model_setup, next_steps, run_report, tracking, training_loop
 from .environment import check_environment
 from .run_report import MetricsLog
 from .run_state import Horizon, Run, restore
@@ -86,7 +86,7 @@ class FromRun:
         self.run_flag, self.step_flag, self.phases = run_flag, step_flag, phases
 
     def resolve(self, args, cfg, tokenizer) -> StartPoint:
-        run_dir = run_dirs.run_dir_of(getattr(args, self.run_flag), self.phases)
+        run_dir = checkpoints.run_dir_of(getattr(args, self.run_flag), self.phases)
         ckpt, meta, config = loading.open_checkpoint(run_dir, getattr(args, self.step_flag), tokenizer)
         if meta.get("phase") not in self.phases:
             raise UserError(f"{flag_name(self.run_flag)} {run_dir}: {ckpt} is a {meta.get('phase')} checkpoint, "
@@ -198,13 +198,13 @@ def set_up(args, stage: Stage, cfg: TrainingConfig, dev: Device) -> RunSetup:
     cfg = replace(cfg, data=replace(cfg.data, max_seq_len=point.seq_len))
     grad_accum_steps = stage.data.grad_accum_steps(cfg.data, dev.world_size)
     run_name = cfg.run.run or stage.run_name(cfg, point)
-    run_dir, ckpt, meta = run_dirs.open_run_dir(cfg.run, run_name, dev.rank, stage.phase, dev.device)
+    run_dir, ckpt, meta = checkpoints.open_run_dir(cfg.run, run_name, dev.rank, stage.phase, dev.device)
     if ckpt is not None:
         loading.check_compatible(meta, ckpt, point.config, tokenizer)
     weights = ckpt or point.source
     orig_model, optimizers = model_setup.build_for_training(
         point.config, dev.device, cfg.optim.optimizer_kwargs(),
-        checkpoint.load_model_state(weights, dev.device) if weights else None)
+        checkpoints.load_model_state(weights, dev.device) if weights else None)
     return RunSetup(cfg, dev, tokenizer, point, run_name, run_dir, ckpt, meta, grad_accum_steps, orig_model, optimizers)
 
 
@@ -229,7 +229,7 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
         peak=peak, compiled=model is not orig_model, meta=meta_of_run(stage, setup, dev, settings),
         sample=lambda model: stage.sample(model, tokenizer),
         evals=tuple((name, make(cfg, tokenizer, dev)) for name, make in stage.evals),
-        resume_command=run_dirs.resume_command(getattr(args, "_argv", None), setup.run_dir))
+        resume_command=next_steps.resume_command(getattr(args, "_argv", None), setup.run_dir))
     lines = {"horizon": horizon.describe, **setup.point.describe, "data": data.describe.removeprefix("data: "),
              "compile": compile_why, "sharding": model_setup.describe_sharding(cfg.optim.sharding, dev.world_size),
              "muon": cfg.optim.recipe().describe().removeprefix("muon recipe "),

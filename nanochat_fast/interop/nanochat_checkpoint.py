@@ -4,7 +4,9 @@ nanochat's checkpoint folder, read and written. nanochat saves a training step a
     model_NNNNNN.pt          the model's state_dict (torch.save; wte in bf16 when trained on CUDA)
     meta_NNNNNN.json         {"step", "val_bpb", "model_config": {sequence_len, vocab_size, n_layer,
                               n_head, n_kv_head, n_embd}, "user_config", "loop_state", ...}
-    optim_NNNNNN_rankR.pt    each rank's optimizer state (optional; model/nanochat_optimizer.py)
+    optim_NNNNNN_rankR.pt    each rank's optimizer state (optional; nanochat_optimizer.py)
+
+in a folder <phase>_checkpoints/d<n_layer> of its base directory (NANOCHAT_BASE_DIR).
 
 Its GPT and ours are the same network with the same parameter names and shapes, so converting is a
 matter of files: the keys lose a torch.compile "_orig_mod." prefix, every tensor becomes fp32 (our
@@ -19,11 +21,18 @@ from pathlib import Path
 
 import torch
 
+from .. import checkpoints
+from ..core import paths
 from ..core.errors import UserError
-from .gpt import GPT, GPTConfig
+from ..model.gpt import GPT, GPTConfig
 
 MODEL_FILE, META_FILE, OPTIM_FILE = "model_{:06d}.pt", "meta_{:06d}.json", "optim_{:06d}_rank{}.pt"
+FOLDER_FILES = "model_*.pt, meta_*.json"  # what a checkpoint folder holds, for the import's --help
 VOCAB_PAD = 64  # nanochat pads wte and lm_head rows to a multiple of this
+# the checkpoint folders of nanochat's stages, and which of our phases each one is (RL'd models chat like SFT ones)
+PHASE_OF_FOLDER = {"base_checkpoints": "base", "mid_checkpoints": "mid", "chatsft_checkpoints": "sft",
+                   "chatrl_checkpoints": "sft"}
+FOLDER_OF_PHASE = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints"}
 
 
 @dataclass
@@ -42,7 +51,7 @@ def steps_in(folder: Path) -> list[int]:
 
 def load_pt(path: Path):
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return checkpoints.read_tensors(path)
     except Exception as e:
         raise UserError(f"{path} cannot be read as plain tensors ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
                         ) from None
@@ -154,5 +163,50 @@ def export_state(state: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
 
 
-def export_meta(step: int, config: GPTConfig, val_bpb: float | None, **extra) -> dict:
-    return {"step": step, "val_bpb": val_bpb, "model_config": asdict(config), **extra}
+def phase_of(ckpt: NanochatCheckpoint) -> str:
+    """Our phase for a nanochat checkpoint, from the name of its stage's folder (default: base)."""
+    return PHASE_OF_FOLDER.get(ckpt.folder.parent.name, "base")
+
+
+def carried_loop_state(ckpt: NanochatCheckpoint) -> dict:
+    """What nanochat's meta says of the loop, as fields of our LoopState (train/run_state.py)."""
+    nano, bpb = ckpt.meta, ckpt.meta.get("val_bpb")
+    loop = nano.get("loop_state") if isinstance(nano.get("loop_state"), dict) else {}
+    bpb = float(bpb) if isinstance(bpb, (int, float)) else None
+    return {"step": ckpt.step, "smooth_loss": float(loop.get("smooth_train_loss", 0.0) or 0.0),
+            "train_time": float(loop.get("total_training_time", 0.0) or 0.0), "first_val_bpb": bpb, "last_val_bpb": bpb}
+
+
+def origin(ckpt: NanochatCheckpoint, optimizer: bool) -> dict:
+    """Where an imported run came from: its meta.json's "imported_from"."""
+    return {"nanochat_checkpoint": str(ckpt.folder), "step": ckpt.step, "optimizer": optimizer,
+            "user_config": ckpt.meta.get("user_config")}
+
+
+def export_folder(base_dir: Path, phase: str, n_layer: int) -> Path:
+    """The folder nanochat's loaders look in for a model of `phase` and depth `n_layer`."""
+    return Path(base_dir) / FOLDER_OF_PHASE[phase] / f"d{n_layer}"
+
+
+def model_path(folder: Path, step: int) -> Path:
+    return Path(folder) / MODEL_FILE.format(step)
+
+
+def meta_path(folder: Path, step: int) -> Path:
+    return Path(folder) / META_FILE.format(step)
+
+
+def export_meta(step: int, config: GPTConfig, meta: dict, ckpt: Path) -> dict:
+    """nanochat's meta_NNNNNN.json for our checkpoint `ckpt` with meta.json `meta`."""
+    loop = meta.get("loop_state", {})
+    return {"step": step, "val_bpb": loop.get("last_val_bpb"), "model_config": asdict(config),
+            "user_config": {**meta.get("args", {}), "exported_from": str(ckpt)},
+            "loop_state": {"min_val_bpb": loop.get("last_val_bpb"), "smooth_train_loss": loop.get("smooth_loss"),
+                           "total_training_time": loop.get("train_time")}}
+
+
+def write_checkpoint(folder: Path, step: int, state: dict, meta: dict):
+    """model_NNNNNN.pt and meta_NNNNNN.json into `folder`, each replaced atomically."""
+    folder.mkdir(parents=True, exist_ok=True)
+    checkpoints.write_tensors(model_path(folder, step), state)
+    paths.write_json(meta_path(folder, step), meta)

@@ -10,7 +10,7 @@ that class is not built: a stand-in records the state the pickle hands to Encodi
 dict of str, bytes and int), which is then checked field by field. Anything else is refused with
 one line. token_bytes.pt loads with weights_only=True.
 
-Our Tokenizer (tokenizer.py) is made from the same ranks, pattern and special tokens, so its ids
+Our Tokenizer (data/tokenizer.py) is made from the same ranks, pattern and special tokens, so its ids
 are nanochat's by construction; check_same_ids confirms it on a sample at import.
 """
 import pickle
@@ -19,11 +19,13 @@ from pathlib import Path
 import tiktoken
 import torch
 
+from .. import checkpoints
 from ..core import paths
 from ..core.errors import UserError
-from .tokenizer import SPECIAL_TOKENS, TOKEN_BYTES_FILE, Tokenizer, save_token_bytes
+from ..data.tokenizer import SPECIAL_TOKENS, TOKEN_BYTES_FILE, Tokenizer, save_token_bytes, token_bytes_tensor
 
 PICKLE_FILE = "tokenizer.pkl"
+FOLDER_FILES = "tokenizer.pkl, token_bytes.pt"  # what a tokenizer folder holds, for the import's --help
 ENCODING_NAME = "rustbpe"  # the name nanochat's RustBPETokenizer gives its tiktoken encoding
 
 # A multilingual sample with every special token in it: what the round-trip check encodes.
@@ -123,13 +125,45 @@ def read_token_bytes(directory, vocab_size: int):
     if not path.is_file():
         return None
     try:
-        tb = torch.load(path, map_location="cpu", weights_only=True)
+        tb = checkpoints.read_tensors(path)
     except Exception as e:
         raise UserError(f"{path} cannot be read as tensors ({type(e).__name__}); remove it or re-run nanochat's "
                         "tok_train") from None
     if not isinstance(tb, torch.Tensor) or tb.shape != (vocab_size,) or tb.is_floating_point():
         raise UserError(f"{path} is not an integer tensor of the tokenizer's {vocab_size} tokens")
     return tb
+
+
+def read_tokenizer(directory: Path, vocab_size: int) -> tuple[Tokenizer, int]:
+    """nanochat's tokenizer folder as our Tokenizer, checked: same ids on the sample, the model's
+    vocab size, and (when present) the same bytes per token as its token_bytes.pt. Also returns
+    the number of sample tokens compared."""
+    state = read_encoding_state(directory / PICKLE_FILE)
+    tokenizer = tokenizer_from_state(state, directory / PICKLE_FILE)
+    n = check_same_ids(tokenizer, state)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise UserError(f"the tokenizer in {directory} has {tokenizer.get_vocab_size()} tokens but the model's vocab_size "
+                        f"is {vocab_size}: give the tokenizer this model was trained with")
+    theirs = read_token_bytes(directory, vocab_size)
+    if theirs is not None and not torch.equal(theirs.to(torch.int32), token_bytes_tensor(tokenizer)):
+        raise UserError(f"{directory / TOKEN_BYTES_FILE} does not match tokenizer.pkl's tokens; re-run nanochat's tok_train")
+    return tokenizer, n
+
+
+def folder_in(base_dir: Path) -> Path:
+    """The tokenizer folder of a nanochat base directory (NANOCHAT_BASE_DIR)."""
+    return Path(base_dir) / "tokenizer"
+
+
+def check_out_tokenizer(folder: Path, tokenizer: Tokenizer, overwrite: bool):
+    """A tokenizer already in an export's folder must be this one (its other checkpoints were
+    made with it), unless `overwrite`."""
+    pkl = folder / PICKLE_FILE
+    if not pkl.exists() or overwrite:
+        return
+    theirs = tokenizer_from_state(read_encoding_state(pkl), pkl)
+    if theirs.fingerprint != tokenizer.fingerprint:
+        raise UserError(f"{pkl} is another tokenizer; export into another --out, or pass --overwrite to replace it")
 
 
 def write_tokenizer_files(tokenizer: Tokenizer, directory):

@@ -19,6 +19,7 @@ import torch
 
 from ..core.errors import UserError
 from ..optim import FORMAT
+from .nanochat_checkpoint import NanochatCheckpoint, load_pt
 
 ADAMW_NAMES = ["lm_head.weight", "transformer.wte.weight"]  # nanochat's AdamW groups, in order
 CARRIED = ("lr", "initial_lr", "betas", "eps")  # hyperparameters that mean the same in both
@@ -154,3 +155,15 @@ def empty_shards(shapes: dict) -> list[dict]:
     return [{"format": FORMAT, "kind": kind, "world_size": 1, "rank": 0, "num_updates": 0,
              "param_groups": [{"param_names": names}], "state": {}}
             for kind, names in (("adamw", ADAMW_NAMES), ("muon", matrices))]
+
+
+def optimizer_shards(ckpt: NanochatCheckpoint, shapes: dict, skip: bool) -> tuple[list, str]:
+    """Our optimizer shards for a nanochat checkpoint (its optimizer files converted, else fresh
+    state), and the line saying what became of nanochat's optimizer state."""
+    if ckpt.optim_files and not skip:
+        shards = convert([load_pt(p) for p in ckpt.optim_files], shapes, ckpt.optim_files)
+        return shards, (f"optimizer state: imported from {len(ckpt.optim_files)} file(s) (AdamW after "
+                        f"{shards[0]['num_updates']} updates, Muon momentum of {len(shards[1]['state'])} matrices)")
+    why = "--no-optimizer" if skip else f"no optim_{ckpt.step:06d}_rank*.pt in {ckpt.folder}"
+    return empty_shards(shapes), f"optimizer state: none ({why}); training from this run starts " \
+                                 "with fresh optimizer state"

@@ -1,79 +1,40 @@
 """
-Checkpoints that survive kills, full disks and changes of world size.
+One checkpoint: a step directory of a run, saved by every rank, listed, and read back.
 
-    runs/<run>/checkpoints/step_NNNNNN/
-        model.pt            the uncompiled model's state_dict, fp32 tensors        (rank 0)
-     or model/              the same, sharded: torch.distributed.checkpoint (DCP)  (every rank its shard)
-        optim_rank<R>.pt    rank R's optimizer shards + RNG state                  (every rank)
-        meta.json           format version, step, model config, loader and loop state, args
-        COMPLETE            written last, by rank 0, after a barrier
-
-A model sharded over the ranks (--sharding=fsdp) is saved with DCP: every rank writes its own
-rows in parallel and no rank ever holds the whole model. Reading either layout gives the whole
-state_dict (load_model_state); a run on any number of processes and either sharding loads it and
-shards it its own way. export_model writes a DCP checkpoint's weights as one model.pt, which is
-then what readers use.
-
-Every file is written to a temporary name, fsynced and renamed into place, so a reader never
-sees half a file; a checkpoint counts only once COMPLETE exists, so a kill at any moment leaves
-the previous complete checkpoint as the newest one. Everything is plain tensors and JSON:
-`torch.load(weights_only=True, map_location=...)` reads it on CPU, CUDA or MPS.
+A checkpoint counts only once COMPLETE exists, written last, by rank 0, after every rank has
+written its files; so a kill at any moment leaves the previous complete checkpoint the newest one.
+Reading either model layout (model.pt, or DCP shards in model/) gives the whole state_dict, so a
+run on any number of processes and either sharding loads it and shards it its own way.
 """
 import errno
 import json
-import os
 import shutil
-import time
-import warnings
 from pathlib import Path
 
 import torch
 
-from . import paths
-from .errors import UserError
+from ..core.errors import UserError
+from . import files
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
+MODEL_FILE = "model.pt"
+MODEL_SHARDS = "model"
+META_FILE = "meta.json"
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
-def _slow_writes_for_tests():
-    """NANOCHAT_FAST_TEST_SLOW_SAVE=<seconds> pauses between files (lets a test kill a save midway)."""
-    delay = float(os.environ.get("NANOCHAT_FAST_TEST_SLOW_SAVE", "0") or 0)
-    if delay:
-        time.sleep(delay)
-
-
-def save_torch(path: Path, obj):
-    paths.write_durably(path, lambda f: torch.save(obj, f))
-    _slow_writes_for_tests()
-
-
-def save_json(path: Path, obj):
-    paths.write_durably(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
-
-
-MODEL_FILE = "model.pt"
-MODEL_SHARDS = "model"
+def optim_file(ckpt: Path, rank: int) -> Path:
+    return Path(ckpt) / f"optim_rank{rank}.pt"
 
 
 def all_finite(tensors) -> bool:
     """Every element this process holds is finite (a DTensor: its local shard)."""
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     return all(bool(torch.isfinite(t).all()) for t in tensors if torch.is_floating_point(t))
-
-
-def _save_model_shards(path: Path, model_state: dict):
-    """Every rank writes its shards of `model_state` (DTensors; plain tensors are written once)."""
-    import torch.distributed.checkpoint as dcp
-    try:
-        dcp.save(model_state, checkpoint_id=path / MODEL_SHARDS)
-    except dcp.CheckpointException as e:  # one rank's failure, raised on every rank
-        raise OSError(errno.EIO, f"writing the model's shards failed: {e}") from e
-    _slow_writes_for_tests()
 
 
 def save_checkpoint(run_dir, step: int, *, model_state: dict, rank_state: dict, meta: dict,
@@ -107,19 +68,19 @@ def save_checkpoint(run_dir, step: int, *, model_state: dict, rank_state: dict, 
 
     def write_rank0_files():
         if not sharded:
-            save_torch(path / MODEL_FILE, {k: v.detach().float().cpu() for k, v in model_state.items()})
-        save_json(path / "meta.json", {"format_version": FORMAT_VERSION, "step": step, **meta})
+            files.write_tensors(path / MODEL_FILE, {k: v.detach().float().cpu() for k, v in model_state.items()})
+        files.write_json(path / META_FILE, {"format_version": FORMAT_VERSION, "step": step, **meta})
 
     ok = attempt(make_dir if rank == 0 else lambda: None)
     if sharded and ok:  # collective: every rank takes part, and learns if any failed
         try:
-            _save_model_shards(path, model_state)
+            files.write_shards(path / MODEL_SHARDS, model_state)
         except OSError as e:
             error = e
         ok = all_ranks_ok(error is None)
-    ok = ok and attempt(lambda: save_torch(path / f"optim_rank{rank}.pt", rank_state))
+    ok = ok and attempt(lambda: files.write_tensors(optim_file(path, rank), rank_state))
     ok = ok and attempt(write_rank0_files if rank == 0 else lambda: None)
-    ok = ok and attempt((lambda: paths.write_durably(path / COMPLETE, lambda f: f.write(b"ok\n"))) if rank == 0 else lambda: None)
+    ok = ok and attempt((lambda: files.write_marker(path / COMPLETE)) if rank == 0 else lambda: None)
     if not ok:
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
@@ -138,18 +99,22 @@ def save_checkpoint(run_dir, step: int, *, model_state: dict, rank_state: dict, 
     return path
 
 
+def is_complete(ckpt: Path) -> bool:
+    return (Path(ckpt) / COMPLETE).exists()
+
+
 def complete_checkpoints(run_dir) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step_*") if (p / COMPLETE).exists())
+    return sorted(p for p in root.glob("step_*") if is_complete(p))
 
 
 def incomplete_checkpoints(run_dir) -> list[Path]:
     """Step directories of saves that did not finish (no COMPLETE marker), oldest first."""
     root = Path(run_dir) / "checkpoints"
-    return sorted(p for p in root.glob("step_*") if not (p / COMPLETE).exists()) if root.is_dir() else []
+    return sorted(p for p in root.glob("step_*") if not is_complete(p)) if root.is_dir() else []
 
 
 def remove_incomplete(run_dir):
@@ -158,19 +123,39 @@ def remove_incomplete(run_dir):
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _load(path: Path, map_location):
+def completed_at(ckpt: Path) -> float:
+    """When the checkpoint was completed (its COMPLETE marker's mtime): which run is newest."""
+    return (Path(ckpt) / COMPLETE).stat().st_mtime
+
+
+def resolve_checkpoint(run_dir: Path, step: int | None = None) -> Path:
+    """The checkpoint `step` of a run, or its newest complete one."""
+    found = complete_checkpoints(run_dir)
+    if step is not None:
+        path = step_dir(run_dir, step)
+        if path not in found:
+            have = ", ".join(str(int(p.name[5:])) for p in found) or "none"
+            raise UserError(f"run {run_dir} has no complete checkpoint at step {step} (complete steps: {have})")
+        return path
+    if not found:
+        raise UserError(f"run {run_dir} has no complete checkpoint yet")
+    return found[-1]
+
+
+def _read(path: Path, map_location):
     if not path.exists():
         raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, pick another "
                         "with --resume PATH (or --step)")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return files.read_tensors(path, map_location)
     except Exception as e:
         raise UserError(f"checkpoint file {path} is truncated or corrupt ({type(e).__name__}); delete that "
                         "checkpoint directory or pick another with --resume PATH (or --step)") from e
 
 
 def load_meta(ckpt: Path) -> dict:
-    path = Path(ckpt) / "meta.json"
+    """meta.json of a checkpoint, checked to be of the format this version reads."""
+    path = Path(ckpt) / META_FILE
     try:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
@@ -189,21 +174,19 @@ def load_model_state(ckpt: Path, device="cpu") -> dict:
     (each process reads them all, without collectives)."""
     ckpt = Path(ckpt)
     if (ckpt / MODEL_FILE).exists() or not (ckpt / MODEL_SHARDS).is_dir():
-        return _load(ckpt / MODEL_FILE, device)
-    import torch.distributed.checkpoint as dcp
+        return _read(ckpt / MODEL_FILE, device)
     try:
-        reader = dcp.FileSystemReader(str(ckpt / MODEL_SHARDS))
-        entries = reader.read_metadata().state_dict_metadata
-        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in entries.items()
-                 if isinstance(m, dcp.TensorStorageMetadata)}
-        with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=reader, no_dist=True)
-    except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
+        state = files.read_shards(ckpt / MODEL_SHARDS)
+    except files.UnreadableShards as e:
         raise UserError(f"the model shards in {ckpt / MODEL_SHARDS} are missing, truncated or corrupt "
-                        f"({type(e).__name__}); delete that checkpoint directory or pick another with --resume PATH "
-                        "(or --step)") from e
+                        f"({e.cause}); delete that checkpoint directory or pick another with --resume PATH "
+                        "(or --step)") from e.__cause__
     return {k: v.to(device) for k, v in state.items()}
+
+
+def load_rank_states(ckpt: Path, world_size_saved: int, device="cpu") -> list[dict]:
+    """Every rank's saved state (a run resuming with M ranks reads all N files saved with N)."""
+    return [_read(optim_file(ckpt, r), device) for r in range(world_size_saved)]
 
 
 def export_model(ckpt: Path, output: Path | None = None) -> Path:
@@ -212,24 +195,5 @@ def export_model(ckpt: Path, output: Path | None = None) -> Path:
     ckpt = Path(ckpt)
     output = Path(output) if output else ckpt / MODEL_FILE
     state = load_model_state(ckpt)
-    paths.write_durably(output, lambda f: torch.save({k: v.float() for k, v in state.items()}, f))
+    files.write_tensors(output, {k: v.float() for k, v in state.items()})
     return output
-
-
-def load_rank_states(ckpt: Path, world_size_saved: int, device="cpu") -> list[dict]:
-    """Every rank's saved state (a run resuming with M ranks reads all N files saved with N)."""
-    return [_load(Path(ckpt) / f"optim_rank{r}.pt", device) for r in range(world_size_saved)]
-
-
-def resolve_checkpoint(run_dir: Path, step: int | None = None) -> Path:
-    """The checkpoint `step` of a run, or its newest complete one."""
-    found = complete_checkpoints(run_dir)
-    if step is not None:
-        path = step_dir(run_dir, step)
-        if path not in found:
-            have = ", ".join(str(int(p.name[5:])) for p in found) or "none"
-            raise UserError(f"run {run_dir} has no complete checkpoint at step {step} (complete steps: {have})")
-        return path
-    if not found:
-        raise UserError(f"run {run_dir} has no complete checkpoint yet")
-    return found[-1]
