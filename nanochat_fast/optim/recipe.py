@@ -32,7 +32,7 @@ import numbers
 from dataclasses import dataclass
 
 from ..hardware.precision import CHOICES
-from ..kernels.newton_schulz_policy import resolve_coefficients
+from ..kernels.newton_schulz import resolve_coefficients
 
 PRESET_NAMES = ("seeds", "current")
 WEIGHT_DECAY_SCHEDULES = ("constant", "cosine")
