@@ -7,7 +7,7 @@ Muon's matrices orthogonalised whole by an owner rank each). All follow one step
 one world-size independent state format (zero.py), so a run can resume on a different number of
 processes and sharding.
 
-    optimizers = model.setup_optimizers(..., muon_recipe="seeds")   # or "current", or a MuonRecipe
+    optimizers = model.setup_optimizers(..., muon_recipe="quintic")   # or "polar-normuon", or a MuonRecipe
     ...backward...
     norm = nanochat_fast.optim.step(optimizers, grad_clip=1.0)   # global-norm clip + NaN guard (step.py)
 """
