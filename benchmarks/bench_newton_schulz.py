@@ -6,7 +6,7 @@ Shapes: the matrices of GPT-2-small-sized layers (768x768, 768x3072 and its tran
 same-shape matrices), in fp32 and in bf16. Where bf16 is emulated (a CPU without AVX512-BF16/AMX:
 ~1 GFLOP/s) the bf16 rows use quarter-size matrices (256x256, 256x1024, 4x256x256) so they fit the
 time budget; each case's rounds are cut to its budget (at least 3; the table says how many ran).
-The notes give the path the shape table picks (newton_schulz_policy.py) and the flops each
+The notes give the path the shape table picks (newton_schulz.PATH_TABLE) and the flops each
 variant computes: the torch backend's path (plain, symmetric block products, Gram form) and, on
 a GPU, the Triton kernels' tiles on/above the diagonal.
 """

@@ -8,7 +8,7 @@ Variants:
                        default: base_train's parser -> TrainingConfig -> the Device that
                        DeviceConfig.init gives one process -> model_setup.build_for_training
                        (GPT.setup_optimizers with OptimConfig.optimizer_kwargs(): our AdamW and
-                       Muon, the seeds recipe) -> base_train's horizon (20 tokens per parameter)
+                       Muon, the quintic recipe) -> base_train's horizon (20 tokens per parameter)
                        -> model_setup.tune_for_training (on a CPU: --dtype auto timed at this model's
                        forward+backward of one micro-batch, --ns-dtype auto at Muon's own matrix
                        stacks; hardware/tuning.py, cached under NANOCHAT_FAST_HOME/hardware/) ->

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nanochat_fast.hardware import bandwidth as hw_bandwidth, precision  # noqa: E402
 from nanochat_fast.kernels import adamw_slice_update, registry, softcap_cross_entropy  # noqa: E402
 from nanochat_fast.kernels.newton_schulz import newton_schulz_reference  # noqa: E402
-from nanochat_fast.kernels.newton_schulz_policy import QUINTIC, dtype_name  # noqa: E402
+from nanochat_fast.kernels.newton_schulz import QUINTIC, dtype_name  # noqa: E402
 from nanochat_fast.kernels.triton_kernel_list import adamw_bytes_per_param  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

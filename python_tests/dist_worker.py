@@ -11,8 +11,8 @@ What one launch does (results under DIR, read and asserted by the test):
   3. resume from DIR/step3 (same world size: must be bitwise) and from --resume-from (a checkpoint
      written by another world size), continue to step 5                             -> resumed_*.pt
   4. DistAdamW / DistMuon on odd shapes (numel not divisible by N, numel < N, group sizes not
-     multiples of N) against references fed the rank-averaged gradients, DistMuon with the seeds'
-     recipe and with the current one (NorMuon, cautious weight decay, MuonEq, Muon+); the latter's
+     multiples of N) against references fed the rank-averaged gradients, DistMuon with the quintic
+     recipe and with polar-normuon (NorMuon, cautious weight decay, MuonEq, Muon+) ("muon_current"); its
      state saved by N ranks and loaded by N ranks and by one process               -> rank<r>.json
 Newton-Schulz runs in fp32 here (ns_dtype="fp32"): the comparisons are at fp32 rounding level, and
 on a CPU with native bf16 "auto" would pick bf16.
@@ -35,9 +35,9 @@ GLOBAL_ROWS = 6  # divisible by 1, 2 and 3: every world size sees the same globa
 STEPS = 5
 RESUME_STEP = 3
 GRAD_CLIP = 0.5  # below the norms this model sees, so clipping is active
-RECIPE = MuonRecipe.preset("seeds", ns_dtype="fp32")
-# the current recipe's Muon with a weight decay large enough to show in 4 steps
-CURRENT_MUON = dict(MuonRecipe.preset("current", ns_dtype="fp32", weight_decay=0.5).muon_kwargs(), lr=0.02)
+RECIPE = MuonRecipe.preset("quintic", ns_dtype="fp32")
+# the polar-normuon recipe's Muon with a weight decay large enough to show in 4 steps
+CURRENT_MUON = dict(MuonRecipe.preset("polar-normuon", ns_dtype="fp32", weight_decay=0.5).muon_kwargs(), lr=0.02)
 
 
 def make_model(seed=1234):

@@ -4,8 +4,8 @@ Multi-process worker for test_fsdp.py: run under
 (or torch.multiprocessing.spawn: spawn_entry). Results under DIR, asserted by the test:
 
   1. the tiny GPT of dist_worker.py (vocab 4099, GQA) trained 5 steps in fp32 with zero2 (DistAdamW +
-     DistMuon) and with fsdp (fully_shard + FsdpAdamW + FsdpMuon), each with the seeds' recipe and
-     with the current one (NorMuon, cautious weight decay, MuonEq, Muon+): final whole weights and
+     DistMuon) and with fsdp (fully_shard + FsdpAdamW + FsdpMuon), each with the quintic recipe and
+     with polar-normuon (NorMuon, cautious weight decay, MuonEq, Muon+): final whole weights and
      grad norms of each                                                              -> <mode>_<recipe>.pt
   2. the bytes each rank holds under fsdp after a backward: its parameter and gradient shards and
      its optimizer state; and the single-process totals                              -> rank<r>.json
@@ -29,7 +29,7 @@ from nanochat_fast.core.distributed import compute_cleanup, compute_init  # noqa
 from nanochat_fast.model import sharding  # noqa: E402
 from nanochat_fast.optim import AdamW, Muon, MuonRecipe  # noqa: E402
 
-RECIPES = {"seeds": W.RECIPE, "current": MuonRecipe.preset("current", ns_dtype="fp32", weight_decay=0.5)}
+RECIPES = {"quintic": W.RECIPE, "polar-normuon": MuonRecipe.preset("polar-normuon", ns_dtype="fp32", weight_decay=0.5)}
 
 
 def build(mode, recipe, seed=1234):
@@ -63,7 +63,7 @@ def training_runs(rank, world_size, out, info):
             saved = {}
 
             def at_step(step):
-                if step == W.RESUME_STEP and mode == "fsdp" and recipe == "current":
+                if step == W.RESUME_STEP and mode == "fsdp" and recipe == "polar-normuon":
                     saved.update(weights=sharding.full_state_dict(model), shards=shard_states(optimizers))
             norms = W.train(model, optimizers, 1, W.STEPS, rank, world_size, at_step)
             state = sharding.full_state_dict(model)
@@ -71,7 +71,7 @@ def training_runs(rank, world_size, out, info):
                 torch.save(dict(params={k: v.clone() for k, v in state.items()}, norms=norms),
                            out / f"{mode}_{recipe}.pt")
             info[f"{mode}_{recipe}_types"] = [type(o).__name__ for o in optimizers]
-            if recipe == "seeds":  # after one more backward: parameters, gradients and state held
+            if recipe == "quintic":  # after one more backward: parameters, gradients and state held
                 x, y = W.global_batch(99)
                 rows = W.GLOBAL_ROWS // world_size
                 model(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]).backward()
@@ -79,7 +79,7 @@ def training_runs(rank, world_size, out, info):
     # 3. fsdp's state at step 3 continued by zero2 optimizers
     weights = [saved["weights"]]
     dist.broadcast_object_list(weights, src=0)
-    model, optimizers = build("zero2", "current", seed=999)
+    model, optimizers = build("zero2", "polar-normuon", seed=999)
     model.load_state_dict(weights[0])
     for i, opt in enumerate(optimizers):
         opt.load_shard_state_dicts([s[i] for s in saved["shards"]])
@@ -112,7 +112,7 @@ def odd_shape_checks(rank, world_size) -> dict:
     muon_shapes = [(5, 3)] + [(3, 5)] * 3 + [(4, 4)] * 5 + [(2, 7)]
     cases = (("adamw", adam_shapes, dict(lr=0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1)),
              ("muon", muon_shapes, dict(lr=0.02, momentum=0.9, ns_dtype="fp32")),
-             ("muon_current", muon_shapes, dict(RECIPES["current"].muon_kwargs(), lr=0.02)))
+             ("muon_current", muon_shapes, dict(RECIPES["polar-normuon"].muon_kwargs(), lr=0.02)))
     for kind, shapes, hp in cases:
         toy = Toy(shapes, torch.Generator().manual_seed(7))
         ref = [torch.nn.Parameter(p.detach().clone()) for p in toy.ps]
@@ -150,12 +150,12 @@ def run(args):
         training_runs(rank, world_size, out, info)
         info["odd_shapes"] = odd_shape_checks(rank, world_size)
     else:
-        model, optimizers = build("fsdp", "seeds")
+        model, optimizers = build("fsdp", "quintic")
         W.train(model, optimizers, 1, 2, rank, world_size)
         x, y = W.global_batch(99)
         model(x[rank:rank + 1], y[rank:rank + 1]).backward()
         info["fsdp_bytes"] = held_bytes(model, optimizers)
-        info["fsdp_seeds_types"] = [type(o).__name__ for o in optimizers]
+        info["fsdp_quintic_types"] = [type(o).__name__ for o in optimizers]
     (out / f"rank{rank}.json").write_text(json.dumps(info))
     # every rank done before any tears its process group down: under load a rank that destroyed
     # its group while the other was still in a collective aborted the other at exit ("terminate

@@ -71,7 +71,7 @@ def test_deterministic_runs_are_bitwise_equal(plain_process):
         model.init_weights()
         initial = model.transformer.wte.weight.detach().clone()
         # Newton-Schulz in fp32, stated rather than left to `auto` (the model runs in fp32 here)
-        opts = model.setup_optimizers(muon_recipe=MuonRecipe.preset("seeds", ns_dtype="fp32"))
+        opts = model.setup_optimizers(muon_recipe=MuonRecipe.preset("quintic", ns_dtype="fp32"))
         for _ in range(3):
             x = torch.randint(0, 50, (2, 8))
             model(x, x).backward()

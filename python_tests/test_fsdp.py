@@ -54,7 +54,7 @@ def single():
         model, optimizers = F.build("zero2", recipe)
         W.train(model, optimizers, 1, W.STEPS)
         out[recipe] = W.params_of(model)
-        if recipe == "seeds":
+        if recipe == "quintic":
             nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
             out["total_bytes"] = 2 * nbytes + sum(o.state_nbytes() for o in optimizers)
             out["largest_matrix_bytes"] = max(p.numel() * p.element_size()
@@ -66,12 +66,12 @@ def single():
 def test_fsdp_matches_zero2(runs, single, world_size):
     run = runs[world_size]
     for info in run["ranks"]:
-        assert info["fsdp_seeds_types"] == ["FsdpAdamW", "FsdpMuon"]
-        assert info["zero2_seeds_types"] == ["DistAdamW", "DistMuon"]
-    fsdp, zero2 = run["fsdp_seeds"], run["zero2_seeds"]
+        assert info["fsdp_quintic_types"] == ["FsdpAdamW", "FsdpMuon"]
+        assert info["zero2_quintic_types"] == ["DistAdamW", "DistMuon"]
+    fsdp, zero2 = run["fsdp_quintic"], run["zero2_quintic"]
     err = rel_err(fsdp["params"], zero2["params"])
     print(f"fsdp vs zero2, N={world_size}: relative parameter error {err:.2e} (zero2 vs 1 process: "
-          f"{rel_err(zero2['params'], single['seeds']):.2e})")
+          f"{rel_err(zero2['params'], single['quintic']):.2e})")
     assert err < PARITY_RTOL
     torch.testing.assert_close(torch.tensor(fsdp["norms"]), torch.tensor(zero2["norms"]), rtol=1e-5, atol=0)
     assert min(fsdp["norms"]) > W.GRAD_CLIP  # clipping by the global norm was active at every step
@@ -79,12 +79,12 @@ def test_fsdp_matches_zero2(runs, single, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_fsdp_current_recipe_matches_zero2(runs, single, world_size):
+def test_fsdp_polar_normuon_recipe_matches_zero2(runs, single, world_size):
     """NorMuon, cautious weight decay, MuonEq and Muon+ on the owner ranks. The matrices agree to
     fp32 rounding; the embedding, whose Adam divides by each element's own small second moment,
     differs between zero2 and one process already (~1e-5), and as much between fsdp and either."""
-    fsdp, zero2, one = runs[world_size]["fsdp_current"]["params"], runs[world_size]["zero2_current"]["params"], \
-        single["current"]
+    fsdp, zero2, one = runs[world_size]["fsdp_polar-normuon"]["params"], \
+        runs[world_size]["zero2_polar-normuon"]["params"], single["polar-normuon"]
     matrices = [k for k in one if k.startswith("transformer.h.")]
     assert rel_err({k: fsdp[k] for k in matrices}, {k: zero2[k] for k in matrices}) < PARITY_RTOL
     assert rel_err(fsdp, zero2) < 5 * max(rel_err(zero2, one), PARITY_RTOL)
@@ -94,8 +94,8 @@ def test_fsdp_current_recipe_matches_zero2(runs, single, world_size):
 def test_fsdp_state_continues_under_zero2(runs, world_size):
     """fsdp's optimizer state after step 3, loaded by zero2 optimizers: steps 4-5 as uninterrupted."""
     run = runs[world_size]
-    assert rel_err(run["fsdp_to_zero2"], run["fsdp_current"]["params"]) < 5 * PARITY_RTOL
-    assert rel_err(run["fsdp_to_zero2"], run["zero2_current"]["params"]) < 5 * PARITY_RTOL
+    assert rel_err(run["fsdp_to_zero2"], run["fsdp_polar-normuon"]["params"]) < 5 * PARITY_RTOL
+    assert rel_err(run["fsdp_to_zero2"], run["zero2_polar-normuon"]["params"]) < 5 * PARITY_RTOL
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -11,7 +11,7 @@ import torch
 
 from nanochat_fast.hardware import precision
 from nanochat_fast.hardware.tuning import Timing
-from nanochat_fast.kernels import newton_schulz, newton_schulz_policy as policy, registry
+from nanochat_fast.kernels import newton_schulz, registry
 from nanochat_fast.optim import Muon
 from test_newton_schulz import float64_newton_schulz, force_path, make_input, published
 
@@ -24,9 +24,9 @@ def cpu_bf16(monkeypatch):
     """Pretend this CPU has (or has not) bf16 instructions: set(feature or None)."""
     def set_feature(feature):
         monkeypatch.setattr(precision, "cpu_bf16_support", lambda: feature)
-        policy._auto_dtype.cache_clear()
+        ns._auto_dtype.cache_clear()
     yield set_feature
-    policy._auto_dtype.cache_clear()
+    ns._auto_dtype.cache_clear()
 
 
 # the machine's matmul probe (seconds per unit of work) on three kinds of CPU
@@ -38,15 +38,15 @@ def test_auto_dtype_follows_the_measured_cpu(monkeypatch, cpu, expected):
     """A direct newton_schulz call with dtype=None takes the faster dtype of the machine's probe."""
     fp32, bf16 = PROBES[cpu]
     monkeypatch.setattr(precision, "probe_timing", lambda device: Timing({"fp32": fp32, "bf16": bf16}, "probe", 3))
-    policy._auto_dtype.cache_clear()
+    ns._auto_dtype.cache_clear()
     try:
-        assert policy.compute_dtype("cpu") == expected
-        assert policy.compute_dtype("cpu", "auto") == expected
+        assert ns.compute_dtype("cpu") == expected
+        assert ns.compute_dtype("cpu", "auto") == expected
         assert newton_schulz(make_input((8, 24))).dtype == F32  # returned in G's dtype either way
         # forced choices do not look at the CPU
-        assert policy.compute_dtype("cpu", "fp32") == F32 and policy.compute_dtype("cpu", BF16) == BF16
+        assert ns.compute_dtype("cpu", "fp32") == F32 and ns.compute_dtype("cpu", BF16) == BF16
     finally:
-        policy._auto_dtype.cache_clear()
+        ns._auto_dtype.cache_clear()
 
 
 @pytest.mark.parametrize("device,capability,timing,expected", [
@@ -60,7 +60,7 @@ def test_ns_dtype_rule(device, capability, timing, expected):
 
 def test_compute_dtype_rejects_other_dtypes():
     with pytest.raises(ValueError, match="dtype must be"):
-        policy.compute_dtype("cpu", torch.float16)
+        ns.compute_dtype("cpu", torch.float16)
     with pytest.raises(ValueError, match="dtype must be"):
         newton_schulz(make_input((8, 24)), dtype="fp16")
     with pytest.raises(ValueError, match="ns_dtype must be one of auto, fp32, bf16"):
@@ -77,8 +77,8 @@ def test_compute_dtype_rejects_other_dtypes():
     ("cuda", F32, 512, 2048, "gram"), ("cuda", F32, 4096, 4096, "symmetric"),
     ("mps", F32, 4096, 4096, "plain"), ("mps", BF16, 4096, 4096, "plain")])
 def test_path_table(device, dtype, m, n, path):
-    assert policy.choose_path(device, dtype, m, n) == path
-    assert policy.choose_path(device, dtype, n, m) == path  # tall and wide alike
+    assert ns.choose_path(device, dtype, m, n) == path
+    assert ns.choose_path(device, dtype, n, m) == path  # tall and wide alike
 
 
 def test_auto_runs_triton_only_for_the_symmetric_path(monkeypatch):
@@ -135,9 +135,9 @@ def test_gram_form_in_bf16_only_where_it_stays_in_bound(monkeypatch):
         gram = bf16_error(G, "polar_express", backend="torch")
         monkeypatch.undo()
         assert gram > plain, (shape, gram, plain)
-        assert policy.choose_path("cpu", BF16, *shape[-2:]) != "gram"
+        assert ns.choose_path("cpu", BF16, *shape[-2:]) != "gram"
     G = make_input((256, 1024))
-    assert policy.choose_path("cpu", BF16, 256, 1024) == "gram"
+    assert ns.choose_path("cpu", BF16, 256, 1024) == "gram"
     for coefficients in ("quintic", "polar_express"):
         assert bf16_error(G, coefficients, backend="torch") <= 1e-2, coefficients
 

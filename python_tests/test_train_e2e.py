@@ -127,7 +127,7 @@ def test_mid_train_loss_is_only_on_assistant_tokens(home):
         keep = targets != -1
         reference = F.cross_entropy(logits[keep], targets[keep]).item()  # assistant tokens only
     # fp32 throughout, stated: no autocast, Newton-Schulz in fp32 (the loss compared is the forward's)
-    adamw, muon = model.setup_optimizers(muon_recipe=MuonRecipe.preset("seeds", ns_dtype="fp32"))
+    adamw, muon = model.setup_optimizers(muon_recipe=MuonRecipe.preset("quintic", ns_dtype="fp32"))
     result = train_step(model, [adamw, muon], batches, grad_clip=1.0, autocast_ctx=nullcontext())
     assert result.n_supervised == int(keep.sum())
     assert abs(result.loss - reference) < 1e-5

@@ -44,25 +44,42 @@ def test_defaults_reach_the_val_bpb_of_fp32_eager_after_60_steps(choice, home):
         assert "torch.compile (one-time, not in the steps)" in (home / "runs" / "chosen" / "report.md").read_text()
 
 
-def test_muon_recipe_current_trains_and_is_reported(home, capsys):
+def test_muon_recipe_polar_normuon_trains_and_is_reported(home, capsys):
     code = base_train.main(TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512",
                                                      "--num-iterations=30", "--eval-every=-1",
-                                                     "--muon-recipe=current", "--run=current"])
+                                                     "--muon-recipe=polar-normuon", "--run=polar"])
     assert code == 0
     out = capsys.readouterr().out
-    assert "muon: current: polar_express x5, ns-dtype fp32, MuonEq, Muon+, NorMuon beta 0.9, cautious wd 0.28" in out
-    run_dir = home / "runs" / "current"
+    assert ("muon: polar-normuon: polar_express x5, ns-dtype fp32, MuonEq, Muon+, NorMuon beta 0.9, "
+            "cautious wd 0.28") in out
+    run_dir = home / "runs" / "polar"
     rows = train_rows(run_dir)
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
     report = (run_dir / "report.md").read_text()
-    assert "current: polar_express" in report and "newton-schulz precision | fp32" in report
+    assert "polar-normuon: polar_express" in report and "newton-schulz precision | fp32" in report
 
 
 def test_recipe_flags_override_the_preset():
-    recipe = OptimConfig(muon_recipe="current", normuon=False, muon_weight_decay=0.1, warmdown_ratio=0.3).recipe()
-    assert (recipe.name, recipe.normuon, recipe.weight_decay, recipe.cautious_weight_decay) == ("current", False, 0.1, True)
-    assert recipe.momentum_warmdown_ratio == 0.3  # the current recipe's momentum warmdown follows the lr's
+    recipe = OptimConfig(muon_recipe="polar-normuon", normuon=False, muon_weight_decay=0.1, warmdown_ratio=0.3).recipe()
+    assert (recipe.name, recipe.normuon, recipe.weight_decay, recipe.cautious_weight_decay) == \
+        ("polar-normuon", False, 0.1, True)
+    assert recipe.momentum_warmdown_ratio == 0.3  # the polar-normuon recipe's momentum warmdown follows the lr's
     assert OptimConfig().recipe().ns_coefficients == "quintic" and OptimConfig().recipe().normuon is False
+
+
+@pytest.mark.parametrize("old,new", [("seeds", "quintic"), ("current", "polar-normuon")])
+def test_the_former_recipe_names_still_work_with_one_notice(old, new, monkeypatch, capsys):
+    """--muon-recipe=seeds|current (and --muon_recipe): the new name from the flag on, one notice
+    line on stderr however often the config is rebuilt and its recipe asked for."""
+    from nanochat_fast.optim import recipe as recipes
+    monkeypatch.setattr(recipes, "_noticed", set())
+    args = base_train.build_parser().parse_args([f"--muon_recipe={old}", "--warmdown-ratio=0.3"])
+    assert args.muon_recipe == new
+    configs = [OptimConfig.from_args(args) for _ in range(2)] + [OptimConfig(muon_recipe=old, warmdown_ratio=0.3)]
+    assert all(c.muon_recipe == new and c.recipe() == configs[0].recipe() for c in configs)
+    assert configs[0].recipe() == OptimConfig(muon_recipe=new, warmdown_ratio=0.3).recipe()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"note: the muon recipe '{old}' is now called '{new}'"), err
 
 
 def test_a_cuda_machine_chooses_bf16_and_compile(monkeypatch):

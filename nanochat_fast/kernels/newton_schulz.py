@@ -1,30 +1,138 @@
 """
-newton_schulz: the Newton-Schulz orthogonalization at the heart of Muon.
+newton_schulz: the Newton-Schulz orthogonalization at the heart of Muon, and every choice it makes.
 
 Given G (m x n, or a stack K x m x n), returns an approximation of U V^T from G = U S V^T:
 X = G / (||G||_F + 1e-7), then per step (a, b, c):  A = X X^T;  B = b A + c A A;  X = a X + B X.
-Tall matrices are transposed once so X X^T is the small Gram matrix. Computes in `dtype` (default:
-the precision policy's choice for G's device: bf16 on CUDA sm80+, on a CPU whichever of fp32 and
-bf16 measured faster, fp32 elsewhere; newton_schulz_policy.py), returns `out_dtype` (default: G's
-dtype). Which rewrite of the iteration runs for a
-shape ("plain", "symmetric", "gram") is decided by the table in newton_schulz_policy.py.
-
-Backends:
-    triton     CUDA: symmetric X X^T and b A + c A A (only tiles on/above the diagonal), fused
-               a X + B X, one launch per kernel for a whole stack (newton_schulz_triton.py); under
-               `auto` only for the table's "symmetric" path (large m), the torch backend otherwise
-    torch      every path of the table, with fused products (baddbmm: no elementwise passes):
-               symmetric block products and, for wide matrices, the Gram form (see "the torch
-               backend" below); its speed against the reference: benchmarks/RESULTS.md
-    reference  the plain iteration, as nanochat writes it
+Tall matrices are transposed once so X X^T is the small Gram matrix. A call decides, in order:
+    coefficients  "quintic", "polar_express" or one (a, b, c) per step      resolve_coefficients
+    dtype         the iteration's (default: the precision policy's for G's    compute_dtype
+                  device); the input is normalised in fp32, the result is cast to `out_dtype`
+    path          "plain", "symmetric" or "gram": exact rewrites, by shape    PATH_TABLE, choose_path
+    backend       triton (CUDA: the symmetric path, newton_schulz_triton.py),  plan
+                  torch (every path, fused products), reference (plain, as nanochat writes it)
 """
+import functools
+from typing import NamedTuple
+
 import torch
 
+from ..hardware import precision
 from . import registry
-from .newton_schulz_policy import (POLAR_EXPRESS, QUINTIC, choose_path, compute_dtype,  # noqa: F401
-                                   resolve_coefficients, symmetric_pays)
 from .registry import always, register_backend, register_op, triton_why_not
 
+# -- the coefficients -------------------------------------------------------------------------
+QUINTIC = (3.4445, -4.7750, 2.0315)
+# Polar Express (Amsel et al. 2025, arXiv:2505.16932), 5 steps, as used by modded-nanogpt.
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+PATHS = ("plain", "symmetric", "gram")
+
+
+def resolve_coefficients(coefficients, steps: int) -> tuple[tuple[float, float, float], ...]:
+    """'quintic' | 'polar_express' | a list of (a, b, c) per step -> one (a, b, c) per step."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    if coefficients == "quintic":
+        return (QUINTIC,) * steps
+    if coefficients == "polar_express":
+        if steps > len(POLAR_EXPRESS):
+            raise ValueError(f"coefficients='polar_express' has {len(POLAR_EXPRESS)} steps, got steps={steps}")
+        return POLAR_EXPRESS[:steps]
+    if isinstance(coefficients, str):
+        raise ValueError(f"coefficients must be 'quintic', 'polar_express' or a list of (a, b, c), got {coefficients!r}")
+    table = tuple(tuple(float(x) for x in abc) for abc in coefficients)
+    if len(table) != steps or any(len(abc) != 3 for abc in table):
+        raise ValueError(f"coefficients must hold {steps} (a, b, c) triples, one per step, got {coefficients!r}")
+    return table
+
+
+# -- the dtype --------------------------------------------------------------------------------
+# dtype=None ("auto"), as Muon's ns_dtype="auto", takes the precision policy's choice for the device
+# (hardware/precision.py, flag --ns-dtype): bf16 on CUDA sm80+; on a CPU the faster of fp32 and
+# bf16 as measured here (Muon times its own matrix stacks, Muon.resolve_ns_precision; a direct
+# call takes the machine's matmul probe). "fp32" and "bf16" force one. Only the iteration runs in
+# it: Muon's momentum stays fp32.
+@functools.lru_cache(maxsize=None)
+def _auto_dtype(device_type: str, index: int | None) -> torch.dtype:
+    return precision.choose(torch.device(device_type, index), "auto", what="--ns-dtype", warn=False).dtype
+
+
+def compute_dtype(device, dtype=None) -> torch.dtype:
+    """The dtype Newton-Schulz computes in on `device`: `dtype` if given (torch.float32,
+    torch.bfloat16, or "fp32" / "bf16"), else ("auto", None) the precision policy's choice."""
+    if dtype is None or dtype == "auto":
+        device = torch.device(device)
+        return _auto_dtype(device.type, device.index)
+    if isinstance(dtype, str) and dtype in precision.DTYPES:
+        return precision.DTYPES[dtype]
+    if dtype in (torch.float32, torch.bfloat16):
+        return dtype
+    raise ValueError(f"dtype must be None, 'auto', 'fp32', 'bf16', torch.float32 or torch.bfloat16, got {dtype!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
+
+
+# -- the path ---------------------------------------------------------------------------------
+# For short side m and long side n, one of three exact rewrites of the same iteration runs:
+#     plain       X X^T, A A and B X as full products (BLAS / cuBLAS), 4 m^2 n + 2 m^3 flops a step
+#     symmetric   X X^T and A A only on and above the diagonal, mirrored: on CPU in block rows
+#                 (cost (p+1)/(2p) of a full product for p blocks), on CUDA the Triton kernels
+#     gram        all steps on m x m polynomials in A_0 = X_0 X_0^T, X formed once per restart
+#                 segment ("the torch backend" below): ~2.1x fewer flops at n = 4m
+# PATH_TABLE is the one place that picks: the first row whose device and dtype match and whose
+# size conditions hold (m >= min_m, n >= min_aspect * m) gives the path, else "plain". On CUDA
+# `auto` runs the Triton kernels only for "symmetric" (cuBLAS's products otherwise); a forced
+# backend runs its own path (triton: symmetric, reference: plain). Why each row starts where it
+# does (docs/measurements.md#newton-schulz-paths): on a CPU the Gram form pays from n = 2m and
+# m = 256 (measured; in bf16 its rounding also stays within bound only from m = 256), block rows
+# from m = 256 in fp32 and 1024 in bf16 (sliced bf16 products cost their copies); on CUDA a paper
+# estimate: published SYRK-style kernels beat cuBLAS's GEMM only from m ~ 2048, and fp32 without
+# tensor cores follows the CPU's flop argument.
+class Row(NamedTuple):
+    device: str
+    dtype: str
+    path: str
+    min_m: int
+    min_aspect: float
+    source: str
+
+
+PATH_TABLE = (
+    # device  dtype   path         m >=  n/m >=  where the row comes from (the comment above)
+    Row("cpu",  "fp32", "gram",      256,  2.0,  "measured"),
+    Row("cpu",  "fp32", "symmetric", 256,  1.0,  "measured"),
+    Row("cpu",  "bf16", "gram",      256,  2.0,  "measured"),
+    Row("cpu",  "bf16", "symmetric", 1024, 1.0,  "measured"),
+    Row("cuda", "fp32", "gram",      1,    2.0,  "paper (flop count)"),
+    Row("cuda", "fp32", "symmetric", 2048, 1.0,  "paper (published SYRK vs GEMM)"),
+    Row("cuda", "bf16", "symmetric", 2048, 1.0,  "paper (published SYRK vs GEMM)"),
+)
+
+
+def choose_path(device_type: str, dtype: torch.dtype, m: int, n: int) -> str:
+    """The path for matrices with sides m and n (either order) on `device_type` in `dtype`."""
+    m, n = min(m, n), max(m, n)
+    name = dtype_name(dtype)
+    for row in PATH_TABLE:
+        if row.device == device_type and row.dtype == name and m >= row.min_m and n >= row.min_aspect * m:
+            return row.path
+    return "plain"
+
+
+def symmetric_pays(device_type: str, dtype: torch.dtype, m: int) -> bool:
+    """Whether m x m symmetric products are worth splitting (the symmetric row's min_m); the Gram
+    form asks this for its own m x m products."""
+    return choose_path(device_type, dtype, m, m) == "symmetric"
+
+
+# -- the op and its backends ------------------------------------------------------------------
 OP = "newton_schulz"
 register_op(OP, auto_order={
     "cuda": ("triton", "torch", "reference"),
@@ -98,7 +206,7 @@ def triton_backend(G, coeffs, dtype, path="symmetric"):
 #    restarting from X X^T after 2 steps and then every 3 (a few m^2 n flops) brings it back to the
 #    plain iteration's level (tested against float64 on low-rank inputs). In bf16 the restarts do
 #    not bring it all the way back: the Gram form stays within the bf16 error bound only from
-#    m = 256, where the table's bf16 row starts (newton_schulz_policy.py).
+#    m = 256, where the table's bf16 row starts (PATH_TABLE).
 #
 # "plain" is the direct form with one block row: full products, still fused by baddbmm.
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .newton_schulz_policy import compute_dtype
+from .newton_schulz import compute_dtype
 from .triton_utils import to_bf16_rtne
 
 # Tile configs. H100 (sm90, 132 SMs): 128x128 output tiles with 64-deep K slices keep the tensor

@@ -221,7 +221,7 @@ class GPT(nn.Module):
         return 6 * (nparams - nparams_embedding) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.sequence_len
 
     def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
-                         adam_betas=(0.8, 0.95), ns_coefficients=None, muon_recipe="seeds"):
+                         adam_betas=(0.8, 0.95), ns_coefficients=None, muon_recipe="quintic"):
         """[AdamW for lm_head and wte, Muon for every matrix in the blocks]; the distributed ZeRO-2
         versions when torch.distributed runs more than one process, the FSDP ones (optim/fsdp.py) once
         the model is sharded by fully_shard (its parameters are DTensors). `weight_decay` is AdamW's; Muon

@@ -29,14 +29,14 @@ class AdamW(ZeroOptimizer):
 
     kind = "adamw"
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, *, _distributed=False):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         check_hparam("lr", lr)
         check_hparam("betas[0]", betas[0], 0.0, 1.0)
         check_hparam("betas[1]", betas[1], 0.0, 1.0)
         check_hparam("eps", eps)
         check_hparam("weight_decay", weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, distributed=_distributed)
+        super().__init__(params, defaults)
 
     def _params(self):
         for group in self.param_groups:
@@ -52,9 +52,9 @@ class AdamW(ZeroOptimizer):
         lo, hi = self._owned_range(p)
         return p.data.view(-1)[lo:hi]
 
-    # -- phases ----------------------------------------------------------------------------------
+    # -- the step protocol (zero.py) -------------------------------------------------------------
 
-    def _launch_reduce(self):
+    def launch_reduce(self):
         W, r = self.world_size, self.rank
         slots = {}
         for p in self._params():
@@ -88,7 +88,7 @@ class AdamW(ZeroOptimizer):
     def _owned_grads(self):
         return [self._wait_grad(p) for p in self._params()]
 
-    def _apply(self, clip_coef):
+    def apply_update(self, clip_coef):
         scale = (1.0 if clip_coef is None else clip_coef) / self.grad_divisor
         step = self.num_updates + 1
         for group in self.param_groups:
@@ -136,7 +136,7 @@ class AdamW(ZeroOptimizer):
             work = all_gather(out, inp)
         self._pending["gathers"].append((p, work, slot["buffer"]))
 
-    def _gather(self):
+    def gather_params(self):
         for p, work, buffer in self._pending["gathers"]:
             work.wait()
             if buffer is not None:
@@ -170,7 +170,7 @@ class AdamW(ZeroOptimizer):
 
 
 class DistAdamW(AdamW):
-    """AdamW with ZeRO-2 sharding over the default torch.distributed process group."""
+    """AdamW with ZeRO-2 sharding over the default torch.distributed process group (AdamW's
+    arguments)."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, _distributed=True)
+    distributed = True

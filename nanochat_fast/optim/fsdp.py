@@ -20,8 +20,8 @@ leaves each rank the same rows of the gradient, already averaged over ranks.
 
 Both keep the state format of zero.py (world-size independent, AdamW's state as flat ranges,
 Muon's as whole matrices), so a checkpoint written with one sharding and world size loads with
-any other. Gradient clipping (clipping.py) works unchanged: each element of a gradient lives on
-exactly one rank, and each rank's sum of squares is over its own rows.
+any other, and both follow zero.py's step protocol, so optim.step (step.py) clips them unchanged:
+each element of a gradient lives on exactly one rank, each rank's sum of squares is over its rows.
 """
 import math
 
@@ -81,12 +81,14 @@ def exchange(send_pieces: list[list[torch.Tensor]], recv_sizes: list[int], dtype
 
 
 class FsdpAdamW(AdamW):
-    """AdamW on FSDP2's row shards: the owned range of a parameter is the rows this rank holds."""
+    """AdamW on FSDP2's row shards: the owned range of a parameter is the rows this rank holds.
+    AdamW's arguments."""
 
+    distributed = True
     grads_are_sums = False
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, _distributed=True)
+    def __init__(self, params, **hyperparameters):
+        super().__init__(params, **hyperparameters)
         check_row_sharded(self, self.world_size, self.rank)
 
     def _owned_range(self, p):
@@ -97,27 +99,24 @@ class FsdpAdamW(AdamW):
     def _owned_param(self, p):
         return local_tensor(p.data).view(-1)
 
-    def _launch_reduce(self):
+    def launch_reduce(self):
         # FSDP's backward has reduce-scattered (and averaged) the gradient already
         self._pending = dict(slots={p: dict(grad=local_tensor(self._grad(p)).reshape(-1), work=None)
                                     for p in self._params()}, works=[], gathers=[])
 
-    def _gather(self):
+    def gather_params(self):
         self._pending = None
 
 
 class FsdpMuon(Muon):
-    """Muon on FSDP2's row shards, each matrix orthogonalised once, by its owner (module docstring)."""
+    """Muon on FSDP2's row shards, each matrix orthogonalised once, by its owner (module docstring).
+    Muon's arguments."""
 
+    distributed = True
     grads_are_sums = False
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="quintic",
-                 ns_dtype="auto", weight_decay=0.0, cautious_weight_decay=False, normuon_beta=None,
-                 equilibrate_rows=False, renormalize=False):
-        super().__init__(params, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                         ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, weight_decay=weight_decay,
-                         cautious_weight_decay=cautious_weight_decay, normuon_beta=normuon_beta,
-                         equilibrate_rows=equilibrate_rows, renormalize=renormalize, _distributed=True)
+    def __init__(self, params, **hyperparameters):
+        super().__init__(params, **hyperparameters)
         check_row_sharded(self, self.world_size, self.rank)
         W = self.world_size
         # the matrices each rank owns, in the one order both all-to-alls use: (group, index in group)
@@ -135,9 +134,9 @@ class FsdpMuon(Muon):
         lo, hi = self._rows_of(g, rank)
         return (hi - lo) * self.param_groups[g]["params"][0].shape[1]
 
-    # -- phases ----------------------------------------------------------------------------------
+    # -- the step protocol (zero.py) -------------------------------------------------------------
 
-    def _launch_reduce(self):
+    def launch_reduce(self):
         """Step 1: send each owner this rank's rows of its matrices' gradients."""
         W, me = self.world_size, self.rank
         local = [[local_tensor(self._grad(p)) for p in group["params"]] for group in self.param_groups]
@@ -147,7 +146,7 @@ class FsdpMuon(Muon):
         work, recv = exchange(send, recv_sizes, first.dtype, first.device)
         self._pending = dict(works=[work], local=local, recv=recv, waited=False)
 
-    def _owned_grad_sq(self):
+    def owned_grad_sq(self):
         total = sum_of_squares([t for grads in self._pending["local"] for t in grads])
         return torch.zeros((), dtype=torch.float32, device=self._device()) if total is None else total
 
@@ -172,7 +171,7 @@ class FsdpMuon(Muon):
                 offset += n
         return stacks
 
-    def _apply(self, clip_coef):
+    def apply_update(self, clip_coef):
         """Step 2 on the owned matrices, then step 3's all-to-all is started."""
         self.ns_precision  # noqa: B018  (resolved on every rank together, before any rank's update)
         W, me = self.world_size, self.rank
@@ -191,7 +190,7 @@ class FsdpMuon(Muon):
         self._pending = dict(works=[work], recv=recv)
         self.num_updates += 1
 
-    def _gather(self):
+    def gather_params(self):
         """Step 3: apply this rank's rows of every update, each matrix with its group's lr."""
         W, me = self.world_size, self.rank
         self._pending["works"][0].wait()

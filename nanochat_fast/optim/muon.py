@@ -1,6 +1,6 @@
 """
 Muon (MomentUm Orthogonalized by Newton-Schulz) for the 2-D matrices of the transformer blocks, in
-one process (Muon) or sharded over the ranks (DistMuon, the same code).
+one process (Muon) or with each matrix owned by one rank (DistMuon, the same code).
 
 Per matrix (each step optional unless marked; MuonRecipe in recipe.py names the sets):
     buf = lerp(buf, g, 1 - momentum); g = lerp(g, buf, momentum) (Nesterov) or buf
@@ -12,35 +12,25 @@ Per matrix (each step optional unless marked; MuonRecipe in recipe.py names the 
     lr' = lr * lr_mul * max(1, rows/cols)^0.5
     p -= lr' * weight_decay * wd_mul * p   (only where u * p >= 0 with cautious_weight_decay)
     p -= lr' * u
-The gradient and the momentum (and v) are fp32 whatever ns_dtype is; u comes back in fp32 and is
-applied in the parameter's dtype.
-
-Matrices are grouped by shape and each group is stacked, so one batched newton_schulz call
-orthogonalizes every matrix of a shape a rank owns. Distributed, each matrix is owned by one rank,
-which keeps its momentum (1/W of the state) and computes its update:
-    reduce-scatter: the group's gradients, stacked as (W, c, rows, cols) with rank r's c slots
-                    holding the matrices it owns (zero padding where it owns fewer), so each rank
-                    receives the summed gradients of exactly its own matrices
-    update:         momentum + Newton-Schulz on the owned stack (c, rows, cols)
-    all-gather:     the updated owned matrices, copied back into every rank's parameters
-Ownership is balanced by bytes over all groups (largest matrices first, the least loaded rank
-takes the next matrix, at most c = ceil(K/W) of a K-matrix group per rank), so any group size and
-any world size work and no rank holds much more state than 1/W of the total.
+The gradient and the momentum (and v) are fp32 whatever ns_dtype is; u is applied in the
+parameter's dtype. Matrices of one shape are stacked: one batched newton_schulz call per shape.
 """
 import torch
 
 from ..hardware import tuning
 from ..hardware.precision import CHOICES, DTYPES, Precision, choose
-from ..kernels import newton_schulz
-from ..kernels.newton_schulz_policy import compute_dtype, resolve_coefficients
+from ..kernels.newton_schulz import newton_schulz, resolve_coefficients
 from .recipe import MuonRecipe
 from .zero import (ZeroOptimizer, all_gather, check_hparam, copy_flat_pieces, normalize_param_groups,
                    reduce_scatter_sum)
 
 
 def assign_owners(group_shapes: list[tuple[int, int]], group_sizes: list[int], world_size: int) -> list[list[int]]:
-    """For each group (K matrices of one shape), the rank that owns each matrix. Deterministic, so
-    every rank computes the same table."""
+    """For each group (K matrices of one shape), the rank that owns each matrix: it receives their
+    summed gradients, keeps their momentum (1/W of the state) and computes their updates.
+    Balanced by bytes over all groups (largest matrices first, the least loaded rank takes the
+    next matrix, at most c = ceil(K/W) of a group per rank), so any group size and any world size
+    work. Deterministic, so every rank computes the same table."""
     load = [0] * world_size
     owners = [[0] * k for k in group_sizes]
     order = sorted(range(len(group_shapes)), key=lambda g: -group_shapes[g][0] * group_shapes[g][1])
@@ -141,7 +131,7 @@ class Muon(ZeroOptimizer):
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="quintic",
                  ns_dtype="auto", weight_decay=0.0, cautious_weight_decay=False, normuon_beta=None,
-                 equilibrate_rows=False, renormalize=False, *, _distributed=False):
+                 equilibrate_rows=False, renormalize=False):
         check_hparam("lr", lr)
         check_hparam("momentum", momentum, 0.0, 1.0)
         check_hparam("weight_decay", weight_decay)
@@ -156,7 +146,7 @@ class Muon(ZeroOptimizer):
                         ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, weight_decay=weight_decay,
                         cautious_weight_decay=bool(cautious_weight_decay), normuon_beta=normuon_beta,
                         equilibrate_rows=bool(equilibrate_rows), renormalize=bool(renormalize))
-        super().__init__(self._group_by_shape(params), defaults, distributed=_distributed)
+        super().__init__(self._group_by_shape(params), defaults)
         self.recipe = None
         shapes = [tuple(g["params"][0].shape) for g in self.param_groups]
         sizes = [len(g["params"]) for g in self.param_groups]
@@ -198,7 +188,7 @@ class Muon(ZeroOptimizer):
     def schedule(self, step: int, num_iterations: int | None) -> float:
         """Set every group's momentum (and, with a recipe, its weight decay) for `step` from the
         recipe (the seeds' momentum warmup without one); returns the momentum."""
-        recipe = self.recipe or MuonRecipe.preset("seeds")
+        recipe = self.recipe or MuonRecipe()
         momentum = recipe.momentum_at(step, num_iterations)
         for group in self.param_groups:
             group["momentum"] = momentum
@@ -230,9 +220,12 @@ class Muon(ZeroOptimizer):
     def _owned(self, g):
         return self._layout[g]["slots"][self.rank]
 
-    # -- phases ----------------------------------------------------------------------------------
+    # -- the step protocol (zero.py) -------------------------------------------------------------
 
-    def _launch_reduce(self):
+    def launch_reduce(self):
+        """Per group, reduce-scatter the gradients stacked as (W, c, rows, cols), rank r's c slots
+        holding the matrices it owns (zero padding where it owns fewer): each rank receives the
+        summed gradients of exactly its own matrices."""
         W = self.world_size
         stacks, works = [], []
         for g, group in enumerate(self.param_groups):
@@ -258,7 +251,7 @@ class Muon(ZeroOptimizer):
             self._pending["waited"] = True
         return [stack[:len(self._owned(g))] for g, stack in enumerate(self._pending["stacks"])]
 
-    def _apply(self, clip_coef):
+    def apply_update(self, clip_coef):
         self.ns_precision  # noqa: B018  (resolved on every rank together, before any rank's update)
         W = self.world_size
         scale = (1.0 if clip_coef is None else clip_coef) / self.grad_divisor
@@ -285,7 +278,7 @@ class Muon(ZeroOptimizer):
         G = G.lerp_(buf, momentum) if group["nesterov"] else buf
         if group["equilibrate_rows"]:
             G = equilibrate_rows(G)
-        dtype = self.ns_precision.dtype if group["ns_dtype"] == "auto" else compute_dtype(G.device, group["ns_dtype"])
+        dtype = self.ns_precision.dtype if group["ns_dtype"] == "auto" else DTYPES[group["ns_dtype"]]
         U = newton_schulz(G, steps=group["ns_steps"], coefficients=group["ns_coefficients"], dtype=dtype,
                           out_dtype=torch.float32)
         if group["renormalize"]:
@@ -320,7 +313,7 @@ class Muon(ZeroOptimizer):
         out = torch.empty((self.world_size * c, *first.shape), dtype=first.dtype, device=first.device)
         self._pending["gathers"].append((g, all_gather(out, inp), out))
 
-    def _gather(self):
+    def gather_params(self):
         if self.world_size > 1:
             for g, work, out in self._pending["gathers"]:
                 work.wait()
@@ -373,12 +366,7 @@ class Muon(ZeroOptimizer):
 
 
 class DistMuon(Muon):
-    """Muon with each matrix owned by one rank of the default torch.distributed process group."""
+    """Muon with each matrix owned by one rank of the default torch.distributed process group
+    (Muon's arguments)."""
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="quintic",
-                 ns_dtype="auto", weight_decay=0.0, cautious_weight_decay=False, normuon_beta=None,
-                 equilibrate_rows=False, renormalize=False):
-        super().__init__(params, lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                         ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, weight_decay=weight_decay,
-                         cautious_weight_decay=cautious_weight_decay, normuon_beta=normuon_beta,
-                         equilibrate_rows=equilibrate_rows, renormalize=renormalize, _distributed=True)
+    distributed = True

@@ -1,46 +1,49 @@
 """
 MuonRecipe: everything about how Muon updates the matrices, as one validated value with two
-presets, so a run names its recipe in one word and can override any part of it.
+presets named for what they are, so a run names its recipe in one word and can override any part:
 
-    seeds     the recipe of the seeds (this project's default): 5 quintic Newton-Schulz steps,
-              Nesterov momentum warmed up 0.85 -> 0.95 over the first 300 steps, no weight decay
-    current   the recipe nanochat trains with today (its optim.py and base_train.py):
-              - Polar Express coefficients (5 steps)
-              - MuonEq: each row of the momentum rescaled to the mean row norm before the
-                orthogonalisation (better conditioned input)
-              - Muon+: the orthogonalised update rescaled to Frobenius norm sqrt(min(rows, cols)),
-                that of an exactly semi-orthogonal matrix
-              - NorMuon (arXiv:2510.05491): per-row second moment of the orthogonalised update
-                (per column for wide matrices: one statistic per index of the longer side), an
-                EMA with beta 0.9; the update is divided by its square root and rescaled to keep
-                its Frobenius norm
-              - cautious weight decay: p <- p - lr*wd*p only where the update and p have the same
-                sign (where the step already moves p towards zero), decoupled and scaled by the
-                matrix's learning rate (the lr times max(1, rows/cols)^0.5), wd 0.28 cosine-
-                scheduled to zero over the run; `scaled_weight_decay` applies nanochat's scaling
-                of wd with batch size and horizon
-              - momentum 0.85 -> 0.97 over the first 400 steps, then 0.97 -> 0.90 over the LR
-                warmdown (the last momentum_warmdown_ratio of the run: nanochat's default 0.65;
-                pass the run's own warmdown ratio)
+    quintic         the seeds' Muon (the default): 5 quintic Newton-Schulz steps, Nesterov
+                    momentum warmed up 0.85 -> 0.95 over 300 steps, no weight decay
+    polar-normuon   nanochat's recipe today: Polar Express coefficients, MuonEq, Muon+, NorMuon,
+                    cautious weight decay, momentum warmup and warmdown (PRESETS says each part)
 
-The dtype Newton-Schulz computes in (ns_dtype) is the same "auto" in both: it follows the hardware
+Their former names, seeds and current, work for one more release with a notice (preset_name).
+The dtype Newton-Schulz computes in (ns_dtype) is "auto" in both: it follows the hardware
 (nanochat_fast.hardware.precision), not the recipe.
 """
 import dataclasses
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 
+from ..core.distributed import print0
 from ..hardware.precision import CHOICES
-from ..kernels.newton_schulz_policy import resolve_coefficients
+from ..kernels.newton_schulz import resolve_coefficients
 
-PRESET_NAMES = ("seeds", "current")
+PRESET_NAMES = ("quintic", "polar-normuon")
+# the presets' names before they were named for what they are: accepted until the next release
+RENAMED = {"seeds": "quintic", "current": "polar-normuon"}
 WEIGHT_DECAY_SCHEDULES = ("constant", "cosine")
+_noticed = set()  # the former names this process has printed its notice for
+
+
+def preset_name(name):
+    """`name`, or the new name of a preset's former name. The first use of a former name in a
+    process prints one notice line to stderr (rank 0), so a run's log says it once."""
+    new = RENAMED.get(name) if isinstance(name, str) else None
+    if new is None:
+        return name
+    if name not in _noticed:
+        _noticed.add(name)
+        print0(f"note: the muon recipe {name!r} is now called {new!r} (--muon-recipe={new}); "
+               f"{name!r} will stop working in the next release", file=sys.stderr)
+    return new
 
 
 @dataclass(frozen=True)
 class MuonRecipe:
-    name: str = "seeds"                   # the preset it started from (logs and reports)
+    name: str = "quintic"                 # the preset it started from (logs and reports)
     ns_coefficients: object = "quintic"   # "quintic" | "polar_express" | ((a, b, c), ...) per step
     ns_steps: int = 5
     ns_dtype: str = "auto"                # "auto" | "fp32" | "bf16"
@@ -58,6 +61,7 @@ class MuonRecipe:
     momentum_warmdown_ratio: float = 0.0  # fraction of the run over which it goes momentum -> momentum_end
 
     def __post_init__(self):
+        object.__setattr__(self, "name", preset_name(self.name))
         if self.name not in PRESET_NAMES:
             raise ValueError(f"name must be one of {', '.join(PRESET_NAMES)}, got {self.name!r}")
         _check_int("ns_steps", self.ns_steps, 1)
@@ -83,7 +87,8 @@ class MuonRecipe:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "MuonRecipe":
-        """The preset `name` ("seeds" | "current") with some fields replaced."""
+        """The preset `name` ("quintic" | "polar-normuon") with some fields replaced."""
+        name = preset_name(name)
         if name not in PRESET_NAMES:
             raise ValueError(f"muon recipe must be one of {', '.join(PRESET_NAMES)}, got {name!r}")
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls) if f.name != "name"}
@@ -170,9 +175,24 @@ def _check_int(field, value, low):
         raise ValueError(f"{field} must be an int >= {low}, got {value!r}")
 
 
-PRESETS = {"seeds": MuonRecipe()}
-PRESETS["current"] = MuonRecipe(
-    name="current", ns_coefficients="polar_express", normuon=True, normuon_beta=0.9,
+# The presets. polar-normuon is the recipe nanochat trains with (its optim.py and base_train.py):
+#   - Polar Express coefficients (5 steps)
+#   - MuonEq: each row of the momentum rescaled to the mean row norm before the orthogonalisation
+#     (better conditioned input)
+#   - Muon+: the orthogonalised update rescaled to Frobenius norm sqrt(min(rows, cols)), that of an
+#     exactly semi-orthogonal matrix
+#   - NorMuon (arXiv:2510.05491): per-row second moment of the orthogonalised update (per column
+#     for wide matrices: one statistic per index of the longer side), an EMA with beta 0.9; the
+#     update is divided by its square root and rescaled to keep its Frobenius norm
+#   - cautious weight decay: p <- p - lr*wd*p only where the update and p have the same sign (where
+#     the step already moves p towards zero), decoupled and scaled by the matrix's learning rate
+#     (the lr times max(1, rows/cols)^0.5), wd 0.28 cosine-scheduled to zero over the run;
+#     `scaled_weight_decay` applies nanochat's scaling of wd with batch size and horizon
+#   - momentum 0.85 -> 0.97 over the first 400 steps, then 0.97 -> 0.90 over the LR warmdown (the
+#     last momentum_warmdown_ratio of the run: nanochat's default 0.65; pass the run's own ratio)
+PRESETS = {"quintic": MuonRecipe()}
+PRESETS["polar-normuon"] = MuonRecipe(
+    name="polar-normuon", ns_coefficients="polar_express", normuon=True, normuon_beta=0.9,
     cautious_weight_decay=True, weight_decay=0.28, weight_decay_schedule="cosine",
     equilibrate_rows=True, renormalize=True,
     momentum_start=0.85, momentum=0.97, momentum_warmup_steps=400, momentum_end=0.90, momentum_warmdown_ratio=0.65)

@@ -1,31 +1,11 @@
 """
-What AdamW and Muon share: ZeRO-2 sharding over the ranks of torch.distributed, a step split into
-phases so several optimizers can clip by one global norm, and a state format that does not depend
-on the number of processes.
-
-A step has five phases (nanochat_fast.optim.step drives them for a list of optimizers;
-`opt.step()` runs them for one, without clipping):
-    _launch_reduce()   start the async reduce-scatters: each rank receives the SUM over ranks of
-                       the gradient parts it owns
-    _owned_grad_sq()   wait for them; sum of squares of the owned part of the *averaged* gradient
-    _apply(clip)       scale the owned gradients by clip/world_size, update the owned parameters
-                       and optimizer state, start the all-gathers of the updated parameters
-    _gather()          wait for the all-gathers; every rank again holds identical parameters
-    _mark_updated()    move the parameters' version counters, as an in-place update would
-(or _discard() instead of _apply/_gather: the NaN guard drops the step, nothing is changed).
+What AdamW and Muon share: ZeRO-2 sharding over the ranks of torch.distributed, the step protocol
+(ZeroOptimizer: the phases step.py drives so several optimizers clip by one global norm), and a
+state format that does not depend on the number of processes (FORMAT, shard_state_dict).
 
 Gloo constraints this code respects (and NCCL is happy with): no Work.get_future() (waits use
 work.wait()), no PREMUL_SUM/AVG (the sum is scaled afterwards), collective inputs sized exactly
 world_size x output (padded where a tensor does not split evenly).
-
-The one world-size independent state format, saved per rank by shard_state_dict() and loaded from
-all the shards of any run by load_shard_state_dicts():
-    {"format": FORMAT, "kind": "adamw" | "muon", "world_size": N, "rank": r, "num_updates": int,
-     "param_groups": [{hyperparameters..., "param_names": [...]}],
-     "state": {param name: {"shape": [...], "offset": o, "numel": n, <state tensors>}}}
-A state tensor holds the flattened elements [offset, offset + numel) of the parameter's state
-(AdamW: the rank's slice; Muon: the whole matrix). Plain tensors, ints, floats, strings and lists
-only: loadable with torch.load(weights_only=True).
 """
 import math
 import numbers
@@ -35,9 +15,15 @@ import torch.distributed as dist
 
 from ..core.distributed import all_gather_single, reduce_scatter_single
 
+# The one world-size independent state format, saved per rank by shard_state_dict() and loaded from
+# all the shards of any run by load_shard_state_dicts():
+#     {"format": FORMAT, "kind": "adamw" | "muon", "world_size": N, "rank": r, "num_updates": int,
+#      "param_groups": [{hyperparameters..., "param_names": [...]}],
+#      "state": {param name: {"shape": [...], "offset": o, "numel": n, <state tensors>}}}
+# A state tensor holds the flattened elements [offset, offset + numel) of the parameter's state
+# (AdamW: the rank's slice; Muon: the whole matrix). Plain tensors, ints, floats, strings and lists
+# only: loadable with torch.load(weights_only=True).
 FORMAT = "nanochat_fast.optim/1"
-
-
 
 def reduce_scatter_sum(output, input):
     """Async: output <- this rank's chunk of the sum of `input` over ranks. Returns the Work."""
@@ -122,17 +108,37 @@ def jsonable_hparams(group: dict) -> dict:
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """Base of AdamW/Muon: world size, rank, parameter names, state format. Subclasses implement
-    the step phases and _state_entries/_load_entries."""
+    """Base of AdamW and Muon (and their Dist*, Fsdp* forms): world size, rank, parameter names,
+    the state format, and the step protocol: a step in phases, so that optim.step (step.py) can
+    run several optimizers as one, clipped by the norm of all their gradients together.
+
+        launch_reduce()        start the async gradient reductions; each rank will receive the
+                               SUM over ranks of the gradient parts it owns (each element of every
+                               gradient is owned by exactly one rank)
+        owned_grad_sq()        wait for them; the sum of squares (0-D fp32) of the owned part of
+                               the gradient *averaged* over ranks
+        apply_update(clip)     scale the owned gradients by clip (None: 1) and average them,
+                               update the owned parameters and optimizer state, count the step,
+                               start the all-gathers of the updated parameters
+        gather_params()        wait for the all-gathers: every rank holds identical parameters
+        mark_updated()         move the parameters' version counters, as an in-place update would
+        discard()              instead of apply_update/gather_params/mark_updated: drop the step
+                               (the NaN guard), change nothing
+
+    Every rank calls the same phases in the same order (they hold collectives). step() runs them
+    for this optimizer alone, without clipping. Subclasses implement launch_reduce, _owned_grads,
+    apply_update, gather_params, _state_entries and _load_entries."""
 
     kind = ""
+    # the Dist*/Fsdp* forms set it: rank and world size come from the default process group
+    distributed = False
     # ZeRO-2 receives each gradient summed over ranks (divided by the world size at the update);
     # under FSDP (optim/fsdp.py) the gradients arrive averaged already
     grads_are_sums = True
 
-    def __init__(self, params, defaults, distributed: bool):
+    def __init__(self, params, defaults):
         super().__init__(normalize_param_groups(params), defaults)
-        if distributed:
+        if self.distributed:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError(f"{type(self).__name__} needs torch.distributed to be initialized "
                                  f"(launch with torchrun and call compute_init); in a single process use "
@@ -179,43 +185,43 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._launch_reduce()
-        self._apply(None)
-        self._gather()
-        self._mark_updated()
+        self.launch_reduce()
+        self.apply_update(None)
+        self.gather_params()
+        self.mark_updated()
         return loss
 
-    # -- the phases (see the module docstring) --------------------------------------------------
+    # -- the step protocol (the class docstring) -------------------------------------------------
 
-    def _launch_reduce(self):
+    def launch_reduce(self):
         raise NotImplementedError
 
     def _owned_grads(self) -> list[torch.Tensor]:
-        """Wait for the reduce-scatters; this rank's owned gradients, summed over ranks."""
+        """Wait for the reductions; this rank's owned gradients, summed over ranks."""
         raise NotImplementedError
 
-    def _owned_grad_sq(self) -> torch.Tensor:
+    def owned_grad_sq(self) -> torch.Tensor:
         total = sum_of_squares(self._owned_grads())
         if total is None:
             return torch.zeros((), dtype=torch.float32, device=self._device())
         return total / (self.grad_divisor ** 2)  # of the average over ranks
 
-    def _apply(self, clip_coef):
+    def apply_update(self, clip_coef: float | None):
         raise NotImplementedError
 
-    def _gather(self):
+    def gather_params(self):
         raise NotImplementedError
 
-    def _mark_updated(self):
-        """After _gather: tell autograd the parameters changed in place. The updates write through
-        p.data and the kernels, which leave a parameter's version counter where it was (torch.optim's
-        in-place updates move it); what caches a function of the weights reads that counter
-        (model/packed_linears.py)."""
+    def mark_updated(self):
+        """After gather_params: tell autograd the parameters changed in place. The updates write
+        through p.data and the kernels, which leave a parameter's version counter where it was
+        (torch.optim's in-place updates move it); what caches a function of the weights reads that
+        counter (model/packed_linears.py)."""
         for group in self.param_groups:
             for p in group["params"]:
                 torch.autograd.graph.increment_version(p)
 
-    def _discard(self):
+    def discard(self):
         """Drop a step whose gradient was not finite: wait for the collectives in flight (every
         rank must take part in them), change nothing."""
         if self._pending is not None:
@@ -240,7 +246,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def shard_state_dict(self) -> dict:
-        """This rank's optimizer state in the world-size independent format (module docstring)."""
+        """This rank's optimizer state in the world-size independent format (FORMAT)."""
         return {
             "format": FORMAT,
             "kind": self.kind,

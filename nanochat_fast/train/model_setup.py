@@ -72,7 +72,7 @@ def muon_shapes(model: GPT) -> list[tuple[int, int, int]]:
 
 def tuning_works(depth: int, vocab_size: int, seq_len: int, rows: int, device) -> list[tuning.Work]:
     """What `python -m nanochat_fast.hardware --tune --depth N` times: the depth-N model's training
-    micro-step and its Muon matrices (the seeds recipe's Newton-Schulz)."""
+    micro-step and its Muon matrices (the quintic recipe's Newton-Schulz)."""
     model = _meta_model(config_from_depth(depth, vocab_size, seq_len))
     return [step_work(model, rows, seq_len, device), newton_schulz_work(muon_shapes(model), 5, "quintic", device)]
 

@@ -28,9 +28,15 @@ from ..core.cli import (boolean, choice, fraction, integer, non_negative_float, 
 from ..core.errors import UserError
 from ..hardware import precision
 from ..hardware.device import Device
-from ..optim.recipe import PRESET_NAMES, MuonRecipe
+from ..optim.recipe import PRESET_NAMES, MuonRecipe, preset_name
 
 HIDDEN = argparse.SUPPRESS  # help text of the test hooks: not shown by --help
+
+
+def muon_recipe_name(value) -> str:
+    """--muon-recipe's check: a preset's name; a former name (seeds, current) becomes the new one,
+    with its notice line."""
+    return choice(*PRESET_NAMES)(preset_name(value))
 
 
 def flag(default, check, help, **argparse_kwargs):
@@ -141,10 +147,11 @@ class OptimConfig(Config):
     warmup_ratio: float = flag(0.0, fraction, "fraction of steps of linear lr warmup")
     warmdown_ratio: float = flag(0.2, fraction, "fraction of steps of linear lr warmdown")
     final_lr_frac: float = flag(0.0, fraction, "lr at the end, as a fraction of the peak")
-    muon_recipe: str = flag("seeds", choice(*PRESET_NAMES), "Muon's recipe (optim/recipe.py): seeds (quintic "
-                            "Newton-Schulz, momentum warmup) or current (nanochat today: Polar Express, MuonEq, "
-                            "Muon+, NorMuon, cautious weight decay, momentum warmdown); the flags below override "
-                            "parts of it", choices=list(PRESET_NAMES))
+    muon_recipe: str = flag("quintic", muon_recipe_name, "Muon's recipe "
+                            "(optim/recipe.py): quintic (the seeds' Muon: quintic Newton-Schulz, momentum warmup) "
+                            "or polar-normuon (nanochat's today: Polar Express, MuonEq, Muon+, NorMuon, cautious "
+                            "weight decay, momentum warmdown); the flags below override parts of it. The former "
+                            "names seeds and current still work, with a notice", choices=list(PRESET_NAMES))
     ns_dtype: str = flag("auto", choice(*precision.CHOICES), "dtype Newton-Schulz computes in (auto: bf16 on CUDA "
                          "sm80+; on a CPU the faster one, timed at Muon's matrices and cached)", choices=list(precision.CHOICES))
     ns_coefficients: str | None = flag(None, optional(choice("quintic", "polar_express")),
@@ -153,7 +160,7 @@ class OptimConfig(Config):
     normuon: bool | None = flag(None, optional(boolean), "NorMuon's per-row normalisation of the update "
                                 "(default: the recipe's)", optional_bool=True)
     muon_weight_decay: float | None = flag(None, optional(non_negative_float), "Muon's weight decay (default: the "
-                                           "recipe's: 0 for seeds, 0.28 cautious and cosine-scheduled for current)")
+                                           "recipe's: 0 for quintic, 0.28 cautious and cosine-scheduled for polar-normuon)")
     sharding: str = flag("zero2", choice("zero2", "fsdp"), "how several processes share the model: zero2 (each "
                          "holds the whole model and gradient, the optimizer state is sharded) or fsdp (parameters, "
                          "gradients and optimizer state all sharded by FSDP2; for models that do not fit one device; "
@@ -169,10 +176,10 @@ class OptimConfig(Config):
                             "the warmup and the warmdown would overlap; lower one of them")
 
     def recipe(self) -> MuonRecipe:
-        """The Muon recipe: the --muon-recipe preset with the flags given on top. The current
+        """The Muon recipe: the --muon-recipe preset with the flags given on top. The polar-normuon
         recipe's momentum warmdown runs over this run's lr warmdown (--warmdown-ratio)."""
         overrides = dict(ns_dtype=self.ns_dtype)
-        if self.muon_recipe == "current":
+        if self.muon_recipe == "polar-normuon":
             overrides["momentum_warmdown_ratio"] = self.warmdown_ratio
         for name, value in (("ns_coefficients", self.ns_coefficients), ("normuon", self.normuon),
                             ("weight_decay", self.muon_weight_decay)):
