@@ -87,7 +87,7 @@ def test_the_check_fails_on_an_upward_import():
     assert forbidden_imports("from .. import hardware", "nanochat_fast.core.distributed") != []
     assert forbidden_imports("from ..model import gpt", "nanochat_fast.data.tokenizer") != []  # siblings too
     assert forbidden_imports("from ..kernels import registry\nfrom ..core import errors",
-                             "nanochat_fast.train.environment") == []
+                             "nanochat_fast.train.env_vars") == []
     assert forbidden_imports("from ..train import model_setup", "nanochat_fast.hardware.__main__") == []
     assert forbidden_imports("from nanochat_fast import _C", "nanochat_fast.optim.zero") != []
 

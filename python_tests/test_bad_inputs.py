@@ -21,7 +21,7 @@ from nanochat_fast.hardware import __main__ as hardware
 from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_rl, chat_sft, chat_web,
                                    export_checkpoint, export_nanochat, import_nanochat, infer_bench, mid_train,
                                    prepare_data, report, tok_train)
-from nanochat_fast.train import environment
+from nanochat_fast.train import env_vars
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_env, home_with_base_run
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
@@ -303,8 +303,8 @@ MODEL_SCRIPTS = ("base_train", "mid_train", "base_eval", "chat_cli", "chat_sft",
 
 def test_every_environment_variable_has_a_row():
     covered = {name for _, env, _ in ENV_CASES for name in env}
-    read = set(environment.KNOWN) | {"OMP_NUM_THREADS", "TRITON_INTERPRET", "LOCAL_WORLD_SIZE",
-                                     *environment.TORCHRUN_CORE, "MASTER_ADDR", "MASTER_PORT"}
+    read = set(env_vars.KNOWN) | {"OMP_NUM_THREADS", "TRITON_INTERPRET", "LOCAL_WORLD_SIZE",
+                                  *env_vars.TORCHRUN_CORE, "MASTER_ADDR", "MASTER_PORT"}
     assert read <= covered, read - covered
 
 

@@ -29,7 +29,7 @@ from ..data.tokenizer import get_tokenizer
 from ..model import generation, loading, packed_linears
 from ..model.batch_engine import BatchEngine, Request
 from ..train import run_dirs
-from ..train.environment import check_environment
+from ..train.env_vars import check_environment
 from ..web.pool import Prepared, Replica, ReplicaPool
 
 # Replies decoded together per replica when --slots is not given. A CUDA decode step is bound by

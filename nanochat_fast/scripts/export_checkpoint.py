@@ -15,7 +15,7 @@ from pathlib import Path
 from ..core import checkpoint, cli
 from ..core.errors import UserError
 from ..train import run_dirs
-from ..train.environment import check_environment
+from ..train.env_vars import check_environment
 
 PHASES = ("sft", "mid", "base")
 

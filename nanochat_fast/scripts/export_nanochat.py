@@ -24,7 +24,7 @@ from ..data import nanochat_tokenizer
 from ..data.tokenizer import get_tokenizer
 from ..model import loading, nanochat_checkpoint
 from ..train import run_dirs
-from ..train.environment import check_environment
+from ..train.env_vars import check_environment
 
 FOLDER_OF_PHASE = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints"}
 

@@ -38,7 +38,7 @@ from ..data import nanochat_tokenizer
 from ..data.tokenizer import RANKS_FILE, TOKEN_BYTES_FILE, Tokenizer, get_tokenizer, save_token_bytes, token_bytes_tensor
 from ..model import nanochat_checkpoint, nanochat_optimizer
 from ..model.gpt import GPTConfig
-from ..train.environment import check_environment
+from ..train.env_vars import check_environment
 from ..train.run_state import LoopState
 
 PHASE_OF_FOLDER = {"base_checkpoints": "base", "mid_checkpoints": "mid", "chatsft_checkpoints": "sft",
