@@ -189,6 +189,8 @@ def test_bad_requests_are_refused_in_one_line(model):
         BatchEngine(model, tok, slots=1, max_len=model.rotary_seq_len + 1)
     with pytest.raises(ValueError, match="slots must be a positive int"):
         BatchEngine(model, tok, slots=0)
+    with pytest.raises(ValueError, match="use_tools needs the tokenizer's tool tokens"):
+        BatchEngine(model, None, slots=1).add(Request([1], 4))  # GPT.generate's engine: no tokenizer
     assert engine.free_slots == 2 and engine.active == []
 
 

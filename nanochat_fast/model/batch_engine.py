@@ -84,7 +84,8 @@ class BatchEngine:
 
     One thread drives it: add() and cancel() between steps, step() to advance every row by one
     token. The model needs config (n_layer, vocab_size, sequence_len), get_device() and
-    forward(idx, kv_cache=...) with the kv_cache.py views; GPT is such a model."""
+    forward(idx, kv_cache=...) with the kv_cache.py views; GPT is such a model. Without a tokenizer
+    (GPT.generate: token ids in, token ids out) no token ends a row and no request may use tools."""
 
     def __init__(self, model, tokenizer, slots: int, max_len: int | None = None):
         max_len = model.config.sequence_len if max_len is None else max_len
@@ -98,8 +99,8 @@ class BatchEngine:
         self.slots, self.max_len = slots, max_len
         self.device = model.get_device()
         self.cache = SlotCache(model.config.n_layer, slots, max_len)
-        self.stop = stop_tokens(tokenizer)
-        self.tools = ToolUse(tokenizer)
+        self.stop = stop_tokens(tokenizer) if tokenizer is not None else frozenset()
+        self.tools = ToolUse(tokenizer) if tokenizer is not None else None
         self._free = list(range(slots))  # a heap: the lowest free slot first keeps the rows packed
         self._rows: list[DecodeRow] = []  # rows holding a slot, in the order they joined
         self._waiting: list[list[DecodeRow]] = []  # the copies of each request added since the last step
@@ -155,6 +156,8 @@ class BatchEngine:
             raise ValueError(f"top_k must be None or an int >= 1, got {request.top_k!r}")
         if not _is_int(request.seed):
             raise ValueError(f"seed must be an int, got {request.seed!r}")
+        if request.use_tools and self.tools is None:
+            raise ValueError("use_tools needs the tokenizer's tool tokens; this engine has no tokenizer")
         if not _is_int(copies) or not 1 <= copies <= self.slots:
             raise ValueError(f"copies must be an int in [1, {self.slots}] (the engine's slots), got {copies!r}")
 
