@@ -30,8 +30,6 @@ from ..hardware import precision
 from ..hardware.process_setup import ProcessSetup
 from ..optim.recipe import PRESET_NAMES, MuonRecipe
 
-HIDDEN = argparse.SUPPRESS  # help text of the test hooks: not shown by --help
-
 
 def flag(default, check, help, **argparse_kwargs):
     """A config field that is also a command-line flag (--field-name)."""
@@ -197,9 +195,6 @@ class LoopConfig(Config):
     keep_last: int = flag(0, non_negative_int, "keep only the newest K complete checkpoints (0: all)")
     skip_nonfinite: int = flag(0, non_negative_int, "skip up to N steps whose loss or grad norm is not finite "
                                                     "instead of stopping")
-    # test hooks: a NaN loss at a given step; a stop as if SIGTERM arrived
-    test_inject_nan_at_step: int | None = flag(None, optional(integer), HIDDEN)
-    test_preempt_at_step: int | None = flag(None, optional(integer), HIDDEN)
 
 
 @dataclass(frozen=True)
