@@ -2,7 +2,7 @@
 Ahead-of-time compile of every Triton kernel of the package, for GPUs that need not be present,
 with each compiled variant's resources checked against its target (gpu_targets.py):
 
-    python -m nanochat_fast.kernels.triton_aot [--targets sm_80,sm_90,sm_100] [--json PATH]
+    python -m nanochat_fast.tools.triton_aot [--targets sm_80,sm_90,sm_100] [--json PATH]
 
 triton_kernel_list.KERNELS lists every kernel and its runtime signature. A variant is one kernel x
 one config of its module's GPU_CONFIGS table x one dtype it accepts x one target; each is compiled with
@@ -37,13 +37,14 @@ from pathlib import Path
 
 import torch
 
+from .. import kernels
 from .gpu_targets import TARGETS, GPU, Usage, bundled_ptxas, check, cubin_registers, parse_ptxas_v, ptxas_v
 from . import triton_kernel_list
 from .triton_kernel_list import KERNELS
 
 TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "maxnreg")  # launch options, not constexprs
-PACKAGE_DIR = Path(__file__).resolve().parent
+KERNELS_DIR = Path(kernels.__file__).resolve().parent  # where coverage() looks for Triton kernels
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -61,7 +62,7 @@ def _is_triton_decorator(node) -> bool:
     return name in ("jit", "autotune", "heuristics")
 
 
-def discover(package_dir: Path = PACKAGE_DIR, package: str = "nanochat_fast.kernels") -> set[tuple[str, str]]:
+def discover(package_dir: Path = KERNELS_DIR, package: str = "nanochat_fast.kernels") -> set[tuple[str, str]]:
     """(module, name) of every Triton kernel in the sources under package_dir: a @triton.jit
     function that is launched somewhere (`fn[grid](...)`) or named *_kernel. Device helpers, jit
     functions only called from kernels, are not kernels. Read from source, not imported, so the
@@ -312,7 +313,7 @@ def summary(records: list[dict], seconds: float) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanochat_fast.kernels.triton_aot", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m nanochat_fast.tools.triton_aot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     parser.add_argument("--json", default=None, help="also write every variant's record here")
