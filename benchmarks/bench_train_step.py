@@ -5,7 +5,7 @@ make (the grid) and against stock PyTorch at its best on this machine.
 
 Variants:
   ours (defaults)      built the way base_train builds it (stage.run_stage), every flag at its
-                       default: base_train's parser -> TrainingConfig -> the Device that
+                       default: base_train's parser -> TrainingConfig -> the ProcessSetup that
                        DeviceConfig.init gives one process -> model_setup.build_for_training
                        (GPT.setup_optimizers with OptimConfig.optimizer_kwargs(): our AdamW and
                        Muon, the quintic recipe) -> base_train's horizon (20 tokens per parameter)
@@ -103,6 +103,7 @@ from nanochat_fast import hardware
 from nanochat_fast.core.compiling import CompileWatch
 from nanochat_fast.data.packed_loaders import TokenRowLoader
 from nanochat_fast.hardware import precision
+from nanochat_fast.hardware.process_setup import ProcessSetup
 from nanochat_fast.kernels.newton_schulz import QUINTIC
 from nanochat_fast.kernels.registry import ENV_VAR as KERNELS_ENV
 from nanochat_fast.model import loading
@@ -110,8 +111,8 @@ from nanochat_fast.model.gpt import GPT
 from nanochat_fast.optim import step as optim_step
 from nanochat_fast.scripts import base_train
 from nanochat_fast.train import model_setup, training_loop
-from nanochat_fast.train.environment import check_kernels
-from nanochat_fast.train.training_config import Device, TrainingConfig
+from nanochat_fast.train.env_vars import check_kernels
+from nanochat_fast.train.training_config import TrainingConfig
 
 corpus = bench_pack_rows.corpus  # the fixture: the default corpus, else synthetic documents
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -277,12 +278,12 @@ def new_loader(data, seq_len=T):
                           tokens_root=root)
 
 
-def one_process_device(cfg: TrainingConfig) -> Device:
+def one_process_device(cfg: TrainingConfig) -> ProcessSetup:
     """What cfg.device.init() gives one process, without its process set-up (threads and seeds
     stay the benchmark's own): the device, --dtype chosen before the model exists (a CPU's auto:
     the machine's matmul probe, replaced by tune_for_training's timing), the kernels."""
     chosen = precision.choose(DEVICE, cfg.device.dtype, what="--dtype", warn=False)
-    return Device(False, 0, 0, 1, DEVICE, chosen, check_kernels(DEVICE.type))
+    return ProcessSetup(False, 0, 0, 1, DEVICE, chosen, check_kernels(DEVICE.type))
 
 
 def grid_name(dtype: str, ns_dtype: str, compiled: bool) -> str:

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train_step as steps  # noqa: E402
 from nanochat_fast.core import paths  # noqa: E402
 from nanochat_fast.core.compiling import CompileWatch  # noqa: E402
-from nanochat_fast.model.gpt import KVCache  # noqa: E402
 from nanochat_fast.evals.bits_per_byte import evaluate_bpb  # noqa: E402
+from nanochat_fast.model.kv_cache import SlotCache, SlotPrefill  # noqa: E402
 
 
 def corpus():
@@ -113,7 +113,7 @@ def eval_and_sampling(data, depth=4, seq_len=256, eval_batches=8):
         """Greedy decoding through model.forward with a KV cache: a new length at every token."""
         def run():
             with torch.no_grad():
-                cache = KVCache(plain.config.n_layer, 8 + n)
+                cache = SlotPrefill(SlotCache(plain.config.n_layer, 1, 8 + n), 0)
                 ids = val[0][0][:1, :8]
                 for _ in range(n):
                     logits = model(ids, kv_cache=cache)

@@ -1,11 +1,11 @@
 """
 The "compiled, not run" section of benchmarks/RESULTS.md: every Triton kernel variant
-(nanochat_fast/kernels/triton_aot.py) and every CUDA C++ kernel (csrc/cuda/*.cu, by nvcc) compiled
+(nanochat_fast/tools/triton_aot.py) and every CUDA C++ kernel (csrc/cuda/*.cu, by nvcc) compiled
 for A100, H100 and B200 on a machine without a GPU, with its registers, shared memory and spills,
 and a roofline on paper for one representative call: its compulsory HBM bytes and its flops give
 the time at the target's peak memory bandwidth and at its peak math rate (bf16 tensor cores for
 bf16, fp32 CUDA cores for fp32); the longer of the two binds. Peak figures and their datasheets:
-nanochat_fast/kernels/gpu_targets.py.
+nanochat_fast/tools/gpu_targets.py.
 
     python benchmarks/compiled_table.py   # compiles everything, writes benchmarks/compiled.json and
                                           # this section of benchmarks/RESULTS.md
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from nanochat_fast.kernels.gpu_targets import TARGETS, check, nvcc_usage
+from nanochat_fast.tools.gpu_targets import TARGETS, check, nvcc_usage
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## Compiled, not run: A100, H100, B200"
@@ -62,7 +62,7 @@ def _nvcc() -> str | None:
 
 def cuda_records(archs=("sm_80", "sm_90")) -> list[dict]:
     """nvcc -Xptxas -v of every csrc/cuda/*.cu kernel per arch ([] without nvcc)."""
-    from nanochat_fast.kernels.triton_kernel_list import adamw_call
+    from nanochat_fast.tools.triton_kernel_list import adamw_call
     calls = {"adamw_slice_kernel<float>": adamw_call(torch.float32),
              "adamw_slice_kernel<__nv_bfloat16>": adamw_call(torch.bfloat16)}
     nvcc, out = _nvcc(), []
@@ -82,7 +82,7 @@ def cuda_records(archs=("sm_80", "sm_90")) -> list[dict]:
 def kernel_sources() -> str:
     """sha256 of what decides a variant's record besides the Triton version: the kernels' modules, the
     kernel list, the compile and its checks. Records of two versions compare only at the same sources."""
-    from nanochat_fast.kernels import gpu_targets, triton_aot, triton_kernel_list
+    from nanochat_fast.tools import gpu_targets, triton_aot, triton_kernel_list
     modules = {importlib.import_module(e.module) for e in triton_kernel_list.KERNELS}
     digest = hashlib.sha256()
     for module in sorted(modules | {gpu_targets, triton_aot, triton_kernel_list}, key=lambda m: m.__name__):
@@ -94,8 +94,8 @@ def triton_run(workers=None) -> dict:
     """Every Triton variant compiled by the installed Triton, each record with its call's cost, and
     what the run was: Triton version, the ptxas that reported, time, the kernel sources."""
     import triton
-    from nanochat_fast.kernels import triton_aot
-    from nanochat_fast.kernels import triton_kernel_list as kernel_list
+    from nanochat_fast.tools import triton_aot
+    from nanochat_fast.tools import triton_kernel_list as kernel_list
     t0 = time.perf_counter()
     records = triton_aot.compile_all(triton_aot.variants(), workers=workers)
     seconds = time.perf_counter() - t0
@@ -145,7 +145,7 @@ def by_variant(runs: list[dict]) -> dict[tuple, list]:
 
 def collect(workers=None, added=(), previous=()) -> dict:
     from nanochat_fast.kernels import newton_schulz_triton as nst
-    from nanochat_fast.kernels import triton_kernel_list as kernel_list
+    from nanochat_fast.tools import triton_kernel_list as kernel_list
     runs = merge_runs(triton_run(workers), added, previous)
     ns = []
     for K, m, n in NS_SHAPES:

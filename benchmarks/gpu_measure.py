@@ -39,7 +39,7 @@ from nanochat_fast.hardware import bandwidth as hw_bandwidth, precision  # noqa:
 from nanochat_fast.kernels import adamw_slice_update, registry, softcap_cross_entropy  # noqa: E402
 from nanochat_fast.kernels.newton_schulz import newton_schulz_reference  # noqa: E402
 from nanochat_fast.kernels.newton_schulz import QUINTIC, dtype_name  # noqa: E402
-from nanochat_fast.kernels.triton_kernel_list import adamw_bytes_per_param  # noqa: E402
+from nanochat_fast.tools.triton_kernel_list import adamw_bytes_per_param  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

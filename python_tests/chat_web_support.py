@@ -121,16 +121,19 @@ class Server:
 
 
 @contextmanager
-def chat_web_process(home: Path, args: list[str], timeout: float = 120.0, threads: int | None = 1):
+def chat_web_process(home: Path, args: list[str], timeout: float = 120.0, threads: int | None = 1,
+                     token_delay: float | None = None):
     """A real `python -m nanochat_fast.scripts.chat_web --port=0 ...` on 127.0.0.1; yields a Server
     once it answers /health, and stops it (SIGTERM, then SIGKILL) afterwards. Its output is read
     all along (an unread pipe would fill with access-log lines and stall the server); the last
     lines are kept in Server.log. threads: OMP_NUM_THREADS of the server (None: unset, chat_web's
-    own choice)."""
+    own choice). token_delay: seconds before every engine step (slow_chat_web.py: a slow model)."""
     import httpx
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env.update(NANOCHAT_FAST_HOME=str(home), PYTHONUNBUFFERED="1", **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    cmd = [sys.executable, "-m", "nanochat_fast.scripts.chat_web", "--host=127.0.0.1", "--port=0", *args]
+    script = ["-m", "nanochat_fast.scripts.chat_web"] if token_delay is None else \
+        [str(ROOT / "python_tests" / "slow_chat_web.py"), f"--token-delay={token_delay}", "--"]
+    cmd = [sys.executable, *script, "--host=127.0.0.1", "--port=0", *args]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     log, lines = collections.deque(maxlen=200), queue.Queue()
 

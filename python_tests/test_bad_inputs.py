@@ -22,7 +22,7 @@ from nanochat_fast.hardware import __main__ as hardware
 from nanochat_fast.scripts import (base_eval, base_train, chat_cli, chat_eval, chat_rl, chat_sft, chat_web,
                                    export_checkpoint, export_nanochat, import_nanochat, infer_bench, mid_train,
                                    prepare_data, report, tok_train)
-from nanochat_fast.train import environment
+from nanochat_fast.train import env_vars
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_env, home_with_base_run
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
@@ -217,7 +217,7 @@ BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--final-lr-frac": "2", "--ns-coefficients": "cubic", "--muon-recipe": "latest",
     "--sharding": "bogus", "--ns-dtype": "tf32", "--muon-weight-decay": "-0.5", "--eval-every": "x", "--eval-tokens": "0",
     "--sample-every": "1.5", "--save-every": "often", "--keep-last": "-1", "--skip-nonfinite": "-2",
-    "--test-inject-nan-at-step": "x", "--test-preempt-at-step": "y", "--device-type": "tpu", "--dtype": "fp16",
+    "--device-type": "tpu", "--dtype": "fp16",
     "--run": "../../x", "--out-dir": "/dev/null", "--resume": "/nonexistent/step_000001", "--seed": "-1",
     "--base-run": "../nope", "--base-step": "-1", "--extra-conversations": "missing.jsonl", "--step": "-1",
     "--samples": "-1", "--max-tokens": "0", "--temperature": "-1", "--top-k": "-1", "--datasets": "prose",
@@ -227,7 +227,7 @@ BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--workers": "0", "--max-new-tokens": "0", "--queue-size": "-1", "--request-timeout": "0",
     "--body-timeout": "0", "--slots": "0", "--batch-sizes": "0,-1", "--prompt-tokens": "0", "--decode-tokens": "1",
     "--kv-memory": "lots",
-    "--test-token-delay": "x", "--source-run": "../nope", "--source-step": "-1", "--target-examples-per-step": "0",
+    "--source-run": "../nope", "--source-step": "-1", "--target-examples-per-step": "0",
     "--chat-eval-examples": "-1", "--task": "ARC-Hard", "--max-examples": "-1", "--num-samples": "0",
     "--batch-size": "0", "--budget": "-1", "--device": "tpu", "--mid-run": "../nope", "--sft-run": "../nope", "--output": "/dev/null/card.md",
     "--rl-run": "../nope", "--examples-per-step": "0", "--num-epochs": "0", "--eval-examples": "-1",
@@ -303,8 +303,8 @@ MODEL_SCRIPTS = ("base_train", "mid_train", "base_eval", "chat_cli", "chat_sft",
 
 def test_every_environment_variable_has_a_row():
     covered = {name for _, env, _ in ENV_CASES for name in env}
-    read = set(environment.KNOWN) | {"OMP_NUM_THREADS", "TRITON_INTERPRET", "LOCAL_WORLD_SIZE",
-                                     *environment.TORCHRUN_CORE, "MASTER_ADDR", "MASTER_PORT"}
+    read = set(env_vars.KNOWN) | {"OMP_NUM_THREADS", "TRITON_INTERPRET", "LOCAL_WORLD_SIZE",
+                                  *env_vars.TORCHRUN_CORE, "MASTER_ADDR", "MASTER_PORT"}
     assert read <= covered, read - covered
 
 

@@ -4,7 +4,7 @@ checked against full forwards without any cache; slots come back; bad requests a
 import pytest
 import torch
 
-from nanochat_fast.model.batch_engine import BatchEngine, EngineFull, Request, Row
+from nanochat_fast.model.batch_engine import BatchEngine, DecodeRow, EngineFull, Request
 from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.model.kv_cache import SlotPrefill
 from stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
@@ -167,7 +167,7 @@ def test_full_engine_cancel_and_max_tokens(model):
     [empty] = engine.add(Request(prompt("nothing"), 0))
     assert empty.done and empty.reason == "max_tokens" and empty.slot is None and engine.free_slots == 2
     with pytest.raises(ValueError, match="not one of this engine's"):
-        BatchEngine(model, tok, slots=1).cancel(Row(Request([1], 1), 0))
+        BatchEngine(model, tok, slots=1).cancel(DecodeRow(Request([1], 1), 0))
 
 
 def test_bad_requests_are_refused_in_one_line(model):
@@ -189,6 +189,8 @@ def test_bad_requests_are_refused_in_one_line(model):
         BatchEngine(model, tok, slots=1, max_len=model.rotary_seq_len + 1)
     with pytest.raises(ValueError, match="slots must be a positive int"):
         BatchEngine(model, tok, slots=0)
+    with pytest.raises(ValueError, match="use_tools needs the tokenizer's tool tokens"):
+        BatchEngine(model, None, slots=1).add(Request([1], 4))  # GPT.generate's engine: no tokenizer
     assert engine.free_slots == 2 and engine.active == []
 
 

@@ -15,7 +15,7 @@ import torch
 from nanochat_fast import checkpoints
 from nanochat_fast.data.tokenizer import get_tokenizer
 from nanochat_fast.evals import task_runner, scoring, tasks
-from nanochat_fast.evals.tasks.core import MULTIPLE_CHOICE, CoreTask
+from nanochat_fast.evals.tasks.core_benchmark import MULTIPLE_CHOICE, CoreTask
 from nanochat_fast.model import loading
 from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.scripts import base_eval, chat_eval, mid_train

@@ -9,6 +9,7 @@ import torch
 from nanochat_fast import checkpoints
 from nanochat_fast.evals import tasks
 from nanochat_fast.scripts import base_train, chat_rl, chat_sft, report
+from faults import preempt_at_step
 from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, run_script, train_rows
 
 BASE = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
@@ -95,8 +96,9 @@ def test_stop_and_resume_is_exact(rl_home, monkeypatch, capsys):
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(rl_home))
     args = RL + ["--num-iterations=4", "--eval-every=-1", "--deterministic"]
     assert chat_rl.main(args + ["--run=full"]) == 0
-    assert chat_rl.main(args + ["--run=part", "--test-preempt-at-step=2"]) == 0
-    assert "stopped by --test-preempt-at-step at step 2" in capsys.readouterr().out
+    with preempt_at_step(2):
+        assert chat_rl.main(args + ["--run=part"]) == 0
+    assert "stopped by SIGTERM at step 2" in capsys.readouterr().out
     assert chat_rl.main(args + ["--run=part", "--resume=auto"]) == 0
     full, part = (torch.load(checkpoints.complete_checkpoints(rl_home / "runs" / r)[-1] / "model.pt",
                              weights_only=True) for r in ("full", "part"))

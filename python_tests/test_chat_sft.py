@@ -14,6 +14,7 @@ from nanochat_fast.evals import tasks
 from nanochat_fast.scripts import chat_eval, chat_sft, mid_train
 from nanochat_fast.train.stage_data import ConversationShards
 from eval_home import gsm8k, mc, write_eval_home, write_task
+from faults import preempt_at_step
 from test_gpt import random_model
 from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
 
@@ -158,8 +159,9 @@ def test_stop_and_resume_is_exact(sft_home, monkeypatch, capsys):
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(sft_home))
     args = SFT + ["--num-iterations=6", "--eval-every=-1", "--deterministic"]
     assert chat_sft.main(args + ["--run=full"]) == 0
-    assert chat_sft.main(args + ["--run=part", "--test-preempt-at-step=3"]) == 0
-    assert "stopped by --test-preempt-at-step at step 3" in capsys.readouterr().out
+    with preempt_at_step(3):
+        assert chat_sft.main(args + ["--run=part"]) == 0
+    assert "stopped by SIGTERM at step 3" in capsys.readouterr().out
     assert chat_sft.main(args + ["--run=part", "--resume=auto"]) == 0
     full, part = (torch.load(checkpoints.complete_checkpoints(sft_home / "runs" / r)[-1] / "model.pt",
                              weights_only=True) for r in ("full", "part"))

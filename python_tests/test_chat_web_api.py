@@ -26,6 +26,7 @@ from nanochat_fast.web.app import Settings, create_app  # noqa: E402
 from nanochat_fast.web.pool import ReplicaPool  # noqa: E402
 from nanochat_fast.web import schema  # noqa: E402
 from nanochat_fast.web.schema import Limits  # noqa: E402
+from slow_chat_web import Slowed  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "what is 2 plus 3?"}]
 LIMITS = Limits(max_tokens=64)
@@ -52,7 +53,9 @@ def make_app(model_and_tokenizer, wrap=None, slots=4, queue_limit=4, timeout=60.
              body_timeout=10.0, delay=0.0):
     """The app over one CPU replica made as chat_web makes it; wrap(engine) stands in for its engine."""
     model, tokenizer = model_and_tokenizer
-    replica = chat_web.make_replica(model, tokenizer, "cpu", slots, delay)
+    replica = chat_web.make_replica(model, tokenizer, "cpu", slots)
+    if delay > 0:
+        replica.engine = Slowed(replica.engine, delay)
     if wrap is not None:
         replica.engine = wrap(replica.engine)
     pool = ReplicaPool([replica], queue_limit=queue_limit)
@@ -237,7 +240,7 @@ async def asgi_call(app, method: str, raw_path: str, body: bytes = b"", headers=
     return sent[0]["status"], [m["body"].decode() for m in sent[1:] if m.get("body")]
 
 
-class Gated(chat_web.Slowed):
+class Gated(Slowed):
     """An engine whose steps give nothing until `gate` is set (each waits up to 5 ms for it), so the
     worker still sees stops and admits requests between them; then it fails its first step if told."""
 

@@ -55,7 +55,7 @@ def web_home(tiny_home):
 @pytest.fixture(scope="module")
 def server(web_home):
     # 0.2 s per token: a reply takes seconds, long enough to press Stop midway on a busy machine
-    with chat_web_process(web_home, ["--run=chat", "--test-token-delay=0.2", "--temperature=0.8", "--top-k=40"]) as s:
+    with chat_web_process(web_home, ["--run=chat", "--temperature=0.8", "--top-k=40"], token_delay=0.2) as s:
         yield s
 
 

@@ -84,8 +84,8 @@ def test_16_concurrent_clients_all_complete_and_memory_stays_flat(web_home, refe
 def slow_server(web_home):
     """A replica of 2 slots that takes 100 ms per step, so requests overlap, queue and are refused,
     and a stream can be left midway while another goes on."""
-    args = ["--run=chat", "--slots=2", "--queue-size=4", "--test-token-delay=0.1", "--body-timeout=1"]
-    with chat_web_process(web_home, args) as server:
+    args = ["--run=chat", "--slots=2", "--queue-size=4", "--body-timeout=1"]
+    with chat_web_process(web_home, args, token_delay=0.1) as server:
         yield server
 
 

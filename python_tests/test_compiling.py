@@ -4,8 +4,14 @@ tracing and guards of torch.compile without inductor's code generation, so it is
 import pytest
 import torch
 
-from nanochat_fast.core.compiling import MIN_RUN_SECONDS_AT_PEAK, CompileWatch, default_compile, fail_on_recompile
+from nanochat_fast.core.compiling import MIN_RUN_SECONDS_AT_PEAK, CompileWatch, default_compile
 from nanochat_fast.model.gpt import GPT, GPTConfig
+
+
+def fail_on_recompile():
+    """A context in which any recompile raises (torch.compiler.set_stance): evaluation and sampling
+    must leave the training graph alone."""
+    return torch.compiler.set_stance("fail_on_recompile")
 
 
 def test_watch_counts_graphs_and_recompiles():

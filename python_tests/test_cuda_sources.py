@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.utils.cpp_extension as cpp_extension
 
-from nanochat_fast.kernels import gpu_targets
+from nanochat_fast.tools import gpu_targets
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 CU_FILES = sorted((CSRC / "cuda").glob("*.cu"))

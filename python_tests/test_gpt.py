@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from nanochat_fast.model.gpt import GPT, GPTConfig, KVCache, config_from_depth
+from nanochat_fast.model.gpt import GPT, GPTConfig, config_from_depth
+from nanochat_fast.model.kv_cache import SlotCache, SlotPrefill
+from nanochat_fast.model.sampling import sample_next
 from nanochat_fast.optim import AdamW, Muon
 
 TINY = GPTConfig(sequence_len=16, vocab_size=101, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
@@ -103,24 +105,40 @@ def test_loss_reductions_and_ignore_index():
 
 
 def test_kv_cache_chunks_match_full_forward():
-    """Prefill, a multi-token chunk after a cached prefix (the masked path), then single tokens."""
+    """Prefill, a multi-token chunk after a cached prefix (the masked path), then single tokens;
+    each sequence in its own slot of one cache."""
     model = random_model()
     idx = torch.randint(0, TINY.vocab_size, (2, 12))
     full = model(idx)
-    cache = KVCache(TINY.n_layer, 12)
+    cache = SlotCache(TINY.n_layer, 2, 12)
     with torch.no_grad():
-        parts = [model(idx[:, :5], kv_cache=cache), model(idx[:, 5:9], kv_cache=cache),
-                 model(idx[:, 9:10], kv_cache=cache), model(idx[:, 10:12], kv_cache=cache)]
-    assert cache.get_pos() == 12
-    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
+        for row in (1, 0):
+            view = SlotPrefill(cache, row)
+            x = idx[row:row + 1]
+            parts = [model(x[:, :5], kv_cache=view), model(x[:, 5:9], kv_cache=view),
+                     model(x[:, 9:10], kv_cache=view), model(x[:, 10:12], kv_cache=view)]
+            assert view.get_pos() == 12
+            torch.testing.assert_close(torch.cat(parts, 1), full[row:row + 1], rtol=1e-5, atol=1e-5)
+
+
+def generate_without_cache(model, tokens, max_tokens, temperature=1.0, top_k=None, seed=42):
+    """GPT.generate's tokens the slow way, for checking it: the whole sequence run again for every
+    token (no cache), the same sampling rule and a generator seeded the same."""
+    rng = torch.Generator(device=model.get_device())
+    rng.manual_seed(seed)
+    ids = torch.tensor([tokens], dtype=torch.long, device=model.get_device())
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            ids = torch.cat((ids, sample_next(model(ids)[:, -1, :], temperature, top_k, rng)), dim=1)
+    return ids[0, len(tokens):].tolist()
 
 
 @pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, 5)])
-def test_generate_with_and_without_kv_cache(temperature, top_k):
+def test_generate_matches_a_full_recompute(temperature, top_k):
     model = random_model()
     prompt = [3, 14, 15, 92, 65]
     cached = list(model.generate(prompt, 20, temperature=temperature, top_k=top_k, seed=7))
-    uncached = list(model.generate(prompt, 20, temperature=temperature, top_k=top_k, seed=7, use_kv_cache=False))
+    uncached = generate_without_cache(model, prompt, 20, temperature=temperature, top_k=top_k, seed=7)
     assert len(cached) == 20 and all(isinstance(t, int) and 0 <= t < TINY.vocab_size for t in cached)
     assert cached == uncached
     if temperature == 0:
@@ -129,6 +147,13 @@ def test_generate_with_and_without_kv_cache(temperature, top_k):
         logits = model(torch.tensor([ids]))[0]
         assert cached == logits[len(prompt) - 1:-1].argmax(-1).tolist()
         assert len(set(cached)) > 1
+
+
+def test_generate_use_kv_cache_is_deprecated_and_ignored():
+    model = random_model()
+    with pytest.warns(DeprecationWarning, match="use_kv_cache"):
+        tokens = list(model.generate([1, 2, 3], 8, temperature=0, use_kv_cache=False))
+    assert tokens == list(model.generate([1, 2, 3], 8, temperature=0))
 
 
 def test_generate_rejects_bad_input():
@@ -249,7 +274,7 @@ def test_cuda_bf16_autocast_compiled_training():
     assert losses[-1] < losses[0]
     assert all(p.dtype == torch.float32 for p in model.parameters())
     cached = list(model.generate([1, 2, 3], 8, temperature=0))
-    assert cached == list(model.generate([1, 2, 3], 8, temperature=0, use_kv_cache=False))
+    assert cached == generate_without_cache(model, [1, 2, 3], 8, temperature=0)
 
 
 def test_evaluate_bpb_matches_a_hand_count():

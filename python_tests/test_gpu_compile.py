@@ -1,6 +1,6 @@
 """Every Triton kernel compiled ahead of time, without a GPU, for sm_80, sm_90 and sm_100 (every config
 of its GPU table x every dtype it accepts), each variant within its target's limits
-(kernels/triton_aot.py, kernels/triton_kernel_list.py). Marked `aot`: `pytest -m aot` runs these
+(tools/triton_aot.py, tools/triton_kernel_list.py). Marked `aot`: `pytest -m aot` runs these
 alone (~180 CPU-seconds of compiling in parallel processes; the fp32 variants take 3/4 of it).
 On a GPU (marked `gpu`): the kernels the runtime compiles are the variants compiled here, bit for bit."""
 import dataclasses
@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
-from nanochat_fast.kernels import triton_aot
-from nanochat_fast.kernels.gpu_targets import GPU, TARGETS, bundled_ptxas
-from nanochat_fast.kernels.triton_aot import compile_all, coverage, discover, variants
-from nanochat_fast.kernels.triton_kernel_list import KERNELS, Entry
+from nanochat_fast.tools import triton_aot
+from nanochat_fast.tools.gpu_targets import GPU, TARGETS, bundled_ptxas
+from nanochat_fast.tools.triton_aot import compile_all, coverage, discover, variants
+from nanochat_fast.tools.triton_kernel_list import KERNELS, Entry
 
 pytestmark = pytest.mark.aot
 KiB = 1024
@@ -116,7 +116,7 @@ def test_a_kernel_added_to_a_kernel_file_needs_an_entry(tmp_path):
     """A new launched @triton.jit function in a copy of the package is found; a device helper
     (jit, only called from kernels) is not a kernel."""
     pkg = tmp_path / "kernels"
-    shutil.copytree(triton_aot.PACKAGE_DIR, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(triton_aot.KERNELS_DIR, pkg, ignore=shutil.ignore_patterns("__pycache__"))
     path = pkg / "newton_schulz_triton.py"
     path.write_text(path.read_text() + textwrap.dedent("""
         @triton.jit

@@ -15,6 +15,7 @@ from nanochat_fast import checkpoints
 from nanochat_fast.core.cli import UserError
 from nanochat_fast.scripts import base_train
 from nanochat_fast.train import next_steps
+from faults import nan_loss_at_step, preempt_at_step
 from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, run_script, train_rows
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
@@ -82,8 +83,9 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(home):
 def test_stop_and_resume_is_bitwise_on_one_process(home, capsys):
     args = TINY + ["--num-iterations=14", "--deterministic", "--save-every=100"]
     assert base_train.main(args + ["--run=full"]) == 0
-    assert base_train.main(args + ["--run=part", "--test-preempt-at-step=6"]) == 0
-    assert "stopped by --test-preempt-at-step at step 6" in capsys.readouterr().out
+    with preempt_at_step(6):
+        assert base_train.main(args + ["--run=part"]) == 0
+    assert "stopped by SIGTERM at step 6" in capsys.readouterr().out
     assert [p.name for p in checkpoints.complete_checkpoints(home / "runs" / "part")] == ["step_000006"]
     assert base_train.main(args + ["--run=part", "--resume=auto"]) == 0
     full, part = model_state(home / "runs" / "full"), model_state(home / "runs" / "part")
@@ -97,7 +99,7 @@ def test_two_process_resume_and_world_size_changes(home):
     args = TINY + ["--num-iterations=12", "--save-every=100"]
     full = run_script("base_train", args + ["--run=full2"], home, nproc=2)
     assert full.returncode == 0, full.stderr[-3000:]
-    part = run_script("base_train", args + ["--run=part2", "--test-preempt-at-step=5"], home, nproc=2)
+    part = run_script("base_train", args + ["--run=part2"], home, nproc=2, faults=["--preempt-at-step=5"])
     assert part.returncode == 0 and "stopped by" in part.stdout, part.stderr[-3000:]
     shutil.copytree(home / "runs" / "part2", home / "runs" / "to_one")  # the same step-5 checkpoint, twice
     resumed = run_script("base_train", args + ["--run=part2", "--resume=auto"], home, nproc=2)
@@ -113,7 +115,7 @@ def test_two_process_resume_and_world_size_changes(home):
     assert [r["step"] for r in rows] == list(range(1, 13)) and all(r["loss"] < rows[0]["loss"] for r in rows[6:])
 
     # 1 -> 2: a single-process checkpoint continues under torchrun
-    single = run_script("base_train", args + ["--run=from_one", "--test-preempt-at-step=4"], home)
+    single = run_script("base_train", args + ["--run=from_one"], home, faults=["--preempt-at-step=4"])
     assert single.returncode == 0, single.stderr[-3000:]
     two = run_script("base_train", args + ["--run=from_one", "--resume=auto"], home, nproc=2)
     assert two.returncode == 0, two.stderr[-3000:]
@@ -140,7 +142,8 @@ def test_sigterm_under_torchrun_saves_and_resumes(home):
     step = checkpoints.load_meta(ckpt)["step"]
     assert 3 <= step < 2000
 
-    resumed = run_script("base_train", args + ["--resume=auto", f"--test-preempt-at-step={step + 2}"], home, nproc=2)
+    resumed = run_script("base_train", args + ["--resume=auto"], home, nproc=2,
+                         faults=[f"--preempt-at-step={step + 2}"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"(step {step}," in resumed.stdout
     assert checkpoints.complete_checkpoints(run_dir)[-1].name == f"step_{step + 2:06d}"
@@ -154,7 +157,8 @@ def test_resume_command_keeps_the_run_a_resume_path_named():
 
 
 def test_nan_guard_stops_before_the_update_and_saves_nothing_bad(home, capsys):
-    code = base_train.main(TINY + ["--num-iterations=20", "--save-every=3", "--run=n", "--test-inject-nan-at-step=5"])
+    with nan_loss_at_step(5):
+        code = base_train.main(TINY + ["--num-iterations=20", "--save-every=3", "--run=n"])
     assert code == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "non-finite loss at step 5" in err[0] and "step_000003" in err[0]
@@ -162,8 +166,8 @@ def test_nan_guard_stops_before_the_update_and_saves_nothing_bad(home, capsys):
     assert [p.name for p in saved] == ["step_000003"]
     assert checkpoints.all_finite(checkpoints.load_model_state(saved[0]).values())
 
-    assert base_train.main(TINY + ["--num-iterations=8", "--run=s", "--skip-nonfinite=1",
-                                   "--test-inject-nan-at-step=5"]) == 0
+    with nan_loss_at_step(5):
+        assert base_train.main(TINY + ["--num-iterations=8", "--run=s", "--skip-nonfinite=1"]) == 0
     assert "step skipped (1/1 allowed" in capsys.readouterr().out
     assert [r["step"] for r in train_rows(home / "runs" / "s")] == list(range(1, 9))
 

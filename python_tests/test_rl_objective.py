@@ -111,7 +111,8 @@ def test_pass_at_k_of_known_outcomes():
     examples = task.load(max_examples=30)
     share = sum(ex["answer"] == 2 for ex in examples) / len(examples)
     assert 0 < share < 1
-    result = task_runner.pass_at_k(model, tok, task, examples, num_samples=3, max_new_tokens=10, temperature=1.0)
+    result = task_runner.evaluate_pass_at_k(model, tok, task, examples, num_samples=3, max_new_tokens=10,
+                                            temperature=1.0)
     assert result == pytest.approx({"pass@1": share, "pass@2": share, "pass@3": share})
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanochat_fast.evals import scoring, tasks
-from nanochat_fast.evals.tasks.core import MULTIPLE_CHOICE, SCHEMA, CoreTask
+from nanochat_fast.evals.tasks.core_benchmark import MULTIPLE_CHOICE, SCHEMA, CoreTask
 from nanochat_fast.model.gpt import GPTConfig
 from stub_models import FavouriteTokenModel, ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
 from test_gpt import random_model

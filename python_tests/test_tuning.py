@@ -213,8 +213,8 @@ def test_a_training_run_takes_the_measured_dtypes(cpu, monkeypatch):
 
 
 def fake_device():
-    from nanochat_fast.train.training_config import Device
-    return Device(False, 0, 0, 1, torch.device("cpu"), precision.decide("cpu", "fp32"), {})
+    from nanochat_fast.hardware.process_setup import ProcessSetup
+    return ProcessSetup(False, 0, 0, 1, torch.device("cpu"), precision.decide("cpu", "fp32"), {})
 
 
 def test_tune_refuses_a_budget_nothing_fits(nanochat_home):

@@ -98,13 +98,17 @@ def home_with_base_run(tiny_home: Path, dst: Path, argv: list[str]) -> Path:
     return dst
 
 
-def run_script(name: str, args: list[str], home: Path, nproc: int = 1, timeout: int = 300, env=None):
-    """Run a script as a real process (under torchrun when nproc > 1); returns CompletedProcess."""
+def run_script(name: str, args: list[str], home: Path, nproc: int = 1, timeout: int = 300, env=None, faults=()):
+    """Run a script as a real process (under torchrun when nproc > 1); returns CompletedProcess.
+    faults: options of faults.py (e.g. ["--preempt-at-step=5"]), which then runs the script."""
+    target = ["-m", f"nanochat_fast.scripts.{name}"]
+    if faults:
+        target, args = [str(ROOT / "python_tests" / "faults.py")], [*faults, name, *args]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", f"nanochat_fast.scripts.{name}", "--", *args]  # `--`: torchrun would take --run as its --run-path
+               *target, "--", *args]  # `--`: torchrun would take --run as its --run-path
     else:
-        cmd = [sys.executable, "-m", f"nanochat_fast.scripts.{name}", *args]
+        cmd = [sys.executable, *target, *args]
     full_env = {**os.environ, "NANOCHAT_FAST_HOME": str(home), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
 

@@ -29,8 +29,6 @@ section of docs/measurements.md).
 """
 import time
 
-import torch
-
 # about where the per-step saving pays back a cold compile: docs/measurements.md#compile-policy
 MIN_RUN_SECONDS_AT_PEAK = 100.0
 
@@ -88,8 +86,3 @@ class CompileWatch:
     def describe(self) -> str:
         return f"{self.graphs} graph(s) compiled in {self.seconds:.1f} s" if self.graphs else "nothing compiled"
 
-
-def fail_on_recompile():
-    """A context in which any recompile raises (torch.compiler.set_stance): for tests that check
-    that evaluation and sampling leave the training graph alone."""
-    return torch.compiler.set_stance("fail_on_recompile")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.generation import fit_context, generate_batch
-from .tasks.core import CORE_TOTAL_TASKS
+from .tasks.core_benchmark import CORE_TOTAL_TASKS
 
 Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
 
@@ -211,7 +211,7 @@ def _scored_spans(task, tokens: list[list[int]]) -> list[tuple[int, int]]:
 @torch.no_grad()
 def core_counts(model, tokenizer, task, items: list[dict], indices=None, batch_size: int = 16,
                 max_seq_len: int | None = None, device=None) -> Counts:
-    """Accuracy on a CORE task (tasks.core). `items` are all the task's items (few-shot examples are
+    """Accuracy on a CORE task (tasks.core_benchmark). `items` are all the task's items (few-shot examples are
     drawn from them); `indices` the ones scored here (default: all). Prompts longer than
     max_seq_len (default: the model's sequence_len) lose their beginning. Rows of several items
     share a forward pass, up to batch_size rows."""

@@ -4,7 +4,7 @@ results the report card reads. chat_eval, base_eval and chat_sft's in-training e
 score through here:
 
     chat_task(model, tokenizer, task, examples, ...)   one chat task -> TaskResult
-    pass_at_k(model, tokenizer, task, examples, ...)   pass@1..n of a generative task (chat_rl)
+    evaluate_pass_at_k(model, tokenizer, task, ...)    pass@1..n of a generative task (chat_rl)
     core_subset(model, tokenizer, core_tasks, ...)     the CORE subset -> scoring.core_summary + counts
     record(run_dir, step, script, results)             merge into runs/<run>/evals.json (rank 0)
     read_records(run_dir)                              {"steps": {step: {script: {...}}}}
@@ -100,8 +100,9 @@ def chat_task(model, tokenizer, task, examples: list[dict], rank: int = 0, world
                       settings or {}, truncated)
 
 
-def pass_at_k(model, tokenizer, task, examples: list[dict], rank: int = 0, world_size: int = 1, num_samples: int = 1,
-              max_new_tokens: int = 256, temperature: float = 1.0, top_k: int | None = 50, seed: int = 42) -> dict:
+def evaluate_pass_at_k(model, tokenizer, task, examples: list[dict], rank: int = 0, world_size: int = 1,
+                       num_samples: int = 1, max_new_tokens: int = 256, temperature: float = 1.0,
+                       top_k: int | None = 50, seed: int = 42) -> dict:
     """{"pass@k": value} for k = 1..num_samples on `examples` (the same list on every rank; each
     rank samples its shard): num_samples replies per question (scoring.generative_counts), each
     question's unbiased pass@k (scoring.pass_at_k), averaged over the questions of every rank."""

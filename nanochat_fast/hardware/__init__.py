@@ -7,7 +7,7 @@ What this machine gives a training process, measured once and cached:
     tuning.py    fp32 or bf16, by timing both at the shapes that will run
     cache.py     the measurement files under NANOCHAT_FAST_HOME/hardware/, and the probes' rules
     precision.py the compute-dtype rule: CUDA sm80+ bf16, MPS fp32, a CPU what tuning.py measured
-    device.py    a process once set up: device, rank, compute dtype, the kernels that run there
+    process_setup.py  a process once set up: device, rank, compute dtype, the kernels that run there
 
     python -m nanochat_fast.hardware            threads, peaks, bandwidth, dtype timings cached here
     python -m nanochat_fast.hardware --tune     measure them again

@@ -13,7 +13,7 @@ import torch
 from ..core import cli, paths, threads
 from ..optim import muon  # noqa: F401  (model_setup and optim register how --tune re-times their work)
 from ..train import model_setup
-from ..train.environment import check_environment
+from ..train.env_vars import check_environment
 from . import bandwidth, peak, tuning
 from .cache import age_days
 

@@ -113,15 +113,11 @@ def _probe(device: torch.device) -> dict:
     return {"bytes_per_s": measure_read_bandwidth(device, nbytes), "buffer_bytes": nbytes}
 
 
-def measured_bandwidth(device, remeasure: bool = False, store: bool = True) -> dict:
+def measured_bandwidth(device, remeasure: bool = False) -> dict:
     """{"bytes_per_s": ..., "buffer_bytes": ..., "probe_seconds": ..., "measured": ...} of this
     device at the current thread count: cached unless stale, else probed (a fraction of a second
-    on a CPU) and cached unless the machine is busy or `store` is False (store_bandwidth later)."""
-    return CACHE.measured(machine_key(device), torch.device(device), remeasure, store)
-
-
-def store_bandwidth(device, entry: dict) -> dict:
-    return CACHE.store(machine_key(device), entry)
+    on a CPU) and cached unless the machine is busy."""
+    return CACHE.measured(machine_key(device), torch.device(device), remeasure, True)
 
 
 def datasheet_bandwidth(name: str) -> float | None:

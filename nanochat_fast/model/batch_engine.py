@@ -54,7 +54,7 @@ class EngineFull(Exception):
 
 
 @dataclass(eq=False)
-class Row:
+class DecodeRow:
     """One sequence of a request (one per copy): the caller's handle, filled in by the engine."""
     request: Request
     slot: int | None             # its cache slot (kept after it ends; None when max_tokens was 0)
@@ -69,7 +69,7 @@ class Row:
 
 @dataclass
 class Token:
-    row: Row
+    row: DecodeRow
     token: int
     forced: bool                 # written by the calculator tool, not sampled
     last: bool                   # the row ended with this token (its slot is free again)
@@ -84,7 +84,8 @@ class BatchEngine:
 
     One thread drives it: add() and cancel() between steps, step() to advance every row by one
     token. The model needs config (n_layer, vocab_size, sequence_len), get_device() and
-    forward(idx, kv_cache=...) with the kv_cache.py views; GPT is such a model."""
+    forward(idx, kv_cache=...) with the kv_cache.py views; GPT is such a model. Without a tokenizer
+    (GPT.generate: token ids in, token ids out) no token ends a row and no request may use tools."""
 
     def __init__(self, model, tokenizer, slots: int, max_len: int | None = None):
         max_len = model.config.sequence_len if max_len is None else max_len
@@ -98,11 +99,11 @@ class BatchEngine:
         self.slots, self.max_len = slots, max_len
         self.device = model.get_device()
         self.cache = SlotCache(model.config.n_layer, slots, max_len)
-        self.stop = stop_tokens(tokenizer)
-        self.tools = ToolUse(tokenizer)
+        self.stop = stop_tokens(tokenizer) if tokenizer is not None else frozenset()
+        self.tools = ToolUse(tokenizer) if tokenizer is not None else None
         self._free = list(range(slots))  # a heap: the lowest free slot first keeps the rows packed
-        self._rows: list[Row] = []        # rows holding a slot, in the order they joined
-        self._waiting: list[list[Row]] = []  # the copies of each request added since the last step
+        self._rows: list[DecodeRow] = []  # rows holding a slot, in the order they joined
+        self._waiting: list[list[DecodeRow]] = []  # the copies of each request added since the last step
 
     @staticmethod
     def kv_bytes(config, slots: int, max_len: int, dtype=torch.float32) -> int:
@@ -114,21 +115,21 @@ class BatchEngine:
         return len(self._free)
 
     @property
-    def active(self) -> list[Row]:
+    def active(self) -> list[DecodeRow]:
         """The rows holding a slot (waiting for their prefill or decoding), in the order they joined."""
         return list(self._rows)
 
-    def add(self, request: Request, copies: int = 1) -> list[Row]:
+    def add(self, request: Request, copies: int = 1) -> list[DecodeRow]:
         """`copies` rows continuing request.prompt (its prefill runs once, at the next step, and its
         cache is copied into each copy's slot). max_tokens 0 gives rows already done."""
         self._check(request, copies)
         if request.max_tokens == 0:
-            return [Row(request, None, c, done=True, reason="max_tokens") for c in range(copies)]
+            return [DecodeRow(request, None, c, done=True, reason="max_tokens") for c in range(copies)]
         if copies > len(self._free):
             raise EngineFull(f"{copies} slots asked for, {len(self._free)} of {self.slots} free")
         rows = []
         for c in range(copies):
-            row = Row(request, heapq.heappop(self._free), c)
+            row = DecodeRow(request, heapq.heappop(self._free), c)
             if request.temperature > 0:
                 row.rng = torch.Generator(device=self.device)
                 row.rng.manual_seed(request.seed + c)
@@ -155,10 +156,12 @@ class BatchEngine:
             raise ValueError(f"top_k must be None or an int >= 1, got {request.top_k!r}")
         if not _is_int(request.seed):
             raise ValueError(f"seed must be an int, got {request.seed!r}")
+        if request.use_tools and self.tools is None:
+            raise ValueError("use_tools needs the tokenizer's tool tokens; this engine has no tokenizer")
         if not _is_int(copies) or not 1 <= copies <= self.slots:
             raise ValueError(f"copies must be an int in [1, {self.slots}] (the engine's slots), got {copies!r}")
 
-    def cancel(self, row: Row):
+    def cancel(self, row: DecodeRow):
         """End `row` now (reason "cancelled"): its slot is free at once and it yields nothing more.
         A row already done is left as it is."""
         if row.done:
@@ -171,7 +174,7 @@ class BatchEngine:
         self._waiting = [group for group in self._waiting if group]
         self._end(row, "cancelled")
 
-    def _end(self, row: Row, reason: str):
+    def _end(self, row: DecodeRow, reason: str):
         row.done, row.reason = True, reason
         self._rows.remove(row)
         heapq.heappush(self._free, row.slot)
@@ -193,7 +196,7 @@ class BatchEngine:
             out = sorted(zip(rows, tokens), key=lambda pair: joined[pair[0]])
             return [self._advance(row, token) for row, token in out]
 
-    def _prefill(self, group: list[Row]) -> torch.Tensor:
+    def _prefill(self, group: list[DecodeRow]) -> torch.Tensor:
         """Run the request's prompt alone into the first copy's slot, copy that into the other
         copies' slots; the next-token logits, one row per copy."""
         prompt = group[0].request.prompt
@@ -205,7 +208,7 @@ class BatchEngine:
             row.length = len(prompt)
         return logits.expand(len(group), -1)
 
-    def _decode(self, rows: list[Row]) -> torch.Tensor:
+    def _decode(self, rows: list[DecodeRow]) -> torch.Tensor:
         """Feed every row its last token (rows in slot order) in one forward; their next-token logits."""
         ids = torch.tensor([[row.tokens[-1]] for row in rows], dtype=torch.long, device=self.device)
         batch = SlotBatch(self.cache, [row.slot for row in rows], [row.length for row in rows], self.device)
@@ -215,7 +218,7 @@ class BatchEngine:
             row.length += 1
         return logits
 
-    def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
+    def _sample(self, rows: list[DecodeRow], logits: torch.Tensor) -> list[int]:
         """Each row's token from its logits row: greedy rows in one argmax, the others each with
         their own settings and generator; one transfer to the host. Every row samples, even one
         whose next token the tool will force: its generator moves the same way in any batch."""
@@ -226,7 +229,7 @@ class BatchEngine:
                 chosen[i] = sample_next(logits[i:i + 1], r.temperature, r.top_k, row.rng)[0, 0]
         return chosen.tolist()
 
-    def _advance(self, row: Row, token: int) -> Token:
+    def _advance(self, row: DecodeRow, token: int) -> Token:
         """The row's next token (the tool's, when it has one queued), its tool state, whether it ended."""
         forced = bool(row.state.forced)
         if forced:

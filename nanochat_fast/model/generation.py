@@ -10,6 +10,8 @@ In text, the tool tokens read the way GSM8K writes its calculator notes: `<<expr
 Batched samples (generate_batch): the prompt is run once, its KV cache copied into num_samples
 rows, and every row decodes one token per step with its own tool state and its own generator
 (seeded seed + row); a row leaves the batch when it ends (<|assistant_end|> or <|bos|>).
+GPT.generate (nanochat's token-in, token-out loop) is one such row without a tokenizer
+(generate_tokens).
 """
 from dataclasses import dataclass
 
@@ -119,6 +121,14 @@ def generate_steps(model, tokenizer, prompt: list[int], num_samples: int = 1, ma
         if should_stop is not None and should_stop():
             return
         yield {t.row.copy: (t.token, t.forced) for t in engine.step()}
+
+
+def generate_tokens(model, tokens: list[int], max_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                    seed: int = 42):
+    """GPT.generate's tokens: yield `max_tokens` ids continuing `tokens`, one engine row without a
+    tokenizer (no stop token, no tool), sampled with a generator seeded `seed`."""
+    for column in generate_steps(model, None, tokens, 1, max_tokens, temperature, top_k, seed, use_tools=False):
+        yield column[0][0]
 
 
 @dataclass

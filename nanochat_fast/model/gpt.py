@@ -13,6 +13,7 @@ autocast: bf16 on CUDA sm80+, fp32 on MPS, and on a CPU whichever of fp32 and bf
 """
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +23,9 @@ import torch.nn.functional as F
 from ..core.distributed import is_distributed, print0
 from ..kernels import softcap_cross_entropy
 from . import packed_linears
-from .kv_cache import KVCache, SlotBatch  # noqa: F401 (KVCache: model.gpt is where callers import it from)
-from .sampling import sample_next
+from .generation import generate_tokens
+from .kv_cache import SlotBatch
+from .sampling import MIN_TEMPERATURE
 
 LOGIT_SOFTCAP = 15.0
 
@@ -275,7 +277,7 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         """idx (B, T) token ids -> logits (B, T, vocab) in fp32; with targets (B, T) the
         cross-entropy instead (targets -1 are ignored): a scalar for "mean"/"sum", (B, T) for "none".
-        kv_cache: None (training, scoring), a KVCache, or a slot cache view of batch_engine.py."""
+        kv_cache: None (training, scoring) or a slot cache view of kv_cache.py (the batch engine's)."""
         B, T = idx.size()
         cos_sin = self._rotary(T, kv_cache)
         x = self.transformer.wte(idx)
@@ -291,12 +293,14 @@ class GPT(nn.Module):
                                      LOGIT_SOFTCAP, ignore_index=-1, reduction=loss_reduction)
         return loss.view(B, T) if loss_reduction == "none" else loss
 
-    @torch.inference_mode()
-    def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42, use_kv_cache=True):
-        """Yield up to `max_tokens` sampled token ids continuing `tokens` (a list of ints).
-        temperature 0 is greedy; top_k keeps the k most likely tokens. With use_kv_cache the prompt
-        is run once and every new token costs one position; without it the whole sequence is
-        recomputed per token (same tokens, for checking the cache)."""
+    def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42, use_kv_cache=None):
+        """Yield `max_tokens` sampled token ids continuing `tokens` (a list of ints); no token ends
+        it early. temperature 0 (or below sampling.MIN_TEMPERATURE) is greedy; top_k keeps the k
+        most likely tokens. It runs as one row of the batch engine, the path chat, evaluation and
+        serving take (generation.generate_tokens)."""
+        if use_kv_cache is not None:
+            warnings.warn("GPT.generate(use_kv_cache=...) is deprecated and ignored (generation always uses the "
+                          "batch engine's cache); drop the argument", DeprecationWarning, stacklevel=2)
         if not isinstance(tokens, list) or not tokens:
             raise ValueError("tokens must be a non-empty list of token ids")
         if max_tokens < 0:
@@ -304,15 +308,6 @@ class GPT(nn.Module):
         if len(tokens) + max_tokens > self.rotary_seq_len:
             raise ValueError(f"prompt ({len(tokens)}) + max_tokens ({max_tokens}) exceeds the model's "
                              f"{self.rotary_seq_len} positions")
-        device = self.get_device()
-        rng = torch.Generator(device=device)
-        rng.manual_seed(seed)
-        ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        kv_cache = KVCache(self.config.n_layer, len(tokens) + max_tokens) if use_kv_cache else None
-        step_input = ids
-        for _ in range(max_tokens):
-            logits = self.forward(step_input if use_kv_cache else ids, kv_cache=kv_cache)[:, -1, :]
-            next_ids = sample_next(logits, temperature, top_k, rng)
-            ids = torch.cat((ids, next_ids), dim=1)
-            step_input = next_ids
-            yield next_ids.item()
+        # sample_next is greedy below MIN_TEMPERATURE, negative values included; the engine refuses those
+        temperature = temperature if temperature >= MIN_TEMPERATURE else 0.0
+        yield from generate_tokens(self, tokens, max_tokens, temperature, top_k, seed)

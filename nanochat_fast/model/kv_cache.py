@@ -1,57 +1,19 @@
 """
-The GPT's key/value caches, what a forward pass writes each layer's keys and values into so that the
-next token costs one position instead of the whole sequence:
+The GPT's key/value cache, what a forward pass writes each layer's keys and values into so that the
+next token costs one position instead of the whole sequence.
 
-- KVCache: one batch of sequences that all sit at the same position (one prompt, or its samples).
-  Grows with the sequence up to its max_len.
-- SlotCache: the continuous-batching cache of batch_engine.py. Storage for `slots` sequences is
-  preallocated once, [n_layer, 2, slots, n_kv_head, max_len, head_dim]; each conversation holds one
-  slot while it decodes and gives it back when it ends. Two views write into it:
-    SlotPrefill  a prompt run alone (B=1) into its slot; KVCache's interface, so the model's usual
-                 causal path runs it.
+SlotCache is the continuous-batching cache of batch_engine.py (every generation path goes through
+the engine). Storage for `slots` sequences is preallocated once, [n_layer, 2, slots, n_kv_head,
+max_len, head_dim]; each conversation holds one slot while it decodes and gives it back when it
+ends. Two views write into it:
+    SlotPrefill  a prompt run alone (B=1) into its slot from one position (get_pos() an int), so
+                 the model's usual causal path runs it.
     SlotBatch    one decode step of rows at different lengths: row i feeds one token at its own
                  position in its own slot, and attends to its own valid entries only.
 """
 import torch
 
 from ..kernels.decode_attention import decode_attention
-
-
-class KVCache:
-    """Keys and values of every layer for a batch of sequences, up to `max_len` positions.
-
-    Layers call insert_kv in order; the position advances once the last layer has inserted. The
-    storage is allocated at the first insert, in the dtype of the keys (bf16 under bf16 autocast).
-    """
-
-    def __init__(self, n_layer, max_len):
-        self.kv = None
-        self.n_layer = n_layer
-        self.max_len = max_len
-        self.pos = 0
-
-    def get_pos(self) -> int:
-        return self.pos
-
-    def insert_kv(self, layer_idx, k, v):
-        """Store k, v (B, H_kv, T, D) at the current position; return all keys/values so far."""
-        t0, t1 = self.pos, self.pos + k.size(2)
-        if self.kv is None:
-            B, H, _, D = k.shape
-            self.kv = torch.empty(self.n_layer, 2, B, H, self.max_len, D, dtype=k.dtype, device=k.device)
-        if t1 > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions, asked to grow to {t1}")
-        self.kv[layer_idx, 0, :, :, t0:t1] = k
-        self.kv[layer_idx, 1, :, :, t0:t1] = v
-        if layer_idx == self.n_layer - 1:
-            self.pos = t1
-        return self.kv[layer_idx, 0, :, :, :t1], self.kv[layer_idx, 1, :, :, :t1]
-
-    def select_rows(self, rows: torch.Tensor):
-        """Keep the sequences at `rows` (int64 indices into the batch, repeats allowed): a prompt
-        cached once becomes n rows with rows = [0] * n; finished rows leave the batch."""
-        if self.kv is not None:
-            self.kv = self.kv.index_select(2, rows.to(self.kv.device))
 
 
 class SlotCache:
@@ -90,7 +52,7 @@ class SlotCache:
 
 
 class SlotPrefill:
-    """One slot seen as a KVCache of batch 1: a prompt's forward writes its keys and values straight
+    """One slot seen as a cache of batch 1: a prompt's forward writes its keys and values straight
     into the slot, and the model runs its usual causal path over them."""
 
     def __init__(self, cache: SlotCache, slot: int):

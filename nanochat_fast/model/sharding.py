@@ -20,8 +20,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-MODES = ("zero2", "fsdp")
-
 
 def shard(model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn.Module:
     """fully_shard every block of `model` (a GPT) and then the root (wte, lm_head) over all ranks,

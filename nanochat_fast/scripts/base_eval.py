@@ -15,7 +15,7 @@ CORE (the DCLM paper's base-model benchmark, which nanochat reports) scores few-
 choice by the likelihood of each choice; each task's accuracy is centred by its chance level (0 at
 chance, 1 perfect) and the centred accuracies are averaged. Offline we have 10 of its 22 tasks
 (HellaSwag 0- and 10-shot, ARC-Easy, ARC-Challenge, COPA, CommonsenseQA, PIQA, OpenBookQA,
-Winogrande, BoolQ; evals/tasks/core.py), so the figure is named "CORE subset (10/22 tasks)" everywhere:
+Winogrande, BoolQ; evals/tasks/core_benchmark.py), so the figure is named "CORE subset (10/22 tasks)" everywhere:
 it is not comparable with published CORE scores. Its data: `python -m
 nanochat_fast.scripts.prepare_data --datasets=eval` (without it, CORE is skipped with a note).
 --max-examples N scores a fixed random sample of N items per task. Results go to the run's
@@ -27,7 +27,7 @@ from ..core import cli
 from ..core.distributed import print0
 from ..data.packed_loaders import ConversationRowLoader, TokenRowLoader
 from ..data.tokenizer import get_token_bytes, get_tokenizer
-from ..evals import benchmark_files, task_runner, tasks
+from ..evals import prepared_benchmarks, task_runner, tasks
 from ..evals.bits_per_byte import evaluate_bpb
 from ..model import generation, loading
 from ..train.stage_data import val_batches
@@ -88,9 +88,9 @@ def core_subset_if_prepared(model, tokenizer, args, dev) -> dict | None:
     """The CORE subset on the tasks whose data is prepared, printed task by task; None when skipped."""
     if args.max_examples == 0:
         return None
-    available = [t for t in tasks.CORE_SUBSET if benchmark_files.read_task_manifest(t.folder) is not None]
+    available = [t for t in tasks.CORE_SUBSET if prepared_benchmarks.read_task_manifest(t.folder) is not None]
     if not available:
-        print0(f"{tasks.SUBSET_NAME}: skipped, no evaluation data ({benchmark_files.PREPARE_HINT})")
+        print0(f"{tasks.SUBSET_NAME}: skipped, no evaluation data ({prepared_benchmarks.PREPARE_HINT})")
         return None
 
     def show(label, correct, total, accuracy, centred, seconds, truncated):

@@ -13,7 +13,7 @@ from .. import checkpoints
 from ..core import cli
 from ..data.tokenizer import get_tokenizer
 from ..model import generation, loading
-from ..train.environment import check_environment
+from ..train.env_vars import check_environment
 from ..train.training_config import DeviceConfig
 
 

@@ -69,9 +69,9 @@ def pass_at_k_eval(args):
         _, held_out, _ = split_examples(args.task, args.eval_examples)
 
         def evaluate(model):
-            return task_runner.pass_at_k(model, tokenizer, args.task, held_out, dev.rank, dev.world_size,
-                                         args.num_samples, args.max_new_tokens, args.temperature, args.top_k,
-                                         seed=cfg.run.seed)
+            return task_runner.evaluate_pass_at_k(model, tokenizer, args.task, held_out, dev.rank, dev.world_size,
+                                                  args.num_samples, args.max_new_tokens, args.temperature,
+                                                  args.top_k, seed=cfg.run.seed)
         return evaluate
     return make
 

@@ -25,7 +25,7 @@ ARC-Easy and MMLU (letter logits) at every evaluation, as nanochat's SFT does.
 """
 from ..core import cli
 from ..core.distributed import print0
-from ..evals import benchmark_files, task_runner, tasks
+from ..evals import prepared_benchmarks, task_runner, tasks
 from ..train import next_steps
 from ..train.stage import FromRun, Stage, answer_questions, one_epoch, run_stage
 from ..train.stage_data import Conversations, PaddedConversations, sft_sources
@@ -41,7 +41,7 @@ def chat_evals(max_examples: int):
     max_examples each, the same examples every time), counted over every rank."""
     def make(cfg, tokenizer, dev):
         chosen = [tasks.get(name) for name in IN_TRAINING_EVAL_TASKS]
-        missing = [t.name for t in chosen if benchmark_files.read_task_manifest(t.folder) is None]
+        missing = [t.name for t in chosen if prepared_benchmarks.read_task_manifest(t.folder) is None]
         if max_examples == 0 or missing:
             if max_examples:
                 print0(f"note: no in-training chat evaluation: no evaluation data for {', '.join(missing)} "

@@ -12,13 +12,11 @@ It listens on 127.0.0.1 (this machine only) unless --host says otherwise; there 
 any other address lets everyone who can reach it use the model. Needs the web extra:
 pip install -e ".[web]". API: GET /health, GET /stats, POST /chat/completions (see nanochat_fast/web/app.py).
 """
-import argparse
 import ipaddress
 import logging
 import math
 import socket
 import sys
-import time
 
 import torch
 
@@ -29,7 +27,7 @@ from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
 from ..model import generation, loading, packed_linears
 from ..model.batch_engine import BatchEngine, Request
-from ..train.environment import check_environment
+from ..train.env_vars import check_environment
 from ..web.pool import Prepared, Replica, ReplicaPool
 
 # Replies decoded together per replica when --slots is not given. A CUDA decode step is bound by
@@ -77,8 +75,6 @@ def build_parser():
     p.add_argument("--body-timeout", type=float, default=10.0,
                    help="seconds a request's body may take to arrive in full; a slower upload gets HTTP 408")
     p.add_argument("--device-type", default="", choices=["", "cpu", "cuda", "mps"], help="'' = autodetect")
-    # test hook, hidden from --help: sleep this long before every engine step (a slow model, for stop/queue tests)
-    p.add_argument("--test-token-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     return p
 
 
@@ -147,21 +143,7 @@ def kv_slots(args, config, device_type: str) -> int:
     return slots
 
 
-class Slowed:
-    """An engine whose every step first sleeps (the --test-token-delay hook: a slow model)."""
-
-    def __init__(self, engine, delay: float):
-        self.engine, self.delay = engine, delay
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def step(self):
-        time.sleep(self.delay)
-        return self.engine.step()
-
-
-def make_replica(model, tokenizer, device: str, slots: int, delay: float = 0.0) -> Replica:
+def make_replica(model, tokenizer, device: str, slots: int) -> Replica:
     """A replica for web/pool.py: an engine of `slots` rows at the model's full context, its KV cache
     allocated now by a two-token warm-up (a prefill and a decode step: a cache that does not fit fails
     before serving, and the first request pays neither for the first calls nor for packing the
@@ -176,7 +158,7 @@ def make_replica(model, tokenizer, device: str, slots: int, delay: float = 0.0) 
         ids, max_tokens, truncated = generation.reply_prompt(model, tokenizer, job.messages, job.max_tokens)
         stream = generation.ReplyStream(tokenizer)
         return Prepared(Request(ids, max_tokens, job.temperature, job.top_k, job.seed), stream.push, truncated)
-    return Replica(engine=Slowed(engine, delay) if delay > 0 else engine, prepare=prepare, device=device)
+    return Replica(engine=engine, prepare=prepare, device=device)
 
 
 def load_replicas(args, devices, tokenizer):
@@ -188,8 +170,8 @@ def load_replicas(args, devices, tokenizer):
     if meta["phase"] == "base":
         print(f"note: {ckpt} is a {meta['phase']} (not fine-tuned) checkpoint: it has not learned to chat",
               file=sys.stderr)
-    replicas = [make_replica(loading.restore_model(ckpt, config, device), tokenizer, str(device), slots,
-                             args.test_token_delay) for device in devices]
+    replicas = [make_replica(loading.restore_model(ckpt, config, device), tokenizer, str(device), slots)
+                for device in devices]
     return replicas, f"{run_dir.name} step {meta['step']} ({meta['phase']})", slots
 
 

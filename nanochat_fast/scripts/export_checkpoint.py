@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import checkpoints
 from ..core import cli
 from ..core.errors import UserError
-from ..train.environment import check_environment
+from ..train.env_vars import check_environment
 
 PHASES = ("sft", "mid", "base")
 

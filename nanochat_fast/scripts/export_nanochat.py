@@ -24,7 +24,7 @@ from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
 from ..interop import nanochat_checkpoint, nanochat_tokenizer
 from ..model import loading
-from ..train.environment import check_environment
+from ..train.env_vars import check_environment
 
 
 def build_parser():

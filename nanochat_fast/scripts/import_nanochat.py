@@ -36,7 +36,7 @@ from ..core.errors import UserError
 from ..data.tokenizer import RANKS_FILE, Tokenizer, get_tokenizer, save_token_bytes
 from ..interop import nanochat_checkpoint, nanochat_optimizer, nanochat_tokenizer
 from ..model.gpt import GPTConfig
-from ..train.environment import check_environment
+from ..train.env_vars import check_environment
 from ..train.run_state import LoopState
 
 

@@ -29,9 +29,9 @@ from ..core import cli, paths
 from ..core.errors import UserError
 from ..core.progress import progress_bar
 from ..data import corpus_sources, documents, token_shards
-from ..evals import benchmark_files
+from ..evals import prepared_benchmarks
 from ..train import next_steps
-from ..train.environment import check_environment
+from ..train.env_vars import check_environment
 
 EXTRAS = {s.name: s for s in corpus_sources.EXTRA_SOURCES}
 
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
         if "eval" in names:  # benchmark sets: JSONL files, never tokenized
             names.remove("eval")
             if args.stage != "tokens":
-                benchmark_files.prepare(overwrite=args.overwrite)
+                prepared_benchmarks.prepare(overwrite=args.overwrite)
     if args.stage in ("all", "text"):
         for name in names:
             manifest = prepare_folder(name, folder, args) if args.input else prepare_builtin(name, args)

@@ -27,7 +27,7 @@ from ..core import cli, paths
 from ..core.errors import UserError
 from ..evals import task_runner, tasks
 from ..model.gpt import GPT, GPTConfig
-from ..train.environment import check_environment
+from ..train.env_vars import check_environment
 
 STAGES = (("base", "BASE"), ("mid", "MID"), ("sft", "SFT"), ("rl", "RL"))
 NONE = "none"

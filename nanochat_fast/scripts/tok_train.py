@@ -19,7 +19,7 @@ from ..core.errors import UserError
 from ..data import documents, token_shards
 from ..data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, save_token_bytes
 from ..train import next_steps
-from ..train.environment import check_environment
+from ..train.env_vars import check_environment
 
 
 def build_parser():

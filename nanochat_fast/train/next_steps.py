@@ -115,7 +115,7 @@ def after_midtraining(run_dir: Path) -> str:
 def after_sft(run_dir: Path) -> str:
     """chat_eval of this run where evaluation data is prepared (on a machine without a GPU, a sample
     of CPU_EVAL_EXAMPLES per task: the full set takes a while there), else a chat with it."""
-    from ..evals.benchmark_files import read_task_manifest
+    from ..evals.prepared_benchmarks import read_task_manifest
     from ..evals.tasks import CHAT_TASKS
     if not any(read_task_manifest(task.folder) for task in CHAT_TASKS):
         return command("chat_cli", run_flag(run_dir))

@@ -13,7 +13,7 @@ import torch
 
 from .. import checkpoints, hardware
 from ..core.distributed import all_ranks_ok, print0
-from ..hardware.device import Device
+from ..hardware.process_setup import ProcessSetup
 from ..model import sharding
 from .stage_data import Data
 from .training_config import LoopConfig, OptimConfig
@@ -57,7 +57,7 @@ class Run:
     horizon: Horizon
     optim: OptimConfig                  # grad_clip and the lr schedule
     loop: LoopConfig                    # eval/sample/save cadence, NaN guard
-    dev: Device                         # device, rank, world_size, precision
+    dev: ProcessSetup                   # device, rank, world_size, precision
     peak: hardware.Peak | None          # the peak MFU is quoted against (None: n/a)
     compiled: bool                      # model is torch.compile'd: the first step's compile is timed apart
     meta: Callable[[], dict]            # model config, settings... for meta.json

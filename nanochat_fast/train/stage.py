@@ -43,11 +43,11 @@ from ..core.cli import flag_name, flag_values
 from ..core.distributed import compute_cleanup, print0
 from ..core.errors import UserError
 from ..data.tokenizer import Tokenizer, get_token_bytes, get_tokenizer
-from ..hardware.device import Device
+from ..hardware.process_setup import ProcessSetup
 from ..model import generation, loading
 from ..model.gpt import GPT, GPTConfig
 from . import model_setup, next_steps, run_report, tracking, training_loop
-from .environment import check_environment
+from .env_vars import check_environment
 from .run_report import MetricsLog
 from .run_state import Horizon, Run, restore
 from .stage_data import Data
@@ -156,7 +156,7 @@ class Stage:
 class RunSetup:
     """What run_stage settles before it opens the stage's data."""
     cfg: TrainingConfig            # the flags' configs, max_seq_len set to the starting point's
-    dev: Device                    # the process, before the dtypes are measured at the run's shapes
+    dev: ProcessSetup              # the process, before the dtypes are measured at the run's shapes
     tokenizer: Tokenizer
     point: StartPoint
     run_name: str
@@ -190,7 +190,7 @@ def run_stage(args, stage: Stage) -> int:
         compute_cleanup()
 
 
-def set_up(args, stage: Stage, cfg: TrainingConfig, dev: Device) -> RunSetup:
+def set_up(args, stage: Stage, cfg: TrainingConfig, dev: ProcessSetup) -> RunSetup:
     """The starting point, the run directory (and the checkpoint to resume, if any), then the model
     and its optimizers: the weights of that checkpoint, else of the starting point, else fresh."""
     tokenizer = get_tokenizer()
@@ -238,7 +238,7 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
     return run, {"Stage": lines, "Settings": settings}
 
 
-def meta_of_run(stage: Stage, setup: RunSetup, dev: Device, settings: dict) -> Callable[[], dict]:
+def meta_of_run(stage: Stage, setup: RunSetup, dev: ProcessSetup, settings: dict) -> Callable[[], dict]:
     """What every checkpoint's meta.json says of the run, read when it is saved (the loop adds its
     own state)."""
     point, tokenizer = setup.point, setup.tokenizer

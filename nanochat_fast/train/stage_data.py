@@ -41,7 +41,7 @@ from ..data.documents import CHAT, check_conversation
 from ..data.packed_loaders import ConversationRowLoader, TokenRowLoader
 from ..data.padded_conversations import ConversationMixture, PaddedConversationLoader
 from ..data.token_shards import TokenShards, token_dtype
-from ..evals import benchmark_files, tasks
+from ..evals import prepared_benchmarks, tasks
 from .training_config import micro_steps
 
 VAL_EVERY = 50  # of conversations brought alone, every 50th is held out (prepare_data's default too)
@@ -257,7 +257,7 @@ def task_conversations() -> tuple[list[tuple[str, list]], list[str]]:
     for task in tasks.CHAT_TASKS:
         if not task.train_splits:
             continue
-        if benchmark_files.read_task_manifest(task.folder) is None:
+        if prepared_benchmarks.read_task_manifest(task.folder) is None:
             missing.append(task.name)
             continue
         for split in task.train_splits:

@@ -27,10 +27,8 @@ from ..core.cli import (boolean, choice, fraction, integer, non_negative_float, 
                         positive_int, positive_or_unset_float, positive_or_unset_int, random_seed, run_name)
 from ..core.errors import UserError
 from ..hardware import precision
-from ..hardware.device import Device
+from ..hardware.process_setup import ProcessSetup
 from ..optim.recipe import PRESET_NAMES, MuonRecipe, preset_name
-
-HIDDEN = argparse.SUPPRESS  # help text of the test hooks: not shown by --help
 
 
 def muon_recipe_name(value) -> str:
@@ -204,9 +202,6 @@ class LoopConfig(Config):
     keep_last: int = flag(0, non_negative_int, "keep only the newest K complete checkpoints (0: all)")
     skip_nonfinite: int = flag(0, non_negative_int, "skip up to N steps whose loss or grad norm is not finite "
                                                     "instead of stopping")
-    # test hooks: a NaN loss at a given step; a stop as if SIGTERM arrived
-    test_inject_nan_at_step: int | None = flag(None, optional(integer), HIDDEN)
-    test_preempt_at_step: int | None = flag(None, optional(integer), HIDDEN)
 
 
 @dataclass(frozen=True)
@@ -217,26 +212,26 @@ class DeviceConfig(Config):
                       "CUDA sm80+; on a CPU the faster one, timed at the run's shapes and cached; fp32 on MPS)", choices=list(precision.CHOICES))
     # threads per process (core/threads.py) is decided in compute_init from the environment
 
-    def init(self, seed: int = 42, deterministic: bool = False) -> Device:
+    def init(self, seed: int = 42, deterministic: bool = False) -> ProcessSetup:
         """Set this process up (compute_init), then choose the compute dtype and check that the
         kernels asked for can run here. UserError for a device, dtype or backend that cannot. A
         CPU's auto dtype comes from this machine's matmul probe here (rank 0's, for every rank);
         a training stage then times its own model (model_setup.tune_for_training)."""
         from ..core.distributed import compute_init, rank0_decides
-        from .environment import check_kernels
+        from .env_vars import check_kernels
         ddp, rank, local_rank, world_size, device = compute_init(self.device_type, seed=seed,
                                                                  deterministic=deterministic)
         chosen = rank0_decides(lambda: precision.choose(device, self.dtype, what="--dtype"))
-        return Device(ddp, rank, local_rank, world_size, device, chosen, check_kernels(device.type))
+        return ProcessSetup(ddp, rank, local_rank, world_size, device, chosen, check_kernels(device.type))
 
 
 @contextmanager
 def evaluation_process(args):
     """For a command that evaluates a checkpoint (base_eval, chat_eval): the environment checked,
     this process set up from the parsed device flags (DeviceConfig.init) and described on rank 0,
-    and compute_cleanup() when the command ends, however it ends. Yields the Device."""
+    and compute_cleanup() when the command ends, however it ends. Yields the ProcessSetup."""
     from ..core.distributed import compute_cleanup, print0
-    from .environment import check_environment
+    from .env_vars import check_environment
     check_environment()
     dev = DeviceConfig.from_args(args).init()
     try:

@@ -56,7 +56,6 @@ class Session:
         # eval/sample/save happen once per step value, even if a step is skipped; a resumed run did
         # them at its first step before it saved, so it does not repeat them
         self.events_done_at = self.start_step if run.last_checkpoint is not None else None
-        self.nan_injected = False
         self.dt_ema = None  # recent seconds per step, for the ETA
 
     def arrive(self) -> Boundary:
@@ -78,7 +77,7 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
             at = s.arrive()
             if at.fresh:
                 evaluate_and_sample(s, at)
-            preempted = preemption_agreed(s, at.step)
+            preempted = preemption_agreed(s)
             if checkpoint_due(s, at, preempted):
                 s.bar.write(f"step {at.step:05d} | saved checkpoint {save(run)}")
             if preempted:
@@ -89,7 +88,7 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
 
             t0 = time.perf_counter()
             lrm = schedule(run, at.step)
-            result, watch = optimizer_step(s, at.step)
+            result, watch = optimizer_step(s)
             dt = without_compile_time(s, at.step, time.perf_counter() - t0, watch)
             if not result.finite:
                 if skip_nonfinite(s, at.step, result):
@@ -142,10 +141,8 @@ def print_samples(run: Run, model, bar: Progress):
             bar.write(f"  sample: {text!r}")
 
 
-def preemption_agreed(s: Session, step: int) -> bool:
+def preemption_agreed(s: Session) -> bool:
     """Whether any rank was asked to stop: all ranks agree (one all-reduce) and stop together."""
-    if s.run.loop.test_preempt_at_step == step and step > s.start_step:
-        s.preemption.signal_name = "--test-preempt-at-step"  # behaves exactly like a SIGTERM here
     return any_rank(s.preemption.signal_name is not None, s.run.device)
 
 
@@ -200,14 +197,12 @@ def set_schedule(optimizers, lrm: float, momentum: float):
                 group["momentum"] = momentum
 
 
-def optimizer_step(s: Session, step: int) -> tuple["StepResult", CompileWatch | None]:
+def optimizer_step(s: Session) -> tuple["StepResult", CompileWatch | None]:
     """train_step on this rank's next micro-batches; a compiled model's is watched for compiles."""
     run = s.run
     micro_batches = [next(run.data.train) for _ in range(run.grad_accum_steps)]
-    inject = run.loop.test_inject_nan_at_step == step and not s.nan_injected
-    s.nan_injected = s.nan_injected or inject  # a one-off fault: a skipped step is retried cleanly
     with CompileWatch() if run.compiled else contextlib.nullcontext() as watch:
-        result = train_step(run.model, run.optimizers, micro_batches, run.optim.grad_clip, run.autocast_ctx, inject)
+        result = train_step(run.model, run.optimizers, micro_batches, run.optim.grad_clip, run.autocast_ctx)
         if run.device.type == "cuda":
             torch.cuda.synchronize()
     return result, watch
@@ -226,7 +221,7 @@ class StepResult:
         return "loss" if not math.isfinite(self.loss) else "gradient norm"
 
 
-def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx, inject_nan=False) -> StepResult:
+def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx) -> StepResult:
     """One optimizer step over this rank's micro-batches (see the module docstring)."""
     local = torch.stack([torch.stack([(y >= 0).sum(), torch.tensor(x.numel(), device=x.device)])
                          for x, y, *_ in micro_batches]).sum(0).double()
@@ -238,8 +233,6 @@ def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx, inject
     for batch in micro_batches:
         with autocast_ctx:
             loss = micro_batch_loss(model, batch)
-        if inject_nan:
-            loss = loss * float("nan")
         (loss * world_size / n_sup.clamp(min=1)).backward()
         loss_sum += loss.detach().double()
     global_loss = (all_reduce_sum(loss_sum) / n_sup.clamp(min=1)).item()

