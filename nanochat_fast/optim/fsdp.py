@@ -80,9 +80,9 @@ def exchange(send_pieces: list[list[torch.Tensor]], recv_sizes: list[int], dtype
     return dist.all_to_all_single(recv, send.to(dtype), recv_sizes, in_splits, async_op=True), recv
 
 
-class FsdpAdamW(AdamW):
-    """AdamW on FSDP2's row shards: the owned range of a parameter is the rows this rank holds.
-    AdamW's arguments."""
+class RowSharded:
+    """What both optimizers below add to theirs: distributed, gradients already averaged by FSDP's
+    backward, and parameters checked to be split by rows as shard_rows says."""
 
     distributed = True
     grads_are_sums = False
@@ -90,6 +90,11 @@ class FsdpAdamW(AdamW):
     def __init__(self, params, **hyperparameters):
         super().__init__(params, **hyperparameters)
         check_row_sharded(self, self.world_size, self.rank)
+
+
+class FsdpAdamW(RowSharded, AdamW):
+    """AdamW on FSDP2's row shards: the owned range of a parameter is the rows this rank holds.
+    AdamW's arguments."""
 
     def _owned_range(self, p):
         row = math.prod(p.shape[1:])  # from the shape: indexing a DTensor would be a collective
@@ -108,16 +113,12 @@ class FsdpAdamW(AdamW):
         self._pending = None
 
 
-class FsdpMuon(Muon):
+class FsdpMuon(RowSharded, Muon):
     """Muon on FSDP2's row shards, each matrix orthogonalised once, by its owner (module docstring).
     Muon's arguments."""
 
-    distributed = True
-    grads_are_sums = False
-
     def __init__(self, params, **hyperparameters):
         super().__init__(params, **hyperparameters)
-        check_row_sharded(self, self.world_size, self.rank)
         W = self.world_size
         # the matrices each rank owns, in the one order both all-to-alls use: (group, index in group)
         self._owned_by = [[(g, i) for g, layout in enumerate(self._layout) for i in layout["slots"][r]]

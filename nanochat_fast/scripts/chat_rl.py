@@ -33,6 +33,7 @@ from ..train.stage import FromRun, Stage, answer_questions, run_stage
 from ..train.training_config import DataConfig, add_training_flags
 
 INIT_LR_FRACTION = 0.05  # nanochat's chat_rl starts at 5% of the pretraining learning rates
+START = FromRun("source_run", "source_step", phases=("sft", "mid"))  # a chat model: sft, else mid
 
 
 def rl_task(value: str):
@@ -79,7 +80,7 @@ def pass_at_k_eval(args):
 def stage(args) -> Stage:
     return Stage(
         phase="rl", title="reinforcement learning",
-        start=FromRun("source_run", "source_step", phases=("sft", "mid")),  # a chat model: sft, else mid
+        start=START,
         data=Rollouts(args.task, args.examples_per_step, sampling_of(args), args.eval_examples, args.num_epochs),
         horizon=rl_horizon,
         sample=lambda model, tokenizer: answer_questions([ex["question"] for ex in args.task.load(max_examples=3)],
@@ -92,12 +93,7 @@ def stage(args) -> Stage:
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_rl", description=__doc__)
-    g = p.add_argument_group("starting point")
-    g.add_argument("--source-run", type=cli.run_ref, default="",
-                   help="sft or mid run (name or directory) to start from (default: the newest sft run, else the "
-                        "newest mid run)")
-    g.add_argument("--source-step", type=cli.non_negative_int, default=None,
-                   help="checkpoint step of the source run (default: newest)")
+    START.add_flags(p)
     g = p.add_argument_group("task and sampling")
     g.add_argument("--task", type=rl_task, default="GSM8K", help=f"what to learn: {', '.join(tasks.RL_TASK_NAMES)}")
     g.add_argument("--examples-per-step", type=cli.positive_int, default=16,

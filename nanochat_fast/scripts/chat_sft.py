@@ -34,6 +34,7 @@ from .mid_train import SAMPLE_QUESTIONS
 
 LR_FRACTION = 0.02  # nanochat's SFT trains at 2% of the pretraining learning rates
 IN_TRAINING_EVAL_TASKS = ("ARC-Easy", "MMLU")  # categorical, so cheap enough to run at every eval
+START = FromRun("source_run", "source_step", phases=("mid", "base"))  # a mid run, else a base run
 
 
 def chat_evals(max_examples: int):
@@ -62,7 +63,7 @@ def stage(args) -> Stage:
     so the data object and the evaluations are made from them."""
     return Stage(
         phase="sft", title="supervised fine-tuning",
-        start=FromRun("source_run", "source_step", phases=("mid", "base")),  # a mid run, else a base run
+        start=START,
         data=PaddedConversations(args.target_examples_per_step, sft_sources),  # a conversation per row
         horizon=one_epoch,                  # one epoch of the mixture, or --num-iterations
         sample=answer_questions(SAMPLE_QUESTIONS),
@@ -74,12 +75,7 @@ def stage(args) -> Stage:
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_sft", description=__doc__)
-    g = p.add_argument_group("starting point")
-    g.add_argument("--source-run", type=cli.run_ref, default="",
-                   help="mid or base run (name or directory) to start from (default: the newest mid run, else the "
-                        "newest base run)")
-    g.add_argument("--source-step", type=cli.non_negative_int, default=None,
-                   help="checkpoint step of the source run (default: newest)")
+    START.add_flags(p)
     g = DataConfig.add_flags(p, only={"dataset", "max_seq_len", "device_batch_size"}, max_seq_len=None,
                              device_batch_size=4)
     g.add_argument("--target-examples-per-step", type=cli.positive_int, default=32,

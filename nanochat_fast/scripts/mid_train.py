@@ -34,11 +34,7 @@ MID = Stage(
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.mid_train", description=__doc__)
-    g = p.add_argument_group("starting point")
-    g.add_argument("--base-run", type=cli.run_ref, default="",
-                   help="base run (name or directory) to start from (default: the newest base run)")
-    g.add_argument("--base-step", type=cli.non_negative_int, default=None,
-                   help="checkpoint step of the base run (default: newest)")
+    MID.start.add_flags(p)
     g = DataConfig.add_flags(p, dataset="", max_seq_len=None)
     g.add_argument("--extra-conversations", type=Conversations, default=None, metavar="FILE.jsonl",
                    help="your own conversations: mixed in, or the whole training set without a conversation dataset")

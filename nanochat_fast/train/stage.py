@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import checkpoints, hardware
-from ..core import threads
+from ..core import cli, threads
 from ..core.cli import flag_name, flag_values
 from ..core.distributed import compute_cleanup, print0
 from ..core.errors import UserError
@@ -84,6 +84,16 @@ class FromRun:
 
     def __init__(self, run_flag: str, step_flag: str, phases: tuple):
         self.run_flag, self.step_flag, self.phases = run_flag, step_flag, phases
+
+    def add_flags(self, parser):
+        """The two flags, in a "starting point" group: `--source-run` (a run of one of `phases`, by
+        default the newest) and `--source-step`, named after `run_flag` and `step_flag`."""
+        g = parser.add_argument_group("starting point")
+        newest = ", else ".join(f"the newest {phase} run" for phase in self.phases)
+        g.add_argument(flag_name(self.run_flag), type=cli.run_ref, default="",
+                       help=f"{' or '.join(self.phases)} run (name or directory) to start from (default: {newest})")
+        g.add_argument(flag_name(self.step_flag), type=cli.non_negative_int, default=None,
+                       help=f"checkpoint step of the {self.run_flag.replace('_', ' ')} (default: newest)")
 
     def resolve(self, args, cfg, tokenizer) -> StartPoint:
         run_dir = checkpoints.run_dir_of(getattr(args, self.run_flag), self.phases)
