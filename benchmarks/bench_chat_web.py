@@ -1,25 +1,13 @@
 """chat_web latency and throughput: time to first token and tokens/s for 1 and 8 concurrent
 streaming clients, the 8 decoded together in one replica's batch engine.
 
-The model is demo-sized (depth 4: n_embd 256, 2 heads; 512 positions; the vocabulary of the
-tokenizer under NANOCHAT_FAST_HOME, 8192 in the prepared home) with random weights written by the
-package's checkpoint writer: serving speed does not depend on what the weights say. Greedy replies
-of up to MAX_TOKENS tokens to one question, through a real `chat_web` process on 127.0.0.1 with one
-replica of 8 slots (the CPU default), measured by the client (httpx, streaming). The baseline is the
-same reply generated in this process by generation.assistant_reply with no server around it.
-Variants run in interleaved rounds (each round: direct, direct 8 together, 1 client, 8 clients, in
-rotating order); medians over rounds. "direct, 8 together" decodes 8 replies in one BatchEngine in
-this process: how the engine alone scales from 1 row to 8 on this machine, the ceiling for the
-server's 8 clients.
-
-  TTFT         request sent -> first token event received (direct: call -> first text piece)
-  tok/s/client one client's token events after its first / the time from its first to its last
-  ms/token     its inverse: the time between one client's tokens (per-token latency)
-  tok/s total  every token of the round (server's /stats count) / the round's wall time
-
-Targets, from the same run (the report's second table): 8 clients' tok/s total >= 4x one client's;
-the 8-client rounds' TTFT median <= 0.5 s; every client of the 8-client rounds at <= 2x one
-client's per-token latency (the median over the 1-client rounds).
+A demo-sized model (depth 4) with random weights behind a real `chat_web` process on 127.0.0.1 (one
+replica of 8 slots), greedy replies measured by the client (httpx, streaming), against the same
+reply generated in this process with no server around it, alone and 8 together in one BatchEngine.
+Variants run in interleaved rounds; medians over rounds. Targets, from the same run: 8 clients' tok/s
+total >= 4x one client's; the 8-client rounds' TTFT median <= 0.5 s; every client of the 8-client
+rounds at <= 2x one client's per-token latency. The set-up and each figure's definition:
+docs/measurements.md#benchmark-chat-serving.
 
     .venv/bin/python -m pytest benchmarks/bench_chat_web.py -o python_files='bench_*.py' --benchmark-json=/tmp/web.json
 """

@@ -2,30 +2,13 @@
 ns_dtype auto (the default), forced fp32 and forced bf16, against torch.optim.Muon, in the same
 interleaved rounds.
 
-depth 8 -> 48 matrices (512x512 q, k, v, o; 2048x512 and 512x2048 MLP), 25.2M values, 322 GFLOP of
-Newton-Schulz per step in the plain iteration; depth 20 -> 120 matrices of width 1280, 12.6 TFLOP.
-Every variant gets the same lr (0.02), momentum (0.95, Nesterov), 5 quintic steps and
-update scale (torch's adjust_lr_fn="original" is max(1, rows/cols)^0.5, ours too), weight_decay=0
-for torch's. Ours groups same-shape matrices and orthogonalizes each group with one newton_schulz
-call, on the path the shape table picks, in the ns_dtype it is given; auto is decided as in a run
-(Muon.resolve_ns_precision: bf16 on CUDA sm80+; on a CPU the faster of fp32 and bf16, timed on
-these matrix stacks, or at their largest matmuls where that does not fit its 30 s budget, and
-cached under NANOCHAT_FAST_HOME/hardware/), before the rounds, so the timing it does once is not
-in them; the table names the choice and the measurement behind it. torch.optim.Muon runs one
-matrix at a time, in bf16 on every device.
-Before timing, one step of ours (fp32) and of torch's from the same state is checked to give the
-same update (to bf16 accuracy) on small matrices of the same aspect ratios.
-
-Time budget: each test plans its variants from flop counts and this machine's matmul rates
-(harness.plan_modes), in priority order (torch.optim.Muon, ours auto, ours fp32, ours bf16): a
-variant is timed as a full step where MIN_ROUNDS + 1 rounds fit in what is left of the budget,
-else as a per-shape estimate (one matrix of each distinct shape timed, times the number of
-matrices of that shape: torch.optim.Muon updates matrices one at a time, so for it this is its
-step; for ours, which batches same-shape matrices, an upper bound; ours (auto) per shape runs in
-the dtype auto chose for the whole set), else not at all (the table says why and gives the
-flop-count estimate); ours (auto) is always timed. Where bf16 is emulated (~1 GFLOP/s) torch.optim.Muon
-on a depth-8 step is ~5 minutes and is timed per shape; at depth 20 its bf16 is not timed, and
-the ratios are then to ours (auto).
+Every variant gets the same lr (0.02), momentum (0.95, Nesterov), 5 quintic steps and update scale
+(max(1, rows/cols)^0.5), weight_decay=0 for torch's. Before timing, one step of ours (fp32) and of
+torch's from the same state is checked to give the same update (to bf16 accuracy) on small
+matrices of the same aspect ratios. Each test plans its variants from flop counts and this
+machine's matmul rates (harness.plan_modes): a full step, a per-shape estimate, or not timed (the
+table says why). The matrices, how auto is decided, and the time budget:
+docs/measurements.md#benchmark-muon-step.
 """
 import time
 

@@ -1,27 +1,11 @@
 """Packing training rows from pre-tokenized documents, B=32 rows of T=2048 (+1) tokens.
 
-Variants, all fed the same documents:
-  deque (seed)           nanochat's mid_train packer as in the seeds: token_buffer.extend(doc),
-                         then scratch[i] = token_buffer.popleft() per token (no BOS alignment)
-  deque (list)           nanochat's base loader's faster form of it: a list of popleft() -> torch.tensor
-  python best-fit        the loader's step in plain Python (RowStream with RowPackerReference, 1000 documents)
-  cpp pack_rows          the compiled op on a fixed 1000-document buffer (the packing alone)
-  cpp RowStream          the loader's step compiled: pack from its buffer, refill it from the shards
-Each variant packs 8 consecutive batches per timed call (the steady state of a loader), each
-released before the next (as a training loop does with its micro-batches; the op reuses its buffer).
-
-The loader comparison times 64 batches per variant: TokenRowLoader.next() with and without its
-prefetch thread against the op. Both produce from pre-tokenized documents, and the loader's
-batches are taken one at a time, as the op overwrites one buffer: an earlier version of this
-benchmark held all of a call's batches, so the loader wrote into 16 MB of fresh memory per call
-while the op rewrote one warm 0.5 MB buffer. Holding batches 16 at a time is timed too, for both
-(the op into 16 buffers), as "16 held". The loader writes the (inputs, targets) pair, twice the bytes of
-the op's rows; "loader rows" is what it packs for a GPU, the op's B x (T+1) rows, with the same
-prefetch thread. The op keeps two advantages: its documents stay in a cache (the loader reads new
-ones from the memory-mapped shards), and it is handed them concatenated (a loader using it would
-have to rebuild that buffer for every batch). Calls of 64 batches make the prefetch thread's
-wake-up after the other variants' turn a small part of its time, as it is in training.
-The waste test packs three epochs of the corpus at T=512 and T=2048.
+Variants, all fed the same documents: the seeds' deque packer (no BOS alignment) and its faster list
+form, the loader's step in plain Python (best fit), the compiled pack_rows op alone and the compiled
+RowStream (pack and refill). A loader comparison times TokenRowLoader.next() with and without its
+prefetch thread against the op; the waste test packs three epochs of the corpus at T=512 and T=2048.
+What each variant is and why the loader comparison is set up as it is:
+docs/measurements.md#benchmark-packing.
 
 Documents: the default corpus (tokens/base under NANOCHAT_FAST_HOME, from `make demo` or
 prepare_data + tok_train) when it is there, else synthetic documents with a similar length spread.

@@ -1,17 +1,14 @@
 """The lm_head's softcapped cross-entropy, forward + backward: ours vs stock PyTorch at its best.
 
 Shapes: the lm_head of a depth-4 and a depth-8 GPT step at T=512, device batch 8: N = 4096 rows,
-d = 256 / 512, V = 8192. Variants, all in the precision policy's dtype for the device
-(precision.choose with no timing of a model: bf16 autocast on CUDA sm80+; on a CPU the faster
-dtype of this machine's matmul probe, fp32 where bf16 is emulated):
+d = 256 / 512, V = 8192. Variants, all in the precision policy's dtype for the device (precision.choose
+with no timing of a model: bf16 autocast on CUDA sm80+; on a CPU the faster dtype of the matmul probe):
     ours            softcap_cross_entropy, auto backend (cpp on CPU, triton on CUDA)
     stock eager     F.linear -> 15 tanh(z / 15) in fp32 -> F.cross_entropy, as GPT.forward had it
     stock compiled  the same function under torch.compile (inductor fuses the elementwise part)
 Peak memory: what one forward+backward adds on top of its inputs, measured in a fresh process per
-variant (after a warm-up call, so compilation is not counted). CUDA: torch.cuda.max_memory_allocated.
-CPU: the resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs) minus the resident
-set before the call, with MALLOC_MMAP_THRESHOLD_=64K so that every tensor is its own mapping and
-freed memory leaves the process at once (otherwise glibc keeps it and the high-water mark lags).
+variant after a warm-up call; on a CPU from the resident-set high-water mark, with glibc made to hand
+freed memory back at once (how: docs/measurements.md#benchmark-cross-entropy-memory).
 
 `python benchmarks/bench_softcap_cross_entropy.py --peak VARIANT D` prints one such peak in MiB.
 """

@@ -3,75 +3,10 @@ backward, optimizer) at depth 4 and depth 8, T=512, vocab 8192, 8 rows per micro
 tokens per step (one micro-batch): our defaults against every forced setting of the choices they
 make (the grid) and against stock PyTorch at its best on this machine.
 
-Variants:
-  ours (defaults)      built the way base_train builds it (stage.run_stage), every flag at its
-                       default: base_train's parser -> TrainingConfig -> the ProcessSetup that
-                       DeviceConfig.init gives one process -> model_setup.build_for_training
-                       (GPT.setup_optimizers with OptimConfig.optimizer_kwargs(): our AdamW and
-                       Muon, the quintic recipe) -> base_train's horizon (20 tokens per parameter)
-                       -> model_setup.tune_for_training (on a CPU: --dtype auto timed at this model's
-                       forward+backward of one micro-batch, --ns-dtype auto at Muon's own matrix
-                       stacks; hardware/tuning.py, cached under NANOCHAT_FAST_HOME/hardware/) ->
-                       model_setup.compile_for_training with the default rule (the run's FLOPs at that
-                       horizon against hardware.peak_flops), under the chosen dtype's autocast,
-                       stepped by the training loop's own training_loop.train_step: whatever the
-                       scripts default to (fused cross-entropy, Muon recipe, dtypes, compile) is
-                       what runs.
-  the grid             ours with the three choices forced by their flags: --dtype fp32|bf16 x
-                       --ns-dtype fp32|bf16 x --compile|--no-compile, built the same way. "Best of
-                       the grid" is its fastest cell; the cell with the defaults' choices is their
-                       twin (the two differ only by noise). At depth 8 the grid is the two dtype
-                       axes with compile as the defaults choose it (GRID_COMPILE_AXIS: compile vs
-                       eager is timed at depth 4 in the same run, and was measured at both depths;
-                       the eager cells at depth 8 would cost `make bench` over a minute). bf16
-                       cells are left out, with the reason in the table, where the device has no
-                       native bf16 (emulated: ~100x slower).
-  stock <how> <dtype>  the same GPT code under NANOCHAT_FAST_KERNELS=reference, PyTorch's
-                       cross-entropy on the softcapped logits (F.cross_entropy(model(x), y)),
-                       clip_grad_norm_, torch.optim.AdamW(fused=True) for embedding and lm_head and
-                       torch.optim.Muon for the matrices (base_train's lrs, betas (0.8, 0.95), eps
-                       1e-10, momentum 0.95, Nesterov, quintic coefficients, weight_decay 0); eager
-                       or torch.compile'd (forward and loss in one graph), fp32, and bf16 autocast
-                       where the device has native bf16 (else left out, with the reason). "Stock
-                       best" is the fastest of these; stock compiled fp32 is also "only compile",
-                       stock eager bf16 "only the dtype".
-  stock + <change>     stock eager fp32 with one of our changes alone (depth 4 only): the model's
-                       own loss (the fused softcapped cross-entropy), or our optimizers. The latter
-                       is also what `main` ran before the hardware-aware defaults ("main before"):
-                       eager, fp32, PyTorch's cross-entropy on the full softcapped logits, our
-                       optimizers; the table gives ours (defaults) against it.
-
-How it is measured:
-  - One full step per variant per round, in interleaved rounds (harness.compare); every step
-    records its phases: data wait (next(loader)), forward, backward, optimizer. Around
-    train_step, a wrapper times the model call and the parameters' post-accumulate-grad hooks
-    mark the end of backward. Phase medians are over the rounds; tokens/s from the median step.
-  - torch.optim.Muon computes Newton-Schulz in bf16 on every device. Where bf16 is emulated (AVX2
-    CPUs, ~1 GFLOP/s) its step alone takes 5-30 s. When it would take longer than
-    MUON_IN_STEP_LIMIT_S the stock steps leave it out ("Muon apart") and it is timed on one matrix
-    of each shape (it updates one matrix at a time), in as many rounds as fit MUON_BUDGET_S,
-    scaled by the number of matrices of each shape and added to their optimizer phase. The
-    harness's own median for those variants therefore excludes torch.optim.Muon; the step table
-    includes it. Forward and backward are measured the same way for every variant.
-  - Memory: on CUDA torch.cuda.max_memory_allocated over a step; on Linux CPUs the rise of the
-    resident set during a step (free heap pages handed back with malloc_trim and the high-water
-    mark reset through /proc/self/clear_refs first), plus what is held between steps (parameters
-    and optimizer state, counted from the tensors; torch.optim.Muon's momentum where it runs
-    apart). Taken on the first timed step: its set-up (gc, malloc_trim) lies outside the step's
-    phases, and a separate memory step would cost every variant one more step (~10 s at depth 8).
-  - Compile seconds: dynamo's compile timer over the first step (core/compiling.CompileWatch), cold:
-    each depth compiles into a TORCHINDUCTOR_CACHE_DIR of its own, a fresh temporary directory
-    (nothing left in the tree, nothing warm from an earlier run), after torch._dynamo.reset().
-    Within a depth, variants with the same graph (a compiled grid cell and the defaults, or two
-    cells that differ only in --ns-dtype) reuse inductor's FX graph cache: only the first of
-    them pays the cold compile.
-  - MFU against hardware.peak_flops: this machine's best matmul peak over its dtypes (a run in
-    the slower dtype leaves part of the machine unused, and its MFU says so).
-  - Time: per variant one untimed step (it compiles, or warms up) and ROUNDS[depth] timed ones;
-    the defaults' dtype timings the first time (up to 30 s per depth; cached afterwards);
-    torch.optim.Muon apart within MUON_BUDGET_S where it runs apart. The table states the rounds
-    and the wall time of its depth. A busy machine stretches this several-fold: two threads wait
-    on neighbours at every OpenMP barrier.
+Variants: ours (defaults), built the way base_train builds it; the grid (--dtype x --ns-dtype x
+--compile forced); stock PyTorch, eager or compiled, fp32 or bf16; stock eager fp32 with one of our
+changes. What each variant is, and how the phases, memory, compile seconds and MFU are measured:
+docs/measurements.md#benchmark-whole-training-steps.
 
     .venv/bin/python -m pytest benchmarks/bench_train_step.py -o python_files='bench_*.py' \\
         -p no:cacheprovider --benchmark-json=/tmp/step.json

@@ -2,23 +2,17 @@
 The "compiled, not run" section of benchmarks/RESULTS.md: every Triton kernel variant
 (nanochat_fast/tools/triton_aot.py) and every CUDA C++ kernel (csrc/cuda/*.cu, by nvcc) compiled
 for A100, H100 and B200 on a machine without a GPU, with its registers, shared memory and spills,
-and a roofline on paper for one representative call: its compulsory HBM bytes and its flops give
-the time at the target's peak memory bandwidth and at its peak math rate (bf16 tensor cores for
-bf16, fp32 CUDA cores for fp32); the longer of the two binds. Peak figures and their datasheets:
-nanochat_fast/tools/gpu_targets.py.
+and a roofline on paper for one representative call (docs/measurements.md#compiled-not-run).
 
     python benchmarks/compiled_table.py   # compiles everything, writes benchmarks/compiled.json and
                                           # this section of benchmarks/RESULTS.md
 
-The Triton variants are compiled by the installed Triton. Other Triton versions (`make aot-compat`:
-the one a user's CUDA torch brings) are compiled in their own venv and put beside it, one column
-per version in the "Triton versions" table:
+Other Triton versions (`make aot-compat`) are compiled in their own venv and put beside it, one
+column per version in the "Triton versions" table; compiled.json keeps every version's run while
+the kernel sources stay the same:
 
     OTHER_VENV/bin/python benchmarks/compiled_table.py --triton-only run.json   # that venv's Triton only
     python benchmarks/compiled_table.py --add run.json
-
-compiled.json keeps every version's run while the kernel sources stay the same, so a later plain
-run (or `make bench`, whose make_results.py appends this section from compiled.json) keeps them.
 """
 import argparse
 import dataclasses

@@ -5,29 +5,14 @@
     make gpu-check BUNDLE=build/gpu-bundle OUT=DIR   # on the node, with the bundle beside the source tree
       = python3 benchmarks/gpu_check.py check --bundle build/gpu-bundle --out DIR
 
-check     The preflight says in one line (exit 2), before any work, what this machine lacks: a GPU, nvcc,
-          a torch the package supports, a bundle for this Python, an OUT folder. Then the plan (PLAN), each
-          step under its own time cap, all caps together within BUDGET_S on one H100:
-            install        a venv over the node's own packages (torch and triton as they are), the bundle's
-                           wheels with pip's index off, the package with --no-build-isolation, the extension
-                           built with CUDA on every core (MAX_JOBS); "with CUDA" read from _C.with_cuda
-            environment    the GPU, the versions, the kernel table, the node's packages against gpu_node.txt
-            kernels, adamw, newton_schulz, muon, cross_entropy   gpu_measure.py, against stock PyTorch
-            train          a depth-12 base_train of 50 steps with the defaults: tokens/s, MFU, peak memory
-            train_reference  the same with NANOCHAT_FAST_KERNELS=reference, 20 steps: the kernels' ratio
-            infer          infer_bench at batch 1, 8 and 32: decode tokens/s and MBU
-            gpu_tests      the tests marked gpu, in what is left of the budget
-          A step that hits its cap is recorded as such, with what it measured so far, and the check goes on.
-          OUT gets RESULTS-cuda.md, results-cuda.json (every figure) and logs.tar.gz, rewritten after every
-          step, so a check killed at its limit leaves what it measured. Exit 1 if any step failed.
-rehearse  Every part that needs no GPU, here, offline (python_tests/test_gpu_check.py, on every CI run): a
-          small bundle for this Python; the node's cp312 wheels resolved by pip for the node against
-          gpu_node.txt; a stand-in for the node's python3 (a venv seeing only the installed packages the
-          node has); its preflight must say "no GPU" and nothing else; then `check --rehearse`: the same
-          install (PIP_NO_INDEX=1) and every step's own command with small shapes appended, on the CPU.
+check     The preflight says in one line (exit 2), before any work, what this machine lacks; then every
+          step of the plan (PLAN: install, environment, kernels, adamw, newton_schulz, muon, cross_entropy,
+          train, train_reference, infer, gpu_tests), each under its own time cap, all within BUDGET_S on
+          one H100. OUT gets RESULTS-cuda.md, results-cuda.json and logs.tar.gz, rewritten after every
+          step. Exit 1 if any step failed.
+rehearse  Every part that needs no GPU, here, offline (python_tests/test_gpu_check.py, on every CI run).
 
-The preflight and the plan use the standard library only: they run on the node's python3 before anything
-is installed. Working files go to build/gpu-check/ (the venv, the prepared home, each step's log).
+What each step and the rehearsal do: README.md ("The GPU verdict") and docs/measurements.md#gpu-check.
 """
 import argparse
 import hashlib

@@ -3,19 +3,15 @@ The GPU check's measurements; gpu_check.py runs each as a step of its own, under
 
     python benchmarks/gpu_measure.py STEP --json OUT [--tiny]
 
-    kernels        every Triton kernel at every config of its GPU table, and the CUDA AdamW kernel:
-                   max error against float64 (Newton-Schulz, cross-entropy) or the reference backend (AdamW)
-    adamw          the fused AdamW slice update: time and % of the GPU's datasheet memory bandwidth,
-                   against torch.optim.AdamW(fused=True) and (foreach=True)
+    kernels        every Triton kernel at every config of its GPU table, and the CUDA AdamW kernel: max error
+    adamw          the fused AdamW slice update against torch.optim.AdamW(fused=True) and (foreach=True)
     newton_schulz  m x m at m = 1024 ... 8192: the Triton symmetric kernels against plain bf16 cuBLAS products
     muon           a Muon step over a depth-12 and a depth-20 GPT's matrices, against torch.optim.Muon
-    cross_entropy  softcapped cross-entropy forward+backward at nanochat's 65,536-token vocabulary, against
-                   stock eager and stock compiled PyTorch, with each one's peak memory
+    cross_entropy  softcapped cross-entropy forward+backward at a 65,536-token vocabulary, against stock
 
 Each writes its figures to OUT (JSON) after every measurement, so a step stopped at its cap still leaves
-what it measured. Timings are medians of interleaved rounds (each round runs every variant once), the
-device synchronised around each call. --tiny shrinks every shape so the rehearsal (gpu_check.py rehearse)
-runs the same code on a CPU, the Triton kernels under TRITON_INTERPRET=1.
+what it measured. --tiny shrinks every shape so the rehearsal (gpu_check.py rehearse) runs the same code
+on a CPU. What each step measures against what, and how it times: docs/measurements.md#gpu-measurements.
 """
 import argparse
 import json

@@ -3,25 +3,11 @@ torch.compile for training: whether to compile by default, and a context that sa
 compiled inside it and what that cost.
 
 The default (default_compile): compile on CUDA and CPU unless the run is too short to win back the
-one-time compile; MPS stays eager. Compiling speeds up forward and backward (the optimizer is not
-compiled), most where elementwise work around the matmuls matters most (small widths, the wide
-softcapped logits), and was never measured slower; but a cold compile takes tens of seconds on a
-CPU, which a short run does not win back. Rule: compile when the run's compute at the device's
-peak (FLOPs per token x tokens x steps / peak) is at least MIN_RUN_SECONDS_AT_PEAK; that keeps
-smoke runs and the test suite's tiny models eager. The default mode stays (max-autotune was no
-faster). The measurements behind the rule (benchmarks/compile_evidence.py):
-docs/measurements.md#compile-policy.
-
-Recompiles. Guards decide which compiled graph a call may reuse. The training step calls the model
-with grad enabled, in train() mode, loss_reduction="sum" and one input shape. Evaluation through
-the compiled model changes grad mode, the training flag and loss_reduction: one more graph, a full
-compile, for a steady evaluation hardly faster than the plain module's. A short last batch
-compiles another graph (dynamic=False); sampling through the compiled forward with a KV cache
-compiles one per position (kv_cache.pos is guarded) until torch._dynamo.config.recompile_limit (8
-per code object, shared by every compiled GPT in the process) makes the rest run eagerly. The
-training graph itself stays cached through all of it. So evaluation and sampling go through the
-plain module (orig_model): nothing compiled, no recompiles (what each costs compiled: the same
-section of docs/measurements.md).
+one-time compile; MPS stays eager. Rule: compile when the run's compute at the device's peak (FLOPs
+per token x tokens x steps / peak) is at least MIN_RUN_SECONDS_AT_PEAK, which keeps smoke runs and
+the test suite's tiny models eager. Evaluation and sampling go through the plain module
+(orig_model), never the compiled one, so they cause no recompiles. The measurements behind the
+rule, and what recompiles would cost: docs/measurements.md#compile-policy.
 
     with CompileWatch() as watch:
         loss = compiled_model(x, y)

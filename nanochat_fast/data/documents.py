@@ -2,25 +2,15 @@
 Prepared documents on disk, under NANOCHAT_FAST_HOME (core/paths.py); their tokens are
 token_shards.py's:
 
-    data/<dataset>/{train,val}/shard_00000.parquet   a "text" column (prose) or a "messages" column
-                                                     (conversations: [{"role", "content"}, ...]), and
-                                                     "source" (which source each document came from)
-    data/<dataset>/manifest.json                     kind, shards, sources with licences, the options
-                                                     that built it (written last: its presence = done)
+    data/<dataset>/{train,val}/shard_00000.parquet   a "text" or a "messages" column, and "source"
+    data/<dataset>/manifest.json                     what was built, from what (written last: done)
     data/<dataset>/SOURCES.md                        the sources and licences, for people
-    tokens/<dataset>/{train,val}/shard_00000.tokens.npy   uint16 (vocab <= 65536) or uint32: the
-                                                     shard's documents back to back, each starting
-                                                     with <|bos|>; memory-mapped by the loaders
-                                 shard_00000.offsets.npy  int64[D+1]: document d is tokens[o[d]:o[d+1]]
-                                 shard_00000.mask.npy     uint8, conversations only: 1 on supervised tokens
-                                 shard_00000.json         counts, dtype, tokenizer fingerprint, source
-                                                     shard; written last, so a shard without it is
-                                                     unfinished and is redone
 
 Names used by the package: `base` (prose for pretraining) and `chat` (conversations for
 mid-training); `--input=DIR --name=NAME` makes any other. Every file is written under a temporary
 name and renamed into place, so an interrupted run never leaves a partial shard looking complete,
-and a re-run skips the shards that are complete.
+and a re-run skips the shards that are complete. Every file's columns and fields, the token shards
+beside them included: docs/measurements.md#prepared-data-on-disk.
 """
 import json
 import shutil

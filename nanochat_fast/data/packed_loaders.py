@@ -1,29 +1,14 @@
 """
 Training data loaders: (inputs, targets) rows packed from the pre-tokenized shards (token_shards.py).
 
-One global, deterministic row stream per dataset and split. The documents are read in a fixed
-order (shard by shard, repeated epoch after epoch; position p of the stream is document p mod D)
-into a buffer, and every micro-step packs a global batch of device_batch_size * world_size rows of
-T+1 tokens from it with best-fit packing (kernels/pack_rows.py: every row starts with <|bos|>, no
-padding, little cropping; a document that best-fit keeps passing over becomes due after a while and
-starts a row, so none waits for good). Rank r takes rows r*B ... (r+1)*B-1. So every rank packs
-the same global batch (deciding all rows, writing only its own): the ranks see disjoint documents,
-and a run on N processes sees exactly the rows of a 1-process run with N times the batch.
-
-The state is the global cursor: the stream position of the next document to read, and the
-positions of the documents waiting in the buffer. It is plain JSON (it goes into a checkpoint's
-meta.json), and resuming from it continues with the exact next batch. Resuming with a different
-number of rows per micro-step (another world size times device batch) repeats and skips nothing;
-only the grouping of documents into rows differs, and the loader says so in one warning line.
-
-A background thread packs the next batches while the step runs. With the compiled packer the
-whole per-batch work (pack, refill the buffer from the shards, snapshot the state) and that thread
-are C++ (RowStream in csrc/pack_rows_stream.h): a Python thread cost as much again as the packing,
-in handing the GIL back and forth with the training loop; its plain-Python twin (the `reference`
-backend, same batches and states) is kernels/pack_rows_stream.py. On CUDA the rows are packed into
-pinned memory and each batch reaches the GPU in one non-blocking copy (torch's pinned-memory cache
-hands a block out again only once the copy from it has finished); elsewhere the packer writes the
-(inputs, targets) pair itself.
+One global, deterministic row stream per dataset and split: the documents are read in a fixed order
+(shard by shard, epoch after epoch) into a buffer, and every micro-step packs a global batch of
+device_batch_size * world_size rows of T+1 tokens from it, best fit (kernels/pack_rows.py); rank r
+takes rows r*B ... (r+1)*B-1. So a run on N processes sees exactly the rows of a 1-process run with
+N times the batch. The state is the global cursor, plain JSON in meta.json: a resume continues with
+the exact next batch, on any number of processes. A background thread packs the next batches while
+the step runs (in C++ with the compiled packer); on CUDA rows are packed into pinned memory. The
+stream, the state and the prefetch in full: docs/measurements.md#packed-loaders.
 """
 import atexit
 import hashlib

@@ -10,15 +10,9 @@ chats, and batches are counted in conversations ("examples"), not tokens:
     row length        = the longest conversation of this rank's batch, at most --max-seq-len + 1
                         tokens (a longer conversation loses its end)
 
-Where the conversations come from is a ConversationMixture: token shards of a conversation dataset
-(memory-mapped, as prepare_data wrote them) and conversations rendered in memory
-(train/stage_data.ConversationShards: the evaluation tasks' train splits, --extra-conversations),
-one index over all of them, read each epoch in its own seeded order.
-
-One global stream, as for the packed loaders: every micro-step takes the next
-device_batch_size * world_size conversations of the order, and rank r gets rows r*B ... (r+1)*B-1.
-The state is the global cursor (plain JSON in the checkpoint), so 1 process and N processes with the
-same examples per step train on the same conversations, and a resume continues with the next one.
+The conversations come from a ConversationMixture (token shards and conversations rendered in
+memory, one index, a seeded order per epoch), read as one global stream with a global cursor, as
+the packed loaders are. How: docs/measurements.md#padded-conversations.
 """
 import hashlib
 

@@ -1,7 +1,7 @@
 """
 Token shards: a prepared dataset tokenized once, as arrays the loaders memory-map (the layout under
-tokens/<dataset>/ is in documents.py's docstring). Each shard's .json is written last, so a shard
-without it is unfinished and is redone; a shard made with another tokenizer is redone too.
+tokens/<dataset>/: docs/measurements.md#prepared-data-on-disk). Each shard's .json is written last,
+so a shard without it is unfinished and is redone; a shard made with another tokenizer is redone too.
 """
 import json
 from pathlib import Path

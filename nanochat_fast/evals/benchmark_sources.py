@@ -8,17 +8,10 @@ imported):
                                           OpenBookQA, SciQ, COPA, CommonsenseQA (86 MB)
     english-words==2.0.2     MIT          the web2 word list behind the spelling task
 
-Every reader returns {split: [example, ...]} in one normalised form, one JSON object per example:
-
-    all tasks        "id" (str), "question" (str)
-    multiple choice  "choices" [str], "answer" int (index of the right choice)
-    generative       "answer" str (GSM8K: the worked solution ending in "#### N"; HumanEval: the
-                     canonical solution; spelling: the count, as an int)
-    task extras      mmlu "subject"; boolq "passage"; copa "relation" (cause|effect); sciq
-                     "support"; humaneval "entry_point", "test"; spellingbee "word", "letter"
-
-Splits keep the names the source uses (train, validation, dev, test). Where the source has a
-few-shot pool it is kept: MMLU's dev split, and GSM8K's eight worked examples (as `dev`).
+Every reader returns {split: [example, ...]} in one normalised form, one JSON object per example,
+splits named as the source names them (train, validation, dev, test), few-shot pools kept (MMLU's
+dev split, GSM8K's eight worked examples as `dev`). The fields of an example:
+docs/measurements.md#evaluation-data.
 """
 import gzip
 import io

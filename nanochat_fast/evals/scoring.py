@@ -3,23 +3,16 @@ Scoring a model on the tasks (tasks/): every function takes the model, the token
 its examples, and returns Counts (correct, total and one record per example), so a distributed
 script gives each rank a shard (`shard`), all-reduces [correct, total] and gathers the records.
 
-    categorical_counts  chat model, letter answers (ARC, MMLU): the logits of the answer letters
-                        right after <|assistant_start|>, prompts batched shortest first (padded on
-                        the right), the vocabulary projection run at that position alone
-    generative_counts   chat model, written answers (GSM8K, HumanEval, SpellingBee): sampled with
-                        the KV cache and the calculator, checked by the task; with num_samples > 1
-                        an example counts as solved when any sample is right (pass@k)
+    categorical_counts  chat model, letter answers (ARC, MMLU): the answer letters' logits right
+                        after <|assistant_start|>, the vocabulary projection at that position alone
+    generative_counts   chat model, written answers (GSM8K, HumanEval, SpellingBee), checked by the
+                        task; with num_samples > 1 solved when any sample is right (pass@k)
     core_counts         base model, a CORE task: the few-shot mean loss of each choice
+    pass_at_k, wilson_interval, centered, core_summary   pass@k, a 95% interval, chance-centred scores
 
-    pass_at_k           the chance that one of k samples is right, from n samples c of which are
-    wilson_interval     95% interval of an accuracy
-    centered            accuracy rescaled so that chance is 0 and perfect is 1
-    core_summary        per-task accuracies, centred, and their mean: the CORE subset score
-
-A prompt longer than the model's context (its sequence_len) never reaches the model whole: every
-path keeps its end (where the answer is) and counts it in Counts.truncated, which the result line
-reports ("3 of 14042 prompts longer than the context were truncated"). So an evaluation, also one
-inside a training run, never fails on its input.
+A prompt longer than the model's context never reaches the model whole: every path keeps its end
+(where the answer is) and counts it in Counts.truncated, which the result line reports. So an
+evaluation, also one inside a training run, never fails on its input.
 """
 import math
 from contextlib import contextmanager

@@ -5,16 +5,10 @@ That is the datasheet HBM/GDDR bandwidth of a known CUDA GPU, otherwise this mac
 bandwidth, measured by a short probe and cached under NANOCHAT_FAST_HOME/hardware/
 memory_bandwidth.json (keyed by machine.machine_key: on a CPU, the threads per process are in it).
 
-The probe measures read bandwidth, as decode uses memory: `x.sum()` over a float32 buffer several
-times the last-level cache (so each pass comes from memory, not the cache), counting x.nbytes per
-pass (the sum writes one number), with the process's own threads; best of PROBE_ROUNDS rounds.
-Like the peak (cache.ProbeCache), it is not cached while the machine is busy and is redone after
-STALE_AFTER_DAYS. On a CPU running several threads each round also reads with one thread, as a
-floor: N threads never read slower than one on a quiet machine, and a neighbour stalls the N.
-
-The bandwidth of a CPU is the machine's, not the process's: processes sharing it split it, and
-world_size in mbu() counts each at the bandwidth its own threads measured. A model small enough to
-stay in the cache reads faster than memory: its MBU can pass 100%.
+The probe: `x.sum()` over a float32 buffer several times the last-level cache, with the process's
+own threads, best of PROBE_ROUNDS rounds, cached by the peak probe's rules (cache.ProbeCache). How
+it reads, why one thread is timed too, and what MBU means on a shared CPU:
+docs/measurements.md#memory-bandwidth-probe.
 """
 import math
 import time

@@ -3,29 +3,12 @@ Which dtype computes faster here, decided by timing both at the shapes that will
 
 A CPU's flags do not tell: CPUs with AVX512-BF16 have run bf16 matmuls both at half their fp32
 rate and faster than fp32, and AVX2 CPUs emulate bf16 (docs/measurements.md#bf16-on-cpus). So on a
-CPU, `--dtype auto` and `--ns-dtype auto` come from `measure(work)`:
-
-  1. the cache (NANOCHAT_FAST_HOME/hardware/dtype_timings.json), keyed by the machine
-     (machine.machine_key: CPU model, ISA, bf16 feature, threads per process, torch) and by what
-     is timed (its kind and shapes): later runs reuse it in milliseconds. Like the peak probe, a
-     timing is not cached while the machine is busy and is taken again after STALE_AFTER_DAYS;
-  2. the work itself in each dtype (for a training run: the actual model's forward and backward
-     of one micro-batch; for Muon: Newton-Schulz on its own matrix stacks, through the path each
-     takes): one warm-up call each, then interleaved rounds (fp32, bf16, fp32, bf16, ...) and the
-     fastest round of each (eager: compiling a graph per dtype would cost more than the timing
-     itself). Not the median: a neighbour only ever adds time, and under sustained load the
-     medians can hide a bf16 speed-up that the fastest rounds, like a quiet machine, show;
-  3. where the work does not fit the budget (a short run, or shapes too big to time): matmuls at
-     the work's largest shapes, with fewer rows until they fit (within MATMUL_MIN_SECONDS at
-     least: a run too short for its 5% still gets its own shapes timed);
-  4. where nothing fits: the machine's square-matmul probe (peak.py) for a run; an error for
-     `python -m nanochat_fast.hardware --tune`.
-
-The budget is the smaller of MAX_SECONDS and RUN_FRACTION of the run's own time (the work's fp32
-call times the calls the run will make). Every call's time is predicted before it is made (its
-FLOPs at the probe's rate for that dtype), so an emulated bf16 call that would take minutes is
-never started. bf16 wins only when it is at least BF16_MIN_SPEEDUP times faster: below that the
-difference is within what a shared machine's noise and the model's non-matmul work can swing.
+CPU, `--dtype auto` and `--ns-dtype auto` come from `measure(work)`: the cache
+(NANOCHAT_FAST_HOME/hardware/dtype_timings.json, keyed by machine and by what is timed), else the
+work itself in each dtype in interleaved rounds (the fastest round of each), else matmuls at its
+largest shapes with fewer rows, else the machine's matmul probe (peak.py). The timing keeps within
+a budget (MAX_SECONDS, RUN_FRACTION of the run), and bf16 wins only when at least BF16_MIN_SPEEDUP
+times faster. Each rule and its reason: docs/measurements.md#dtype-timing.
 """
 import json
 import time
@@ -110,7 +93,7 @@ def cache_key(work: Work, device) -> str:
 
 def measure(work: Work, device, max_seconds: float = MAX_SECONDS, remeasure: bool = False,
             strict: bool = False) -> Timing:
-    """The Timing of `work` on `device` (module docstring). strict: TuningError when nothing fits
+    """The Timing of `work` on `device` (docs/measurements.md#dtype-timing). strict: TuningError when nothing fits
     the budget, instead of the machine probe."""
     device = torch.device(device)
     key = cache_key(work, device)

@@ -4,11 +4,9 @@ entries only, read in place from a block of the continuous-batching cache:
 
     out[b] = softmax(q[b] @ keys[rows[b], :, :lengths[b]].T * scale) @ values[rows[b], :, :lengths[b]]
 
-    q        [B, H, 1, D]      the rows' queries
-    keys     [S, Hkv, L, D]    views of the cache (any strides but the last); values the same
-    rows     int64 [B]         each query's slot within keys (distinct)
-    lengths  int64 [B]         its valid entries, 1..L
-    -> [B, H, 1, D]            grouped-query attention when Hkv < H (enable_gqa)
+    q [B, H, 1, D] the rows' queries; keys, values [S, Hkv, L, D] views of the cache (any strides but
+    the last); rows int64 [B] each query's slot within keys (distinct); lengths int64 [B] its valid
+    entries, 1..L -> [B, H, 1, D], grouped-query attention when Hkv < H (enable_gqa)
 
 Backends:
     cpp        CPU, float32: csrc/decode_attention_cpu.cpp. Each (row, head) reads only its own

@@ -90,11 +90,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 # size conditions hold (m >= min_m, n >= min_aspect * m) gives the path, else "plain". On CUDA
 # `auto` runs the Triton kernels only for "symmetric" (cuBLAS's products otherwise); a forced
 # backend runs its own path (triton: symmetric, reference: plain). Why each row starts where it
-# does (docs/measurements.md#newton-schulz-paths): on a CPU the Gram form pays from n = 2m and
-# m = 256 (measured; in bf16 its rounding also stays within bound only from m = 256), block rows
-# from m = 256 in fp32 and 1024 in bf16 (sliced bf16 products cost their copies); on CUDA a paper
-# estimate: published SYRK-style kernels beat cuBLAS's GEMM only from m ~ 2048, and fp32 without
-# tensor cores follows the CPU's flop argument.
+# does, measured on CPUs and estimated on paper for CUDA: docs/measurements.md#newton-schulz-paths.
 class Row(NamedTuple):
     device: str
     dtype: str
@@ -186,28 +182,12 @@ def triton_backend(G, coeffs, dtype, path="symmetric"):
 
 
 # ---------------------------------------------------------------------------------------------
-# the torch backend
-#
-# Two exact rewrites of the iteration, both with fewer flops than the plain one:
-#
-# 1. Symmetric products. X X^T and A A are symmetric: computing only the block rows' parts on and
-#    right of the diagonal, [i0:i1, i0:], and mirroring costs (p+1)/(2p) of the full product for
-#    p block rows. The blocks are strided views written in place by bmm/baddbmm (BLAS takes the
-#    row stride), and b A + c A A and a X + B X are one baddbmm each, with no elementwise pass.
-#
-# 2. The Gram form, for wide matrices (the table's "gram" rows). Every X_k is P_k X_0 with P_k a
-#    polynomial in A_0 = X_0 X_0^T, and so is A_k: with Q = a I + b A + c A^2,
-#        X_{k+1} = Q X_k,   P_{k+1} = Q P_k,   A_{k+1} = Q A_k Q = Q^2 A_k.
-#    So the steps run on m x m symmetric matrices (all polynomials in A_0, so they commute and
-#    every product is symmetric) and X is formed once: 2 X X^T + 2 P X + 14 m x m products for 5
-#    steps, against 5 (X X^T + A A + B X) plainly: 2.1x fewer flops at 1:4. P grows like a^k
-#    on the small singular directions (3.4445^5 ~ 490), and so does its rounding error: on
-#    low-rank inputs the unrestarted form is off by up to 2e-2 (fp32 plain: 1e-5). Forming X and
-#    restarting from X X^T after 2 steps and then every 3 (a few m^2 n flops) brings it back to the
-#    plain iteration's level (tested against float64 on low-rank inputs). In bf16 the restarts do
-#    not bring it all the way back: the Gram form stays within the bf16 error bound only from
-#    m = 256, where the table's bf16 row starts (PATH_TABLE).
-#
+# the torch backend: two exact rewrites of the iteration, both with fewer flops than the plain one
+# (their derivation and error: docs/measurements.md#newton-schulz-rewrites):
+#   symmetric products  X X^T and A A only in block rows on and right of the diagonal, mirrored;
+#                       b A + c A A and a X + B X one baddbmm each
+#   the Gram form       (the table's "gram" rows) the steps on m x m polynomials in A_0 = X_0 X_0^T,
+#                       X formed once per restart: after 2 steps and then every 3
 # "plain" is the direct form with one block row: full products, still fused by baddbmm.
 
 SYM_BLOCK_ROWS = 192  # any height in 128..256 does as well: docs/measurements.md#newton-schulz-paths

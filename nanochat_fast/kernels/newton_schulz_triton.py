@@ -1,26 +1,18 @@
 """
 Triton Newton-Schulz for a stack (K, m, n) of same-shape matrices, m <= n, one launch per kernel.
 
-Per step (a, b, c) the plain iteration does A = X X^T (2m^2 n flops), B = bA + cA^2 (2m^3) and
-X = aX + BX (2m^2 n). A and A^2 are symmetric, so the two symmetric kernels compute only the tiles
-with row-block <= col-block (nb(nb+1)/2 of the nb^2 tiles) and write each tile and its mirror:
+Per step (a, b, c) the plain iteration does A = X X^T, B = bA + cA^2 and X = aX + BX. A and A^2 are
+symmetric, so two kernels compute only the tiles on and above the diagonal and write each tile and
+its mirror:
 
-    symmetric_xxt    A = X X^T                         m^2 n + m*BLOCK*n flops instead of 2m^2 n
-    symmetric_poly   B = b A + c A A, reading only the    m^3 + m^2*BLOCK flops instead of 2m^3
-                     tiles of A on/above the diagonal
-    fused_update     X' = a X + B X, the aX in the epilogue   2m^2 n (no symmetry to use)
+    symmetric_xxt    A = X X^T
+    symmetric_poly   B = b A + c A A, reading only the tiles of A on/above the diagonal
+    fused_update     X' = a X + B X, the aX in the epilogue
 
-so a step costs 3m^2 n + m^3 (plus one tile row of padding) instead of 4m^2 n + 2m^3: 1.5x fewer
-flops for square matrices, 1.38x for 1:4 ones. `flop_counts` gives the exact numbers per call.
-Tall matrices are transposed once before the first step and back after the last; the Frobenius
-normalisation is done once, in the same pass that casts to the compute dtype.
-
-Storage (A, B, X between kernels) is the compute dtype: bf16 on a GPU, as the reference iteration
-is, with fp32 accumulation in tl.dot; fp32 when asked. Every bf16 store rounds to nearest even
-(to_bf16_rtne), so the Triton interpreter writes the bits a GPU writes. The interpreter multiplies
-bf16 operands as raw 16-bit integers, so on CPU tensors the dot operands are cast to fp32 first:
-bf16 values are exact in fp32 and products of two bf16 are exact in fp32, so the cast changes
-nothing but the speed (DOT_FP32 in the CPU config; on a GPU tl.dot takes the bf16 tiles directly).
+1.5x fewer flops for square matrices, 1.38x for 1:4 ones (`flop_counts` gives the exact numbers per
+call). Storage between kernels is the compute dtype (bf16 on a GPU, rounded to nearest even; fp32
+when asked), with fp32 accumulation. The flop counts, and why the interpreter's bits are a GPU's:
+docs/measurements.md#newton-schulz-triton-kernels.
 """
 import functools
 

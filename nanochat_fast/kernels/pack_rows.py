@@ -1,33 +1,17 @@
 """
 pack_rows: best-fit packing of pre-tokenized documents into BOS-aligned training rows.
 
-A training row holds T+1 tokens (inputs are its first T, targets its last T). Rows are filled in
-order; into each row we repeatedly place the largest unused document that fits the space left
-(ties: lowest index), and when none fits we crop the shortest unused document (ties: lowest index)
-to fill the row exactly, discarding its rest. Documents start with <|bos|>, so every row does too:
-a row never begins in the middle of a document, unlike the plain concatenate-and-slice stream
-(the `collections.deque` packer kept in benchmarks/ as the baseline).
+A training row holds T+1 tokens (inputs its first T, targets its last T). Into each row, in order,
+goes the largest unused document that fits the space left (ties: lowest index), again and again;
+when none fits, the shortest unused one is cropped to fill the row exactly. Every row starts with
+<|bos|>, unlike the concatenate-and-slice stream (the deque packer kept in benchmarks/).
 
     pack_rows(tokens, offsets, out, bos_id) -> (used, n_tokens_used, n_tokens_cropped)
 
-tokens: int32[N], document d is tokens[offsets[d]:offsets[d+1]]; offsets: int64[D+1] from 0 to N;
-out: int64[B, T+1] (pinned when the rows go to a GPU), filled in place; used: bool[D], the documents
-consumed (placed whole or cropped); n_tokens_used = B*(T+1) tokens written; n_tokens_cropped the
-discarded rest of the cropped documents, so sum(lengths[used]) == n_tokens_used + n_tokens_cropped.
-The caller refills its buffer with fresh documents where `used` is set.
-
-Backends: `cpp` (csrc/pack_rows_cpu.cpp; length buckets + a bitset, O(D + B*T/64) decisions, GIL
-released) and `reference` (plain Python, the definition). Both give identical rows.
-
-A data loader should not rebuild the concatenated document buffer for every batch: `RowPacker`
-(nanochat_fast._C.RowPacker, csrc/pack_rows.h) keeps the buffer on the C++ side (documents go in
-once, with an id; pack() consumes them) and applies the same rule, to the documents cut to one
-row's length and with "due" documents that start rows so that none waits for good; it can also
-write the (inputs, targets) pair directly. It keeps references to the tensors it is given, not
-copies (the loader's are the memory-mapped shards), so they must not change while buffered.
-`RowPackerReference` is its plain-Python twin, and `make_row_packer()` picks one through the same
-registry as the op. The loader's whole step around it (refill from the shards, state, prefetch
-thread) is nanochat_fast._C.RowStream, whose twin is pack_rows_stream.RowStream.
+Backends: `cpp` (csrc/pack_rows_cpu.cpp) and `reference` (plain Python, the definition); both give
+identical rows. `RowPacker` (compiled) and `RowPackerReference` keep the document buffer across
+batches; `make_row_packer()` picks one. The arguments, the packers and the loader's step around
+them: docs/measurements.md#token-packing.
 """
 import numpy as np
 import torch

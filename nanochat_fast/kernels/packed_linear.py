@@ -12,8 +12,7 @@ Backends:
                row counts (benchmarks/bench_decode_step.py).
     reference  F.linear on the weight itself, no copy: anywhere else (GPUs, where cuBLAS is already
                bound by reading the weight at these shapes; bf16 weights; MPS).
-
-The packed copy costs one more copy of the weight in memory; NANOCHAT_FAST_KERNELS=packed_linear=reference
+The packed copy costs one more copy of the weight; NANOCHAT_FAST_KERNELS=packed_linear=reference
 does without it.
 """
 from dataclasses import dataclass

@@ -7,30 +7,10 @@ rows, never holding all N x V logits.
 hidden [N, d] and weight [V, d] are fp32 or bf16 (the same dtype; under autocast both are cast to the
 autocast dtype, as nn.Linear would be); targets int64 [N]; reduction "mean" | "sum" | "none" (per-row
 losses, 0 at ignored rows). Math is fp32 whatever the input dtype; gradients come back in the inputs'
-dtypes.
-
-How the chunked backends work (the design of Liger's fused linear cross-entropy): per chunk of rows,
-    z  = hidden_chunk @ weight.T                       (a matmul: BLAS / cuBLAS)
-    one pass over z: softcap, logsumexp, the target's logit -> row losses, and, when gradients are
-         wanted, dz = g * (softmax - onehot) * (1 - tanh^2) written over z in place
-    dhidden_chunk = dz @ weight;  dweight += dz.T @ hidden_chunk
-so the forward pass already holds both gradients and backward only scales them by grad_output. With
-no gradient wanted (eval, no_grad) the second half is skipped. Extra memory: one chunk of logits
-plus dhidden and dweight (hidden- and weight-sized), instead of several N x V fp32 tensors.
-
-Backends:
-    triton     CUDA: the row pass is a Triton kernel (softcap_cross_entropy_triton.py), matmuls cuBLAS
-    cpp        CPU: csrc/softcap_cross_entropy_cpu.cpp, the same loop in C++ with one vectorised pass
-    torch      the same loop with the row pass in plain PyTorch ops (MPS, CPU without the extension)
-    reference  full logits and F.cross_entropy: the stock baseline
-
-The chunked backends are three ops with one schema,
-    (hidden, weight, targets, softcap, ignore_index, grad_scale: Tensor?, chunk_rows)
-        -> (losses [N] fp32, total: sum_i s_i * losses_i, dhidden, dweight)
-where s = grad_scale (0-D or [N]; 1 when None). With grad_scale given, dhidden/dweight are the
-gradient of `total` (else empty). Their autograd formula: a gradient reaching only `total` scales
-the precomputed gradients; one reaching `losses` (reduction "none" with grad) recomputes them chunk
-by chunk with those per-row weights. Sum and mean pass grad_scale = 1 and 1/count.
+dtypes. Backends: triton (CUDA: the row pass in softcap_cross_entropy_triton.py, matmuls cuBLAS), cpp
+(CPU: csrc/softcap_cross_entropy_cpu.cpp), torch (the same loop in PyTorch ops), reference (full
+logits and F.cross_entropy). How the chunked backends compute both gradients in the forward pass, and
+their op schema: docs/measurements.md#fused-cross-entropy.
 """
 import numbers
 from contextlib import nullcontext

@@ -4,28 +4,14 @@ Continuous batching: many conversations decoded together, each at its own length
 The engine owns a SlotCache (kv_cache.py): keys and values for `slots` sequences, preallocated
 once. A request joins between steps (add): at the next step its prompt is run alone (B=1) into a
 free slot, and its first token sampled. From then on it is one row of the decode batch: every step
-is one forward of B rows x 1 token, each row at its own position (its own rotary angles) and
-attending only to its own cached entries (a per-row mask). A row leaves when it ends (it wrote
-<|assistant_end|> or <|bos|>, reached max_tokens, or was cancelled) and its slot goes back to the
-pool at once. A step allocates nothing but small index tensors, the mask and the activations.
-
-Each row samples with its own settings and its own torch.Generator, seeded request.seed + copy, so
-what a request gets does not depend on what else is in the batch; each has its own calculator
-state (sampling.ToolUse): a tool's answer is forced in token by token and fed like any token.
-
-Exactness: a row's arithmetic in a batch is the arithmetic it would do alone (its own positions,
-only its own entries), so at temperature 0 it chooses the same tokens. On a CPU in fp32 it is the
-same to the bit: the decode step's linears and attention run kernels whose sums do not depend on
-the other rows (packed_linears.py, kernels/decode_attention.py; python_tests/test_decode_kernels.py).
-Elsewhere (a GPU, bf16) the stock kernels pick their blocking by batch size and attention reads up
-to the longest row, so the last bits can differ: in fp32 ~1e-6 of a logit, which changes a token
-only where the two best logits are that close; in bf16 ~1e-2, and greedy ties break differently
-more often (python_tests/test_batch_engine.py checks batched == alone, token for token). A prompt's
-prefill runs alone in every case, so the first token is always the same as alone.
-
-Autocast and grad: step() runs under torch.inference_mode() itself; the caller's autocast context
-(if any) applies, and the cache takes the dtype of the first keys written (bf16 under bf16
-autocast), kept from then on.
+is one forward of B rows x 1 token, each row at its own position and attending only to its own
+cached entries. A row leaves when it ends (<|assistant_end|> or <|bos|>, max_tokens, or cancelled)
+and its slot goes back to the pool at once. Each row samples with its own settings, generator
+(seeded request.seed + copy) and calculator state (sampling.ToolUse), so what a request gets does
+not depend on what else is in the batch. step() runs under torch.inference_mode(); the caller's
+autocast applies, and the cache keeps the dtype of the first keys written. Whether a row decodes the
+same tokens batched as alone (bitwise on a CPU in fp32; how close elsewhere):
+docs/measurements.md#continuous-batching.
 """
 import heapq
 import math

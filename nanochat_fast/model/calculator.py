@@ -7,15 +7,12 @@ arithmetic and a few string operations, so it can check its sums and count lette
     calculate("'strawberry'.count('r')")  -> "3"
     calculate("__import__('os')")         -> None        (refused)
 
-The expression is parsed with `ast` and evaluated by walking the tree with an allow-list; nothing
-is ever passed to eval/exec, no name is looked up, no attribute is read except the string methods
-below, called directly. Every value is bounded as it is made (integers to MAX_INT_BITS bits,
-strings and lists to MAX_LEN items; a power, product or repetition that would exceed the bound is
-refused before it is computed), the input to MAX_EXPR_CHARS characters and the tree to MAX_DEPTH
-levels, so any input is answered in bounded time and memory.
-
-Allowed: int/float/str constants; + - * / // % ** and unary + -; len abs round min max int float
-str; subscripts and slices of strings and lists; the str methods in STR_METHODS.
+The expression is parsed with `ast` and evaluated by walking the tree with an allow-list (int/float/
+str constants; + - * / // % ** and unary + -; len abs round min max int float str; subscripts and
+slices of strings and lists; the str methods in STR_METHODS, called directly); nothing is passed to
+eval/exec and no name is looked up. Every value is bounded as it is made (MAX_INT_BITS, MAX_LEN: a
+result past the bound is refused before it is computed), the input by MAX_EXPR_CHARS and the tree by
+MAX_DEPTH, so any input is answered in bounded time and memory.
 """
 import ast
 import math

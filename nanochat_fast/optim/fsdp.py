@@ -4,24 +4,15 @@ by rows over the ranks, each rank holding rows [r*c, min((r+1)*c, rows)) of ever
 ceil(rows / W) (torch.chunk's split: the last ranks may hold fewer rows, or none). FSDP's backward
 leaves each rank the same rows of the gradient, already averaged over ranks.
 
-    FsdpAdamW   AdamW is elementwise: each rank updates its own rows with the fused slice kernel
-                (kernels.adamw_slice_update). No collective at all.
-    FsdpMuon    Newton-Schulz needs the whole matrix. Every matrix has an owner rank, chosen to
-                balance Newton-Schulz's cost (m*n*min(m, n) per matrix, largest first, to the least
-                loaded rank), not the count or the bytes. A step:
-                  1. one all-to-all: every rank sends each owner its rows of the owner's gradients;
-                  2. the owner stacks its matrices by shape and runs the Muon of muon.py on them
-                     (momentum, MuonEq, Newton-Schulz with the same kernels, Muon+, NorMuon): the
-                     same code and recipe as Muon and DistMuon;
-                  3. one all-to-all back: every rank receives its rows of each update and applies
-                     them to its rows (weight decay, cautious or not, is elementwise too).
-                Two collectives per step whatever the number of matrices. The owner holds the
-                momentum of its matrices whole, as DistMuon does.
+    FsdpAdamW   AdamW is elementwise: each rank updates its own rows with the fused slice kernel.
+                No collective at all.
+    FsdpMuon    Newton-Schulz needs the whole matrix: every matrix has an owner rank (balanced by
+                Newton-Schulz's cost); one all-to-all sends each owner its gradients' rows, the owner
+                runs muon.py's Muon on them, one all-to-all sends every rank its rows of the updates.
 
-Both keep the state format of zero.py (world-size independent, AdamW's state as flat ranges,
-Muon's as whole matrices), so a checkpoint written with one sharding and world size loads with
-any other, and both follow zero.py's step protocol, so optim.step (step.py) clips them unchanged:
-each element of a gradient lives on exactly one rank, each rank's sum of squares is over its rows.
+Both keep the state format and the step protocol of zero.py, so a checkpoint loads with any
+sharding and world size, and optim.step (step.py) clips them unchanged. The step in full:
+docs/measurements.md#fsdp-optimizers.
 """
 import math
 
@@ -114,7 +105,7 @@ class FsdpAdamW(RowSharded, AdamW):
 
 
 class FsdpMuon(RowSharded, Muon):
-    """Muon on FSDP2's row shards, each matrix orthogonalised once, by its owner (module docstring).
+    """Muon on FSDP2's row shards, each matrix orthogonalised once, by its owner (docs/measurements.md#fsdp-optimizers).
     Muon's arguments."""
 
     def __init__(self, params, **hyperparameters):

@@ -7,19 +7,12 @@ sample completions.
     torchrun --nproc_per_node=8 -m nanochat_fast.scripts.base_eval -- --run=base_d20
 
 Bits per byte (bpb) is the next-token loss in bits divided by the UTF-8 bytes of the predicted
-tokens, so it compares models with different tokenizers. The val split of the run's dataset is
-used (a mid-trained checkpoint is measured on the conversations, assistant tokens only); every
-number of processes evaluates the same rows.
-
-CORE (the DCLM paper's base-model benchmark, which nanochat reports) scores few-shot multiple
-choice by the likelihood of each choice; each task's accuracy is centred by its chance level (0 at
-chance, 1 perfect) and the centred accuracies are averaged. Offline we have 10 of its 22 tasks
-(HellaSwag 0- and 10-shot, ARC-Easy, ARC-Challenge, COPA, CommonsenseQA, PIQA, OpenBookQA,
-Winogrande, BoolQ; evals/tasks/core_benchmark.py), so the figure is named "CORE subset (10/22 tasks)" everywhere:
-it is not comparable with published CORE scores. Its data: `python -m
-nanochat_fast.scripts.prepare_data --datasets=eval` (without it, CORE is skipped with a note).
---max-examples N scores a fixed random sample of N items per task. Results go to the run's
-evals.json for the report card.
+tokens, so it compares models with different tokenizers; it is measured on the val split of the
+run's dataset (a mid-trained checkpoint on the conversations, assistant tokens only), the same rows
+on any number of processes. The CORE subset is the 10 of CORE's 22 tasks we have offline
+(prepare_data --datasets=eval; without it, CORE is skipped with a note), not comparable with
+published CORE scores (docs/measurements.md#core-subset); --max-examples N scores a fixed random
+sample of N items per task. Results go to the run's evals.json for the report card.
 """
 
 from .. import checkpoints

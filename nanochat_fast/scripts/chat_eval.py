@@ -6,18 +6,13 @@ nanochat_fast.scripts.prepare_data --datasets=eval`).
     python -m nanochat_fast.scripts.chat_eval --task=ARC-Easy,GSM8K --max-examples=100
     torchrun --standalone --nproc_per_node=8 -m nanochat_fast.scripts.chat_eval -- --run=sft_d20
 
-    ARC-Easy, ARC-Challenge, MMLU  categorical: the answer letter with the largest logit right after
-                                   <|assistant_start|> (prompts batched, --batch-size)
-    GSM8K                          the number after "####" in the reply; the calculator tool runs
-    HumanEval                      the reply's program, run against the tests in a sandbox subprocess
-                                   (time, memory and network limits), never in this process
-    SpellingBee                    the count after "####" in the reply; the calculator tool runs
-
-Replies are generated with the KV cache, greedily by default (--temperature 0); with
+ARC-Easy, ARC-Challenge and MMLU are scored by the answer letter with the largest logit right after
+<|assistant_start|>; GSM8K and SpellingBee by the number after "####" in the reply (the calculator
+tool runs); HumanEval by running the reply's program against the tests in a sandbox subprocess
+(time, memory and network limits), never in this process. Replies are greedy by default; with
 --num-samples=k a problem counts as solved when any of its k replies is right (pass@k). Each task
-prints its accuracy, its chance level and a 95% (Wilson) interval; the results go to the run's
-evals.json for the report card (python -m nanochat_fast.scripts.report). Under torchrun every
-process scores its share of the examples and the counts are added.
+prints its accuracy, chance level and 95% (Wilson) interval; results go to the run's evals.json
+for the report card. Under torchrun every process scores its share of the examples.
 """
 import argparse
 import sys

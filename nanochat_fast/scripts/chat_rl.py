@@ -9,19 +9,10 @@ model is pushed toward the replies that did better than its other replies to the
     python -m nanochat_fast.scripts.chat_rl --task=last-digit            # a synthetic task a CPU can learn
     torchrun --standalone --nproc_per_node=8 -m nanochat_fast.scripts.chat_rl -- --source-run=sft_d20
 
-The method (train/rl_objective.py) is nanochat's "GRPO", which is close to REINFORCE: no KL term and
-no reference model; on-policy (each batch of samples gives one optimizer step), so no PPO ratio or
-clipping; advantage = reward - the mean reward of the question's samples; the loss is normalised per
-sampled token over the whole step (DAPO). Tokens the calculator tool forced into a reply carry no
-loss. One step: --examples-per-step questions (each process samples its share; a multiple of the
-number of processes), their samples drawn with the KV-cache batch engine (a question's samples share
-its prompt's prefill; calculator on), scored, one Muon + AdamW step. The learning rates start at
-5% of the pretraining ones (nanochat's --init-lr-frac) and decay linearly to zero. The log shows
-each step's mean reward, pass@1 and pass@n of its samples and their mean length; every
---eval-every steps, pass@1..n on --eval-examples held-out questions (also in the report).
-
 Tasks (--task): GSM8K (the prepared data has no train split: it trains on the test questions that
-are not held out, and says so), SpellingBee, and last-digit (synthetic, evals/tasks/last_digit.py).
+are not held out, and says so), SpellingBee, and last-digit (synthetic). --examples-per-step must be
+a multiple of the number of processes. The method (nanochat's "GRPO", close to REINFORCE) and what
+the log shows: README.md, "Reinforcement learning: chat_rl"; the objective: train/rl_objective.py.
 """
 import argparse
 

@@ -7,21 +7,12 @@ chat_sft does. Ends after one epoch of the mixture (or --num-iterations steps).
     python -m nanochat_fast.scripts.chat_sft --source-run=mid_d20 --device-batch-size=4
     torchrun --standalone --nproc_per_node=8 -m nanochat_fast.scripts.chat_sft -- --source-run=mid_d20
 
-The default mixture, from what is prepared here:
-    chat                    the conversation dataset (--dataset, default chat: prepare_data --datasets=chat)
-    ARC-Easy, ARC-Challenge their validation splits        (prepare_data --datasets=eval)
-    MMLU                    its dev and validation splits
-    GSM8K                   the eight worked examples of its few-shot pool, calculator calls included
-    SpellingBee             600 words of its train split (none of them in its test split)
-    --extra-conversations   your own, JSONL lines {"messages": [{"role": "user", "content": ...}, ...]}
-Validation (val bpb) reads the conversation dataset's val split; without one, every 50th
-conversation of the mixture is held out instead. The evaluated splits are never trained on.
-
-A batch is --target-examples-per-step conversations (--device-batch-size per micro-step and
-process, accumulated); the loss of a step is the sum over the assistant's tokens divided by their
-count over the whole step on all processes. Learning rates default to nanochat's SFT (2% of the
-pretraining rates) with a linear decay to zero (--warmdown-ratio=1). --chat-eval-examples scores
-ARC-Easy and MMLU (letter logits) at every evaluation, as nanochat's SFT does.
+The mixture, from what is prepared here: the conversation dataset (--dataset), ARC-Easy's and
+ARC-Challenge's validation splits, MMLU's dev and validation splits, GSM8K's eight worked examples,
+600 SpellingBee train words (prepare_data --datasets=eval) and your own --extra-conversations; the
+evaluated splits are never trained on. A batch is --target-examples-per-step conversations; the
+learning rates default to 2% of pretraining's, decaying linearly to zero. The mixture, validation
+and the loss in full: README.md, "After mid-training".
 """
 from ..core import cli
 from ..core.distributed import print0

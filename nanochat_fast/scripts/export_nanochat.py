@@ -8,13 +8,12 @@ Under --out (a nanochat base directory, NANOCHAT_BASE_DIR) it writes
 
     <phase>_checkpoints/d<n_layer>/model_NNNNNN.pt    the state_dict under nanochat's parameter names, fp32
     <phase>_checkpoints/d<n_layer>/meta_NNNNNN.json   step, val_bpb, model_config, user_config, loop_state
-    tokenizer/tokenizer.pkl                           the tokenizer as a pickled tiktoken encoding
-    tokenizer/token_bytes.pt                          int32 bytes per token, 0 for the special tokens
+    tokenizer/tokenizer.pkl, tokenizer/token_bytes.pt the tokenizer (a pickled tiktoken encoding; int32
+                                                      bytes per token, 0 for the special tokens)
 
-with <phase> base, mid or chatsft (our base, mid and sft runs). The optimizer state stays here:
-nanochat shards it per rank in its own way, and its later stages start from fresh state anyway.
-Every file is written under a temporary name and renamed into place; a different tokenizer
-already in --out, or a checkpoint already there, is not replaced without --overwrite.
+with <phase> base, mid or chatsft (our base, mid and sft runs); not the optimizer state (nanochat's
+later stages start fresh anyway). Files are written under a temporary name and renamed into place;
+a different tokenizer or a checkpoint already in --out is not replaced without --overwrite.
 """
 from pathlib import Path
 

@@ -7,22 +7,12 @@ takes like a run trained here.
     python -m nanochat_fast.scripts.import_nanochat --from=.../chatsft_checkpoints/d20 --step=700 \\
         --tokenizer=.../tokenizer --run=d20_sft --phase=sft
 
---from is nanochat's checkpoint folder (model_NNNNNN.pt, meta_NNNNNN.json, optionally
-optim_NNNNNN_rankR.pt); --step picks a checkpoint (default: the newest). --tokenizer is the folder
-of nanochat's tokenizer.pkl (and token_bytes.pt). The run gets NANOCHAT_FAST_HOME/runs/<run>/ with
-one checkpoint at the same step: the weights as fp32, the config from the meta's model_config, and
-the optimizer state (AdamW moments, Muon momentum) when the checkpoint has it, so that
-`base_train --resume=auto` goes on with its momentum; without it training starts with fresh
-optimizer state and the log says so. The tokenizer becomes NANOCHAT_FAST_HOME/tokenizer/ (or must
-equal the one there). Carried over: weights, model config, step, val bpb, optimizer state,
-tokenizer. Not carried over: nanochat's data position (a resumed run reads our data from its start).
-
-Nothing here unpickles arbitrary objects: tokenizer.pkl goes through a restricted unpickler that
-admits only a tiktoken encoding, and every .pt file loads with weights_only=True. The converted
-tokenizer is checked to give nanochat's ids on a multilingual sample with the special tokens.
---phase is what the run counts as (base: base_eval, base_train --resume, mid_train --base-run;
-mid and sft: chat_cli, chat_eval, chat_web; base and mid: chat_sft --source-run); by default it
-follows nanochat's folder name (base_checkpoints, mid_checkpoints, chatsft_checkpoints), else base.
+The run gets NANOCHAT_FAST_HOME/runs/<run>/ with one checkpoint at the same step: the weights as
+fp32, the model config, and the optimizer state when the checkpoint has it (so `base_train
+--resume=auto` goes on with its momentum); the tokenizer becomes NANOCHAT_FAST_HOME/tokenizer/ (or
+must equal the one there). Nothing is unpickled blindly: tokenizer.pkl goes through a restricted
+unpickler, every .pt file loads with weights_only=True. What carries over, the checks, and what
+--phase decides: README.md, "Coming from nanochat".
 """
 import math
 from dataclasses import asdict

@@ -5,39 +5,12 @@ Inference benchmark: what a model costs to serve, swept over the decode batch si
     python -m nanochat_fast.scripts.infer_bench --run=demo_sft --batch-sizes=1,4,16
     python -m nanochat_fast.scripts.infer_bench --depth=20 --prompt-tokens=512 | tail -1 | jq .sweep
 
-Prefill (the prompt, all positions at once) is compute-bound; decode (one token per step) reads
-every weight and the KV cache to do a little arithmetic, so it is bandwidth-bound and batching is
-nearly free until compute saturates. The sweep traces that trade-off between latency and throughput.
-
-For each batch size B, B requests of --prompt-tokens random token ids (one prompt each, fixed seed)
-go through one BatchEngine (model/batch_engine.py) as a server runs them: its first step runs the
-B prefills (each prompt alone) and samples every row's first token; each later step is one forward
-of B rows x 1 token. Every row decodes exactly --decode-tokens tokens, greedily: the engine's stop
-tokens are cleared and tools are off, so no row ends early and nothing is forced. An untimed run of
-a few tokens first (kernels chosen, the cache allocated), then the timed one, with the device
-synchronised at every clock reading:
-
-  prefill tok/s   B x prompt tokens / the first step's time
-  TTFT            add -> a row's first token, median over the rows (the engine runs every waiting
-                  prefill in one step, so the B rows get their first tokens together)
-  decode tok/s    B x decode steps / their time; decode steps = decode tokens - 1 (the first token
-                  is the prefill's)
-  ms/token        per-token latency: decode time / decode steps
-  peak memory     CUDA: torch.cuda.max_memory_allocated; elsewhere the weights as stored + their
-                  packed copies when fp32 decode steps use them (model/packed_linears.py) + the KV
-                  cache, computed (activations not counted)
-  MBU             bytes read per decode step x steps/s over the memory bandwidth (hardware/bandwidth.py):
-                    bytes/step = every parameter once, in the compute dtype (as nanochat counts it,
-                                 the embedding table whole)
-                               + B x KV bytes per position x (prompt + decode/2): each row's valid
-                                 cache entries, prompt + i at decode step i, averaged over the steps
-  MFU             decode FLOPs x tok/s over the peak (hardware/peak.py); per token 2 per matmul
-                  weight (all but the embedding) + 4 x n_layer x n_head x head_dim x (prompt + decode/2)
-
---depth runs nanochat's init of that depth with a byte-level stand-in tokenizer: the engine only
-looks up its special tokens (stops and tools, both off here), so no trained tokenizer is needed.
-The last line of stdout is one JSON document with every figure:
-    json.loads(subprocess.run([...], capture_output=True, text=True).stdout.splitlines()[-1])
+For each batch size B, B requests of --prompt-tokens random tokens go through one batch engine as a
+server runs them, each decoding exactly --decode-tokens tokens greedily; printed per B: prefill and
+decode tok/s, TTFT, ms/token, peak memory, MBU and MFU. --depth runs nanochat's init of that depth
+with a byte-level stand-in tokenizer (no trained tokenizer needed). The last line of stdout is one
+JSON document with every figure. How each figure is measured and computed:
+docs/measurements.md#inference-benchmark.
 """
 import argparse
 import json
@@ -260,7 +233,8 @@ def measure(model, tokenizer, dev, args, batch: int) -> dict:
 
 
 def costs(model, dtype, kv_dtype_, args) -> dict:
-    """What a decode step reads and computes, from the model's shapes (the module docstring's formulas)."""
+    """What a decode step reads and computes, from the model's shapes (the formulas:
+    docs/measurements.md#inference-benchmark)."""
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     context = args.prompt_tokens + args.decode_tokens / 2  # mean over the decode steps of prompt + i

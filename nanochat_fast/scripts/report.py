@@ -9,13 +9,10 @@ report.md, like nanochat's report card, also printed.
 Which runs: --rl-run (default: the newest rl run); --sft-run (default: the run that rl run started
 from, else the newest sft run); --mid-run (default: the run that sft run started from, else the
 newest mid run); --base-run (default: the run the mid (or sft) run started from, else the newest
-base run). "none" leaves a stage out. Each run is read at its newest complete
-checkpoint: its meta.json (model, steps, tokens, training time, device) and evals.json (what
-base_eval and chat_eval measured at that step; chat_eval's and base_eval's own run time is there).
-
-Cost is training time (optimizer steps only; evaluation, sampling and checkpoints not counted)
-times what ran: GPU-hours (processes, one GPU each) or core-hours (processes x threads per
-process) on a CPU.
+base run); "none" leaves a stage out. Each run is read at its newest complete checkpoint: meta.json
+(model, steps, tokens, training time, device) and evals.json (what base_eval and chat_eval measured
+at that step, with their own run time). Cost is training time (optimizer steps only) times what
+ran: GPU-hours (processes, one GPU each) or core-hours (processes x threads per process) on a CPU.
 """
 import time
 from pathlib import Path

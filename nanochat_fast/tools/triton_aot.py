@@ -5,17 +5,11 @@ with each compiled variant's resources checked against its target (gpu_targets.p
     python -m nanochat_fast.tools.triton_aot [--targets sm_80,sm_90,sm_100] [--json PATH]
 
 triton_kernel_list.KERNELS lists every kernel and its runtime signature. A variant is one kernel x
-one config of its module's GPU_CONFIGS table x one dtype it accepts x one target; each is compiled with
-`triton.compile(ASTSource(fn=kernel, signature=..., constexprs=..., attrs=...), target=GPUTarget("cuda", cc, 32))`
-on the very kernel object the launcher calls (imported from its module, never copied), with the
-constexprs and options the launcher passes for that config and dtype. Shared memory comes from the
-compile's metadata; registers and spills from `ptxas -v`, run with the newest ptxas Triton ships.
-Variants compile in parallel processes; the kernels must be real JIT functions, so the processes
-run without TRITON_INTERPRET whatever the caller's environment says.
-
-A @triton.jit kernel under nanochat_fast/kernels/ without an entry in the list fails `coverage()`
-(and so the tests). The launchers' calls are checked against the list without a GPU too
-(launcher_specialization).
+one config of its module's GPU_CONFIGS table x one dtype it accepts x one target, compiled on the
+very kernel object the launcher calls, with the constexprs and options the launcher passes. Shared
+memory comes from the compile's metadata; registers and spills from `ptxas -v`. A @triton.jit kernel
+under nanochat_fast/kernels/ without an entry in the list fails `coverage()` (and so the tests).
+How a variant is compiled and checked: docs/measurements.md#triton-ahead-of-time-compile.
 """
 import argparse
 import ast

@@ -1,9 +1,7 @@
 """
-Every environment variable nanochat_fast reads, checked in one place before a script does any work.
-
-A wrong value would otherwise surface late and as a traceback (a bad NANOCHAT_FAST_KERNELS at the
-first optimizer step, a bad RANK inside torch.distributed) or not at all (a misspelt
-NANOCHAT_FAST_KERNEL is silently ignored). check_environment() turns each into one line, exit 2:
+Every environment variable nanochat_fast reads, checked in one place before a script does any work:
+check_environment() turns a wrong value, which would otherwise surface late as a traceback or not at
+all (a misspelt NANOCHAT_FAST_KERNEL is silently ignored), into one line, exit 2:
 
     NANOCHAT_FAST_HOME            where data, tokenizer and runs live: a directory (or not yet there)
     NANOCHAT_FAST_KERNELS         backend choice: one name or op=name pairs (kernels/registry.py)
@@ -14,7 +12,7 @@ NANOCHAT_FAST_KERNEL is silently ignored). check_environment() turns each into o
     RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
                                   set by torchrun; all or none of the first three, consistent ranks
 
-Any other NANOCHAT_FAST_* variable is refused as a likely misspelling (KNOWN lists the names).
+Any other NANOCHAT_FAST_* variable is refused as a likely misspelling (KNOWN lists the names);
 check_kernels(device_type) then checks that the forced backends can run on the chosen device.
 """
 import os

@@ -6,16 +6,12 @@ the dataset or run just made, and a training command is sized for this machine (
 without a GPU: a depth-4 model for about one pass over the data, as `make demo` trains; with a GPU:
 nanochat's defaults).
 
-    prepare_data   -> tok_train --dataset=NAME       (no tokenizer yet)
-                   -> base_train / mid_train ...     (a tokenizer exists: the data is tokenized too)
-    tok_train      -> base_train --dataset=NAME ...
-    base_train     -> base_eval --run=RUN
-    mid_train      -> chat_sft --source-run=RUN [--extra-conversations=FILE: the mid run's own]
-    chat_sft       -> chat_eval --run=RUN            (evaluation data prepared; on a CPU a sample of
-                                                     each task)
-                   -> chat_cli --run=RUN             (no evaluation data)
-    chat_rl        -> chat_eval --run=RUN --task=TASK  (the task it learned; on a CPU a sample)
-    chat_eval      -> report                         (the report card of the pipeline)
+    prepare_data -> tok_train --dataset=NAME (no tokenizer yet), else base_train / mid_train ...
+    tok_train -> base_train --dataset=NAME ...      base_train -> base_eval --run=RUN
+    mid_train -> chat_sft --source-run=RUN [--extra-conversations=FILE: the mid run's own]
+    chat_sft -> chat_eval --run=RUN (evaluation data prepared; on a CPU a sample), else chat_cli
+    chat_rl -> chat_eval --run=RUN --task=TASK (the task it learned; on a CPU a sample)
+    chat_eval -> report (the report card of the pipeline)
 
 resume_command is the other command a run prints: the one that continues it after a stop.
 """

@@ -2,19 +2,17 @@
 The objective of chat_rl: nanochat's "GRPO", which ends up much simpler, close to REINFORCE:
 
     no KL term and no reference model
-    on-policy: the samples come from the weights being trained and each batch is used for one
-               optimizer step, so no PPO ratio and no clipping
+    on-policy: each batch of samples from the weights being trained is used for one optimizer
+               step, so no PPO ratio and no clipping
     advantage  A_i = r_i - mean(r) over the samples of the same question (no division by the std)
-    token-level (DAPO) normalisation: over every sampled token t of every sample i of the step
-               (all questions, all ranks),
-                   loss = -sum_i sum_t A_i * log p(t) / (number of sampled tokens in the step)
-               so each sampled token weighs the same, however long its sample.
+    token-level (DAPO) normalisation over every sampled token t of every sample i of the step (all
+               questions, all ranks): loss = -sum_i sum_t A_i * log p(t) / (sampled tokens in the step)
 
 Only sampled tokens carry loss: the prompt, the calculator's output that the engine forced into a
 sample (batch_engine.Token.forced) and the padding get target -1. A micro-batch is (inputs,
 targets, advantages), one row per sample; training_loop.train_step divides its summed loss
-(weighted_loss_sum: sum of A * cross-entropy = -sum of A * log p) by the global count of targets,
-as it does for every masked loss, so 1 and N processes take the same step.
+(weighted_loss_sum: sum of A * cross-entropy) by the global count of targets, as for every masked
+loss, so each sampled token weighs the same, however long its sample, on 1 and N processes.
 """
 import torch
 

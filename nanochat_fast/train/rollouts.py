@@ -4,21 +4,12 @@ chat_rl's data: batches sampled from the model being trained (on-policy), not re
 Rollouts is a stage's data object (stage_data.py describes the two methods): its loader,
 RolloutLoader, yields one micro-batch per question, rl_objective.rollout_batch of the question's
 --num-samples samples with their advantages. Each optimizer step takes --examples-per-step
-questions, all ranks together; rank r samples questions r*E/W ... (r+1)*E/W - 1 of the step (E/W
-micro-steps, so --examples-per-step must be a multiple of the number of processes).
-
-Sampling goes through the batch engine (model/batch_engine.py): a question's samples share its
-prompt's prefill (add(request, copies=num_samples)), the calculator tool is on and its forced
-tokens are marked, each sample has its own generator. The seed of a question's samples depends only
-on its place in the global stream of questions (--seed + place x num_samples, sample c: + c), and
-questions are sampled in groups of --device-batch-size // num_samples (a question's samples are
-never split), aligned to the step's start: 1 and N processes sample the same groups, so they draw
-the same samples and take the same step.
-
-The stream: the train questions in an order shuffled per epoch (--seed + epoch); the loader's
-state is the place of the next step's first question, so a resume (on any number of processes)
-continues with the questions and seeds it would have had. Validation (val bpb) reads the held-out
-questions with their reference answers, one conversation per row.
+questions, all ranks together; rank r samples questions r*E/W ... (r+1)*E/W - 1 of the step.
+Sampling goes through the batch engine (a question's samples share its prompt's prefill; the
+calculator is on and its forced tokens are marked). A sample's seed depends only on its place in
+the global stream of questions, so 1 and N processes draw the same samples and take the same step,
+and the loader's state (the place of the next step's first question) resumes on any number of
+processes. The seeds, groups and stream in full: docs/measurements.md#rl-rollouts.
 """
 import random
 from dataclasses import dataclass
@@ -119,7 +110,7 @@ def rl_horizon(cfg, model, data) -> Horizon:
 
 
 class RolloutLoader:
-    """This rank's micro-batches of the stream of questions (module docstring)."""
+    """This rank's micro-batches of the stream of questions (docs/measurements.md#rl-rollouts)."""
 
     def __init__(self, model, tokenizer, task, examples: list, examples_per_step: int, sampling: Sampling,
                  seq_len: int, seed: int, dev, num_epochs: int = 1):

@@ -1,36 +1,15 @@
 """
 A training stage, described once, and run_stage: the one function that runs any stage.
 
-A Stage says what differs between base_train, mid_train and the stages after them:
-
-    phase     "base", "mid", ...: written into every checkpoint; later stages find runs by it
-    title     the report's title
-    start     where the weights come from: NewModel() (the depth dial) or FromRun(...) (another
-              run's checkpoint, e.g. --base-run for mid_train)
-    data      what it trains and validates on (stage_data.py: grad_accum_steps, open, and
-              varying_shapes: whether row lengths change between batches, which keeps it eager;
-              chat_rl's samples its batches from the model being trained: rollouts.py)
-    horizon   how long: fixed_horizon (steps, FLOPs budget or tokens per parameter) or one_epoch
-    sample    what to print every --sample-every steps: completions or chat replies
-    run_name  the default --run
-    evals     more evaluations, run with every val bpb eval (name, fn(cfg, tokenizer, dev) ->
-              fn(model) -> {metric: value}); their latest values go into the report
-
-run_stage(args, stage) does the rest the same way for every stage: it checks the environment and
-every flag (training_config.py) before any work and sets up the process; set_up finds the starting
-point, opens (or resumes) the run directory and builds model and optimizers; then the stage's data
-is opened, make_run measures the compute dtypes, picks the compile and builds the Run
-(run_state.py), and train_and_report runs the loop (training_loop.py) and writes the report.
-
-A later stage plugs in the same way. chat_sft, for instance: start=FromRun("source_run",
-"source_step", phases=("mid", "base")); data= a padded-conversation loader (one conversation per
-row, targets -1 on padding and on every token not the assistant's) behind the same two methods,
-whose grad_accum_steps counts examples instead of tokens; horizon=one_epoch (or N epochs);
-defaults for its flags (e.g. --warmdown-ratio=1: nanochat's linear decay); evals= its chat
-evaluations. run_stage does not change.
-
-The resume rule for learning rates: a learning-rate flag given on the command line replaces the
-checkpoint's value (and the log says so); a flag left at its default keeps the checkpoint's value.
+A Stage says what differs between base_train, mid_train and the stages after them (its fields:
+the class's docstring). run_stage(args, stage) does the rest the same way for every stage: it
+checks the environment and every flag (training_config.py) before any work and sets up the
+process; set_up finds the starting point, opens (or resumes) the run directory and builds model
+and optimizers; then the stage's data is opened, make_run measures the compute dtypes, picks the
+compile and builds the Run (run_state.py), and train_and_report runs the loop (training_loop.py)
+and writes the report. How a later stage (chat_sft, chat_rl) plugs in without changing run_stage,
+and the resume rule for learning rates: ARCHITECTURE.md, "A training stage" and "The learning
+rate, from flag to kernel".
 """
 import time
 from dataclasses import asdict, dataclass, replace
@@ -151,6 +130,20 @@ def answer_questions(questions, max_tokens=32):
 
 @dataclass(frozen=True)
 class Stage:
+    """What differs between base_train, mid_train and the stages after them:
+
+        phase     "base", "mid", ...: written into every checkpoint; later stages find runs by it
+        title     the report's title
+        start     where the weights come from: NewModel() (the depth dial) or FromRun(...) (another
+                  run's checkpoint, e.g. --base-run for mid_train)
+        data      what it trains and validates on (stage_data.py: grad_accum_steps, open, and
+                  varying_shapes: whether row lengths change between batches, which keeps it eager;
+                  chat_rl's samples its batches from the model being trained: rollouts.py)
+        horizon   how long: fixed_horizon (steps, FLOPs budget or tokens per parameter) or one_epoch
+        sample    what to print every --sample-every steps: completions or chat replies
+        run_name  the default --run
+        evals     more evaluations, run with every val bpb eval; their latest values go into the report
+    """
     phase: str
     title: str
     start: NewModel | FromRun
@@ -280,7 +273,7 @@ def train_and_report(run: Run, stage: Stage, setup: RunSetup, sections: dict) ->
 
 
 def resume(run: Run, ckpt: Path, meta: dict, cfg: TrainingConfig):
-    """Restore the training state of `ckpt`, then apply the learning-rate rule (module docstring)."""
+    """Restore the training state of `ckpt`, then apply the learning-rate rule (ARCHITECTURE.md, "Resume rule")."""
     def groups_of(prefix):
         return [g for opt in run.optimizers for g in opt.param_groups if g["param_names"][0].startswith(prefix)]
 

@@ -1,31 +1,19 @@
 """
 What each training stage reads: its training loader and its validation batches.
 
-A stage's data is an object with two methods (stage.py calls them):
-
-    grad_accum_steps(data_config, world_size)   micro-steps per optimizer step (UserError if the
-                                                batch does not divide), checked before any work
-    open(args, cfg, tokenizer, dev, model) -> Data
-                                                the training loader of this rank and a factory of
-                                                its validation batches (model: the one being
-                                                trained, which chat_rl's rollouts sample from)
-
-A loader yields this rank's (inputs, targets) forever (targets -1 are not trained on) and has
-state_dict()/load_state_dict() (the global cursor, saved in checkpoints), epoch_progress and
-close(); the loaders are data/packed_loaders.py's and data/padded_conversations.py's.
+A stage's data is an object with two methods (stage.py calls them): grad_accum_steps(data_config,
+world_size), the micro-steps per optimizer step, checked before any work (UserError if the batch
+does not divide), and open(args, cfg, tokenizer, dev, model) -> Data, this rank's training loader
+and a factory of its validation batches (model: the one being trained, which chat_rl's rollouts
+sample from). A loader yields this rank's (inputs, targets) forever (targets -1 are not trained on)
+and has state_dict()/load_state_dict() (the global cursor), epoch_progress and close().
 
     PackedRows(ConversationRowLoader)  packed rows of conversations, assistant tokens supervised (mid)
     PackedRows(TokenRowLoader)         packed rows of prose, every token supervised (base)
     PaddedConversations(sft_sources)   one conversation per row, padded (chat_sft)
 
-Validation reads the same rows on any number of processes (val_batches). mid_train's own
-conversations (--extra-conversations) are mixed into the chat dataset, or, when no conversation
-dataset is prepared, are the whole training set (ConversationShards; every 50th held out for val).
-
-chat_sft's mixture (sft_sources): the conversation dataset (--dataset, default chat), the train
-splits of the chat tasks whose evaluation data is prepared (at most TASK_LIMITS examples of a task)
-and --extra-conversations; with no conversation dataset prepared, every VAL_EVERY-th conversation of
-each source is held out for val bpb instead of the dataset's val split.
+Validation reads the same rows on any number of processes (val_batches). What mid_train's own
+conversations and chat_sft's mixture add: docs/measurements.md#training-data-mixtures.
 """
 import argparse
 import json
@@ -267,7 +255,7 @@ def task_conversations() -> tuple[list[tuple[str, list]], list[str]]:
 
 
 def sft_sources(args, cfg, tokenizer):
-    """(train parts, val parts, dataset name, notes) of the mixture in the module docstring."""
+    """(train parts, val parts, dataset name, notes) of the mixture (docs/measurements.md#training-data-mixtures)."""
     dataset = cfg.data.dataset or "chat"
     use_dataset = bool(cfg.data.dataset) or tokens_dir(dataset).is_dir()
     in_memory, notes = task_conversations()

@@ -4,18 +4,16 @@ Experiment tracking, optional: every row the run logs to metrics.jsonl also goes
 folder (--tensorboard, `pip install "nanochat_fast[tensorboard]"`), under nanochat's metric names:
 
     train rows   smooth_loss -> train/loss (nanochat logs the debiased smoothed loss under it),
-                 loss -> train/raw_loss, lrm -> train/lrm, dt -> train/dt,
-                 tok_per_sec -> train/tok_per_sec, mfu -> train/mfu (percent, as nanochat's),
-                 grad_norm -> train/grad_norm, tokens_seen -> total_training_tokens; chat_rl's
+                 loss -> train/raw_loss, lrm, dt, tok_per_sec, mfu (percent, as nanochat's) and
+                 grad_norm -> train/<same name>, tokens_seen -> total_training_tokens; chat_rl's
                  reward -> reward, seq_len -> sequence_length
     eval rows    val_bpb -> val/bpb; a stage's own evaluations under their own names (chat_rl's
                  pass@k as nanochat's)
 
-Off by default: with neither flag the run makes no tracker and imports neither package. Only rank 0
-logs (the trackers hang on MetricsLog, which only rank 0 has). A missing package is a one-line
-UserError naming the extra to install, raised while the flags are checked, before any work.
-wandb's run name is the run's (--run), its config the run's settings; WANDB_MODE=offline keeps it
-on this machine (the run folder's wandb/).
+Off by default: with neither flag no tracker is made and neither package imported. Only rank 0 logs
+(the trackers hang on MetricsLog, which only rank 0 has). A missing package is a one-line UserError
+naming the extra, raised while the flags are checked. wandb's run name is --run, its config the
+run's settings; WANDB_MODE=offline keeps it on this machine (the run folder's wandb/).
 """
 import importlib.util
 import math

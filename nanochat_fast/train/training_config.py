@@ -9,12 +9,10 @@ A training run's configuration: one small object per component, each validated w
     DeviceConfig   device type and compute dtype (also the eval and chat scripts: evaluation_process)
     RunConfig      run name or folder, resume/overwrite, compile, seed, determinism
 
-Each field is declared once, with its default, its check and its help: `add_flags` turns the
-fields into argparse flags (the check is the flag's type, so a bad value fails while parsing) and
-`from_args` builds the object from the parsed flags; `__post_init__` runs the same checks again,
-so a config built in code is held to the same rules. A bad value is a UserError in the words
-argparse uses ("argument --depth: must be a positive integer, got 0"), exit code 2. The optimizers
-and kernels keep their own ValueError checks for people who call them directly.
+Each field is declared once, with its default, its check and its help: `add_flags` makes it an
+argparse flag whose type is the check, `from_args` builds the object, `__post_init__` checks again
+for a config built in code. A bad value is a UserError in argparse's words ("argument --depth: must
+be a positive integer, got 0"), exit code 2; optimizers and kernels keep their own ValueError checks.
 """
 import argparse
 import math

@@ -1,20 +1,18 @@
 """
 The training loop every stage shares (stage.py builds a Run of run_state.py and calls train): the
-two loops of the seeds (an outer loop of optimizer steps, an inner loop of gradient-accumulation
-micro-steps) plus what a long run on rented machines needs: evaluation, sampling, atomic
-checkpoints, exact resume, preemption and the NaN guard. `train` reads as one iteration does.
+two loops of the seeds (optimizer steps; gradient-accumulation micro-steps inside each) plus what a
+long run on rented machines needs: evaluation, sampling, atomic checkpoints, exact resume,
+preemption and the NaN guard. `train` reads as one iteration does. One step:
 
-One step:
     set lr and Muon momentum from the progress at the start of the step
     fetch the grad_accum_steps micro-batches of this rank
     count the supervised targets of the whole step on all ranks (one all-reduce)
     for each micro-batch: loss_sum = model(x, y, "sum"); (loss_sum / count).backward()
     the logged loss is the global mean: all-reduced loss sums / count
     optim.step(): reduce-scatter, global grad norm, clip, update
-Dividing by the global count of supervised tokens (not per-rank means) makes the gradient the
-same on 1 and N processes, also for masked targets (mid-training). A micro-batch of three tensors
-(x, y, row weights) weighs each row's token losses (chat_rl: the advantages, rl_objective.py); a
-loader with step_metrics() adds its own figures of the step to the step's log line.
+Dividing by the global count of supervised tokens (not per-rank means) makes the gradient the same
+on 1 and N processes, also for masked targets. A micro-batch (x, y, row weights) weighs each row's
+token losses (chat_rl's advantages); a loader's step_metrics() adds to the step's log line.
 """
 import contextlib
 import math

@@ -2,24 +2,14 @@
 A pool of model replicas serving chat requests from one bounded queue, each replica decoding many
 replies at once in one continuous-batching engine.
 
-Threads. The event loop (FastAPI) creates jobs, queues them (submit) and stops them (cancel); it
-never touches an engine. Each replica has one worker thread, the only one that drives its engine
-(an engine is single-threaded): it admits waiting jobs while the engine has free slots, runs one
-engine step (one token for every row), hands each token to its job, ends the jobs whose rows
-ended, and cancels the rows of jobs that were stopped, before the next step, so their slots are
-free at once. With no rows and nothing admissible it sleeps on the pool's condition variable. torch
-releases the GIL inside its ops, so the event loop keeps serving pages and streams meanwhile.
-
-Jobs and rows. A job is one reply: it becomes one row of one engine (one slot of its KV cache) when
+The event loop (FastAPI) creates jobs, queues them (submit) and stops them (cancel); it never
+touches an engine. Each replica has one worker thread, the only one that drives its engine: it
+admits waiting jobs while the engine has free slots, runs one engine step, hands each token to its
+job and ends or cancels rows before the next step. A job is one reply, one row of one engine once
 admitted, through the replica's prepare(job), which chat_web provides: this package knows nothing
-of models. A job talks to the event loop through an asyncio queue (a step's events for all its
-replies go over in one call_soon_threadsafe: deliver) and is stopped through a threading.Event: a
-stop button, a client that went away or a request past its time. A step that fails ends the
-replies in it with an error event (one log line) and the replica serves on with a clean engine.
-
-Admission is decided when a request arrives: at most every slot busy plus `queue_limit` waiting; a
-request beyond that is refused at once (HTTP 503) instead of waiting without bound. A waiting job
-goes to the replica with the most free slots (ties: whichever worker looks first).
+of models. Admission is decided when a request arrives: at most every slot busy plus `queue_limit`
+waiting; a request beyond that is refused at once (HTTP 503). The threads, jobs and failures in
+full: docs/measurements.md#chat-server.
 """
 import asyncio
 import collections

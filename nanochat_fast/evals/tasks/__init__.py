@@ -1,16 +1,12 @@
 """
 Evaluation tasks over the prepared data (data/eval/, see evals/prepared_benchmarks.py), one module per family:
 
-    chat tasks (chat_eval, and training data for chat_sft)
-        ARC-Easy, ARC-Challenge   arc.py          categorical
-        MMLU                      mmlu.py         categorical
-        GSM8K                     gsm8k.py        generative, with the calculator
-        HumanEval                 humaneval.py    generative, run in the sandbox
-        SpellingBee               spellingbee.py  generative, with the calculator
-    synthetic (made, not prepared; chat_rl's proof of learning on a CPU; chat_eval --task takes it)
-        last-digit                last_digit.py   generative, "#### N" like GSM8K
-    base-model tasks (base_eval)
-        the CORE subset           core_benchmark.py  few-shot likelihood of each choice
+    chat tasks (chat_eval, and training data for chat_sft): ARC-Easy and ARC-Challenge (arc.py) and
+        MMLU (mmlu.py), categorical; GSM8K (gsm8k.py) and SpellingBee (spellingbee.py), generative
+        with the calculator; HumanEval (humaneval.py), generative, run in the sandbox
+    synthetic (made, not prepared; chat_rl's proof of learning on a CPU; chat_eval --task takes it):
+        last-digit (last_digit.py), generative, "#### N" like GSM8K
+    base-model tasks (base_eval): the CORE subset (core_benchmark.py), few-shot likelihood of each choice
 
     task = tasks.get("arc-easy")               # nanochat's names, any case
     examples = task.load(max_examples=100)     # the evaluated split, shuffled with a fixed seed

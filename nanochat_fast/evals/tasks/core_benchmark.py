@@ -1,29 +1,12 @@
 """
 A subset of CORE, the base-model benchmark of the DCLM paper (Li et al. 2024, arXiv:2406.11794)
 that nanochat reports: the 10 of its 22 tasks whose data we have offline, each with DCLM's number
-of few-shot examples, continuation delimiter, task type and random baseline:
-
-    label               data                       shots  delimiter      type             baseline
-    hellaswag_zeroshot  hellaswag/validation       0      " "            multiple choice  25%
-    arc_easy            arc-easy/test              10     "\\nAnswer: "  multiple choice  25%
-    arc_challenge       arc-challenge/test         10     "\\nAnswer: "  multiple choice  25%
-    copa                copa/validation            0      " "            multiple choice  50%
-    commonsense_qa      commonsenseqa/validation   10     " "            multiple choice  20%
-    piqa                piqa/validation            10     "\\nAnswer: "  multiple choice  50%
-    openbook_qa         openbookqa/validation      0      " "            multiple choice  25%
-    hellaswag           hellaswag/validation       10     " "            multiple choice  25%
-    winogrande          winogrande/validation      0      " "            schema           50%
-    boolq               boolq/validation           10     "\\nAnswer: "  multiple choice  62%
-
-Left out (no offline data): jeopardy, bigbench_qa_wikidata, lambada_openai, winograd, the bigbench
-symbolic tasks, agi_eval_lsat_ar, squad, coqa, bigbench_language_identification. Its average is
-therefore "CORE subset (10/22 tasks)", not CORE, and is not comparable to published CORE scores.
-
-Scoring (scoring.core_counts): a multiple-choice item is one prompt per choice,
-"{few-shot}{query}{delimiter}{choice}"; a schema item (Winogrande) one prompt per way of filling
-the blank, "{context with the option}{delimiter}{rest of the sentence}". The model's answer is the
-prompt whose scored part (the tokens after the common prefix; for schema, the common suffix) has
-the lowest mean loss. Few-shot examples are drawn from the same task, never the item itself.
+of few-shot examples, continuation delimiter, task type and random baseline (CORE_SUBSET, one row
+per task). Its average is therefore "CORE subset (10/22 tasks)", not CORE, and is not comparable to
+published CORE scores. A multiple-choice item is one prompt per choice, a schema item (Winogrande)
+one prompt per way of filling the blank; scoring.core_counts picks the one whose scored part has
+the lowest mean loss. The tasks left out, and the prompts and scoring in full:
+docs/measurements.md#core-subset.
 """
 import random
 
