@@ -259,3 +259,13 @@ def test_the_nanochat_names_check_fails_on_a_format_outside_interop():
                           'FILES = ["model.pt", "meta.json", "optim_rank{}.pt", "step_{:06d}", "checkpoints"]\n'
                           'def f(r):\n    """meta_*.json"""\n    return f"optim_rank{r}.pt"\n') == []
 
+
+
+def test_every_path_of_the_concept_map_exists():
+    """ARCHITECTURE.md's "Where each concept lives": every backticked path (under nanochat_fast/, or
+    from the repository's top) is there."""
+    section = (ROOT / "ARCHITECTURE.md").read_text().split("## Where each concept lives")[1].split("\n## ")[0]
+    paths = [t for t in re.findall(r"`([^` ]+)`", section) if "/" in t or re.search(r"\.(py|cpp|cu|h|md|txt)$", t)]
+    assert len(paths) > 40
+    missing = [p for p in paths if not (ROOT / p).exists() and not (PACKAGE / p).exists()]
+    assert not missing, f"ARCHITECTURE.md names paths that do not exist: {missing}"
