@@ -20,7 +20,7 @@ check     The preflight says in one line (exit 2), before any work, what this ma
           A step that hits its cap is recorded as such, with what it measured so far, and the check goes on.
           OUT gets RESULTS-cuda.md, results-cuda.json (every figure) and logs.tar.gz, rewritten after every
           step, so a check killed at its limit leaves what it measured. Exit 1 if any step failed.
-rehearse  Every part that needs no GPU, here, offline (python_tests/test_gpu_check.py, on every CI run): a
+rehearse  Every part that needs no GPU, here, offline (python_tests/benchmarks/test_gpu_check.py, on every CI run): a
           small bundle for this Python; the node's cp312 wheels resolved by pip for the node against
           gpu_node.txt; a stand-in for the node's python3 (a venv seeing only the installed packages the
           node has); its preflight must say "no GPU" and nothing else; then `check --rehearse`: the same
@@ -275,7 +275,7 @@ def prepared_home(bundle: Path, work: Path) -> Path:
 
 def gpu_test_files() -> list[str]:
     """The test files with a test marked gpu (collecting the others would import what the node lacks)."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "python_tests").glob("test_*.py")
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "python_tests").rglob("test_*.py")
                   if "@pytest.mark.gpu" in p.read_text())
 
 
