@@ -57,7 +57,7 @@ def runs(tmp_path_factory):
     torchrun("dist_worker.py", 2, ["--out", str(root / "w2"), "--resume-from", str(root / "w1" / "step3")])
     w2 = read_run(root / "w2", 2)
 
-    spawn(W.run, 3, W.parse_args(["--out", str(root / "w3"), "--resume-from", str(root / "w2" / "step3")]))
+    spawn(W.run, 3, W.PARSER.parse_args(["--out", str(root / "w3"), "--resume-from", str(root / "w2" / "step3")]))
     w3 = read_run(root / "w3", 3)
 
     ref["resumed_from_3"] = single_process_run(root / "w1_again", resume_from=root / "w3" / "step3")["resumed"]

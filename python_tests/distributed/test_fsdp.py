@@ -29,8 +29,8 @@ def read(out: Path, world_size: int) -> dict:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     torchrun("fsdp_worker.py", 2, ["--out", str(root / "w2")])
-    spawn(F.run, 3, F.parse_args(["--out", str(root / "w3")]))
-    spawn(F.run, 4, F.parse_args(["--out", str(root / "w4"), "--memory-only"]))
+    spawn(F.run, 3, F.PARSER.parse_args(["--out", str(root / "w3")]))
+    spawn(F.run, 4, F.PARSER.parse_args(["--out", str(root / "w4"), "--memory-only"]))
     return {2: read(root / "w2", 2), 3: read(root / "w3", 3), 4: read(root / "w4", 4)}
 
 

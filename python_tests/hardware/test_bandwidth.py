@@ -10,6 +10,7 @@ import torch
 from nanochat_fast import hardware
 from nanochat_fast.hardware import Bandwidth, bandwidth, cache, machine, peak
 from nanochat_fast.model.gpt import GPT, GPTConfig
+import measurement_files
 
 
 @pytest.fixture
@@ -29,8 +30,7 @@ def fake_probe(monkeypatch, nanochat_home):
 
 
 def new_process(monkeypatch):
-    """Forget this process's probes: only the file remembers."""
-    monkeypatch.setattr(bandwidth.CACHE, "probed", {})
+    measurement_files.new_process(monkeypatch, bandwidth.CACHE)
 
 
 def test_the_probe_is_cached(fake_probe, monkeypatch):
@@ -60,9 +60,7 @@ def test_busy_machine_is_not_cached(fake_probe, monkeypatch):
 def test_a_stale_probe_is_taken_again(fake_probe, monkeypatch):
     calls, rate = fake_probe
     hardware.measured_bandwidth("cpu")
-    data = json.loads(bandwidth.CACHE.path.read_text())
-    data["entries"][hardware.machine_key("cpu")]["measured"] = "2020-01-01 00:00:00"
-    bandwidth.CACHE.path.write_text(json.dumps(data))
+    measurement_files.backdate(bandwidth.CACHE, hardware.machine_key("cpu"))
     new_process(monkeypatch)
     rate[0] = 40e9
     assert hardware.memory_bandwidth("cpu").bytes_per_s == 40e9 and len(calls) == 2
@@ -72,10 +70,8 @@ def test_a_stale_probe_is_taken_again(fake_probe, monkeypatch):
 
 def test_a_foreign_cache_is_measured_again(fake_probe, capsys):
     calls, _ = fake_probe
-    path = bandwidth.CACHE.path
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"version": 1, "entries": {hardware.machine_key("cpu"): {"bytes_per_s": -1}}}))
-    bandwidth.CACHE._warned.clear()
+    path = measurement_files.write_foreign_file(
+        bandwidth.CACHE, json.dumps({"version": 1, "entries": {hardware.machine_key("cpu"): {"bytes_per_s": -1}}}))
     assert hardware.memory_bandwidth("cpu").bytes_per_s == 30e9 and len(calls) == 1
     assert capsys.readouterr().err.startswith(f"note: {path} is not a cache this version wrote")
 

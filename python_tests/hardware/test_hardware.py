@@ -16,6 +16,7 @@ from nanochat_fast.core.cli import UserError
 from nanochat_fast.core.threads import UNKNOWN, decide_threads
 from nanochat_fast.hardware import Peak, cache, peak
 from nanochat_fast.model.gpt import GPT, GPTConfig
+import measurement_files
 from repo_paths import ROOT
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2"}
@@ -139,8 +140,7 @@ def fake_probe(monkeypatch, nanochat_home):
 
 
 def new_process(monkeypatch):
-    """Forget this process's probes: only the file remembers."""
-    monkeypatch.setattr(peak.CACHE, "probed", {})
+    measurement_files.new_process(monkeypatch, peak.CACHE)
 
 
 def test_cache_hit_and_the_best_peak(fake_probe, monkeypatch):
@@ -189,10 +189,7 @@ def test_cache_is_keyed_by_threads_and_torch_version(fake_probe, monkeypatch):
                                      '{"version": 2, "entries": {"KEY": {"fp32": -1, "bf16": 1}}}'])
 def test_corrupt_or_foreign_cache_is_measured_again(fake_probe, capsys, content):
     calls, _ = fake_probe
-    path = peak.CACHE.path
-    path.parent.mkdir(parents=True)
-    path.write_text(content.replace("KEY", hardware.machine_key("cpu")))
-    peak.CACHE._warned.clear()
+    path = measurement_files.write_foreign_file(peak.CACHE, content.replace("KEY", hardware.machine_key("cpu")))
     assert hardware.measured_peaks("cpu")["fp32"] == 100e9
     assert len(calls) == 2 * peak.PROBE_ROUNDS
     assert json.loads(path.read_text())["entries"][hardware.machine_key("cpu")]["fp32"] == 100e9
@@ -209,9 +206,7 @@ def test_busy_machine_is_not_cached(fake_probe, monkeypatch):
 def test_a_stale_probe_is_taken_again(fake_probe, monkeypatch):
     calls, rates = fake_probe
     hardware.measured_peaks("cpu")
-    data = json.loads(peak.CACHE.path.read_text())
-    data["entries"][hardware.machine_key("cpu")]["measured"] = "2020-01-01 00:00:00"
-    peak.CACHE.path.write_text(json.dumps(data))
+    measurement_files.backdate(peak.CACHE, hardware.machine_key("cpu"))
     new_process(monkeypatch)
     rates[torch.float32] = 120e9
     assert hardware.measured_peaks("cpu")["fp32"] == 120e9 and len(calls) == 4 * peak.PROBE_ROUNDS

@@ -12,6 +12,7 @@ from nanochat_fast.hardware import precision, tuning
 from nanochat_fast.hardware.tuning import Timing, TuningError, Work
 from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.train import model_setup
+import measurement_files
 from repo_paths import ROOT
 
 
@@ -178,9 +179,7 @@ def test_cached_for_later_runs_and_keyed_by_the_machine(machine, monkeypatch):
                                      '{"version": 99, "entries": {}}'])
 def test_a_corrupt_or_foreign_cache_is_measured_again_with_one_notice(machine, capsys, content):
     fake = machine("bf16 fast")
-    tuning.CACHE.path.parent.mkdir(parents=True, exist_ok=True)
-    tuning.CACHE.path.write_text(content)
-    tuning.CACHE._warned.clear()
+    measurement_files.write_foreign_file(tuning.CACHE, content)
     timing = tuning.measure(fake.work("model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model")), "cpu")
     assert timing.source == "measured"
     err = capsys.readouterr().err
@@ -271,10 +270,7 @@ def test_a_busy_machine_is_not_cached_and_old_timings_are_taken_again(machine, m
     assert not tuning.CACHE.path.exists()
     monkeypatch.setattr(tuning, "machine_busy", lambda: False)
     tuning.measure(work, "cpu")
-    data = json.loads(tuning.CACHE.path.read_text())
-    (entry,) = data["entries"].values()
-    entry["measured"] = "2020-01-01 00:00:00"
-    tuning.CACHE.path.write_text(json.dumps(data))
+    measurement_files.backdate(tuning.CACHE)
     assert tuning.measure(work, "cpu").source == "measured"
 
 

@@ -11,6 +11,7 @@ import torch
 
 from nanochat_fast.kernels import KernelUnavailableError, newton_schulz, registry
 from newton_schulz_reference import POLAR_EXPRESS, QUINTIC, float64_newton_schulz, force_path, make_input, published
+from tiny_gpt import counting_batches, counting_model, train_on
 
 ns = importlib.import_module("nanochat_fast.kernels.newton_schulz")
 OP = ns.OP
@@ -153,8 +154,6 @@ def test_bad_input_names_the_argument(monkeypatch):
 def train_tiny_gpt(monkeypatch, backend, steps=20, device="cpu", ns_dtype="fp32"):
     """Loss after `steps` Muon+AdamW steps with newton_schulz forced to `backend`, and how many
     newton_schulz calls that backend served."""
-    from nanochat_fast import optim
-    from nanochat_fast.model.gpt import GPT, GPTConfig
     from nanochat_fast.optim import MuonRecipe
 
     calls = []
@@ -167,26 +166,11 @@ def train_tiny_gpt(monkeypatch, backend, steps=20, device="cpu", ns_dtype="fp32"
     monkeypatch.setattr(ns, "choose_path", lambda device, dtype, m, n: "gram" if max(m, n) >= 2 * min(m, n) else "symmetric")
     monkeypatch.setattr(ns, "symmetric_pays", lambda *args: True)
     monkeypatch.setattr(ns, "SYM_BLOCK_ROWS", 24)
-    config = GPTConfig(sequence_len=32, vocab_size=128, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
-    torch.manual_seed(0)
-    model = GPT(config).to(device)
-    model.init_weights()
+    model = counting_model(device)
     opts = model.setup_optimizers(muon_recipe=MuonRecipe.preset("quintic", ns_dtype=ns_dtype))
-    # counting sequences from random starts with 40% of the tokens replaced by noise: the loss falls
-    # fast but stays far from 0, so a wrong update shows in it
-    gen = torch.Generator().manual_seed(1)
-    data = (torch.randint(0, 128, (steps + 1, 4, 1), generator=gen) + torch.arange(33)) % 128
-    noise = torch.rand(data.shape, generator=gen) < 0.4
-    data = torch.where(noise, torch.randint(0, 128, data.shape, generator=gen), data).to(device)
-    losses = []
-    for step in range(steps):
-        loss = model(data[step, :, :-1], data[step, :, 1:])
-        loss.backward()
-        optim.step(opts, grad_clip=1.0)
-        model.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    with torch.no_grad():
-        final = model(data[steps, :, :-1], data[steps, :, 1:]).item()  # a batch it has not seen
+    # 40% of the tokens replaced by noise: the loss falls fast but stays far from 0, so a wrong
+    # update shows in it
+    final, losses = train_on(model, opts, counting_batches(steps, noise=0.4, device=device))
     return final, losses, len(calls)
 
 

@@ -9,12 +9,11 @@ import math
 import pytest
 import torch
 
-from nanochat_fast import optim
-from nanochat_fast.model.gpt import GPT, GPTConfig
 from nanochat_fast.optim import Muon, MuonRecipe
 from nanochat_fast.optim import recipe as recipes
 from nanochat_fast.train import training_loop
 from newton_schulz_reference import float64_newton_schulz, published  # the published coefficients, not the package's
+from tiny_gpt import counting_batches, counting_model, train_on
 
 
 def test_presets():
@@ -188,41 +187,27 @@ def test_resume_is_exact(tmp_path):
 # the tiny GPT and the training loop's schedule
 
 
-def tiny_model():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(sequence_len=32, vocab_size=128, n_layer=2, n_head=2, n_kv_head=1, n_embd=64))
-    model.init_weights()
-    return model
-
-
 def test_polar_normuon_recipe_trains_the_tiny_gpt():
     """30 steps with muon_recipe="polar-normuon" (NS in fp32, as auto gives here and to keep the test
     exact on bf16 CPUs): the loss falls, and the optimizer says which recipe ran."""
-    model = tiny_model()
+    model = counting_model()
     opts = model.setup_optimizers(muon_recipe=MuonRecipe.preset("polar-normuon", ns_dtype="fp32"))
     muon = opts[1]
     assert muon.recipe.name == "polar-normuon" and muon.recipe.describe().startswith("muon recipe polar-normuon")
     assert muon.param_groups[0]["normuon_beta"] == 0.9 and muon.param_groups[0]["cautious_weight_decay"]
-    gen = torch.Generator().manual_seed(1)
-    data = (torch.randint(0, 128, (31, 4, 1), generator=gen) + torch.arange(33)) % 128  # counting
-    losses = []
-    for step in range(30):
+
+    def the_loops_schedule(step):
         momentum = training_loop.muon_momentum(opts, step, 30)
         assert momentum == muon.recipe.momentum_at(step, 30) == muon.param_groups[0]["momentum"]
         assert muon.param_groups[0]["weight_decay"] == pytest.approx(muon.recipe.weight_decay_at(step, 30))
-        loss = model(data[step, :, :-1], data[step, :, 1:])
-        loss.backward()
-        optim.step(opts, grad_clip=1.0)
-        model.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    with torch.no_grad():
-        final = model(data[30, :, :-1], data[30, :, 1:]).item()
+    final, losses = train_on(model, opts, counting_batches(30), before_step=the_loops_schedule)
+    assert len(losses) == 30
     assert final < losses[0] - 1.0, (losses[0], final)
     assert all(math.isfinite(x) for x in losses)
 
 
 def test_setup_optimizers_keeps_its_arguments():
-    model = tiny_model()
+    model = counting_model()
     adamw, muon = model.setup_optimizers(matrix_lr=0.01, weight_decay=0.1, ns_coefficients="polar_express")
     assert muon.recipe.name == "quintic" and muon.recipe.ns_coefficients == "polar_express"
     assert muon.param_groups[0]["lr"] == 0.01 and muon.param_groups[0]["weight_decay"] == 0.0
@@ -250,7 +235,7 @@ def settings_of(opt):
 
 @pytest.mark.parametrize("old,new", [("seeds", "quintic"), ("current", "polar-normuon")])
 def test_a_former_name_prints_one_notice_and_builds_the_same_optimizer(old, new, fresh_process, capsys):
-    model = tiny_model()
+    model = counting_model()
     _, muon_old = model.setup_optimizers(muon_recipe=old)
     for _ in range(2):  # used again in the same process: no second notice
         assert MuonRecipe.preset(old) == MuonRecipe.preset(new) and MuonRecipe.of(old).name == new

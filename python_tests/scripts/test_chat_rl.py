@@ -4,13 +4,11 @@ exactly; the report card gets an RL column."""
 import json
 
 import pytest
-import torch
 
-from nanochat_fast import checkpoints
 from nanochat_fast.evals import tasks
 from nanochat_fast.scripts import base_train, chat_rl, chat_sft, report
-from faults import preempt_at_step
-from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, run_script, train_rows
+from faults import preempted_and_resumed
+from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, run_script
 
 BASE = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 # SFT at the pretraining learning rates: a 140k-parameter model learns the task's format in a few
@@ -95,14 +93,6 @@ def test_two_processes_take_the_same_steps(rl_home, tmp_path):
 def test_stop_and_resume_is_exact(rl_home, monkeypatch, capsys):
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(rl_home))
     args = RL + ["--num-iterations=4", "--eval-every=-1", "--deterministic"]
-    assert chat_rl.main(args + ["--run=full"]) == 0
-    with preempt_at_step(2):
-        assert chat_rl.main(args + ["--run=part"]) == 0
-    assert "stopped by SIGTERM at step 2" in capsys.readouterr().out
-    assert chat_rl.main(args + ["--run=part", "--resume=auto"]) == 0
-    full, part = (torch.load(checkpoints.complete_checkpoints(rl_home / "runs" / r)[-1] / "model.pt",
-                             weights_only=True) for r in ("full", "part"))
-    assert all(torch.equal(full[k], part[k]) for k in full)
-    a, b = train_rows(rl_home / "runs" / "full"), train_rows(rl_home / "runs" / "part")
+    a, b = preempted_and_resumed(chat_rl.main, args, rl_home / "runs", 2, capsys)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert [(r["loss"], r["reward"]) for r in a] == [(r["loss"], r["reward"]) for r in b]

@@ -14,9 +14,9 @@ from nanochat_fast.evals import tasks
 from nanochat_fast.scripts import chat_eval, chat_sft, mid_train
 from nanochat_fast.train.stage_data import ConversationShards
 from eval_home import gsm8k, mc, write_eval_home, write_task
-from faults import preempt_at_step
+from faults import preempted_and_resumed
 from tiny_gpt import random_model
-from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
+from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script
 
 BASE = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 # fp32 pinned (FP32: model and Newton-Schulz), as in BASE: the runs are compared to 1e-4..1e-5 and
@@ -158,15 +158,7 @@ def test_two_processes_train_as_one(sft_home, tmp_path):
 def test_stop_and_resume_is_exact(sft_home, monkeypatch, capsys):
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(sft_home))
     args = SFT + ["--num-iterations=6", "--eval-every=-1", "--deterministic"]
-    assert chat_sft.main(args + ["--run=full"]) == 0
-    with preempt_at_step(3):
-        assert chat_sft.main(args + ["--run=part"]) == 0
-    assert "stopped by SIGTERM at step 3" in capsys.readouterr().out
-    assert chat_sft.main(args + ["--run=part", "--resume=auto"]) == 0
-    full, part = (torch.load(checkpoints.complete_checkpoints(sft_home / "runs" / r)[-1] / "model.pt",
-                             weights_only=True) for r in ("full", "part"))
-    assert all(torch.equal(full[k], part[k]) for k in full)
-    a, b = train_rows(sft_home / "runs" / "full"), train_rows(sft_home / "runs" / "part")
+    a, b = preempted_and_resumed(chat_sft.main, args, sft_home / "runs", 3, capsys)
     assert [r["step"] for r in b] == list(range(1, 7)) and [r["loss"] for r in a] == [r["loss"] for r in b]
 
 

@@ -1,7 +1,7 @@
 """
 Multi-process worker for distributed/test_dist_parity.py: run under
     python -m torch.distributed.run --standalone --nproc_per_node=N python_tests/support/dist_worker.py --out DIR ...
-or through torch.multiprocessing.spawn (dist_runs.spawn(run, N, parse_args(ARGV))). The training
+or through torch.multiprocessing.spawn (dist_runs.spawn(run, N, PARSER.parse_args(ARGV))). The training
 routine is shared with the single-process reference run in the test (world_size 1, no process group).
 
 What one launch does (results under DIR, read and asserted by the test):
@@ -17,17 +17,15 @@ What one launch does (results under DIR, read and asserted by the test):
 Newton-Schulz runs in fp32 here (ns_dtype="fp32"): the comparisons are at fp32 rounding level, and
 on a CPU with native bf16 "auto" would pick bf16.
 """
-import json
-import sys
 from pathlib import Path
 
 import torch
 
 from nanochat_fast import optim
-from nanochat_fast.core.distributed import all_reduce_sum, compute_cleanup, compute_init, get_dist_info
+from nanochat_fast.core.distributed import all_reduce_sum, compute_init, get_dist_info
 from nanochat_fast.model.gpt import GPT, GPTConfig
 from nanochat_fast.optim import MuonRecipe
-from dist_runs import worker_parser
+from dist_runs import finish, worker_parser
 
 CONFIG = GPTConfig(sequence_len=16, vocab_size=4099, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
 GLOBAL_ROWS = 6  # divisible by 1, 2 and 3: every world size sees the same global batch
@@ -222,15 +220,11 @@ def run(args):
 
     # 4. odd shapes
     info["odd_shapes"] = odd_shape_checks(rank, world_size)
-    (out / f"rank{rank}.json").write_text(json.dumps(info))
-    compute_cleanup()
+    finish(out, rank, info)
 
 
-def parse_args(argv=None):
-    parser = worker_parser()
-    parser.add_argument("--resume-from", default="")
-    return parser.parse_args(argv)
-
+PARSER = worker_parser()
+PARSER.add_argument("--resume-from", default="")
 
 if __name__ == "__main__":
-    run(parse_args(sys.argv[1:]))
+    run(PARSER.parse_args())

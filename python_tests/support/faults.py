@@ -10,15 +10,20 @@ As a process (run_script's `faults`, also under torchrun, one per rank):
     python -m torch.distributed.run ... python_tests/support/faults.py -- --nan-at-step=5 base_train ARGS
 (`--`: torchrun would read the options after the script path as its own.)
 Both wrap functions the training loop looks up at each step (train/training_loop.py), and restore them.
+preempted_and_resumed: a run stopped that way and resumed ends where an uninterrupted one does.
 """
 import argparse
 import importlib
 import signal
 import sys
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
 
 from nanochat_fast.core import cli
 from nanochat_fast.train import training_loop
+from tiny_pipeline import last_model_state, train_rows
 
 
 @contextmanager
@@ -68,6 +73,22 @@ def nan_loss_at_step(step: int):
         return loss
     with _replaced("optimizer_step", wrap_step), _replaced("micro_batch_loss", wrap_loss):
         yield
+
+
+def preempted_and_resumed(main, args: list[str], runs: Path, step: int, capsys, while_stopped=None):
+    """The training run main(args) to its end as run "full" in the folder `runs`, and as run "part"
+    stopped by a SIGTERM at `step` and resumed with --resume=auto (while_stopped() in between): both
+    end on the same weights, bit for bit. Returns the train rows of the two runs' metrics."""
+    assert main(args + ["--run=full"]) == 0
+    with preempt_at_step(step):
+        assert main(args + ["--run=part"]) == 0
+    assert f"stopped by SIGTERM at step {step}" in capsys.readouterr().out
+    if while_stopped is not None:
+        while_stopped()
+    assert main(args + ["--run=part", "--resume=auto"]) == 0
+    full, part = last_model_state(runs / "full"), last_model_state(runs / "part")
+    assert all(torch.equal(full[k], part[k]) for k in full)
+    return train_rows(runs / "full"), train_rows(runs / "part")
 
 
 def main(argv: list[str]):

@@ -1,7 +1,7 @@
 """
 Multi-process worker for distributed/test_fsdp.py: run under
     python -m torch.distributed.run --standalone --nproc_per_node=N python_tests/support/fsdp_worker.py --out DIR
-(or torch.multiprocessing.spawn: dist_runs.spawn(run, N, parse_args(ARGV))). Results under DIR, asserted
+(or torch.multiprocessing.spawn: dist_runs.spawn(run, N, PARSER.parse_args(ARGV))). Results under DIR, asserted
 by the test:
 
   1. the tiny GPT of dist_worker.py (vocab 4099, GQA) trained 5 steps in fp32 with zero2 (DistAdamW +
@@ -15,16 +15,14 @@ by the test:
   4. FsdpAdamW and FsdpMuon on odd shapes (fewer rows than ranks: empty shards) under fully_shard,
      against AdamW / Muon in one process fed the rank-averaged gradients              -> rank<r>.json
 """
-import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import dist_worker as W
-from dist_runs import worker_parser
-from nanochat_fast.core.distributed import compute_cleanup, compute_init
+from dist_runs import finish, worker_parser
+from nanochat_fast.core.distributed import compute_init
 from nanochat_fast.model import sharding
 from nanochat_fast.optim import AdamW, Muon, MuonRecipe
 
@@ -155,19 +153,11 @@ def run(args):
         model(x[rank:rank + 1], y[rank:rank + 1]).backward()
         info["fsdp_bytes"] = held_bytes(model, optimizers)
         info["fsdp_quintic_types"] = [type(o).__name__ for o in optimizers]
-    (out / f"rank{rank}.json").write_text(json.dumps(info))
-    # every rank done before any tears its process group down: under load a rank that destroyed
-    # its group while the other was still in a collective aborted the other at exit ("terminate
-    # called without an active exception"; 15 of 125 runs beside a busy process, 0 of 25 with it)
-    dist.barrier()
-    compute_cleanup()
+    finish(out, rank, info)
 
 
-def parse_args(argv=None):
-    parser = worker_parser()
-    parser.add_argument("--memory-only", action="store_true")
-    return parser.parse_args(argv)
-
+PARSER = worker_parser()
+PARSER.add_argument("--memory-only", action="store_true")
 
 if __name__ == "__main__":
-    run(parse_args(sys.argv[1:]))
+    run(PARSER.parse_args())

@@ -117,3 +117,10 @@ def run_script(name: str, args: list[str], home: Path, nproc: int = 1, timeout: 
 def train_rows(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if r["kind"] == "train"]
+
+
+def last_model_state(run_dir: Path) -> dict:
+    """The model weights of a run's newest complete checkpoint."""
+    import torch
+    from nanochat_fast import checkpoints
+    return torch.load(checkpoints.complete_checkpoints(run_dir)[-1] / "model.pt", weights_only=True)

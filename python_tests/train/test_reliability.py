@@ -9,21 +9,16 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from nanochat_fast import checkpoints
 from nanochat_fast.core.cli import UserError
 from nanochat_fast.scripts import base_train
 from nanochat_fast.train import next_steps
-from faults import nan_loss_at_step, preempt_at_step
+from faults import nan_loss_at_step, preempted_and_resumed
 from repo_paths import SUPPORT
-from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, run_script, train_rows
+from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, last_model_state, run_script, train_rows
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
-
-
-def model_state(run_dir: Path) -> dict:
-    return torch.load(checkpoints.complete_checkpoints(run_dir)[-1] / "model.pt", weights_only=True)
 
 
 def popen(name, args, home, nproc=1, env=None, slow_writes=0.0):
@@ -83,15 +78,10 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(home):
 
 def test_stop_and_resume_is_bitwise_on_one_process(home, capsys):
     args = TINY + ["--num-iterations=14", "--deterministic", "--save-every=100"]
-    assert base_train.main(args + ["--run=full"]) == 0
-    with preempt_at_step(6):
-        assert base_train.main(args + ["--run=part"]) == 0
-    assert "stopped by SIGTERM at step 6" in capsys.readouterr().out
-    assert [p.name for p in checkpoints.complete_checkpoints(home / "runs" / "part")] == ["step_000006"]
-    assert base_train.main(args + ["--run=part", "--resume=auto"]) == 0
-    full, part = model_state(home / "runs" / "full"), model_state(home / "runs" / "part")
-    assert all(torch.equal(full[k], part[k]) for k in full)
-    a, b = train_rows(home / "runs" / "full"), train_rows(home / "runs" / "part")
+
+    def saved_at_the_stop():
+        assert [p.name for p in checkpoints.complete_checkpoints(home / "runs" / "part")] == ["step_000006"]
+    a, b = preempted_and_resumed(base_train.main, args, home / "runs", 6, capsys, while_stopped=saved_at_the_stop)
     assert [r["step"] for r in b] == list(range(1, 15))  # the metrics log holds one history
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
 
@@ -105,7 +95,7 @@ def test_two_process_resume_and_world_size_changes(home):
     shutil.copytree(home / "runs" / "part2", home / "runs" / "to_one")  # the same step-5 checkpoint, twice
     resumed = run_script("base_train", args + ["--run=part2", "--resume=auto"], home, nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = model_state(home / "runs" / "full2"), model_state(home / "runs" / "part2")
+    a, b = last_model_state(home / "runs" / "full2"), last_model_state(home / "runs" / "part2")
     assert max(((a[k] - b[k]).abs().max() / a[k].abs().max()).item() for k in a) < 1e-6
 
     # 2 -> 1: the step-5 checkpoint of the 2-process run continues on one process
