@@ -110,7 +110,8 @@ aot-compat: install $(COMPAT_VENV)/.installed
 	$(PY) benchmarks/compiled_table.py --add $(COMPAT_RUN)
 
 # The oldest torch we support is pyproject.toml's torch>=X, read by nanochat_fast/core/torch_floor.py; these two
-# targets use exactly that torch, so the floor is tested (python_tests/test_torch_floor.py checks they agree).
+# targets use exactly that torch, so the floor is tested (python_tests/project/test_torch_floor.py checks they
+# agree).
 # They run in copies of the tree (the build is in place, so a venv with another torch would overwrite the
 # CPU .venv's _C.so) sharing one venv, $(FLOOR_DIR)/src/.venv. FLOOR_PYTHON makes that venv (once), e.g.
 # FLOOR_PYTHON=python3.12 for the GPU node's Python. On a machine without a GPU a CUDA torch builds the

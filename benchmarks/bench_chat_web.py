@@ -33,7 +33,7 @@ from nanochat_fast.model import generation  # noqa: E402
 from nanochat_fast.model.batch_engine import BatchEngine, Request  # noqa: E402
 from nanochat_fast.model.gpt import config_from_depth  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests" / "support"))
 from chat_web_support import chat_web_process, load_chat_model, random_model, save_chat_checkpoint  # noqa: E402
 from harness import MIN_ROUNDS  # noqa: E402
 

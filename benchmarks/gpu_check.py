@@ -10,7 +10,7 @@ check     The preflight says in one line (exit 2), before any work, what this ma
           train, train_reference, infer, gpu_tests), each under its own time cap, all within BUDGET_S on
           one H100. OUT gets RESULTS-cuda.md, results-cuda.json and logs.tar.gz, rewritten after every
           step. Exit 1 if any step failed.
-rehearse  Every part that needs no GPU, here, offline (python_tests/test_gpu_check.py, on every CI run).
+rehearse  Every part that needs no GPU, here, offline (python_tests/benchmarks/test_gpu_check.py, on every CI run).
 
 What each step and the rehearsal do: README.md ("The GPU verdict") and docs/measurements.md#gpu-check.
 """
@@ -260,7 +260,7 @@ def prepared_home(bundle: Path, work: Path) -> Path:
 
 def gpu_test_files() -> list[str]:
     """The test files with a test marked gpu (collecting the others would import what the node lacks)."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "python_tests").glob("test_*.py")
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "python_tests").rglob("test_*.py")
                   if "@pytest.mark.gpu" in p.read_text())
 
 

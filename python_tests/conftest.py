@@ -1,10 +1,21 @@
-"""Shared test setup: private compile caches, an isolated NANOCHAT_FAST_HOME, the `gpu` marker."""
+"""Shared test setup: the helpers of support/ importable by name, private compile caches, an isolated
+NANOCHAT_FAST_HOME, the `gpu` marker."""
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
+# The helpers (tiny_pipeline, stub_models, the multi-process workers, ...) are plain modules in
+# support/, imported by name as a script run from that folder imports its siblings.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+# Without a GPU the Triton kernels run on CPU tensors in the interpreter. TRITON_INTERPRET must be set
+# before anything imports triton.language (its own functions, tl.zeros and the like, are interpreted
+# or not from then on), so here, for the whole session, before any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # torch.compile's cache defaults to a directory in /tmp shared by every user: keep ours private.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"nanochat_fast_inductor_{os.getuid()}"))
 # Nothing a test runs writes to the user's NANOCHAT_FAST_HOME (e.g. the hardware caches of an

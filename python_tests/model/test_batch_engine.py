@@ -1,0 +1,204 @@
+"""The batch engine: conversations decoded in one shared batch, joining and leaving at different
+steps, get exactly the tokens each gets decoded alone (temperature 0, fp32); the alone decode is
+checked against full forwards without any cache; slots come back; bad requests are refused."""
+import pytest
+import torch
+
+from nanochat_fast.model.batch_engine import BatchEngine, DecodeRow, EngineFull, Request
+from nanochat_fast.model.gpt import GPTConfig
+from nanochat_fast.model.kv_cache import SlotPrefill
+from stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
+from tiny_gpt import random_model
+
+tok = byte_tokenizer()
+SP = tok.encode_special
+CONFIG = GPTConfig(sequence_len=128, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+TRIGGER = tok.encode("?")[0]
+TOOL_CALL = [SP("<|python_start|>"), *tok.encode("6*7"), SP("<|python_end|>")]
+TOOL_OUTPUT = [SP("<|output_start|>"), *tok.encode("42"), SP("<|output_end|>")]
+END = SP("<|assistant_end|>")
+SCRIPT = dict(enumerate(TOOL_CALL)) | {16: END}  # token offset after the prompt -> token written
+
+
+class CallsTheCalculator(torch.nn.Module):
+    """The tiny GPT, except that a row whose prompt ends with "?" writes SCRIPT: first TOOL_CALL,
+    then (the tool forcing TOOL_OUTPUT in) the GPT carries on by itself from what it was fed, until
+    <|assistant_end|> 16 tokens in. Rows are told apart by their cache slots, learnt at their
+    prefill (a new prompt in a slot resets it)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config, self.rotary_seq_len = model, model.config, model.rotary_seq_len
+        self.script_at = {}  # slot -> position of its script's first token
+
+    def get_device(self):
+        return self.model.get_device()
+
+    def forward(self, idx, kv_cache):
+        logits = self.model(idx, kv_cache=kv_cache)
+        if isinstance(kv_cache, SlotPrefill):
+            slots, positions = [kv_cache.slot], [idx.size(1) - 1]
+            self.script_at.pop(kv_cache.slot, None)
+            if idx[0, -1] == TRIGGER:
+                self.script_at[kv_cache.slot] = idx.size(1)
+        else:
+            slots, positions = kv_cache.slots.tolist(), kv_cache.get_pos().tolist()
+        for b, (slot, pos) in enumerate(zip(slots, positions)):
+            offset = pos + 1 - self.script_at.get(slot, 10**9)  # of the token these logits predict
+            if offset in SCRIPT:
+                logits[b, -1, SCRIPT[offset]] = 100.0
+        return logits
+
+
+@pytest.fixture(scope="module")
+def model():
+    return CallsTheCalculator(random_model(CONFIG, seed=4).eval())
+
+
+def prompt(text: str) -> list[int]:
+    return tok.encode(text, prepend="<|bos|>")
+
+
+def decode_alone(model, request: Request, copies: int = 1) -> list[tuple[list[int], list[bool], str]]:
+    """Each copy's (tokens, forced, reason), the request alone in an engine of its own."""
+    engine = BatchEngine(model, tok, slots=copies)
+    rows = engine.add(request, copies)
+    forced = {row: [] for row in rows}
+    while engine.active:
+        for t in engine.step():
+            forced[t.row].append(t.forced)
+    return [(row.tokens, forced[row], row.reason) for row in rows]
+
+
+REQUESTS = {  # name -> (request, copies, step it joins at)
+    "long": (Request(prompt("A much longer prompt than the others, so that its rows sit far ahead of "
+                            "theirs in the cache"), max_tokens=30), 1, 0),
+    "cancelled": (Request(prompt("cut short after a few tokens"), max_tokens=40), 1, 0),
+    "bos only": (Request([tok.get_bos_token_id()], max_tokens=45), 1, 0),
+    "calculator": (Request(prompt("What is 6 times 7?"), max_tokens=25), 1, 2),
+    "copies": (Request(prompt("two"), max_tokens=20), 2, 9),  # after the cancel: a used slot again
+    "sampled": (Request(prompt("Once upon"), max_tokens=20, temperature=0.8, top_k=20, seed=3), 2, 12),
+}
+CANCEL_AT = 6
+
+
+def decode_together(model):
+    """All of REQUESTS in one engine: joining at their steps, "cancelled" cancelled at CANCEL_AT.
+    Returns each name's rows, their forced flags, the steps at which rows sat in slots with a gap
+    between them, and the engine."""
+    engine = BatchEngine(model, tok, slots=7)
+    rows, forced, gaps = {}, {}, []
+    step = 0
+    while step == 0 or engine.active or any(at >= step for _, _, at in REQUESTS.values()):
+        for name, (request, copies, at) in REQUESTS.items():
+            if at == step:
+                rows[name] = engine.add(request, copies)
+        if step == CANCEL_AT:
+            [row] = rows["cancelled"]
+            engine.cancel(row)
+            assert row.done and row.reason == "cancelled" and len(row.tokens) == CANCEL_AT
+        slots = sorted(row.slot for row in engine.active)
+        if slots and slots[-1] - slots[0] + 1 > len(slots):
+            gaps.append(step)
+        for t in engine.step():
+            assert not t.row.done or t.last
+            forced.setdefault(t.row, []).append(t.forced)
+            if t.last:
+                assert t.row.slot in engine._free and t.row not in engine.active
+        step += 1
+    return rows, forced, gaps, engine
+
+
+def test_a_shared_batch_gives_each_conversation_its_tokens_alone(model):
+    rows, forced, gaps, engine = decode_together(model)
+    assert gaps, "some steps should run rows in slots with free ones between them"
+    lengths = {name: len(rs[0].tokens) for name, rs in rows.items()}
+    assert len(set(lengths.values())) > 2, lengths  # rows leave at different steps
+    for name, (request, copies, _) in REQUESTS.items():
+        alone = decode_alone(model, request, copies)
+        if name == "cancelled":
+            [row] = rows[name]
+            assert row.tokens == alone[0][0][:CANCEL_AT]
+            continue
+        together = [(row.tokens, forced[row], row.reason) for row in rows[name]]
+        assert together == alone, name
+    # the calculator row called the tool, had its answer forced in, went on by itself, and stopped
+    [calc] = rows["calculator"]
+    assert calc.tokens[:9] == TOOL_CALL + TOOL_OUTPUT and len(calc.tokens) == 17 and calc.tokens[-1] == END
+    assert forced[calc] == [False] * 5 + [True] * 4 + [False] * 8 and calc.reason == "stop"
+    # copies: greedy copies agree; sampled copies differ, each seeded seed + copy
+    assert rows["copies"][0].tokens == rows["copies"][1].tokens
+    sampled = [row.tokens for row in rows["sampled"]]
+    assert sampled[0] != sampled[1]
+    request = REQUESTS["sampled"][0]
+    second = Request(request.prompt, request.max_tokens, request.temperature, request.top_k, request.seed + 1)
+    assert decode_alone(model, second)[0][0] == sampled[1]
+    # everything ended: every slot is free again
+    assert engine.free_slots == engine.slots == 7 and engine.active == [] and engine.step() == []
+
+
+def test_the_alone_decode_is_the_argmax_of_full_forwards(model):
+    """Independent of any cache: each greedy token is the argmax of a forward over the whole
+    sequence so far (prompt + the tokens before it)."""
+    for request in (REQUESTS["long"][0], REQUESTS["bos only"][0]):
+        [(tokens, _, _)] = decode_alone(model.model, Request(request.prompt, 8))
+        with torch.no_grad():
+            for i, token in enumerate(tokens):
+                logits = model.model(torch.tensor([request.prompt + tokens[:i]]))[0, -1]
+                assert token == int(logits.argmax())
+
+
+def test_full_engine_cancel_and_max_tokens(model):
+    engine = BatchEngine(model, tok, slots=2, max_len=64)
+    assert engine.free_slots == 2 and engine.active == []
+    a, b = engine.add(Request(prompt("hi"), 5), copies=2)
+    with pytest.raises(EngineFull):
+        engine.add(Request(prompt("x"), 5))
+    first = engine.step()
+    assert [t.row for t in first] == [a, b]
+    engine.cancel(a)
+    assert engine.free_slots == 1 and engine.active == [b] and a.reason == "cancelled"
+    engine.cancel(a)  # a row already done: nothing to do
+    [c] = engine.add(Request(prompt("x"), 3))
+    assert c.slot == a.slot
+    while engine.active:
+        assert a not in {t.row for t in engine.step()}
+    assert len(a.tokens) == 1 and b.reason in ("max_tokens", "stop") and len(c.tokens) <= 3
+    [empty] = engine.add(Request(prompt("nothing"), 0))
+    assert empty.done and empty.reason == "max_tokens" and empty.slot is None and engine.free_slots == 2
+    with pytest.raises(ValueError, match="not one of this engine's"):
+        BatchEngine(model, tok, slots=1).cancel(DecodeRow(Request([1], 1), 0))
+
+
+def test_bad_requests_are_refused_in_one_line(model):
+    engine = BatchEngine(model, tok, slots=2, max_len=32)
+    bad = {
+        "prompt must be a non-empty list": Request([], 4),
+        r"prompt token ids must be in \[0, ": Request([1, CONFIG.vocab_size], 4),
+        "max_tokens must be an int >= 0": Request([1, 2], -1),
+        r"prompt \(30\) \+ max_tokens \(3\) exceeds the engine's max_len \(32\)": Request([1] * 30, 3),
+        "temperature must be a finite number >= 0": Request([1], 4, temperature=-0.5),
+        "top_k must be None or an int >= 1": Request([1], 4, top_k=0),
+    }
+    for message, request in bad.items():
+        with pytest.raises(ValueError, match=message):
+            engine.add(request)
+    with pytest.raises(ValueError, match=r"copies must be an int in \[1, 2\]"):
+        engine.add(Request([1], 4), copies=3)
+    with pytest.raises(ValueError, match="max_len .* exceeds the model's"):
+        BatchEngine(model, tok, slots=1, max_len=model.rotary_seq_len + 1)
+    with pytest.raises(ValueError, match="slots must be a positive int"):
+        BatchEngine(model, tok, slots=0)
+    with pytest.raises(ValueError, match="use_tools needs the tokenizer's tool tokens"):
+        BatchEngine(model, None, slots=1).add(Request([1], 4))  # GPT.generate's engine: no tokenizer
+    assert engine.free_slots == 2 and engine.active == []
+
+
+def test_kv_bytes_is_the_storage_it_allocates(model):
+    engine = BatchEngine(model, tok, slots=3, max_len=40)
+    engine.add(Request(prompt("size"), 2))
+    engine.step()
+    kv = engine.cache.kv
+    assert kv.shape == (CONFIG.n_layer, 2, 3, CONFIG.n_kv_head, 40, CONFIG.head_dim)
+    assert BatchEngine.kv_bytes(CONFIG, 3, 40) == kv.nbytes == kv.numel() * 4
+    assert BatchEngine.kv_bytes(CONFIG, 3, 40, torch.bfloat16) == kv.nbytes // 2
