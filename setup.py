@@ -40,11 +40,15 @@ def cuda_home(cpp_extension):
     if given:
         return given
     nvcc = shutil.which("nvcc")
-    candidates = [cpp_extension.CUDA_HOME, nvcc and os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
-                  "/usr/local/cuda"]
+    candidates = [
+        cpp_extension.CUDA_HOME,
+        nvcc and os.path.dirname(os.path.dirname(os.path.realpath(nvcc))),
+        "/usr/local/cuda",
+    ]
     for home in filter(None, candidates):
-        if os.path.isfile(os.path.join(home, "bin", "nvcc")) and \
-                os.path.isfile(os.path.join(home, "include", "cuda_runtime_api.h")):
+        if os.path.isfile(os.path.join(home, "bin", "nvcc")) and os.path.isfile(
+            os.path.join(home, "include", "cuda_runtime_api.h")
+        ):
             return home
     return None
 
@@ -60,14 +64,19 @@ def build_with_cuda(torch, cpp_extension) -> bool:
     home = cuda_home(cpp_extension)
     if home is None:
         if FORCE_CUDA:
-            fail("no CUDA toolkit found (bin/nvcc and include/cuda_runtime_api.h above the nvcc on PATH or in "
-                 "/usr/local/cuda); install it or set CUDA_HOME")
+            fail(
+                "no CUDA toolkit found (bin/nvcc and include/cuda_runtime_api.h above the nvcc on PATH or in "
+                "/usr/local/cuda); install it or set CUDA_HOME"
+            )
         return False
     cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"] = home  # torch reads its module global when compiling
     if FORCE_CUDA and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCH_LIST
-        print(f"nanochat_fast: no GPU visible: compiling the CUDA kernels for TORCH_CUDA_ARCH_LIST="
-              f"{DEFAULT_CUDA_ARCH_LIST} (set it to choose others)", file=sys.stderr)
+        print(
+            f"nanochat_fast: no GPU visible: compiling the CUDA kernels for TORCH_CUDA_ARCH_LIST="
+            f"{DEFAULT_CUDA_ARCH_LIST} (set it to choose others)",
+            file=sys.stderr,
+        )
     return True
 
 
@@ -83,10 +92,14 @@ def extension_setup():
         from torch.utils import cpp_extension
     except ImportError:
         if FORCE_CUDA:
-            fail("torch is not installed; install a CUDA build of torch first and build with "
-                 "`pip install -e . --no-build-isolation`")
-        warn("torch is not installed, so the extension cannot be built. Install torch first and use "
-             "`pip install -e . --no-build-isolation`; ops use their PyTorch fallbacks meanwhile.")
+            fail(
+                "torch is not installed; install a CUDA build of torch first and build with "
+                "`pip install -e . --no-build-isolation`"
+            )
+        warn(
+            "torch is not installed, so the extension cannot be built. Install torch first and use "
+            "`pip install -e . --no-build-isolation`; ops use their PyTorch fallbacks meanwhile."
+        )
         return [], {}
 
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
@@ -113,9 +126,11 @@ def extension_setup():
                 what = f"{type(e).__name__}: {first_line}"
                 if FORCE_CUDA:
                     fail(f"building the CUDA extension failed ({what}; the compiler's output is above)")
-                warn(f"building the C++ extension failed ({what}). The package is "
-                     "installed without it and runs on its PyTorch fallbacks; `python -m "
-                     "nanochat_fast.kernels` shows which backends are available.")
+                warn(
+                    f"building the C++ extension failed ({what}). The package is "
+                    "installed without it and runs on its PyTorch fallbacks; `python -m "
+                    "nanochat_fast.kernels` shows which backends are available."
+                )
 
     return [ext], {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}
 

@@ -4,14 +4,18 @@ depth 8 -> n_embd 512, 8 layers of (q, k, v, o: 512x512; MLP 2048x512, 512x2048)
 embedding and lm_head at vocab 32768: 58.7M fp32 values in 50 tensors, the shape of what one
 rank updates in single-process training.
 """
-import torch
 
+import torch
 from harness import compare
+
 from nanochat_fast.kernels import adamw_slice_update
 
 N_EMBD, N_LAYER, VOCAB = 512, 8, 32768
-SHAPES = [(VOCAB, N_EMBD)] + [s for _ in range(N_LAYER) for s in
-                              [(N_EMBD, N_EMBD)] * 4 + [(4 * N_EMBD, N_EMBD), (N_EMBD, 4 * N_EMBD)]] + [(VOCAB, N_EMBD)]
+SHAPES = (
+    [(VOCAB, N_EMBD)]
+    + [s for _ in range(N_LAYER) for s in [(N_EMBD, N_EMBD)] * 4 + [(4 * N_EMBD, N_EMBD), (N_EMBD, 4 * N_EMBD)]]
+    + [(VOCAB, N_EMBD)]
+)
 HP = dict(lr=1e-3, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1)
 
 
@@ -32,8 +36,10 @@ def ours(backend, device="cpu"):
 
     def step():
         state["step"] += 1
-        adamw_slice_update(params, grads, m, v, state["step"], HP["lr"], *HP["betas"], HP["eps"],
-                           HP["weight_decay"], backend=backend)
+        adamw_slice_update(
+            params, grads, m, v, state["step"], HP["lr"], *HP["betas"], HP["eps"], HP["weight_decay"], backend=backend
+        )
+
     return step
 
 
@@ -44,7 +50,15 @@ def torch_adamw(device="cpu", **impl):
 
 def test_adamw_depth8_gpt(benchmark):
     n = sum(torch.Size(s).numel() for s in SHAPES)
-    compare(benchmark, op="AdamW step", baseline="torch fused",
-            shape_set=f"depth-8 GPT: {n / 1e6:.1f}M fp32 values in {len(SHAPES)} tensors",
-            variants={"cpp (ours)": ours("cpp"), "torch fused": torch_adamw(fused=True),
-                      "torch foreach": torch_adamw(foreach=True), "reference (per tensor)": ours("reference")})
+    compare(
+        benchmark,
+        op="AdamW step",
+        baseline="torch fused",
+        shape_set=f"depth-8 GPT: {n / 1e6:.1f}M fp32 values in {len(SHAPES)} tensors",
+        variants={
+            "cpp (ours)": ours("cpp"),
+            "torch fused": torch_adamw(fused=True),
+            "torch foreach": torch_adamw(foreach=True),
+            "reference (per tensor)": ours("reference"),
+        },
+    )

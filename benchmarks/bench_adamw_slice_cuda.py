@@ -7,11 +7,12 @@ bound (14 flops per 28 bytes; benchmarks/RESULTS.md, "Compiled, not run"), so th
 bandwidth: 28 B per fp32 parameter per step over the median step time, against a device-to-device
 copy of 1 GiB timed the same way (2 GiB moved).
 """
+
 import pytest
 import torch
-
 from bench_adamw_slice import SHAPES, ours, torch_adamw
 from harness import compare
+
 from nanochat_fast.kernels import registry
 from nanochat_fast.tools.triton_kernel_list import adamw_bytes_per_param
 
@@ -21,7 +22,7 @@ if not torch.cuda.is_available():
 DEVICE = "cuda"
 
 
-def copy_bandwidth(nbytes=2 ** 30, rounds=20) -> float:
+def copy_bandwidth(nbytes=2**30, rounds=20) -> float:
     """Bytes per second of a device-to-device copy (read + write), median of `rounds`."""
     src = torch.empty(nbytes // 4, device=DEVICE)
     dst = torch.empty_like(src)
@@ -46,10 +47,19 @@ def test_adamw_cuda_depth8_gpt(benchmark):
     bandwidth = copy_bandwidth()
     per_param = adamw_bytes_per_param(torch.float32)
     moved = n * per_param
-    medians = compare(benchmark, op="AdamW step (cuda)", baseline="torch fused", rounds=30, warmup_rounds=5,
-                      shape_set=f"depth-8 GPT: {n / 1e6:.1f}M fp32 values in {len(SHAPES)} tensors",
-                      variants=variants, notes="")
-    share = "; ".join(f"{name}: {moved / t / 1e9:,.0f} GB/s = {100 * moved / t / bandwidth:.0f}%"
-                      for name, t in medians.items())
-    benchmark.extra_info["notes"] = (f"{per_param} B per parameter; measured copy bandwidth {bandwidth / 1e9:,.0f} GB/s; "
-                                     f"share of it: {share}")
+    medians = compare(
+        benchmark,
+        op="AdamW step (cuda)",
+        baseline="torch fused",
+        rounds=30,
+        warmup_rounds=5,
+        shape_set=f"depth-8 GPT: {n / 1e6:.1f}M fp32 values in {len(SHAPES)} tensors",
+        variants=variants,
+        notes="",
+    )
+    share = "; ".join(
+        f"{name}: {moved / t / 1e9:,.0f} GB/s = {100 * moved / t / bandwidth:.0f}%" for name, t in medians.items()
+    )
+    benchmark.extra_info["notes"] = (
+        f"{per_param} B per parameter; measured copy bandwidth {bandwidth / 1e9:,.0f} GB/s; share of it: {share}"
+    )

@@ -11,6 +11,7 @@ docs/measurements.md#benchmark-chat-serving.
 
     .venv/bin/python -m pytest benchmarks/bench_chat_web.py -o python_files='bench_*.py' --benchmark-json=/tmp/web.json
 """
+
 import asyncio
 import json
 import re
@@ -60,15 +61,26 @@ def direct(model, tokenizer) -> dict:
     pieces, tokens = [], []
 
     def generate():
-        generation.assistant_reply(model, tokenizer, QUESTION, MAX_TOKENS, temperature=0.0,
-                                   on_text=lambda piece: pieces.append(time.perf_counter()),
-                                   should_stop=lambda: tokens.append(1) and False)
+        generation.assistant_reply(
+            model,
+            tokenizer,
+            QUESTION,
+            MAX_TOKENS,
+            temperature=0.0,
+            on_text=lambda piece: pieces.append(time.perf_counter()),
+            should_stop=lambda: tokens.append(1) and False,
+        )
+
     worker = threading.Thread(target=generate)
     start = time.perf_counter()
     worker.start()
     worker.join()
-    return {"ttft": [pieces[0] - start], "rate": [rate(pieces)], "tokens": len(tokens),
-            "wall": time.perf_counter() - start}
+    return {
+        "ttft": [pieces[0] - start],
+        "rate": [rate(pieces)],
+        "tokens": len(tokens),
+        "wall": time.perf_counter() - start,
+    }
 
 
 def direct_together(model, tokenizer, rows: int = 8) -> dict:
@@ -87,12 +99,17 @@ def direct_together(model, tokenizer, rows: int = 8) -> dict:
             now = time.perf_counter()
             for t in tokens:
                 stamps.setdefault(id(t.row), []).append(now)
+
     worker = threading.Thread(target=generate)
     start = time.perf_counter()
     worker.start()
     worker.join()
-    return {"ttft": [s[0] - start for s in stamps.values()], "rate": [rate(s) for s in stamps.values()],
-            "tokens": sum(map(len, stamps.values())), "wall": time.perf_counter() - start}
+    return {
+        "ttft": [s[0] - start for s in stamps.values()],
+        "rate": [rate(s) for s in stamps.values()],
+        "tokens": sum(map(len, stamps.values())),
+        "wall": time.perf_counter() - start,
+    }
 
 
 def rate(stamps: list[float]) -> float:
@@ -108,13 +125,14 @@ async def one_client(c: httpx.AsyncClient, url: str) -> tuple[float, float, int]
     marker = b'data: {"token"'
     start = time.perf_counter()
     stamps, tail = [], b""
-    async with c.stream("POST", url + "/chat/completions",
-                        json={"messages": QUESTION, "temperature": 0, "max_tokens": MAX_TOKENS}) as r:
+    async with c.stream(
+        "POST", url + "/chat/completions", json={"messages": QUESTION, "temperature": 0, "max_tokens": MAX_TOKENS}
+    ) as r:
         assert r.status_code == 200, r.status_code
         async for chunk in r.aiter_raw():
             seen = tail + chunk  # an event split between chunks is counted once, in the chunk that ends it
             stamps += [time.perf_counter()] * seen.count(marker)
-            tail = seen[-(len(marker) - 1):]
+            tail = seen[-(len(marker) - 1) :]
     return stamps[0] - start, rate(stamps), len(stamps)
 
 
@@ -122,6 +140,7 @@ def through_server(url: str, clients: int) -> dict:
     async def round_():
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients)) as c:
             return await asyncio.gather(*(one_client(c, url) for _ in range(clients)))
+
     before = httpx.get(url + "/stats").json()["tokens_generated"]
     start = time.perf_counter()
     results = asyncio.run(round_())
@@ -134,13 +153,16 @@ def test_chat_web_latency(benchmark, demo_home):
     model, tokenizer = load_chat_model(demo_home, "demo_random")
     threads = torch.get_num_threads()
     # the server as deployed: its own thread choice (on a CPU one core fewer than the machine's)
-    with chat_web_process(demo_home, ["--run=demo_random", f"--max-new-tokens={MAX_TOKENS}", "--queue-size=16"],
-                          threads=None) as server:
+    with chat_web_process(
+        demo_home, ["--run=demo_random", f"--max-new-tokens={MAX_TOKENS}", "--queue-size=16"], threads=None
+    ) as server:
         server_threads = int(re.search(r"(\d+) thread\(s\)", server.banner).group(1))
-        variants = {"direct (no server)": lambda: direct(model, tokenizer),
-                    "direct, 8 together in one engine (no server)": lambda: direct_together(model, tokenizer),
-                    "chat_web, 1 client": lambda: through_server(server.url, 1),
-                    "chat_web, 8 concurrent clients": lambda: through_server(server.url, 8)}
+        variants = {
+            "direct (no server)": lambda: direct(model, tokenizer),
+            "direct, 8 together in one engine (no server)": lambda: direct_together(model, tokenizer),
+            "chat_web, 1 client": lambda: through_server(server.url, 1),
+            "chat_web, 8 concurrent clients": lambda: through_server(server.url, 8),
+        }
         names = list(variants)
         samples = {name: [] for name in names}
         counter = {"round": 0}
@@ -148,7 +170,7 @@ def test_chat_web_latency(benchmark, demo_home):
         def one_round():
             r = counter["round"]
             counter["round"] += 1
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 samples[name].append(variants[name]())
 
         benchmark.pedantic(one_round, rounds=ROUNDS, warmup_rounds=1, iterations=1)
@@ -159,30 +181,54 @@ def test_chat_web_latency(benchmark, demo_home):
         rate = [x for s in runs for x in s["rate"]]
         total = statistics.median(s["tokens"] / s["wall"] for s in runs)
         figures[name] = {"ttft": statistics.median(ttft), "per_token": [1 / x for x in rate], "total": total}
-        rows.append([name, f"{statistics.median(ttft) * 1e3:.1f}", f"{max(ttft) * 1e3:.1f}",
-                     f"{statistics.median(rate):.1f}", f"{1e3 / statistics.median(rate):.2f}", f"{total:.1f}",
-                     str(runs[-1]["tokens"])])
+        rows.append(
+            [
+                name,
+                f"{statistics.median(ttft) * 1e3:.1f}",
+                f"{max(ttft) * 1e3:.1f}",
+                f"{statistics.median(rate):.1f}",
+                f"{1e3 / statistics.median(rate):.2f}",
+                f"{total:.1f}",
+                str(runs[-1]["tokens"]),
+            ]
+        )
     one, eight = figures["chat_web, 1 client"], figures["chat_web, 8 concurrent clients"]
     single = statistics.median(one["per_token"])
     worst, typical = max(eight["per_token"]) / single, statistics.median(eight["per_token"]) / single
     targets = [  # figure, measured, target, met
-        ["tok/s total, 8 clients / 1 client", f"{eight['total'] / one['total']:.2f}x", ">= 4x",
-         eight["total"] / one["total"] >= 4],
+        [
+            "tok/s total, 8 clients / 1 client",
+            f"{eight['total'] / one['total']:.2f}x",
+            ">= 4x",
+            eight["total"] / one["total"] >= 4,
+        ],
         ["TTFT median, 8-client rounds", f"{eight['ttft']:.3f} s", "<= 0.5 s", eight["ttft"] <= 0.5],
-        ["per-token latency, each of 8 clients / 1 client", f"{worst:.2f}x worst, {typical:.2f}x median", "<= 2x",
-         worst <= 2],
+        [
+            "per-token latency, each of 8 clients / 1 client",
+            f"{worst:.2f}x worst, {typical:.2f}x median",
+            "<= 2x",
+            worst <= 2,
+        ],
     ]
     cfg = model.config
     benchmark.extra_info["table"] = {
         "title": "chat_web: time to first token and tokens/s (cpu, 1 replica of 8 slots)",
-        "columns": ["variant", "TTFT median (ms)", "TTFT max (ms)", "tok/s per client (median)",
-                    "ms/token per client (median)", "tok/s total", "tokens per round"],
+        "columns": [
+            "variant",
+            "TTFT median (ms)",
+            "TTFT max (ms)",
+            "tok/s per client (median)",
+            "ms/token per client (median)",
+            "tok/s total",
+            "tokens per round",
+        ],
         "rows": rows,
         "targets": [[f, m, t, "yes" if ok else "no"] for f, m, t, ok in targets],
         "notes": f"depth-{cfg.n_layer} model (n_embd {cfg.n_embd}, vocab {cfg.vocab_size}, {cfg.sequence_len} "
-                 f"positions), random weights; greedy replies of up to {MAX_TOKENS} tokens to a "
-                 f"{len(tokenizer.render_for_completion({'messages': QUESTION}))}-token prompt; {threads} torch "
-                 f"thread(s) in the direct baseline, {server_threads} in the server (its default: the event loop "
-                 f"keeps a core); {ROUNDS} interleaved rounds, medians. "
-                 "The 8 clients are decoded together, one row each of the replica's batch engine."}
+        f"positions), random weights; greedy replies of up to {MAX_TOKENS} tokens to a "
+        f"{len(tokenizer.render_for_completion({'messages': QUESTION}))}-token prompt; {threads} torch "
+        f"thread(s) in the direct baseline, {server_threads} in the server (its default: the event loop "
+        f"keeps a core); {ROUNDS} interleaved rounds, medians. "
+        "The 8 clients are decoded together, one row each of the replica's batch engine.",
+    }
     print(json.dumps(benchmark.extra_info["table"], indent=1))

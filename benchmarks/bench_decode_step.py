@@ -14,6 +14,7 @@ weights, fp32, one thread (a chat_web replica's). A decode step feeds B rows one
                   PyTorch (NANOCHAT_FAST_KERNELS=packed_linear=reference,decode_attention=reference),
                   fp32 and under bf16 autocast
 """
+
 import sys
 import time
 from contextlib import nullcontext
@@ -22,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from harness import compare
+
 from nanochat_fast.kernels import registry
 from nanochat_fast.kernels.decode_attention import decode_attention
 from nanochat_fast.kernels.packed_linear import pack_linear
@@ -51,14 +52,22 @@ def test_linears(benchmark, rows):
     mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
     bf16 = [w.bfloat16() for w in weights]
     xb = {k: v.bfloat16() for k, v in x.items()}
-    compare(benchmark, op=f"decode-step linears, {rows} row(s)", baseline="F.linear fp32 (sgemm)",
-            shape_set=f"depth-4 GPT: {len(weights)} fp32 matrices, {sum(w.numel() for w in weights) / 1e6:.1f}M values",
-            variants={"packed_linear (ours)": lambda: [p(x[p.weight.size(1)]) for p in packed],
-                      "F.linear fp32 (sgemm)": lambda: [F.linear(x[w.size(1)], w) for w in weights],
-                      "MKL packed sgemm fp32": lambda: [torch.ops.mkl._mkl_linear(x[w.size(1)], m, w, None, rows)
-                                                        for w, m in zip(weights, mkl)],
-                      "F.linear bf16": lambda: [F.linear(xb[w.size(1)], w) for w in bf16]},
-            rounds=30, notes="one thread; ratio < 1 is faster than sgemm")
+    compare(
+        benchmark,
+        op=f"decode-step linears, {rows} row(s)",
+        baseline="F.linear fp32 (sgemm)",
+        shape_set=f"depth-4 GPT: {len(weights)} fp32 matrices, {sum(w.numel() for w in weights) / 1e6:.1f}M values",
+        variants={
+            "packed_linear (ours)": lambda: [p(x[p.weight.size(1)]) for p in packed],
+            "F.linear fp32 (sgemm)": lambda: [F.linear(x[w.size(1)], w) for w in weights],
+            "MKL packed sgemm fp32": lambda: [
+                torch.ops.mkl._mkl_linear(x[w.size(1)], m, w, None, rows) for w, m in zip(weights, mkl)
+            ],
+            "F.linear bf16": lambda: [F.linear(xb[w.size(1)], w) for w in bf16],
+        },
+        rounds=30,
+        notes="one thread; ratio < 1 is faster than sgemm",
+    )
 
 
 def test_attention(benchmark):
@@ -75,13 +84,22 @@ def test_attention(benchmark):
             with torch.nn.attention.sdpa_kernel(sdpa) if sdpa is not None else nullcontext():
                 for kv in caches:
                     decode_attention(q, kv[0, :, :, :L], kv[1, :, :, :L], rows, lengths, backend=backend)
+
         return run
-    compare(benchmark, op="decode-step attention, 8 rows", baseline="SDPA flash, masked",
-            shape_set=f"4 layers x 8 rows x {CONFIG.n_head} heads of {D}, lengths 100..170",
-            variants={"decode_attention (ours)": layers("cpp"),
-                      "SDPA flash, masked": layers("reference"),
-                      "SDPA math, masked": layers("reference", torch.nn.attention.SDPBackend.MATH)},
-            rounds=30, notes="one thread; the reference backend is the SDPA with the per-row mask")
+
+    compare(
+        benchmark,
+        op="decode-step attention, 8 rows",
+        baseline="SDPA flash, masked",
+        shape_set=f"4 layers x 8 rows x {CONFIG.n_head} heads of {D}, lengths 100..170",
+        variants={
+            "decode_attention (ours)": layers("cpp"),
+            "SDPA flash, masked": layers("reference"),
+            "SDPA math, masked": layers("reference", torch.nn.attention.SDPBackend.MATH),
+        },
+        rounds=30,
+        notes="one thread; the reference backend is the SDPA with the per-row mask",
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 8])
@@ -107,10 +125,19 @@ def test_engine(benchmark, rows, monkeypatch):
                 while engine.active:
                     engine.step()
             return (time.perf_counter() - start) / 63  # seconds per decode step
+
         return run
-    compare(benchmark, op=f"BatchEngine decode step, {rows} row(s)", baseline="stock fp32",
-            shape_set="depth-4 GPT, vocab 4096, 24-token prompts, 63 decode steps",
-            variants={"packed_linear + decode_attention (ours)": steps("auto", False),
-                      "stock fp32": steps(STOCK, False),
-                      "stock bf16 autocast": steps(STOCK, True)},
-            rounds=7, notes="one thread; seconds per decode step")
+
+    compare(
+        benchmark,
+        op=f"BatchEngine decode step, {rows} row(s)",
+        baseline="stock fp32",
+        shape_set="depth-4 GPT, vocab 4096, 24-token prompts, 63 decode steps",
+        variants={
+            "packed_linear + decode_attention (ours)": steps("auto", False),
+            "stock fp32": steps(STOCK, False),
+            "stock bf16 autocast": steps(STOCK, True),
+        },
+        rounds=7,
+        notes="one thread; seconds per decode step",
+    )

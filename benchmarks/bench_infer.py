@@ -12,6 +12,7 @@ from the same run. make_results.py writes the table (inference_sweep_section).
 
     .venv/bin/python -m pytest benchmarks/bench_infer.py -o python_files='bench_*.py' --benchmark-json=/tmp/infer.json
 """
+
 import json
 import subprocess
 import sys
@@ -21,29 +22,41 @@ from harness import MIN_ROUNDS
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_SIZES = [1, 2, 4, 8, 16, 32]
-ARGS = ["--depth=4", "--max-seq-len=512", "--vocab-size=8192", "--prompt-tokens=128", "--decode-tokens=128",
-        "--batch-sizes=" + ",".join(map(str, BATCH_SIZES)), "--device-type=cpu"]
+ARGS = [
+    "--depth=4",
+    "--max-seq-len=512",
+    "--vocab-size=8192",
+    "--prompt-tokens=128",
+    "--decode-tokens=128",
+    "--batch-sizes=" + ",".join(map(str, BATCH_SIZES)),
+    "--device-type=cpu",
+]
 SWEEPS = MIN_ROUNDS  # each about 10 s on 2 quiet cores, 20 s on busy ones
 
 
 def sweep() -> dict:
-    out = subprocess.run([sys.executable, "-m", "nanochat_fast.scripts.infer_bench", *ARGS], capture_output=True,
-                         text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "nanochat_fast.scripts.infer_bench", *ARGS], capture_output=True, text=True, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.splitlines()[-1])
 
 
 def fastest_rows(runs: list[dict]) -> list[dict]:
     """Per batch size, the row of the sweep with the fastest decode."""
-    return [max((run["sweep"][i] for run in runs), key=lambda row: row["decode_tok_per_s"])
-            for i in range(len(BATCH_SIZES))]
+    return [
+        max((run["sweep"][i] for run in runs), key=lambda row: row["decode_tok_per_s"]) for i in range(len(BATCH_SIZES))
+    ]
 
 
 def test_inference_sweep(benchmark):
     runs = []
     benchmark.pedantic(lambda: runs.append(sweep()), rounds=SWEEPS, warmup_rounds=0, iterations=1)
     result = {k: v for k, v in runs[0].items() if k != "sweep"}
-    result.update(sweep=fastest_rows(runs), sweeps=len(runs), command="python -m nanochat_fast.scripts.infer_bench "
-                  + " ".join(ARGS))
+    result.update(
+        sweep=fastest_rows(runs),
+        sweeps=len(runs),
+        command="python -m nanochat_fast.scripts.infer_bench " + " ".join(ARGS),
+    )
     benchmark.extra_info["inference_sweep"] = result
     print(json.dumps(result["sweep"], indent=1))

@@ -10,11 +10,12 @@ machine's matmul rates (harness.plan_modes): a full step, a per-shape estimate, 
 table says why). The matrices, how auto is decided, and the time budget:
 docs/measurements.md#benchmark-muon-step.
 """
+
 import time
 
 import torch
-
 from harness import compare, matmul_gflops, plan_modes
+
 from nanochat_fast.hardware import precision
 from nanochat_fast.kernels.newton_schulz import QUINTIC, plan
 from nanochat_fast.model.gpt import GPT, config_from_depth
@@ -34,7 +35,7 @@ def gpt_matrices(depth):
 
 def ns_flops(shape, steps=5):
     m, n = sorted(shape)
-    return steps * (4 * m * m * n + 2 * m ** 3)
+    return steps * (4 * m * m * n + 2 * m**3)
 
 
 def make_params(shapes, seed=0):
@@ -47,8 +48,9 @@ def make_params(shapes, seed=0):
 
 def ours(shapes, ns_dtype):
     params = make_params(shapes)
-    opt = Muon([(f"m{i}", p) for i, p in enumerate(params)], ns_steps=5, ns_coefficients="quintic",
-               ns_dtype=ns_dtype, **HP)
+    opt = Muon(
+        [(f"m{i}", p) for i, p in enumerate(params)], ns_steps=5, ns_coefficients="quintic", ns_dtype=ns_dtype, **HP
+    )
     if ns_dtype == "auto":  # decided now (as base_train does before its first step), not in a timed round
         opt.resolve_ns_precision()
     return params, opt.step
@@ -59,14 +61,16 @@ def auto_choice(shapes):
     resolve_ns_precision), on parameters that are never written (torch.empty: no memory is
     touched, so deciding for a depth-20 set costs nothing)."""
     params = [torch.nn.Parameter(torch.empty(s, device=DEVICE)) for s in shapes]
-    return Muon([(f"m{i}", p) for i, p in enumerate(params)], ns_steps=5, ns_coefficients="quintic",
-                ns_dtype="auto", **HP).resolve_ns_precision()
+    return Muon(
+        [(f"m{i}", p) for i, p in enumerate(params)], ns_steps=5, ns_coefficients="quintic", ns_dtype="auto", **HP
+    ).resolve_ns_precision()
 
 
 def torch_muon(shapes):
     params = make_params(shapes)
-    return params, torch.optim.Muon(params, weight_decay=0.0, ns_coefficients=QUINTIC, ns_steps=5, eps=1e-7,
-                                    adjust_lr_fn="original", **HP).step
+    return params, torch.optim.Muon(
+        params, weight_decay=0.0, ns_coefficients=QUINTIC, ns_steps=5, eps=1e-7, adjust_lr_fn="original", **HP
+    ).step
 
 
 def per_shape(make, shapes):
@@ -86,6 +90,7 @@ def per_shape(make, shapes):
                 torch.cuda.synchronize()
             total += counts[s] * (time.perf_counter() - t0)
         return total
+
     return run
 
 
@@ -112,21 +117,30 @@ def muon_benchmark(benchmark, depth):
     check_same_update(shapes)
     auto = auto_choice(shapes)  # the defaults' choice for this set; cached for the auto optimizer below
     ours_auto = f"ours (auto: {auto.name})"
-    dtypes = {"torch.optim.Muon (bf16)": "bf16", ours_auto: auto.name, "ours, forced fp32": "fp32",
-              "ours, forced bf16": "bf16"}
+    dtypes = {
+        "torch.optim.Muon (bf16)": "bf16",
+        ours_auto: auto.name,
+        "ours, forced fp32": "fp32",
+        "ours, forced bf16": "bf16",
+    }
     # ours (auto) is the default optimizer on the full set; per shape (one matrix each) it would
     # decide for that one matrix, so there it runs the whole set's choice
-    makers = {"torch.optim.Muon (bf16)": torch_muon,
-              ours_auto: lambda s: ours(s, "auto" if s == shapes else auto.name),
-              "ours, forced fp32": lambda s: ours(s, "fp32"), "ours, forced bf16": lambda s: ours(s, "bf16")}
+    makers = {
+        "torch.optim.Muon (bf16)": torch_muon,
+        ours_auto: lambda s: ours(s, "auto" if s == shapes else auto.name),
+        "ours, forced fp32": lambda s: ours(s, "fp32"),
+        "ours, forced bf16": lambda s: ours(s, "bf16"),
+    }
     full = sum(ns_flops(s) for s in shapes)
     one_each = sum(ns_flops(s) for s in set(shapes))
     rate = {d: matmul_gflops(precision.DTYPES[d], DEVICE) * 1e9 for d in ("fp32", "bf16")}
     costs = {name: {"full step": full / rate[d], "per shape": one_each / rate[d]} for name, d in dtypes.items()}
     modes, skipped = plan_modes(costs, BUDGET_S[depth], required=ours_auto)
     for name in skipped:
-        skipped[name] += f"; flop-count estimate {full / rate[dtypes[name]]:.1f} s/step " \
-                         f"({full / 1e9:.0f} GFLOP at the measured {dtypes[name]} matmul rate)"
+        skipped[name] += (
+            f"; flop-count estimate {full / rate[dtypes[name]]:.1f} s/step "
+            f"({full / 1e9:.0f} GFLOP at the measured {dtypes[name]} matmul rate)"
+        )
     variants = {}
     for name, mode in modes.items():
         label = f"{name} [{mode}]"
@@ -135,18 +149,30 @@ def muon_benchmark(benchmark, depth):
     kinds = sorted(set(shapes))
     plans = {k: plan(k, DEVICE, auto.dtype) for k in kinds}  # the path and backend ours (auto) runs
     choice = ", ".join(f"{r}x{c} -> {plans[r, c][2]} ({plans[r, c][0].name})" for r, c in kinds)
-    shape_set = (f"depth-{depth} GPT: {len(shapes)} matrices, {sum(r * c for r, c in shapes) / 1e6:.1f}M fp32 "
-                 f"({', '.join(f'{shapes.count(k)}x {k[0]}x{k[1]}' for k in kinds)}); bf16 here: {bf16_capability()}")
-    medians = compare(benchmark, op=f"Muon step ({DEVICE})", baseline=baseline, rounds=9, warmup_rounds=1,
-                      budget_s=BUDGET_S[depth], skipped=skipped, shape_set=shape_set, variants=variants,
-                      notes=f"ns-dtype auto = {auto.describe()}; ours (auto) per shape: {choice}; matmul rates "
-                            f"measured here: fp32 {rate['fp32'] / 1e9:.0f}, bf16 {rate['bf16'] / 1e9:.1f} GFLOP/s; "
-                            "same lr, momentum, Nesterov, 5 quintic steps and update scale")
+    shape_set = (
+        f"depth-{depth} GPT: {len(shapes)} matrices, {sum(r * c for r, c in shapes) / 1e6:.1f}M fp32 "
+        f"({', '.join(f'{shapes.count(k)}x {k[0]}x{k[1]}' for k in kinds)}); bf16 here: {bf16_capability()}"
+    )
+    medians = compare(
+        benchmark,
+        op=f"Muon step ({DEVICE})",
+        baseline=baseline,
+        rounds=9,
+        warmup_rounds=1,
+        budget_s=BUDGET_S[depth],
+        skipped=skipped,
+        shape_set=shape_set,
+        variants=variants,
+        notes=f"ns-dtype auto = {auto.describe()}; ours (auto) per shape: {choice}; matmul rates "
+        f"measured here: fp32 {rate['fp32'] / 1e9:.0f}, bf16 {rate['bf16'] / 1e9:.1f} GFLOP/s; "
+        "same lr, momentum, Nesterov, 5 quintic steps and update scale",
+    )
     auto_label = next(v for v in variants if v.startswith(ours_auto))
     others = [v for v in variants if v != auto_label]
     speedups = ", ".join(f"{v}: {medians[v] / medians[auto_label]:.2f}x" for v in others)
-    benchmark.extra_info["notes"] = (f"{auto_label} vs {speedups} (their time / ours: above 1, ours is faster); "
-                                     + benchmark.extra_info["notes"])
+    benchmark.extra_info["notes"] = (
+        f"{auto_label} vs {speedups} (their time / ours: above 1, ours is faster); " + benchmark.extra_info["notes"]
+    )
 
 
 def test_muon_step_depth8_gpt(benchmark):

@@ -10,12 +10,13 @@ The notes give the path the shape table picks (newton_schulz.PATH_TABLE) and the
 variant computes: the torch backend's path (plain, symmetric block products, Gram form) and, on
 a GPU, the Triton kernels' tiles on/above the diagonal.
 """
+
 import importlib
 
 import pytest
 import torch
-
 from harness import compare, matmul_gflops, plan_modes
+
 from nanochat_fast.hardware import precision
 from nanochat_fast.kernels import newton_schulz, registry
 
@@ -23,8 +24,9 @@ ns = importlib.import_module("nanochat_fast.kernels.newton_schulz")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(768, 768), (768, 3072), (3072, 768), (1024, 4096), (8, 768, 768)]
 BF16_NATIVE = precision.choose(torch.device(DEVICE), "bf16", what="--ns-dtype", warn=False).native
-CASES = [(s, "fp32") for s in SHAPES] + \
-        [(s, "bf16") for s in (SHAPES if BF16_NATIVE else [(256, 256), (256, 1024), (4, 256, 256)])]
+CASES = [(s, "fp32") for s in SHAPES] + [
+    (s, "bf16") for s in (SHAPES if BF16_NATIVE else [(256, 256), (256, 1024), (4, 256, 256)])
+]
 BUDGET_S = {"fp32": 8.0, "bf16": 8.0}
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}
 
@@ -32,7 +34,7 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}
 def plain_flops(shape, steps=5):
     k = shape[0] if len(shape) == 3 else 1
     m, n = sorted(shape[-2:])
-    return k * steps * (4 * m * m * n + 2 * m ** 3)
+    return k * steps * (4 * m * m * n + 2 * m**3)
 
 
 def torch_backend_flops(shape, dtype, steps=5):
@@ -47,8 +49,8 @@ def torch_backend_flops(shape, dtype, steps=5):
     if path == "gram":  # segments: X X^T once and P X once each; m x m products
         segments = len(ns.restart_points(steps)) + 1
         mm_products = 4 * steps - 3 * segments  # A^2 and Q P and Q(QA) twice, minus per-segment savings
-        return k * (segments * (sym * 2 * m * m * n + 2 * m * m * n) + mm_products * sym * 2 * m ** 3)
-    return k * steps * (sym * 2 * m * m * n + sym * 2 * m ** 3 + 2 * m * m * n)
+        return k * (segments * (sym * 2 * m * m * n + 2 * m * m * n) + mm_products * sym * 2 * m**3)
+    return k * steps * (sym * 2 * m * m * n + sym * 2 * m**3 + 2 * m * m * n)
 
 
 def notes(shape, dtype):
@@ -59,6 +61,7 @@ def notes(shape, dtype):
     parts.append(f"torch backend {ours / 1e9:.1f} GFLOP = 1/{plain / ours:.2f}")
     if DEVICE == "cuda":
         from nanochat_fast.kernels import newton_schulz_triton as nst
+
         k = shape[0] if len(shape) == 3 else 1
         m, n = sorted(shape[-2:])
         f = nst.step_flops(torch.device(DEVICE), k, m, n)
@@ -81,9 +84,18 @@ def test_newton_schulz(benchmark, shape, dtype_name):
     for name in modes:
         out = newton_schulz(G, backend=name, dtype=dtype)
         assert (out.double() - expected).abs().max() <= TOLERANCE[dtype_name], name  # same result, or no comparison
-        variants[name] = (lambda name=name: newton_schulz(G, backend=name, dtype=dtype))
+        variants[name] = lambda name=name: newton_schulz(G, backend=name, dtype=dtype)
     if "reference" not in variants:
         pytest.skip(f"{dtype_name} {shape}: {skipped.get('reference')}")
-    compare(benchmark, op=f"Newton-Schulz, 5 quintic steps ({DEVICE}, {dtype_name})", shape_set="x".join(map(str, shape)),
-            variants=variants, baseline="reference", rounds=11, warmup_rounds=1, budget_s=BUDGET_S[dtype_name],
-            skipped=skipped, notes=notes(shape, dtype))
+    compare(
+        benchmark,
+        op=f"Newton-Schulz, 5 quintic steps ({DEVICE}, {dtype_name})",
+        shape_set="x".join(map(str, shape)),
+        variants=variants,
+        baseline="reference",
+        rounds=11,
+        warmup_rounds=1,
+        budget_s=BUDGET_S[dtype_name],
+        skipped=skipped,
+        notes=notes(shape, dtype),
+    )

@@ -12,14 +12,15 @@ prepare_data + tok_train) when it is there, else synthetic documents with a simi
 
     .venv/bin/python -m pytest benchmarks/bench_pack_rows.py --benchmark-json=/tmp/pack.json -p no:cacheprovider
 """
+
 import collections
 import itertools
 
 import numpy as np
 import pytest
 import torch
-
 from harness import compare
+
 from nanochat_fast.core import paths
 from nanochat_fast.data.packed_loaders import DocStream, TokenRowLoader, make_row_stream
 from nanochat_fast.data.token_shards import TokenShards, write_token_shard
@@ -37,7 +38,11 @@ def corpus(tmp_path_factory):
     """(tokens_root, dataset name, description)."""
     if (paths.tokens_dir("base") / "train").is_dir():
         shards = TokenShards("base", "train")
-        return paths.home() / "tokens", "base", f"default corpus ({shards.n_docs:,} documents, {shards.n_tokens:,} tokens)"
+        return (
+            paths.home() / "tokens",
+            "base",
+            f"default corpus ({shards.n_docs:,} documents, {shards.n_tokens:,} tokens)",
+        )
     root = tmp_path_factory.mktemp("tokens")
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(6.4, 0.6, 6000), 16, 3000).astype(int)  # ~ the default corpus' spread
@@ -45,13 +50,20 @@ def corpus(tmp_path_factory):
     docs = [np.concatenate([[bos], rng.integers(0, bos, n - 1)]) for n in lengths]
     meta = {"tokenizer": "synthetic", "bos_id": bos, "vocab_size": 8192, "kind": "text"}
     write_token_shard(root / "synthetic" / "train", "shard_00000", docs, None, np.uint16, meta)
-    return root, "synthetic", f"synthetic documents ({len(docs):,}, {int(lengths.sum()):,} tokens; no default corpus found)"
+    return (
+        root,
+        "synthetic",
+        f"synthetic documents ({len(docs):,}, {int(lengths.sum()):,} tokens; no default corpus found)",
+    )
 
 
 def doc_arrays(root, dataset):
     shards = TokenShards(dataset, "train", root)
-    docs = [tokens[a:b].astype(np.int32) for tokens, offsets in zip(shards.tokens, shards.offsets)
-            for a, b in zip(offsets[:-1], offsets[1:])]
+    docs = [
+        tokens[a:b].astype(np.int32)
+        for tokens, offsets in zip(shards.tokens, shards.offsets)
+        for a, b in zip(offsets[:-1], offsets[1:])
+    ]
     return docs, shards.bos_id
 
 
@@ -72,6 +84,7 @@ def deque_packer(docs, per_token):
         else:
             scratch = torch.tensor([token_buffer.popleft() for _ in range(needed)], dtype=torch.int64)
         return scratch[:-1].view(B, T), scratch[1:].view(B, T)
+
     return step
 
 
@@ -91,9 +104,11 @@ def op_packer(docs, bos):
 
 def one_at_a_time(take, n):
     """Take n batches, each released before the next (as a training loop does with its micro-batches)."""
+
     def run():
         for _ in range(n):
             take()
+
     return run
 
 
@@ -112,13 +127,21 @@ def test_pack_rows_throughput(benchmark, corpus):
         "cpp RowStream": stream_packer(root, dataset, "cpp"),
     }
     variants = {name: one_at_a_time(f, BATCHES) for name, f in packers.items()}
-    medians = compare(benchmark, op="pack_rows", shape_set=f"{BATCHES} batches of B={B}, T={T}, {what}",
-                      variants=variants, baseline="deque (list)", rounds=5, warmup_rounds=1)
+    medians = compare(
+        benchmark,
+        op="pack_rows",
+        shape_set=f"{BATCHES} batches of B={B}, T={T}, {what}",
+        variants=variants,
+        baseline="deque (list)",
+        rounds=5,
+        warmup_rounds=1,
+    )
     speedup = medians["deque (list)"] / medians["cpp pack_rows"]
     benchmark.extra_info["notes"] = (
         "; ".join(f"{name}: {rate(s, BATCHES)}" for name, s in medians.items())
         + f"; cpp pack_rows is {speedup:,.0f}x deque (list), "
-        f"{medians['deque (seed)'] / medians['cpp pack_rows']:,.0f}x deque (seed)")
+        f"{medians['deque (seed)'] / medians['cpp pack_rows']:,.0f}x deque (seed)"
+    )
     print("\n" + benchmark.extra_info["notes"])
 
 
@@ -132,15 +155,19 @@ def test_loader_keeps_up(benchmark, corpus):
     offsets = torch.from_numpy(np.cumsum([0] + [len(d) for d in buffer]).astype(np.int64))
 
     def make(**kw):
-        return TokenRowLoader(dataset=dataset, tokens_root=root, device_batch_size=B, seq_len=T, buffer_docs=BUFFER,
-                              **kw)
+        return TokenRowLoader(
+            dataset=dataset, tokens_root=root, device_batch_size=B, seq_len=T, buffer_docs=BUFFER, **kw
+        )
+
     loader, inline, held = make(), make(prefetch=False), make()
 
     def in_groups(take_group):  # a group of HELD batches is released together, as a step's micro-batches are
         def run():
             for _ in range(LOADER_BATCHES // HELD):
                 take_group()
+
         return run
+
     shards = TokenShards(dataset, "train", root)
     rows = make_row_stream(DocStream(shards, with_mask=False), B, T + 1, shards.bos_id, BUFFER)
     rows.start(2, 0, B, pairs=False)
@@ -154,8 +181,15 @@ def test_loader_keeps_up(benchmark, corpus):
             f"cpp pack_rows, {HELD} held": in_groups(lambda: [pack_rows(tokens, offsets, out, bos) for out in outs]),
             f"loader, {HELD} held": in_groups(lambda: [next(held) for _ in range(HELD)]),
         }
-        medians = compare(benchmark, op="pack_rows", shape_set=f"{LOADER_BATCHES} batches of B={B}, T={T}, {what}",
-                          variants=variants, baseline="cpp pack_rows", rounds=21, warmup_rounds=2)
+        medians = compare(
+            benchmark,
+            op="pack_rows",
+            shape_set=f"{LOADER_BATCHES} batches of B={B}, T={T}, {what}",
+            variants=variants,
+            baseline="cpp pack_rows",
+            rounds=21,
+            warmup_rounds=2,
+        )
     finally:
         for l in (loader, inline, held):
             l.close()
@@ -163,13 +197,15 @@ def test_loader_keeps_up(benchmark, corpus):
 
     def ratio(name, baseline="cpp pack_rows"):  # rate of `name` / rate of `baseline`
         return f"{medians[baseline] / medians[name]:.2f}x"
+
     benchmark.extra_info["notes"] = (
         "; ".join(f"{name}: {rate(s, LOADER_BATCHES)}" for name, s in medians.items())
         + f"; packing the op's B x (T+1) rows (for a GPU), the loader runs at {ratio('loader rows (prefetch thread)')} "
         f"the op's rate; delivering next() -> (inputs, targets) on the CPU (twice the bytes) at "
         f"{ratio('loader (prefetch thread)')} with its prefetch thread, {ratio('loader (no prefetch)')} without; "
         f"with {HELD} batches held at {ratio(f'loader, {HELD} held', f'cpp pack_rows, {HELD} held')} the op "
-        f"writing {HELD} buffers")
+        f"writing {HELD} buffers"
+    )
     print("\n" + benchmark.extra_info["notes"])
 
 
@@ -195,18 +231,33 @@ def test_token_waste(benchmark, corpus):
 
     def epochs(seq_len):
         def run():
-            with TokenRowLoader(dataset=dataset, tokens_root=root, device_batch_size=B, seq_len=seq_len,
-                                buffer_docs=BUFFER, prefetch=False) as loader:
+            with TokenRowLoader(
+                dataset=dataset,
+                tokens_root=root,
+                device_batch_size=B,
+                seq_len=seq_len,
+                buffer_docs=BUFFER,
+                prefetch=False,
+            ) as loader:
                 while loader.epoch_progress < 3:
                     next(loader)
                 waste[seq_len] = loader.cropped_fraction
+
         return run
-    compare(benchmark, op="pack_rows", shape_set=f"3 epochs, B={B}, {what}",
-            variants={"loader T=512": epochs(512), "loader T=2048": epochs(2048)},
-            baseline="loader T=2048", rounds=3, warmup_rounds=0)
+
+    compare(
+        benchmark,
+        op="pack_rows",
+        shape_set=f"3 epochs, B={B}, {what}",
+        variants={"loader T=512": epochs(512), "loader T=2048": epochs(2048)},
+        baseline="loader T=2048",
+        rounds=3,
+        warmup_rounds=0,
+    )
     literal = {t: literal_op_waste(docs, bos, t + 1) for t in (512, 2048)}
     benchmark.extra_info["notes"] = (
         "token waste (cropped fraction of the tokens taken from documents) of best-fit packing: "
         + ", ".join(f"T={t}: {waste[t]:.1%} (loader), {literal[t]:.1%} (op on a refilled buffer)" for t in (512, 2048))
-        + "; the concatenating deque packer crops nothing but its rows do not start at documents")
+        + "; the concatenating deque packer crops nothing but its rows do not start at documents"
+    )
     print("\n" + benchmark.extra_info["notes"])

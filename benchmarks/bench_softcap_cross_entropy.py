@@ -12,6 +12,7 @@ freed memory back at once (how: docs/measurements.md#benchmark-cross-entropy-mem
 
 `python benchmarks/bench_softcap_cross_entropy.py --peak VARIANT D` prints one such peak in MiB.
 """
+
 import argparse
 import os
 import re
@@ -21,8 +22,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from harness import compare
+
 from nanochat_fast.hardware import precision
 from nanochat_fast.kernels import registry, softcap_cross_entropy
 
@@ -44,7 +45,7 @@ def stock_loss(hidden, weight, targets):
 def make_inputs(d, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, d, generator=g)  # RMS-normed final hidden states
-    weight = torch.randn(V, d, generator=g) * d ** -0.5
+    weight = torch.randn(V, d, generator=g) * d**-0.5
     targets = torch.randint(0, V, (N,), generator=g)
     return hidden.to(DEVICE).requires_grad_(), weight.to(DEVICE).requires_grad_(), targets.to(DEVICE)
 
@@ -65,6 +66,7 @@ def step_fn(variant, hidden, weight, targets, chunk_rows=None):
         with precision.autocast(torch.device(DEVICE), PRECISION):
             loss = loss_fn(hidden, weight, targets)
         loss.backward()
+
     return step
 
 
@@ -84,7 +86,7 @@ def peak_mib_here(variant, d) -> float:
         before = torch.cuda.memory_allocated()
         step()
         torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
     before = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident set
@@ -95,8 +97,9 @@ def peak_mib_here(variant, d) -> float:
 def peak_mib(variant, d) -> float:
     """peak_mib_here in a fresh process, so no earlier allocation is reused or counted."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run([sys.executable, __file__, "--peak", variant, str(d)], env=env, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--peak", variant, str(d)], env=env, check=True, capture_output=True, text=True
+    ).stdout
     return float(out.strip().splitlines()[-1])
 
 
@@ -109,24 +112,40 @@ def test_softcap_cross_entropy(benchmark, depth):
     for step in variants.values():
         step()  # compile outside the timed rounds
     memory = {name: peak_mib(name, d) for name in names}
-    notes = (f"ours: the {registry.select('softcap_cross_entropy', DEVICE).name} backend; peak extra memory of "
-             "one forward+backward (fresh process): "
-             + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items())
-             + f"; the full fp32 logits alone are {N * V * 4 / 2 ** 20:.0f} MiB")
-    compare(benchmark, op=f"softcapped cross-entropy, forward+backward ({DEVICE}, {PRECISION.name})",
-            shape_set=f"depth {depth}: N={N}, d={d}, V={V}", variants=variants, baseline="stock eager",
-            rounds=11, budget_s=BUDGET_S, notes=notes)
+    notes = (
+        f"ours: the {registry.select('softcap_cross_entropy', DEVICE).name} backend; peak extra memory of "
+        "one forward+backward (fresh process): "
+        + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items())
+        + f"; the full fp32 logits alone are {N * V * 4 / 2**20:.0f} MiB"
+    )
+    compare(
+        benchmark,
+        op=f"softcapped cross-entropy, forward+backward ({DEVICE}, {PRECISION.name})",
+        shape_set=f"depth {depth}: N={N}, d={d}, V={V}",
+        variants=variants,
+        baseline="stock eager",
+        rounds=11,
+        budget_s=BUDGET_S,
+        notes=notes,
+    )
 
 
 def test_chunk_rows(benchmark):
     """Rows per chunk of our op at the depth-4 shape: the measurement behind CHUNK_ROWS."""
     hidden, weight, targets = make_inputs(DEPTH_WIDTH[4])
-    variants = {f"{c} rows ({c * V * 4 / 2 ** 20:.0f} MiB of logits)": step_fn("ours", hidden, weight, targets, c)
-                for c in CHUNKS}
+    variants = {
+        f"{c} rows ({c * V * 4 / 2**20:.0f} MiB of logits)": step_fn("ours", hidden, weight, targets, c) for c in CHUNKS
+    }
     variants["auto"] = step_fn("ours", hidden, weight, targets)
-    compare(benchmark, op=f"softcapped cross-entropy, rows per chunk ({DEVICE}, {PRECISION.name})",
-            shape_set=f"depth 4: N={N}, d={DEPTH_WIDTH[4]}, V={V}", variants=variants, baseline="auto", rounds=9,
-            budget_s=BUDGET_S)
+    compare(
+        benchmark,
+        op=f"softcapped cross-entropy, rows per chunk ({DEVICE}, {PRECISION.name})",
+        shape_set=f"depth 4: N={N}, d={DEPTH_WIDTH[4]}, V={V}",
+        variants=variants,
+        baseline="auto",
+        rounds=9,
+        budget_s=BUDGET_S,
+    )
 
 
 if __name__ == "__main__":

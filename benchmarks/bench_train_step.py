@@ -11,6 +11,7 @@ docs/measurements.md#benchmark-whole-training-steps.
     .venv/bin/python -m pytest benchmarks/bench_train_step.py -o python_files='bench_*.py' \\
         -p no:cacheprovider --benchmark-json=/tmp/step.json
 """
+
 import contextlib
 import ctypes
 import gc
@@ -26,14 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
+import bench_pack_rows
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
-import bench_pack_rows
 from bench_muon import HP, torch_muon
 from harness import compare
+from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
 from nanochat_fast import hardware
 from nanochat_fast.core.compiling import CompileWatch
 from nanochat_fast.data.packed_loaders import TokenRowLoader
@@ -77,7 +78,12 @@ def now() -> float:
 def training_config(depth: int, *extra, seq_len: int = T) -> TrainingConfig:
     """base_train's configuration for this benchmark's shape (one micro-batch of B rows per step),
     every other flag at its default, built as run_stage builds it."""
-    flags = [f"--depth={depth}", f"--max-seq-len={seq_len}", f"--device-batch-size={B}", f"--total-batch-size={B * seq_len}"]
+    flags = [
+        f"--depth={depth}",
+        f"--max-seq-len={seq_len}",
+        f"--device-batch-size={B}",
+        f"--total-batch-size={B * seq_len}",
+    ]
     args = base_train.build_parser().parse_args([*flags, *extra])
     return TrainingConfig.from_args(args, with_model=True)
 
@@ -93,20 +99,20 @@ def model_config(cfg: TrainingConfig):
 @dataclass
 class Variant:
     name: str
-    model: torch.nn.Module      # the plain module
+    model: torch.nn.Module  # the plain module
     optimizers: list
     loader: TokenRowLoader
     accum: int
     compiled: bool
-    dtype: str = "fp32"         # the model's compute dtype ("fp32" | "bf16")
-    ns_dtype: str = ""          # ours: the dtype Newton-Schulz computes in
-    compile_why: str = ""       # ours: compile_for_training's reason
-    choices: str = ""           # ours: the dtypes and compile, each with why (the run log's words)
-    extra_held: int = 0         # bytes held between steps that no tensor here shows (Muon apart)
-    muon_apart_s: float = 0.0   # added to every step's optimizer phase
+    dtype: str = "fp32"  # the model's compute dtype ("fp32" | "bf16")
+    ns_dtype: str = ""  # ours: the dtype Newton-Schulz computes in
+    compile_why: str = ""  # ours: compile_for_training's reason
+    choices: str = ""  # ours: the dtypes and compile, each with why (the run log's words)
+    extra_held: int = 0  # bytes held between steps that no tensor here shows (Muon apart)
+    muon_apart_s: float = 0.0  # added to every step's optimizer phase
     phases: list = field(default_factory=list)
     measure_memory: bool = False  # the next step also measures the memory rise (step_peak_rise)
-    rise: int | None = None       # bytes, from that step (None: not measurable here)
+    rise: int | None = None  # bytes, from that step (None: not measurable here)
 
     def __call__(self):
         if self.measure_memory:
@@ -127,8 +133,9 @@ class Variant:
 
     def held_bytes(self) -> int:
         """Parameters and optimizer state: what stays allocated between steps."""
-        tensors = list(self.model.parameters()) + [t for opt in self.optimizers for s in opt.state.values()
-                                                   for t in s.values() if torch.is_tensor(t)]
+        tensors = list(self.model.parameters()) + [
+            t for opt in self.optimizers for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+        ]
         return sum(t.numel() * t.element_size() for t in tensors) + self.extra_held
 
 
@@ -164,7 +171,11 @@ class LoopVariant(Variant):
     """Stepped by the training loop's train_step, observed from outside (ObservedModel)."""
 
     def start(self, step_model, grad_clip, autocast_ctx):
-        self.observed, self.grad_clip, self.autocast_ctx = ObservedModel(self.model, step_model), grad_clip, autocast_ctx
+        self.observed, self.grad_clip, self.autocast_ctx = (
+            ObservedModel(self.model, step_model),
+            grad_clip,
+            autocast_ctx,
+        )
         return self
 
     def train(self, micro_batches) -> dict:
@@ -209,8 +220,9 @@ class StockVariant(Variant):
 
 def new_loader(data, seq_len=T):
     root, dataset, _ = data
-    return TokenRowLoader(dataset=dataset, split="train", device_batch_size=B, seq_len=seq_len, device=DEVICE,
-                          tokens_root=root)
+    return TokenRowLoader(
+        dataset=dataset, split="train", device_batch_size=B, seq_len=seq_len, device=DEVICE, tokens_root=root
+    )
 
 
 def one_process_device(cfg: TrainingConfig) -> ProcessSetup:
@@ -235,19 +247,34 @@ def build_ours(depth, data, *extra_flags, seq_len=T, compile_kwargs=None, name=N
     model, optimizers = model_setup.build_for_training(model_config(cfg), DEVICE, cfg.optim.optimizer_kwargs())
     horizon = stage.horizon(cfg, model, None)  # base_train's default horizon decides the defaults
     accum = stage.data.grad_accum_steps(cfg.data, dev.world_size)
-    dev, ns = model_setup.tune_for_training(model, optimizers, dev, cfg.device.dtype, cfg.data.device_batch_size,
-                                       seq_len, accum, horizon.tokens)
+    dev, ns = model_setup.tune_for_training(
+        model, optimizers, dev, cfg.device.dtype, cfg.data.device_batch_size, seq_len, accum, horizon.tokens
+    )
     if compile_kwargs is None:
-        step_model, why = model_setup.compile_for_training(model, cfg.run.compile, DEVICE, horizon.tokens,
-                                                      hardware.peak_flops(DEVICE).flops * dev.world_size,
-                                                      stage.data.varying_shapes)
+        step_model, why = model_setup.compile_for_training(
+            model,
+            cfg.run.compile,
+            DEVICE,
+            horizon.tokens,
+            hardware.peak_flops(DEVICE).flops * dev.world_size,
+            stage.data.varying_shapes,
+        )
     else:
         step_model, why = torch.compile(model, **compile_kwargs), f"compiled: torch.compile({compile_kwargs})"
     name = name or (f"ours, {' '.join(extra_flags)}" if extra_flags else "ours (defaults)")
     choices = f"model {dev.precision.describe()}; Newton-Schulz {ns.describe()}; {why}"
-    return LoopVariant(name, model, optimizers, new_loader(data, seq_len), accum, compiled=step_model is not model,
-                       dtype=dev.precision.name, ns_dtype=ns.name, compile_why=why, choices=choices).start(
-        step_model, cfg.optim.grad_clip, dev.autocast())
+    return LoopVariant(
+        name,
+        model,
+        optimizers,
+        new_loader(data, seq_len),
+        accum,
+        compiled=step_model is not model,
+        dtype=dev.precision.name,
+        ns_dtype=ns.name,
+        compile_why=why,
+        choices=choices,
+    ).start(step_model, cfg.optim.grad_clip, dev.autocast())
 
 
 def build_grid_cell(depth, data, dtype: str, ns_dtype: str, compiled: bool) -> LoopVariant:
@@ -259,6 +286,7 @@ def stock_loss(model):
     def loss(x, y):
         logits = model(x)  # softcapped, fp32
         return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1)
+
     return loss
 
 
@@ -266,18 +294,33 @@ def stock_optimizers(model, optim_cfg, muon_apart: bool):
     """torch.optim.AdamW(fused) with base_train's lrs (scaled by width as ours) and
     torch.optim.Muon (left out when it runs apart)."""
     scale = (model.config.n_embd / 768) ** -0.5
-    adamw = torch.optim.AdamW([dict(params=[model.lm_head.weight], lr=optim_cfg.unembedding_lr * scale),
-                               dict(params=[model.transformer.wte.weight], lr=optim_cfg.embedding_lr * scale)],
-                              betas=(0.8, 0.95), eps=1e-10, weight_decay=optim_cfg.weight_decay, fused=True)
+    adamw = torch.optim.AdamW(
+        [
+            dict(params=[model.lm_head.weight], lr=optim_cfg.unembedding_lr * scale),
+            dict(params=[model.transformer.wte.weight], lr=optim_cfg.embedding_lr * scale),
+        ],
+        betas=(0.8, 0.95),
+        eps=1e-10,
+        weight_decay=optim_cfg.weight_decay,
+        fused=True,
+    )
     if muon_apart:
         return [adamw]
-    muon = torch.optim.Muon(list(model.transformer.h.parameters()), weight_decay=0.0, ns_coefficients=QUINTIC,
-                            ns_steps=5, eps=1e-7, adjust_lr_fn="original", **{**HP, "lr": optim_cfg.matrix_lr})
+    muon = torch.optim.Muon(
+        list(model.transformer.h.parameters()),
+        weight_decay=0.0,
+        ns_coefficients=QUINTIC,
+        ns_steps=5,
+        eps=1e-7,
+        adjust_lr_fn="original",
+        **{**HP, "lr": optim_cfg.matrix_lr},
+    )
     return [adamw, muon]
 
 
-def build_stock(depth, data, name, *, compile=False, dtype="fp32", loss="stock", optim="stock",
-                muon_apart_s=None) -> StockVariant:
+def build_stock(
+    depth, data, name, *, compile=False, dtype="fp32", loss="stock", optim="stock", muon_apart_s=None
+) -> StockVariant:
     """Stock PyTorch (loss="stock", optim="stock"), or it with our loss ("model") or optimizers."""
     cfg = training_config(depth)
     if optim == "ours":
@@ -290,9 +333,17 @@ def build_stock(depth, data, name, *, compile=False, dtype="fp32", loss="stock",
         fn = torch.compile(fn, dynamic=False)
     matrices = sum(p.numel() for p in model.transformer.h.parameters())
     apart = muon_apart_s is not None and optim == "stock"
-    variant = StockVariant(name + (" (Muon apart)" if apart else ""), model, optimizers, new_loader(data),
-                           cfg.data.grad_accum_steps(1), compiled=compile, dtype=dtype,
-                           extra_held=4 * matrices if apart else 0, muon_apart_s=muon_apart_s if apart else 0.0)
+    variant = StockVariant(
+        name + (" (Muon apart)" if apart else ""),
+        model,
+        optimizers,
+        new_loader(data),
+        cfg.data.grad_accum_steps(1),
+        compiled=compile,
+        dtype=dtype,
+        extra_held=4 * matrices if apart else 0,
+        muon_apart_s=muon_apart_s if apart else 0.0,
+    )
     autocast_ctx = precision.autocast(DEVICE, precision.DTYPES[dtype])
     kernels = "reference" if loss == "stock" and optim == "stock" else None
     return variant.start(lambda x, y: fn(x, y), autocast_ctx, kernels, optim == "ours", cfg.optim.grad_clip)
@@ -320,10 +371,11 @@ def time_torch_muon(model_config_) -> tuple[float, str]:
         total = sum(counts[s] * statistics.median(ts) for s, ts in times.items())
         if time.perf_counter() + total / sum(counts.values()) * len(counts) > deadline:
             break
-    per_shape = ", ".join(f"{counts[s]}x {s[0]}x{s[1]} at {statistics.median(times[s]) * 1e3:.0f} ms"
-                          for s in counts)
-    return total, (f"torch.optim.Muon timed apart, one matrix per shape over {len(times[shapes[0]])} round(s), "
-                   f"scaled by count: {per_shape} = {total:.1f} s per step")
+    per_shape = ", ".join(f"{counts[s]}x {s[0]}x{s[1]} at {statistics.median(times[s]) * 1e3:.0f} ms" for s in counts)
+    return total, (
+        f"torch.optim.Muon timed apart, one matrix per shape over {len(times[shapes[0]])} round(s), "
+        f"scaled by count: {per_shape} = {total:.1f} s per step"
+    )
 
 
 _LIBC = ctypes.CDLL("libc.so.6") if Path("/proc/self/clear_refs").exists() else None
@@ -362,8 +414,9 @@ def bf16_left_out() -> str | None:
     return None if bf16.native else f"not run: {bf16.reason.removeprefix('asked for; ')} (~100x slower than fp32)"
 
 
-def build_variants(depth, data, muon_apart_s, with_changes_alone: bool,
-                   compile_axis: bool = True) -> tuple[list[Variant], dict[str, str]]:
+def build_variants(
+    depth, data, muon_apart_s, with_changes_alone: bool, compile_axis: bool = True
+) -> tuple[list[Variant], dict[str, str]]:
     """(variants, {variant left out: why}). Ours (defaults) first, then the grid (compile_axis:
     compiled and eager, else compile as the defaults chose it), stock PyTorch, then
     (with_changes_alone) stock with one of our changes."""
@@ -372,23 +425,28 @@ def build_variants(depth, data, muon_apart_s, with_changes_alone: bool,
     no_bf16 = bf16_left_out()
     for dtype in DTYPES:
         for ns_dtype in DTYPES:
-            for compiled in ((True, False) if compile_axis else (ours.compiled,)):
+            for compiled in (True, False) if compile_axis else (ours.compiled,):
                 if no_bf16 and "bf16" in (dtype, ns_dtype):
                     skipped[grid_name(dtype, ns_dtype, compiled)] = no_bf16
                 else:
                     variants.append(build_grid_cell(depth, data, dtype, ns_dtype, compiled))
     for compile in (False, True):
         for dtype in DTYPES:
-            alone = {(True, "fp32"): " (= only compile)", (False, "bf16"): " (= only the dtype)"}.get((compile, dtype), "")
+            alone = {(True, "fp32"): " (= only compile)", (False, "bf16"): " (= only the dtype)"}.get(
+                (compile, dtype), ""
+            )
             name = f"stock {'compiled' if compile else 'eager'} {dtype}{alone}"
             if no_bf16 and dtype == "bf16":
                 skipped[name] = no_bf16
             else:
                 variants.append(build_stock(depth, data, name, compile=compile, dtype=dtype, muon_apart_s=muon_apart_s))
     if with_changes_alone:
-        variants += [build_stock(depth, data, "stock + the model's own loss (fused CE)", loss="model",
-                                 muon_apart_s=muon_apart_s),
-                     build_stock(depth, data, MAIN_BEFORE, optim="ours")]
+        variants += [
+            build_stock(
+                depth, data, "stock + the model's own loss (fused CE)", loss="model", muon_apart_s=muon_apart_s
+            ),
+            build_stock(depth, data, MAIN_BEFORE, optim="ours"),
+        ]
     return variants, skipped
 
 
@@ -407,10 +465,15 @@ def is_grid(v: Variant) -> bool:
 def grid_lines(ours: Variant, grid: list[Variant], skipped: dict, best: Variant | None) -> list[str]:
     """The grid at a glance: tokens/s per (--dtype, --ns-dtype) and compile setting."""
     by_name = {v.name: v for v in grid}
-    columns = sorted({v.compiled for v in grid} | {"--compile" in n for n in skipped if n.startswith("ours, ")},
-                     reverse=True)
-    lines = ["| the grid, tokens/s: --dtype / --ns-dtype | " + " | ".join(
-        "--compile" if c else "--no-compile" for c in columns) + " |", "|---" + "|---:" * len(columns) + "|"]
+    columns = sorted(
+        {v.compiled for v in grid} | {"--compile" in n for n in skipped if n.startswith("ours, ")}, reverse=True
+    )
+    lines = [
+        "| the grid, tokens/s: --dtype / --ns-dtype | "
+        + " | ".join("--compile" if c else "--no-compile" for c in columns)
+        + " |",
+        "|---" + "|---:" * len(columns) + "|",
+    ]
     for dtype in DTYPES:
         for ns_dtype in DTYPES:
             cells = []
@@ -452,43 +515,70 @@ def step_table(depth, config, variants, compile_s, muon_note, wall_s, skipped=No
     with torch.device("meta"):
         flops_per_token = GPT(config).estimate_flops()
         n_params = sum(p.numel() for p in GPT(config).parameters())
-    lines = [f"**Whole step, depth {depth}** ({n_params / 1e6:.1f}M parameters, {flops_per_token / 1e6:.0f} MFLOP "
-             f"per token), T={T}, {B} rows x {TOTAL // (B * T)} micro-batch = {TOTAL} tokens per step, vocab {VOCAB}; "
-             f"{machine_line()}; medians of {len(variants[0].phases)} interleaved rounds (one untimed step first). "
-             f"Speed-up = stock best's time / the variant's: full step vs {best.name}, forward+backward vs "
-             f"{best_model.name}. {muon_note}.", "",
-             "| variant | tokens/s | speed-up (step) | speed-up (fwd+bwd) | data ms | forward ms | backward ms | "
-             "optimizer ms | MFU | held MB | step rise MB | peak MB | compile s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"**Whole step, depth {depth}** ({n_params / 1e6:.1f}M parameters, {flops_per_token / 1e6:.0f} MFLOP "
+        f"per token), T={T}, {B} rows x {TOTAL // (B * T)} micro-batch = {TOTAL} tokens per step, vocab {VOCAB}; "
+        f"{machine_line()}; medians of {len(variants[0].phases)} interleaved rounds (one untimed step first). "
+        f"Speed-up = stock best's time / the variant's: full step vs {best.name}, forward+backward vs "
+        f"{best_model.name}. {muon_note}.",
+        "",
+        "| variant | tokens/s | speed-up (step) | speed-up (fwd+bwd) | data ms | forward ms | backward ms | "
+        "optimizer ms | MFU | held MB | step rise MB | peak MB | compile s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for v in variants:
         step_s = v.median()
-        held, up = v.held_bytes() / 2 ** 20, v.rise
-        mem = [f"{held:.0f}", "n/a", "n/a"] if up is None else [f"{held:.0f}", f"{up / 2 ** 20:.0f}",
-                                                                f"{held + up / 2 ** 20:.0f}"]
-        lines.append(f"| {v.name} | {TOTAL / step_s:,.0f} | {best.median() / step_s:.2f} | "
-                     f"{model_s[best_model.name] / model_s[v.name]:.2f} | "
-                     + " | ".join(f"{v.median(k) * 1e3:.0f}" for k in PHASES)
-                     + f" | {hardware.mfu(flops_per_token, TOTAL / step_s, peak):.1f}% | " + " | ".join(mem)
-                     + (f" | {compile_s[v.name]:.0f} |" if compile_s[v.name] is not None else " | - |"))
+        held, up = v.held_bytes() / 2**20, v.rise
+        mem = (
+            [f"{held:.0f}", "n/a", "n/a"]
+            if up is None
+            else [f"{held:.0f}", f"{up / 2**20:.0f}", f"{held + up / 2**20:.0f}"]
+        )
+        lines.append(
+            f"| {v.name} | {TOTAL / step_s:,.0f} | {best.median() / step_s:.2f} | "
+            f"{model_s[best_model.name] / model_s[v.name]:.2f} | "
+            + " | ".join(f"{v.median(k) * 1e3:.0f}" for k in PHASES)
+            + f" | {hardware.mfu(flops_per_token, TOTAL / step_s, peak):.1f}% | "
+            + " | ".join(mem)
+            + (f" | {compile_s[v.name]:.0f} |" if compile_s[v.name] is not None else " | - |")
+        )
     for name, why in skipped.items():
         lines.append(f"| {name} | {why} |" + " |" * 11)
     lines += [""]
     if grid:
         twin = next((v for v in grid if twin_of(ours, v)), None)
         compile_as = f"{'compiled' if ours.compiled else 'eager'} as the defaults chose (GRID_COMPILE_AXIS)"
-        axes = ("--dtype x --ns-dtype x --compile/--no-compile" if len({v.compiled for v in grid}) > 1
-                else f"--dtype x --ns-dtype, {compile_as}")
-        noise = (f"; {ours.name} ran at {twin.median() / ours.median():.2f}x the tokens/s of its twin ({twin.name}), "
-                 "the same step (the difference is noise)" if twin else "")
+        axes = (
+            "--dtype x --ns-dtype x --compile/--no-compile"
+            if len({v.compiled for v in grid}) > 1
+            else f"--dtype x --ns-dtype, {compile_as}"
+        )
+        noise = (
+            f"; {ours.name} ran at {twin.median() / ours.median():.2f}x the tokens/s of its twin ({twin.name}), "
+            "the same step (the difference is noise)"
+            if twin
+            else ""
+        )
         lines += grid_lines(ours, grid, skipped, best_grid) + [
-            "", f"The grid: {axes}, each forced by its flag, timed in the same rounds{noise}.", ""]
-    lines += [f"**{'; '.join(ratios)}** (full steps, tokens/s). {ours.name} chose: {ours.choices}.", "",
-              f"MFU against the {peak.describe()}. Memory: "
-              + ("torch.cuda.max_memory_allocated over a step" if DEVICE.type == "cuda" else
-                 "held = parameters + optimizer state (counted from the tensors); step rise = growth of the resident "
-                 "set during the first timed step (malloc_trim and the high-water mark reset first)") + ". "
-              f"This depth took {wall_s:.0f} s of wall time, compiles, the defaults' dtype timings and "
-              "torch.optim.Muon apart included.", ""]
+            "",
+            f"The grid: {axes}, each forced by its flag, timed in the same rounds{noise}.",
+            "",
+        ]
+    lines += [
+        f"**{'; '.join(ratios)}** (full steps, tokens/s). {ours.name} chose: {ours.choices}.",
+        "",
+        f"MFU against the {peak.describe()}. Memory: "
+        + (
+            "torch.cuda.max_memory_allocated over a step"
+            if DEVICE.type == "cuda"
+            else "held = parameters + optimizer state (counted from the tensors); step rise = growth of the resident "
+            "set during the first timed step (malloc_trim and the high-water mark reset first)"
+        )
+        + ". "
+        f"This depth took {wall_s:.0f} s of wall time, compiles, the defaults' dtype timings and "
+        "torch.optim.Muon apart included.",
+        "",
+    ]
     return lines
 
 
@@ -515,8 +605,9 @@ def test_train_step(benchmark, corpus, depth):
     if muon_apart_s is None:
         muon_note = f"torch.optim.Muon runs inside the stock steps (one step of it measured {muon_s:.2f} s)"
     with cold_compiles(), contextlib.ExitStack() as stack:
-        variants, skipped = build_variants(depth, corpus, muon_apart_s, with_changes_alone=depth == 4,
-                                           compile_axis=GRID_COMPILE_AXIS[depth])
+        variants, skipped = build_variants(
+            depth, corpus, muon_apart_s, with_changes_alone=depth == 4, compile_axis=GRID_COMPILE_AXIS[depth]
+        )
         for v in variants:
             stack.callback(v.loader.close)
         compile_s = {}
@@ -527,13 +618,25 @@ def test_train_step(benchmark, corpus, depth):
             v.phases.clear()
             v.measure_memory = True
         baseline = next(v.name for v in variants if v.name.startswith("stock eager fp32"))
-        compare(benchmark, op=f"Training step ({DEVICE.type})", baseline=baseline, rounds=ROUNDS[depth], warmup_rounds=0,
-                shape_set=f"depth {depth}, T={T}, {TOTAL} tokens per step", variants={v.name: v for v in variants},
-                skipped=skipped, notes=f"one full step per call; {muon_note}" + (
-                    "; the harness medians of the (Muon apart) variants exclude it, the step table below includes it"
-                    if muon_apart_s else ""))
-        benchmark.extra_info["table"] = step_table(depth, config, variants, compile_s, muon_note,
-                                                   time.perf_counter() - start, skipped)
+        compare(
+            benchmark,
+            op=f"Training step ({DEVICE.type})",
+            baseline=baseline,
+            rounds=ROUNDS[depth],
+            warmup_rounds=0,
+            shape_set=f"depth {depth}, T={T}, {TOTAL} tokens per step",
+            variants={v.name: v for v in variants},
+            skipped=skipped,
+            notes=f"one full step per call; {muon_note}"
+            + (
+                "; the harness medians of the (Muon apart) variants exclude it, the step table below includes it"
+                if muon_apart_s
+                else ""
+            ),
+        )
+        benchmark.extra_info["table"] = step_table(
+            depth, config, variants, compile_s, muon_note, time.perf_counter() - start, skipped
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,11 +648,23 @@ DIST_DEPTH, DIST_ROUNDS, DIST_REPEATS = 4, 3, 2
 def run_dist_worker(mode: str, out: Path) -> dict:
     """One torchrun launch of train_step_worker.py (2 processes, one thread each); its figures."""
     here = Path(__file__).resolve().parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(here / "train_step_worker.py"), f"--mode={mode}", f"--depth={DIST_DEPTH}",
-           f"--rounds={DIST_ROUNDS}", f"--out={out}"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(here / "train_step_worker.py"),
+        f"--mode={mode}",
+        f"--depth={DIST_DEPTH}",
+        f"--rounds={DIST_ROUNDS}",
+        f"--out={out}",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -564,27 +679,45 @@ def test_train_step_two_processes(benchmark, tmp_path):
     def one_round():
         for mode in figures:
             figures[mode].append(run_dist_worker(mode, tmp_path / f"{mode}{len(figures[mode])}.json"))
+
     benchmark.pedantic(one_round, rounds=DIST_REPEATS, warmup_rounds=0, iterations=1)
     best = {mode: min(runs, key=lambda f: f["step_s"]) for mode, runs in figures.items()}
     rows = []
     for mode, f in best.items():
         backward = f["step_s"] - f["forward_s"] - f["optimizer_s"]
-        rows.append([f"--sharding={mode}", f"{f['tokens_per_step'] / f['step_s']:,.0f}", f"{f['step_s'] * 1e3:.0f}",
-                     f"{f['forward_s'] * 1e3:.0f}", f"{backward * 1e3:.0f}", f"{f['optimizer_s'] * 1e3:.0f}",
-                     f"{max(f['held_bytes']) / 2 ** 20:.1f}"])
+        rows.append(
+            [
+                f"--sharding={mode}",
+                f"{f['tokens_per_step'] / f['step_s']:,.0f}",
+                f"{f['step_s'] * 1e3:.0f}",
+                f"{f['forward_s'] * 1e3:.0f}",
+                f"{backward * 1e3:.0f}",
+                f"{f['optimizer_s'] * 1e3:.0f}",
+                f"{max(f['held_bytes']) / 2**20:.1f}",
+            ]
+        )
     ratio = best["fsdp"]["step_s"] / best["zero2"]["step_s"]
     benchmark.extra_info["table"] = {
         "title": f"Training step on 2 processes (gloo, CPU): zero2 vs fsdp, depth {DIST_DEPTH}",
-        "columns": ["sharding", "tokens/s", "step ms", "forward ms", "backward ms (+ its reduce-scatters)",
-                    "optimizer ms", "held MB per rank"],
+        "columns": [
+            "sharding",
+            "tokens/s",
+            "step ms",
+            "forward ms",
+            "backward ms (+ its reduce-scatters)",
+            "optimizer ms",
+            "held MB per rank",
+        ],
         "rows": rows,
-        "notes": (f"2 processes x 1 thread, T={T}, {B} rows per rank, vocab {VOCAB}, fp32, eager (the same arithmetic "
-                  f"in both modes); base_train's model, optimizers and train_step on random tokens; medians of "
-                  f"{DIST_ROUNDS} steps after one untimed, the faster of {DIST_REPEATS} alternating launches per mode. "
-                  "held = parameters + gradients + optimizer state, counted from the tensors of each rank. "
-                  "fsdp gathers each block's weights for its forward and again for its backward and "
-                  "reduce-scatters its gradient (gloo: on the CPU, not overlapped with compute); zero2 "
-                  "reduce-scatters and all-gathers once, in the optimizer."),
+        "notes": (
+            f"2 processes x 1 thread, T={T}, {B} rows per rank, vocab {VOCAB}, fp32, eager (the same arithmetic "
+            f"in both modes); base_train's model, optimizers and train_step on random tokens; medians of "
+            f"{DIST_ROUNDS} steps after one untimed, the faster of {DIST_REPEATS} alternating launches per mode. "
+            "held = parameters + gradients + optimizer state, counted from the tensors of each rank. "
+            "fsdp gathers each block's weights for its forward and again for its backward and "
+            "reduce-scatters its gradient (gloo: on the CPU, not overlapped with compute); zero2 "
+            "reduce-scatters and all-gathers once, in the optimizer."
+        ),
         "targets": [["fsdp step time / zero2 step time", f"{ratio:.2f}x", "<= 1.3x", "yes" if ratio <= 1.3 else "no"]],
     }
     print("\n".join(" | ".join(row) for row in rows), f"\nfsdp / zero2 step time: {ratio:.2f}x")

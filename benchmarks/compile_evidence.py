@@ -14,6 +14,7 @@
    cost through the compiled model vs the plain module.
 Prints markdown. Uses the default corpus under NANOCHAT_FAST_HOME, else synthetic documents.
 """
+
 import argparse
 import statistics
 import sys
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train_step as steps  # noqa: E402
+
 from nanochat_fast.core import paths  # noqa: E402
 from nanochat_fast.core.compiling import CompileWatch  # noqa: E402
 from nanochat_fast.evals.bits_per_byte import evaluate_bpb  # noqa: E402
@@ -38,6 +40,7 @@ def corpus():
     class Factory:
         def mktemp(self, name):
             return Path(tempfile.mkdtemp(prefix=name))
+
     return bench_pack_rows.corpus.__wrapped__(Factory())
 
 
@@ -47,7 +50,7 @@ def interleave(variants: dict, rounds: int) -> dict:
     measure that neighbours on a shared machine disturb much less than wall time."""
     names, cpu = list(variants), {name: [] for name in variants}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.process_time()
             variants[name]()
             cpu[name].append(time.process_time() - t0)
@@ -55,8 +58,10 @@ def interleave(variants: dict, rounds: int) -> dict:
 
 
 def step_table(data, depths, seq_lens, modes, rounds, cache_dir):
-    print("| depth | T | variant | tokens/s | speed-up | tokens/CPU-s | speed-up (CPU) | compile s | graphs |\n"
-          "|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| depth | T | variant | tokens/s | speed-up | tokens/CPU-s | speed-up (CPU) | compile s | graphs |\n"
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|"
+    )
     for depth in depths:
         for seq_len in seq_lens:
             with steps.cold_compiles(cache_dir):
@@ -69,8 +74,9 @@ def step_rows(data, depth, seq_len, modes, rounds):
     variants["eager"] = steps.build_ours(depth, data, "--no-compile", seq_len=seq_len)
     for mode in modes:
         kwargs = dict(dynamic=False) if mode == "default" else dict(dynamic=False, mode=mode)
-        variants[f"compiled, {mode}"] = steps.build_ours(depth, data, "--no-compile", seq_len=seq_len,
-                                                         compile_kwargs=kwargs)
+        variants[f"compiled, {mode}"] = steps.build_ours(
+            depth, data, "--no-compile", seq_len=seq_len, compile_kwargs=kwargs
+        )
     for name, v in variants.items():
         with CompileWatch() as watches[name]:
             v()
@@ -79,9 +85,12 @@ def step_rows(data, depth, seq_len, modes, rounds):
     eager_s, tokens = variants["eager"].median(), steps.B * seq_len
     for name, v in variants.items():
         w = watches[name]
-        print(f"| {depth} | {seq_len} | {name} | {tokens / v.median():,.0f} | {eager_s / v.median():.2f} | "
-              f"{tokens / cpu[name]:,.0f} | {cpu['eager'] / cpu[name]:.2f} | {w.seconds if w.graphs else 0:.0f} | "
-              f"{w.graphs} |", flush=True)
+        print(
+            f"| {depth} | {seq_len} | {name} | {tokens / v.median():,.0f} | {eager_s / v.median():.2f} | "
+            f"{tokens / cpu[name]:,.0f} | {cpu['eager'] / cpu[name]:.2f} | {w.seconds if w.graphs else 0:.0f} | "
+            f"{w.graphs} |",
+            flush=True,
+        )
         v.loader.close()
 
 
@@ -107,10 +116,12 @@ def eval_and_sampling(data, depth=4, seq_len=256, eval_batches=8):
             model.eval()
             evaluate_bpb(model, batches, token_bytes, ctx)
             model.train()
+
         return run
 
     def sample_with_cache(model, n):
         """Greedy decoding through model.forward with a KV cache: a new length at every token."""
+
         def run():
             with torch.no_grad():
                 cache = SlotPrefill(SlotCache(plain.config.n_layer, 1, 8 + n), 0)
@@ -118,22 +129,33 @@ def eval_and_sampling(data, depth=4, seq_len=256, eval_batches=8):
                 for _ in range(n):
                     logits = model(ids, kv_cache=cache)
                     ids = logits[:, -1:].argmax(-1)
+
         return run
 
-    rows = [("training step 1 (compiles)", timed(v)), ("training step 2", timed(v)),
-            ("eval through the compiled model, 1st", timed(evaluate(compiled, val))),
-            ("eval through the compiled model, 2nd", timed(evaluate(compiled, val))),
-            ("training step after eval", timed(v)),
-            ("eval through the plain module, 1st", timed(evaluate(plain, val))),
-            ("eval through the plain module, 2nd", timed(evaluate(plain, val))),
-            ("eval through the compiled model, short last batch", timed(evaluate(compiled, val[:1] + [
-                (x[:3], y[:3]) for x, y in val[:1]]))),
-            ("sampling: plain module's generate(), 16 tokens", timed(lambda: list(plain.generate([1, 2, 3], 16)))),
-            ("sampling: generate() reached through the compiled wrapper", timed(lambda: list(compiled.generate([1, 2, 3], 16)))),
-            ("sampling: compiled forward with a KV cache, 12 tokens", timed(sample_with_cache(compiled, 12))),
-            ("training step after sampling", timed(v))]
-    print(f"\nDepth {depth}, T={seq_len}, eval = {eval_batches} batches of {steps.B}x{seq_len}; compiled with "
-          f"dynamic=False; recompile limit {torch._dynamo.config.recompile_limit}\n")
+    rows = [
+        ("training step 1 (compiles)", timed(v)),
+        ("training step 2", timed(v)),
+        ("eval through the compiled model, 1st", timed(evaluate(compiled, val))),
+        ("eval through the compiled model, 2nd", timed(evaluate(compiled, val))),
+        ("training step after eval", timed(v)),
+        ("eval through the plain module, 1st", timed(evaluate(plain, val))),
+        ("eval through the plain module, 2nd", timed(evaluate(plain, val))),
+        (
+            "eval through the compiled model, short last batch",
+            timed(evaluate(compiled, val[:1] + [(x[:3], y[:3]) for x, y in val[:1]])),
+        ),
+        ("sampling: plain module's generate(), 16 tokens", timed(lambda: list(plain.generate([1, 2, 3], 16)))),
+        (
+            "sampling: generate() reached through the compiled wrapper",
+            timed(lambda: list(compiled.generate([1, 2, 3], 16))),
+        ),
+        ("sampling: compiled forward with a KV cache, 12 tokens", timed(sample_with_cache(compiled, 12))),
+        ("training step after sampling", timed(v)),
+    ]
+    print(
+        f"\nDepth {depth}, T={seq_len}, eval = {eval_batches} batches of {steps.B}x{seq_len}; compiled with "
+        f"dynamic=False; recompile limit {torch._dynamo.config.recompile_limit}\n"
+    )
     print("| what | graphs compiled | wall s | CPU s | compile s (dynamo) |\n|---|---:|---:|---:|---:|")
     for what, w in rows:
         spent = f"{w.compile_seconds:.1f}" if w.compile_seconds is not None else "?"
@@ -147,8 +169,11 @@ def main(argv=None):
     p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512], help="row lengths T of the step table")
     p.add_argument("--modes", nargs="+", default=["default"], help="torch.compile modes to compare with eager")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per configuration (medians)")
-    p.add_argument("--cache-dir", help="inductor cache directory shared by every configuration (default: an empty "
-                                       "temporary one each: cold compiles); run twice with one DIR for warm compiles")
+    p.add_argument(
+        "--cache-dir",
+        help="inductor cache directory shared by every configuration (default: an empty "
+        "temporary one each: cold compiles); run twice with one DIR for warm compiles",
+    )
     p.add_argument("--skip-steps", action="store_true", help="leave out the step table")
     p.add_argument("--skip-eval", action="store_true", help="leave out evaluation and sampling")
     args = p.parse_args(argv)

@@ -14,6 +14,7 @@ the kernel sources stay the same:
     OTHER_VENV/bin/python benchmarks/compiled_table.py --triton-only run.json   # that venv's Triton only
     python benchmarks/compiled_table.py --add run.json
 """
+
 import argparse
 import dataclasses
 import datetime
@@ -36,8 +37,15 @@ from nanochat_fast.tools.gpu_targets import TARGETS, check, nvcc_usage
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## Compiled, not run: A100, H100, B200"
 # Shapes for the Newton-Schulz flop table: (stack, rows, cols), rows <= cols as the kernels see them.
-NS_SHAPES = [(1, 768, 768), (1, 768, 3072), (1, 1024, 4096), (1, 1280, 1280), (1, 1280, 5120), (8, 768, 768),
-             (12, 768, 3072)]
+NS_SHAPES = [
+    (1, 768, 768),
+    (1, 768, 3072),
+    (1, 1024, 4096),
+    (1, 1280, 1280),
+    (1, 1280, 5120),
+    (8, 768, 768),
+    (12, 768, 3072),
+]
 
 
 def roofline(call: dict, target: str) -> tuple[float, float, str]:
@@ -50,6 +58,7 @@ def roofline(call: dict, target: str) -> tuple[float, float, str]:
 
 def _nvcc() -> str | None:
     from torch.utils import cpp_extension
+
     home = os.environ.get("CUDA_HOME") or cpp_extension.CUDA_HOME
     return shutil.which("nvcc") or (home and str(Path(home) / "bin" / "nvcc"))
 
@@ -57,8 +66,11 @@ def _nvcc() -> str | None:
 def cuda_records(archs=("sm_80", "sm_90")) -> list[dict]:
     """nvcc -Xptxas -v of every csrc/cuda/*.cu kernel per arch ([] without nvcc)."""
     from nanochat_fast.tools.triton_kernel_list import adamw_call
-    calls = {"adamw_slice_kernel<float>": adamw_call(torch.float32),
-             "adamw_slice_kernel<__nv_bfloat16>": adamw_call(torch.bfloat16)}
+
+    calls = {
+        "adamw_slice_kernel<float>": adamw_call(torch.float32),
+        "adamw_slice_kernel<__nv_bfloat16>": adamw_call(torch.bfloat16),
+    }
     nvcc, out = _nvcc(), []
     if not nvcc or not Path(nvcc).exists():
         return out
@@ -67,9 +79,15 @@ def cuda_records(archs=("sm_80", "sm_90")) -> list[dict]:
             for arch in archs:
                 for u in nvcc_usage(nvcc, cu, arch, ROOT / "csrc", Path(tmp)):
                     call = calls.get(u.function)
-                    out.append(dict(dataclasses.asdict(u), file=f"csrc/cuda/{cu.name}", target=arch,
-                                    call=dataclasses.asdict(call) if call else None,
-                                    problems=check(u, TARGETS[arch], u.function, shared=u.static_smem, threads=None)))
+                    out.append(
+                        dict(
+                            dataclasses.asdict(u),
+                            file=f"csrc/cuda/{cu.name}",
+                            target=arch,
+                            call=dataclasses.asdict(call) if call else None,
+                            problems=check(u, TARGETS[arch], u.function, shared=u.static_smem, threads=None),
+                        )
+                    )
     return out
 
 
@@ -77,6 +95,7 @@ def kernel_sources() -> str:
     """sha256 of what decides a variant's record besides the Triton version: the kernels' modules, the
     kernel list, the compile and its checks. Records of two versions compare only at the same sources."""
     from nanochat_fast.tools import gpu_targets, triton_aot, triton_kernel_list
+
     modules = {importlib.import_module(e.module) for e in triton_kernel_list.KERNELS}
     digest = hashlib.sha256()
     for module in sorted(modules | {gpu_targets, triton_aot, triton_kernel_list}, key=lambda m: m.__name__):
@@ -88,19 +107,28 @@ def triton_run(workers=None) -> dict:
     """Every Triton variant compiled by the installed Triton, each record with its call's cost, and
     what the run was: Triton version, the ptxas that reported, time, the kernel sources."""
     import triton
+
     from nanochat_fast.tools import triton_aot
     from nanochat_fast.tools import triton_kernel_list as kernel_list
+
     t0 = time.perf_counter()
     records = triton_aot.compile_all(triton_aot.variants(), workers=workers)
     seconds = time.perf_counter() - t0
     entries = {(e.module, e.kernel): e for e in kernel_list.KERNELS}
     for r in records:
-        call = entries[r["module"], r["kernel"]].work(importlib.import_module(r["module"]), r["config_values"],
-                                                      triton_aot.torch_dtype(r["dtype"]))
+        call = entries[r["module"], r["kernel"]].work(
+            importlib.import_module(r["module"]), r["config_values"], triton_aot.torch_dtype(r["dtype"])
+        )
         r["call"] = dataclasses.asdict(call)
-    return dict(triton=triton.__version__, date=datetime.date.today().isoformat(),
-                ptxas=sorted({r.get("ptxas", "") for r in records} - {""}), seconds=seconds,
-                summary=triton_aot.summary(records, seconds), sources=kernel_sources(), records=records)
+    return dict(
+        triton=triton.__version__,
+        date=datetime.date.today().isoformat(),
+        ptxas=sorted({r.get("ptxas", "") for r in records} - {""}),
+        seconds=seconds,
+        summary=triton_aot.summary(records, seconds),
+        sources=kernel_sources(),
+        records=records,
+    )
 
 
 def merge_runs(installed: dict, added=(), previous=()) -> list[dict]:
@@ -112,8 +140,10 @@ def merge_runs(installed: dict, added=(), previous=()) -> list[dict]:
         if run["triton"] in runs:
             raise ValueError(f"two runs of Triton {run['triton']}: add only other versions than the installed one")
         if run["sources"] != installed["sources"]:
-            raise ValueError(f"the Triton {run['triton']} run of {run['date']} compiled other kernel sources than "
-                             "these: compile it again")
+            raise ValueError(
+                f"the Triton {run['triton']} run of {run['date']} compiled other kernel sources than "
+                "these: compile it again"
+            )
         runs[run["triton"]] = run
     for run in previous:
         if run["triton"] in runs:
@@ -121,8 +151,10 @@ def merge_runs(installed: dict, added=(), previous=()) -> list[dict]:
         if run["sources"] == installed["sources"]:
             runs[run["triton"]] = run
         else:
-            print(f"dropped the Triton {run['triton']} records of {run['date']}: the kernels changed since "
-                  "(make aot-compat compiles them again)")
+            print(
+                f"dropped the Triton {run['triton']} records of {run['date']}: the kernels changed since "
+                "(make aot-compat compiles them again)"
+            )
     return list(runs.values())
 
 
@@ -140,20 +172,37 @@ def by_variant(runs: list[dict]) -> dict[tuple, list]:
 def collect(workers=None, added=(), previous=()) -> dict:
     from nanochat_fast.kernels import newton_schulz_triton as nst
     from nanochat_fast.tools import triton_kernel_list as kernel_list
+
     runs = merge_runs(triton_run(workers), added, previous)
     ns = []
     for K, m, n in NS_SHAPES:
         plain = nst.flop_counts(m, n, 128, K)["full_step"]
-        ns.append(dict(shape=f"{K} x {m}x{n}" if K > 1 else f"{m}x{n}", plain=plain,
-                       **{f"tiles_{b}": nst.flop_counts(m, n, b, K)["step"] for b in (128, 64)}))
-    adamw = [dict(dtype=name, bytes=kernel_list.adamw_bytes_per_param(d), flops=kernel_list.ADAMW_FLOPS_PER_PARAM,
-                  call=dataclasses.asdict(kernel_list.adamw_call(d)))
-             for d, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))]
+        ns.append(
+            dict(
+                shape=f"{K} x {m}x{n}" if K > 1 else f"{m}x{n}",
+                plain=plain,
+                **{f"tiles_{b}": nst.flop_counts(m, n, b, K)["step"] for b in (128, 64)},
+            )
+        )
+    adamw = [
+        dict(
+            dtype=name,
+            bytes=kernel_list.adamw_bytes_per_param(d),
+            flops=kernel_list.ADAMW_FLOPS_PER_PARAM,
+            call=dataclasses.asdict(kernel_list.adamw_call(d)),
+        )
+        for d, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))
+    ]
     nvcc = _nvcc()
     nvcc_version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout if nvcc else ""
-    return dict(date=datetime.date.today().isoformat(),
-                nvcc=(re.findall(r"release [\d.]+", nvcc_version) or ["not found"])[0],
-                triton_runs=runs, cuda_records=cuda_records(), ns_flops=ns, adamw=adamw)
+    return dict(
+        date=datetime.date.today().isoformat(),
+        nvcc=(re.findall(r"release [\d.]+", nvcc_version) or ["not found"])[0],
+        triton_runs=runs,
+        cuda_records=cuda_records(),
+        ns_flops=ns,
+        adamw=adamw,
+    )
 
 
 def _us(seconds: float) -> str:
@@ -171,11 +220,15 @@ def _resource_row(name, config, dtype, r, spill_marks) -> str:
     cost = "| — | | | | | |"
     if call:
         t_mem, t_math, bound = roofline(call, r["target"])
-        cost = (f"| {call['shape']} | {call['bytes'] / 1e6:,.1f} | {call['flops'] / 1e9:,.2f} | {_us(t_mem)} | "
-                f"{_us(t_math)} | {bound} |")
+        cost = (
+            f"| {call['shape']} | {call['bytes'] / 1e6:,.1f} | {call['flops'] / 1e9:,.2f} | {_us(t_mem)} | "
+            f"{_us(t_math)} | {bound} |"
+        )
     shared = r["shared"] if "shared" in r else r["static_smem"]
-    return (f"| {name} | {config} | {dtype} | {r['target']} | {r['registers']} | {shared / 1024:.1f} | "
-            f"{spills:,}{mark} {cost}")
+    return (
+        f"| {name} | {config} | {dtype} | {r['target']} | {r['registers']} | {shared / 1024:.1f} | "
+        f"{spills:,}{mark} {cost}"
+    )
 
 
 def _usage_cells(r: dict | None) -> list[str]:
@@ -201,23 +254,34 @@ def versions_table(runs: list[dict]) -> list[str]:
     if len(runs) < 2:
         return []
     names = [run["triton"] for run in runs]
-    lines = ["", "### Triton versions", "",
-             f"The same variants, from the same kernel sources, compiled by Triton {', '.join(names)} "
-             "(`make aot-compat`), each checked against its target as above. Each version generates its own PTX "
-             "and assembles it with the newest ptxas it ships, so registers and shared memory may differ; "
-             f"**bold**: differs from {names[0]}; (cubin N): the cubin Triton itself builds, with the ptxas it picks "
-             "for that target, has N registers (also checked).", "",
-             "| Triton | compiled | ptxas | run |", "|---|---|---|---|"]
-    lines += [f"| {run['triton']} | {run['date']} | {', '.join(run['ptxas']) or '—'} | {run['summary']} |"
-              for run in runs]
-    lines += ["", "| kernel | config | dtype | target | " +
-              " | ".join(f"{what} {v}" for what in ("registers", "smem (KiB)", "spills (B)") for v in names) +
-              " | over the limits with |", "|---|---|---|---|" + "---:|" * (3 * len(runs)) + "---|"]
+    lines = [
+        "",
+        "### Triton versions",
+        "",
+        f"The same variants, from the same kernel sources, compiled by Triton {', '.join(names)} "
+        "(`make aot-compat`), each checked against its target as above. Each version generates its own PTX "
+        "and assembles it with the newest ptxas it ships, so registers and shared memory may differ; "
+        f"**bold**: differs from {names[0]}; (cubin N): the cubin Triton itself builds, with the ptxas it picks "
+        "for that target, has N registers (also checked).",
+        "",
+        "| Triton | compiled | ptxas | run |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {run['triton']} | {run['date']} | {', '.join(run['ptxas']) or '—'} | {run['summary']} |" for run in runs
+    ]
+    lines += [
+        "",
+        "| kernel | config | dtype | target | "
+        + " | ".join(f"{what} {v}" for what in ("registers", "smem (KiB)", "spills (B)") for v in names)
+        + " | over the limits with |",
+        "|---|---|---|---|" + "---:|" * (3 * len(runs)) + "---|",
+    ]
     for (kernel, config, dtype, target), records in by_variant(runs).items():
         cells = [_usage_cells(r) for r in records]
         columns = [[c[i] for c in cells] for i in range(3)]
         values = [f"**{v}**" if v and v != column[0] else v for column in columns for v in column]
-        values[:len(records)] = [v + _cubin_note(r) for v, r in zip(values, records)]
+        values[: len(records)] = [v + _cubin_note(r) for v, r in zip(values, records)]
         failing = [name for name, r in zip(names, records) if r is None or r["problems"]]
         lines.append(f"| {kernel} | {config} | {dtype} | {target} | {' | '.join(values)} | {', '.join(failing)} |")
     return lines
@@ -226,25 +290,35 @@ def versions_table(runs: list[dict]) -> list[str]:
 def section(data: dict) -> list[str]:
     """The markdown lines of the section."""
     installed, *others = data["triton_runs"]
-    also = f" Also compiled by Triton {', '.join(run['triton'] for run in others)}: the table \"Triton versions\"."
-    lines = [HEADING, "",
-             f"Compiled {data['date']} on a machine without a GPU by `python benchmarks/compiled_table.py`: Triton "
-             f"{installed['triton']} (registers and spills from `ptxas -v`, {', '.join(installed['ptxas'])}; shared "
-             f"memory from Triton's compile metadata) and nvcc {data['nvcc']} (`-Xptxas -v`); {installed['summary']}. "
-             "Every variant is checked against its target: shared memory per block, <= 255 registers per thread, "
-             "registers x threads <= 64K, and no spills unless the kernel list says why (notes below the table)."
-             f"{also if others else ''}", "",
-             "Roofline on paper, per call: compulsory HBM bytes at the peak bandwidth vs flops at the peak math rate "
-             "(bf16: tensor cores, fp32: CUDA cores); the longer binds. A lower bound: peak rates, no launch cost, "
-             "perfect reuse on chip. The calls are a depth-12 GPT's at nanochat's 65,536-token vocabulary: AdamW "
-             "over the embedding and lm_head (2 x 65,536 x 768 values), Newton-Schulz over Muon's stack of the 12 "
-             "MLP input matrices (3072 x 768, transposed to 768 x 3072).", "",
-             "| target | GPU | shared memory / block | HBM bandwidth | bf16 dense | fp32 |", "|---|---|---:|---:|---:|---:|"]
+    also = f' Also compiled by Triton {", ".join(run["triton"] for run in others)}: the table "Triton versions".'
+    lines = [
+        HEADING,
+        "",
+        f"Compiled {data['date']} on a machine without a GPU by `python benchmarks/compiled_table.py`: Triton "
+        f"{installed['triton']} (registers and spills from `ptxas -v`, {', '.join(installed['ptxas'])}; shared "
+        f"memory from Triton's compile metadata) and nvcc {data['nvcc']} (`-Xptxas -v`); {installed['summary']}. "
+        "Every variant is checked against its target: shared memory per block, <= 255 registers per thread, "
+        "registers x threads <= 64K, and no spills unless the kernel list says why (notes below the table)."
+        f"{also if others else ''}",
+        "",
+        "Roofline on paper, per call: compulsory HBM bytes at the peak bandwidth vs flops at the peak math rate "
+        "(bf16: tensor cores, fp32: CUDA cores); the longer binds. A lower bound: peak rates, no launch cost, "
+        "perfect reuse on chip. The calls are a depth-12 GPT's at nanochat's 65,536-token vocabulary: AdamW "
+        "over the embedding and lm_head (2 x 65,536 x 768 values), Newton-Schulz over Muon's stack of the 12 "
+        "MLP input matrices (3072 x 768, transposed to 768 x 3072).",
+        "",
+        "| target | GPU | shared memory / block | HBM bandwidth | bf16 dense | fp32 |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for arch, g in TARGETS.items():
-        lines.append(f"| {arch} | {g.name} | {g.smem_per_block // 1024} KiB | {g.mem_bw / 1e12:g} TB/s | "
-                     f"{g.bf16_flops / 1e12:g} TFLOPS | {g.fp32_flops / 1e12:g} TFLOPS |")
-    head = ("| kernel | config | dtype | target | registers | smem (KiB) | spills (B) | call | MB | GFLOP | "
-            "µs at peak BW | µs at peak math | bound |")
+        lines.append(
+            f"| {arch} | {g.name} | {g.smem_per_block // 1024} KiB | {g.mem_bw / 1e12:g} TB/s | "
+            f"{g.bf16_flops / 1e12:g} TFLOPS | {g.fp32_flops / 1e12:g} TFLOPS |"
+        )
+    head = (
+        "| kernel | config | dtype | target | registers | smem (KiB) | spills (B) | call | MB | GFLOP | "
+        "µs at peak BW | µs at peak math | bound |"
+    )
     rule = "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|"
     marks: dict = {}
     lines += ["", "### Triton kernels", "", head, rule]
@@ -257,24 +331,38 @@ def section(data: dict) -> list[str]:
     problems = problems_of(data)
     if problems:
         lines += ["", "**Over the limits:**", ""] + [f"- {p}" for p in problems]
-    lines += ["", "### AdamW: bytes per parameter per step", "",
-              "Reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq (state fp32). "
-              f"Time per step at peak bandwidth for the call above ({data['adamw'][0]['call']['shape']}):", "",
-              "| params | bytes / param | flops / param | flop / byte | " + " | ".join(TARGETS) + " |",
-              "|---|---:|---:|---:|" + "---:|" * len(TARGETS)]
+    lines += [
+        "",
+        "### AdamW: bytes per parameter per step",
+        "",
+        "Reads param, grad, exp_avg, exp_avg_sq; writes param, exp_avg, exp_avg_sq (state fp32). "
+        f"Time per step at peak bandwidth for the call above ({data['adamw'][0]['call']['shape']}):",
+        "",
+        "| params | bytes / param | flops / param | flop / byte | " + " | ".join(TARGETS) + " |",
+        "|---|---:|---:|---:|" + "---:|" * len(TARGETS),
+    ]
     for a in data["adamw"]:
         times = " | ".join(f"{roofline(a['call'], t)[0] * 1e3:.3f} ms" for t in TARGETS)
         lines.append(f"| {a['dtype']} | {a['bytes']} | {a['flops']} | {a['flops'] / a['bytes']:.2f} | {times} |")
-    lines += ["", "Memory bound everywhere: the ridge points are " +
-              ", ".join(f"{g.fp32_flops / g.mem_bw:.0f} fp32 flop/B on {g.name}" for g in TARGETS.values()) + ".",
-              "", "### Newton-Schulz: flops per step vs the plain product", "",
-              "Plain: 4m²n + 2m³ (X Xᵀ, A², B X). Triton: tiles on/above the diagonal for X Xᵀ and bA + cA², "
-              "padding of partial tiles included.", "",
-              "| shape | plain GFLOP | Triton GFLOP, 128 tiles | plain / Triton | Triton GFLOP, 64 tiles | plain / Triton |",
-              "|---|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "Memory bound everywhere: the ridge points are "
+        + ", ".join(f"{g.fp32_flops / g.mem_bw:.0f} fp32 flop/B on {g.name}" for g in TARGETS.values())
+        + ".",
+        "",
+        "### Newton-Schulz: flops per step vs the plain product",
+        "",
+        "Plain: 4m²n + 2m³ (X Xᵀ, A², B X). Triton: tiles on/above the diagonal for X Xᵀ and bA + cA², "
+        "padding of partial tiles included.",
+        "",
+        "| shape | plain GFLOP | Triton GFLOP, 128 tiles | plain / Triton | Triton GFLOP, 64 tiles | plain / Triton |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for s in data["ns_flops"]:
-        lines.append(f"| {s['shape']} | {s['plain'] / 1e9:.2f} | {s['tiles_128'] / 1e9:.2f} | "
-                     f"{s['plain'] / s['tiles_128']:.2f}x | {s['tiles_64'] / 1e9:.2f} | {s['plain'] / s['tiles_64']:.2f}x |")
+        lines.append(
+            f"| {s['shape']} | {s['plain'] / 1e9:.2f} | {s['tiles_128'] / 1e9:.2f} | "
+            f"{s['plain'] / s['tiles_128']:.2f}x | {s['tiles_64'] / 1e9:.2f} | {s['plain'] / s['tiles_64']:.2f}x |"
+        )
     return lines + [""]
 
 
@@ -297,24 +385,35 @@ def replace_section(results_md: Path, lines: list[str]):
         text = text.rstrip("\n") + "\n\n" + "\n".join(lines)
     else:
         end = text.find("\n## ", start + len(HEADING))
-        text = text[:start] + "\n".join(lines) + ("\n" + text[end + 1:] if end >= 0 else "")
+        text = text[:start] + "\n".join(lines) + ("\n" + text[end + 1 :] if end >= 0 else "")
     _write(results_md, text)
 
 
 def problems_of(data: dict) -> list[str]:
     """Every variant over its target's limits (or not compiling), each Triton one naming its version."""
-    triton = [f"Triton {run['triton']}: {p}"
-              for run in data["triton_runs"] for r in run["records"] for p in r["problems"]]
+    triton = [
+        f"Triton {run['triton']}: {p}" for run in data["triton_runs"] for r in run["records"] for p in r["problems"]
+    ]
     return triton + [p for r in data["cuda_records"] for p in r["problems"]]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--triton-only", metavar="RUN_JSON", type=Path,
-                        help="compile the Triton variants with the installed Triton only and write that run here "
-                             "(for --add), not compiled.json or RESULTS.md")
-    parser.add_argument("--add", metavar="RUN_JSON", type=Path, action="append", default=[],
-                        help="another Triton version's run (from --triton-only) to put beside the installed one's")
+    parser.add_argument(
+        "--triton-only",
+        metavar="RUN_JSON",
+        type=Path,
+        help="compile the Triton variants with the installed Triton only and write that run here "
+        "(for --add), not compiled.json or RESULTS.md",
+    )
+    parser.add_argument(
+        "--add",
+        metavar="RUN_JSON",
+        type=Path,
+        action="append",
+        default=[],
+        help="another Triton version's run (from --triton-only) to put beside the installed one's",
+    )
     args = parser.parse_args(argv)
     if args.triton_only:
         run = triton_run()
@@ -329,8 +428,7 @@ def main(argv=None) -> int:
         parser.error(f"no run {', '.join(missing)} (did its compile stop early?)")
     out = Path(__file__).resolve().parent
     previous = json.loads((out / "compiled.json").read_text()) if (out / "compiled.json").exists() else {}
-    data = collect(added=[json.loads(path.read_text()) for path in args.add],
-                   previous=previous.get("triton_runs", []))
+    data = collect(added=[json.loads(path.read_text()) for path in args.add], previous=previous.get("triton_runs", []))
     _write(out / "compiled.json", json.dumps(data, indent=1))
     replace_section(out / "RESULTS.md", section(data))
     problems = problems_of(data)

@@ -15,6 +15,7 @@ torch, on a machine that need not have a GPU; then checked through the module th
 The build is in place, so run it in a copy of the tree (the Makefile stages one) with the venv whose
 torch it is checked against; the CPU .venv's _C.so is never touched. MAX_JOBS caps parallel compiles.
 """
+
 import json
 import os
 import re
@@ -34,8 +35,9 @@ def fail(msg: str):
 def in_tree(*args: str) -> str:
     """stdout of this venv's python run in the tree, with the tree first on the path: nanochat_fast is
     this copy, whichever one the venv has installed."""
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True
+    )
     if out.returncode != 0:
         fail(f"python {' '.join(args)} failed:\n{out.stderr[-3000:]}")
     return out.stdout
@@ -51,8 +53,13 @@ def build() -> float:
     print(f"building with CUDA (MAX_JOBS={env.get('MAX_JOBS', 'unset: ninja decides')}), log in {LOG} ...", flush=True)
     t0 = time.perf_counter()
     with open(LOG, "w") as log:
-        done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=ROOT, env=env,
-                              stdout=log, stderr=subprocess.STDOUT)
+        done = subprocess.run(
+            [sys.executable, "setup.py", "build_ext", "--inplace"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     seconds = time.perf_counter() - t0
     if done.returncode != 0:
         fail("the CUDA build failed:\n" + "\n".join(LOG.read_text().strip().splitlines()[-15:]))
@@ -72,6 +79,7 @@ def main() -> int:
     print(f"nanochat_fast._C: {where}: with_cuda=True (torch {torch_version})")
 
     import triton  # its wheel ships cuobjdump, which the CUDA toolkit on a build machine may lack
+
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     listed = subprocess.run([str(cuobjdump), "--list-elf", where], capture_output=True, text=True)
     archs = sorted(set(re.findall(r"\bsm_\d+a?\b", listed.stdout)), key=lambda a: int(re.sub(r"\D", "", a)))
@@ -80,8 +88,11 @@ def main() -> int:
     table = json.loads(in_tree("-m", "nanochat_fast.kernels", "--json"))
     cpp_on_cuda = {op: e["backends"]["cpp"]["cuda"] for op, e in table["ops"].items() if "cpp" in e["backends"]}
     available = [op for op, why_not in cpp_on_cuda.items() if why_not is None]
-    wrong = [f"{op}/cpp on cuda: {why_not}" for op, why_not in cpp_on_cuda.items()
-             if why_not is not None and "no CUDA kernel in csrc/cuda" not in why_not]
+    wrong = [
+        f"{op}/cpp on cuda: {why_not}"
+        for op, why_not in cpp_on_cuda.items()
+        if why_not is not None and "no CUDA kernel in csrc/cuda" not in why_not
+    ]
     if wrong or not available:
         fail("python -m nanochat_fast.kernels: " + ("; ".join(wrong) or "no cpp backend on cuda"))
     print("python -m nanochat_fast.kernels, on cuda:")

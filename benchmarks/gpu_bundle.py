@@ -14,6 +14,7 @@ The node (benchmarks/gpu_node.txt) has its own Python, torch and triton and no n
 (the node's packages stand in as metadata-only wheels at the listed versions): the rehearsal runs it on
 every CI run, so a new dependency the node lacks fails there, not on the node.
 """
+
 import argparse
 import hashlib
 import json
@@ -23,11 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -36,8 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 NODE_LIST = Path(__file__).with_name("gpu_node.txt")
 MAX_BYTES = 48 << 20  # the bundle and the source tree travel together in 64 MiB
 # the node is manylinux_2_39 (glibc 2.39); pip matches each tag exactly, so name the common ones
-PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 27, 24, 17)] + \
-            ["manylinux2014_x86_64", "manylinux1_x86_64"]
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 27, 24, 17)] + [
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 MANIFEST_FORMAT = 1
 
 
@@ -47,8 +50,8 @@ class BundleError(Exception):
 
 @dataclass(frozen=True)
 class Node:
-    python: str      # "3.12"
-    packages: dict   # canonical name -> version
+    python: str  # "3.12"
+    packages: dict  # canonical name -> version
 
 
 def read_node(path: Path = NODE_LIST) -> Node:
@@ -74,9 +77,16 @@ def runtime_requirements(root: Path = ROOT) -> list[str]:
 def target_environment(python_version: str) -> dict:
     """Marker values of the node (Linux x86_64 CPython of that version), for Requires-Dist markers."""
     env = default_environment()
-    env.update(python_version=python_version, python_full_version=f"{python_version}.0", sys_platform="linux",
-               platform_system="Linux", platform_machine="x86_64", os_name="posix",
-               implementation_name="cpython", platform_python_implementation="CPython")
+    env.update(
+        python_version=python_version,
+        python_full_version=f"{python_version}.0",
+        sys_platform="linux",
+        platform_system="Linux",
+        platform_machine="x86_64",
+        os_name="posix",
+        implementation_name="cpython",
+        platform_python_implementation="CPython",
+    )
     return env
 
 
@@ -91,8 +101,14 @@ def wheel_requirements(wheel: Path, python_version: str) -> list[Requirement]:
 
 
 def pip_target_args(python_version: str) -> list[str]:
-    return ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
-            *(arg for p in PLATFORMS for arg in ("--platform", p))]
+    return [
+        "--only-binary=:all:",
+        "--python-version",
+        python_version,
+        "--implementation",
+        "cp",
+        *(arg for p in PLATFORMS for arg in ("--platform", p)),
+    ]
 
 
 def download_wheels(requirements: list[str], dest: Path, node: Node, python_version: str) -> list[dict]:
@@ -108,14 +124,27 @@ def download_wheels(requirements: list[str], dest: Path, node: Node, python_vers
             continue
         done.add(name)
         before = set(dest.iterdir())
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "--disable-pip-version-check",
-               *pip_target_args(python_version), "-d", str(dest), str(req)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "-q",
+            "--disable-pip-version-check",
+            *pip_target_args(python_version),
+            "-d",
+            str(dest),
+            str(req),
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         new = sorted(set(dest.iterdir()) - before) or sorted(dest.glob(f"{req.name.replace('-', '_')}-*.whl"))
         if result.returncode != 0 or not new:
             why = (result.stderr.strip().splitlines() or ["no wheel"])[-1]
-            raise BundleError(f"no cp{python_version.replace('.', '')} manylinux x86_64 wheel of {req} for the node "
-                              f"({why}); the node cannot build it without network")
+            raise BundleError(
+                f"no cp{python_version.replace('.', '')} manylinux x86_64 wheel of {req} for the node "
+                f"({why}); the node cannot build it without network"
+            )
         fetched.append(dict(file=new[0].name, requirement=str(req)))
         wanted += wheel_requirements(new[0], python_version)
     return fetched
@@ -124,8 +153,10 @@ def download_wheels(requirements: list[str], dest: Path, node: Node, python_vers
 def _stub_wheel(dest: Path, name: str, version: str):
     """A metadata-only wheel: what the resolver needs to know that the node has name==version."""
     dist = f"{name.replace('-', '_')}-{version}"
-    files = {f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-             f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: gpu_bundle\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files = {
+        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: gpu_bundle\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
     files[f"{dist}.dist-info/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{dist}.dist-info/RECORD,,\n"
     with zipfile.ZipFile(dest / f"{dist}-py3-none-any.whl", "w") as z:
         for path, text in files.items():
@@ -145,15 +176,32 @@ def resolve_for_node(requirements: list[str], wheels: Path, node: Node, python_v
             _stub_wheel(stubs, name, version)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
         env["PIP_CONFIG_FILE"] = os.devnull  # this machine's pip config (its find-links, constraints) is not the node's
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-index",
-               "--disable-pip-version-check", "--find-links", str(wheels), "--find-links", str(stubs),
-               *pip_target_args(python_version), "--target", str(Path(tmp) / "target"), *requirements]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--no-index",
+            "--disable-pip-version-check",
+            "--find-links",
+            str(wheels),
+            "--find-links",
+            str(stubs),
+            *pip_target_args(python_version),
+            "--target",
+            str(Path(tmp) / "target"),
+            *requirements,
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if result.returncode == 0:
         return ""
     lines = [line.strip() for line in result.stderr.splitlines() if line.strip().startswith("ERROR")]
-    return (f"the package does not install on the node (Python {python_version}) from the bundle: "
-            f"{lines[0] if lines else result.stderr.strip()[-300:]}")
+    return (
+        f"the package does not install on the node (Python {python_version}) from the bundle: "
+        f"{lines[0] if lines else result.stderr.strip()[-300:]}"
+    )
 
 
 def prepare_home(dest: Path, corpus: Path | None = None, vocab_size: int | None = None):
@@ -164,11 +212,17 @@ def prepare_home(dest: Path, corpus: Path | None = None, vocab_size: int | None 
         data = ["--input", str(corpus), "--name", "base"] if corpus else ["--datasets=base"]
         vocab = [f"--vocab-size={vocab_size}"] if vocab_size else []
         for script, flags in (("prepare_data", data), ("tok_train", vocab)):
-            result = subprocess.run([sys.executable, "-m", f"nanochat_fast.scripts.{script}", *flags], env=env,
-                                    capture_output=True, text=True)
+            result = subprocess.run(
+                [sys.executable, "-m", f"nanochat_fast.scripts.{script}", *flags],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             if result.returncode != 0:
-                raise BundleError(f"{script} failed while preparing the bundle's home: "
-                                  f"{(result.stderr.strip().splitlines() or ['no output'])[-1]}")
+                raise BundleError(
+                    f"{script} failed while preparing the bundle's home: "
+                    f"{(result.stderr.strip().splitlines() or ['no output'])[-1]}"
+                )
         for part in ("tokenizer", "tokens/base"):
             shutil.copytree(Path(tmp) / part, dest / part)
 
@@ -184,23 +238,32 @@ def sha256(path: Path) -> str:
 def home_summary(home: Path) -> dict:
     shards = [json.loads(p.read_text()) for p in sorted((home / "tokens" / "base").glob("*/*.json"))]
     train = [s for s in shards if s.get("source", "").startswith("train/")]
-    return dict(dataset="base", train_tokens=sum(s["n_tokens"] for s in train),
-                val_tokens=sum(s["n_tokens"] for s in shards) - sum(s["n_tokens"] for s in train),
-                vocab_size=shards[0]["vocab_size"] if shards else None,
-                tokenizer=shards[0]["tokenizer"] if shards else None)
+    return dict(
+        dataset="base",
+        train_tokens=sum(s["n_tokens"] for s in train),
+        val_tokens=sum(s["n_tokens"] for s in shards) - sum(s["n_tokens"] for s in train),
+        vocab_size=shards[0]["vocab_size"] if shards else None,
+        tokenizer=shards[0]["tokenizer"] if shards else None,
+    )
 
 
 def write_manifest(bundle: Path, python_version: str, wheels: list[dict], node: Node) -> dict:
     files = sorted(p for p in bundle.rglob("*") if p.is_file() and p.name != "manifest.json")
     by_file = {w["file"]: w for w in wheels}
     manifest = dict(
-        format=MANIFEST_FORMAT, python=python_version, platforms=PLATFORMS, implementation="cp",
-        created=time.strftime("%Y-%m-%d %H:%M:%S %Z"), package_version=_package_version(),
+        format=MANIFEST_FORMAT,
+        python=python_version,
+        platforms=PLATFORMS,
+        implementation="cp",
+        created=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        package_version=_package_version(),
         node_list_sha256=sha256(NODE_LIST),
-        wheels=[dict(by_file[p.name], sha256=sha256(p), bytes=p.stat().st_size) for p in files
-                if p.parent.name == "wheels"],
+        wheels=[
+            dict(by_file[p.name], sha256=sha256(p), bytes=p.stat().st_size) for p in files if p.parent.name == "wheels"
+        ],
         home=home_summary(bundle / "home"),
-        files=[dict(path=str(p.relative_to(bundle)), sha256=sha256(p), bytes=p.stat().st_size) for p in files])
+        files=[dict(path=str(p.relative_to(bundle)), sha256=sha256(p), bytes=p.stat().st_size) for p in files],
+    )
     manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"])
     (bundle / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -220,8 +283,14 @@ def verify(bundle: Path) -> str:
     return ""
 
 
-def build(out: Path, python_version: str | None = None, corpus: Path | None = None, vocab_size: int | None = None,
-          requirements: list[str] | None = None, node: Node | None = None) -> dict:
+def build(
+    out: Path,
+    python_version: str | None = None,
+    corpus: Path | None = None,
+    vocab_size: int | None = None,
+    requirements: list[str] | None = None,
+    node: Node | None = None,
+) -> dict:
     """Make the bundle in out (replaced whole only once complete) and return its manifest."""
     node = node or read_node()
     python_version = python_version or node.python
@@ -238,8 +307,10 @@ def build(out: Path, python_version: str | None = None, corpus: Path | None = No
         prepare_home(staging / "home", corpus, vocab_size)
         manifest = write_manifest(staging, python_version, wheels, node)
         if manifest["total_bytes"] > MAX_BYTES:
-            raise BundleError(f"the bundle takes {manifest['total_bytes'] / 2 ** 20:.1f} MiB, over its "
-                              f"{MAX_BYTES >> 20} MiB (it travels with the source tree in 64 MiB)")
+            raise BundleError(
+                f"the bundle takes {manifest['total_bytes'] / 2**20:.1f} MiB, over its "
+                f"{MAX_BYTES >> 20} MiB (it travels with the source tree in 64 MiB)"
+            )
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -249,8 +320,9 @@ def build(out: Path, python_version: str | None = None, corpus: Path | None = No
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/gpu_bundle.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="benchmarks/gpu_bundle.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("out", type=Path, help="the bundle's folder (replaced), e.g. build/gpu-bundle")
     p.add_argument("--python-version", default=None, help="the node's Python (default: gpu_node.txt's)")
     args = p.parse_args(argv)
@@ -262,9 +334,11 @@ def main(argv=None) -> int:
         return 2
     wheels = ", ".join(w["file"] for w in manifest["wheels"]) or "none needed"
     home = manifest["home"]
-    print(f"wrote {args.out}: {manifest['total_bytes'] / 2 ** 20:.1f} MiB in {time.perf_counter() - t0:.0f} s for "
-          f"Python {manifest['python']}; wheels: {wheels}; home: {home['train_tokens']:,} train tokens, "
-          f"vocabulary {home['vocab_size']:,}")
+    print(
+        f"wrote {args.out}: {manifest['total_bytes'] / 2**20:.1f} MiB in {time.perf_counter() - t0:.0f} s for "
+        f"Python {manifest['python']}; wheels: {wheels}; home: {home['train_tokens']:,} train tokens, "
+        f"vocabulary {home['vocab_size']:,}"
+    )
     print(f"next, on the GPU node: make gpu-check BUNDLE={args.out} OUT=<folder for the report>")
     return 0
 

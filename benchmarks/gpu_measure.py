@@ -13,6 +13,7 @@ Each writes its figures to OUT (JSON) after every measurement, so a step stopped
 what it measured. --tiny shrinks every shape so the rehearsal (gpu_check.py rehearse) runs the same code
 on a CPU. What each step measures against what, and how it times: docs/measurements.md#gpu-measurements.
 """
+
 import argparse
 import json
 import os
@@ -31,17 +32,21 @@ if not torch.cuda.is_available():  # the rehearsal: Triton runs on CPU tensors o
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nanochat_fast.hardware import bandwidth as hw_bandwidth, precision  # noqa: E402
+from nanochat_fast.hardware import bandwidth as hw_bandwidth  # noqa: E402
+from nanochat_fast.hardware import precision
 from nanochat_fast.kernels import adamw_slice_update, registry, softcap_cross_entropy  # noqa: E402
-from nanochat_fast.kernels.newton_schulz import newton_schulz_reference  # noqa: E402
-from nanochat_fast.kernels.newton_schulz import QUINTIC, dtype_name  # noqa: E402
+from nanochat_fast.kernels.newton_schulz import (  # noqa: E402
+    QUINTIC,
+    dtype_name,
+    newton_schulz_reference,  # noqa: E402
+)
 from nanochat_fast.tools.triton_kernel_list import adamw_bytes_per_param  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SOFTCAP = 15.0
 NS_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max |error| of an orthogonalized matrix
-CE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}  # max error / max |expected|
+CE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-7}  # max error / max |expected|
 
 
 class Figures:
@@ -105,7 +110,12 @@ def _try(fig: Figures, key: str, measure):
         fig.add(key, measure())
     except Exception as e:  # a config that fails to compile or run is named, not fatal
         traceback.print_exc()
-        fig.add(key, dict(ok=False, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"))
+        fig.add(
+            key,
+            dict(
+                ok=False, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+            ),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +127,15 @@ def float64_newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 def kernels(fig: Figures, tiny: bool):
-    from nanochat_fast.kernels import adamw_slice_triton, newton_schulz_triton as nst, softcap_cross_entropy_triton as sce
+    from nanochat_fast.kernels import (
+        adamw_slice_triton,
+    )
+    from nanochat_fast.kernels import (
+        newton_schulz_triton as nst,
+    )
+    from nanochat_fast.kernels import (
+        softcap_cross_entropy_triton as sce,
+    )
 
     g = torch.Generator(device=DEVICE).manual_seed(0)
     # Newton-Schulz: the three kernels together, a stack of MLP-shaped matrices (not a multiple of the
@@ -128,13 +146,21 @@ def kernels(fig: Figures, tiny: bool):
     stock_bf16 = (newton_schulz_reference(G, (QUINTIC,) * 5, torch.bfloat16).double() - expected).abs().max().item()
     for cfg_name, cfg in nst.GPU_CONFIGS.items():
         for dtype in (torch.bfloat16, torch.float32):
+
             def run(cfg=cfg, dtype=dtype):
                 if INTERPRETED and dtype == torch.bfloat16 and not cfg.get("DOT_FP32"):
                     return dict(ok=None, skipped="the interpreter's bf16 tl.dot is not a GPU's (checked on a GPU only)")
                 out = nst.newton_schulz_triton(G, (QUINTIC,) * 5, dtype, config=cfg)
                 err = (out.double() - expected).abs().max().item()
-                return dict(ok=err <= NS_TOLERANCE[dtype], max_error=err, tolerance=NS_TOLERANCE[dtype],
-                            stock_bf16_error=stock_bf16, shape=list(G.shape), against="float64")
+                return dict(
+                    ok=err <= NS_TOLERANCE[dtype],
+                    max_error=err,
+                    tolerance=NS_TOLERANCE[dtype],
+                    stock_bf16_error=stock_bf16,
+                    shape=list(G.shape),
+                    against="float64",
+                )
+
             _try(fig, f"newton_schulz_triton/{cfg_name}/{dtype_name(dtype)}", run)
 
     # softcapped cross-entropy row pass: loss and dz against float64 PyTorch
@@ -144,6 +170,7 @@ def kernels(fig: Figures, tiny: bool):
     targets[::5] = -1
     for cfg_name, cfg in sce.GPU_CONFIGS.items():
         for dtype in (torch.bfloat16, torch.float32):
+
             def run(cfg=cfg, dtype=dtype):
                 zz = z.to(dtype, copy=True)  # the kernel writes dz over it
                 # the reference computed from the logits as the kernel sees them (bf16-rounded)
@@ -151,7 +178,9 @@ def kernels(fig: Figures, tiny: bool):
                 losses = torch.empty(rows, device=DEVICE)
                 scale = torch.ones(rows, device=DEVICE) if cfg["COMPUTE_GRAD"] else None
                 sce.triton_row_pass(zz, targets, scale, losses, SOFTCAP, -1, config=cfg)
-                ref_loss = F.cross_entropy(SOFTCAP * torch.tanh(ref / SOFTCAP), targets, ignore_index=-1, reduction="none")
+                ref_loss = F.cross_entropy(
+                    SOFTCAP * torch.tanh(ref / SOFTCAP), targets, ignore_index=-1, reduction="none"
+                )
                 ref_loss.sum().backward()
                 err = dict(loss=scaled_error(losses, ref_loss.detach()))
                 if cfg["COMPUTE_GRAD"]:
@@ -159,6 +188,7 @@ def kernels(fig: Figures, tiny: bool):
                 worst = max(err.values())
                 tol = CE_TOLERANCE[dtype] if cfg["COMPUTE_GRAD"] else 1e-5  # dz is stored in the logits' dtype
                 return dict(ok=worst <= tol, max_error=err, tolerance=tol, shape=[rows, vocab], against="float64")
+
             _try(fig, f"softcap_ce_triton/{cfg_name}/{dtype_name(dtype)}", run)
 
     # AdamW: the Triton multi-tensor kernel at each config, and the CUDA C++ kernel, against the reference backend
@@ -166,16 +196,26 @@ def kernels(fig: Figures, tiny: bool):
     for backend, configs in (("triton", adamw_slice_triton.GPU_CONFIGS), ("cpp", {"default": None})):
         for cfg_name, cfg in configs.items():
             for dtype in (torch.float32, torch.bfloat16):
+
                 def run(backend=backend, cfg=cfg, dtype=dtype):
                     why = registry.backends("adamw_slice_update")[backend].why_not(DEVICE.type)
                     if why:  # the environment step fails for an extension without CUDA; here it is named
                         return dict(ok=None, skipped=why)
-                    patch = unittest.mock.patch.dict(adamw_slice_triton.CONFIGS, {DEVICE.type: cfg}) if cfg else _nothing()
+                    patch = (
+                        unittest.mock.patch.dict(adamw_slice_triton.CONFIGS, {DEVICE.type: cfg}) if cfg else _nothing()
+                    )
                     with patch:
                         err = _adamw_error(shapes, dtype, backend)
-                    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
-                    return dict(ok=err <= tol, max_error=err, tolerance=tol, tensors=len(shapes), against="reference backend",
-                                kernel="CUDA C++" if backend == "cpp" and DEVICE.type == "cuda" else backend)
+                    tol = 1e-5 if dtype == torch.float32 else 2**-7
+                    return dict(
+                        ok=err <= tol,
+                        max_error=err,
+                        tolerance=tol,
+                        tensors=len(shapes),
+                        against="reference backend",
+                        kernel="CUDA C++" if backend == "cpp" and DEVICE.type == "cuda" else backend,
+                    )
+
                 _try(fig, f"adamw_{backend}/{cfg_name}/{dtype_name(dtype)}", run)
 
 
@@ -198,8 +238,21 @@ def _adamw_error(shapes, dtype, backend, steps=3) -> float:
         m = [torch.zeros(s, device=DEVICE) for s in shapes]
         v = [torch.zeros(s, device=DEVICE) for s in shapes]
         for step in range(1, steps + 1):
-            adamw_slice_update(params, grads[step - 1], m, v, step, 1e-3, 0.8, 0.95, 1e-10, 0.1,
-                               [1.0, 0.5, 2.0, 1.0][:len(shapes)], [1.0, 0.0, 1.0, 0.5][:len(shapes)], backend=name)
+            adamw_slice_update(
+                params,
+                grads[step - 1],
+                m,
+                v,
+                step,
+                1e-3,
+                0.8,
+                0.95,
+                1e-10,
+                0.1,
+                [1.0, 0.5, 2.0, 1.0][: len(shapes)],
+                [1.0, 0.0, 1.0, 0.5][: len(shapes)],
+                backend=name,
+            )
         results.append(params + m + v)
     return max(scaled_error(a, b) for a, b in zip(*results))
 
@@ -210,6 +263,7 @@ def _adamw_error(shapes, dtype, backend, steps=3) -> float:
 
 def adamw(fig: Figures, tiny: bool):
     import bench_adamw_slice as ba
+
     shapes = [(64, 32)] * 4 if tiny else ba.SHAPES
     n = sum(torch.Size(s).numel() for s in shapes)
     variants = {}
@@ -222,44 +276,85 @@ def adamw(fig: Figures, tiny: bool):
     medians = interleaved(variants, rounds=5 if tiny else 30, warmup=2 if tiny else 5)
     moved = n * adamw_bytes_per_param(torch.float32)
     peak = hw_bandwidth.datasheet_bandwidth(_device_name()) if DEVICE.type == "cuda" else None
-    fig.add("adamw", dict(
-        params=n, tensors=len(shapes), bytes_per_param=adamw_bytes_per_param(torch.float32),
-        datasheet_bandwidth=peak, baseline="torch fused",
-        variants={name: dict(ms=t * 1e3, GB_per_s=moved / t / 1e9, pct_of_datasheet=100 * moved / t / peak if peak else None,
-                             speedup=medians["torch fused"] / t) for name, t in medians.items()}))
+    fig.add(
+        "adamw",
+        dict(
+            params=n,
+            tensors=len(shapes),
+            bytes_per_param=adamw_bytes_per_param(torch.float32),
+            datasheet_bandwidth=peak,
+            baseline="torch fused",
+            variants={
+                name: dict(
+                    ms=t * 1e3,
+                    GB_per_s=moved / t / 1e9,
+                    pct_of_datasheet=100 * moved / t / peak if peak else None,
+                    speedup=medians["torch fused"] / t,
+                )
+                for name, t in medians.items()
+            },
+        ),
+    )
 
 
 def newton_schulz(fig: Figures, tiny: bool):
     from nanochat_fast.kernels import newton_schulz as ns_op
+
     sizes = (64, 128) if tiny else (1024, 2048, 4096, 8192)
     for m in sizes:
         G = torch.randn(m, m, device=DEVICE)
-        variants = {"triton symmetric (ours)": lambda G=G: ns_op(G, backend="triton", dtype=torch.bfloat16),
-                    "torch bf16 matmuls (cuBLAS)": lambda G=G: ns_op(G, backend="reference", dtype=torch.bfloat16)}
+        variants = {
+            "triton symmetric (ours)": lambda G=G: ns_op(G, backend="triton", dtype=torch.bfloat16),
+            "torch bf16 matmuls (cuBLAS)": lambda G=G: ns_op(G, backend="reference", dtype=torch.bfloat16),
+        }
+
         def run(m=m, G=G, variants=variants):
             medians = interleaved(variants, rounds=3 if tiny else 10, warmup=1 if tiny else 3)
-            plain_flops = 5 * (4 * m ** 3 + 2 * m ** 3)
+            plain_flops = 5 * (4 * m**3 + 2 * m**3)
             err = scaled_error(variants["triton symmetric (ours)"](), variants["torch bf16 matmuls (cuBLAS)"]())
-            return dict(shape=[m, m], steps=5, baseline="torch bf16 matmuls (cuBLAS)", difference=err,
-                        variants={name: dict(ms=t * 1e3, plain_tflops=plain_flops / t / 1e12,
-                                             speedup=medians["torch bf16 matmuls (cuBLAS)"] / t)
-                                  for name, t in medians.items()})
+            return dict(
+                shape=[m, m],
+                steps=5,
+                baseline="torch bf16 matmuls (cuBLAS)",
+                difference=err,
+                variants={
+                    name: dict(
+                        ms=t * 1e3,
+                        plain_tflops=plain_flops / t / 1e12,
+                        speedup=medians["torch bf16 matmuls (cuBLAS)"] / t,
+                    )
+                    for name, t in medians.items()
+                },
+            )
+
         _try(fig, f"newton_schulz/{m}", run)
         del G
 
 
 def muon(fig: Figures, tiny: bool):
     import bench_muon as bm
+
     with unittest.mock.patch.object(bm, "DEVICE", DEVICE.type):
         for depth in (1, 2) if tiny else (12, 20):
             shapes = bm.gpt_matrices(depth)
+
             def run(shapes=shapes, depth=depth):
                 ours, stock = bm.ours(shapes, "auto")[1], bm.torch_muon(shapes)[1]
-                medians = interleaved({"ours (Muon, defaults)": ours, "torch.optim.Muon": stock},
-                                      rounds=3 if tiny else 10, warmup=1 if tiny else 3)
-                return dict(depth=depth, matrices=len(shapes), params=sum(r * c for r, c in shapes),
-                            baseline="torch.optim.Muon", variants={name: dict(ms=t * 1e3, speedup=medians["torch.optim.Muon"] / t)
-                                                                    for name, t in medians.items()})
+                medians = interleaved(
+                    {"ours (Muon, defaults)": ours, "torch.optim.Muon": stock},
+                    rounds=3 if tiny else 10,
+                    warmup=1 if tiny else 3,
+                )
+                return dict(
+                    depth=depth,
+                    matrices=len(shapes),
+                    params=sum(r * c for r, c in shapes),
+                    baseline="torch.optim.Muon",
+                    variants={
+                        name: dict(ms=t * 1e3, speedup=medians["torch.optim.Muon"] / t) for name, t in medians.items()
+                    },
+                )
+
             _try(fig, f"muon/depth{depth}", run)
 
 
@@ -267,7 +362,7 @@ def cross_entropy(fig: Figures, tiny: bool):
     rows, d, vocab = (64, 32, 1000) if tiny else (16384, 768, 65536)
     g = torch.Generator(device=DEVICE).manual_seed(0)
     hidden = torch.randn(rows, d, device=DEVICE, generator=g).requires_grad_()
-    weight = (torch.randn(vocab, d, device=DEVICE, generator=g) * d ** -0.5).requires_grad_()
+    weight = (torch.randn(vocab, d, device=DEVICE, generator=g) * d**-0.5).requires_grad_()
     targets = torch.randint(0, vocab, (rows,), device=DEVICE, generator=g)
     choice = precision.choose(DEVICE, warn=False)
 
@@ -276,8 +371,11 @@ def cross_entropy(fig: Figures, tiny: bool):
         return F.cross_entropy(SOFTCAP * torch.tanh(logits / SOFTCAP), t, ignore_index=-1)
 
     compiled = torch.compile(stock)
-    losses = {"ours (fused, chunked)": lambda h, w, t: softcap_cross_entropy(h, w, t, SOFTCAP),
-              "stock eager": stock, "stock compiled": compiled}
+    losses = {
+        "ours (fused, chunked)": lambda h, w, t: softcap_cross_entropy(h, w, t, SOFTCAP),
+        "stock eager": stock,
+        "stock compiled": compiled,
+    }
 
     def step(loss_fn):
         def run():
@@ -286,6 +384,7 @@ def cross_entropy(fig: Figures, tiny: bool):
                 loss = loss_fn(hidden, weight, targets)
             loss.backward()
             return loss
+
         return run
 
     variants = {name: step(fn) for name, fn in losses.items()}
@@ -293,25 +392,39 @@ def cross_entropy(fig: Figures, tiny: bool):
     for name, fn in variants.items():
         try:
             loss = fn()  # compiles, and the figure for agreement
-            results[name] = dict(loss=loss.item(), peak_extra_MiB=(lambda b: b / 2 ** 20 if b is not None else None)(peak_extra_bytes(fn)))
+            results[name] = dict(
+                loss=loss.item(), peak_extra_MiB=(lambda b: b / 2**20 if b is not None else None)(peak_extra_bytes(fn))
+            )
         except Exception as e:
             results[name] = dict(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
     runnable = {name: fn for name, fn in variants.items() if "error" not in results[name]}
     medians = interleaved(runnable, rounds=3 if tiny else 10, warmup=1 if tiny else 2)
     base = medians.get("stock compiled") or medians.get("stock eager")
     for name, t in medians.items():
-        results[name].update(ms=t * 1e3, speedup_vs_best_stock=min(medians.get("stock compiled", t), medians.get("stock eager", t)) / t)
-    fig.add("cross_entropy", dict(rows=rows, n_embd=d, vocab=vocab, dtype=dtype_name(choice.dtype),
-                                  baseline="stock compiled" if "stock compiled" in medians else "stock eager",
-                                  baseline_ms=base * 1e3 if base else None, variants=results))
+        results[name].update(
+            ms=t * 1e3, speedup_vs_best_stock=min(medians.get("stock compiled", t), medians.get("stock eager", t)) / t
+        )
+    fig.add(
+        "cross_entropy",
+        dict(
+            rows=rows,
+            n_embd=d,
+            vocab=vocab,
+            dtype=dtype_name(choice.dtype),
+            baseline="stock compiled" if "stock compiled" in medians else "stock eager",
+            baseline_ms=base * 1e3 if base else None,
+            variants=results,
+        ),
+    )
 
 
 STEPS = dict(kernels=kernels, adamw=adamw, newton_schulz=newton_schulz, muon=muon, cross_entropy=cross_entropy)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="benchmarks/gpu_measure.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="benchmarks/gpu_measure.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("step", choices=sorted(STEPS))
     p.add_argument("--json", type=Path, required=True, help="where the figures go (rewritten after each)")
     p.add_argument("--tiny", action="store_true", help="small shapes: the rehearsal on a CPU")

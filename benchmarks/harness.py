@@ -13,6 +13,7 @@ whose rounds fit, from flop counts and this machine's measured matmul rate (matm
         compare(benchmark, op="adamw step", shape_set="depth-8 GPT (60M fp32, 50 tensors)",
                 variants={"cpp": run_cpp, "torch fused": run_fused}, baseline="torch fused")
 """
+
 import functools
 import statistics
 import time
@@ -44,7 +45,7 @@ def matmul_gflops(dtype: torch.dtype, device: str) -> float:
         torch.bmm(a, a)
         _sync()
         best = min(best, time.perf_counter() - t0)
-    return 4 * 2 * n ** 3 / best / 1e9
+    return 4 * 2 * n**3 / best / 1e9
 
 
 def plan_modes(costs: dict, budget_s: float, required: str | None = None) -> tuple[dict, dict]:
@@ -67,13 +68,26 @@ def plan_modes(costs: dict, budget_s: float, required: str | None = None) -> tup
                 left -= options[modes[name]] * (MIN_ROUNDS + 1)
                 continue
             seconds = min(options.values())
-            skipped[name] = (f"not timed: {MIN_ROUNDS + 1} rounds would take ~{seconds * (MIN_ROUNDS + 1):.0f} s "
-                             f"(budget left {left:.0f} s)")
+            skipped[name] = (
+                f"not timed: {MIN_ROUNDS + 1} rounds would take ~{seconds * (MIN_ROUNDS + 1):.0f} s "
+                f"(budget left {left:.0f} s)"
+            )
     return modes, skipped
 
 
-def compare(benchmark, *, op: str, shape_set: str, variants: dict, baseline: str, rounds: int = 15,
-            warmup_rounds: int = 2, notes: str = "", budget_s: float | None = None, skipped: dict | None = None):
+def compare(
+    benchmark,
+    *,
+    op: str,
+    shape_set: str,
+    variants: dict,
+    baseline: str,
+    rounds: int = 15,
+    warmup_rounds: int = 2,
+    notes: str = "",
+    budget_s: float | None = None,
+    skipped: dict | None = None,
+):
     """Time `variants` (name -> zero-argument callable) in interleaved rounds; returns medians (s).
 
     A variant may return the seconds it stands for instead of its wall time (a per-shape estimate
@@ -89,7 +103,7 @@ def compare(benchmark, *, op: str, shape_set: str, variants: dict, baseline: str
     def one_round():
         r = counter["round"]
         counter["round"] += 1
-        order = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
         start = time.perf_counter()
         for name in order:
             _sync()
@@ -108,11 +122,23 @@ def compare(benchmark, *, op: str, shape_set: str, variants: dict, baseline: str
     benchmark.pedantic(one_round, rounds=rounds, warmup_rounds=0, iterations=1)
     skip = warmup_rounds  # warmup rounds also append: drop them
     medians = {name: statistics.median(ts[skip:]) for name, ts in times.items()}
-    benchmark.extra_info.update({
-        "op": op, "shape_set": shape_set, "baseline": baseline, "notes": notes, "rounds": rounds,
-        "budget_s": budget_s, "skipped": skipped or {},
-        "variants": {name: {"median_s": medians[name],
-                            "min_s": min(times[name][skip:]),
-                            "ratio_to_baseline": medians[name] / medians[baseline]} for name in names},
-    })
+    benchmark.extra_info.update(
+        {
+            "op": op,
+            "shape_set": shape_set,
+            "baseline": baseline,
+            "notes": notes,
+            "rounds": rounds,
+            "budget_s": budget_s,
+            "skipped": skipped or {},
+            "variants": {
+                name: {
+                    "median_s": medians[name],
+                    "min_s": min(times[name][skip:]),
+                    "ratio_to_baseline": medians[name] / medians[baseline],
+                }
+                for name in names
+            },
+        }
+    )
     return medians

@@ -1,12 +1,13 @@
 """Write benchmarks/RESULTS.md from the pytest-benchmark JSON written by `make bench`."""
+
 import json
 import platform
 import sys
 from pathlib import Path
 
 import torch
-
 from compiled_table import section_from_file
+
 from nanochat_fast.hardware import cpu_bf16_support, cpu_model, format_flops, measured_peaks
 from nanochat_fast.hardware.machine import cpuinfo
 from nanochat_fast.train.run_report import hardware
@@ -29,9 +30,11 @@ def cpu_line() -> str:
     rates = measured_peaks("cpu")
     when = f", probed {rates['measured']}" if rates.get("measured") else ""
     peaks = f"fp32 {format_flops(rates['fp32'])}, bf16 {format_flops(rates['bf16'])}"
-    return (f"{name}{ident}, ISA {torch.backends.cpu.get_cpu_capability()}; bf16 flags: {bf16_flags} "
-            f"({f'native bf16: {native}' if native else 'bf16 emulated'}); matmul peak measured here at "
-            f"{torch.get_num_threads()} threads: {peaks} = bf16 {rates['bf16'] / rates['fp32']:.2f}x fp32{when}")
+    return (
+        f"{name}{ident}, ISA {torch.backends.cpu.get_cpu_capability()}; bf16 flags: {bf16_flags} "
+        f"({f'native bf16: {native}' if native else 'bf16 emulated'}); matmul peak measured here at "
+        f"{torch.get_num_threads()} threads: {peaks} = bf16 {rates['bf16'] / rates['fp32']:.2f}x fp32{when}"
+    )
 
 
 def machine() -> str:
@@ -40,45 +43,59 @@ def machine() -> str:
 
 def inference_sweep_section(data: dict) -> list[str]:
     """RESULTS.md's "Inference sweep": bench_infer.py's infer_bench figures, one row per batch size."""
-    found = [b["extra_info"]["inference_sweep"] for b in data["benchmarks"]
-             if "inference_sweep" in b.get("extra_info", {})]
+    found = [
+        b["extra_info"]["inference_sweep"] for b in data["benchmarks"] if "inference_sweep" in b.get("extra_info", {})
+    ]
     if not found:
         return []
     r = found[0]
     cfg = r["model_config"]
-    lines = [f"## Inference sweep ({r['device']}, {r['dtype']})", "",
-             "| batch | prefill tok/s | decode tok/s | per-token latency (ms) | TTFT median (ms) | peak memory (MiB) "
-             "| MBU | MFU |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"## Inference sweep ({r['device']}, {r['dtype']})",
+        "",
+        "| batch | prefill tok/s | decode tok/s | per-token latency (ms) | TTFT median (ms) | peak memory (MiB) "
+        "| MBU | MFU |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for row in r["sweep"]:
-        lines.append(f"| {row['batch_size']} | {row['prefill_tok_per_s']:,.0f} | {row['decode_tok_per_s']:,.1f} | "
-                     f"{row['per_token_latency_s'] * 1e3:.2f} | {row['ttft_median_s'] * 1e3:.1f} | "
-                     f"{row['peak_memory_bytes'] / 2 ** 20:,.1f} | {row['mbu_percent']:.1f}% | "
-                     f"{row['mfu_percent']:.2f}% |")
+        lines.append(
+            f"| {row['batch_size']} | {row['prefill_tok_per_s']:,.0f} | {row['decode_tok_per_s']:,.1f} | "
+            f"{row['per_token_latency_s'] * 1e3:.2f} | {row['ttft_median_s'] * 1e3:.1f} | "
+            f"{row['peak_memory_bytes'] / 2**20:,.1f} | {row['mbu_percent']:.1f}% | "
+            f"{row['mfu_percent']:.2f}% |"
+        )
     bandwidth, peak = r["bandwidth"], r["peak_flops"]
-    lines += ["", f"*`{r['command']}`: depth-{cfg['n_layer']} model (n_embd {cfg['n_embd']}, {cfg['n_head']} heads, "
-              f"vocab {cfg['vocab_size']}), random weights, {r['params']:,} parameters; per batch size B, B requests "
-              f"of {r['prompt_tokens']} random prompt tokens and {r['decode_tokens']} greedy tokens each (no stop "
-              f"tokens, no tools) through one BatchEngine, {r['threads']} thread(s); per batch size the fastest "
-              f"decode of {r['sweeps']} sweeps (a neighbour only ever adds time). Decode tok/s = B x "
-              f"{r['decode_tokens'] - 1} decode steps / their time; TTFT: all B prefills run in the engine's first "
-              f"step. MBU = bytes per decode step x steps/s / {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s "
-              f"({bandwidth['source']} memory bandwidth), bytes per step = {r['weight_bytes_per_step']:,} (every "
-              f"weight, {r['dtype']}) + B x {r['kv_bytes_per_position']:,} (KV bytes per position, {r['kv_dtype']}) "
-              f"x {r['mean_context']:g} (mean context); MFU against the {peak['dtype']} peak "
-              f"{peak['flops_per_s'] / 1e9:.0f} GFLOP/s ({peak['source']}). Peak memory: {r['peak_memory_source']}.*",
-              ""]
+    lines += [
+        "",
+        f"*`{r['command']}`: depth-{cfg['n_layer']} model (n_embd {cfg['n_embd']}, {cfg['n_head']} heads, "
+        f"vocab {cfg['vocab_size']}), random weights, {r['params']:,} parameters; per batch size B, B requests "
+        f"of {r['prompt_tokens']} random prompt tokens and {r['decode_tokens']} greedy tokens each (no stop "
+        f"tokens, no tools) through one BatchEngine, {r['threads']} thread(s); per batch size the fastest "
+        f"decode of {r['sweeps']} sweeps (a neighbour only ever adds time). Decode tok/s = B x "
+        f"{r['decode_tokens'] - 1} decode steps / their time; TTFT: all B prefills run in the engine's first "
+        f"step. MBU = bytes per decode step x steps/s / {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s "
+        f"({bandwidth['source']} memory bandwidth), bytes per step = {r['weight_bytes_per_step']:,} (every "
+        f"weight, {r['dtype']}) + B x {r['kv_bytes_per_position']:,} (KV bytes per position, {r['kv_dtype']}) "
+        f"x {r['mean_context']:g} (mean context); MFU against the {peak['dtype']} peak "
+        f"{peak['flops_per_s'] / 1e9:.0f} GFLOP/s ({peak['source']}). Peak memory: {r['peak_memory_source']}.*",
+        "",
+    ]
     return lines
 
 
 def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
     data = json.loads(Path(json_path).read_text())
-    lines = ["# Benchmark results", "",
-             f"Machine: {machine()}  ",
-             f"CPU: {cpu_line()}  ",
-             f"Date: {data.get('datetime', '?')[:19]}  ",
-             "Produced by `make bench` (pytest-benchmark; variants timed in interleaved rounds, medians; "
-             "ratio = median / median of the baseline, lower is faster; rounds = timed rounds per variant, "
-             "cut to each benchmark's time budget, at least 3).", ""]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Machine: {machine()}  ",
+        f"CPU: {cpu_line()}  ",
+        f"Date: {data.get('datetime', '?')[:19]}  ",
+        "Produced by `make bench` (pytest-benchmark; variants timed in interleaved rounds, medians; "
+        "ratio = median / median of the baseline, lower is faster; rounds = timed rounds per variant, "
+        "cut to each benchmark's time budget, at least 3).",
+        "",
+    ]
     by_op, tables = {}, []
     for b in data["benchmarks"]:
         info = b.get("extra_info", {})
@@ -87,14 +104,20 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
         if isinstance(info.get("table"), dict):  # a benchmark that reports its own columns (bench_chat_web.py)
             tables.append(info["table"])
     for op, infos in by_op.items():
-        lines += [f"## {op}", "", "| shape set | variant | median (ms) | ratio to baseline | rounds |",
-                  "|---|---|---:|---:|---:|"]
+        lines += [
+            f"## {op}",
+            "",
+            "| shape set | variant | median (ms) | ratio to baseline | rounds |",
+            "|---|---|---:|---:|---:|",
+        ]
         for info in infos:
             rounds = info.get("rounds", "")
             for name, v in info["variants"].items():
                 tag = " (baseline)" if name == info["baseline"] else ""
-                lines.append(f"| {info['shape_set']} | {name}{tag} | {v['median_s'] * 1e3:.3f} | "
-                             f"{v['ratio_to_baseline']:.3f} | {rounds} |")
+                lines.append(
+                    f"| {info['shape_set']} | {name}{tag} | {v['median_s'] * 1e3:.3f} | "
+                    f"{v['ratio_to_baseline']:.3f} | {rounds} |"
+                )
             for name, reason in info.get("skipped", {}).items():
                 lines.append(f"| {info['shape_set']} | {name} | — | — | 0 ({reason}) |")
             if info.get("notes"):

@@ -10,6 +10,7 @@ untracked-but-not-ignored files (every file outside build and cache folders wher
 Unchanged files keep their time stamps, so make does not reinstall; files gone from the source are
 removed; the copy's own venv, build folder and extension stay.
 """
+
 import shutil
 import subprocess
 import sys
@@ -21,11 +22,16 @@ SKIP = {".venv", "build", ".git", "__pycache__", ".pytest_cache", ".benchmarks"}
 
 
 def source_files(root: Path) -> set[str]:
-    git = subprocess.run(["git", "-C", str(root), "ls-files", "-co", "--exclude-standard"], capture_output=True, text=True)
+    git = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-co", "--exclude-standard"], capture_output=True, text=True
+    )
     if git.returncode == 0:
         return {line for line in git.stdout.splitlines() if (root / line).is_file()}
-    return {str(p.relative_to(root)) for p in root.rglob("*")
-            if p.is_file() and not SKIP & set(p.relative_to(root).parts) and p.suffix not in (".so", ".o")}
+    return {
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if p.is_file() and not SKIP & set(p.relative_to(root).parts) and p.suffix not in (".so", ".o")
+    }
 
 
 def stage(dst: Path, root: Path = ROOT):
@@ -38,9 +44,14 @@ def stage(dst: Path, root: Path = ROOT):
             shutil.copy2(src, out)
     for path in sorted(dst.rglob("*"), reverse=True):
         rel = path.relative_to(dst)
-        kept = any(rel.parts[:len(Path(k).parts)] == Path(k).parts for k in KEEP)
-        if path.is_file() and str(rel) not in files and not kept and "__pycache__" not in rel.parts \
-                and not rel.parts[0].endswith(".egg-info"):
+        kept = any(rel.parts[: len(Path(k).parts)] == Path(k).parts for k in KEEP)
+        if (
+            path.is_file()
+            and str(rel) not in files
+            and not kept
+            and "__pycache__" not in rel.parts
+            and not rel.parts[0].endswith(".egg-info")
+        ):
             path.unlink()
 
 

@@ -6,6 +6,7 @@ the medians (whole step, forward, optimizer phase) and what each rank holds to O
     python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/train_step_worker.py \\
         --mode=fsdp --depth=4 --out=/tmp/fsdp.json
 """
+
 import argparse
 import json
 import statistics
@@ -25,16 +26,22 @@ from nanochat_fast.train import model_setup, training_loop  # noqa: E402
 
 def held_bytes(model, optimizers) -> int:
     """Parameters + gradients (this rank's shards under fsdp) + optimizer state held by this rank."""
+
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
+
     tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
     return sum(t.numel() * t.element_size() for t in tensors) + sum(o.state_nbytes() for o in optimizers)
 
 
 def main(args):
-    cfg = steps.training_config(args.depth, f"--sharding={args.mode}", "--dtype=fp32", "--ns-dtype=fp32", "--no-compile")
+    cfg = steps.training_config(
+        args.depth, f"--sharding={args.mode}", "--dtype=fp32", "--ns-dtype=fp32", "--no-compile"
+    )
     dev = cfg.device.init(seed=0)
-    model, optimizers = model_setup.build_for_training(steps.model_config(cfg), dev.device, cfg.optim.optimizer_kwargs())
+    model, optimizers = model_setup.build_for_training(
+        steps.model_config(cfg), dev.device, cfg.optim.optimizer_kwargs()
+    )
     optimizers = model_setup.shard_for_training(model, optimizers, cfg.optim, dev)
     gen = torch.Generator().manual_seed(dev.rank)
     opt_times, step_times, fwd_times, held = [], [], [], 0
@@ -57,6 +64,7 @@ def main(args):
         norm = real_step(opts, grad_clip)
         opt_times.append(time.perf_counter() - t0)
         return norm
+
     optim.step = timed_step
     for _ in range(1 + args.rounds):
         x = torch.randint(steps.VOCAB, (steps.B, steps.T), generator=gen)
@@ -66,11 +74,20 @@ def main(args):
         step_times.append(time.perf_counter() - t0)
     helds = all_reduce_sum(torch.tensor([held if r == dev.rank else 0 for r in range(dev.world_size)]))
     if dev.rank == 0:
-        Path(args.out).write_text(json.dumps(dict(
-            mode=args.mode, world_size=dev.world_size, tokens_per_step=dev.world_size * steps.B * steps.T,
-            step_s=statistics.median(step_times[1:]), optimizer_s=statistics.median(opt_times[1:]),
-            forward_s=statistics.median(fwd_times[1:]),
-            held_bytes=helds.tolist(), rounds=args.rounds)))
+        Path(args.out).write_text(
+            json.dumps(
+                dict(
+                    mode=args.mode,
+                    world_size=dev.world_size,
+                    tokens_per_step=dev.world_size * steps.B * steps.T,
+                    step_s=statistics.median(step_times[1:]),
+                    optimizer_s=statistics.median(opt_times[1:]),
+                    forward_s=statistics.median(fwd_times[1:]),
+                    held_bytes=helds.tolist(),
+                    rounds=args.rounds,
+                )
+            )
+        )
     compute_cleanup()
 
 

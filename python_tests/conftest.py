@@ -1,5 +1,6 @@
 """Shared test setup: the helpers of support/ importable by name, private compile caches, an isolated
 NANOCHAT_FAST_HOME, the `gpu` marker."""
+
 import os
 import sys
 import tempfile
@@ -17,7 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # torch.compile's cache defaults to a directory in /tmp shared by every user: keep ours private.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"nanochat_fast_inductor_{os.getuid()}"))
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"nanochat_fast_inductor_{os.getuid()}")
+)
 # Nothing a test runs writes to the user's NANOCHAT_FAST_HOME (e.g. the hardware caches of an
 # optimizer measuring its dtype); tests that need a prepared home set their own.
 os.environ["NANOCHAT_FAST_HOME"] = tempfile.mkdtemp(prefix="nanochat_fast_test_home_")
@@ -45,6 +48,7 @@ def nanochat_home(tmp_path, monkeypatch):
 def tiny_home(tmp_path_factory):
     """A prepared NANOCHAT_FAST_HOME (tiny corpus + conversations, 320-token tokenizer), built once."""
     from tiny_pipeline import build_tiny_home
+
     return build_tiny_home(tmp_path_factory.mktemp("tiny"))
 
 
@@ -52,6 +56,7 @@ def tiny_home(tmp_path_factory):
 def home(tiny_home, tmp_path, monkeypatch):
     """A private copy of tiny_home, set as NANOCHAT_FAST_HOME for this test."""
     import shutil
+
     dst = tmp_path / "home"
     shutil.copytree(tiny_home, dst)
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(dst))

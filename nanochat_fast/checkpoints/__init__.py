@@ -13,13 +13,45 @@ files.py writes and reads single files (torch.save/torch.load, DCP), step_dirs.p
 run_dirs.py a run's directory. The model, optimizers and training loop hand state dicts in and get
 state dicts back; everything is plain tensors and JSON (weights_only=True reads it anywhere).
 """
+
 from .files import read_tensors, write_tensors
 from .run_dirs import new_run_dir, newest_run, open_run_dir, run_dir_of
-from .step_dirs import (COMPLETE, FORMAT_VERSION, all_finite, complete_checkpoints, export_model,
-                        incomplete_checkpoints, is_complete, load_meta, load_model_state, load_rank_states,
-                        remove_incomplete, resolve_checkpoint, save_checkpoint, step_dir)
+from .step_dirs import (
+    COMPLETE,
+    FORMAT_VERSION,
+    all_finite,
+    complete_checkpoints,
+    export_model,
+    incomplete_checkpoints,
+    is_complete,
+    load_meta,
+    load_model_state,
+    load_rank_states,
+    remove_incomplete,
+    resolve_checkpoint,
+    save_checkpoint,
+    step_dir,
+)
 
-__all__ = ["read_tensors", "write_tensors", "new_run_dir", "newest_run", "open_run_dir", "run_dir_of", "COMPLETE",
-           "FORMAT_VERSION", "all_finite", "complete_checkpoints", "export_model",
-           "incomplete_checkpoints", "is_complete", "load_meta", "load_model_state", "load_rank_states",
-           "remove_incomplete", "resolve_checkpoint", "save_checkpoint", "step_dir"]
+__all__ = [
+    "read_tensors",
+    "write_tensors",
+    "new_run_dir",
+    "newest_run",
+    "open_run_dir",
+    "run_dir_of",
+    "COMPLETE",
+    "FORMAT_VERSION",
+    "all_finite",
+    "complete_checkpoints",
+    "export_model",
+    "incomplete_checkpoints",
+    "is_complete",
+    "load_meta",
+    "load_model_state",
+    "load_rank_states",
+    "remove_incomplete",
+    "resolve_checkpoint",
+    "save_checkpoint",
+    "step_dir",
+]

@@ -5,6 +5,7 @@ durably, and read as plain tensors only (weights_only=True: loading never runs c
 
 Checkpoints (step_dirs.py) and nanochat's files (interop/) both go through here.
 """
+
 import errno
 import json
 import warnings
@@ -42,6 +43,7 @@ def write_shards(directory: Path, state: dict):
     `directory` with DCP. A collective: every rank calls it. One rank's failure, which DCP raises
     on every rank, becomes an OSError like any other failed write."""
     import torch.distributed.checkpoint as dcp
+
     try:
         dcp.save(state, checkpoint_id=directory)
     except dcp.CheckpointException as e:
@@ -60,11 +62,15 @@ def read_shards(directory: Path) -> dict:
     """The whole tensors of a DCP folder, read by this process alone (no collectives, any number
     of processes wrote it). UnreadableShards when it is missing, truncated or corrupt."""
     import torch.distributed.checkpoint as dcp
+
     try:
         reader = dcp.FileSystemReader(str(directory))
         entries = reader.read_metadata().state_dict_metadata
-        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in entries.items()
-                 if isinstance(m, dcp.TensorStorageMetadata)}
+        state = {
+            k: torch.empty(m.size, dtype=m.properties.dtype)
+            for k, m in entries.items()
+            if isinstance(m, dcp.TensorStorageMetadata)
+        }
         with warnings.catch_warnings():  # "assuming ... a single process": that is the intent
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, storage_reader=reader, no_dist=True)

@@ -8,6 +8,7 @@ later stage or an evaluation starts from.
 A run name is a plain name (core/cli.run_name): one folder under runs/. --out-dir puts a run anywhere.
 A run directory that exists is continued only with --resume and replaced only with --overwrite.
 """
+
 import os
 import shutil
 from contextlib import contextmanager
@@ -27,8 +28,10 @@ def _check_writable(run_dir: Path):
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise UserError(f"cannot write to run directory {run_dir} ({e.strerror or e}); "
-                        "choose a writable --out-dir or set NANOCHAT_FAST_HOME") from None
+        raise UserError(
+            f"cannot write to run directory {run_dir} ({e.strerror or e}); "
+            "choose a writable --out-dir or set NANOCHAT_FAST_HOME"
+        ) from None
 
 
 def open_run_dir(run, run_name: str, rank: int, phase: str, device):
@@ -47,19 +50,25 @@ def open_run_dir(run, run_name: str, rank: int, phase: str, device):
         ckpt = found[-1] if found else None
         for half in incomplete_checkpoints(run_dir):
             if ckpt is None or half.name > ckpt.name:
-                print0(f"--resume auto: ignoring {half}, a save that did not finish (it is deleted); "
-                       f"{'using ' + str(ckpt) if ckpt else 'no complete checkpoint before it'}")
+                print0(
+                    f"--resume auto: ignoring {half}, a save that did not finish (it is deleted); "
+                    f"{'using ' + str(ckpt) if ckpt else 'no complete checkpoint before it'}"
+                )
         if ckpt is None:
             print0(f"--resume auto: {run_dir} has no complete checkpoint, starting from scratch")
     elif resume:
         ckpt = Path(resume).expanduser()
         if not is_complete(ckpt):
-            raise UserError(f"--resume {resume}: not a complete checkpoint directory (expected "
-                            "runs/<run>/checkpoints/step_NNNNNN containing COMPLETE)")
+            raise UserError(
+                f"--resume {resume}: not a complete checkpoint directory (expected "
+                "runs/<run>/checkpoints/step_NNNNNN containing COMPLETE)"
+            )
     start_over = ckpt is None and resume != "auto" and run_dir.exists() and any(run_dir.iterdir())
     if start_over and not run.overwrite:
-        raise UserError(f"run directory {run_dir} already exists: pass --resume auto to continue it, "
-                        "--overwrite to start over, or pick another --run")
+        raise UserError(
+            f"run directory {run_dir} already exists: pass --resume auto to continue it, "
+            "--overwrite to start over, or pick another --run"
+        )
     all_ranks_ok(True, device)  # a barrier: every rank has read run_dir
     error = None
     if rank == 0:
@@ -96,8 +105,10 @@ def newest_run(phases) -> Path:
         if candidates[phase]:
             return max(candidates[phase])[1]
     command = {"base": "base_train", "mid": "mid_train"}.get(phases[-1], f"{phases[-1]}_train")
-    raise UserError(f"no {' or '.join(phases)} run with a complete checkpoint in {paths.runs_dir()}; train one with "
-                    f"`python -m nanochat_fast.scripts.{command}` (or pass --run)")
+    raise UserError(
+        f"no {' or '.join(phases)} run with a complete checkpoint in {paths.runs_dir()}; train one with "
+        f"`python -m nanochat_fast.scripts.{command}` (or pass --run)"
+    )
 
 
 def run_dir_of(name: str, phases) -> Path:

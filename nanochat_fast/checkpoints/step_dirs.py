@@ -6,6 +6,7 @@ written its files; so a kill at any moment leaves the previous complete checkpoi
 Reading either model layout (model.pt, or DCP shards in model/) gives the whole state_dict, so a
 run on any number of processes and either sharding loads it and shards it its own way.
 """
+
 import errno
 import json
 import shutil
@@ -37,9 +38,19 @@ def all_finite(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors if torch.is_floating_point(t))
 
 
-def save_checkpoint(run_dir, step: int, *, model_state: dict, rank_state: dict, meta: dict,
-                    rank: int, all_ranks_ok=lambda ok: ok, keep_last: int | None = None,
-                    previous: Path | None = None, sharded: bool = False) -> Path:
+def save_checkpoint(
+    run_dir,
+    step: int,
+    *,
+    model_state: dict,
+    rank_state: dict,
+    meta: dict,
+    rank: int,
+    all_ranks_ok=lambda ok: ok,
+    keep_last: int | None = None,
+    previous: Path | None = None,
+    sharded: bool = False,
+) -> Path:
     """Write checkpoint `step`. Every rank calls this; `all_ranks_ok(ok)` must return True on every
     rank iff `ok` is True on every rank (an all-reduce; it doubles as the barrier). model_state:
     whole tensors on rank 0 (model.pt), or with `sharded` every rank's DTensors (model/, DCP).
@@ -91,8 +102,10 @@ def save_checkpoint(run_dir, step: int, *, model_state: dict, rank_state: dict, 
             what = "disk full"
         else:
             what = f"{error.strerror or error}"
-        raise UserError(f"could not save checkpoint step {step} in {path.parent} ({what}); {intact}. "
-                        "Free space or choose another --out-dir, then resume with --resume auto") from error
+        raise UserError(
+            f"could not save checkpoint step {step} in {path.parent} ({what}); {intact}. "
+            "Free space or choose another --out-dir, then resume with --resume auto"
+        ) from error
     if rank == 0 and keep_last:
         for old in complete_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -144,13 +157,17 @@ def resolve_checkpoint(run_dir: Path, step: int | None = None) -> Path:
 
 def _read(path: Path, map_location):
     if not path.exists():
-        raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, pick another "
-                        "with --resume PATH (or --step)")
+        raise UserError(
+            f"checkpoint file {path} is missing; the checkpoint is incomplete, pick another "
+            "with --resume PATH (or --step)"
+        )
     try:
         return files.read_tensors(path, map_location)
     except Exception as e:
-        raise UserError(f"checkpoint file {path} is truncated or corrupt ({type(e).__name__}); delete that "
-                        "checkpoint directory or pick another with --resume PATH (or --step)") from e
+        raise UserError(
+            f"checkpoint file {path} is truncated or corrupt ({type(e).__name__}); delete that "
+            "checkpoint directory or pick another with --resume PATH (or --step)"
+        ) from e
 
 
 def load_meta(ckpt: Path) -> dict:
@@ -159,13 +176,16 @@ def load_meta(ckpt: Path) -> dict:
     try:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UserError(f"{ckpt} is not a checkpoint (no meta.json); checkpoints live in "
-                        "runs/<run>/checkpoints/step_NNNNNN") from None
+        raise UserError(
+            f"{ckpt} is not a checkpoint (no meta.json); checkpoints live in runs/<run>/checkpoints/step_NNNNNN"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"checkpoint file {path} is corrupt ({e}); pick another checkpoint") from e
     if meta.get("format_version") != FORMAT_VERSION:
-        raise UserError(f"{path} has checkpoint format {meta.get('format_version')!r}, this version of "
-                        f"nanochat_fast reads format {FORMAT_VERSION}")
+        raise UserError(
+            f"{path} has checkpoint format {meta.get('format_version')!r}, this version of "
+            f"nanochat_fast reads format {FORMAT_VERSION}"
+        )
     return meta
 
 
@@ -178,9 +198,11 @@ def load_model_state(ckpt: Path, device="cpu") -> dict:
     try:
         state = files.read_shards(ckpt / MODEL_SHARDS)
     except files.UnreadableShards as e:
-        raise UserError(f"the model shards in {ckpt / MODEL_SHARDS} are missing, truncated or corrupt "
-                        f"({e.cause}); delete that checkpoint directory or pick another with --resume PATH "
-                        "(or --step)") from e.__cause__
+        raise UserError(
+            f"the model shards in {ckpt / MODEL_SHARDS} are missing, truncated or corrupt "
+            f"({e.cause}); delete that checkpoint directory or pick another with --resume PATH "
+            "(or --step)"
+        ) from e.__cause__
     return {k: v.to(device) for k, v in state.items()}
 
 

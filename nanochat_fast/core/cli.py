@@ -10,6 +10,7 @@ Command-line plumbing shared by every script in nanochat_fast.scripts.
   is built with, so each rule is written once.
 - Exit codes and UserError live in errors.py (re-exported here).
 """
+
 import argparse
 import math
 import re
@@ -48,8 +49,9 @@ class ArgumentParser(argparse.ArgumentParser):
         args = [_canonical(a) for a in args]
         namespace, extras = super().parse_known_args(args, namespace)
         given = {a.partition("=")[0] for a in args if a.startswith("--")}
-        namespace._explicit = frozenset(action.dest for action in self._actions
-                                        if given.intersection(action.option_strings))
+        namespace._explicit = frozenset(
+            action.dest for action in self._actions if given.intersection(action.option_strings)
+        )
         namespace._argv = args  # as given (canonical spelling), for the printed resume command
         return namespace, extras
 
@@ -83,7 +85,8 @@ def _number(value, kind):
             return kind(value)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected {'an integer' if kind is int else 'a number'}, got {value!r}") from None
+                f"expected {'an integer' if kind is int else 'a number'}, got {value!r}"
+            ) from None
     if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
         raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {value!r}")
     return kind(value)
@@ -145,13 +148,13 @@ def fraction(value) -> float:
 
 def random_seed(value) -> int:
     n = _number(value, int)
-    if not 0 <= n < 2 ** 63:
+    if not 0 <= n < 2**63:
         raise argparse.ArgumentTypeError(f"must be an integer in [0, 2^63), got {value}")
     return n
 
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+_SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def byte_size(value) -> int:
@@ -187,8 +190,9 @@ def plain_name(value) -> str:
     if not isinstance(value, str):
         raise argparse.ArgumentTypeError(f"expected a name, got {value!r}")
     if value and (not _PLAIN_NAME.fullmatch(value) or value.strip(".") == ""):
-        raise argparse.ArgumentTypeError(f"must be a plain name (letters, digits, '.', '_', '+', '-'; at most 100 "
-                                         f"characters, no '/'), got {value!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be a plain name (letters, digits, '.', '_', '+', '-'; at most 100 characters, no '/'), got {value!r}"
+        )
     return value
 
 
@@ -203,8 +207,9 @@ def run_name(value) -> str:
     try:
         return plain_name(value)
     except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(f"{e}; a run name is a folder under NANOCHAT_FAST_HOME/runs, "
-                                         "use --out-dir=PATH to write a run elsewhere") from None
+        raise argparse.ArgumentTypeError(
+            f"{e}; a run name is a folder under NANOCHAT_FAST_HOME/runs, use --out-dir=PATH to write a run elsewhere"
+        ) from None
 
 
 def run_ref(value) -> str:
@@ -214,16 +219,19 @@ def run_ref(value) -> str:
     try:
         return plain_name(value)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be a run name (a folder under NANOCHAT_FAST_HOME/runs) or an "
-                                         f"existing run directory, got {value!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"must be a run name (a folder under NANOCHAT_FAST_HOME/runs) or an existing run directory, got {value!r}"
+        ) from None
 
 
 def choice(*values):
     """A check that the value is one of `values` (for fields set in code; argparse has choices=)."""
+
     def check(value):
         if value not in values:
             raise argparse.ArgumentTypeError(f"must be one of {', '.join(map(repr, values))}, got {value!r}")
         return value
+
     check.__name__ = "choice"
     return check
 
@@ -236,8 +244,10 @@ def boolean(value) -> bool:
 
 def optional(check):
     """`check`, or None (a flag whose default is decided later, e.g. from a checkpoint)."""
+
     def check_or_none(value):
         return None if value is None else check(value)
+
     check_or_none.__name__ = check.__name__
     return check_or_none
 

@@ -13,13 +13,16 @@ rule, and what recompiles would cost: docs/measurements.md#compile-policy.
         loss = compiled_model(x, y)
     print(watch.describe())   # "1 graph(s) compiled in 23.4 s"
 """
+
 import time
 
 # about where the per-step saving pays back a cold compile: docs/measurements.md#compile-policy
 MIN_RUN_SECONDS_AT_PEAK = 100.0
 
 
-def default_compile(device_type: str, run_flops: float | None = None, peak_flops: float | None = None) -> tuple[bool, str]:
+def default_compile(
+    device_type: str, run_flops: float | None = None, peak_flops: float | None = None
+) -> tuple[bool, str]:
     """--compile's default and the reason (for the log and the run report). run_flops: the run's
     training FLOPs (estimate_flops() x tokens per step x steps; None when the horizon is unknown);
     peak_flops: the peak of all processes (hardware.peak_flops x world size)."""
@@ -28,13 +31,16 @@ def default_compile(device_type: str, run_flops: float | None = None, peak_flops
     if run_flops is not None and peak_flops:
         at_peak = run_flops / peak_flops
         if at_peak < MIN_RUN_SECONDS_AT_PEAK:
-            return False, (f"eager: a short run (~{at_peak:.0f} s of compute at peak) would not win back a "
-                           "one-time compile of ~45 s")
+            return False, (
+                f"eager: a short run (~{at_peak:.0f} s of compute at peak) would not win back a "
+                "one-time compile of ~45 s"
+            )
     return True, f"compiled on {device_type}: measured faster per step; the one-time compile is timed apart"
 
 
 def _counters():
     from torch._dynamo.utils import counters
+
     return counters
 
 
@@ -42,6 +48,7 @@ def _dynamo_compile_seconds() -> float | None:
     """Seconds dynamo has spent compiling in this process (its own timer), if it exposes one."""
     try:
         from torch._dynamo.utils import calculate_time_spent
+
         return calculate_time_spent().get("total_wall_time")
     except (ImportError, AttributeError):
         return None
@@ -71,4 +78,3 @@ class CompileWatch:
 
     def describe(self) -> str:
         return f"{self.graphs} graph(s) compiled in {self.seconds:.1f} s" if self.graphs else "nothing compiled"
-

@@ -8,6 +8,7 @@ Launched by torchrun, every process trains on its own share of the data:
              synchronise through it; nothing trains unsynchronised copies)
     MPS   -> single process only (there is no MPS collective backend)
 """
+
 import os
 
 import torch
@@ -58,17 +59,25 @@ def _check_device_type(device_type: str, world_size: int, local_rank: int):
     if device_type not in DEVICE_TYPES:
         raise UserError(f"unknown device type {device_type!r}: use cuda, mps, cpu or leave it empty to autodetect")
     if device_type == "cuda" and not torch.cuda.is_available():
-        raise UserError("device type cuda was asked for but no CUDA GPU is available: "
-                        "use --device-type=cpu (or leave it empty to autodetect)")
+        raise UserError(
+            "device type cuda was asked for but no CUDA GPU is available: "
+            "use --device-type=cpu (or leave it empty to autodetect)"
+        )
     if device_type == "mps" and not torch.backends.mps.is_available():
-        raise UserError("device type mps was asked for but MPS is not available: "
-                        "use --device-type=cpu (or leave it empty to autodetect)")
+        raise UserError(
+            "device type mps was asked for but MPS is not available: "
+            "use --device-type=cpu (or leave it empty to autodetect)"
+        )
     if device_type == "mps" and world_size > 1:
-        raise UserError(f"MPS runs a single process but {world_size} were launched: run the script with "
-                        "plain `python -m ...` instead of torchrun")
+        raise UserError(
+            f"MPS runs a single process but {world_size} were launched: run the script with "
+            "plain `python -m ...` instead of torchrun"
+        )
     if device_type == "cuda" and local_rank >= torch.cuda.device_count():
-        raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} are visible on this "
-                        "node, use --nproc_per_node <= the GPU count")
+        raise UserError(
+            f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} are visible on this "
+            "node, use --nproc_per_node <= the GPU count"
+        )
 
 
 def set_deterministic(enabled: bool, warn_only: bool = False):
@@ -128,6 +137,7 @@ def _attempt_store() -> dict:
     if attempt is None:
         return {}
     from torch.distributed.rendezvous import rendezvous
+
     store, rank, world_size = next(rendezvous("env://"))
     return dict(store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank, world_size=world_size)
 

@@ -9,6 +9,7 @@ exception for a mistake in the user's input (a flag, an environment variable, a 
 Library code raises UserError where the cause is the user's input and the message can say what
 to do; cli.run turns it into the one line and exit code 2.
 """
+
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 3

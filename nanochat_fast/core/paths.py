@@ -8,6 +8,7 @@ Where nanochat_fast keeps its files: everything lives under NANOCHAT_FAST_HOME
     runs/<run>/checkpoints/step_NNNNNN/      model.pt (or model/: DCP shards), optim_rank<R>.pt, meta.json, COMPLETE
     runs/<run>/{metrics.jsonl, loss.png, report.md}
 """
+
 import json
 import os
 from pathlib import Path
@@ -48,6 +49,7 @@ def write_durably(path: Path, write):
     """write(file object) to a temporary name, fsync it, rename it over `path`, fsync the folder:
     after a crash or a kill the file is the old one or the complete new one (checkpoints, metrics,
     reports)."""
+
     def write_synced(tmp: Path):
         with open(tmp, "wb") as f:
             write(f)

@@ -14,6 +14,7 @@ parent itself does not (a worker's own subprocesses are not launchers). Where th
 environment cannot be read (not Linux), OMP_NUM_THREADS=1 under torchrun with several local ranks
 is taken to be torchrun's default, since that is the value torchrun sets.
 """
+
 import math
 import os
 from dataclasses import dataclass
@@ -65,10 +66,13 @@ def decide_threads(env, cores: int, launcher_env=UNKNOWN, bound_per_rank: bool =
 
 def _omp_threads(value: str) -> int:
     from .errors import UserError
+
     first = value.split(",")[0].strip()  # OMP_NUM_THREADS=4,2 sets nested levels: the first is ours
     if not first.isdigit() or int(first) < 1:
-        raise UserError(f"OMP_NUM_THREADS={value!r} is not a positive number of threads: set it to e.g. "
-                        f"OMP_NUM_THREADS={usable_cores()} or unset it")
+        raise UserError(
+            f"OMP_NUM_THREADS={value!r} is not a positive number of threads: set it to e.g. "
+            f"OMP_NUM_THREADS={usable_cores()} or unset it"
+        )
     return int(first)
 
 

@@ -11,6 +11,7 @@ Standard library only, so it can be read before torch is installed (a preflight,
     from nanochat_fast.core.torch_floor import torch_floor, why_not
     why_not("2.9.1+cu128")  # -> one line saying it is too old; "" for a supported version
 """
+
 import re
 from pathlib import Path
 
@@ -27,6 +28,7 @@ def _requirements() -> list[str]:
             return re.findall(r'"([^"]*)"', text)
         return tomllib.loads(text)["project"]["dependencies"]
     from importlib.metadata import requires
+
     return requires("nanochat_fast") or []
 
 
@@ -54,8 +56,10 @@ def why_not(torch_version: str) -> str:
     width = max(len(have), len(need))
     if have + (0,) * (width - len(have)) >= need + (0,) * (width - len(need)):
         return ""
-    return (f"torch {torch_version} is older than the oldest torch nanochat_fast supports, {floor} "
-            f"(pyproject.toml: torch>={floor}); install torch>={floor}")
+    return (
+        f"torch {torch_version} is older than the oldest torch nanochat_fast supports, {floor} "
+        f"(pyproject.toml: torch>={floor}); install torch>={floor}"
+    )
 
 
 if __name__ == "__main__":

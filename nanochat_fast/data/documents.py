@@ -12,6 +12,7 @@ name and renamed into place, so an interrupted run never leaves a partial shard 
 and a re-run skips the shards that are complete. Every file's columns and fields, the token shards
 beside them included: docs/measurements.md#prepared-data-on-disk.
 """
+
 import json
 import shutil
 from pathlib import Path
@@ -37,6 +38,7 @@ def check_conversation(conv, where: str) -> dict:
     """A conversation in the stored form ({"messages": [{"role", "content": str}]}, roles
     alternating user/assistant after an optional system message), or a UserError naming `where`."""
     from .tokenizer import Tokenizer
+
     try:
         Tokenizer.turns(conv)
         messages = [{"role": m["role"], "content": m["content"]} for m in conv["messages"]]
@@ -104,19 +106,22 @@ def iter_input_folder(folder: Path, max_doc_chars: int):
             else:
                 yield from _parquet_docs(path, rel, max_doc_chars)
         except UnicodeDecodeError as e:
-            raise UserError(f"input file {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                            "fix or remove it") from None
+            raise UserError(
+                f"input file {path} is not UTF-8 text ({e.reason} at byte {e.start}); fix or remove it"
+            ) from None
 
 
 def _parquet_docs(path: Path, rel: str, max_doc_chars: int):
     """The documents of one parquet file, read a batch of rows at a time (FineWeb shards are big)."""
     import pyarrow.parquet as pq
+
     try:
         reader = pq.ParquetFile(path)
         names = reader.schema_arrow.names
     except Exception as e:
-        raise UserError(f"input file {path} is not a readable parquet file ({type(e).__name__}: {e}); "
-                        "fix or remove it") from None
+        raise UserError(
+            f"input file {path} is not a readable parquet file ({type(e).__name__}: {e}); fix or remove it"
+        ) from None
     column = "messages" if "messages" in names else "text"
     if column not in names:
         raise UserError(f"input file {path} has neither a 'text' nor a 'messages' column (columns: {', '.join(names)})")
@@ -132,12 +137,14 @@ def _parquet_docs(path: Path, rel: str, max_doc_chars: int):
     except UserError:
         raise
     except Exception as e:  # a damaged row group
-        raise UserError(f"input file {path} is damaged after row {row} ({type(e).__name__}: {e}); "
-                        "fix or remove it") from None
+        raise UserError(
+            f"input file {path} is damaged after row {row} ({type(e).__name__}: {e}); fix or remove it"
+        ) from None
 
 
 def _object_docs(obj, where, source, max_doc_chars):
     from .corpus_sources import split_document
+
     if isinstance(obj, dict) and "messages" in obj:
         yield check_conversation(obj, where), source
     elif isinstance(obj, dict) and isinstance(obj.get("text"), str):
@@ -176,6 +183,7 @@ class ShardWriter:
             return
         import pyarrow as pa
         import pyarrow.parquet as pq
+
         name = shard_name(len(self.names)) + ".parquet"
         path = self.directory / name
         if not (self.reuse and path.is_file()):
@@ -184,15 +192,28 @@ class ShardWriter:
             else:
                 message = pa.struct([("role", pa.string()), ("content", pa.string())])
                 column = pa.array([d["messages"] for d in self.docs], type=pa.list_(message))
-            table = pa.table({"text" if self.kind == TEXT else "messages": column,
-                              "source": pa.array(self.sources, type=pa.string())})
+            table = pa.table(
+                {
+                    "text" if self.kind == TEXT else "messages": column,
+                    "source": pa.array(self.sources, type=pa.string()),
+                }
+            )
             paths.replace_atomically(path, lambda tmp: pq.write_table(table, tmp, row_group_size=1024))
         self.names.append(name)
         self.docs, self.sources, self.chars = [], [], 0
 
 
-def write_dataset(name: str, kind: str, docs, *, config: dict, sources: list[dict], val_every: int,
-                  shard_chars: int, overwrite: bool = False) -> dict:
+def write_dataset(
+    name: str,
+    kind: str,
+    docs,
+    *,
+    config: dict,
+    sources: list[dict],
+    val_every: int,
+    shard_chars: int,
+    overwrite: bool = False,
+) -> dict:
     """Write data/<name>/ from (doc, source) pairs: document i goes to val when i % val_every == 0,
     else to train. `docs` is an iterable, or a function returning one (called only when there is
     work to do: nothing is downloaded for a dataset that is up to date). Returns the manifest.
@@ -203,8 +224,10 @@ def write_dataset(name: str, kind: str, docs, *, config: dict, sources: list[dic
     if not overwrite and manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("config") == config:
-            print(f"data/{name} is up to date ({manifest['docs']['train']} train + {manifest['docs']['val']} val "
-                  "documents); --overwrite rebuilds it")
+            print(
+                f"data/{name} is up to date ({manifest['docs']['train']} train + {manifest['docs']['val']} val "
+                "documents); --overwrite rebuilds it"
+            )
             return manifest
     reuse = not overwrite and started_path.is_file() and json.loads(started_path.read_text()) == config
     if not reuse:  # different options (or a forced rebuild): start from an empty directory
@@ -227,14 +250,21 @@ def write_dataset(name: str, kind: str, docs, *, config: dict, sources: list[dic
     for w in writers.values():
         w.flush()
     if writers["train"].n_docs == 0 or writers["val"].n_docs == 0:
-        raise UserError(f"data/{name}: {writers['train'].n_docs} train and {writers['val'].n_docs} val documents; "
-                        f"both need at least one (give more text, or lower --val-every)")
+        raise UserError(
+            f"data/{name}: {writers['train'].n_docs} train and {writers['val'].n_docs} val documents; "
+            f"both need at least one (give more text, or lower --val-every)"
+        )
     for source in sources:
         source.update(per_source.get(source["name"], {"docs": 0, "chars": 0}))
-    manifest = {"name": name, "kind": kind, "config": config, "sources": sources,
-                "shards": {split: writers[split].names for split in SPLITS},
-                "docs": {split: writers[split].n_docs for split in SPLITS},
-                "chars": sum(c["chars"] for c in per_source.values())}
+    manifest = {
+        "name": name,
+        "kind": kind,
+        "config": config,
+        "sources": sources,
+        "shards": {split: writers[split].names for split in SPLITS},
+        "docs": {split: writers[split].n_docs for split in SPLITS},
+        "chars": sum(c["chars"] for c in per_source.values()),
+    }
     _write_sources_md(root / "SOURCES.md", manifest)
     paths.write_json(manifest_path, manifest)
     started_path.unlink(missing_ok=True)
@@ -242,13 +272,20 @@ def write_dataset(name: str, kind: str, docs, *, config: dict, sources: list[dic
 
 
 def _write_sources_md(path: Path, manifest: dict):
-    lines = [f"# data/{manifest['name']}: sources and licences", "",
-             f"{manifest['docs']['train']:,} train and {manifest['docs']['val']:,} validation documents "
-             f"({manifest['kind']}), {manifest['chars']:,} characters.", "",
-             "| source | what | fetched as | licence | documents | characters |", "|---|---|---|---|---:|---:|"]
+    lines = [
+        f"# data/{manifest['name']}: sources and licences",
+        "",
+        f"{manifest['docs']['train']:,} train and {manifest['docs']['val']:,} validation documents "
+        f"({manifest['kind']}), {manifest['chars']:,} characters.",
+        "",
+        "| source | what | fetched as | licence | documents | characters |",
+        "|---|---|---|---|---:|---:|",
+    ]
     for s in manifest["sources"]:
-        lines.append(f"| {s['name']} | {s.get('about', '')} | {s.get('spec', '')} | {s.get('licence', '')} | "
-                     f"{s.get('docs', 0):,} | {s.get('chars', 0):,} |")
+        lines.append(
+            f"| {s['name']} | {s.get('about', '')} | {s.get('spec', '')} | {s.get('licence', '')} | "
+            f"{s.get('docs', 0):,} | {s.get('chars', 0):,} |"
+        )
     paths.replace_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
 
 
@@ -260,8 +297,9 @@ def read_dataset_manifest(name: str) -> dict:
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, OSError) as e:
-        raise UserError(f"{path} is unreadable ({e}); re-run `python -m nanochat_fast.scripts.prepare_data "
-                        "--overwrite`") from None
+        raise UserError(
+            f"{path} is unreadable ({e}); re-run `python -m nanochat_fast.scripts.prepare_data --overwrite`"
+        ) from None
 
 
 def prepared_datasets() -> list[str]:
@@ -282,8 +320,11 @@ def iter_texts(name: str, split: str = "train", doc_cap: int = 0):
 
 def read_parquet(path: Path, columns):
     import pyarrow.parquet as pq
+
     try:
         return pq.read_table(path, columns=columns)
     except Exception as e:
-        raise UserError(f"{path} is missing or unreadable ({type(e).__name__}: {e}); rebuild it with "
-                        "`python -m nanochat_fast.scripts.prepare_data --overwrite`") from None
+        raise UserError(
+            f"{path} is missing or unreadable ({type(e).__name__}: {e}); rebuild it with "
+            "`python -m nanochat_fast.scripts.prepare_data --overwrite`"
+        ) from None

@@ -10,6 +10,7 @@ the exact next batch, on any number of processes. A background thread packs the 
 the step runs (in C++ with the compiled packer); on CUDA rows are packed into pinned memory. The
 stream, the state and the prefetch in full: docs/measurements.md#packed-loaders.
 """
+
 import atexit
 import hashlib
 import sys
@@ -47,7 +48,7 @@ class DocStream:
             while count > 0:
                 shard, local = shards.locate(first)
                 n = min(count, len(shards.offsets[shard]) - 1 - local)
-                self.runs.append((tokens[shard], offsets[shard][local:local + n + 1], masks[shard]))
+                self.runs.append((tokens[shard], offsets[shard][local : local + n + 1], masks[shard]))
                 first, count = first + n, count - n
 
         done = 0  # shard documents placed so far
@@ -60,7 +61,7 @@ class DocStream:
             for j, at in enumerate(extra_at.tolist()):
                 shard_docs(done, at - j - done)  # the shard documents before epoch position `at`
                 done = at - j
-                self.runs.append((extra_tokens, extra_offsets[j:j + 2], extra_masks if with_mask else None))
+                self.runs.append((extra_tokens, extra_offsets[j : j + 2], extra_masks if with_mask else None))
         shard_docs(done, shards.n_docs - done)
         self.run_starts = np.cumsum([0] + [len(o) - 1 for _, o, _ in self.runs]).astype(np.int64)
 
@@ -75,9 +76,9 @@ class DocStream:
             tokens, offsets, mask = self.runs[r]
             # the packer reads the memory-mapped shard directly (conversations: tokens and mask)
             if mask is None:
-                packer.add(tokens, offsets[i - first:i - first + n + 1], p)
+                packer.add(tokens, offsets[i - first : i - first + n + 1], p)
             else:
-                packer.add(tokens, offsets[i - first:i - first + n + 1], p, mask, MASK_SHIFT)
+                packer.add(tokens, offsets[i - first : i - first + n + 1], p, mask, MASK_SHIFT)
             p += n
 
 
@@ -104,12 +105,29 @@ class TokenRowLoader:
 
     with_mask = False
 
-    def __init__(self, dataset: str = "base", split: str = "train", device_batch_size: int = 32,
-                 seq_len: int = 2048, rank: int = 0, world_size: int = 1, device="cpu", tokens_root=None,
-                 buffer_docs: int = 1000, prefetch=True, backend: str | None = None, _extra=None,
-                 _shards=None):
-        for name, value, low in (("device_batch_size", device_batch_size, 1), ("seq_len", seq_len, 1),
-                                 ("world_size", world_size, 1), ("buffer_docs", buffer_docs, 1), ("rank", rank, 0)):
+    def __init__(
+        self,
+        dataset: str = "base",
+        split: str = "train",
+        device_batch_size: int = 32,
+        seq_len: int = 2048,
+        rank: int = 0,
+        world_size: int = 1,
+        device="cpu",
+        tokens_root=None,
+        buffer_docs: int = 1000,
+        prefetch=True,
+        backend: str | None = None,
+        _extra=None,
+        _shards=None,
+    ):
+        for name, value, low in (
+            ("device_batch_size", device_batch_size, 1),
+            ("seq_len", seq_len, 1),
+            ("world_size", world_size, 1),
+            ("buffer_docs", buffer_docs, 1),
+            ("rank", rank, 0),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if rank >= world_size:
@@ -120,14 +138,23 @@ class TokenRowLoader:
         self.rows = device_batch_size * world_size  # the global batch packed at every micro-step
         self.shards = _shards if _shards is not None else TokenShards(dataset, split, tokens_root)
         if self.with_mask and self.shards.kind != CHAT:
-            raise UserError(f"dataset {dataset!r} holds prose, not conversations: use a conversation dataset "
-                            "(e.g. chat) for mid-training")
+            raise UserError(
+                f"dataset {dataset!r} holds prose, not conversations: use a conversation dataset "
+                "(e.g. chat) for mid-training"
+            )
         self._extra_digest = _digest(_extra) if _extra else None
         self.docs = DocStream(self.shards, self.with_mask, _extra)
         # (a buffer larger than the split would only hold several copies of its documents)
         buffer_docs = min(buffer_docs, self.docs.n_docs)
-        self._stream_args = (self.docs, self.rows, seq_len + 1, self.shards.bos_id, buffer_docs,
-                             MASK_SHIFT if self.with_mask else -1, backend)
+        self._stream_args = (
+            self.docs,
+            self.rows,
+            seq_len + 1,
+            self.shards.bos_id,
+            buffer_docs,
+            MASK_SHIFT if self.with_mask else -1,
+            backend,
+        )
         self._depth = 2 if prefetch is True else max(0, int(prefetch or 0))
         self._cuda = self.device.type == "cuda"
         if self._cuda:
@@ -213,27 +240,54 @@ class TokenRowLoader:
 
     def state_dict(self) -> dict:
         next_pos, buffer, batches, used, cropped = self._state
-        return {"version": STATE_VERSION, "dataset": self.dataset, "split": self.split, "n_docs": self.docs.n_docs,
-                "tokenizer": self.shards.fingerprint, "extra": self._extra_digest, "seq_len": self.seq_len,
-                "rows": self.rows, "next_pos": int(next_pos), "buffer": buffer.tolist(), "batches": int(batches),
-                "tokens_used": int(used), "tokens_cropped": int(cropped)}
+        return {
+            "version": STATE_VERSION,
+            "dataset": self.dataset,
+            "split": self.split,
+            "n_docs": self.docs.n_docs,
+            "tokenizer": self.shards.fingerprint,
+            "extra": self._extra_digest,
+            "seq_len": self.seq_len,
+            "rows": self.rows,
+            "next_pos": int(next_pos),
+            "buffer": buffer.tolist(),
+            "batches": int(batches),
+            "tokens_used": int(used),
+            "tokens_cropped": int(cropped),
+        }
 
     def load_state_dict(self, state: dict):
         """Continue from `state` (from state_dict(), possibly saved by a run with another world size)."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"state: not a loader state of version {STATE_VERSION}")
-        for key, mine in (("dataset", self.dataset), ("split", self.split), ("n_docs", self.docs.n_docs),
-                          ("tokenizer", self.shards.fingerprint), ("extra", self._extra_digest)):
+        for key, mine in (
+            ("dataset", self.dataset),
+            ("split", self.split),
+            ("n_docs", self.docs.n_docs),
+            ("tokenizer", self.shards.fingerprint),
+            ("extra", self._extra_digest),
+        ):
             if state.get(key) != mine:
-                raise ValueError(f"state: saved for {key}={state.get(key)!r} but this loader has {key}={mine!r} "
-                                 "(the data, tokenizer or extra conversations changed since it was saved)")
+                raise ValueError(
+                    f"state: saved for {key}={state.get(key)!r} but this loader has {key}={mine!r} "
+                    "(the data, tokenizer or extra conversations changed since it was saved)"
+                )
         if (state["rows"], state["seq_len"]) != (self.rows, self.seq_len) and self.rank == 0:
-            print(f"warning: resuming the data stream with {self.rows} rows of {self.seq_len + 1} tokens per "
-                  f"micro-step instead of {state['rows']} rows of {state['seq_len'] + 1}: documents are grouped into "
-                  "rows differently from the original run (none is repeated or skipped)", file=sys.stderr, flush=True)
+            print(
+                f"warning: resuming the data stream with {self.rows} rows of {self.seq_len + 1} tokens per "
+                f"micro-step instead of {state['rows']} rows of {state['seq_len'] + 1}: documents are grouped into "
+                "rows differently from the original run (none is repeated or skipped)",
+                file=sys.stderr,
+                flush=True,
+            )
         self._stop()
-        self._stream.restore(int(state["next_pos"]), [int(i) for i in state["buffer"]], int(state["batches"]),
-                             int(state["tokens_used"]), int(state["tokens_cropped"]))
+        self._stream.restore(
+            int(state["next_pos"]),
+            [int(i) for i in state["buffer"]],
+            int(state["batches"]),
+            int(state["tokens_used"]),
+            int(state["tokens_cropped"]),
+        )
         self._new_stream(self._stream)
 
     def reset(self):
@@ -268,27 +322,56 @@ class ConversationRowLoader(TokenRowLoader):
 
     with_mask = True
 
-    def __init__(self, dataset: str = "chat", split: str = "train", device_batch_size: int = 32,
-                 seq_len: int = 2048, rank: int = 0, world_size: int = 1, device="cpu", tokens_root=None,
-                 buffer_docs: int = 1000, prefetch=True, backend: str | None = None,
-                 extra_conversations: list[dict] | None = None, tokenizer=None, shards=None):
+    def __init__(
+        self,
+        dataset: str = "chat",
+        split: str = "train",
+        device_batch_size: int = 32,
+        seq_len: int = 2048,
+        rank: int = 0,
+        world_size: int = 1,
+        device="cpu",
+        tokens_root=None,
+        buffer_docs: int = 1000,
+        prefetch=True,
+        backend: str | None = None,
+        extra_conversations: list[dict] | None = None,
+        tokenizer=None,
+        shards=None,
+    ):
         extra = None
         if extra_conversations:
             if tokenizer is None:
                 from .tokenizer import get_tokenizer
+
                 tokenizer = get_tokenizer()
             shards = shards if shards is not None else TokenShards(dataset, split, tokens_root)
             if tokenizer.fingerprint != shards.fingerprint:
-                raise UserError(f"the token shards of {dataset!r} were made with another tokenizer; re-run "
-                                "`python -m nanochat_fast.scripts.prepare_data --stage=tokens`")
+                raise UserError(
+                    f"the token shards of {dataset!r} were made with another tokenizer; re-run "
+                    "`python -m nanochat_fast.scripts.prepare_data --stage=tokens`"
+                )
             extra = []
             for i, conv in enumerate(extra_conversations):
                 try:
                     extra.append(tokenizer.render_conversation(conv))
                 except ValueError as e:
                     raise ValueError(f"extra_conversations[{i}]: {e}") from None
-        super().__init__(dataset, split, device_batch_size, seq_len, rank, world_size, device, tokens_root,
-                         buffer_docs, prefetch, backend, _extra=extra, _shards=shards)
+        super().__init__(
+            dataset,
+            split,
+            device_batch_size,
+            seq_len,
+            rank,
+            world_size,
+            device,
+            tokens_root,
+            buffer_docs,
+            prefetch,
+            backend,
+            _extra=extra,
+            _shards=shards,
+        )
 
 
 def _split(rows: torch.Tensor, with_mask: bool):

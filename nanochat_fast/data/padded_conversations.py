@@ -14,11 +14,11 @@ The conversations come from a ConversationMixture (token shards and conversation
 memory, one index, a seeded order per epoch), read as one global stream with a global cursor, as
 the packed loaders are. How: docs/measurements.md#padded-conversations.
 """
+
 import hashlib
 
 import numpy as np
 import torch
-
 
 STATE_VERSION = 1
 
@@ -72,8 +72,16 @@ class PaddedConversationLoader:
     row of this rank's batch (at most seq_len). Iterates forever, epoch after epoch (module
     docstring); the interface of packed_loaders.TokenRowLoader that the training loop uses."""
 
-    def __init__(self, mixture: ConversationMixture, device_batch_size: int, seq_len: int, pad_id: int,
-                 rank: int = 0, world_size: int = 1, device="cpu"):
+    def __init__(
+        self,
+        mixture: ConversationMixture,
+        device_batch_size: int,
+        seq_len: int,
+        pad_id: int,
+        rank: int = 0,
+        world_size: int = 1,
+        device="cpu",
+    ):
         self.mixture, self.pad_id = mixture, pad_id
         self.device_batch_size, self.seq_len, self.rank, self.world_size = device_batch_size, seq_len, rank, world_size
         self.device = torch.device(device)
@@ -95,7 +103,7 @@ class PaddedConversationLoader:
 
     def collate(self, convs) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of (ids, mask) -> (inputs, targets), padded on the right to the longest row."""
-        convs = [(ids[:self.seq_len + 1], mask[:self.seq_len + 1]) for ids, mask in convs]
+        convs = [(ids[: self.seq_len + 1], mask[: self.seq_len + 1]) for ids, mask in convs]
         width = max(len(ids) for ids, _ in convs) - 1
         inputs = torch.full((len(convs), width), self.pad_id, dtype=torch.long)
         targets = torch.full((len(convs), width), -1, dtype=torch.long)
@@ -116,18 +124,29 @@ class PaddedConversationLoader:
         return self.cursor // self.mixture.n_docs
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "kind": "padded_conversations", "mixture": self.mixture.digest(),
-                "n_docs": self.mixture.n_docs, "cursor": self.cursor, "rows": self.rows}
+        return {
+            "version": STATE_VERSION,
+            "kind": "padded_conversations",
+            "mixture": self.mixture.digest(),
+            "n_docs": self.mixture.n_docs,
+            "cursor": self.cursor,
+            "rows": self.rows,
+        }
 
     def load_state_dict(self, state: dict):
         """Continue from `state`, saved by a run with any number of processes."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION or \
-                state.get("kind") != "padded_conversations":
+        if (
+            not isinstance(state, dict)
+            or state.get("version") != STATE_VERSION
+            or state.get("kind") != "padded_conversations"
+        ):
             raise ValueError("state: not a padded-conversation loader state")
         if state["mixture"] != self.mixture.digest():
-            raise ValueError(f"state: saved for another conversation mixture ({state['n_docs']:,} conversations; "
-                             f"this one has {self.mixture.n_docs:,}): the data, its tokenizer or "
-                             "--extra-conversations changed since it was saved")
+            raise ValueError(
+                f"state: saved for another conversation mixture ({state['n_docs']:,} conversations; "
+                f"this one has {self.mixture.n_docs:,}): the data, its tokenizer or "
+                "--extra-conversations changed since it was saved"
+            )
         self.cursor = int(state["cursor"])
 
     def close(self):

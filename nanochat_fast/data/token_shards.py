@@ -3,6 +3,7 @@ Token shards: a prepared dataset tokenized once, as arrays the loaders memory-ma
 tokens/<dataset>/: docs/measurements.md#prepared-data-on-disk). Each shard's .json is written last,
 so a shard without it is unfinished and is redone; a shard made with another tokenizer is redone too.
 """
+
 import json
 from pathlib import Path
 
@@ -18,8 +19,9 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
-def tokenize_dataset(name: str, tokenizer, *, overwrite: bool = False, num_threads: int = 8,
-                     batch_docs: int = 4096) -> dict:
+def tokenize_dataset(
+    name: str, tokenizer, *, overwrite: bool = False, num_threads: int = 8, batch_docs: int = 4096
+) -> dict:
     """Pre-tokenize data/<name>/ into tokens/<name>/ (every document starts with <|bos|>;
     conversations also get their loss mask). Complete shards made by this tokenizer from the
     current text shards are skipped. Returns {"tokens": n, "docs": n, "skipped_shards": n} over all
@@ -38,15 +40,24 @@ def tokenize_dataset(name: str, tokenizer, *, overwrite: bool = False, num_threa
             stem = shard.removesuffix(".parquet")
             meta_path = out_dir / f"{stem}.json"
             stat = source.stat() if source.is_file() else None
-            signature = {"source": f"{split}/{shard}", "source_bytes": stat and stat.st_size,
-                         "source_mtime_ns": stat and stat.st_mtime_ns}
+            signature = {
+                "source": f"{split}/{shard}",
+                "source_bytes": stat and stat.st_size,
+                "source_mtime_ns": stat and stat.st_mtime_ns,
+            }
             meta = None if overwrite else _current_shard_meta(meta_path, fingerprint, signature)
             if meta is not None:
                 totals["skipped_shards"] += 1
             else:
                 meta = _tokenize_shard(source, kind, tokenizer, out_dir, stem, dtype, num_threads, batch_docs)
-                meta.update(signature, tokenizer=fingerprint, bos_id=bos, vocab_size=tokenizer.get_vocab_size(),
-                            kind=kind, format=FORMAT_VERSION)
+                meta.update(
+                    signature,
+                    tokenizer=fingerprint,
+                    bos_id=bos,
+                    vocab_size=tokenizer.get_vocab_size(),
+                    kind=kind,
+                    format=FORMAT_VERSION,
+                )
                 paths.write_json(meta_path, meta)  # last: the shard is complete
             totals["tokens"] += meta["n_tokens"]
             totals["docs"] += meta["n_docs"]
@@ -69,8 +80,11 @@ def _current_shard_meta(meta_path: Path, fingerprint: str, signature: dict) -> d
     except (OSError, json.JSONDecodeError):
         return None
     files = [meta_path.with_name(meta_path.stem + ext) for ext in (".tokens.npy", ".offsets.npy")]
-    current = (meta.get("tokenizer") == fingerprint and all(meta.get(k) == v for k, v in signature.items())
-               and all(f.is_file() for f in files))
+    current = (
+        meta.get("tokenizer") == fingerprint
+        and all(meta.get(k) == v for k, v in signature.items())
+        and all(f.is_file() for f in files)
+    )
     return meta if current else None
 
 
@@ -80,7 +94,7 @@ def _tokenize_shard(source: Path, kind: str, tokenizer, out_dir: Path, stem: str
     docs, masks = [], []
     bos = tokenizer.get_bos_token_id()
     for start in range(0, len(values), batch_docs):
-        batch = values[start:start + batch_docs]
+        batch = values[start : start + batch_docs]
         if kind == TEXT:  # (numpy right away: a list of Python ints costs ~30 bytes a token)
             docs += [np.asarray(ids, dtype) for ids in tokenizer.encode(batch, prepend=bos, num_threads=num_threads)]
         else:
@@ -97,16 +111,21 @@ def write_token_shard(out_dir: Path, stem: str, docs, masks=None, dtype=np.uint1
     lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    arrays = {"tokens": np.concatenate([np.asarray(d, dtype=dtype) for d in docs]) if docs else np.zeros(0, dtype),
-              "offsets": offsets}
+    arrays = {
+        "tokens": np.concatenate([np.asarray(d, dtype=dtype) for d in docs]) if docs else np.zeros(0, dtype),
+        "offsets": offsets,
+    }
     if masks is not None:
-        arrays["mask"] = (np.concatenate([np.asarray(m, dtype=np.uint8) for m in masks]) if masks
-                          else np.zeros(0, np.uint8))
+        arrays["mask"] = (
+            np.concatenate([np.asarray(m, dtype=np.uint8) for m in masks]) if masks else np.zeros(0, np.uint8)
+        )
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     for what, array in arrays.items():
+
         def save(tmp, array=array):
             with open(tmp, "wb") as f:
                 np.save(f, array)
+
         paths.replace_atomically(Path(out_dir) / f"{stem}.{what}.npy", save)
     counts = {"n_docs": len(docs), "n_tokens": int(offsets[-1]), "dtype": np.dtype(dtype).name}
     if meta is not None:
@@ -126,21 +145,33 @@ class TokenShards:
             raise UserError(f"no token shards in {self.directory}: prepare them with {prepare}")
         self.tokens, self.offsets, self.masks, self.meta = [], [], [], []
         for meta_path in metas:
+
             def fail(why, meta_path=meta_path):
-                return UserError(f"token shard {meta_path.with_suffix('')} is {why}; rebuild it with "
-                                 "`python -m nanochat_fast.scripts.prepare_data --stage=tokens --overwrite`")
+                return UserError(
+                    f"token shard {meta_path.with_suffix('')} is {why}; rebuild it with "
+                    "`python -m nanochat_fast.scripts.prepare_data --stage=tokens --overwrite`"
+                )
+
             try:
                 meta = json.loads(meta_path.read_text())
                 # mmap_mode="c": copy-on-write pages, so torch.from_numpy gets a writable array without a copy
                 tokens = np.load(meta_path.with_name(meta_path.stem + ".tokens.npy"), mmap_mode="c")
                 offsets = np.load(meta_path.with_name(meta_path.stem + ".offsets.npy"))
-                mask = (np.load(meta_path.with_name(meta_path.stem + ".mask.npy"), mmap_mode="c")
-                        if meta.get("kind") == CHAT else None)
+                mask = (
+                    np.load(meta_path.with_name(meta_path.stem + ".mask.npy"), mmap_mode="c")
+                    if meta.get("kind") == CHAT
+                    else None
+                )
             except Exception as e:
                 raise fail(f"missing or unreadable ({type(e).__name__}: {e})") from None
             n_docs, n_tokens = meta.get("n_docs"), meta.get("n_tokens")
-            if (tokens.shape != (n_tokens,) or offsets.shape != (n_docs + 1,) or offsets[0] != 0
-                    or offsets[-1] != n_tokens or (mask is not None and mask.shape != tokens.shape)):
+            if (
+                tokens.shape != (n_tokens,)
+                or offsets.shape != (n_docs + 1,)
+                or offsets[0] != 0
+                or offsets[-1] != n_tokens
+                or (mask is not None and mask.shape != tokens.shape)
+            ):
                 raise fail("truncated or inconsistent with its .json")
             if n_docs == 0:
                 continue
@@ -153,8 +184,10 @@ class TokenShards:
         first = self.meta[0]
         for meta in self.meta[1:]:
             if any(meta[key] != first[key] for key in ("tokenizer", "bos_id", "kind")):
-                raise UserError(f"the token shards in {self.directory} come from different tokenizers or kinds; "
-                                "re-run `python -m nanochat_fast.scripts.prepare_data --stage=tokens`")
+                raise UserError(
+                    f"the token shards in {self.directory} come from different tokenizers or kinds; "
+                    "re-run `python -m nanochat_fast.scripts.prepare_data --stage=tokens`"
+                )
         self.kind, self.bos_id, self.fingerprint = first["kind"], first["bos_id"], first["tokenizer"]
         self.doc_starts = np.cumsum([0] + [m["n_docs"] for m in self.meta])  # global index of each shard's first doc
         self.n_docs = int(self.doc_starts[-1])

@@ -14,6 +14,7 @@ Conversations are {"messages": [{"role": "user"|"assistant"|"system", "content":
 are rendered with the special tokens below; only what the assistant says (and its <|assistant_end|>)
 is supervised.
 """
+
 import base64
 import functools
 import hashlib
@@ -26,15 +27,21 @@ from ..core import paths
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # every document begins with it
-    "<|user_start|>", "<|user_end|>",
-    "<|assistant_start|>", "<|assistant_end|>",
-    "<|python_start|>", "<|python_end|>",  # the assistant calls the python tool
-    "<|output_start|>", "<|output_end|>",  # the tool's output, written back into the conversation
+    "<|user_start|>",
+    "<|user_end|>",
+    "<|assistant_start|>",
+    "<|assistant_end|>",
+    "<|python_start|>",
+    "<|python_end|>",  # the assistant calls the python tool
+    "<|output_start|>",
+    "<|output_end|>",  # the tool's output, written back into the conversation
 ]
 
 # GPT-4's split pattern with numbers split into runs of at most 2 digits (not 3): with a small
 # vocabulary, fewer number tokens leave room for words (nanochat's choice).
-SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
 
 RANKS_FILE = "tokenizer.tiktoken"
 META_FILE = "tokenizer.json"
@@ -45,12 +52,17 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special token
 class Tokenizer:
     """BPE over bytes with nanochat's special tokens; a thin layer over a tiktoken.Encoding."""
 
-    def __init__(self, mergeable_ranks: dict[bytes, int], pattern: str = SPLIT_PATTERN,
-                 special_tokens: list[str] = SPECIAL_TOKENS):
+    def __init__(
+        self,
+        mergeable_ranks: dict[bytes, int],
+        pattern: str = SPLIT_PATTERN,
+        special_tokens: list[str] = SPECIAL_TOKENS,
+    ):
         offset = len(mergeable_ranks)
         self.special_tokens = {name: offset + i for i, name in enumerate(special_tokens)}
-        self.enc = tiktoken.Encoding(name="nanochat_fast", pat_str=pattern, mergeable_ranks=mergeable_ranks,
-                                     special_tokens=self.special_tokens)
+        self.enc = tiktoken.Encoding(
+            name="nanochat_fast", pat_str=pattern, mergeable_ranks=mergeable_ranks, special_tokens=self.special_tokens
+        )
         self.pattern = pattern
         self.bos_token_id = self.special_tokens["<|bos|>"]
 
@@ -62,9 +74,12 @@ class Tokenizer:
         """Train BPE on an iterator of strings; vocab_size counts the special tokens too. A text too
         small or too repetitive to supply that many merges gives a smaller vocabulary."""
         if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
-            raise ValueError(f"vocab_size must be an int >= {MIN_VOCAB_SIZE} (256 bytes + "
-                             f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size!r}")
+            raise ValueError(
+                f"vocab_size must be an int >= {MIN_VOCAB_SIZE} (256 bytes + "
+                f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size!r}"
+            )
         import rustbpe  # only training needs it
+
         trainer = rustbpe.Tokenizer()
         trainer.train_from_iterator(iter(texts), vocab_size - len(SPECIAL_TOKENS), pattern=pattern)
         ranks = {bytes(token): rank for token, rank in trainer.get_mergeable_ranks()}
@@ -77,8 +92,7 @@ class Tokenizer:
         ranks = sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1])
         lines = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks)
         paths.replace_atomically(directory / RANKS_FILE, lambda tmp: tmp.write_text(lines))
-        meta = {"pattern": self.pattern, "special_tokens": self.special_tokens,
-                "vocab_size": self.get_vocab_size()}
+        meta = {"pattern": self.pattern, "special_tokens": self.special_tokens, "vocab_size": self.get_vocab_size()}
         paths.write_json(directory / META_FILE, meta)
         return directory
 
@@ -88,8 +102,9 @@ class Tokenizer:
         ranks_path, meta_path = directory / RANKS_FILE, directory / META_FILE
         for p in (ranks_path, meta_path):
             if not p.is_file():
-                raise FileNotFoundError(f"{p} is missing: train a tokenizer with "
-                                        "`python -m nanochat_fast.scripts.tok_train`")
+                raise FileNotFoundError(
+                    f"{p} is missing: train a tokenizer with `python -m nanochat_fast.scripts.tok_train`"
+                )
         try:
             # tiktoken's format, parsed here: tiktoken.load.load_tiktoken_bpe caches files by path in
             # a temp dir, so it would keep returning the ranks of a tokenizer trained before
@@ -102,8 +117,10 @@ class Tokenizer:
             specials = sorted(meta["special_tokens"], key=meta["special_tokens"].get)
             tok = cls(ranks, meta["pattern"], specials)
         except Exception as e:  # truncated or hand-edited files
-            raise ValueError(f"cannot read the tokenizer in {directory} ({type(e).__name__}: {e}); "
-                             "retrain it with `python -m nanochat_fast.scripts.tok_train`") from e
+            raise ValueError(
+                f"cannot read the tokenizer in {directory} ({type(e).__name__}: {e}); "
+                "retrain it with `python -m nanochat_fast.scripts.tok_train`"
+            ) from e
         if tok.special_tokens != meta["special_tokens"]:
             raise ValueError(f"{meta_path}: special token ids do not follow the ranks; retrain the tokenizer")
         return tok
@@ -141,8 +158,9 @@ class Tokenizer:
     def token_byte_lengths(self) -> list[int]:
         """Bytes per token id, 0 for the special tokens (they stand for no text)."""
         specials = set(self.special_tokens.values())
-        return [0 if i in specials else len(self.enc.decode_single_token_bytes(i))
-                for i in range(self.get_vocab_size())]
+        return [
+            0 if i in specials else len(self.enc.decode_single_token_bytes(i)) for i in range(self.get_vocab_size())
+        ]
 
     # -----------------------------------------------------------------------------------------
     # text
@@ -198,8 +216,9 @@ class Tokenizer:
             want = "user" if i % 2 == 0 else "assistant"
             if not isinstance(m, dict) or m.get("role") != want:
                 got = m.get("role") if isinstance(m, dict) else type(m).__name__
-                raise ValueError(f"conversation: message {i} must be from the {want} (roles alternate, "
-                                 f"user first), got {got!r}")
+                raise ValueError(
+                    f"conversation: message {i} must be from the {want} (roles alternate, user first), got {got!r}"
+                )
         return messages
 
     def render_conversation(self, conversation, max_tokens: int | None = None):
@@ -258,10 +277,13 @@ class Tokenizer:
 def get_tokenizer(directory=None) -> Tokenizer:
     """The trained tokenizer under NANOCHAT_FAST_HOME (or `directory`); a UserError when missing."""
     from ..core.errors import UserError
+
     directory = Path(directory) if directory is not None else paths.tokenizer_dir()
     if not (directory / RANKS_FILE).is_file():
-        raise UserError(f"no tokenizer in {directory}: run `python -m nanochat_fast.scripts.tok_train` "
-                        "(after `python -m nanochat_fast.scripts.prepare_data`)")
+        raise UserError(
+            f"no tokenizer in {directory}: run `python -m nanochat_fast.scripts.tok_train` "
+            "(after `python -m nanochat_fast.scripts.prepare_data`)"
+        )
     try:
         return Tokenizer.load(directory)
     except (ValueError, FileNotFoundError) as e:
@@ -271,12 +293,14 @@ def get_tokenizer(directory=None) -> Tokenizer:
 def token_bytes_tensor(tokenizer: Tokenizer):
     """int32[vocab]: token_byte_lengths as token_bytes.pt holds them (ours and nanochat's alike)."""
     import torch
+
     return torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.int32)
 
 
 def save_token_bytes(tokenizer: Tokenizer, directory) -> Path:
     """Write directory/token_bytes.pt (token_bytes_tensor), replaced atomically."""
     import torch
+
     token_bytes = token_bytes_tensor(tokenizer)
     path = Path(directory) / TOKEN_BYTES_FILE
     paths.replace_atomically(path, lambda tmp: torch.save(token_bytes, tmp))
@@ -286,7 +310,9 @@ def save_token_bytes(tokenizer: Tokenizer, directory) -> Path:
 def get_token_bytes(device="cpu", directory=None):
     """int32[vocab] bytes per token (0 for special tokens), for bits-per-byte."""
     import torch
+
     from ..core.errors import UserError
+
     directory = Path(directory) if directory is not None else paths.tokenizer_dir()
     path = directory / TOKEN_BYTES_FILE
     if not path.is_file():

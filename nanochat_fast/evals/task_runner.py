@@ -13,6 +13,7 @@ Each rank scores its shard of the examples (every world_size-th, scoring.shard) 
 total] is summed over ranks, so N processes count exactly what one process counts. A progress bar
 (tqdm) shows rank 0's share of the work when stderr is a terminal.
 """
+
 import json
 import sys
 import time
@@ -34,6 +35,7 @@ FORMAT_VERSION = 1
 @dataclass
 class TaskResult:
     """A task's counts over every rank, and what they mean."""
+
     task: str
     kind: str
     split: str
@@ -41,8 +43,8 @@ class TaskResult:
     total: int
     chance: float
     seconds: float
-    settings: dict = field(default_factory=dict)   # max_examples, num_samples, ... as run
-    truncated: int = 0                             # prompts longer than the context, cut to their end
+    settings: dict = field(default_factory=dict)  # max_examples, num_samples, ... as run
+    truncated: int = 0  # prompts longer than the context, cut to their end
 
     @property
     def accuracy(self) -> float:
@@ -57,9 +59,11 @@ class TaskResult:
 
     def line(self) -> str:
         lo, hi = self.interval
-        return (f"{self.task}: {100 * self.accuracy:.2f}% ({self.correct}/{self.total} {self.split}) | chance "
-                f"{100 * self.chance:.0f}% | 95% interval {100 * lo:.1f}%-{100 * hi:.1f}% | {self.seconds:.1f} s"
-                + (f" | {truncated_note(self.truncated, self.total)}" if self.truncated else ""))
+        return (
+            f"{self.task}: {100 * self.accuracy:.2f}% ({self.correct}/{self.total} {self.split}) | chance "
+            f"{100 * self.chance:.0f}% | 95% interval {100 * lo:.1f}%-{100 * hi:.1f}% | {self.seconds:.1f} s"
+            + (f" | {truncated_note(self.truncated, self.total)}" if self.truncated else "")
+        )
 
 
 def truncated_note(truncated: int, total: int) -> str:
@@ -68,20 +72,35 @@ def truncated_note(truncated: int, total: int) -> str:
 
 def examples_bar(total: int, desc: str, enabled: bool):
     """A task's progress in examples, shown only when enabled and stderr is a terminal."""
-    return progress_bar(total=total, desc=desc, unit="example", leave=False,
-                        disable=not (enabled and sys.stderr.isatty()))
+    return progress_bar(
+        total=total, desc=desc, unit="example", leave=False, disable=not (enabled and sys.stderr.isatty())
+    )
 
 
 def summed(counts: scoring.Counts, device) -> tuple[int, int, int]:
     """[correct, total, truncated] over every rank."""
-    both = all_reduce_sum(torch.tensor([counts.correct, counts.total, counts.truncated], dtype=torch.long,
-                                       device=device))
+    both = all_reduce_sum(
+        torch.tensor([counts.correct, counts.total, counts.truncated], dtype=torch.long, device=device)
+    )
     return int(both[0]), int(both[1]), int(both[2])
 
 
-def chat_task(model, tokenizer, task, examples: list[dict], rank: int = 0, world_size: int = 1, batch_size: int = 8,
-              num_samples: int = 1, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = 50,
-              seed: int = 42, progress: bool = False, settings: dict | None = None) -> TaskResult:
+def chat_task(
+    model,
+    tokenizer,
+    task,
+    examples: list[dict],
+    rank: int = 0,
+    world_size: int = 1,
+    batch_size: int = 8,
+    num_samples: int = 1,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int | None = 50,
+    seed: int = 42,
+    progress: bool = False,
+    settings: dict | None = None,
+) -> TaskResult:
     """`task` on `examples` (the same list on every rank): categorical tasks by the answer letters'
     logits in batches of batch_size prompts, generative ones by sampling (calculator on; pass@k with
     num_samples > 1) and checking."""
@@ -92,33 +111,65 @@ def chat_task(model, tokenizer, task, examples: list[dict], rank: int = 0, world
             counts = scoring.categorical_counts(model, tokenizer, task, mine, batch_size, on_batch=bar.update)
         else:
             for ex in mine:
-                counts += scoring.generative_counts(model, tokenizer, task, [ex], num_samples, max_new_tokens,
-                                                    temperature, top_k, seed)
+                counts += scoring.generative_counts(
+                    model, tokenizer, task, [ex], num_samples, max_new_tokens, temperature, top_k, seed
+                )
                 bar.update(1)
     correct, total, truncated = summed(counts, model.get_device())
-    return TaskResult(task.name, task.kind, task.eval_split, correct, total, task.chance, time.time() - start,
-                      settings or {}, truncated)
+    return TaskResult(
+        task.name,
+        task.kind,
+        task.eval_split,
+        correct,
+        total,
+        task.chance,
+        time.time() - start,
+        settings or {},
+        truncated,
+    )
 
 
-def evaluate_pass_at_k(model, tokenizer, task, examples: list[dict], rank: int = 0, world_size: int = 1,
-                       num_samples: int = 1, max_new_tokens: int = 256, temperature: float = 1.0,
-                       top_k: int | None = 50, seed: int = 42) -> dict:
+def evaluate_pass_at_k(
+    model,
+    tokenizer,
+    task,
+    examples: list[dict],
+    rank: int = 0,
+    world_size: int = 1,
+    num_samples: int = 1,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    top_k: int | None = 50,
+    seed: int = 42,
+) -> dict:
     """{"pass@k": value} for k = 1..num_samples on `examples` (the same list on every rank; each
     rank samples its shard): num_samples replies per question (scoring.generative_counts), each
     question's unbiased pass@k (scoring.pass_at_k), averaged over the questions of every rank."""
     mine = [examples[i] for i in scoring.shard(len(examples), rank, world_size)]
-    counts = scoring.generative_counts(model, tokenizer, task, mine, num_samples, max_new_tokens, temperature, top_k,
-                                       seed)
+    counts = scoring.generative_counts(
+        model, tokenizer, task, mine, num_samples, max_new_tokens, temperature, top_k, seed
+    )
     sums = torch.zeros(num_samples + 1, dtype=torch.float64)
     for record in counts.records:
-        sums += torch.tensor([scoring.pass_at_k(num_samples, record["samples_right"], k)
-                              for k in range(1, num_samples + 1)] + [1.0], dtype=torch.float64)
+        sums += torch.tensor(
+            [scoring.pass_at_k(num_samples, record["samples_right"], k) for k in range(1, num_samples + 1)] + [1.0],
+            dtype=torch.float64,
+        )
     sums = all_reduce_sum(sums.to(model.get_device())).tolist()
     return {f"pass@{k}": sums[k - 1] / sums[-1] for k in range(1, num_samples + 1)}
 
 
-def core_subset(model, tokenizer, core_tasks, max_examples: int | None = None, rank: int = 0, world_size: int = 1,
-                batch_size: int = 16, progress: bool = False, on_task=None) -> dict:
+def core_subset(
+    model,
+    tokenizer,
+    core_tasks,
+    max_examples: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    batch_size: int = 16,
+    progress: bool = False,
+    on_task=None,
+) -> dict:
     """Accuracy on each CORE task (few-shot likelihood of the choices; the items are loaded on every
     rank, each scores its shard), then scoring.core_summary: the centred mean and its name.
     on_task(label, correct, total, accuracy, centred, seconds, truncated) is called as each task finishes."""
@@ -130,16 +181,29 @@ def core_subset(model, tokenizer, core_tasks, max_examples: int | None = None, r
         local = scoring.Counts()
         with examples_bar(len(mine), task.name, progress and rank == 0) as bar:
             for i in range(0, len(mine), batch_size):
-                indices = mine[i:i + batch_size]
+                indices = mine[i : i + batch_size]
                 local += scoring.core_counts(model, tokenizer, task, items, indices=indices, batch_size=batch_size)
                 bar.update(len(indices))
         correct, total, truncated = summed(local, model.get_device())
         accuracies[task.name], chances[task.name] = correct / total, task.chance
-        counts[task.name] = {"correct": correct, "total": total, "split": task.eval_split,
-                             "shots": task.num_fewshot, "seconds": time.time() - start, "truncated": truncated}
+        counts[task.name] = {
+            "correct": correct,
+            "total": total,
+            "split": task.eval_split,
+            "shots": task.num_fewshot,
+            "seconds": time.time() - start,
+            "truncated": truncated,
+        }
         if on_task is not None:
-            on_task(task.name, correct, total, accuracies[task.name],
-                    scoring.centered(accuracies[task.name], task.chance), time.time() - start, truncated)
+            on_task(
+                task.name,
+                correct,
+                total,
+                accuracies[task.name],
+                scoring.centered(accuracies[task.name], task.chance),
+                time.time() - start,
+                truncated,
+            )
     return {**scoring.core_summary(accuracies, chances), "chance": chances, "counts": counts}
 
 

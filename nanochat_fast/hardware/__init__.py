@@ -12,8 +12,54 @@ What this machine gives a training process, measured once and cached:
     python -m nanochat_fast.hardware            threads, peaks, bandwidth, dtype timings cached here
     python -m nanochat_fast.hardware --tune     measure them again
 """
-from .machine import cpu_bf16_support, cpu_model, device_name, machine_key  # noqa: F401
-from .peak import (DATASHEET_BF16, Peak, datasheet_peak, format_flops, measure_matmul_rate,  # noqa: F401
-                   measured_peaks, mfu, mfu_text, peak_flops, revise_peak)
-from .bandwidth import (DATASHEET_BANDWIDTH, Bandwidth, datasheet_bandwidth, format_bandwidth,  # noqa: F401
-                        mbu, mbu_text, measure_read_bandwidth, measured_bandwidth, memory_bandwidth)
+
+from .bandwidth import (
+    DATASHEET_BANDWIDTH,
+    Bandwidth,
+    datasheet_bandwidth,
+    format_bandwidth,
+    mbu,
+    mbu_text,
+    measure_read_bandwidth,
+    measured_bandwidth,
+    memory_bandwidth,
+)
+from .machine import cpu_bf16_support, cpu_model, device_name, machine_key
+from .peak import (
+    DATASHEET_BF16,
+    Peak,
+    datasheet_peak,
+    format_flops,
+    measure_matmul_rate,
+    measured_peaks,
+    mfu,
+    mfu_text,
+    peak_flops,
+    revise_peak,
+)
+
+__all__ = [
+    "cpu_bf16_support",
+    "cpu_model",
+    "device_name",
+    "machine_key",
+    "DATASHEET_BF16",
+    "Peak",
+    "datasheet_peak",
+    "format_flops",
+    "measure_matmul_rate",
+    "measured_peaks",
+    "mfu",
+    "mfu_text",
+    "peak_flops",
+    "revise_peak",
+    "DATASHEET_BANDWIDTH",
+    "Bandwidth",
+    "datasheet_bandwidth",
+    "format_bandwidth",
+    "mbu",
+    "mbu_text",
+    "measure_read_bandwidth",
+    "measured_bandwidth",
+    "memory_bandwidth",
+]

@@ -8,6 +8,7 @@ bandwidth and every cached timing again; with --depth (and the batch flags) it a
 model (the vocabulary of the tokenizer trained here, else 65,536) and its Muon matrices, as
 base_train would.
 """
+
 import torch
 
 from ..core import cli, paths, threads
@@ -21,10 +22,15 @@ from .cache import age_days
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.hardware", description=__doc__.split("\n\n")[1])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda", "mps"])
-    p.add_argument("--tune", action="store_true",
-                   help="measure the peaks, the bandwidth and the cached dtype timings again")
-    p.add_argument("--budget", type=cli.non_negative_float, default=tuning.MAX_SECONDS,
-                   help="seconds each timing may take (--tune)")
+    p.add_argument(
+        "--tune", action="store_true", help="measure the peaks, the bandwidth and the cached dtype timings again"
+    )
+    p.add_argument(
+        "--budget",
+        type=cli.non_negative_float,
+        default=tuning.MAX_SECONDS,
+        help="seconds each timing may take (--tune)",
+    )
     p.add_argument("--depth", type=cli.positive_int, default=None, help="also time this model (--tune)")
     p.add_argument("--max-seq-len", type=cli.positive_int, default=2048, help="with --depth: tokens per row")
     p.add_argument("--device-batch-size", type=cli.positive_int, default=32, help="with --depth: rows per micro-step")
@@ -39,15 +45,18 @@ def main(argv=None) -> int:
     works = []
     if args.tune:  # every timing planned, and checked against the budget, before anything is written
         if args.depth:
-            works += model_setup.tuning_works(args.depth, vocab_size(), args.max_seq_len, args.device_batch_size,
-                                         args.device)
+            works += model_setup.tuning_works(
+                args.depth, vocab_size(), args.max_seq_len, args.device_batch_size, args.device
+            )
         works += tuning.cached_works(args.device)
         for work in works:
             tuning.check_fits(work, rates, args.budget)
         peak.store_peaks(args.device, rates)
     print(f"device: {peak.device_name(args.device)}")
-    print(f"peak: {peak.peak_flops(args.device).describe()} (probe of {rates['probe_seconds']} s on "
-          f"{rates['measured']}; {peak.CACHE.path})")
+    print(
+        f"peak: {peak.peak_flops(args.device).describe()} (probe of {rates['probe_seconds']} s on "
+        f"{rates['measured']}; {peak.CACHE.path})"
+    )
     print(f"bandwidth: {bandwidth_line(args.device, args.tune)}")
     for work in works:
         show("timed", tuning.measure(work, args.device, args.budget, remeasure=True, strict=True))
@@ -64,6 +73,7 @@ def main(argv=None) -> int:
 def vocab_size() -> int:
     """The trained tokenizer's vocabulary, else nanochat's default of 65,536."""
     from ..data.tokenizer import RANKS_FILE, get_tokenizer
+
     return get_tokenizer().get_vocab_size() if (paths.tokenizer_dir() / RANKS_FILE).is_file() else 65536
 
 
@@ -73,8 +83,10 @@ def bandwidth_line(device, remeasure: bool) -> str:
     if found.source == "datasheet":
         return found.describe()
     e = bandwidth.measured_bandwidth(device)
-    return (f"{found.describe()} (probe of {e['probe_seconds']} s reading {e['buffer_bytes'] / 2**20:.0f} MiB on "
-            f"{e['measured']}; {bandwidth.CACHE.path})")
+    return (
+        f"{found.describe()} (probe of {e['probe_seconds']} s reading {e['buffer_bytes'] / 2**20:.0f} MiB on "
+        f"{e['measured']}; {bandwidth.CACHE.path})"
+    )
 
 
 def show(how: str, timing: tuning.Timing):

@@ -10,6 +10,7 @@ own threads, best of PROBE_ROUNDS rounds, cached by the peak probe's rules (cach
 it reads, why one thread is timed too, and what MBU means on a shared CPU:
 docs/measurements.md#memory-bandwidth-probe.
 """
+
 import math
 import time
 from dataclasses import dataclass
@@ -23,38 +24,44 @@ from .peak import format_rate, utilisation
 # Memory bandwidth in bytes/s from the vendors' datasheets (decimal units, as they are quoted), by
 # the exact name torch.cuda.get_device_name() reports: the rows of peak.DATASHEET_BF16.
 DATASHEET_BANDWIDTH = {
-    "NVIDIA B200": 8.0e12,              # HBM3e, 8 TB/s
-    "NVIDIA H200": 4.8e12,              # SXM, HBM3e 141 GB, 4.8 TB/s
-    "NVIDIA H200 NVL": 4.8e12,          # PCIe, HBM3e 141 GB, 4.8 TB/s
-    "NVIDIA GH200 480GB": 4.0e12,       # the 96 GB HBM3 superchip, 4 TB/s (144 GB HBM3e: 4.9)
-    "NVIDIA H100 80GB HBM3": 3.35e12,   # SXM5, HBM3, 3.35 TB/s
-    "NVIDIA H100 NVL": 3.9e12,          # HBM3 94 GB, 3.9 TB/s
-    "NVIDIA H100 PCIe": 2.0e12,         # HBM2e 80 GB, 2 TB/s
+    "NVIDIA B200": 8.0e12,  # HBM3e, 8 TB/s
+    "NVIDIA H200": 4.8e12,  # SXM, HBM3e 141 GB, 4.8 TB/s
+    "NVIDIA H200 NVL": 4.8e12,  # PCIe, HBM3e 141 GB, 4.8 TB/s
+    "NVIDIA GH200 480GB": 4.0e12,  # the 96 GB HBM3 superchip, 4 TB/s (144 GB HBM3e: 4.9)
+    "NVIDIA H100 80GB HBM3": 3.35e12,  # SXM5, HBM3, 3.35 TB/s
+    "NVIDIA H100 NVL": 3.9e12,  # HBM3 94 GB, 3.9 TB/s
+    "NVIDIA H100 PCIe": 2.0e12,  # HBM2e 80 GB, 2 TB/s
     "NVIDIA A100-SXM4-80GB": 2.039e12,  # HBM2e, 2,039 GB/s
     "NVIDIA A100-SXM4-40GB": 1.555e12,  # HBM2, 1,555 GB/s
     "NVIDIA A100 80GB PCIe": 1.935e12,  # HBM2e, 1,935 GB/s
     "NVIDIA A100-PCIE-40GB": 1.555e12,  # HBM2, 1,555 GB/s
-    "NVIDIA L40S": 864e9,               # GDDR6 48 GB, 864 GB/s
-    "NVIDIA L40": 864e9,                # GDDR6 48 GB, 864 GB/s
-    "NVIDIA L4": 300e9,                 # GDDR6 24 GB, 300 GB/s
-    "NVIDIA A10": 600e9,                # GDDR6 24 GB, 600 GB/s
+    "NVIDIA L40S": 864e9,  # GDDR6 48 GB, 864 GB/s
+    "NVIDIA L40": 864e9,  # GDDR6 48 GB, 864 GB/s
+    "NVIDIA L4": 300e9,  # GDDR6 24 GB, 300 GB/s
+    "NVIDIA A10": 600e9,  # GDDR6 24 GB, 600 GB/s
     "NVIDIA GeForce RTX 4090": 1.008e12,  # GDDR6X 24 GB, 1,008 GB/s
-    "NVIDIA GeForce RTX 3090": 936e9,   # GDDR6X 24 GB, 936 GB/s
+    "NVIDIA GeForce RTX 3090": 936e9,  # GDDR6X 24 GB, 936 GB/s
 }
 PROBE_ROUNDS = 5
-MIN_BUFFER = 256 << 20     # bytes the probe reads per pass, at least ...
-LLC_MULTIPLE = 4           # ... and this many times the last-level cache (a streaming pass then misses it)
+MIN_BUFFER = 256 << 20  # bytes the probe reads per pass, at least ...
+LLC_MULTIPLE = 4  # ... and this many times the last-level cache (a streaming pass then misses it)
 MAX_BUFFER = 1 << 30
-GPU_BUFFER = 1 << 30       # an unknown GPU's buffer: a pass of a few ms dwarfs the launch and sync
-CACHE = ProbeCache("memory_bandwidth.json", version=1, valid=lambda e: isinstance(e.get("bytes_per_s"), (int, float))
-                   and math.isfinite(e["bytes_per_s"]) and e["bytes_per_s"] > 0, probe=lambda device: _probe(device))
+GPU_BUFFER = 1 << 30  # an unknown GPU's buffer: a pass of a few ms dwarfs the launch and sync
+CACHE = ProbeCache(
+    "memory_bandwidth.json",
+    version=1,
+    valid=lambda e: (
+        isinstance(e.get("bytes_per_s"), (int, float)) and math.isfinite(e["bytes_per_s"]) and e["bytes_per_s"] > 0
+    ),
+    probe=lambda device: _probe(device),
+)
 
 
 @dataclass(frozen=True)
 class Bandwidth:
-    bytes_per_s: float    # what one process can read per second
-    source: str           # "measured" | "datasheet"
-    device: str           # the device's name
+    bytes_per_s: float  # what one process can read per second
+    source: str  # "measured" | "datasheet"
+    device: str  # the device's name
 
     def describe(self) -> str:
         """'memory bandwidth 31.2 GB/s, measured here' / 'memory bandwidth 3.35 TB/s (... datasheet)'."""
@@ -136,8 +143,13 @@ def mbu(bytes_per_step: float, steps_per_second: float, bandwidth, world_size: i
     return utilisation(bytes_per_step, steps_per_second, rate, world_size)
 
 
-def mbu_text(bytes_per_step: float, steps_per_second: float, bandwidth: Bandwidth | None, world_size: int = 1,
-             against: bool = True) -> str:
+def mbu_text(
+    bytes_per_step: float,
+    steps_per_second: float,
+    bandwidth: Bandwidth | None,
+    world_size: int = 1,
+    against: bool = True,
+) -> str:
     """'mbu 41.7% (of the memory bandwidth 31.2 GB/s, measured here)'; against=False: 'mbu 41.7%'."""
     if bandwidth is None:
         return "mbu n/a"

@@ -10,6 +10,7 @@ bandwidth): taken once per process and key, reused from the file until STALE_AFT
 written while the machine is busy (a probe taken under load reads low, and a low figure cached
 would inflate every later run's utilisation).
 """
+
 import json
 import os
 import sys
@@ -49,8 +50,11 @@ class MeasurementCache:
         except (ValueError, TypeError, AttributeError):
             if path not in self._warned:
                 self._warned.add(path)
-                print(f"note: {path} is not a cache this version wrote (corrupt or foreign): measuring again",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"note: {path} is not a cache this version wrote (corrupt or foreign): measuring again",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return {}
 
     def get(self, key: str) -> dict | None:
@@ -63,8 +67,10 @@ class MeasurementCache:
         entries = {**self.entries(), key: entry}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            paths.replace_atomically(self.path, lambda tmp: tmp.write_text(
-                json.dumps({"version": self.version, "entries": entries}, indent=1)))
+            paths.replace_atomically(
+                self.path,
+                lambda tmp: tmp.write_text(json.dumps({"version": self.version, "entries": entries}, indent=1)),
+            )
         except OSError:
             pass
         return entry

@@ -5,6 +5,7 @@ bandwidth probe's buffer). None of this decides a dtype: a CPU's flags do
 not say whether its bf16 is fast (tuning.py measures that); they key the caches, so that a
 measurement is never reused on another kind of machine, and they word a warning.
 """
+
 import functools
 import platform
 from pathlib import Path
@@ -85,8 +86,11 @@ def machine_key(device) -> str:
     device = torch.device(device)
     parts = [device.type, device_name(device)]
     if device.type == "cpu":
-        parts += [torch.backends.cpu.get_cpu_capability(), f"bf16={cpu_bf16_support() or 'emulated'}",
-                  f"threads={torch.get_num_threads()}"]
+        parts += [
+            torch.backends.cpu.get_cpu_capability(),
+            f"bf16={cpu_bf16_support() or 'emulated'}",
+            f"threads={torch.get_num_threads()}",
+        ]
     elif device.type == "cuda":
         parts.append("sm{}{}".format(*torch.cuda.get_device_capability(device)))
     return " | ".join(parts + [f"torch={torch.__version__}", f"fp32 matmul={torch.get_float32_matmul_precision()}"])

@@ -10,6 +10,7 @@ than STALE_AFTER_DAYS (those two rules: cache.ProbeCache, as for bandwidth.py's 
 redone during a run whose own measured rate beats it (a run cannot legitimately beat its peak):
 revise_peak.
 """
+
 import math
 import time
 from dataclasses import dataclass, replace
@@ -26,7 +27,7 @@ DATASHEET_BF16 = {
     "NVIDIA H200": 989e12,
     "NVIDIA H200 NVL": 835e12,
     "NVIDIA GH200 480GB": 989e12,
-    "NVIDIA H100 80GB HBM3": 989e12,   # SXM5
+    "NVIDIA H100 80GB HBM3": 989e12,  # SXM5
     "NVIDIA H100 NVL": 835e12,
     "NVIDIA H100 PCIe": 756e12,
     "NVIDIA A100-SXM4-80GB": 312e12,
@@ -42,19 +43,22 @@ DATASHEET_BF16 = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROBE_ROUNDS = 3
-PROBE_SECONDS = 0.15      # per dtype and round
-CACHE = ProbeCache("peak_flops.json", version=2, valid=lambda e: all(
-    isinstance(e.get(d), (int, float)) and math.isfinite(e[d]) and e[d] > 0 for d in DTYPES),
-    probe=lambda device: _probe(device))
+PROBE_SECONDS = 0.15  # per dtype and round
+CACHE = ProbeCache(
+    "peak_flops.json",
+    version=2,
+    valid=lambda e: all(isinstance(e.get(d), (int, float)) and math.isfinite(e[d]) and e[d] > 0 for d in DTYPES),
+    probe=lambda device: _probe(device),
+)
 
 
 @dataclass(frozen=True)
 class Peak:
-    flops: float          # FLOP/s of one process, in its fastest dtype
-    dtype: str            # that dtype: "fp32" | "bf16"
-    source: str           # "measured" | "datasheet"
-    device: str           # the device's name
-    others: tuple = ()    # ((dtype, FLOP/s), ...) of the other dtypes measured, for the text
+    flops: float  # FLOP/s of one process, in its fastest dtype
+    dtype: str  # that dtype: "fp32" | "bf16"
+    source: str  # "measured" | "datasheet"
+    device: str  # the device's name
+    others: tuple = ()  # ((dtype, FLOP/s), ...) of the other dtypes measured, for the text
 
     def describe(self) -> str:
         """'fp32 peak 374 GFLOP/s (bf16 183), measured here' / 'bf16 peak 989 TFLOP/s (... datasheet)'."""
@@ -81,7 +85,9 @@ def format_flops(rate: float) -> str:
     return format_rate(rate, "FLOP/s")
 
 
-def measure_matmul_rate(device, dtype: torch.dtype, seconds: float = PROBE_SECONDS, max_size: int | None = None) -> float:
+def measure_matmul_rate(
+    device, dtype: torch.dtype, seconds: float = PROBE_SECONDS, max_size: int | None = None
+) -> float:
     """The best FLOP/s of square matmuls of growing size (64, 128, ...) within about `seconds`.
     Small matmuls underuse a fast unit and large ones take long where it is slow (emulated bf16,
     far below fp32), so past 256 the size grows only while the next one, 8x the work, still fits
@@ -102,7 +108,7 @@ def measure_matmul_rate(device, dtype: torch.dtype, seconds: float = PROBE_SECON
             torch.mm(a, b, out=out)
             synchronize(device)
             fastest = min(fastest, time.perf_counter() - t0)
-            best = max(best, 2 * n ** 3 / max(fastest, 1e-9))
+            best = max(best, 2 * n**3 / max(fastest, 1e-9))
             if time.perf_counter() > deadline and n >= min(256, max_size):
                 return best
         if n * 2 > max_size or (n >= 256 and time.perf_counter() + 32 * fastest > deadline):
@@ -180,8 +186,9 @@ def utilisation(per_item: float, items_per_second: float, rate: float, world_siz
     return 100.0 * per_item * items_per_second / (float(rate) * world_size)
 
 
-def mfu_text(flops_per_token: float, tokens_per_second: float, peak: Peak | None, world_size: int = 1,
-             against: bool = True) -> str:
+def mfu_text(
+    flops_per_token: float, tokens_per_second: float, peak: Peak | None, world_size: int = 1, against: bool = True
+) -> str:
     """'mfu 23.4% (of the fp32 peak 150 GFLOP/s (bf16 75), measured here)'; against=False: 'mfu 23.4%'
     (the training loop's step line: the run's summary names the peak once)."""
     if peak is None:

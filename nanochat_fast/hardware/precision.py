@@ -15,6 +15,7 @@ rate, and AVX2 CPUs emulate it (docs/measurements.md#bf16-on-cpus). `--dtype` (t
 `--ns-dtype` (Newton-Schulz) take auto|fp32|bf16, and an explicit value is never overridden; bf16
 asked for on a CPU that emulates it is allowed (correct, only slow) and says so in one warning line.
 """
+
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -31,9 +32,9 @@ CHOICES = ("auto", "fp32", "bf16")
 @dataclass(frozen=True)
 class Precision:
     dtype: torch.dtype
-    name: str       # "fp32" | "bf16"
-    reason: str     # why, in words, for the log and the run report
-    native: bool    # the device executes this dtype in hardware (False: emulated, slow)
+    name: str  # "fp32" | "bf16"
+    reason: str  # why, in words, for the log and the run report
+    native: bool  # the device executes this dtype in hardware (False: emulated, slow)
 
     def describe(self) -> str:
         return f"{self.name} ({self.reason})"
@@ -43,8 +44,15 @@ def _precision(name: str, reason: str, native: bool = True) -> Precision:
     return Precision(DTYPES[name], name, reason, native)
 
 
-def decide(device_type: str, requested: str = "auto", *, timing: Timing | None = None, cpu_bf16: str | None = None,
-           cuda_capability: tuple[int, int] | None = None, what: str = "--dtype") -> Precision:
+def decide(
+    device_type: str,
+    requested: str = "auto",
+    *,
+    timing: Timing | None = None,
+    cpu_bf16: str | None = None,
+    cuda_capability: tuple[int, int] | None = None,
+    what: str = "--dtype",
+) -> Precision:
     """The pure rule: device type + the facts about it -> Precision. On a CPU, `timing` (fp32 and
     bf16 timed at the shapes that will run) decides auto and `cpu_bf16` (the bf16 feature the CPU
     reports, or None) only words the warning for an explicit bf16; `cuda_capability` is the GPU's
@@ -57,7 +65,9 @@ def decide(device_type: str, requested: str = "auto", *, timing: Timing | None =
         bf16_why = f"{where} has bf16 tensor cores" if native else f"{where} has no bf16 tensor cores (before sm80)"
     elif device_type == "cpu":
         native = cpu_bf16 is not None
-        bf16_why = f"this CPU has {cpu_bf16}" if native else "this CPU has no bf16 instructions (no AVX512-BF16/AMX): emulated"
+        bf16_why = (
+            f"this CPU has {cpu_bf16}" if native else "this CPU has no bf16 instructions (no AVX512-BF16/AMX): emulated"
+        )
     elif device_type == "mps":
         native = False
         bf16_why = "MPS: not measured faster than fp32"
@@ -74,8 +84,9 @@ def decide(device_type: str, requested: str = "auto", *, timing: Timing | None =
     return _precision("bf16" if native else "fp32", f"auto: {bf16_why}")
 
 
-def choose(device, requested: str = "auto", what: str = "--dtype", warn: bool = True,
-           timing: Timing | None = None) -> Precision:
+def choose(
+    device, requested: str = "auto", what: str = "--dtype", warn: bool = True, timing: Timing | None = None
+) -> Precision:
     """decide() with the facts of this machine. A CPU's auto takes `timing` (the caller's
     measurement at its own shapes) or else this machine's matmul probe. bf16 where it is emulated
     is allowed (slow, not wrong): one warning line on stderr says so."""
@@ -83,11 +94,21 @@ def choose(device, requested: str = "auto", what: str = "--dtype", warn: bool = 
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     if device.type == "cpu" and requested == "auto" and timing is None:
         timing = probe_timing(device)
-    choice = decide(device.type, requested, timing=timing, cuda_capability=capability, what=what,
-                    cpu_bf16=cpu_bf16_support() if device.type == "cpu" else None)
+    choice = decide(
+        device.type,
+        requested,
+        timing=timing,
+        cuda_capability=capability,
+        what=what,
+        cpu_bf16=cpu_bf16_support() if device.type == "cpu" else None,
+    )
     if warn and not choice.native:
-        print(f"warning: {what} bf16 on {device.type}: {choice.reason.split('; ', 1)[-1]}; this will be slow "
-              f"(use {what} auto)", file=sys.stderr, flush=True)
+        print(
+            f"warning: {what} bf16 on {device.type}: {choice.reason.split('; ', 1)[-1]}; this will be slow "
+            f"(use {what} auto)",
+            file=sys.stderr,
+            flush=True,
+        )
     return choice
 
 

@@ -10,6 +10,7 @@ largest shapes with fewer rows, else the machine's matmul probe (peak.py). The t
 a budget (MAX_SECONDS, RUN_FRACTION of the run), and bf16 wins only when at least BF16_MIN_SPEEDUP
 times faster. Each rule and its reason: docs/measurements.md#dtype-timing.
 """
+
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,10 +28,16 @@ BF16_MIN_SPEEDUP = 1.1
 MAX_SECONDS = 30.0
 RUN_FRACTION = 0.05
 ROUNDS, MIN_ROUNDS = 5, 3
-MIN_ROWS = 16              # the fallback's matmuls never shrink below this many rows
-MATMUL_MIN_SECONDS = 0.5   # the fallback may take this long even in a run too short for 5% to allow it
-CACHE = MeasurementCache("dtype_timings.json", version=1, valid=lambda e: isinstance(e.get("seconds"), dict) and all(
-    isinstance(e["seconds"].get(d), (int, float)) and e["seconds"][d] > 0 for d in DTYPES))
+MIN_ROWS = 16  # the fallback's matmuls never shrink below this many rows
+MATMUL_MIN_SECONDS = 0.5  # the fallback may take this long even in a run too short for 5% to allow it
+CACHE = MeasurementCache(
+    "dtype_timings.json",
+    version=1,
+    valid=lambda e: (
+        isinstance(e.get("seconds"), dict)
+        and all(isinstance(e["seconds"].get(d), (int, float)) and e["seconds"][d] > 0 for d in DTYPES)
+    ),
+)
 clock = time.perf_counter  # the tests inject a clock
 
 
@@ -40,8 +47,8 @@ class TuningError(UserError):
 
 @dataclass(frozen=True)
 class Timing:
-    seconds: dict           # dtype name -> seconds of one call (the fastest round)
-    what: str               # what was timed, in words
+    seconds: dict  # dtype name -> seconds of one call (the fastest round)
+    what: str  # what was timed, in words
     rounds: int
     source: str = "measured"  # "measured" | "cached" | "probe"
 
@@ -63,13 +70,14 @@ class Timing:
 class Work:
     """Something to time in each dtype. `make()` builds the calls (it may allocate, so it runs only
     when the work fits the budget): {"fp32": call, "bf16": call}, each a zero-argument function."""
-    kind: str                                   # "model" | "newton_schulz": for the cache and --tune
-    spec: dict                                  # its shapes, as JSON: the cache key, and --tune's recipe
-    what: str                                   # in words, for the log
-    flops: float                                # of one call: predicts its time before it is made
+
+    kind: str  # "model" | "newton_schulz": for the cache and --tune
+    spec: dict  # its shapes, as JSON: the cache key, and --tune's recipe
+    what: str  # in words, for the log
+    flops: float  # of one call: predicts its time before it is made
     make: Callable[[], dict]
     matmuls: list = field(default_factory=list)  # (M, K, N) of its largest products: the fallback
-    run_calls: int | None = None                # calls the run will make (the budget); None: unknown
+    run_calls: int | None = None  # calls the run will make (the budget); None: unknown
 
 
 _MEASURERS: dict[str, Callable] = {}
@@ -91,8 +99,9 @@ def cache_key(work: Work, device) -> str:
     return f"{machine_key(device)} | {work.kind} | {json.dumps(work.spec, sort_keys=True)}"
 
 
-def measure(work: Work, device, max_seconds: float = MAX_SECONDS, remeasure: bool = False,
-            strict: bool = False) -> Timing:
+def measure(
+    work: Work, device, max_seconds: float = MAX_SECONDS, remeasure: bool = False, strict: bool = False
+) -> Timing:
     """The Timing of `work` on `device` (docs/measurements.md#dtype-timing). strict: TuningError when nothing fits
     the budget, instead of the machine probe."""
     device = torch.device(device)
@@ -135,9 +144,11 @@ def check_fits(work: Work, rates: dict, max_seconds: float):
 
 def too_slow(work: Work, rates: dict, max_seconds: float) -> str:
     fp32, bf16 = (work.flops / rates[d] for d in ("fp32", "bf16"))
-    return (f"no timing of {work.what} fits the budget of {max_seconds:g} s on this machine (one call takes "
-            f"~{fp32:.3g} s in fp32 and ~{bf16:.3g} s in bf16, and {1 + MIN_ROUNDS} of each are needed, or of its "
-            f"matmuls at {MIN_ROWS} rows); give a larger --budget")
+    return (
+        f"no timing of {work.what} fits the budget of {max_seconds:g} s on this machine (one call takes "
+        f"~{fp32:.3g} s in fp32 and ~{bf16:.3g} s in bf16, and {1 + MIN_ROUNDS} of each are needed, or of its "
+        f"matmuls at {MIN_ROWS} rows); give a larger --budget"
+    )
 
 
 def _predict(flops: float, rates: dict) -> dict:
@@ -181,12 +192,15 @@ def _time_matmuls(work: Work, device, rates: dict, budget: float) -> Timing | No
 
 
 def _matmul_call(matmuls, rows: int, device, dtype):
-    pairs = [(torch.randn(min(rows, m), k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype))
-             for m, k, n in matmuls]
+    pairs = [
+        (torch.randn(min(rows, m), k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype))
+        for m, k, n in matmuls
+    ]
 
     def call():
         for a, b in pairs:
             torch.mm(a, b)
+
     return call
 
 
@@ -195,6 +209,7 @@ def time_interleaved(calls: dict, predicted: dict, budget: float, device, run_ca
     each, or None when the warm-ups show that MIN_ROUNDS rounds would not fit `budget`. With
     run_calls, the budget also shrinks to RUN_FRACTION of the run as fp32's real time shows. The
     first call is fp32's: its time rescales every prediction to what this work really does."""
+
     def timed(call) -> float:
         t0 = clock()
         call()

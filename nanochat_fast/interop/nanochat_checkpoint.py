@@ -14,6 +14,7 @@ master weights), and the rows nanochat's later versions pad the vocabulary with 
 64; no token id reaches them) are dropped. Everything else must match the model_config exactly,
 or the import stops with one line. Every .pt file loads with weights_only=True.
 """
+
 import json
 import re
 from dataclasses import asdict, dataclass
@@ -30,8 +31,12 @@ MODEL_FILE, META_FILE, OPTIM_FILE = "model_{:06d}.pt", "meta_{:06d}.json", "opti
 FOLDER_FILES = "model_*.pt, meta_*.json"  # what a checkpoint folder holds, for the import's --help
 VOCAB_PAD = 64  # nanochat pads wte and lm_head rows to a multiple of this
 # the checkpoint folders of nanochat's stages, and which of our phases each one is (RL'd models chat like SFT ones)
-PHASE_OF_FOLDER = {"base_checkpoints": "base", "mid_checkpoints": "mid", "chatsft_checkpoints": "sft",
-                   "chatrl_checkpoints": "sft"}
+PHASE_OF_FOLDER = {
+    "base_checkpoints": "base",
+    "mid_checkpoints": "mid",
+    "chatsft_checkpoints": "sft",
+    "chatrl_checkpoints": "sft",
+}
 FOLDER_OF_PHASE = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints"}
 
 
@@ -41,20 +46,23 @@ class NanochatCheckpoint:
     step: int
     meta: dict
     config: GPTConfig
-    optim_files: list[Path]   # optim_NNNNNN_rank0.pt, rank1, ... (empty: none saved)
+    optim_files: list[Path]  # optim_NNNNNN_rank0.pt, rank1, ... (empty: none saved)
 
 
 def steps_in(folder: Path) -> list[int]:
     """Steps that have a meta_NNNNNN.json in `folder`, ascending."""
-    return sorted(int(m.group(1)) for p in folder.glob("meta_*.json") if (m := re.fullmatch(r"meta_(\d+)\.json", p.name)))
+    return sorted(
+        int(m.group(1)) for p in folder.glob("meta_*.json") if (m := re.fullmatch(r"meta_(\d+)\.json", p.name))
+    )
 
 
 def load_pt(path: Path):
     try:
         return checkpoints.read_tensors(path)
     except Exception as e:
-        raise UserError(f"{path} cannot be read as plain tensors ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-                        ) from None
+        raise UserError(
+            f"{path} cannot be read as plain tensors ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from None
 
 
 def open_checkpoint(folder, step: int | None) -> NanochatCheckpoint:
@@ -62,17 +70,20 @@ def open_checkpoint(folder, step: int | None) -> NanochatCheckpoint:
     its model_config checked; the tensors are read by model_state/optimizer files later."""
     folder = Path(folder).expanduser()
     if not folder.is_dir():
-        raise UserError(f"--from {folder}: no such folder (give nanochat's checkpoint folder, e.g. "
-                        "~/.cache/nanochat/base_checkpoints/d20)")
+        raise UserError(
+            f"--from {folder}: no such folder (give nanochat's checkpoint folder, e.g. "
+            "~/.cache/nanochat/base_checkpoints/d20)"
+        )
     steps = steps_in(folder)
     if not steps:
-        raise UserError(f"--from {folder}: no meta_*.json there; this is not a nanochat checkpoint folder "
-                        "(it holds model_NNNNNN.pt and meta_NNNNNN.json)")
+        raise UserError(
+            f"--from {folder}: no meta_*.json there; this is not a nanochat checkpoint folder "
+            "(it holds model_NNNNNN.pt and meta_NNNNNN.json)"
+        )
     if step is None:
         step = steps[-1]
     elif step not in steps:
-        raise UserError(f"--step {step}: {folder} has no checkpoint at that step (steps: "
-                        f"{', '.join(map(str, steps))})")
+        raise UserError(f"--step {step}: {folder} has no checkpoint at that step (steps: {', '.join(map(str, steps))})")
     meta_path = folder / META_FILE.format(step)
     try:
         meta = json.loads(meta_path.read_text())
@@ -96,13 +107,17 @@ def config_of(meta: dict, meta_path: Path) -> GPTConfig:
     mc = dict(mc)
     window = mc.pop("window_pattern", "L")
     if not (isinstance(window, str) and set(window) == {"L"}):
-        raise UserError(f"{meta_path}: window_pattern {window!r} (sliding-window attention) is a newer nanochat "
-                        "model than nanochat_fast's GPT, which attends to the full context")
+        raise UserError(
+            f"{meta_path}: window_pattern {window!r} (sliding-window attention) is a newer nanochat "
+            "model than nanochat_fast's GPT, which attends to the full context"
+        )
     names = {f for f in asdict(GPTConfig())}
     if set(mc) != names:
         extra, missing = sorted(set(mc) - names), sorted(names - set(mc))
-        raise UserError(f"{meta_path}: model_config has keys {extra} our GPT lacks / lacks {missing}; this nanochat "
-                        "model is not the GPT nanochat_fast runs")
+        raise UserError(
+            f"{meta_path}: model_config has keys {extra} our GPT lacks / lacks {missing}; this nanochat "
+            "model is not the GPT nanochat_fast runs"
+        )
     try:
         return GPTConfig(**mc)
     except ValueError as e:
@@ -131,20 +146,28 @@ def model_state(ckpt: NanochatCheckpoint) -> dict[str, torch.Tensor]:
     want = expected_shapes(ckpt.config)
     missing, extra = sorted(set(want) - set(raw)), sorted(set(raw) - set(want))
     if missing or extra:
-        raise UserError(f"{path} does not hold the GPT of its model_config: missing {missing[:3]}, unexpected "
-                        f"{extra[:3]} (a nanochat model with other parameters cannot run here)")
+        raise UserError(
+            f"{path} does not hold the GPT of its model_config: missing {missing[:3]}, unexpected "
+            f"{extra[:3]} (a nanochat model with other parameters cannot run here)"
+        )
     state = {}
     for name, shape in want.items():
         t = raw[name]
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise UserError(f"{path}: {name} is not a floating-point tensor")
         got = tuple(t.shape)
-        if got != shape and name in ("transformer.wte.weight", "lm_head.weight") and got[1:] == shape[1:] \
-                and padded_rows(got[0], shape[0]):
-            t = t[:shape[0]]  # nanochat's vocab padding
+        if (
+            got != shape
+            and name in ("transformer.wte.weight", "lm_head.weight")
+            and got[1:] == shape[1:]
+            and padded_rows(got[0], shape[0])
+        ):
+            t = t[: shape[0]]  # nanochat's vocab padding
         elif got != shape:
-            raise UserError(f"{path}: {name} has shape {list(got)} but model_config {asdict(ckpt.config)} gives "
-                            f"{list(shape)}; the meta does not describe these weights")
+            raise UserError(
+                f"{path}: {name} has shape {list(got)} but model_config {asdict(ckpt.config)} gives "
+                f"{list(shape)}; the meta does not describe these weights"
+            )
         state[name] = t.float().contiguous()
     return state
 
@@ -173,14 +196,23 @@ def carried_loop_state(ckpt: NanochatCheckpoint) -> dict:
     nano, bpb = ckpt.meta, ckpt.meta.get("val_bpb")
     loop = nano.get("loop_state") if isinstance(nano.get("loop_state"), dict) else {}
     bpb = float(bpb) if isinstance(bpb, (int, float)) else None
-    return {"step": ckpt.step, "smooth_loss": float(loop.get("smooth_train_loss", 0.0) or 0.0),
-            "train_time": float(loop.get("total_training_time", 0.0) or 0.0), "first_val_bpb": bpb, "last_val_bpb": bpb}
+    return {
+        "step": ckpt.step,
+        "smooth_loss": float(loop.get("smooth_train_loss", 0.0) or 0.0),
+        "train_time": float(loop.get("total_training_time", 0.0) or 0.0),
+        "first_val_bpb": bpb,
+        "last_val_bpb": bpb,
+    }
 
 
 def origin(ckpt: NanochatCheckpoint, optimizer: bool) -> dict:
     """Where an imported run came from: its meta.json's "imported_from"."""
-    return {"nanochat_checkpoint": str(ckpt.folder), "step": ckpt.step, "optimizer": optimizer,
-            "user_config": ckpt.meta.get("user_config")}
+    return {
+        "nanochat_checkpoint": str(ckpt.folder),
+        "step": ckpt.step,
+        "optimizer": optimizer,
+        "user_config": ckpt.meta.get("user_config"),
+    }
 
 
 def export_folder(base_dir: Path, phase: str, n_layer: int) -> Path:
@@ -199,10 +231,17 @@ def meta_path(folder: Path, step: int) -> Path:
 def export_meta(step: int, config: GPTConfig, meta: dict, ckpt: Path) -> dict:
     """nanochat's meta_NNNNNN.json for our checkpoint `ckpt` with meta.json `meta`."""
     loop = meta.get("loop_state", {})
-    return {"step": step, "val_bpb": loop.get("last_val_bpb"), "model_config": asdict(config),
-            "user_config": {**meta.get("args", {}), "exported_from": str(ckpt)},
-            "loop_state": {"min_val_bpb": loop.get("last_val_bpb"), "smooth_train_loss": loop.get("smooth_loss"),
-                           "total_training_time": loop.get("train_time")}}
+    return {
+        "step": step,
+        "val_bpb": loop.get("last_val_bpb"),
+        "model_config": asdict(config),
+        "user_config": {**meta.get("args", {}), "exported_from": str(ckpt)},
+        "loop_state": {
+            "min_val_bpb": loop.get("last_val_bpb"),
+            "smooth_train_loss": loop.get("smooth_loss"),
+            "total_training_time": loop.get("train_time"),
+        },
+    }
 
 
 def write_checkpoint(folder: Path, step: int, state: dict, meta: dict):

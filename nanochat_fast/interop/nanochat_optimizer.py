@@ -15,6 +15,7 @@ State per parameter:
            second_momentum_buffer (NorMuon's, rows x 1 or 1 x cols): our normuon_second_moment
 nanochat's AdamW counts steps per parameter; ours counts them per optimizer (they are equal).
 """
+
 import torch
 
 from ..core.errors import UserError
@@ -30,9 +31,14 @@ def _fail(what: str):
 
 
 def _pair(data, path):
-    ok = isinstance(data, (list, tuple)) and len(data) == 2 and all(
-        isinstance(d, dict) and isinstance(d.get("state"), dict) and isinstance(d.get("param_groups"), list)
-        for d in data)
+    ok = (
+        isinstance(data, (list, tuple))
+        and len(data) == 2
+        and all(
+            isinstance(d, dict) and isinstance(d.get("state"), dict) and isinstance(d.get("param_groups"), list)
+            for d in data
+        )
+    )
     if not ok:
         _fail(f"{path} is not nanochat's [AdamW, Muon] pair of optimizer state_dicts")
     return data
@@ -66,7 +72,7 @@ def _tensor(entry: dict, key: str, name: str) -> torch.Tensor:
 def _rows_fitted(t: torch.Tensor, shape, name):
     """A state tensor of a vocab-sized parameter may carry nanochat's padded rows: dropped."""
     if tuple(t.shape) != tuple(shape) and t.dim() == 2 and t.shape[1] == shape[1] and t.shape[0] > shape[0]:
-        t = t[:shape[0]]
+        t = t[: shape[0]]
     if tuple(t.shape) != tuple(shape):
         _fail(f"state of {name} has shape {list(t.shape)}, the parameter {list(shape)}")
     return t
@@ -94,16 +100,28 @@ def adamw_shard(files: list, shapes: dict) -> dict:
         _fail(f"its AdamW parameters were updated different numbers of times ({sorted(steps)})")
     if state and len(state) != len(ADAMW_NAMES):
         _fail(f"AdamW state for only {sorted(state)} (load every optim_NNNNNN_rank*.pt of the checkpoint)")
-    return {"format": FORMAT, "kind": "adamw", "world_size": 1, "rank": 0, "num_updates": steps.pop() if steps else 0,
-            "param_groups": [{"param_names": [n], **_hparams(g)} for g, n in zip(groups, ADAMW_NAMES)],
-            "state": state}
+    return {
+        "format": FORMAT,
+        "kind": "adamw",
+        "world_size": 1,
+        "rank": 0,
+        "num_updates": steps.pop() if steps else 0,
+        "param_groups": [{"param_names": [n], **_hparams(g)} for g, n in zip(groups, ADAMW_NAMES)],
+        "state": state,
+    }
 
 
 def _muon_members(count: int, entries: dict, indices: list, matrices: list) -> list[str]:
     """The names of a Muon group's parameters: the matrices of its state's shape (DistMuon) or
     numel (Muon), whichever gives the group's count, in model order."""
-    shape = next((tuple(_tensor(e[0], "momentum_buffer", "a Muon parameter").shape)
-                  for i in indices if (e := entries.get(int(i)))), None)
+    shape = next(
+        (
+            tuple(_tensor(e[0], "momentum_buffer", "a Muon parameter").shape)
+            for i in indices
+            if (e := entries.get(int(i)))
+        ),
+        None,
+    )
     if shape is None:
         _fail("a Muon group holds no state")
     numel = shape[0] * shape[1] if len(shape) == 2 else -1
@@ -128,8 +146,12 @@ def muon_shard(files: list, shapes: dict, num_updates: int) -> dict:
             if not entries:
                 continue
             e = entries[0]  # DistMuon: only the owner's file has it
-            entry = {"shape": list(shapes[name]), "offset": 0, "numel": 0,
-                     "momentum_buffer": _rows_fitted(_tensor(e, "momentum_buffer", name), shapes[name], name)}
+            entry = {
+                "shape": list(shapes[name]),
+                "offset": 0,
+                "numel": 0,
+                "momentum_buffer": _rows_fitted(_tensor(e, "momentum_buffer", name), shapes[name], name),
+            }
             entry["numel"] = entry["momentum_buffer"].numel()
             if "second_momentum_buffer" in e:
                 entry["normuon_second_moment"] = _tensor(e, "second_momentum_buffer", name)
@@ -137,8 +159,15 @@ def muon_shard(files: list, shapes: dict, num_updates: int) -> dict:
     missing = sorted(n for n, _ in matrices if n not in state)
     if state and missing:
         _fail(f"no Muon state for {missing[:3]} (load every optim_NNNNNN_rank*.pt of the checkpoint)")
-    return {"format": FORMAT, "kind": "muon", "world_size": 1, "rank": 0, "num_updates": num_updates if state else 0,
-            "param_groups": groups, "state": state}
+    return {
+        "format": FORMAT,
+        "kind": "muon",
+        "world_size": 1,
+        "rank": 0,
+        "num_updates": num_updates if state else 0,
+        "param_groups": groups,
+        "state": state,
+    }
 
 
 def convert(files: list, shapes: dict, paths: list) -> list[dict]:
@@ -152,9 +181,18 @@ def convert(files: list, shapes: dict, paths: list) -> list[dict]:
 def empty_shards(shapes: dict) -> list[dict]:
     """Fresh optimizer state (no update yet) in our format: what a checkpoint without optim files gets."""
     matrices = [n for n in shapes if n not in ADAMW_NAMES]
-    return [{"format": FORMAT, "kind": kind, "world_size": 1, "rank": 0, "num_updates": 0,
-             "param_groups": [{"param_names": names}], "state": {}}
-            for kind, names in (("adamw", ADAMW_NAMES), ("muon", matrices))]
+    return [
+        {
+            "format": FORMAT,
+            "kind": kind,
+            "world_size": 1,
+            "rank": 0,
+            "num_updates": 0,
+            "param_groups": [{"param_names": names}],
+            "state": {},
+        }
+        for kind, names in (("adamw", ADAMW_NAMES), ("muon", matrices))
+    ]
 
 
 def optimizer_shards(ckpt: NanochatCheckpoint, shapes: dict, skip: bool) -> tuple[list, str]:
@@ -162,8 +200,11 @@ def optimizer_shards(ckpt: NanochatCheckpoint, shapes: dict, skip: bool) -> tupl
     state), and the line saying what became of nanochat's optimizer state."""
     if ckpt.optim_files and not skip:
         shards = convert([load_pt(p) for p in ckpt.optim_files], shapes, ckpt.optim_files)
-        return shards, (f"optimizer state: imported from {len(ckpt.optim_files)} file(s) (AdamW after "
-                        f"{shards[0]['num_updates']} updates, Muon momentum of {len(shards[1]['state'])} matrices)")
+        return shards, (
+            f"optimizer state: imported from {len(ckpt.optim_files)} file(s) (AdamW after "
+            f"{shards[0]['num_updates']} updates, Muon momentum of {len(shards[1]['state'])} matrices)"
+        )
     why = "--no-optimizer" if skip else f"no optim_{ckpt.step:06d}_rank*.pt in {ckpt.folder}"
-    return empty_shards(shapes), f"optimizer state: none ({why}); training from this run starts " \
-                                 "with fresh optimizer state"
+    return empty_shards(
+        shapes
+    ), f"optimizer state: none ({why}); training from this run starts with fresh optimizer state"

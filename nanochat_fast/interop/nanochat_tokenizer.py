@@ -13,6 +13,7 @@ one line. token_bytes.pt loads with weights_only=True.
 Our Tokenizer (data/tokenizer.py) is made from the same ranks, pattern and special tokens, so its ids
 are nanochat's by construction; check_same_ids confirms it on a sample at import.
 """
+
 import pickle
 from pathlib import Path
 
@@ -29,11 +30,13 @@ FOLDER_FILES = "tokenizer.pkl, token_bytes.pt"  # what a tokenizer folder holds,
 ENCODING_NAME = "rustbpe"  # the name nanochat's RustBPETokenizer gives its tiktoken encoding
 
 # A multilingual sample with every special token in it: what the round-trip check encodes.
-SAMPLE_TEXT = ("<|bos|>Hello, world! The year 2025 had 365 days.\n"
-               "<|user_start|>Grüße aus Köln – café, naïve, façade.<|user_end|>"
-               "<|assistant_start|>日本語のテキストと中文文本。 Русский текст. Ελληνικά. العربية. हिन्दी.<|assistant_end|>"
-               "<|python_start|>print(sum(range(10)))<|python_end|><|output_start|>45<|output_end|>"
-               "   spaces\ttabs\r\nemoji 🙂🚀 and code: def f(x): return x**2\n")
+SAMPLE_TEXT = (
+    "<|bos|>Hello, world! The year 2025 had 365 days.\n"
+    "<|user_start|>Grüße aus Köln – café, naïve, façade.<|user_end|>"
+    "<|assistant_start|>日本語のテキストと中文文本。 Русский текст. Ελληνικά. العربية. हिन्दी.<|assistant_end|>"
+    "<|python_start|>print(sum(range(10)))<|python_end|><|output_start|>45<|output_end|>"
+    "   spaces\ttabs\r\nemoji 🙂🚀 and code: def f(x): return x**2\n"
+)
 
 
 class _EncodingState:
@@ -53,8 +56,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         if (module, name) != ("tiktoken.core", "Encoding"):
-            raise UserError(f"{self.path} refers to {module}.{name}: only a tiktoken encoding is read from a "
-                            "tokenizer.pkl (pickles can run code); give the tokenizer folder nanochat's tok_train wrote")
+            raise UserError(
+                f"{self.path} refers to {module}.{name}: only a tiktoken encoding is read from a "
+                "tokenizer.pkl (pickles can run code); give the tokenizer folder nanochat's tok_train wrote"
+            )
         return _EncodingState
 
 
@@ -63,13 +68,19 @@ def _checked_state(obj, path: Path) -> dict:
     state = getattr(obj, "state", None) if isinstance(obj, _EncodingState) else None
     if isinstance(state, str):
         raise UserError(f"{path} names tiktoken's built-in encoding {state!r}, not a trained nanochat tokenizer")
-    ok = isinstance(state, dict) and isinstance(state.get("pat_str"), str) and \
-        isinstance(state.get("mergeable_ranks"), dict) and isinstance(state.get("special_tokens"), dict)
+    ok = (
+        isinstance(state, dict)
+        and isinstance(state.get("pat_str"), str)
+        and isinstance(state.get("mergeable_ranks"), dict)
+        and isinstance(state.get("special_tokens"), dict)
+    )
     ok = ok and all(isinstance(k, bytes) and type(v) is int for k, v in state["mergeable_ranks"].items())
     ok = ok and all(isinstance(k, str) and type(v) is int for k, v in state["special_tokens"].items())
     if not ok:
-        raise UserError(f"{path} holds a {type(obj).__name__}, not a tiktoken encoding (name, pat_str, "
-                        "mergeable_ranks, special_tokens)")
+        raise UserError(
+            f"{path} holds a {type(obj).__name__}, not a tiktoken encoding (name, pat_str, "
+            "mergeable_ranks, special_tokens)"
+        )
     return state
 
 
@@ -92,13 +103,16 @@ def tokenizer_from_state(state: dict, path) -> Tokenizer:
     """Our Tokenizer with nanochat's ranks, pattern and special tokens (ids included)."""
     specials = state["special_tokens"]
     if set(specials) != set(SPECIAL_TOKENS):
-        raise UserError(f"{path} has special tokens {sorted(specials)}; nanochat_fast chats with exactly "
-                        f"{SPECIAL_TOKENS}")
+        raise UserError(
+            f"{path} has special tokens {sorted(specials)}; nanochat_fast chats with exactly {SPECIAL_TOKENS}"
+        )
     order = sorted(specials, key=specials.get)
     offset = len(state["mergeable_ranks"])
     if [specials[name] for name in order] != list(range(offset, offset + len(order))):
-        raise UserError(f"{path}: special token ids {sorted(specials.values())} do not follow the "
-                        f"{offset} merge ranks; this tokenizer was not written by nanochat")
+        raise UserError(
+            f"{path}: special token ids {sorted(specials.values())} do not follow the "
+            f"{offset} merge ranks; this tokenizer was not written by nanochat"
+        )
     try:
         return Tokenizer(dict(state["mergeable_ranks"]), state["pat_str"], order)
     except Exception as e:  # e.g. a split pattern tiktoken cannot compile, ranks with gaps
@@ -108,14 +122,19 @@ def tokenizer_from_state(state: dict, path) -> Tokenizer:
 def check_same_ids(tokenizer: Tokenizer, state: dict, text: str = SAMPLE_TEXT) -> int:
     """Our encoding of `text` (special tokens included) equals the encoding nanochat builds from
     `state`; returns the number of tokens compared. UserError when they differ."""
-    reference = tiktoken.Encoding(name=ENCODING_NAME, pat_str=state["pat_str"],
-                                  mergeable_ranks=state["mergeable_ranks"], special_tokens=state["special_tokens"])
+    reference = tiktoken.Encoding(
+        name=ENCODING_NAME,
+        pat_str=state["pat_str"],
+        mergeable_ranks=state["mergeable_ranks"],
+        special_tokens=state["special_tokens"],
+    )
     theirs = reference.encode(text, allowed_special="all")
     ours = tokenizer.enc.encode(text, allowed_special="all")
     if ours != theirs:
         first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-        raise UserError(f"the converted tokenizer disagrees with nanochat's at token {first} of the sample; "
-                        "not importing it")
+        raise UserError(
+            f"the converted tokenizer disagrees with nanochat's at token {first} of the sample; not importing it"
+        )
     return len(ours)
 
 
@@ -127,8 +146,9 @@ def read_token_bytes(directory, vocab_size: int):
     try:
         tb = checkpoints.read_tensors(path)
     except Exception as e:
-        raise UserError(f"{path} cannot be read as tensors ({type(e).__name__}); remove it or re-run nanochat's "
-                        "tok_train") from None
+        raise UserError(
+            f"{path} cannot be read as tensors ({type(e).__name__}); remove it or re-run nanochat's tok_train"
+        ) from None
     if not isinstance(tb, torch.Tensor) or tb.shape != (vocab_size,) or tb.is_floating_point():
         raise UserError(f"{path} is not an integer tensor of the tokenizer's {vocab_size} tokens")
     return tb
@@ -142,11 +162,15 @@ def read_tokenizer(directory: Path, vocab_size: int) -> tuple[Tokenizer, int]:
     tokenizer = tokenizer_from_state(state, directory / PICKLE_FILE)
     n = check_same_ids(tokenizer, state)
     if tokenizer.get_vocab_size() != vocab_size:
-        raise UserError(f"the tokenizer in {directory} has {tokenizer.get_vocab_size()} tokens but the model's vocab_size "
-                        f"is {vocab_size}: give the tokenizer this model was trained with")
+        raise UserError(
+            f"the tokenizer in {directory} has {tokenizer.get_vocab_size()} tokens but the model's vocab_size "
+            f"is {vocab_size}: give the tokenizer this model was trained with"
+        )
     theirs = read_token_bytes(directory, vocab_size)
     if theirs is not None and not torch.equal(theirs.to(torch.int32), token_bytes_tensor(tokenizer)):
-        raise UserError(f"{directory / TOKEN_BYTES_FILE} does not match tokenizer.pkl's tokens; re-run nanochat's tok_train")
+        raise UserError(
+            f"{directory / TOKEN_BYTES_FILE} does not match tokenizer.pkl's tokens; re-run nanochat's tok_train"
+        )
     return tokenizer, n
 
 
@@ -173,8 +197,12 @@ def write_tokenizer_files(tokenizer: Tokenizer, directory):
     specials = sorted(tokenizer.special_tokens, key=tokenizer.special_tokens.get)
     ranks = tokenizer.enc._mergeable_ranks
     offset = len(ranks)
-    enc = tiktoken.Encoding(name=ENCODING_NAME, pat_str=tokenizer.pattern, mergeable_ranks=ranks,
-                            special_tokens={name: offset + i for i, name in enumerate(specials)})
+    enc = tiktoken.Encoding(
+        name=ENCODING_NAME,
+        pat_str=tokenizer.pattern,
+        mergeable_ranks=ranks,
+        special_tokens={name: offset + i for i, name in enumerate(specials)},
+    )
 
     def dump(tmp: Path):
         with open(tmp, "wb") as f:

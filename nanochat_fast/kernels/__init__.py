@@ -10,13 +10,25 @@ The hot paths of nanochat_fast, each with several backends chosen per device (se
 
 `python -m nanochat_fast.kernels` prints which backend each op uses here and why.
 """
-from .registry import KernelUnavailableError, backends, ops, requested, select
+
 from .adamw_slice import adamw_slice_update
 from .decode_attention import decode_attention
 from .newton_schulz import newton_schulz
 from .pack_rows import pack_rows
 from .packed_linear import pack_linear
+from .registry import KernelUnavailableError, backends, ops, requested, select
 from .softcap_cross_entropy import softcap_cross_entropy
 
-__all__ = ["adamw_slice_update", "decode_attention", "newton_schulz", "pack_linear", "pack_rows",
-           "softcap_cross_entropy", "KernelUnavailableError", "backends", "ops", "requested", "select"]
+__all__ = [
+    "adamw_slice_update",
+    "decode_attention",
+    "newton_schulz",
+    "pack_linear",
+    "pack_rows",
+    "softcap_cross_entropy",
+    "KernelUnavailableError",
+    "backends",
+    "ops",
+    "requested",
+    "select",
+]

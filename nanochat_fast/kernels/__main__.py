@@ -5,6 +5,7 @@ Prints, for every op and backend, whether it can run on each device type and why
 backend `auto` (or NANOCHAT_FAST_KERNELS) picks per device. Device types this machine lacks are
 still shown: the table says what would run there (e.g. triton for CUDA tensors).
 """
+
 import argparse
 import json
 import sys
@@ -24,8 +25,11 @@ def device_present(device_type: str) -> bool:
 
 
 def table() -> dict:
-    out = {"devices_present": {d: device_present(d) for d in DEVICE_TYPES},
-           "env": {registry.ENV_VAR: __import__("os").environ.get(registry.ENV_VAR, "")}, "ops": {}}
+    out = {
+        "devices_present": {d: device_present(d) for d in DEVICE_TYPES},
+        "env": {registry.ENV_VAR: __import__("os").environ.get(registry.ENV_VAR, "")},
+        "ops": {},
+    }
     for op in registry.ops():
         entry = {"backends": {}, "selected": {}}
         for name, impl in registry.backends(op).items():
@@ -40,8 +44,11 @@ def table() -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m nanochat_fast.kernels", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m nanochat_fast.kernels",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
     t = table()

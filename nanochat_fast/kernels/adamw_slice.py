@@ -15,6 +15,7 @@ Backends: `cpp` (csrc/adamw_slice_cpu.cpp on CPU, csrc/cuda/adamw_slice.cu on CU
 (adamw_slice_triton.py, one launch for many tensors) and `reference` (torch.optim.AdamW's
 single-tensor sequence).
 """
+
 import math
 import numbers
 
@@ -25,18 +26,24 @@ from .adamw_slice_hparams import SLOT, make_hparams
 from .registry import always, cpp_why_not, register_backend, register_op, triton_why_not
 
 OP = "adamw_slice_update"
-register_op(OP, auto_order={
-    "cuda": ("triton", "cpp", "reference"),
-    "cpu": ("cpp", "reference"),
-    "mps": ("reference",),
-})
+register_op(
+    OP,
+    auto_order={
+        "cuda": ("triton", "cpp", "reference"),
+        "cpu": ("cpp", "reference"),
+        "mps": ("reference",),
+    },
+)
+
 
 def _check_range(name, value, low, high=None, high_inclusive=False):
     """ValueError naming the argument when a Python number is out of range (tensors are not
     inspected: reading a GPU scalar would sync the host on every step)."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
-            raise ValueError(f"{name} must be a Python float or a 0-D tensor, got a tensor of shape {tuple(value.shape)}")
+            raise ValueError(
+                f"{name} must be a Python float or a 0-D tensor, got a tensor of shape {tuple(value.shape)}"
+            )
         return
     if not isinstance(value, numbers.Real) or math.isnan(value):
         raise ValueError(f"{name} must be a real number, got {value!r}")
@@ -47,8 +54,13 @@ def _check_range(name, value, low, high=None, high_inclusive=False):
 
 def _check_tensors(params, grads, exp_avgs, exp_avg_sqs, lr_muls, wd_muls):
     n = len(params)
-    for name, seq in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                      ("lr_muls", lr_muls), ("wd_muls", wd_muls)):
+    for name, seq in (
+        ("grads", grads),
+        ("exp_avgs", exp_avgs),
+        ("exp_avg_sqs", exp_avg_sqs),
+        ("lr_muls", lr_muls),
+        ("wd_muls", wd_muls),
+    ):
         if seq is not None and len(seq) != n:
             raise ValueError(f"{name} has {len(seq)} entries but params has {n}")
     if n == 0:
@@ -57,8 +69,11 @@ def _check_tensors(params, grads, exp_avgs, exp_avg_sqs, lr_muls, wd_muls):
     for i, p in enumerate(params):
         if p.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"params[{i}] must be float32 or bfloat16, got {p.dtype}")
-        for name, seq, dtype in (("grads", grads, p.dtype), ("exp_avgs", exp_avgs, torch.float32),
-                                 ("exp_avg_sqs", exp_avg_sqs, torch.float32)):
+        for name, seq, dtype in (
+            ("grads", grads, p.dtype),
+            ("exp_avgs", exp_avgs, torch.float32),
+            ("exp_avg_sqs", exp_avg_sqs, torch.float32),
+        ):
             t = seq[i]
             if t.shape != p.shape:
                 raise ValueError(f"{name}[{i}] has shape {tuple(t.shape)} but params[{i}] has {tuple(p.shape)}")
@@ -74,8 +89,22 @@ def _check_tensors(params, grads, exp_avgs, exp_avg_sqs, lr_muls, wd_muls):
             raise ValueError(f"params[{i}] is not contiguous; pass .contiguous() slices")
 
 
-def adamw_slice_update(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps,
-                       weight_decay, lr_muls=None, wd_muls=None, *, backend=None):
+def adamw_slice_update(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    lr_muls=None,
+    wd_muls=None,
+    *,
+    backend=None,
+):
     """One AdamW step over lists of same-device tensors, in place. `step` is the 1-based count of
     updates including this one; lr_muls/wd_muls are per-tensor multipliers (None: all 1.0).
     `backend` forces a backend by name (default: NANOCHAT_FAST_KERNELS, else auto)."""
@@ -132,10 +161,12 @@ def adamw_cpp(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
 @register_backend(OP, "triton", triton_why_not)
 def adamw_triton(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
     from .adamw_slice_triton import adamw_slice_update_triton  # imported late: TRITON_INTERPRET is read at import
+
     adamw_slice_update_triton(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls)
 
 
 if registry.extension() is not None:
+
     @torch.library.register_fake("nanochat_fast::adamw_slice_update")
     def _(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
         return None  # updates in place, returns nothing: nothing to allocate when tracing

@@ -13,6 +13,7 @@ The C++ and CUDA kernels name the same slots in csrc/adamw_slice_hparams.h (kLr,
 python_tests/test_adamw_slice.py checks that the two lists agree. The Triton kernel and the
 reference read slots through SLOT by name, never by a literal offset.
 """
+
 import math
 
 import torch
@@ -28,10 +29,11 @@ def make_hparams(step, lr, beta1, beta2, eps, weight_decay, device) -> torch.Ten
     dtype = torch.float32 if device.type == "mps" else torch.float64
     given = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
     if not any(isinstance(v, torch.Tensor) for v in (step, *given.values())):
-        values = dict(given, bias_correction1=1.0 - beta1 ** step, bias_correction2_sqrt=math.sqrt(1.0 - beta2 ** step))
+        values = dict(given, bias_correction1=1.0 - beta1**step, bias_correction2_sqrt=math.sqrt(1.0 - beta2**step))
         return torch.tensor([values[name] for name in HPARAMS], dtype=dtype, device=device)
     step = torch.as_tensor(step, dtype=dtype, device=device)
     values = {k: torch.as_tensor(v, dtype=dtype, device=device) for k, v in given.items()}
-    values.update(bias_correction1=1.0 - values["beta1"] ** step,
-                  bias_correction2_sqrt=torch.sqrt(1.0 - values["beta2"] ** step))
+    values.update(
+        bias_correction1=1.0 - values["beta1"] ** step, bias_correction2_sqrt=torch.sqrt(1.0 - values["beta2"] ** step)
+    )
     return torch.stack([values[name] for name in HPARAMS])

@@ -8,6 +8,7 @@ Loads are cast to fp32 before any arithmetic and rounded back to nearest even on
 params get fp32 math, and the Triton interpreter (whose bf16 arithmetic and casts are inexact)
 gives the same bits as a GPU.
 """
+
 import functools
 
 import torch
@@ -39,10 +40,10 @@ GPU_CONFIGS = {"default": CONFIGS["cuda"]}
 
 @triton.jit
 def _adamw_multi_tensor_kernel(
-    table_ptr,       # int64[5, n_tensors]: param, grad, exp_avg, exp_avg_sq pointers; numel
-    muls_ptr,        # float32[2, n_tensors]: lr_mul, wd_mul
-    blocks_ptr,      # int64[2, n_blocks]: tensor index, element offset
-    hparams_ptr,     # float64[7], slots named in adamw_slice_hparams.py
+    table_ptr,  # int64[5, n_tensors]: param, grad, exp_avg, exp_avg_sq pointers; numel
+    muls_ptr,  # float32[2, n_tensors]: lr_mul, wd_mul
+    blocks_ptr,  # int64[2, n_blocks]: tensor index, element offset
+    hparams_ptr,  # float64[7], slots named in adamw_slice_hparams.py
     n_tensors,
     n_blocks,
     IS_BF16: tl.constexpr,
@@ -107,15 +108,30 @@ def _launch(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
     n_blocks = blocks.size(1)
     if n_blocks == 0:
         return
-    table = torch.tensor([[t.data_ptr() for t in params], [t.data_ptr() for t in grads],
-                          [t.data_ptr() for t in exp_avgs], [t.data_ptr() for t in exp_avg_sqs],
-                          numels], dtype=torch.int64)
+    table = torch.tensor(
+        [
+            [t.data_ptr() for t in params],
+            [t.data_ptr() for t in grads],
+            [t.data_ptr() for t in exp_avgs],
+            [t.data_ptr() for t in exp_avg_sqs],
+            numels,
+        ],
+        dtype=torch.int64,
+    )
     muls = torch.tensor([lr_muls, wd_muls], dtype=torch.float32)
     if device.type != "cpu":  # tiny tables: one pinned host->device copy each, no sync
         table, muls = (x.pin_memory().to(device, non_blocking=True) for x in (table, muls))
     _adamw_multi_tensor_kernel[(n_blocks,)](
-        table, muls, blocks, hparams, n, n_blocks,
-        IS_BF16=params[0].dtype == torch.bfloat16, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
+        table,
+        muls,
+        blocks,
+        hparams,
+        n,
+        n_blocks,
+        IS_BF16=params[0].dtype == torch.bfloat16,
+        BLOCK=cfg["BLOCK"],
+        num_warps=cfg["num_warps"],
+    )
 
 
 def adamw_slice_update_triton(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):

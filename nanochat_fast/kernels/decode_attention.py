@@ -14,6 +14,7 @@ Backends:
     reference  SDPA over the whole block with a per-row mask (every row reads up to the longest
                row's length); anywhere, any dtype.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -27,13 +28,19 @@ register_op(OP, auto_order={"cpu": ("cpp", "reference"), "cuda": ("reference",),
 def decode_attention(q, keys, values, rows, lengths, enable_gqa: bool = False, *, backend=None):
     """See the module docstring; `backend` forces one by name (default: NANOCHAT_FAST_KERNELS, else auto)."""
     if q.dim() != 4 or q.size(2) != 1 or keys.dim() != 4 or keys.shape != values.shape:
-        raise ValueError(f"decode_attention takes q [B, H, 1, D] and keys, values [S, Hkv, L, D], got q "
-                         f"{tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+        raise ValueError(
+            f"decode_attention takes q [B, H, 1, D] and keys, values [S, Hkv, L, D], got q "
+            f"{tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
+        )
     if keys.size(1) != q.size(1) and not enable_gqa:
         raise ValueError(f"{q.size(1)} query heads over {keys.size(1)} key heads needs enable_gqa=True")
     fp32 = all(t.dtype == torch.float32 for t in (q, keys, values))
-    impl = registry.select_for_inputs(OP, q.device.type, backend, lambda name: (
-        f"takes float32, got q {q.dtype}, cache {keys.dtype}" if name == "cpp" and not fp32 else None))
+    impl = registry.select_for_inputs(
+        OP,
+        q.device.type,
+        backend,
+        lambda name: f"takes float32, got q {q.dtype}, cache {keys.dtype}" if name == "cpp" and not fp32 else None,
+    )
     return impl.fn(q, keys, values, rows, lengths, enable_gqa)
 
 
@@ -56,6 +63,7 @@ def _reference(q, keys, values, rows, lengths, enable_gqa):
 
 
 if registry.extension() is not None:
+
     @torch.library.register_fake("nanochat_fast::decode_attention")
     def _(q, keys, values, rows, lengths, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)

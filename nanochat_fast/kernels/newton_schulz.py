@@ -11,6 +11,7 @@ Tall matrices are transposed once so X X^T is the small Gram matrix. A call deci
     backend       triton (CUDA: the symmetric path, newton_schulz_triton.py),  plan
                   torch (every path, fused products), reference (plain, as nanochat writes it)
 """
+
 import functools
 from typing import NamedTuple
 
@@ -44,7 +45,9 @@ def resolve_coefficients(coefficients, steps: int) -> tuple[tuple[float, float, 
             raise ValueError(f"coefficients='polar_express' has {len(POLAR_EXPRESS)} steps, got steps={steps}")
         return POLAR_EXPRESS[:steps]
     if isinstance(coefficients, str):
-        raise ValueError(f"coefficients must be 'quintic', 'polar_express' or a list of (a, b, c), got {coefficients!r}")
+        raise ValueError(
+            f"coefficients must be 'quintic', 'polar_express' or a list of (a, b, c), got {coefficients!r}"
+        )
     table = tuple(tuple(float(x) for x in abc) for abc in coefficients)
     if len(table) != steps or any(len(abc) != 3 for abc in table):
         raise ValueError(f"coefficients must hold {steps} (a, b, c) triples, one per step, got {coefficients!r}")
@@ -102,13 +105,13 @@ class Row(NamedTuple):
 
 PATH_TABLE = (
     # device  dtype   path         m >=  n/m >=  where the row comes from (the comment above)
-    Row("cpu",  "fp32", "gram",      256,  2.0,  "measured"),
-    Row("cpu",  "fp32", "symmetric", 256,  1.0,  "measured"),
-    Row("cpu",  "bf16", "gram",      256,  2.0,  "measured"),
-    Row("cpu",  "bf16", "symmetric", 1024, 1.0,  "measured"),
-    Row("cuda", "fp32", "gram",      1,    2.0,  "paper (flop count)"),
-    Row("cuda", "fp32", "symmetric", 2048, 1.0,  "paper (published SYRK vs GEMM)"),
-    Row("cuda", "bf16", "symmetric", 2048, 1.0,  "paper (published SYRK vs GEMM)"),
+    Row("cpu", "fp32", "gram", 256, 2.0, "measured"),
+    Row("cpu", "fp32", "symmetric", 256, 1.0, "measured"),
+    Row("cpu", "bf16", "gram", 256, 2.0, "measured"),
+    Row("cpu", "bf16", "symmetric", 1024, 1.0, "measured"),
+    Row("cuda", "fp32", "gram", 1, 2.0, "paper (flop count)"),
+    Row("cuda", "fp32", "symmetric", 2048, 1.0, "paper (published SYRK vs GEMM)"),
+    Row("cuda", "bf16", "symmetric", 2048, 1.0, "paper (published SYRK vs GEMM)"),
 )
 
 
@@ -130,11 +133,14 @@ def symmetric_pays(device_type: str, dtype: torch.dtype, m: int) -> bool:
 
 # -- the op and its backends ------------------------------------------------------------------
 OP = "newton_schulz"
-register_op(OP, auto_order={
-    "cuda": ("triton", "torch", "reference"),
-    "cpu": ("torch", "reference"),
-    "mps": ("reference",),
-})
+register_op(
+    OP,
+    auto_order={
+        "cuda": ("triton", "torch", "reference"),
+        "cpu": ("torch", "reference"),
+        "mps": ("reference",),
+    },
+)
 
 
 def plan(shape, device, dtype=None, backend=None) -> tuple[registry.Backend, torch.dtype, str]:
@@ -149,8 +155,7 @@ def plan(shape, device, dtype=None, backend=None) -> tuple[registry.Backend, tor
     return impl, dtype, path
 
 
-def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients="quintic", out_dtype=None, dtype=None, *,
-                  backend=None):
+def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients="quintic", out_dtype=None, dtype=None, *, backend=None):
     """Orthogonalize G (2-D, or 3-D as a batch of same-shape matrices) with `steps` iterations,
     computing in `dtype` (None/"auto", "fp32", "bf16" or a torch dtype)."""
     if G.dim() not in (2, 3):
@@ -178,6 +183,7 @@ def newton_schulz_reference(G, coeffs, dtype, path="plain"):
 @register_backend(OP, "triton", triton_why_not)
 def triton_backend(G, coeffs, dtype, path="symmetric"):
     from .newton_schulz_triton import newton_schulz_triton  # imported late: TRITON_INTERPRET is read at import
+
     return newton_schulz_triton(G, coeffs, dtype=dtype)
 
 
@@ -230,9 +236,9 @@ def _direct(S, coeffs, wide, split):
         _symmetric_product(X, X, A, split=split)
         _symmetric_product(A, A, B, C=A, beta=b, alpha=c, split=split)
         if wide:
-            torch.baddbmm(S, B, S, beta=a, out=Y)   # a X + B X
+            torch.baddbmm(S, B, S, beta=a, out=Y)  # a X + B X
         else:
-            torch.baddbmm(S, S, B, beta=a, out=Y)   # (a X + B X)^T = a S + S B, B symmetric
+            torch.baddbmm(S, S, B, beta=a, out=Y)  # (a X + B X)^T = a S + S B, B symmetric
         S, Y = Y, S
         X = S if wide else S.mT
     return S
@@ -249,18 +255,18 @@ def _gram(S, coeffs, wide, split):
         _symmetric_product(X, X, A, split=split)
         for k in range(start, end):
             a, b, c = coeffs[k]
-            _symmetric_product(A, A, Q, C=A, beta=b, alpha=c, split=split)   # Q = a I + b A + c A^2
+            _symmetric_product(A, A, Q, C=A, beta=b, alpha=c, split=split)  # Q = a I + b A + c A^2
             Q.diagonal(dim1=-2, dim2=-1).add_(a)
             if k == start:
-                P, Q = Q, P                                                  # P = Q
+                P, Q = Q, P  # P = Q
             else:
-                _symmetric_product(Q, P, T, split=split)                     # P = Q P
+                _symmetric_product(Q, P, T, split=split)  # P = Q P
                 P, T = T, P
             if k < end - 1:
                 step_q = P if k == start else Q
-                _symmetric_product(step_q, A, T, split=split)                # A = Q (Q A)
+                _symmetric_product(step_q, A, T, split=split)  # A = Q (Q A)
                 _symmetric_product(step_q, T, A, split=split)
-        S = torch.bmm(P, S) if wide else torch.bmm(S, P)                     # X = P X, once per segment
+        S = torch.bmm(P, S) if wide else torch.bmm(S, P)  # X = P X, once per segment
         X = S if wide else S.mT
     return S
 

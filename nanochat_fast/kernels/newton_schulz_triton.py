@@ -14,6 +14,7 @@ call). Storage between kernels is the compute dtype (bf16 on a GPU, rounded to n
 when asked), with fp32 accumulation. The flop counts, and why the interpreter's bits are a GPU's:
 docs/measurements.md#newton-schulz-triton-kernels.
 """
+
 import functools
 
 import torch
@@ -108,9 +109,17 @@ def _store_symmetric(out, ri, rj, acc, M):
 
 
 @triton.jit
-def _symmetric_xxt_kernel(x_ptr, a_ptr, pairs_ptr, M, N,
-                          BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                          PRECISION: tl.constexpr):
+def _symmetric_xxt_kernel(
+    x_ptr,
+    a_ptr,
+    pairs_ptr,
+    M,
+    N,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     ti = tl.load(pairs_ptr + 2 * pid)
@@ -125,15 +134,23 @@ def _symmetric_xxt_kernel(x_ptr, a_ptr, pairs_ptr, M, N,
         k = k0 + ks
         xi = tl.load(x + ri[:, None] * N + k[None, :], mask=(ri[:, None] < M) & (k[None, :] < N), other=0.0)
         xj = tl.load(x + rj[:, None] * N + k[None, :], mask=(rj[:, None] < M) & (k[None, :] < N), other=0.0)
-        acc = tl.dot(_dot_operand(xi, DOT_FP32), tl.trans(_dot_operand(xj, DOT_FP32)), acc,
-                     input_precision=PRECISION)
+        acc = tl.dot(_dot_operand(xi, DOT_FP32), tl.trans(_dot_operand(xj, DOT_FP32)), acc, input_precision=PRECISION)
     _store_symmetric(a, ri, rj, acc, M)
 
 
 @triton.jit
-def _symmetric_poly_kernel(a_ptr, b_ptr, pairs_ptr, M, coef_b, coef_c,
-                           BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                           PRECISION: tl.constexpr):
+def _symmetric_poly_kernel(
+    a_ptr,
+    b_ptr,
+    pairs_ptr,
+    M,
+    coef_b,
+    coef_c,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """B = coef_b * A + coef_c * A A for symmetric A, reading only A's tiles on/above the diagonal:
     A[i, k] with k-block < i-block is read as A[k, i]^T, A[k, j] with k-block > j-block as A[j, k]^T.
     The K loop is split at the tile boundaries so no iteration branches (BLOCK_K divides BLOCK)."""
@@ -174,9 +191,18 @@ def _symmetric_poly_kernel(a_ptr, b_ptr, pairs_ptr, M, coef_b, coef_c,
 
 
 @triton.jit
-def _fused_update_kernel(b_ptr, x_ptr, out_ptr, M, N, coef_a,
-                         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                         PRECISION: tl.constexpr):
+def _fused_update_kernel(
+    b_ptr,
+    x_ptr,
+    out_ptr,
+    M,
+    N,
+    coef_a,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """out = coef_a * X + B X. Programs walk down a column of tiles first, so neighbours share
     the X column slab they read (B, m x m, is small and stays in L2)."""
     pid = tl.program_id(0)
@@ -208,9 +234,14 @@ def _fused_update_kernel(b_ptr, x_ptr, out_ptr, M, N, coef_a,
 
 def _launch_args(cfg, dtype):
     # fp32 storage means fp32 products on a GPU too (tl.dot would otherwise round them to tf32)
-    return dict(BLOCK=cfg["BLOCK"], BLOCK_K=cfg["BLOCK_K"], DOT_FP32=cfg["DOT_FP32"],
-                PRECISION="ieee" if dtype == torch.float32 else None,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dict(
+        BLOCK=cfg["BLOCK"],
+        BLOCK_K=cfg["BLOCK_K"],
+        DOT_FP32=cfg["DOT_FP32"],
+        PRECISION="ieee" if dtype == torch.float32 else None,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
 
 
 def _check(cfg, *tensors):
@@ -241,13 +272,15 @@ def symmetric_poly(A: torch.Tensor, b: float, c: float, out: torch.Tensor | None
     _check(cfg, A, out)
     nb = triton.cdiv(M, cfg["BLOCK"])
     grid = (_n_pairs(nb), K)
-    _symmetric_poly_kernel[grid](A, out, upper_tile_pairs(nb, A.device), M, float(b), float(c),
-                                 **_launch_args(cfg, A.dtype))
+    _symmetric_poly_kernel[grid](
+        A, out, upper_tile_pairs(nb, A.device), M, float(b), float(c), **_launch_args(cfg, A.dtype)
+    )
     return out, grid[0] * grid[1]
 
 
-def fused_update(B: torch.Tensor, X: torch.Tensor, a: float, out: torch.Tensor | None = None,
-                 config: dict | None = None):
+def fused_update(
+    B: torch.Tensor, X: torch.Tensor, a: float, out: torch.Tensor | None = None, config: dict | None = None
+):
     """out = a X + B X for stacks B (K, m, m) and X (K, m, n); `out` must not alias X."""
     K, M, N = X.shape
     out = torch.empty_like(X) if out is None else out
@@ -295,10 +328,14 @@ def flop_counts(m: int, n: int, block: int, batch: int = 1) -> dict:
     poly = batch * pairs * 2 * block * block * mp
     update = batch * 2 * mp * mp * (-(-n // block) * block)
     return {
-        "symmetric_xxt": xxt, "symmetric_poly": poly, "fused_update": update,
+        "symmetric_xxt": xxt,
+        "symmetric_poly": poly,
+        "fused_update": update,
         "step": xxt + poly + update,
-        "full_xxt": batch * 2 * m * m * n, "full_poly": batch * 2 * m ** 3, "full_update": batch * 2 * m * m * n,
-        "full_step": batch * (4 * m * m * n + 2 * m ** 3),
+        "full_xxt": batch * 2 * m * m * n,
+        "full_poly": batch * 2 * m**3,
+        "full_update": batch * 2 * m * m * n,
+        "full_step": batch * (4 * m * m * n + 2 * m**3),
     }
 
 

@@ -13,6 +13,7 @@ identical rows. `RowPacker` (compiled) and `RowPackerReference` keep the documen
 batches; `make_row_packer()` picks one. The arguments, the packers and the loader's step around
 them: docs/measurements.md#token-packing.
 """
+
 import numpy as np
 import torch
 
@@ -38,8 +39,10 @@ def _check(tokens, offsets, out, bos_id):
     if tokens.dtype != torch.int32 or tokens.dim() != 1:
         raise ValueError(f"tokens must be a 1-D int32 tensor, got {tokens.dtype} of shape {tuple(tokens.shape)}")
     if offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() < 1:
-        raise ValueError(f"offsets must be a 1-D int64 tensor of D+1 >= 1 entries, got {offsets.dtype} "
-                         f"of shape {tuple(offsets.shape)}")
+        raise ValueError(
+            f"offsets must be a 1-D int64 tensor of D+1 >= 1 entries, got {offsets.dtype} "
+            f"of shape {tuple(offsets.shape)}"
+        )
     if out.dtype != torch.int64 or out.dim() != 2:
         raise ValueError(f"out must be a 2-D int64 tensor [B, T+1], got {out.dtype} of shape {tuple(out.shape)}")
     if out.shape[1] < 2:
@@ -94,8 +97,10 @@ def plan_reference(lengths: list[int], rows: int, row_len: int, row_starts=()):
                 if not used[d] and (shortest < 0 or n < lengths[shortest]):
                     shortest = d
             if shortest < 0:
-                raise ValueError(f"pack_rows: the {len(lengths)} documents ({sum(lengths)} tokens) ran out "
-                                 f"after {row} of {rows} rows of {row_len} tokens; pass more documents")
+                raise ValueError(
+                    f"pack_rows: the {len(lengths)} documents ({sum(lengths)} tokens) ran out "
+                    f"after {row} of {rows} rows of {row_len} tokens; pass more documents"
+                )
             used[shortest] = True
             placements.append((row, shortest, pos, space))
             cropped += lengths[shortest] - space
@@ -107,21 +112,24 @@ def plan_reference(lengths: list[int], rows: int, row_len: int, row_starts=()):
 def pack_rows_reference(tokens, offsets, out, bos_id):
     toks, offs = tokens.tolist(), offsets.tolist()
     if offs[0] != 0 or offs[-1] != len(toks):
-        raise ValueError(f"pack_rows: offsets must start at 0 and end at tokens.numel() = {len(toks)}, "
-                         f"got {offs[0]} and {offs[-1]}")
+        raise ValueError(
+            f"pack_rows: offsets must start at 0 and end at tokens.numel() = {len(toks)}, got {offs[0]} and {offs[-1]}"
+        )
     lengths = [b - a for a, b in zip(offs, offs[1:])]
     for d, n in enumerate(lengths):
         if n <= 0:
             raise ValueError(f"pack_rows: document {d} is empty (offsets must increase strictly)")
         if toks[offs[d]] != bos_id:
-            raise ValueError(f"pack_rows: document {d} starts with token {toks[offs[d]]}, not bos_id={bos_id} "
-                             "(documents must begin with <|bos|>)")
+            raise ValueError(
+                f"pack_rows: document {d} starts with token {toks[offs[d]]}, not bos_id={bos_id} "
+                "(documents must begin with <|bos|>)"
+            )
     rows, row_len = out.shape
     placements, cropped = plan_reference(lengths, rows, row_len)
     flat = [0] * (rows * row_len)
     used = [False] * len(lengths)
     for row, d, pos, n in placements:
-        flat[row * row_len + pos: row * row_len + pos + n] = toks[offs[d]: offs[d] + n]
+        flat[row * row_len + pos : row * row_len + pos + n] = toks[offs[d] : offs[d] + n]
         used[d] = True
     out.copy_(torch.tensor(flat, dtype=torch.int64).view(rows, row_len))
     return torch.tensor(used, dtype=torch.bool), rows * row_len, cropped
@@ -134,6 +142,7 @@ def pack_rows_cpp(tokens, offsets, out, bos_id):
 
 
 if registry.extension() is not None:
+
     @torch.library.register_fake("nanochat_fast::pack_rows")
     def _(tokens, offsets, out, bos_id):
         ctx = torch.library.get_ctx()  # the token counts depend on the data
@@ -189,19 +198,27 @@ class RowPackerReference:
             raise ValueError(f"RowPacker.add: offsets must increase strictly and stay within the {len(toks)} tokens")
         for j, a in enumerate(offs[:-1]):
             if int(toks[a]) != self.bos_id:
-                raise ValueError(f"RowPacker.add: document {first_id + j} starts with token {int(toks[a])}, "
-                                 f"not bos_id={self.bos_id}")
+                raise ValueError(
+                    f"RowPacker.add: document {first_id + j} starts with token {int(toks[a])}, not bos_id={self.bos_id}"
+                )
         if mask is not None:
             if not 0 <= mask_bit < 31:
                 raise ValueError(f"RowPacker.add: mask_bit must be in [0, 31) with a mask, got {mask_bit}")
             toks = toks.astype(np.int32) | (mask.numpy().astype(np.int32) << mask_bit)
         for j, (a, b) in enumerate(zip(offs, offs[1:])):
-            self._docs.append(np.array(toks[a:min(b, a + self.row_len)], dtype=np.int32))
+            self._docs.append(np.array(toks[a : min(b, a + self.row_len)], dtype=np.int32))
             self._ids.append(first_id + j)
             self._full_lens.append(b - a)
 
-    def pack(self, out: torch.Tensor, total_rows: int, first_row: int = 0, due_before: int = -(1 << 63),
-             targets: torch.Tensor | None = None, mask_bit: int = -1):
+    def pack(
+        self,
+        out: torch.Tensor,
+        total_rows: int,
+        first_row: int = 0,
+        due_before: int = -(1 << 63),
+        targets: torch.Tensor | None = None,
+        mask_bit: int = -1,
+    ):
         """Documents with an id below `due_before` are due: the oldest of them (at most one per row)
         start the rows, in id order, before best-fit fills the rest. This bounds how long a
         document can wait, which best-fit alone does not (see csrc/pack_rows.h).
@@ -212,22 +229,25 @@ class RowPackerReference:
         width = self.row_len - (targets is not None)
         if out.dtype != torch.int64 or out.dim() != 2 or out.shape[1] != width or not out.is_contiguous():
             raise ValueError(f"RowPacker.pack: out must be a contiguous int64 CPU tensor [rows, {width}]")
-        if targets is not None and (targets.dtype != torch.int64 or targets.shape != out.shape
-                                    or not targets.is_contiguous()):
+        if targets is not None and (
+            targets.dtype != torch.int64 or targets.shape != out.shape or not targets.is_contiguous()
+        ):
             raise ValueError("RowPacker.pack: targets must be a contiguous int64 CPU tensor shaped like out")
         if first_row < 0 or first_row + out.shape[0] > total_rows:
-            raise ValueError(f"RowPacker.pack: rows [{first_row}, {first_row + out.shape[0]}) are not within "
-                             f"total_rows={total_rows}")
+            raise ValueError(
+                f"RowPacker.pack: rows [{first_row}, {first_row + out.shape[0]}) are not within total_rows={total_rows}"
+            )
         due = sorted((i, d) for d, i in enumerate(self._ids) if i < due_before)[:total_rows]
         try:
-            placements, cropped = plan_reference([len(d) for d in self._docs], total_rows, self.row_len,
-                                                 row_starts=[d for _, d in due])
+            placements, cropped = plan_reference(
+                [len(d) for d in self._docs], total_rows, self.row_len, row_starts=[d for _, d in due]
+            )
         except ValueError as e:
             raise ValueError(str(e).replace("pack_rows:", "RowPacker.pack:").replace("pass more", "add more")) from None
         rows = torch.empty(out.shape[0], self.row_len, dtype=torch.int64) if targets is not None else out
         for row, d, pos, n in placements:
             if first_row <= row < first_row + out.shape[0]:
-                rows[row - first_row, pos:pos + n] = torch.from_numpy(self._docs[d][:n])
+                rows[row - first_row, pos : pos + n] = torch.from_numpy(self._docs[d][:n])
         if targets is not None:
             tokens = rows & ~(1 << mask_bit) if mask_bit >= 0 else rows
             out.copy_(tokens[:, :-1])
@@ -236,8 +256,9 @@ class RowPackerReference:
         used = {d for _, d, _, _ in placements}
         cropped += sum(self._full_lens[d] - len(self._docs[d]) for d in used)
         keep = [d for d in range(len(self._docs)) if d not in used]
-        self._docs, self._ids, self._full_lens = ([xs[d] for d in keep]
-                                                  for xs in (self._docs, self._ids, self._full_lens))
+        self._docs, self._ids, self._full_lens = (
+            [xs[d] for d in keep] for xs in (self._docs, self._ids, self._full_lens)
+        )
         return len(used), total_rows * self.row_len, cropped
 
 

@@ -8,6 +8,7 @@ stream (`docs`: anything with n_docs, runs and add_to(packer, start, count), i.e
 data/packed_loaders.DocStream). next() packs the next global batch from the buffer and refills it; start()
 runs next() ahead in a prefetch thread. The compiled twin does all of this without the GIL.
 """
+
 import queue
 import threading
 
@@ -32,8 +33,17 @@ class RowStream:
     supervised. The state after it: (next_pos, buffer ids, batches, tokens_used, tokens_cropped).
     start(depth, ...) runs next() ahead in a thread; get() takes its batches; stop() ends it."""
 
-    def __init__(self, docs, rows: int, row_len: int, bos_id: int, buffer_docs: int,
-                 wait_factor: int = WAIT_FACTOR, mask_bit: int = -1, backend: str | None = "reference"):
+    def __init__(
+        self,
+        docs,
+        rows: int,
+        row_len: int,
+        bos_id: int,
+        buffer_docs: int,
+        wait_factor: int = WAIT_FACTOR,
+        mask_bit: int = -1,
+        backend: str | None = "reference",
+    ):
         self.docs, self.rows, self.row_len, self.buffer_docs = docs, rows, row_len, buffer_docs
         self.wait_factor, self.mask_bit = wait_factor, mask_bit
         self.packer = make_row_packer(row_len, bos_id, backend)
@@ -67,8 +77,9 @@ class RowStream:
 
     def _next(self, first_row: int, out_rows: int, pairs: bool, pinned: bool):
         if not (first_row >= 0 and out_rows >= 0 and first_row + out_rows <= self.rows):
-            raise ValueError(f"RowStream.next: rows [{first_row}, {first_row + out_rows}) are not within the "
-                             f"batch of {self.rows}")
+            raise ValueError(
+                f"RowStream.next: rows [{first_row}, {first_row + out_rows}) are not within the batch of {self.rows}"
+            )
         # best-fit alone can leave a document of an awkward length waiting for good: one read more
         # than wait_factor buffers ago is due and starts a row (see csrc/pack_rows.h)
         due_before = self.next_pos - self.wait_factor * self.packer.num_docs
@@ -126,8 +137,9 @@ class RowStream:
         return self._producer is not None
 
 
-def make_row_stream(docs, rows: int, row_len: int, bos_id: int, buffer_docs: int, mask_bit: int = -1,
-                    backend: str | None = None):
+def make_row_stream(
+    docs, rows: int, row_len: int, bos_id: int, buffer_docs: int, mask_bit: int = -1, backend: str | None = None
+):
     """The compiled RowStream where pack_rows' selected backend is `cpp`, else the Python twin."""
     if registry.select(OP, "cpu", backend).name == "cpp":
         return registry.extension().RowStream(docs.runs, rows, row_len, bos_id, buffer_docs, WAIT_FACTOR, mask_bit)

@@ -15,6 +15,7 @@ Backends:
 The packed copy costs one more copy of the weight; NANOCHAT_FAST_KERNELS=packed_linear=reference
 does without it.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ PANEL = 32  # output columns per panel of the packed layout (csrc/packed_linear_
 class PackedLinear:
     """A weight [out_features, in_features] ready for few-row products. `packed` is the cpp
     backend's layout, None for the reference backend (which reads `weight` itself)."""
+
     weight: torch.Tensor
     packed: torch.Tensor | None
 
@@ -51,10 +53,18 @@ def pack_linear(weight: torch.Tensor, backend: str | None = None) -> PackedLinea
     """`weight` ready for packed_linear with `backend` (default: NANOCHAT_FAST_KERNELS, else auto).
     The cpp backend needs a float32 CPU weight; the reference backend takes any."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D tensor [out_features, in_features], got "
-                         f"{getattr(weight, 'shape', type(weight).__name__)}")
-    impl = registry.select_for_inputs(OP, weight.device.type, backend, lambda name: (
-        f"takes float32 weights, got {weight.dtype}" if name == "cpp" and weight.dtype != torch.float32 else None))
+        raise ValueError(
+            f"weight must be a 2-D tensor [out_features, in_features], got "
+            f"{getattr(weight, 'shape', type(weight).__name__)}"
+        )
+    impl = registry.select_for_inputs(
+        OP,
+        weight.device.type,
+        backend,
+        lambda name: (
+            f"takes float32 weights, got {weight.dtype}" if name == "cpp" and weight.dtype != torch.float32 else None
+        ),
+    )
     return impl.fn(weight.detach())
 
 
@@ -69,6 +79,7 @@ def _pack_reference(weight):
 
 
 if registry.extension() is not None:
+
     @torch.library.register_fake("nanochat_fast::pack_linear_weight")
     def _(weight):
         n, k = weight.shape

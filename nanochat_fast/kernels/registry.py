@@ -12,6 +12,7 @@ NANOCHAT_FAST_KERNELS forces a choice: one name for every op (`NANOCHAT_FAST_KER
 or per-op pairs (`NANOCHAT_FAST_KERNELS=newton_schulz=triton,adamw_slice_update=cpp`). Forcing a
 backend that cannot run is an error that says why, never a silent fallback.
 """
+
 import importlib.util
 import os
 import warnings
@@ -74,12 +75,15 @@ def backends(op: str) -> dict[str, Backend]:
 def _load_extension():
     try:
         from nanochat_fast import _C
+
         return _C, None
     except ImportError as e:
         if os.environ.get("NANOCHAT_FAST_NO_EXT") == "1":
             return None, "extension not built (NANOCHAT_FAST_NO_EXT=1 at install)"
-        reason = f"extension nanochat_fast._C not built or not loadable ({e}); " \
-                 "rebuild with `pip install -e . --no-build-isolation`"
+        reason = (
+            f"extension nanochat_fast._C not built or not loadable ({e}); "
+            "rebuild with `pip install -e . --no-build-isolation`"
+        )
         warnings.warn(f"nanochat_fast is running on PyTorch fallbacks: {reason}", stacklevel=2)
         return None, reason
 
@@ -102,8 +106,10 @@ def cpp_why_not(device_type: str, has_cuda_kernel: bool = False) -> str | None:
         if not has_cuda_kernel:
             return "this op has no CUDA kernel in csrc/cuda"
         if not _C.with_cuda:
-            return ("extension built without CUDA (at install torch had no CUDA, nvcc was not found or no GPU "
-                    "was visible; NANOCHAT_FAST_FORCE_CUDA=1 builds it without a GPU)")
+            return (
+                "extension built without CUDA (at install torch had no CUDA, nvcc was not found or no GPU "
+                "was visible; NANOCHAT_FAST_FORCE_CUDA=1 builds it without a GPU)"
+            )
         return None
     return f"no compiled kernel for {device_type}"
 
@@ -145,10 +151,10 @@ def parse_request(spec: str) -> dict[str, str]:
         name = name.strip()
         if name not in BACKENDS + ("auto",):
             raise KernelUnavailableError(
-                f"{ENV_VAR}={spec!r}: unknown backend {name!r}; use one of auto, {', '.join(BACKENDS)}")
+                f"{ENV_VAR}={spec!r}: unknown backend {name!r}; use one of auto, {', '.join(BACKENDS)}"
+            )
         if op != "*" and op not in _OPS:
-            raise KernelUnavailableError(
-                f"{ENV_VAR}={spec!r}: unknown op {op!r}; ops are {', '.join(_OPS)}")
+            raise KernelUnavailableError(f"{ENV_VAR}={spec!r}: unknown op {op!r}; ops are {', '.join(_OPS)}")
         choice[op] = name
     return choice
 
@@ -172,17 +178,20 @@ def select(op: str, device_type: str, name: str | None = None) -> Backend:
     impl = impls.get(name)
     if impl is None:
         raise KernelUnavailableError(
-            f"{op} has no {name!r} backend (it has: {', '.join(impls)}); unset {ENV_VAR} or pick one of those")
+            f"{op} has no {name!r} backend (it has: {', '.join(impls)}); unset {ENV_VAR} or pick one of those"
+        )
     reason = impl.why_not(device_type)
     if reason is not None:
         raise KernelUnavailableError(
             f"{op}: backend {name!r} is unavailable on {device_type}: {reason}. "
-            f"Unset {ENV_VAR} (or set it to auto) to use the best available backend")
+            f"Unset {ENV_VAR} (or set it to auto) to use the best available backend"
+        )
     return impl
 
 
-def select_for_inputs(op: str, device_type: str, name: str | None,
-                      why_not_inputs: Callable[[str], str | None]) -> Backend:
+def select_for_inputs(
+    op: str, device_type: str, name: str | None, why_not_inputs: Callable[[str], str | None]
+) -> Backend:
     """select(), for inputs the picked backend may not take (why_not_inputs(backend name) -> the
     reason, or None): an automatic choice then takes the op's reference backend, a forced one
     (`name`, or NANOCHAT_FAST_KERNELS) is a ValueError saying why."""

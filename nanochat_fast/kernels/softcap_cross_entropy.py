@@ -12,6 +12,7 @@ dtypes. Backends: triton (CUDA: the row pass in softcap_cross_entropy_triton.py,
 logits and F.cross_entropy). How the chunked backends compute both gradients in the forward pass, and
 their op schema: docs/measurements.md#fused-cross-entropy.
 """
+
 import numbers
 from contextlib import nullcontext
 
@@ -22,11 +23,14 @@ from . import registry
 from .registry import always, cpp_why_not, register_backend, register_op, triton_why_not
 
 OP = "softcap_cross_entropy"
-register_op(OP, auto_order={
-    "cuda": ("triton", "torch", "reference"),
-    "cpu": ("cpp", "torch", "reference"),
-    "mps": ("torch", "reference"),
-})
+register_op(
+    OP,
+    auto_order={
+        "cuda": ("triton", "torch", "reference"),
+        "cpu": ("cpp", "torch", "reference"),
+        "mps": ("torch", "reference"),
+    },
+)
 REDUCTIONS = ("mean", "sum", "none")
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -51,10 +55,14 @@ def _check(hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be 2-D [N, d], got shape {tuple(hidden.shape)}; flatten the batch first")
     if weight.dim() != 2 or weight.size(1) != hidden.size(1):
-        raise ValueError(f"weight must be [V, d] with d = hidden.size(1) = {hidden.size(1)}, got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be [V, d] with d = hidden.size(1) = {hidden.size(1)}, got shape {tuple(weight.shape)}"
+        )
     if targets.dim() != 1 or targets.size(0) != hidden.size(0) or targets.dtype != torch.int64:
-        raise ValueError(f"targets must be int64 [N] with N = hidden.size(0) = {hidden.size(0)}, "
-                         f"got {targets.dtype} of shape {tuple(targets.shape)}")
+        raise ValueError(
+            f"targets must be int64 [N] with N = hidden.size(0) = {hidden.size(0)}, "
+            f"got {targets.dtype} of shape {tuple(targets.shape)}"
+        )
     for name, t in (("weight", weight), ("targets", targets)):
         if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
@@ -70,12 +78,23 @@ def _check(hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows
 
 def _check_dtypes(hidden, weight):
     if hidden.dtype not in DTYPES or weight.dtype != hidden.dtype:
-        raise ValueError(f"hidden and weight must both be float32 or both bfloat16 (outside autocast), "
-                         f"got hidden {hidden.dtype} and weight {weight.dtype}")
+        raise ValueError(
+            f"hidden and weight must both be float32 or both bfloat16 (outside autocast), "
+            f"got hidden {hidden.dtype} and weight {weight.dtype}"
+        )
 
 
-def softcap_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float,
-                          ignore_index: int = -1, reduction: str = "mean", *, backend=None, chunk_rows=None):
+def softcap_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    softcap: float,
+    ignore_index: int = -1,
+    reduction: str = "mean",
+    *,
+    backend=None,
+    chunk_rows=None,
+):
     """cross_entropy(softcap * tanh(hidden @ weight.T / softcap), targets), differentiable w.r.t.
     hidden and weight. `backend` forces one by name (default: NANOCHAT_FAST_KERNELS, else auto);
     `chunk_rows` overrides the rows per chunk of the chunked backends."""
@@ -115,8 +134,9 @@ def _run_chunked_op(op, hidden, weight, targets, softcap, ignore_index, reductio
     if need_grad and reduction != "none":
         grad_scale = 1.0 / count if reduction == "mean" else torch.ones((), device=hidden.device)
     rows = chunk_rows or default_chunk_rows(hidden.size(0), hidden.device.type)
-    losses, total, _, _ = op(hidden.contiguous(), weight.contiguous(), targets.contiguous(), softcap,
-                             ignore_index, grad_scale, rows)
+    losses, total, _, _ = op(
+        hidden.contiguous(), weight.contiguous(), targets.contiguous(), softcap, ignore_index, grad_scale, rows
+    )
     if reduction == "none":
         return losses
     if reduction == "mean" and grad_scale is None:
@@ -127,6 +147,7 @@ def _run_chunked_op(op, hidden, weight, targets, softcap, ignore_index, reductio
 def _chunked_backend(op_name):
     def run(*args):
         return _run_chunked_op(getattr(torch.ops.nanochat_fast, op_name), *args)
+
     return run
 
 
@@ -153,7 +174,7 @@ def chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_ro
         scale = grad_scale.float().expand(N)
     for r0 in range(0, N, chunk_rows):
         r1 = min(r0 + chunk_rows, N)
-        h, z = hidden[r0:r1], buf[:r1 - r0]
+        h, z = hidden[r0:r1], buf[: r1 - r0]
         torch.mm(h, weight.T, out=z)
         row_pass(z, targets[r0:r1], None if scale is None else scale[r0:r1], losses[r0:r1], softcap, ignore_index)
         if scale is not None:
@@ -188,17 +209,30 @@ def torch_row_pass(z, targets, scale, losses, softcap, ignore_index):
 
 
 @torch.library.custom_op("nanochat_fast::softcap_cross_entropy_torch", mutates_args=())
-def _torch_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float,
-              ignore_index: int, grad_scale: torch.Tensor | None, chunk_rows: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _torch_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    softcap: float,
+    ignore_index: int,
+    grad_scale: torch.Tensor | None,
+    chunk_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows, torch_row_pass)
 
 
 @torch.library.custom_op("nanochat_fast::softcap_cross_entropy_triton", mutates_args=())
-def _triton_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float,
-               ignore_index: int, grad_scale: torch.Tensor | None, chunk_rows: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _triton_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    softcap: float,
+    ignore_index: int,
+    grad_scale: torch.Tensor | None,
+    chunk_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .softcap_cross_entropy_triton import triton_row_pass  # imported late: TRITON_INTERPRET is read at import
+
     return chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows, triton_row_pass)
 
 
@@ -233,8 +267,16 @@ def _backward_of(op_name):
             rows = torch.as_tensor(rows, dtype=torch.float32, device=hidden.device)
             op = getattr(torch.ops.nanochat_fast, op_name)
             _, _, dhidden, dweight = op(hidden, weight, targets, *ctx.args[:2], rows, ctx.args[2])
-        return (dhidden if ctx.needs_input_grad[0] else None, dweight if ctx.needs_input_grad[1] else None,
-                None, None, None, None, None)
+        return (
+            dhidden if ctx.needs_input_grad[0] else None,
+            dweight if ctx.needs_input_grad[1] else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
     return backward
 
 

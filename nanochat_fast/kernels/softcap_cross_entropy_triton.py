@@ -13,6 +13,7 @@ Every load is cast to fp32 before any arithmetic and bf16 stores round to neares
 on raw bits) computes what a GPU computes. A target outside [0, V) that is not ignore_index gives a
 NaN loss (a kernel cannot raise; the other backends raise).
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -44,11 +45,14 @@ def _tanh(x):
 
 @triton.jit
 def _softcap_ce_rows_kernel(
-    z_ptr, z_stride,          # logits chunk [rows, V] (fp32 or bf16); dz is written over it
-    targets_ptr,              # int64 [rows]
-    scale_ptr,                # fp32 [rows]: per-row gradient weights (read when COMPUTE_GRAD)
-    losses_ptr,               # fp32 [rows]
-    n_cols, softcap, ignore_index,
+    z_ptr,
+    z_stride,  # logits chunk [rows, V] (fp32 or bf16); dz is written over it
+    targets_ptr,  # int64 [rows]
+    scale_ptr,  # fp32 [rows]: per-row gradient weights (read when COMPUTE_GRAD)
+    losses_ptr,  # fp32 [rows]
+    n_cols,
+    softcap,
+    ignore_index,
     COMPUTE_GRAD: tl.constexpr,
     IS_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -109,5 +113,16 @@ def triton_row_pass(z, targets, scale, losses, softcap, ignore_index, config=Non
     # variant per dtype and pass, whatever the reduction
     scale = scale.contiguous() if compute_grad else losses  # losses: not read
     _softcap_ce_rows_kernel[(rows,)](
-        z, z.stride(0), targets, scale, losses, n_cols, softcap, ignore_index,
-        COMPUTE_GRAD=compute_grad, IS_BF16=z.dtype == torch.bfloat16, BLOCK=block, num_warps=cfg["num_warps"])
+        z,
+        z.stride(0),
+        targets,
+        scale,
+        losses,
+        n_cols,
+        softcap,
+        ignore_index,
+        COMPUTE_GRAD=compute_grad,
+        IS_BF16=z.dtype == torch.bfloat16,
+        BLOCK=block,
+        num_warps=cfg["num_warps"],
+    )

@@ -1,4 +1,5 @@
 """Small Triton helpers shared by the kernels, and a fix for the interpreter of older Tritons."""
+
 import inspect
 import re
 
@@ -22,6 +23,7 @@ def fix_interpreter_loop_bounds():
         return False
     try:
         from triton.runtime import interpreter
+
         patch_tensor = interpreter._patch_lang_tensor
         parameters = list(inspect.signature(patch_tensor).parameters)
     except (ImportError, AttributeError):  # an interpreter laid out otherwise: not the one this fixes

@@ -13,6 +13,7 @@ autocast applies, and the cache keeps the dtype of the first keys written. Wheth
 same tokens batched as alone (bitwise on a CPU in fp32; how close elsewhere):
 docs/measurements.md#continuous-batching.
 """
+
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -27,11 +28,12 @@ from .sampling import RowState, ToolUse, sample_next, stop_tokens
 @dataclass
 class Request:
     """What one conversation asks for: its prompt, how many tokens at most, how to sample them."""
-    prompt: list[int]            # token ids, already within the context (generation.fit_context)
+
+    prompt: list[int]  # token ids, already within the context (generation.fit_context)
     max_tokens: int
     temperature: float = 0.0
     top_k: int | None = None
-    seed: int = 42               # copy c samples with a generator seeded seed + c
+    seed: int = 42  # copy c samples with a generator seeded seed + c
     use_tools: bool = True
 
 
@@ -42,12 +44,13 @@ class EngineFull(Exception):
 @dataclass(eq=False)
 class DecodeRow:
     """One sequence of a request (one per copy): the caller's handle, filled in by the engine."""
+
     request: Request
-    slot: int | None             # its cache slot (kept after it ends; None when max_tokens was 0)
-    copy: int = 0                # 0..copies-1
+    slot: int | None  # its cache slot (kept after it ends; None when max_tokens was 0)
+    copy: int = 0  # 0..copies-1
     tokens: list[int] = field(default_factory=list)  # generated ids, forced tool tokens included
     done: bool = False
-    reason: str | None = None    # once done: "stop" | "max_tokens" | "cancelled"
+    reason: str | None = None  # once done: "stop" | "max_tokens" | "cancelled"
     length: int = field(default=0, repr=False)  # positions of the slot in use (0 until prefilled)
     state: RowState = field(default_factory=RowState, repr=False)
     rng: torch.Generator | None = field(default=None, repr=False)  # None at temperature 0
@@ -57,8 +60,8 @@ class DecodeRow:
 class Token:
     row: DecodeRow
     token: int
-    forced: bool                 # written by the calculator tool, not sampled
-    last: bool                   # the row ended with this token (its slot is free again)
+    forced: bool  # written by the calculator tool, not sampled
+    last: bool  # the row ended with this token (its slot is free again)
 
 
 def _is_int(value) -> bool:
@@ -133,8 +136,10 @@ class BatchEngine:
         if not _is_int(request.max_tokens) or request.max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {request.max_tokens!r}")
         if len(prompt) + request.max_tokens > self.max_len:
-            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) exceeds the "
-                             f"engine's max_len ({self.max_len})")
+            raise ValueError(
+                f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) exceeds the "
+                f"engine's max_len ({self.max_len})"
+            )
         t = request.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
@@ -212,7 +217,7 @@ class BatchEngine:
         for i, row in enumerate(rows):
             if row.request.temperature > 0:
                 r = row.request
-                chosen[i] = sample_next(logits[i:i + 1], r.temperature, r.top_k, row.rng)[0, 0]
+                chosen[i] = sample_next(logits[i : i + 1], r.temperature, r.top_k, row.rng)[0, 0]
         return chosen.tolist()
 
     def _advance(self, row: DecodeRow, token: int) -> Token:

@@ -14,6 +14,7 @@ eval/exec and no name is looked up. Every value is bounded as it is made (MAX_IN
 result past the bound is refused before it is computed), the input by MAX_EXPR_CHARS and the tree by
 MAX_DEPTH, so any input is answered in bounded time and memory.
 """
+
 import ast
 import math
 import re
@@ -24,8 +25,22 @@ MAX_INT_BITS = 4096
 MAX_LEN = 10_000
 
 FUNCTIONS = {"len", "abs", "round", "min", "max", "int", "float", "str"}
-STR_METHODS = {"count", "upper", "lower", "title", "capitalize", "strip", "lstrip", "rstrip", "replace",
-               "find", "startswith", "endswith", "split", "join"}
+STR_METHODS = {
+    "count",
+    "upper",
+    "lower",
+    "title",
+    "capitalize",
+    "strip",
+    "lstrip",
+    "rstrip",
+    "replace",
+    "find",
+    "startswith",
+    "endswith",
+    "split",
+    "join",
+}
 ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)
 DIGIT_GROUP_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
@@ -77,7 +92,7 @@ def _power(a, b):
         # |a|^b has about b * bits(a) bits: refuse before spending the time to compute it
         if b * max(1, abs(a).bit_length() - 1) > MAX_INT_BITS or b > MAX_INT_BITS:
             _refuse(f"power larger than {MAX_INT_BITS} bits")
-        return a ** b
+        return a**b
     result = float(a) ** float(b)  # negative or fractional exponents: floats, O(1)
     if isinstance(result, complex):
         _refuse("complex results are not supported")
@@ -88,11 +103,21 @@ def _binary(op, a, b):
     if _is_number(a) and _is_number(b):
         if isinstance(op, ast.Pow):
             return _power(a, b)
-        if isinstance(op, ast.Mult) and isinstance(a, int) and isinstance(b, int) \
-                and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1:
+        if (
+            isinstance(op, ast.Mult)
+            and isinstance(a, int)
+            and isinstance(b, int)
+            and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1
+        ):
             _refuse(f"product larger than {MAX_INT_BITS} bits")
-        return {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b, ast.Div: lambda: a / b,
-                ast.FloorDiv: lambda: a // b, ast.Mod: lambda: a % b}[type(op)]()
+        return {
+            ast.Add: lambda: a + b,
+            ast.Sub: lambda: a - b,
+            ast.Mult: lambda: a * b,
+            ast.Div: lambda: a / b,
+            ast.FloorDiv: lambda: a // b,
+            ast.Mod: lambda: a % b,
+        }[type(op)]()
     if isinstance(op, ast.Add) and isinstance(a, str) and isinstance(b, str):
         if len(a) + len(b) > MAX_LEN:
             _refuse(f"string longer than {MAX_LEN:,} characters")
@@ -141,8 +166,7 @@ def _method(text, name, args):
         if len(args) != 1 or not isinstance(args[0], (str, list)):
             _refuse("str.join() takes one string or list of strings")
         items = list(args[0])
-        if not all(isinstance(s, str) for s in items) or \
-                len(text) * len(items) + sum(len(s) for s in items) > MAX_LEN:
+        if not all(isinstance(s, str) for s in items) or len(text) * len(items) + sum(len(s) for s in items) > MAX_LEN:
             _refuse("str.join() takes strings and makes at most a bounded string")
     try:
         return getattr(str, name)(text, *args)  # name is one of STR_METHODS (checked by the caller)
@@ -179,8 +203,10 @@ def _eval(node):
             return _checked(_function(node.func.id, [_eval(a) for a in node.args]))
         if isinstance(node.func, ast.Attribute) and node.func.attr in STR_METHODS:
             return _checked(_method(_eval(node.func.value), node.func.attr, [_eval(a) for a in node.args]))
-        _refuse("only len, abs, round, min, max, int, float, str and string methods "
-                f"({', '.join(sorted(STR_METHODS))}) can be called")
+        _refuse(
+            "only len, abs, round, min, max, int, float, str and string methods "
+            f"({', '.join(sorted(STR_METHODS))}) can be called"
+        )
     if isinstance(node, ast.Subscript):
         s = node.slice
         if isinstance(s, ast.Slice):

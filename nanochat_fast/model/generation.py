@@ -13,6 +13,7 @@ rows, and every row decodes one token per step with its own tool state and its o
 GPT.generate (nanochat's token-in, token-out loop) is one such row without a tokenizer
 (generate_tokens).
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ class TextStream:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        piece = decode_reply(self.tokenizer, self.ids[self.sent_ids:])
+        piece = decode_reply(self.tokenizer, self.ids[self.sent_ids :])
         if piece.endswith("\ufffd"):
             return ""
         self.released += piece
@@ -71,7 +72,7 @@ class TextStream:
         return piece
 
     def text(self) -> str:
-        return self.released + decode_reply(self.tokenizer, self.ids[self.sent_ids:])
+        return self.released + decode_reply(self.tokenizer, self.ids[self.sent_ids :])
 
 
 class ReplyStream(TextStream):
@@ -91,7 +92,7 @@ def fit_context(ids: list[int], max_tokens: int, sequence_len: int, bos_id: int)
     max_tokens = min(max_tokens, sequence_len // 2)
     room = sequence_len - max_tokens
     if len(ids) > room:
-        ids = [bos_id] + ids[-(room - 1):]
+        ids = [bos_id] + ids[-(room - 1) :]
     return ids, max_tokens
 
 
@@ -104,9 +105,18 @@ def reply_prompt(model, tokenizer, messages: list[dict], max_tokens: int):
 
 
 @torch.inference_mode()
-def generate_steps(model, tokenizer, prompt: list[int], num_samples: int = 1, max_tokens: int = 256,
-                   temperature: float = 0.0, top_k: int | None = None, seed: int = 42, use_tools: bool = True,
-                   should_stop=None):
+def generate_steps(
+    model,
+    tokenizer,
+    prompt: list[int],
+    num_samples: int = 1,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 42,
+    use_tools: bool = True,
+    should_stop=None,
+):
     """Yield, once per step, {row: (token, forced)} for the rows still going (forced: the token
     came from the tool, not from sampling). A row ends after <|assistant_end|> or <|bos|> (which it
     yields); all end after max_tokens steps, or when should_stop() (asked before each step) says so.
@@ -123,8 +133,9 @@ def generate_steps(model, tokenizer, prompt: list[int], num_samples: int = 1, ma
         yield {t.row.copy: (t.token, t.forced) for t in engine.step()}
 
 
-def generate_tokens(model, tokens: list[int], max_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                    seed: int = 42):
+def generate_tokens(
+    model, tokens: list[int], max_tokens: int, temperature: float = 1.0, top_k: int | None = None, seed: int = 42
+):
     """GPT.generate's tokens: yield `max_tokens` ids continuing `tokens`, one engine row without a
     tokenizer (no stop token, no tool), sampled with a generator seeded `seed`."""
     for column in generate_steps(model, None, tokens, 1, max_tokens, temperature, top_k, seed, use_tools=False):
@@ -133,22 +144,31 @@ def generate_tokens(model, tokens: list[int], max_tokens: int, temperature: floa
 
 @dataclass
 class Sample:
-    ids: list          # generated ids, without the prompt and without the final stop token
-    forced: list       # per id: True where the tool wrote it
-    text: str          # decode_reply(ids)
-    finished: bool     # ended by <|assistant_end|>/<|bos|> rather than by max_tokens
+    ids: list  # generated ids, without the prompt and without the final stop token
+    forced: list  # per id: True where the tool wrote it
+    text: str  # decode_reply(ids)
+    finished: bool  # ended by <|assistant_end|>/<|bos|> rather than by max_tokens
 
 
-def generate_batch(model, tokenizer, prompt: list[int], num_samples: int = 1, max_tokens: int = 256,
-                   temperature: float = 0.0, top_k: int | None = None, seed: int = 42,
-                   use_tools: bool = True) -> list[Sample]:
+def generate_batch(
+    model,
+    tokenizer,
+    prompt: list[int],
+    num_samples: int = 1,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 42,
+    use_tools: bool = True,
+) -> list[Sample]:
     """num_samples completions of `prompt` (e.g. render_for_completion of a conversation)."""
     ids = [[] for _ in range(num_samples)]
     forced = [[] for _ in range(num_samples)]
     finished = [False] * num_samples
     stop = stop_tokens(tokenizer)
-    for column in generate_steps(model, tokenizer, prompt, num_samples, max_tokens, temperature, top_k, seed,
-                                 use_tools):
+    for column in generate_steps(
+        model, tokenizer, prompt, num_samples, max_tokens, temperature, top_k, seed, use_tools
+    ):
         for r, (token, was_forced) in column.items():
             if token in stop:
                 finished[r] = True
@@ -158,8 +178,17 @@ def generate_batch(model, tokenizer, prompt: list[int], num_samples: int = 1, ma
     return [Sample(i, f, decode_reply(tokenizer, i), d) for i, f, d in zip(ids, forced, finished)]
 
 
-def assistant_reply(model, tokenizer, messages: list[dict], max_tokens: int, temperature=0.0, top_k=None,
-                    seed=42, on_text=None, should_stop=None) -> str:
+def assistant_reply(
+    model,
+    tokenizer,
+    messages: list[dict],
+    max_tokens: int,
+    temperature=0.0,
+    top_k=None,
+    seed=42,
+    on_text=None,
+    should_stop=None,
+) -> str:
     """The assistant's next message after `messages`, up to <|assistant_end|>, with the calculator
     tool available (its calls read <<expr=result>> in the text).
 
@@ -169,8 +198,9 @@ def assistant_reply(model, tokenizer, messages: list[dict], max_tokens: int, tem
     of it, a long conversation keeps its end."""
     ids, max_tokens, _ = reply_prompt(model, tokenizer, messages, max_tokens)
     stream = ReplyStream(tokenizer)
-    for column in generate_steps(model, tokenizer, ids, 1, max_tokens, temperature, top_k, seed,
-                                 should_stop=should_stop):
+    for column in generate_steps(
+        model, tokenizer, ids, 1, max_tokens, temperature, top_k, seed, should_stop=should_stop
+    ):
         token, _ = column[0]
         if token in stream.stop:
             break

@@ -11,6 +11,7 @@ One dial, `depth`, sets the width and the heads (config_from_depth). Master weig
 every device; the matmuls run in the compute dtype of hardware/precision.py, applied by the caller's
 autocast: bf16 on CUDA sm80+, fp32 on MPS, and on a CPU whichever of fp32 and bf16 measured faster.
 """
+
 import dataclasses
 import math
 import warnings
@@ -35,8 +36,8 @@ class GPTConfig:
     sequence_len: int = 1024
     vocab_size: int = 50304
     n_layer: int = 12
-    n_head: int = 6      # query heads
-    n_kv_head: int = 6   # key/value heads (GQA when fewer than n_head)
+    n_head: int = 6  # query heads
+    n_kv_head: int = 6  # key/value heads (GQA when fewer than n_head)
     n_embd: int = 768
 
     def __post_init__(self):
@@ -47,7 +48,9 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
         if (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"head_dim = n_embd/n_head = {self.n_embd // self.n_head} must be even (rotary pairs channels)")
+            raise ValueError(
+                f"head_dim = n_embd/n_head = {self.n_embd // self.n_head} must be even (rotary pairs channels)"
+            )
         if self.n_kv_head > self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head})")
 
@@ -56,16 +59,28 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
-def config_from_depth(depth: int, vocab_size: int, sequence_len: int, aspect_ratio: int = 64,
-                      head_dim: int = 128, n_kv_head: int | None = None) -> GPTConfig:
+def config_from_depth(
+    depth: int,
+    vocab_size: int,
+    sequence_len: int,
+    aspect_ratio: int = 64,
+    head_dim: int = 128,
+    n_kv_head: int | None = None,
+) -> GPTConfig:
     """The depth dial: n_embd = ceil(aspect_ratio*depth / head_dim) * head_dim, n_head = n_embd / head_dim."""
     for name, value in (("depth", depth), ("aspect_ratio", aspect_ratio), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     n_embd = math.ceil(aspect_ratio * depth / head_dim) * head_dim
     n_head = n_embd // head_dim
-    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
-                     n_kv_head=n_head if n_kv_head is None else n_kv_head, n_embd=n_embd)
+    return GPTConfig(
+        sequence_len=sequence_len,
+        vocab_size=vocab_size,
+        n_layer=depth,
+        n_head=n_head,
+        n_kv_head=n_head if n_kv_head is None else n_kv_head,
+        n_embd=n_embd,
+    )
 
 
 def norm(x):
@@ -165,10 +180,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict({
-            "wte": nn.Embedding(config.vocab_size, config.n_embd),
-            "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-        })
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(config.vocab_size, config.n_embd),
+                "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            }
+        )
         self.lm_head = Linear(config.n_embd, config.vocab_size)
         # Rotary tables for 10x the training length, so generation can run past it. Not persistent:
         # they are recomputed (init_weights) rather than stored in checkpoints.
@@ -222,8 +239,16 @@ class GPT(nn.Module):
         cfg = self.config
         return 6 * (nparams - nparams_embedding) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.sequence_len
 
-    def setup_optimizers(self, unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0,
-                         adam_betas=(0.8, 0.95), ns_coefficients=None, muon_recipe="quintic"):
+    def setup_optimizers(
+        self,
+        unembedding_lr=0.004,
+        embedding_lr=0.2,
+        matrix_lr=0.02,
+        weight_decay=0.0,
+        adam_betas=(0.8, 0.95),
+        ns_coefficients=None,
+        muon_recipe="quintic",
+    ):
         """[AdamW for lm_head and wte, Muon for every matrix in the blocks]; the distributed ZeRO-2
         versions when torch.distributed runs more than one process, the FSDP ones (optim/fsdp.py) once
         the model is sharded by fully_shard (its parameters are DTensors). `weight_decay` is AdamW's; Muon
@@ -250,7 +275,9 @@ class GPT(nn.Module):
         ]
         adamw_kwargs = dict(betas=tuple(adam_betas), eps=1e-10, weight_decay=weight_decay)
         sharded = hasattr(self.lm_head.weight, "placements")  # a DTensor: fully_shard'ed
-        adamw_cls, muon_cls = (FsdpAdamW, FsdpMuon) if sharded else (DistAdamW, DistMuon) if distributed else (AdamW, Muon)
+        adamw_cls, muon_cls = (
+            (FsdpAdamW, FsdpMuon) if sharded else (DistAdamW, DistMuon) if distributed else (AdamW, Muon)
+        )
         adamw_optimizer = adamw_cls(adam_groups, **adamw_kwargs)
         muon_optimizer = muon_cls(matrix_params, lr=matrix_lr, **recipe.muon_kwargs())
         muon_optimizer.recipe = recipe
@@ -272,7 +299,7 @@ class GPT(nn.Module):
         T0 = 0 if kv_cache is None else kv_cache.get_pos()
         if T0 + T > self.cos.size(1):
             raise ValueError(f"sequence of {T0 + T} tokens is longer than the rotary table ({self.cos.size(1)})")
-        return self.cos[:, T0:T0 + T], self.sin[:, T0:T0 + T]
+        return self.cos[:, T0 : T0 + T], self.sin[:, T0 : T0 + T]
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         """idx (B, T) token ids -> logits (B, T, vocab) in fp32; with targets (B, T) the
@@ -289,8 +316,14 @@ class GPT(nn.Module):
             logits = self.lm_head(x)
             return LOGIT_SOFTCAP * torch.tanh(logits.float() / LOGIT_SOFTCAP)
         # the fused lm_head + softcap + cross-entropy: row chunks, never all B*T x vocab logits
-        loss = softcap_cross_entropy(x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1),
-                                     LOGIT_SOFTCAP, ignore_index=-1, reduction=loss_reduction)
+        loss = softcap_cross_entropy(
+            x.reshape(B * T, -1),
+            self.lm_head.weight,
+            targets.reshape(-1),
+            LOGIT_SOFTCAP,
+            ignore_index=-1,
+            reduction=loss_reduction,
+        )
         return loss.view(B, T) if loss_reduction == "none" else loss
 
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42, use_kv_cache=None):
@@ -299,15 +332,21 @@ class GPT(nn.Module):
         most likely tokens. It runs as one row of the batch engine, the path chat, evaluation and
         serving take (generation.generate_tokens)."""
         if use_kv_cache is not None:
-            warnings.warn("GPT.generate(use_kv_cache=...) is deprecated and ignored (generation always uses the "
-                          "batch engine's cache); drop the argument", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                "GPT.generate(use_kv_cache=...) is deprecated and ignored (generation always uses the "
+                "batch engine's cache); drop the argument",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         if not isinstance(tokens, list) or not tokens:
             raise ValueError("tokens must be a non-empty list of token ids")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         if len(tokens) + max_tokens > self.rotary_seq_len:
-            raise ValueError(f"prompt ({len(tokens)}) + max_tokens ({max_tokens}) exceeds the model's "
-                             f"{self.rotary_seq_len} positions")
+            raise ValueError(
+                f"prompt ({len(tokens)}) + max_tokens ({max_tokens}) exceeds the model's "
+                f"{self.rotary_seq_len} positions"
+            )
         # sample_next is greedy below MIN_TEMPERATURE, negative values included; the engine refuses those
         temperature = temperature if temperature >= MIN_TEMPERATURE else 0.0
         yield from generate_tokens(self, tokens, max_tokens, temperature, top_k, seed)

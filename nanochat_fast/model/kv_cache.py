@@ -11,6 +11,7 @@ ends. Two views write into it:
     SlotBatch    one decode step of rows at different lengths: row i feeds one token at its own
                  position in its own slot, and attends to its own valid entries only.
 """
+
 import torch
 
 from ..kernels.decode_attention import decode_attention
@@ -40,8 +41,9 @@ class SlotCache:
         """The storage, allocated on the first call from the shape, dtype and device of k (B, H, T, D)."""
         if self.kv is None:
             _, n_kv_head, _, head_dim = k.shape
-            self.kv = torch.zeros(self.n_layer, 2, self.slots, n_kv_head, self.max_len, head_dim,
-                                  dtype=k.dtype, device=k.device)
+            self.kv = torch.zeros(
+                self.n_layer, 2, self.slots, n_kv_head, self.max_len, head_dim, dtype=k.dtype, device=k.device
+            )
         return self.kv
 
     def copy_slot(self, src: int, dst: int, length: int):
@@ -93,7 +95,7 @@ class SlotBatch:
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
         self.positions = torch.tensor(positions, dtype=torch.long, device=device)
         self.rows_in_block = self.slots - self.lo  # each row's slot within the block
-        self.lengths = self.positions + 1          # each row's valid entries
+        self.lengths = self.positions + 1  # each row's valid entries
 
     def get_pos(self) -> torch.Tensor:
         """Each row's position, (B,) int64: where its token goes and which rotary angles it gets."""
@@ -107,7 +109,7 @@ class SlotBatch:
         keys[self.slots, :, self.positions] = k[:, :, 0]
         values[self.slots, :, self.positions] = v[:, :, 0]
         block = slice(self.lo, self.hi)
-        return keys[block, :, :self.length], values[block, :, :self.length]
+        return keys[block, :, : self.length], values[block, :, : self.length]
 
     def attend(self, q, keys, values, enable_gqa: bool):
         """The rows' queries q (B, H, 1, D) over the block insert_kv returned, each row to its own

@@ -11,6 +11,7 @@ the meta device and materialised where they run, and checkpoints must match the 
 the tokenizer. Setting a model up for a training run (optimizers, dtypes, compile) is
 train/model_setup.py.
 """
+
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,10 +38,13 @@ def new_model(config: GPTConfig, device, state: dict | None = None) -> GPT:
 def check_tokenizer(meta: dict, ckpt: Path, tokenizer):
     saved = meta.get("tokenizer", {})
     if saved.get("vocab_size") != tokenizer.get_vocab_size() or (
-            saved.get("fingerprint") and saved.get("fingerprint") != tokenizer.fingerprint):
-        raise UserError(f"the tokenizer in {paths.tokenizer_dir()} (vocab {tokenizer.get_vocab_size()}) is not the one "
-                        f"checkpoint {ckpt} was trained with (vocab {saved.get('vocab_size')}); restore that tokenizer "
-                        "or train a new model")
+        saved.get("fingerprint") and saved.get("fingerprint") != tokenizer.fingerprint
+    ):
+        raise UserError(
+            f"the tokenizer in {paths.tokenizer_dir()} (vocab {tokenizer.get_vocab_size()}) is not the one "
+            f"checkpoint {ckpt} was trained with (vocab {saved.get('vocab_size')}); restore that tokenizer "
+            "or train a new model"
+        )
 
 
 def check_compatible(meta: dict, ckpt: Path, config: GPTConfig, tokenizer):
@@ -48,8 +52,10 @@ def check_compatible(meta: dict, ckpt: Path, config: GPTConfig, tokenizer):
     saved, wanted = meta["model_config"], asdict(config)
     diff = [f"{k}={saved.get(k)} (this run: {v})" for k, v in wanted.items() if saved.get(k) != v]
     if diff:
-        raise UserError(f"checkpoint {ckpt} is of another model config: {', '.join(diff)}; pass the flags it was "
-                        "trained with (see its meta.json) or start a new --run")
+        raise UserError(
+            f"checkpoint {ckpt} is of another model config: {', '.join(diff)}; pass the flags it was "
+            "trained with (see its meta.json) or start a new --run"
+        )
     check_tokenizer(meta, ckpt, tokenizer)
 
 

@@ -11,6 +11,7 @@ share them, and remade when a weight's version counter moves: any in-place chang
 outside an optimizer leaves the counter alone and is not seen. They cost one more copy of the
 linear weights.
 """
+
 import contextlib
 import contextvars
 import weakref
@@ -67,8 +68,7 @@ def decoding(model: nn.Module, rows: int):
     CPU, no autocast (under bf16 autocast the stock bf16 matmuls run), no gradient wanted (the
     packed op has no backward) and at most MAX_ROWS rows."""
     device = model.get_device()
-    if (device.type != "cpu" or rows > MAX_ROWS or torch.is_grad_enabled()
-            or torch.is_autocast_enabled(device.type)):
+    if device.type != "cpu" or rows > MAX_ROWS or torch.is_grad_enabled() or torch.is_autocast_enabled(device.type):
         yield
         return
     packs = _by_model.get(model)

@@ -7,6 +7,7 @@ Tool use: when the assistant writes `<|python_start|>expr<|python_end|>`, expr g
 calculator (calculator.py) and `<|output_start|>result<|output_end|>` is forced into the sequence
 (fed to the model like any token, marked as not sampled), then generation goes on.
 """
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ def stop_tokens(tokenizer) -> frozenset:
 @dataclass
 class RowState:
     """One sequence's tool state: the expression being written and the tokens to force next."""
+
     forced: deque = field(default_factory=deque)
     expr: list | None = None  # token ids since <|python_start|>, None outside a call
 

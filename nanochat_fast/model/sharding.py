@@ -15,6 +15,7 @@ A forward on some ranks only (samples on rank 0, evaluations whose work differs 
 would wait forever for the other ranks' share of the gather: `whole_weights` gathers the weights
 once into a plain GPT, whose forwards need no collective.
 """
+
 from contextlib import contextmanager
 
 import torch
@@ -29,8 +30,9 @@ def shard(model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn.Module
 
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
-                                  reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32
+    )
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -39,6 +41,7 @@ def shard(model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn.Module
 
 def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
+
     return isinstance(model, FSDPModule)
 
 
@@ -55,6 +58,7 @@ def whole_weights(model: torch.nn.Module):
 
     from ..hardware.machine import rng_untouched
     from .loading import new_model
+
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     device = next(iter(state.values())).device
     with rng_untouched(device):  # the copy's init, overwritten at once, must not move the run's random stream
@@ -72,6 +76,7 @@ def model_state_dict(model: torch.nn.Module) -> dict:
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     return get_model_state_dict(model)
 
 
@@ -81,4 +86,5 @@ def full_state_dict(model: torch.nn.Module) -> dict:
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -11,6 +11,7 @@ processes and sharding.
     ...backward...
     norm = nanochat_fast.optim.step(optimizers, grad_clip=1.0)   # global-norm clip + NaN guard (step.py)
 """
+
 from .adamw import AdamW, DistAdamW
 from .fsdp import FsdpAdamW, FsdpMuon
 from .muon import DistMuon, Muon
@@ -18,4 +19,16 @@ from .recipe import MuonRecipe
 from .step import global_grad_norm, step
 from .zero import FORMAT, ZeroOptimizer
 
-__all__ = ["AdamW", "DistAdamW", "Muon", "DistMuon", "FsdpAdamW", "FsdpMuon", "MuonRecipe", "step", "global_grad_norm", "ZeroOptimizer", "FORMAT"]
+__all__ = [
+    "AdamW",
+    "DistAdamW",
+    "Muon",
+    "DistMuon",
+    "FsdpAdamW",
+    "FsdpMuon",
+    "MuonRecipe",
+    "step",
+    "global_grad_norm",
+    "ZeroOptimizer",
+    "FORMAT",
+]

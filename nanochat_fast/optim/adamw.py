@@ -11,6 +11,7 @@ whose numel splits evenly are reduced and gathered in place, without padding cop
 Per-parameter multipliers: a parameter's `lr_mul` / `wd_mul` attributes (default 1.0) scale the
 group's lr / weight_decay.
 """
+
 import torch
 
 from ..kernels import adamw_slice_update
@@ -69,12 +70,13 @@ class AdamW(ZeroOptimizer):
             else:
                 # pad to W*s; the buffer is reused as the all-gather output
                 buffer = torch.zeros(W * s, dtype=grad.dtype, device=grad.device)
-                buffer[:p.numel()].copy_(flat)
+                buffer[: p.numel()].copy_(flat)
                 rs_in = buffer
             out = torch.empty(s, dtype=grad.dtype, device=grad.device)
             slots[p] = dict(grad=out, work=reduce_scatter_sum(out, rs_in), buffer=buffer)
-        self._pending = dict(slots=slots, works=[v["work"] for v in slots.values() if v["work"] is not None],
-                             gathers=[])
+        self._pending = dict(
+            slots=slots, works=[v["work"] for v in slots.values() if v["work"] is not None], gathers=[]
+        )
 
     def _wait_grad(self, p):
         """The owned slice of p's gradient, summed over ranks (not yet divided by W)."""
@@ -83,7 +85,7 @@ class AdamW(ZeroOptimizer):
             slot["work"].wait()
             slot["work"] = None
         lo, hi = self._owned_range(p)
-        return slot["grad"][:hi - lo]
+        return slot["grad"][: hi - lo]
 
     def _owned_grads(self):
         return [self._wait_grad(p) for p in self._params()]
@@ -111,8 +113,20 @@ class AdamW(ZeroOptimizer):
                 lr_muls.append(getattr(p, "lr_mul", 1.0))
                 wd_muls.append(getattr(p, "wd_mul", 1.0))
             beta1, beta2 = group["betas"]
-            adamw_slice_update(params, grads, exp_avgs, exp_avg_sqs, step, group["lr"], beta1, beta2,
-                               group["eps"], group["weight_decay"], lr_muls, wd_muls)
+            adamw_slice_update(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                step,
+                group["lr"],
+                beta1,
+                beta2,
+                group["eps"],
+                group["weight_decay"],
+                lr_muls,
+                wd_muls,
+            )
             if self.world_size > 1 and self.grads_are_sums:  # ZeRO-2: every rank gets the whole update
                 for p in group["params"]:
                     self._start_gather(p)
@@ -125,14 +139,14 @@ class AdamW(ZeroOptimizer):
         slot = self._pending["slots"][p]
         if slot["buffer"] is None:
             # numel == W*s: gather in place, the owned slice is this rank's input
-            work = all_gather(flat, flat[r * s:(r + 1) * s])
+            work = all_gather(flat, flat[r * s : (r + 1) * s])
         else:
             out = slot["buffer"]
             if hi - lo == s:
                 inp = flat[lo:hi]
             else:
                 inp = torch.zeros(s, dtype=p.dtype, device=p.device)
-                inp[:hi - lo].copy_(flat[lo:hi])
+                inp[: hi - lo].copy_(flat[lo:hi])
             work = all_gather(out, inp)
         self._pending["gathers"].append((p, work, slot["buffer"]))
 
@@ -140,7 +154,7 @@ class AdamW(ZeroOptimizer):
         for p, work, buffer in self._pending["gathers"]:
             work.wait()
             if buffer is not None:
-                p.data.view(-1).copy_(buffer[:p.numel()])
+                p.data.view(-1).copy_(buffer[: p.numel()])
         self._pending = None
 
     # -- state -----------------------------------------------------------------------------------
@@ -151,8 +165,9 @@ class AdamW(ZeroOptimizer):
             if not state:
                 continue
             lo, hi = self._owned_range(p)
-            entries[self.names[p]] = dict(shape=list(p.shape), offset=lo, numel=hi - lo,
-                                          exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
+            entries[self.names[p]] = dict(
+                shape=list(p.shape), offset=lo, numel=hi - lo, exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"]
+            )
         return entries
 
     def _load_entries(self, pieces, saved_ranks):

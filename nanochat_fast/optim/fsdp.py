@@ -14,6 +14,7 @@ Both keep the state format and the step protocol of zero.py, so a checkpoint loa
 sharding and world size, and optim.step (step.py) clips them unchanged. The step in full:
 docs/measurements.md#fsdp-optimizers.
 """
+
 import math
 
 import torch
@@ -57,8 +58,10 @@ def check_row_sharded(optimizer, world_size: int, rank: int):
         placements = tuple(getattr(p, "placements", ()))
         lo, hi = shard_rows(p.shape[0], world_size, rank)
         if len(placements) != 1 or getattr(placements[0], "dim", None) != 0 or local_tensor(p).shape[0] != hi - lo:
-            raise ValueError(f"{type(optimizer).__name__} needs parameters sharded by rows by fully_shard on a "
-                             f"1-D mesh; {name!r} is {type(p).__name__} with placements {placements}")
+            raise ValueError(
+                f"{type(optimizer).__name__} needs parameters sharded by rows by fully_shard on a "
+                f"1-D mesh; {name!r} is {type(p).__name__} with placements {placements}"
+            )
 
 
 def exchange(send_pieces: list[list[torch.Tensor]], recv_sizes: list[int], dtype, device):
@@ -97,8 +100,11 @@ class FsdpAdamW(RowSharded, AdamW):
 
     def launch_reduce(self):
         # FSDP's backward has reduce-scattered (and averaged) the gradient already
-        self._pending = dict(slots={p: dict(grad=local_tensor(self._grad(p)).reshape(-1), work=None)
-                                    for p in self._params()}, works=[], gathers=[])
+        self._pending = dict(
+            slots={p: dict(grad=local_tensor(self._grad(p)).reshape(-1), work=None) for p in self._params()},
+            works=[],
+            gathers=[],
+        )
 
     def gather_params(self):
         self._pending = None
@@ -112,8 +118,9 @@ class FsdpMuon(RowSharded, Muon):
         super().__init__(params, **hyperparameters)
         W = self.world_size
         # the matrices each rank owns, in the one order both all-to-alls use: (group, index in group)
-        self._owned_by = [[(g, i) for g, layout in enumerate(self._layout) for i in layout["slots"][r]]
-                          for r in range(W)]
+        self._owned_by = [
+            [(g, i) for g, layout in enumerate(self._layout) for i in layout["slots"][r]] for r in range(W)
+        ]
 
     def _assign_owners(self, shapes, sizes):
         return assign_owners_by_cost(shapes, sizes, self.world_size)
@@ -159,7 +166,7 @@ class FsdpMuon(RowSharded, Muon):
                 lo, hi = self._rows_of(g, s)
                 n = self._piece_size(g, s)
                 rows = stacks[g][index[(g, i)], lo:hi]
-                rows.copy_(self._pending["recv"][offset:offset + n].view(rows.shape))
+                rows.copy_(self._pending["recv"][offset : offset + n].view(rows.shape))
                 offset += n
         return stacks
 
@@ -192,7 +199,7 @@ class FsdpMuon(RowSharded, Muon):
             for g, i in self._owned_by[s]:
                 group, p = self.param_groups[g], self.param_groups[g]["params"][i]
                 n = self._piece_size(g, me)
-                u = recv[offset:offset + n]
+                u = recv[offset : offset + n]
                 offset += n
                 if n:
                     local = local_tensor(p.data)

@@ -15,14 +15,14 @@ Per matrix (each step optional unless marked; MuonRecipe in recipe.py names the 
 The gradient and the momentum (and v) are fp32 whatever ns_dtype is; u is applied in the
 parameter's dtype. Matrices of one shape are stacked: one batched newton_schulz call per shape.
 """
+
 import torch
 
 from ..hardware import tuning
 from ..hardware.precision import CHOICES, DTYPES, Precision, choose
 from ..kernels.newton_schulz import newton_schulz, resolve_coefficients
 from .recipe import MuonRecipe
-from .zero import (ZeroOptimizer, all_gather, check_hparam, copy_flat_pieces, normalize_param_groups,
-                   reduce_scatter_sum)
+from .zero import ZeroOptimizer, all_gather, check_hparam, copy_flat_pieces, normalize_param_groups, reduce_scatter_sum
 
 
 def assign_owners(group_shapes: list[tuple[int, int]], group_sizes: list[int], world_size: int) -> list[list[int]]:
@@ -86,18 +86,27 @@ def newton_schulz_work(shapes, steps: int, coefficients, device, run_steps: int 
 
         def call(dtype):
             return lambda: [newton_schulz(G, steps, coefficients, out_dtype=torch.float32, dtype=dtype) for G in stacks]
+
         return {name: call(dtype) for name, dtype in DTYPES.items()}
 
     sides = [(k, min(r, c), max(r, c)) for k, r, c in shapes]
     return tuning.Work(
-        "newton_schulz", dict(shapes=[list(s) for s in shapes], steps=steps, coefficients=coefficients),
+        "newton_schulz",
+        dict(shapes=[list(s) for s in shapes], steps=steps, coefficients=coefficients),
         what=f"Newton-Schulz on Muon's matrices ({', '.join('x'.join(map(str, s)) for s in shapes)})",
-        flops=sum(k * steps * (4 * m * m * n + 2 * m ** 3) for k, m, n in sides),  # the plain path's count
-        make=make, matmuls=sorted({(m, n, m) for _, m, n in sides}, key=lambda s: -s[0] * s[1])[:2], run_calls=run_steps)
+        flops=sum(k * steps * (4 * m * m * n + 2 * m**3) for k, m, n in sides),  # the plain path's count
+        make=make,
+        matmuls=sorted({(m, n, m) for _, m, n in sides}, key=lambda s: -s[0] * s[1])[:2],
+        run_calls=run_steps,
+    )
 
 
-tuning.register("newton_schulz", lambda spec, device: newton_schulz_work(
-    [tuple(s) for s in spec["shapes"]], spec["steps"], spec["coefficients"], device))
+tuning.register(
+    "newton_schulz",
+    lambda spec, device: newton_schulz_work(
+        [tuple(s) for s in spec["shapes"]], spec["steps"], spec["coefficients"], device
+    ),
+)
 
 
 def apply_updates(group: dict, params: list, tensors: list, updates, lr: float):
@@ -129,9 +138,21 @@ class Muon(ZeroOptimizer):
 
     kind = "muon"
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="quintic",
-                 ns_dtype="auto", weight_decay=0.0, cautious_weight_decay=False, normuon_beta=None,
-                 equilibrate_rows=False, renormalize=False):
+    def __init__(
+        self,
+        params,
+        lr=0.02,
+        momentum=0.95,
+        nesterov=True,
+        ns_steps=5,
+        ns_coefficients="quintic",
+        ns_dtype="auto",
+        weight_decay=0.0,
+        cautious_weight_decay=False,
+        normuon_beta=None,
+        equilibrate_rows=False,
+        renormalize=False,
+    ):
         check_hparam("lr", lr)
         check_hparam("momentum", momentum, 0.0, 1.0)
         check_hparam("weight_decay", weight_decay)
@@ -142,10 +163,19 @@ class Muon(ZeroOptimizer):
         resolve_coefficients(ns_coefficients, ns_steps)  # ValueError on a bad choice
         if not isinstance(ns_coefficients, str):
             ns_coefficients = [list(map(float, abc)) for abc in ns_coefficients]
-        defaults = dict(lr=lr, momentum=momentum, nesterov=bool(nesterov), ns_steps=ns_steps,
-                        ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, weight_decay=weight_decay,
-                        cautious_weight_decay=bool(cautious_weight_decay), normuon_beta=normuon_beta,
-                        equilibrate_rows=bool(equilibrate_rows), renormalize=bool(renormalize))
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=bool(nesterov),
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            ns_dtype=ns_dtype,
+            weight_decay=weight_decay,
+            cautious_weight_decay=bool(cautious_weight_decay),
+            normuon_beta=normuon_beta,
+            equilibrate_rows=bool(equilibrate_rows),
+            renormalize=bool(renormalize),
+        )
         super().__init__(self._group_by_shape(params), defaults)
         self.recipe = None
         shapes = [tuple(g["params"][0].shape) for g in self.param_groups]
@@ -203,8 +233,10 @@ class Muon(ZeroOptimizer):
             by_shape = {}
             for p, name in zip(group["params"], group["param_names"]):
                 if p.dim() != 2:
-                    raise ValueError(f"Muon optimizes 2-D matrices; {name!r} has shape {tuple(p.shape)} "
-                                     "(give vectors and embeddings to AdamW)")
+                    raise ValueError(
+                        f"Muon optimizes 2-D matrices; {name!r} has shape {tuple(p.shape)} "
+                        "(give vectors and embeddings to AdamW)"
+                    )
                 by_shape.setdefault(tuple(p.shape), []).append((name, p))
             for items in by_shape.values():
                 groups.append({**group, "params": [p for _, p in items], "param_names": [n for n, _ in items]})
@@ -236,8 +268,13 @@ class Muon(ZeroOptimizer):
             layout = self._layout[g]
             c = layout["capacity"]
             zero = torch.zeros_like(grads[0])
-            rs_in = torch.stack([grads[rank_slots[j]] if j < len(rank_slots) else zero
-                                 for rank_slots in layout["slots"] for j in range(c)])
+            rs_in = torch.stack(
+                [
+                    grads[rank_slots[j]] if j < len(rank_slots) else zero
+                    for rank_slots in layout["slots"]
+                    for j in range(c)
+                ]
+            )
             out = torch.empty((c, *grads[0].shape), dtype=grads[0].dtype, device=grads[0].device)
             works.append(reduce_scatter_sum(out, rs_in))
             stacks.append(out)
@@ -249,7 +286,7 @@ class Muon(ZeroOptimizer):
             for work in self._pending["works"]:
                 work.wait()
             self._pending["waited"] = True
-        return [stack[:len(self._owned(g))] for g, stack in enumerate(self._pending["stacks"])]
+        return [stack[: len(self._owned(g))] for g, stack in enumerate(self._pending["stacks"])]
 
     def apply_update(self, clip_coef):
         self.ns_precision  # noqa: B018  (resolved on every rank together, before any rank's update)
@@ -279,8 +316,9 @@ class Muon(ZeroOptimizer):
         if group["equilibrate_rows"]:
             G = equilibrate_rows(G)
         dtype = self.ns_precision.dtype if group["ns_dtype"] == "auto" else DTYPES[group["ns_dtype"]]
-        U = newton_schulz(G, steps=group["ns_steps"], coefficients=group["ns_coefficients"], dtype=dtype,
-                          out_dtype=torch.float32)
+        U = newton_schulz(
+            G, steps=group["ns_steps"], coefficients=group["ns_coefficients"], dtype=dtype, out_dtype=torch.float32
+        )
         if group["renormalize"]:
             renormalize_(U)
         if group["normuon_beta"] is not None:
@@ -309,7 +347,7 @@ class Muon(ZeroOptimizer):
         first = group["params"][0]
         inp = torch.zeros((c, *first.shape), dtype=first.dtype, device=first.device)
         if owned:
-            torch._foreach_copy_(list(inp[:len(owned)].unbind(0)), [p.data for p in owned])
+            torch._foreach_copy_(list(inp[: len(owned)].unbind(0)), [p.data for p in owned])
         out = torch.empty((self.world_size * c, *first.shape), dtype=first.dtype, device=first.device)
         self._pending["gathers"].append((g, all_gather(out, inp), out))
 
@@ -356,8 +394,9 @@ class Muon(ZeroOptimizer):
                 p = group["params"][i]
                 name = self.names[p]
                 entries = pieces.get(name, [])
-                copy_flat_pieces(self._momentum[g][j].view(-1), 0, entries, "momentum_buffer", name, p.shape,
-                                 saved_ranks)
+                copy_flat_pieces(
+                    self._momentum[g][j].view(-1), 0, entries, "momentum_buffer", name, p.shape, saved_ranks
+                )
                 # a matrix's state is saved whole by the rank that owned it: no pieces to stitch
                 saved = [e["normuon_second_moment"] for e in entries if "normuon_second_moment" in e]
                 if saved:

@@ -11,6 +11,7 @@ Their former names, seeds and current, work for one more release with a notice (
 The dtype Newton-Schulz computes in (ns_dtype) is "auto" in both: it follows the hardware
 (nanochat_fast.hardware.precision), not the recipe.
 """
+
 import dataclasses
 import math
 import numbers
@@ -36,28 +37,31 @@ def preset_name(name):
         return name
     if name not in _noticed:
         _noticed.add(name)
-        print0(f"note: the muon recipe {name!r} is now called {new!r} (--muon-recipe={new}); "
-               f"{name!r} will stop working in the next release", file=sys.stderr)
+        print0(
+            f"note: the muon recipe {name!r} is now called {new!r} (--muon-recipe={new}); "
+            f"{name!r} will stop working in the next release",
+            file=sys.stderr,
+        )
     return new
 
 
 @dataclass(frozen=True)
 class MuonRecipe:
-    name: str = "quintic"                 # the preset it started from (logs and reports)
-    ns_coefficients: object = "quintic"   # "quintic" | "polar_express" | ((a, b, c), ...) per step
+    name: str = "quintic"  # the preset it started from (logs and reports)
+    ns_coefficients: object = "quintic"  # "quintic" | "polar_express" | ((a, b, c), ...) per step
     ns_steps: int = 5
-    ns_dtype: str = "auto"                # "auto" | "fp32" | "bf16"
+    ns_dtype: str = "auto"  # "auto" | "fp32" | "bf16"
     normuon: bool = False
     normuon_beta: float = 0.9
     cautious_weight_decay: bool = False
     weight_decay: float = 0.0
-    weight_decay_schedule: str = "constant"   # "constant" | "cosine" (to zero at the last step)
-    equilibrate_rows: bool = False        # MuonEq
-    renormalize: bool = False             # Muon+
+    weight_decay_schedule: str = "constant"  # "constant" | "cosine" (to zero at the last step)
+    equilibrate_rows: bool = False  # MuonEq
+    renormalize: bool = False  # Muon+
     momentum_start: float = 0.85
-    momentum: float = 0.95                # after the warmup
+    momentum: float = 0.95  # after the warmup
     momentum_warmup_steps: int = 300
-    momentum_end: float = 0.95            # at the end of the warmdown
+    momentum_end: float = 0.95  # at the end of the warmdown
     momentum_warmdown_ratio: float = 0.0  # fraction of the run over which it goes momentum -> momentum_end
 
     def __post_init__(self):
@@ -75,8 +79,10 @@ class MuonRecipe:
         if self.ns_dtype not in CHOICES:
             raise ValueError(f"ns_dtype must be one of {', '.join(CHOICES)}, got {self.ns_dtype!r}")
         if self.weight_decay_schedule not in WEIGHT_DECAY_SCHEDULES:
-            raise ValueError(f"weight_decay_schedule must be one of {', '.join(WEIGHT_DECAY_SCHEDULES)}, "
-                             f"got {self.weight_decay_schedule!r}")
+            raise ValueError(
+                f"weight_decay_schedule must be one of {', '.join(WEIGHT_DECAY_SCHEDULES)}, "
+                f"got {self.weight_decay_schedule!r}"
+            )
         for field in ("normuon", "cautious_weight_decay", "equilibrate_rows", "renormalize"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
@@ -120,14 +126,19 @@ class MuonRecipe:
             return self.weight_decay
         return self.weight_decay * 0.5 * (1 + math.cos(math.pi * min(step / num_iterations, 1.0)))
 
-    def scaled_weight_decay(self, total_batch_size: int, tokens: int, reference_tokens: int,
-                            reference_batch_size: int = 2 ** 19) -> "MuonRecipe":
+    def scaled_weight_decay(
+        self, total_batch_size: int, tokens: int, reference_tokens: int, reference_batch_size: int = 2**19
+    ) -> "MuonRecipe":
         """nanochat's scaling of the weight decay (tuned at its d12 reference) to another batch size
         and horizon, keeping B / (lr * wd * D) constant with lr ~ sqrt(B): wd * sqrt(B / B_ref) *
         (D_ref / D). reference_tokens is nanochat's D_ref: its data:param ratio times the d12
         model's transformer-matrix plus lm_head parameters."""
-        for field, value in (("total_batch_size", total_batch_size), ("tokens", tokens),
-                             ("reference_tokens", reference_tokens), ("reference_batch_size", reference_batch_size)):
+        for field, value in (
+            ("total_batch_size", total_batch_size),
+            ("tokens", tokens),
+            ("reference_tokens", reference_tokens),
+            ("reference_batch_size", reference_batch_size),
+        ):
             _check_real(field, value, 1.0, None)
         wd = self.weight_decay * math.sqrt(total_batch_size / reference_batch_size) * (reference_tokens / tokens)
         return dataclasses.replace(self, weight_decay=wd)
@@ -137,11 +148,18 @@ class MuonRecipe:
     def muon_kwargs(self) -> dict:
         """Keyword arguments of Muon / DistMuon for this recipe (lr is the caller's; the momentum is
         the post-warmup one until a training loop calls Muon.schedule)."""
-        return dict(momentum=self.momentum, nesterov=True, ns_steps=self.ns_steps,
-                    ns_coefficients=self.ns_coefficients, ns_dtype=self.ns_dtype, weight_decay=self.weight_decay,
-                    cautious_weight_decay=self.cautious_weight_decay,
-                    normuon_beta=self.normuon_beta if self.normuon else None,
-                    equilibrate_rows=self.equilibrate_rows, renormalize=self.renormalize)
+        return dict(
+            momentum=self.momentum,
+            nesterov=True,
+            ns_steps=self.ns_steps,
+            ns_coefficients=self.ns_coefficients,
+            ns_dtype=self.ns_dtype,
+            weight_decay=self.weight_decay,
+            cautious_weight_decay=self.cautious_weight_decay,
+            normuon_beta=self.normuon_beta if self.normuon else None,
+            equilibrate_rows=self.equilibrate_rows,
+            renormalize=self.renormalize,
+        )
 
     def describe(self) -> str:
         coefficients = self.ns_coefficients if isinstance(self.ns_coefficients, str) else "custom"
@@ -192,7 +210,18 @@ def _check_int(field, value, low):
 #     last momentum_warmdown_ratio of the run: nanochat's default 0.65; pass the run's own ratio)
 PRESETS = {"quintic": MuonRecipe()}
 PRESETS["polar-normuon"] = MuonRecipe(
-    name="polar-normuon", ns_coefficients="polar_express", normuon=True, normuon_beta=0.9,
-    cautious_weight_decay=True, weight_decay=0.28, weight_decay_schedule="cosine",
-    equilibrate_rows=True, renormalize=True,
-    momentum_start=0.85, momentum=0.97, momentum_warmup_steps=400, momentum_end=0.90, momentum_warmdown_ratio=0.65)
+    name="polar-normuon",
+    ns_coefficients="polar_express",
+    normuon=True,
+    normuon_beta=0.9,
+    cautious_weight_decay=True,
+    weight_decay=0.28,
+    weight_decay_schedule="cosine",
+    equilibrate_rows=True,
+    renormalize=True,
+    momentum_start=0.85,
+    momentum=0.97,
+    momentum_warmup_steps=400,
+    momentum_end=0.90,
+    momentum_warmdown_ratio=0.65,
+)

@@ -8,6 +8,7 @@ sums the squares of the gradient parts it owns after the reduction (each element
 exactly one rank), and the per-rank sums are gathered and added in rank order, so every rank gets
 the same bits and 1 and N processes agree up to rounding.
 """
+
 import math
 
 import torch

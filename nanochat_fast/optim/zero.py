@@ -7,6 +7,7 @@ Gloo constraints this code respects (and NCCL is happy with): no Work.get_future
 work.wait()), no PREMUL_SUM/AVG (the sum is scaled afterwards), collective inputs sized exactly
 world_size x output (padded where a tensor does not split evenly).
 """
+
 import math
 import numbers
 
@@ -24,6 +25,7 @@ from ..core.distributed import all_gather_single, reduce_scatter_single
 # (AdamW: the rank's slice; Muon: the whole matrix). Plain tensors, ints, floats, strings and lists
 # only: loadable with torch.load(weights_only=True).
 FORMAT = "nanochat_fast.optim/1"
+
 
 def reduce_scatter_sum(output, input):
     """Async: output <- this rank's chunk of the sum of `input` over ranks. Returns the Work."""
@@ -140,9 +142,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(normalize_param_groups(params), defaults)
         if self.distributed:
             if not (dist.is_available() and dist.is_initialized()):
-                raise ValueError(f"{type(self).__name__} needs torch.distributed to be initialized "
-                                 f"(launch with torchrun and call compute_init); in a single process use "
-                                 f"{type(self).__name__.removeprefix('Dist')}")
+                raise ValueError(
+                    f"{type(self).__name__} needs torch.distributed to be initialized "
+                    f"(launch with torchrun and call compute_init); in a single process use "
+                    f"{type(self).__name__.removeprefix('Dist')}"
+                )
             self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         else:
             self.world_size, self.rank = 1, 0
@@ -164,14 +168,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         if getattr(self, "_initialized", False):
-            raise RuntimeError(f"{type(self).__name__} shards its parameters at construction: "
-                               "create a new optimizer instead of adding a param group")
+            raise RuntimeError(
+                f"{type(self).__name__} shards its parameters at construction: "
+                "create a new optimizer instead of adding a param group"
+            )
         super().add_param_group(param_group)
 
     def _grad(self, p):
         if p.grad is None:
-            raise ValueError(f"parameter {self.names[p]!r} has no gradient: call backward() before step(); "
-                             "every parameter given to the optimizer must receive a gradient")
+            raise ValueError(
+                f"parameter {self.names[p]!r} has no gradient: call backward() before step(); "
+                "every parameter given to the optimizer must receive a gradient"
+            )
         return p.grad
 
     def _device(self):
@@ -204,7 +212,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         total = sum_of_squares(self._owned_grads())
         if total is None:
             return torch.zeros((), dtype=torch.float32, device=self._device())
-        return total / (self.grad_divisor ** 2)  # of the average over ranks
+        return total / (self.grad_divisor**2)  # of the average over ranks
 
     def apply_update(self, clip_coef: float | None):
         raise NotImplementedError
@@ -233,8 +241,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def state_nbytes(self) -> int:
         """Bytes of optimizer state held by this rank."""
-        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
-                   if isinstance(t, torch.Tensor))
+        return sum(
+            t.numel() * t.element_size() for s in self.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+        )
 
     def _state_entries(self) -> dict:
         """{name: {"shape", "offset", "numel", <tensors>}} for the state this rank owns."""
@@ -254,8 +263,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "rank": self.rank,
             "num_updates": self.num_updates,
             "param_groups": [jsonable_hparams(g) for g in self.param_groups],
-            "state": {name: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
-                      for name, entry in self._state_entries().items()},
+            "state": {
+                name: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
+                for name, entry in self._state_entries().items()
+            },
         }
 
     def load_shard_state_dicts(self, shards):
@@ -268,14 +279,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("shards is empty: pass the state dicts saved by every rank")
         for s in shards:
             if not isinstance(s, dict) or s.get("format") != FORMAT:
-                raise ValueError(f"not an optimizer shard of format {FORMAT!r} (got {type(s).__name__} "
-                                 f"with format {s.get('format') if isinstance(s, dict) else None!r})")
+                raise ValueError(
+                    f"not an optimizer shard of format {FORMAT!r} (got {type(s).__name__} "
+                    f"with format {s.get('format') if isinstance(s, dict) else None!r})"
+                )
             if s["kind"] != self.kind:
                 raise ValueError(f"optimizer shard is for {s['kind']!r}, this optimizer is {self.kind!r}")
         counts = {s["num_updates"] for s in shards}
         if len(counts) != 1:
-            raise ValueError(f"optimizer shards come from different steps (num_updates {sorted(counts)}): "
-                             "load the files of one checkpoint")
+            raise ValueError(
+                f"optimizer shards come from different steps (num_updates {sorted(counts)}): "
+                "load the files of one checkpoint"
+            )
         saved_ranks = sorted(s["rank"] for s in shards)
         num_updates = counts.pop()
         # hyperparameters (lr, momentum, ...) follow the saved groups, matched by parameter name
@@ -286,8 +301,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             saved = saved_groups.get(group["param_names"][0])
             if saved is None:
-                raise ValueError(f"optimizer shards have no parameter named {group['param_names'][0]!r}: "
-                                 "they were saved for a different model")
+                raise ValueError(
+                    f"optimizer shards have no parameter named {group['param_names'][0]!r}: "
+                    "they were saved for a different model"
+                )
             for key, value in saved.items():
                 if key not in ("param_names", "params") and key in group:
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
@@ -297,8 +314,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 pieces.setdefault(name, []).append(entry)
         unknown = set(pieces) - set(self.names.values())
         if unknown:
-            raise ValueError(f"optimizer shards hold state for parameters this optimizer does not have: "
-                             f"{sorted(unknown)[:3]}")
+            raise ValueError(
+                f"optimizer shards hold state for parameters this optimizer does not have: {sorted(unknown)[:3]}"
+            )
         if num_updates > 0:
             self._load_entries(pieces, saved_ranks)
         else:
@@ -329,9 +347,11 @@ def copy_flat_pieces(dst: torch.Tensor, lo: int, entries: list, key: str, name: 
         a, n = entry["offset"], entry["numel"]
         s, e = max(a, lo), min(a + n, hi)
         if s < e:
-            dst[s - lo:e - lo].copy_(entry[key].reshape(-1)[s - a:e - a])
-            covered[s - lo:e - lo] = True
+            dst[s - lo : e - lo].copy_(entry[key].reshape(-1)[s - a : e - a])
+            covered[s - lo : e - lo] = True
     if not bool(covered.all()):
         missing = int((~covered).sum())
-        raise ValueError(f"optimizer state {key!r} of {name!r} misses {missing} of elements [{lo}, {hi}) in the "
-                         f"shards given (ranks {saved_ranks}): load every optim_rank*.pt file of the checkpoint")
+        raise ValueError(
+            f"optimizer state {key!r} of {name!r} misses {missing} of elements [{lo}, {hi}) in the "
+            f"shards given (ranks {saved_ranks}): load every optim_rank*.pt file of the checkpoint"
+        )

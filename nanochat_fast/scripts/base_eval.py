@@ -31,14 +31,23 @@ from .base_train import DEFAULT_PROMPTS
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.base_eval", description=__doc__)
     p.add_argument("--run", type=cli.run_ref, default="", help="run name or directory (default: the newest base run)")
-    p.add_argument("--step", type=cli.non_negative_int, default=None,
-                   help="checkpoint step (default: the newest complete one)")
-    p.add_argument("--dataset", type=cli.plain_name, default="",
-                   help="dataset to evaluate on (default: the one the run trained on)")
+    p.add_argument(
+        "--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest complete one)"
+    )
+    p.add_argument(
+        "--dataset",
+        type=cli.plain_name,
+        default="",
+        help="dataset to evaluate on (default: the one the run trained on)",
+    )
     p.add_argument("--eval-tokens", type=cli.positive_int, default=20 * 2048 * 8, help="validation tokens")
     p.add_argument("--device-batch-size", type=cli.positive_int, default=8, help="rows per forward pass per process")
-    p.add_argument("--max-examples", type=cli.non_negative_int, default=None,
-                   help="CORE items per task, a fixed random sample (default: all; 0: skip CORE)")
+    p.add_argument(
+        "--max-examples",
+        type=cli.non_negative_int,
+        default=None,
+        help="CORE items per task, a fixed random sample (default: all; 0: skip CORE)",
+    )
     p.add_argument("--samples", type=cli.non_negative_int, default=len(DEFAULT_PROMPTS), help="completions to print")
     p.add_argument("--max-tokens", type=cli.positive_int, default=24, help="tokens per completion")
     DeviceConfig.add_flags(p)
@@ -57,11 +66,18 @@ def main(argv=None) -> int:
         Loader, extra = (ConversationRowLoader, {"tokenizer": tokenizer}) if chat else (TokenRowLoader, {})
 
         def make_loader(split, rank, world_size):
-            return Loader(dataset=dataset, split=split, device_batch_size=args.device_batch_size, seq_len=seq_len,
-                          rank=rank, world_size=world_size, device=dev.device, **extra)
+            return Loader(
+                dataset=dataset,
+                split=split,
+                device_batch_size=args.device_batch_size,
+                seq_len=seq_len,
+                rank=rank,
+                world_size=world_size,
+                device=dev.device,
+                **extra,
+            )
 
-        batches = val_batches(make_loader, args.eval_tokens, args.device_batch_size, seq_len, dev.rank,
-                              dev.world_size)
+        batches = val_batches(make_loader, args.eval_tokens, args.device_batch_size, seq_len, dev.rank, dev.world_size)
         bpb = evaluate_bpb(model, batches, get_token_bytes(device=dev.device), dev.autocast())
         print0(f"checkpoint: {ckpt}")
         print0(f"val bpb ({dataset} val split, up to {args.eval_tokens:,} tokens): {bpb:.4f}")
@@ -72,7 +88,7 @@ def main(argv=None) -> int:
         if dev.rank == 0:
             print(f"results: {task_runner.record(run_dir, meta['step'], 'base_eval', results)}")
             with dev.autocast():
-                for prompt in DEFAULT_PROMPTS[:args.samples]:
+                for prompt in DEFAULT_PROMPTS[: args.samples]:
                     print(f"  {prompt!r} -> {generation.complete(model, tokenizer, prompt, args.max_tokens)!r}")
         return 0
 
@@ -88,14 +104,25 @@ def core_subset_if_prepared(model, tokenizer, args, dev) -> dict | None:
 
     def show(label, correct, total, accuracy, centred, seconds, truncated):
         cut = f" | {task_runner.truncated_note(truncated, total)}" if truncated else ""
-        print0(f"  {label:<20} {100 * accuracy:6.2f}% ({correct}/{total}) | centred {centred:+.4f} | {seconds:.1f} s"
-               f"{cut}", flush=True)
+        print0(
+            f"  {label:<20} {100 * accuracy:6.2f}% ({correct}/{total}) | centred {centred:+.4f} | {seconds:.1f} s{cut}",
+            flush=True,
+        )
 
     sample = f"{args.max_examples} items per task" if args.max_examples else "every item"
     print0(f"CORE subset ({len(available)} of the {len(tasks.CORE_SUBSET)} tasks we have offline, {sample}):")
     with dev.autocast():
-        summary = task_runner.core_subset(model, tokenizer, available, args.max_examples, dev.rank, dev.world_size,
-                                         batch_size=args.device_batch_size, progress=True, on_task=show)
+        summary = task_runner.core_subset(
+            model,
+            tokenizer,
+            available,
+            args.max_examples,
+            dev.rank,
+            dev.world_size,
+            batch_size=args.device_batch_size,
+            progress=True,
+            on_task=show,
+        )
     print0(f"{summary['name']}: {summary['core_subset']:.4f} (mean centred accuracy; not comparable with full CORE)")
     return {**summary, "max_examples": args.max_examples}
 

@@ -13,6 +13,7 @@ checkpoints, metrics.jsonl, loss.png and report.md. Stop it any time with Ctrl-C
 finishes the step, saves, and says how to resume (--resume auto; bit for bit on one CPU process
 with --deterministic).
 """
+
 from ..core import cli
 from ..train import next_steps
 from ..train.stage import NewModel, Stage, complete_prompts, fixed_horizon, run_stage
@@ -22,10 +23,11 @@ from ..train.training_config import DataConfig, HorizonConfig, ModelConfig, add_
 DEFAULT_PROMPTS = ["The king said", "In the beginning", "To be, or not to be", "The whale"]
 
 BASE = Stage(
-    phase="base", title="base training",
-    start=NewModel(),                       # fresh weights from the depth dial
-    data=TOKEN_ROWS,                        # packed prose rows of --dataset (default: base), every token trained on
-    horizon=fixed_horizon,                  # --num-iterations | --target-flops | --target-param-data-ratio
+    phase="base",
+    title="base training",
+    start=NewModel(),  # fresh weights from the depth dial
+    data=TOKEN_ROWS,  # packed prose rows of --dataset (default: base), every token trained on
+    horizon=fixed_horizon,  # --num-iterations | --target-flops | --target-param-data-ratio
     sample=complete_prompts(DEFAULT_PROMPTS),
     next_step=lambda run_dir: next_steps.command("base_eval", next_steps.run_flag(run_dir)),
     run_name=lambda cfg, start: f"base_{start.name}",

@@ -7,6 +7,7 @@ Chat with a fine-tuned (or mid-trained) model in the terminal (KV-cached generat
 
 Interactive commands: 'clear' starts a new conversation, 'quit' (or Ctrl-D) leaves.
 """
+
 import sys
 
 from .. import checkpoints
@@ -19,14 +20,24 @@ from ..train.training_config import DeviceConfig
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_cli", description=__doc__)
-    p.add_argument("--run", type=cli.run_ref, default="",
-                   help="run name or directory (default: the newest sft run, else the newest mid run)")
-    p.add_argument("--step", type=cli.non_negative_int, default=None,
-                   help="checkpoint step (default: the newest complete one)")
+    p.add_argument(
+        "--run",
+        type=cli.run_ref,
+        default="",
+        help="run name or directory (default: the newest sft run, else the newest mid run)",
+    )
+    p.add_argument(
+        "--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest complete one)"
+    )
     p.add_argument("--prompt", default="", help="answer this one message and exit")
     p.add_argument("--temperature", type=cli.non_negative_float, default=0.6, help="0 = greedy")
     p.add_argument("--top-k", type=cli.positive_int, default=50, help="sample among the k likeliest tokens")
-    p.add_argument("--max-tokens", type=cli.positive_int, default=256, help="longest reply, in tokens (at most half the model's context)")
+    p.add_argument(
+        "--max-tokens",
+        type=cli.positive_int,
+        default=256,
+        help="longest reply, in tokens (at most half the model's context)",
+    )
     p.add_argument("--seed", type=cli.random_seed, default=42, help="sampling seed")
     DeviceConfig.add_flags(p)
     return p
@@ -35,9 +46,16 @@ def build_parser():
 def reply(model, tokenizer, messages, args, dev) -> str:
     """Generate the assistant's next message (in the run's compute dtype), streaming it to stdout."""
     with dev.autocast():
-        text = generation.assistant_reply(model, tokenizer, messages, args.max_tokens, temperature=args.temperature,
-                                          top_k=args.top_k, seed=args.seed,
-                                          on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+        text = generation.assistant_reply(
+            model,
+            tokenizer,
+            messages,
+            args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+            on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
+        )
     print()
     return text
 
@@ -47,7 +65,9 @@ def main(argv=None) -> int:
     check_environment()
     dev = DeviceConfig.from_args(args).init()
     tokenizer = get_tokenizer()
-    model, ckpt, meta = loading.load_model(checkpoints.run_dir_of(args.run, ("sft", "mid")), args.step, dev.device, tokenizer)
+    model, ckpt, meta = loading.load_model(
+        checkpoints.run_dir_of(args.run, ("sft", "mid")), args.step, dev.device, tokenizer
+    )
     if meta["phase"] == "base":
         print(f"note: {ckpt} is a base (not mid-trained) checkpoint: it has not learned to chat", file=sys.stderr)
     if args.prompt:

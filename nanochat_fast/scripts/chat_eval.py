@@ -14,6 +14,7 @@ tool runs); HumanEval by running the reply's program against the tests in a sand
 prints its accuracy, chance level and 95% (Wilson) interval; results go to the run's evals.json
 for the report card. Under torchrun every process scores its share of the examples.
 """
+
 import argparse
 import sys
 import time
@@ -23,7 +24,7 @@ from ..core import cli
 from ..core.distributed import print0
 from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
-from ..evals import task_runner, scoring, tasks
+from ..evals import scoring, task_runner, tasks
 from ..model import loading
 from ..train import next_steps
 from ..train.training_config import DeviceConfig, evaluation_process
@@ -39,22 +40,47 @@ def task_list(value: str) -> list:
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_eval", description=__doc__)
-    p.add_argument("--run", type=cli.run_ref, default="",
-                   help="run name or directory (default: the newest sft run, else the newest mid run)")
-    p.add_argument("--step", type=cli.non_negative_int, default=None,
-                   help="checkpoint step (default: the newest complete one)")
-    p.add_argument("--task", type=task_list, default="all",
-                   help=f"tasks, comma-separated, any case: {', '.join(tasks.CHAT_TASK_NAMES)}, or all")
-    p.add_argument("--max-examples", type=cli.positive_int, default=None,
-                   help="at most this many examples per task, a fixed random sample (default: all)")
-    p.add_argument("--num-samples", type=cli.positive_int, default=1,
-                   help="replies per generative problem; solved when any is right (pass@k)")
+    p.add_argument(
+        "--run",
+        type=cli.run_ref,
+        default="",
+        help="run name or directory (default: the newest sft run, else the newest mid run)",
+    )
+    p.add_argument(
+        "--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest complete one)"
+    )
+    p.add_argument(
+        "--task",
+        type=task_list,
+        default="all",
+        help=f"tasks, comma-separated, any case: {', '.join(tasks.CHAT_TASK_NAMES)}, or all",
+    )
+    p.add_argument(
+        "--max-examples",
+        type=cli.positive_int,
+        default=None,
+        help="at most this many examples per task, a fixed random sample (default: all)",
+    )
+    p.add_argument(
+        "--num-samples",
+        type=cli.positive_int,
+        default=1,
+        help="replies per generative problem; solved when any is right (pass@k)",
+    )
     p.add_argument("--temperature", type=cli.non_negative_float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-k", type=cli.positive_int, default=50, help="sample among the k likeliest tokens")
-    p.add_argument("--max-new-tokens", type=cli.positive_int, default=256,
-                   help="longest reply, in tokens (at most half the model's context)")
-    p.add_argument("--batch-size", type=cli.positive_int, default=8,
-                   help="prompts per forward pass of the categorical tasks, per process")
+    p.add_argument(
+        "--max-new-tokens",
+        type=cli.positive_int,
+        default=256,
+        help="longest reply, in tokens (at most half the model's context)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=cli.positive_int,
+        default=8,
+        help="prompts per forward pass of the categorical tasks, per process",
+    )
     DeviceConfig.add_flags(p)
     return p
 
@@ -78,15 +104,27 @@ def main(argv=None) -> int:
         if meta["phase"] == "base":
             print0(f"note: {ckpt} is a base checkpoint: it has not learned to chat", file=sys.stderr)
         print0(f"checkpoint: {ckpt}")
-        settings = {k: getattr(args, k) for k in ("max_examples", "num_samples", "temperature", "top_k",
-                                                  "max_new_tokens")}
+        settings = {
+            k: getattr(args, k) for k in ("max_examples", "num_samples", "temperature", "top_k", "max_new_tokens")
+        }
         results, start = {}, time.time()
         for task, examples in loaded:
             with dev.autocast():
                 result = task_runner.chat_task(
-                    model, tokenizer, task, examples, dev.rank, dev.world_size, batch_size=args.batch_size,
-                    num_samples=args.num_samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    top_k=args.top_k, progress=True, settings={**settings, "world_size": dev.world_size})
+                    model,
+                    tokenizer,
+                    task,
+                    examples,
+                    dev.rank,
+                    dev.world_size,
+                    batch_size=args.batch_size,
+                    num_samples=args.num_samples,
+                    max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature,
+                    top_k=args.top_k,
+                    progress=True,
+                    settings={**settings, "world_size": dev.world_size},
+                )
             print0(result.line(), flush=True)
             results[task.name] = result
         core = chatcore(results)
@@ -94,8 +132,9 @@ def main(argv=None) -> int:
             print0(f"ChatCORE (mean accuracy centred by chance, all six tasks): {core:.4f}")
         print0(f"evaluated {len(results)} task(s) in {time.time() - start:.1f} s on {dev.world_size} process(es)")
         if dev.rank == 0:
-            path = task_runner.record(run_dir, meta["step"], "chat_eval",
-                                     {name: r.as_dict() for name, r in results.items()})
+            path = task_runner.record(
+                run_dir, meta["step"], "chat_eval", {name: r.as_dict() for name, r in results.items()}
+            )
             print(f"results: {path}")
             next_steps.show(next_steps.after_chat_eval())
         return 0

@@ -14,6 +14,7 @@ are not held out, and says so), SpellingBee, and last-digit (synthetic). --examp
 a multiple of the number of processes. The method (nanochat's "GRPO", close to REINFORCE) and what
 the log shows: README.md, "Reinforcement learning: chat_rl"; the objective: train/rl_objective.py.
 """
+
 import argparse
 
 from ..core import cli
@@ -55,27 +56,42 @@ def sampling_of(args) -> Sampling:
 
 def pass_at_k_eval(args):
     """The stage's evaluation: pass@1..num_samples on the held-out questions, sampled as in training."""
+
     def make(cfg, tokenizer, dev):
         if args.eval_examples == 0:
             return lambda model: {}
         _, held_out, _ = split_examples(args.task, args.eval_examples)
 
         def evaluate(model):
-            return task_runner.evaluate_pass_at_k(model, tokenizer, args.task, held_out, dev.rank, dev.world_size,
-                                                  args.num_samples, args.max_new_tokens, args.temperature,
-                                                  args.top_k, seed=cfg.run.seed)
+            return task_runner.evaluate_pass_at_k(
+                model,
+                tokenizer,
+                args.task,
+                held_out,
+                dev.rank,
+                dev.world_size,
+                args.num_samples,
+                args.max_new_tokens,
+                args.temperature,
+                args.top_k,
+                seed=cfg.run.seed,
+            )
+
         return evaluate
+
     return make
 
 
 def stage(args) -> Stage:
     return Stage(
-        phase="rl", title="reinforcement learning",
+        phase="rl",
+        title="reinforcement learning",
         start=START,
         data=Rollouts(args.task, args.examples_per_step, sampling_of(args), args.eval_examples, args.num_epochs),
         horizon=rl_horizon,
-        sample=lambda model, tokenizer: answer_questions([ex["question"] for ex in args.task.load(max_examples=3)],
-                                                         args.max_new_tokens)(model, tokenizer),
+        sample=lambda model, tokenizer: answer_questions(
+            [ex["question"] for ex in args.task.load(max_examples=3)], args.max_new_tokens
+        )(model, tokenizer),
         evals=(("rl", pass_at_k_eval(args)),),
         next_step=lambda run_dir: next_steps.after_rl(run_dir, args.task.name),
         run_name=lambda cfg, start: f"rl_{start.name}",
@@ -87,28 +103,53 @@ def build_parser():
     START.add_flags(p)
     g = p.add_argument_group("task and sampling")
     g.add_argument("--task", type=rl_task, default="GSM8K", help=f"what to learn: {', '.join(tasks.RL_TASK_NAMES)}")
-    g.add_argument("--examples-per-step", type=cli.positive_int, default=16,
-                   help="questions per optimizer step, all processes (a multiple of the number of processes)")
+    g.add_argument(
+        "--examples-per-step",
+        type=cli.positive_int,
+        default=16,
+        help="questions per optimizer step, all processes (a multiple of the number of processes)",
+    )
     g.add_argument("--num-samples", type=at_least_two, default=16, help="samples per question")
-    g.add_argument("--max-new-tokens", type=cli.positive_int, default=256,
-                   help="longest sample, in tokens (at most half the model's context)")
+    g.add_argument(
+        "--max-new-tokens",
+        type=cli.positive_int,
+        default=256,
+        help="longest sample, in tokens (at most half the model's context)",
+    )
     g.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature")
     g.add_argument("--top-k", type=cli.positive_int, default=50, help="sample among the k likeliest tokens")
-    g.add_argument("--device-batch-size", type=cli.positive_int, default=32,
-                   help="rows sampled together per process (whole questions, at least one: --num-samples rows "
-                        "each), and rows per batch of the val bpb pass")
+    g.add_argument(
+        "--device-batch-size",
+        type=cli.positive_int,
+        default=32,
+        help="rows sampled together per process (whole questions, at least one: --num-samples rows "
+        "each), and rows per batch of the val bpb pass",
+    )
     DataConfig.add_flags(p, only={"max_seq_len"}, max_seq_len=None)
     g = p.add_argument_group("horizon")
     g.add_argument("--num-epochs", type=cli.positive_int, default=1, help="passes over the train questions")
-    g.add_argument("--num-iterations", type=cli.positive_or_unset_int, default=-1,
-                   help="optimizer steps (-1: --num-epochs passes over the train questions)")
+    g.add_argument(
+        "--num-iterations",
+        type=cli.positive_or_unset_int,
+        default=-1,
+        help="optimizer steps (-1: --num-epochs passes over the train questions)",
+    )
     p.add_argument_group("pass@k evaluation").add_argument(
-        "--eval-examples", type=cli.non_negative_int, default=400,
+        "--eval-examples",
+        type=cli.non_negative_int,
+        default=400,
         help="held-out questions scored pass@1..num_samples at every evaluation (0: none); GSM8K's come from its "
-             "test split and are never trained on")
-    add_training_flags(p, eval_every=60, sample_every=-1, embedding_lr=0.2 * INIT_LR_FRACTION,
-                       unembedding_lr=0.004 * INIT_LR_FRACTION, matrix_lr=0.02 * INIT_LR_FRACTION,
-                       warmdown_ratio=1.0)
+        "test split and are never trained on",
+    )
+    add_training_flags(
+        p,
+        eval_every=60,
+        sample_every=-1,
+        embedding_lr=0.2 * INIT_LR_FRACTION,
+        unembedding_lr=0.004 * INIT_LR_FRACTION,
+        matrix_lr=0.02 * INIT_LR_FRACTION,
+        warmdown_ratio=1.0,
+    )
     return p
 
 

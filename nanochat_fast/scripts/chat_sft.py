@@ -14,6 +14,7 @@ evaluated splits are never trained on. A batch is --target-examples-per-step con
 learning rates default to 2% of pretraining's, decaying linearly to zero. The mixture, validation
 and the loss in full: README.md, "After mid-training".
 """
+
 from ..core import cli
 from ..core.distributed import print0
 from ..evals import prepared_benchmarks, task_runner, tasks
@@ -31,21 +32,35 @@ START = FromRun("source_run", "source_step", phases=("mid", "base"))  # a mid ru
 def chat_evals(max_examples: int):
     """The stage's in-training evaluations: accuracy on IN_TRAINING_EVAL_TASKS (at most
     max_examples each, the same examples every time), counted over every rank."""
+
     def make(cfg, tokenizer, dev):
         chosen = [tasks.get(name) for name in IN_TRAINING_EVAL_TASKS]
         missing = [t.name for t in chosen if prepared_benchmarks.read_task_manifest(t.folder) is None]
         if max_examples == 0 or missing:
             if max_examples:
-                print0(f"note: no in-training chat evaluation: no evaluation data for {', '.join(missing)} "
-                       "(`python -m nanochat_fast.scripts.prepare_data --datasets=eval`)")
+                print0(
+                    f"note: no in-training chat evaluation: no evaluation data for {', '.join(missing)} "
+                    "(`python -m nanochat_fast.scripts.prepare_data --datasets=eval`)"
+                )
             return lambda model: {}
         loaded = [(task, task.load(max_examples=max_examples)) for task in chosen]
 
         def evaluate(model):
-            return {f"{task.name.lower().replace('-', '_')}_acc": task_runner.chat_task(
-                model, tokenizer, task, examples, dev.rank, dev.world_size,
-                batch_size=2 * cfg.data.device_batch_size).accuracy for task, examples in loaded}
+            return {
+                f"{task.name.lower().replace('-', '_')}_acc": task_runner.chat_task(
+                    model,
+                    tokenizer,
+                    task,
+                    examples,
+                    dev.rank,
+                    dev.world_size,
+                    batch_size=2 * cfg.data.device_batch_size,
+                ).accuracy
+                for task, examples in loaded
+            }
+
         return evaluate
+
     return make
 
 
@@ -53,10 +68,11 @@ def stage(args) -> Stage:
     """The SFT stage. Its batch (--target-examples-per-step) and its evaluations are its own flags,
     so the data object and the evaluations are made from them."""
     return Stage(
-        phase="sft", title="supervised fine-tuning",
+        phase="sft",
+        title="supervised fine-tuning",
         start=START,
         data=PaddedConversations(args.target_examples_per_step, sft_sources),  # a conversation per row
-        horizon=one_epoch,                  # one epoch of the mixture, or --num-iterations
+        horizon=one_epoch,  # one epoch of the mixture, or --num-iterations
         sample=answer_questions(SAMPLE_QUESTIONS),
         evals=(("chat", chat_evals(args.chat_eval_examples)),),
         next_step=next_steps.after_sft,
@@ -67,20 +83,44 @@ def stage(args) -> Stage:
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_sft", description=__doc__)
     START.add_flags(p)
-    g = DataConfig.add_flags(p, only={"dataset", "max_seq_len", "device_batch_size"}, max_seq_len=None,
-                             device_batch_size=4)
-    g.add_argument("--target-examples-per-step", type=cli.positive_int, default=32,
-                   help="conversations per optimizer step, all processes (a multiple of device_batch_size x processes)")
-    g.add_argument("--extra-conversations", type=Conversations, default=None, metavar="FILE.jsonl",
-                   help="your own conversations, added to the mixture")
-    p.add_argument_group("horizon").add_argument("--num-iterations", type=cli.positive_or_unset_int, default=-1,
-                                                 help="optimizer steps (-1: one epoch of the mixture)")
+    g = DataConfig.add_flags(
+        p, only={"dataset", "max_seq_len", "device_batch_size"}, max_seq_len=None, device_batch_size=4
+    )
+    g.add_argument(
+        "--target-examples-per-step",
+        type=cli.positive_int,
+        default=32,
+        help="conversations per optimizer step, all processes (a multiple of device_batch_size x processes)",
+    )
+    g.add_argument(
+        "--extra-conversations",
+        type=Conversations,
+        default=None,
+        metavar="FILE.jsonl",
+        help="your own conversations, added to the mixture",
+    )
+    p.add_argument_group("horizon").add_argument(
+        "--num-iterations",
+        type=cli.positive_or_unset_int,
+        default=-1,
+        help="optimizer steps (-1: one epoch of the mixture)",
+    )
     p.add_argument_group("chat evaluation").add_argument(
-        "--chat-eval-examples", type=cli.non_negative_int, default=1024,
-        help=f"examples of {' and '.join(IN_TRAINING_EVAL_TASKS)} scored at every evaluation (0: none)")
+        "--chat-eval-examples",
+        type=cli.non_negative_int,
+        default=1024,
+        help=f"examples of {' and '.join(IN_TRAINING_EVAL_TASKS)} scored at every evaluation (0: none)",
+    )
     # eager by default: padded rows change length every batch (PaddedConversations.varying_shapes)
-    add_training_flags(p, eval_every=100, sample_every=-1, embedding_lr=0.2 * LR_FRACTION,
-                       unembedding_lr=0.004 * LR_FRACTION, matrix_lr=0.02 * LR_FRACTION, warmdown_ratio=1.0)
+    add_training_flags(
+        p,
+        eval_every=100,
+        sample_every=-1,
+        embedding_lr=0.2 * LR_FRACTION,
+        unembedding_lr=0.004 * LR_FRACTION,
+        matrix_lr=0.02 * LR_FRACTION,
+        warmdown_ratio=1.0,
+    )
     return p
 
 

@@ -12,6 +12,7 @@ It listens on 127.0.0.1 (this machine only) unless --host says otherwise; there 
 any other address lets everyone who can reach it use the model. Needs the web extra:
 pip install -e ".[web]". API: GET /health, GET /stats, POST /chat/completions (see nanochat_fast/web/app.py).
 """
+
 import ipaddress
 import logging
 import math
@@ -45,35 +46,75 @@ KV_DTYPE = torch.float32
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_web", description=__doc__)
-    p.add_argument("--run", type=cli.run_ref, default="",
-                   help="run name or directory (default: the newest sft run, else the newest mid run)")
-    p.add_argument("--step", type=cli.non_negative_int, default=None,
-                   help="checkpoint step (default: the newest complete one)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (anything but the loopback exposes the model to the network)")
+    p.add_argument(
+        "--run",
+        type=cli.run_ref,
+        default="",
+        help="run name or directory (default: the newest sft run, else the newest mid run)",
+    )
+    p.add_argument(
+        "--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest complete one)"
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (anything but the loopback exposes the model to the network)",
+    )
     p.add_argument("--port", type=cli.non_negative_int, default=8000, help="port to listen on (0: any free port)")
-    p.add_argument("--workers", type=cli.positive_int, default=None,
-                   help="model replicas (default: one per visible GPU, one on CPU or MPS)")
-    p.add_argument("--max-new-tokens", type=cli.positive_int, default=512,
-                   help="longest reply in tokens, and the most a request may ask for (capped at half the model's context)")
-    p.add_argument("--temperature", type=cli.non_negative_float, default=0.8,
-                   help="default sampling temperature (0 = greedy, as is anything below 1e-6)")
+    p.add_argument(
+        "--workers",
+        type=cli.positive_int,
+        default=None,
+        help="model replicas (default: one per visible GPU, one on CPU or MPS)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=cli.positive_int,
+        default=512,
+        help="longest reply in tokens, and the most a request may ask for (capped at half the model's context)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=cli.non_negative_float,
+        default=0.8,
+        help="default sampling temperature (0 = greedy, as is anything below 1e-6)",
+    )
     p.add_argument("--top-k", type=cli.non_negative_int, default=50, help="default top-k (0 = the whole vocabulary)")
-    p.add_argument("--slots", type=cli.positive_int, default=None,
-                   help="replies each replica decodes together, one row of its batch and one slot of its KV cache "
-                        "each (default: 32 on CUDA, where a step reads the weights once for all rows, so 32 cost "
-                        "little more than one; 8 on CPU or MPS, where each row adds its own compute and more rows "
-                        "slow every reply)")
-    p.add_argument("--kv-memory", type=cli.byte_size, default=None,
-                   help="most KV-cache memory per replica, e.g. 512M or 2G: it holds --slots replies at the "
-                        "model's full context and is allocated once, at start (default: what --slots need; "
-                        "with --slots left out, the slots shrink to what fits)")
-    p.add_argument("--queue-size", type=cli.non_negative_int, default=16,
-                   help="requests that may wait for a free slot; more get HTTP 503 with Retry-After")
-    p.add_argument("--request-timeout", type=float, default=120.0,
-                   help="seconds a request may take from arrival to its last token (waiting included)")
-    p.add_argument("--body-timeout", type=float, default=10.0,
-                   help="seconds a request's body may take to arrive in full; a slower upload gets HTTP 408")
+    p.add_argument(
+        "--slots",
+        type=cli.positive_int,
+        default=None,
+        help="replies each replica decodes together, one row of its batch and one slot of its KV cache "
+        "each (default: 32 on CUDA, where a step reads the weights once for all rows, so 32 cost "
+        "little more than one; 8 on CPU or MPS, where each row adds its own compute and more rows "
+        "slow every reply)",
+    )
+    p.add_argument(
+        "--kv-memory",
+        type=cli.byte_size,
+        default=None,
+        help="most KV-cache memory per replica, e.g. 512M or 2G: it holds --slots replies at the "
+        "model's full context and is allocated once, at start (default: what --slots need; "
+        "with --slots left out, the slots shrink to what fits)",
+    )
+    p.add_argument(
+        "--queue-size",
+        type=cli.non_negative_int,
+        default=16,
+        help="requests that may wait for a free slot; more get HTTP 503 with Retry-After",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a request may take from arrival to its last token (waiting included)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's body may take to arrive in full; a slower upload gets HTTP 408",
+    )
     p.add_argument("--device-type", default="", choices=["", "cpu", "cuda", "mps"], help="'' = autodetect")
     return p
 
@@ -87,13 +128,16 @@ def remote_host_warning(host: str) -> str | None:
             return None
     except ValueError:
         pass
-    return (f"warning: --host {host} lets other machines reach this server; it has no authentication, so "
-            "anyone who can connect can use the model (leave --host out to listen on 127.0.0.1 only)")
+    return (
+        f"warning: --host {host} lets other machines reach this server; it has no authentication, so "
+        "anyone who can connect can use the model (leave --host out to listen on 127.0.0.1 only)"
+    )
 
 
 def check_ranges(args):
     """Flags whose range the request validation also enforces (the page sends these defaults back)."""
     from ..web.schema import MAX_TEMPERATURE, MAX_TOP_K
+
     if not 0 < args.request_timeout < math.inf:
         raise UserError(f"--request-timeout must be > 0 seconds (and finite), got {args.request_timeout}")
     if not 0 < args.body_timeout < math.inf:
@@ -110,8 +154,10 @@ def check_web_dependencies():
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise UserError(f"chat_web needs FastAPI and uvicorn ({e.name} is not installed): "
-                        "pip install -e \".[web]\" (or pip install fastapi uvicorn)") from None
+        raise UserError(
+            f"chat_web needs FastAPI and uvicorn ({e.name} is not installed): "
+            'pip install -e ".[web]" (or pip install fastapi uvicorn)'
+        ) from None
 
 
 def replica_devices(device: torch.device, workers: int | None) -> list[torch.device]:
@@ -137,8 +183,10 @@ def kv_slots(args, config, device_type: str) -> int:
             raise UserError(f"--kv-memory {memory} cannot hold one slot: the KV cache needs {each}")
         if slots > fits:
             if args.slots:
-                raise UserError(f"--slots {slots} need {cli.format_bytes(slots * per_slot)} of KV cache ({each}), "
-                                f"more than --kv-memory {memory}: use --slots={fits} or a larger --kv-memory")
+                raise UserError(
+                    f"--slots {slots} need {cli.format_bytes(slots * per_slot)} of KV cache ({each}), "
+                    f"more than --kv-memory {memory}: use --slots={fits} or a larger --kv-memory"
+                )
             slots = fits
     return slots
 
@@ -158,6 +206,7 @@ def make_replica(model, tokenizer, device: str, slots: int) -> Replica:
         ids, max_tokens, truncated = generation.reply_prompt(model, tokenizer, job.messages, job.max_tokens)
         stream = generation.ReplyStream(tokenizer)
         return Prepared(Request(ids, max_tokens, job.temperature, job.top_k, job.seed), stream.push, truncated)
+
     return Replica(engine=engine, prepare=prepare, device=device)
 
 
@@ -168,10 +217,13 @@ def load_replicas(args, devices, tokenizer):
     ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     slots = kv_slots(args, config, devices[0].type)
     if meta["phase"] == "base":
-        print(f"note: {ckpt} is a {meta['phase']} (not fine-tuned) checkpoint: it has not learned to chat",
-              file=sys.stderr)
-    replicas = [make_replica(loading.restore_model(ckpt, config, device), tokenizer, str(device), slots)
-                for device in devices]
+        print(
+            f"note: {ckpt} is a {meta['phase']} (not fine-tuned) checkpoint: it has not learned to chat",
+            file=sys.stderr,
+        )
+    replicas = [
+        make_replica(loading.restore_model(ckpt, config, device), tokenizer, str(device), slots) for device in devices
+    ]
     return replicas, f"{run_dir.name} step {meta['step']} ({meta['phase']})", slots
 
 
@@ -181,8 +233,10 @@ def listen(host: str, port: int) -> socket.socket:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         return socket.create_server((host, port), family=family, backlog=128)
     except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}): pick another --port "
-                        "(--port=0 takes any free one) or --host") from None
+        raise UserError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}): pick another --port "
+            "(--port=0 takes any free one) or --host"
+        ) from None
 
 
 def server_threads(choice) -> int:
@@ -205,7 +259,8 @@ def main(argv=None) -> int:
     check_ranges(args)
     import uvicorn
 
-    from ..web import app as web_app, schema as web_schema
+    from ..web import app as web_app
+    from ..web import schema as web_schema
 
     device = compute_init(args.device_type)[-1]
     if device.type == "cpu":
@@ -219,19 +274,26 @@ def main(argv=None) -> int:
         packed = sum(packed_linears.nbytes(r.engine.model) for r in replicas) // len(replicas)
         pool = ReplicaPool(replicas, queue_limit=args.queue_size)
         settings = web_app.Settings(
-            model_name=name, temperature=args.temperature, top_k=args.top_k, request_timeout=args.request_timeout,
+            model_name=name,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            request_timeout=args.request_timeout,
             body_timeout=args.body_timeout,
             limits=web_schema.Limits(max_tokens=args.max_new_tokens),
-            allowed_hosts=("*",) if warning else (*web_app.LOOPBACK_HOSTS, args.host))
+            allowed_hosts=("*",) if warning else (*web_app.LOOPBACK_HOSTS, args.host),
+        )
         app = web_app.create_app(pool, settings)
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
-        print(f"chat_web: {name} on {len(replicas)} replica(s) ({', '.join(map(str, devices))}), {slots} slots "
-              f"each ({cli.format_bytes(kv_bytes)} of KV cache"
-              f"{f', {cli.format_bytes(packed)} of packed decode weights' if packed else ''}), "
-              f"{torch.get_num_threads()} thread(s), "
-              f"queue {args.queue_size}; "
-              f"open http://{url_host}:{port}/", flush=True)
+        print(
+            f"chat_web: {name} on {len(replicas)} replica(s) ({', '.join(map(str, devices))}), {slots} slots "
+            f"each ({cli.format_bytes(kv_bytes)} of KV cache"
+            f"{f', {cli.format_bytes(packed)} of packed decode weights' if packed else ''}), "
+            f"{torch.get_num_threads()} thread(s), "
+            f"queue {args.queue_size}; "
+            f"open http://{url_host}:{port}/",
+            flush=True,
+        )
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)).run(sockets=[sock])
     finally:

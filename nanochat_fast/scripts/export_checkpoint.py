@@ -10,6 +10,7 @@ chat_eval, a later stage) assembles them by itself; this command does it once: b
 writes model.pt into the checkpoint, which the readers then load directly, or --output a file
 anywhere (a state_dict for torch.load). One process, no GPU needed.
 """
+
 from pathlib import Path
 
 from .. import checkpoints
@@ -23,10 +24,12 @@ PHASES = ("sft", "mid", "base")
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.export_checkpoint", description=__doc__)
     p.add_argument("--run", type=cli.run_ref, default="", help="run name or directory (default: the newest run)")
-    p.add_argument("--step", type=cli.non_negative_int, default=None,
-                   help="checkpoint step (default: the newest complete one)")
-    p.add_argument("--output", type=str, default="",
-                   help="file to write (default: model.pt inside the checkpoint directory)")
+    p.add_argument(
+        "--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest complete one)"
+    )
+    p.add_argument(
+        "--output", type=str, default="", help="file to write (default: model.pt inside the checkpoint directory)"
+    )
     return p
 
 

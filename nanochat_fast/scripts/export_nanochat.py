@@ -15,6 +15,7 @@ with <phase> base, mid or chatsft (our base, mid and sft runs); not the optimize
 later stages start fresh anyway). Files are written under a temporary name and renamed into place;
 a different tokenizer or a checkpoint already in --out is not replaced without --overwrite.
 """
+
 from pathlib import Path
 
 from .. import checkpoints
@@ -29,8 +30,9 @@ from ..train.env_vars import check_environment
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.export_nanochat", description=__doc__)
     p.add_argument("--run", type=cli.run_ref, required=True, help="run name or directory")
-    p.add_argument("--step", type=cli.non_negative_int, default=None,
-                   help="checkpoint step (default: the newest complete one)")
+    p.add_argument(
+        "--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest complete one)"
+    )
     p.add_argument("--out", required=True, help="nanochat base directory to write into (NANOCHAT_BASE_DIR)")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint or tokenizer already in --out")
     return p
@@ -57,10 +59,14 @@ def main(argv=None) -> int:
     state = nanochat_checkpoint.export_state(checkpoints.load_model_state(ckpt))
     nanochat_checkpoint.write_checkpoint(folder, step, state, nanochat_checkpoint.export_meta(step, config, meta, ckpt))
     nanochat_tokenizer.write_tokenizer_files(tokenizer, tokenizer_dir)
-    print(f"exported {ckpt} ({phase}, step {step}) to {folder}: {model_path.name}, "
-          f"{nanochat_checkpoint.meta_path(folder, step).name}; tokenizer to {tokenizer_dir}")
-    print(f"in a nanochat checkout: NANOCHAT_BASE_DIR={out} and load_model('{phase}', device, phase='eval', "
-          f"model_tag='d{config.n_layer}', step={step})")
+    print(
+        f"exported {ckpt} ({phase}, step {step}) to {folder}: {model_path.name}, "
+        f"{nanochat_checkpoint.meta_path(folder, step).name}; tokenizer to {tokenizer_dir}"
+    )
+    print(
+        f"in a nanochat checkout: NANOCHAT_BASE_DIR={out} and load_model('{phase}', device, phase='eval', "
+        f"model_tag='d{config.n_layer}', step={step})"
+    )
     return 0
 
 

@@ -14,6 +14,7 @@ must equal the one there). Nothing is unpickled blindly: tokenizer.pkl goes thro
 unpickler, every .pt file loads with weights_only=True. What carries over, the checks, and what
 --phase decides: README.md, "Coming from nanochat".
 """
+
 import math
 from dataclasses import asdict
 from pathlib import Path
@@ -32,12 +33,29 @@ from ..train.run_state import LoopState
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.import_nanochat", description=__doc__)
-    p.add_argument("--from", dest="source", required=True, metavar="DIR", help=f"nanochat's checkpoint folder ({nanochat_checkpoint.FOLDER_FILES})")
+    p.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="DIR",
+        help=f"nanochat's checkpoint folder ({nanochat_checkpoint.FOLDER_FILES})",
+    )
     p.add_argument("--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest)")
-    p.add_argument("--tokenizer", required=True, metavar="DIR", help=f"nanochat's tokenizer folder ({nanochat_tokenizer.FOLDER_FILES})")
-    p.add_argument("--run", type=cli.run_name, required=True, help="name of the run to create under NANOCHAT_FAST_HOME/runs")
-    p.add_argument("--phase", default="", choices=["", "base", "mid", "sft"],
-                   help="what the run counts as ('': from nanochat's folder name, else base)")
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="DIR",
+        help=f"nanochat's tokenizer folder ({nanochat_tokenizer.FOLDER_FILES})",
+    )
+    p.add_argument(
+        "--run", type=cli.run_name, required=True, help="name of the run to create under NANOCHAT_FAST_HOME/runs"
+    )
+    p.add_argument(
+        "--phase",
+        default="",
+        choices=["", "base", "mid", "sft"],
+        help="what the run counts as ('': from nanochat's folder name, else base)",
+    )
     p.add_argument("--no-optimizer", action="store_true", help="leave the optimizer state out (fresh state)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run of that name")
     return p
@@ -49,8 +67,10 @@ def home_tokenizer_to_write(tokenizer: Tokenizer) -> bool:
         return True
     if get_tokenizer().fingerprint == tokenizer.fingerprint:
         return False
-    raise UserError(f"{paths.tokenizer_dir()} holds another tokenizer, which this home's runs and token shards use; "
-                    "import into a fresh home (NANOCHAT_FAST_HOME=DIR) or move that tokenizer away")
+    raise UserError(
+        f"{paths.tokenizer_dir()} holds another tokenizer, which this home's runs and token shards use; "
+        "import into a fresh home (NANOCHAT_FAST_HOME=DIR) or move that tokenizer away"
+    )
 
 
 def base_train_flags(config: GPTConfig) -> str | None:
@@ -60,24 +80,39 @@ def base_train_flags(config: GPTConfig) -> str | None:
         return None
     for aspect in (64, config.n_embd // config.n_layer, *range(1, config.n_embd + 1)):  # nanochat's 64 first
         if math.ceil(aspect * config.n_layer / head_dim) * head_dim == config.n_embd:
-            return (f"--depth={config.n_layer} --aspect-ratio={aspect} --head-dim={head_dim} "
-                    f"--max-seq-len={config.sequence_len}")
+            return (
+                f"--depth={config.n_layer} --aspect-ratio={aspect} --head-dim={head_dim} "
+                f"--max-seq-len={config.sequence_len}"
+            )
     return None
 
 
 def run_meta(ckpt, phase: str, tokenizer: Tokenizer, optimizer: bool) -> dict:
     state = LoopState(**nanochat_checkpoint.carried_loop_state(ckpt))
-    return {"phase": phase, "model_config": asdict(ckpt.config),
-            "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
-            "args": {}, "device": None, "world_size": 1, "loader_state": None, "loop_state": asdict(state),
-            "imported_from": nanochat_checkpoint.origin(ckpt, optimizer)}
+    return {
+        "phase": phase,
+        "model_config": asdict(ckpt.config),
+        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
+        "args": {},
+        "device": None,
+        "world_size": 1,
+        "loader_state": None,
+        "loop_state": asdict(state),
+        "imported_from": nanochat_checkpoint.origin(ckpt, optimizer),
+    }
 
 
 def write_run(run_dir: Path, ckpt, model_state: dict, shards: list, meta: dict, tokenizer: Tokenizer | None):
     """The run folder (built under a temporary name, then renamed) and, if given, the home's tokenizer."""
     with checkpoints.new_run_dir(run_dir) as tmp:
-        checkpoints.save_checkpoint(tmp, ckpt.step, model_state=model_state, meta=meta, rank=0,
-                                    rank_state={"optimizers": shards, "rng": {"cpu": torch.get_rng_state()}})
+        checkpoints.save_checkpoint(
+            tmp,
+            ckpt.step,
+            model_state=model_state,
+            meta=meta,
+            rank=0,
+            rank_state={"optimizers": shards, "rng": {"cpu": torch.get_rng_state()}},
+        )
         if tokenizer is not None:
             save_token_bytes(tokenizer, tokenizer.save(paths.tokenizer_dir()))
 
@@ -92,28 +127,40 @@ def main(argv=None) -> int:
     if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
         raise UserError(f"run directory {run_dir} already exists: pick another --run or pass --overwrite")
     tokenizer, n = nanochat_tokenizer.read_tokenizer(Path(args.tokenizer).expanduser(), ckpt.config.vocab_size)
-    print(f"tokenizer: {tokenizer.get_vocab_size():,} tokens; same ids as nanochat's on a {n}-token multilingual "
-          "sample with every special token")
+    print(
+        f"tokenizer: {tokenizer.get_vocab_size():,} tokens; same ids as nanochat's on a {n}-token multilingual "
+        "sample with every special token"
+    )
     write_tokenizer = home_tokenizer_to_write(tokenizer)
     model_state = nanochat_checkpoint.model_state(ckpt)
-    shards, optim_line = nanochat_optimizer.optimizer_shards(ckpt, {k: tuple(v.shape) for k, v in model_state.items()}, args.no_optimizer)
+    shards, optim_line = nanochat_optimizer.optimizer_shards(
+        ckpt, {k: tuple(v.shape) for k, v in model_state.items()}, args.no_optimizer
+    )
     print(optim_line)
     meta = run_meta(ckpt, phase, tokenizer, optimizer=bool(shards[0]["num_updates"] or shards[1]["state"]))
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     write_run(run_dir, ckpt, model_state, shards, meta, tokenizer if write_tokenizer else None)
-    print(f"imported as {phase} run {run_dir} (checkpoint step {ckpt.step}); tokenizer "
-          f"{'written to' if write_tokenizer else 'already in'} {paths.tokenizer_dir()}")
+    print(
+        f"imported as {phase} run {run_dir} (checkpoint step {ckpt.step}); tokenizer "
+        f"{'written to' if write_tokenizer else 'already in'} {paths.tokenizer_dir()}"
+    )
     steps = []
     if phase == "base":
-        steps += [f"evaluate: python -m nanochat_fast.scripts.base_eval --run={args.run}",
-                  f"mid-train: python -m nanochat_fast.scripts.mid_train --base-run={args.run}"]
+        steps += [
+            f"evaluate: python -m nanochat_fast.scripts.base_eval --run={args.run}",
+            f"mid-train: python -m nanochat_fast.scripts.mid_train --base-run={args.run}",
+        ]
         flags = base_train_flags(ckpt.config)
         if flags:
-            steps.append(f"keep pretraining: python -m nanochat_fast.scripts.base_train --run={args.run} --resume=auto "
-                         f"{flags} --num-iterations=N")
+            steps.append(
+                f"keep pretraining: python -m nanochat_fast.scripts.base_train --run={args.run} --resume=auto "
+                f"{flags} --num-iterations=N"
+            )
     else:
-        steps += [f"chat: python -m nanochat_fast.scripts.chat_cli --run={args.run}",
-                  f"evaluate: python -m nanochat_fast.scripts.chat_eval --run={args.run}"]
+        steps += [
+            f"chat: python -m nanochat_fast.scripts.chat_cli --run={args.run}",
+            f"evaluate: python -m nanochat_fast.scripts.chat_eval --run={args.run}",
+        ]
     if phase in ("base", "mid"):
         steps.append(f"fine-tune: python -m nanochat_fast.scripts.chat_sft --source-run={args.run}")
     print("what you can run on it now:")

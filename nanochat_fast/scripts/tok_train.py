@@ -11,6 +11,7 @@ Writes tokenizer/ (ranks, pattern, special tokens) and tokenizer/token_bytes.pt 
 of each token, 0 for special tokens: losses are reported in bits per byte with it). Retraining
 changes the tokenizer's fingerprint, and the token shards are then rebuilt.
 """
+
 import os
 import time
 
@@ -24,14 +25,27 @@ from ..train.env_vars import check_environment
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.tok_train", description=__doc__)
-    p.add_argument("--vocab-size", type=cli.positive_int, default=8192,
-                   help=f"vocabulary size including the special tokens (>= {MIN_VOCAB_SIZE})")
-    p.add_argument("--max-chars", type=cli.positive_int, default=2_000_000_000,
-                   help="train on at most this many characters")
-    p.add_argument("--doc-cap", type=cli.non_negative_int, default=10_000,
-                   help="use at most this many characters per document (0: all)")
-    p.add_argument("--dataset", type=cli.plain_name, default="",
-                   help="prepared dataset (under data/) to train on ('': base, or the only one prepared)")
+    p.add_argument(
+        "--vocab-size",
+        type=cli.positive_int,
+        default=8192,
+        help=f"vocabulary size including the special tokens (>= {MIN_VOCAB_SIZE})",
+    )
+    p.add_argument(
+        "--max-chars", type=cli.positive_int, default=2_000_000_000, help="train on at most this many characters"
+    )
+    p.add_argument(
+        "--doc-cap",
+        type=cli.non_negative_int,
+        default=10_000,
+        help="use at most this many characters per document (0: all)",
+    )
+    p.add_argument(
+        "--dataset",
+        type=cli.plain_name,
+        default="",
+        help="prepared dataset (under data/) to train on ('': base, or the only one prepared)",
+    )
     p.add_argument("--no-tokenize", action="store_true", help="only train; do not tokenize the prepared datasets")
     p.add_argument("--num-threads", type=cli.positive_int, default=os.cpu_count() or 1, help="tokenizer threads")
     return p
@@ -53,16 +67,19 @@ def training_dataset(name: str) -> str:
         return name or "base"  # (read_dataset_manifest then says how to prepare a missing one)
     if len(prepared) == 1:
         return prepared[0]
-    raise UserError(f"data/base is not prepared and several datasets are ({', '.join(prepared)}): pick the one "
-                    f"to train the tokenizer on, e.g. --dataset={prepared[0]}")
+    raise UserError(
+        f"data/base is not prepared and several datasets are ({', '.join(prepared)}): pick the one "
+        f"to train the tokenizer on, e.g. --dataset={prepared[0]}"
+    )
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
     if args.vocab_size < MIN_VOCAB_SIZE:
-        raise UserError(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + the special tokens), "
-                        f"got {args.vocab_size}")
+        raise UserError(
+            f"--vocab-size must be >= {MIN_VOCAB_SIZE} (256 bytes + the special tokens), got {args.vocab_size}"
+        )
     args.dataset = training_dataset(args.dataset)
     manifest = documents.read_dataset_manifest(args.dataset)  # a clear error when the text is not prepared yet
     counter = {"chars": 0}
@@ -71,18 +88,24 @@ def main(argv=None) -> int:
     train_s = time.time() - t0
     out = tokenizer.save(paths.tokenizer_dir())
     save_token_bytes(tokenizer, out)
-    print(f"trained a {tokenizer.get_vocab_size():,}-token tokenizer on {counter['chars']:,} characters of "
-          f"data/{args.dataset} in {train_s:.1f}s -> {out} (fingerprint {tokenizer.fingerprint})")
+    print(
+        f"trained a {tokenizer.get_vocab_size():,}-token tokenizer on {counter['chars']:,} characters of "
+        f"data/{args.dataset} in {train_s:.1f}s -> {out} (fingerprint {tokenizer.fingerprint})"
+    )
     if tokenizer.get_vocab_size() < args.vocab_size:
-        print(f"note: the text supplies fewer merges than --vocab-size={args.vocab_size} asks for; "
-              "the vocabulary is smaller")
+        print(
+            f"note: the text supplies fewer merges than --vocab-size={args.vocab_size} asks for; "
+            "the vocabulary is smaller"
+        )
 
     val = list(documents.iter_texts(args.dataset, "val"))
     n_chars = sum(map(len, val))
     n_tokens = sum(map(len, tokenizer.encode(val, num_threads=args.num_threads)))
     if n_tokens:
-        print(f"val compression: {n_chars / n_tokens:.2f} characters per token "
-              f"({n_chars:,} characters -> {n_tokens:,} tokens)")
+        print(
+            f"val compression: {n_chars / n_tokens:.2f} characters per token "
+            f"({n_chars:,} characters -> {n_tokens:,} tokens)"
+        )
 
     if not args.no_tokenize:
         for name in documents.prepared_datasets():

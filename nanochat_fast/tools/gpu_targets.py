@@ -14,6 +14,7 @@ which is why these are checked at compile time, from `ptxas -v`:
 The same report comes from Triton's bundled ptxas (for Triton's PTX) and from nvcc -Xptxas -v (for
 csrc/cuda/*.cu), so one parser and one check serve both.
 """
+
 import functools
 import re
 import subprocess
@@ -28,12 +29,13 @@ REGS_PER_SM = 65536  # 64K 32-bit registers per SM (and per block) on cc 8.0, 9.
 @dataclass(frozen=True)
 class GPU:
     """One compile target. Peak rates are the datasheet's dense (no sparsity) figures."""
+
     name: str
-    cc: int                 # compute capability, 90 for sm_90
-    smem_per_block: int     # bytes: the opt-in maximum dynamic shared memory per block
-    mem_bw: float           # bytes/s, HBM
-    bf16_flops: float       # FLOP/s, dense bf16 tensor-core math with fp32 accumulation
-    fp32_flops: float       # FLOP/s, fp32 FMA on the CUDA cores (no tensor cores, no TF32)
+    cc: int  # compute capability, 90 for sm_90
+    smem_per_block: int  # bytes: the opt-in maximum dynamic shared memory per block
+    mem_bw: float  # bytes/s, HBM
+    bf16_flops: float  # FLOP/s, dense bf16 tensor-core math with fp32 accumulation
+    fp32_flops: float  # FLOP/s, fp32 FMA on the CUDA cores (no tensor cores, no TF32)
 
     @property
     def arch(self) -> str:
@@ -56,12 +58,13 @@ TARGETS = {
 @dataclass(frozen=True)
 class Usage:
     """What `ptxas -v` says about one compiled function."""
+
     function: str
     registers: int
     spill_stores: int
     spill_loads: int
     stack: int
-    static_smem: int = 0    # bytes of __shared__ arrays; Triton's shared memory is dynamic (metadata)
+    static_smem: int = 0  # bytes of __shared__ arrays; Triton's shared memory is dynamic (metadata)
 
     @property
     def spills(self) -> int:
@@ -102,8 +105,10 @@ def check(usage: Usage, gpu: GPU, label: str, *, shared: int, threads: int | Non
     if threads and usage.registers * threads > REGS_PER_SM:
         problems.append(f"{where}: {usage.registers} registers x {threads} threads > {REGS_PER_SM} per block")
     if usage.spills and not spills_ok:
-        problems.append(f"{where}: spills ({usage.spill_stores} B stored, {usage.spill_loads} B loaded) and "
-                        "its kernel-list entry gives no reason to accept them")
+        problems.append(
+            f"{where}: spills ({usage.spill_stores} B stored, {usage.spill_loads} B loaded) and "
+            "its kernel-list entry gives no reason to accept them"
+        )
     return problems
 
 
@@ -113,6 +118,7 @@ def check(usage: Usage, gpu: GPU, label: str, *, shared: int, threads: int | Non
 
 def _bundled_bin() -> Path:
     import triton
+
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
@@ -145,8 +151,11 @@ def ptxas_v(ptx: str, arch: str, workdir: Path) -> tuple[str, str]:
     src.write_text(ptx)
     errors = []
     for path, version in bundled_ptxas():
-        result = subprocess.run([str(path), *TRITON_PTXAS_FLAGS, "-v", f"--gpu-name={arch}", str(src), "-o", str(out)],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [str(path), *TRITON_PTXAS_FLAGS, "-v", f"--gpu-name={arch}", str(src), "-o", str(out)],
+            capture_output=True,
+            text=True,
+        )
         if result.returncode == 0:
             return result.stdout + result.stderr, f"{path.name} {version}"
         errors.append(f"{path.name} {version}: {result.stderr.strip().splitlines()[-1:]}")
@@ -158,8 +167,12 @@ def cubin_registers(cubin: bytes, workdir: Path) -> int:
     Triton ships: the binary a GPU would load, assembled by the ptxas Triton picks for the arch."""
     path = workdir / "triton.cubin"
     path.write_bytes(cubin)
-    text = subprocess.run([str(_bundled_bin() / "cuobjdump"), "--dump-resource-usage", str(path)],
-                          capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        [str(_bundled_bin() / "cuobjdump"), "--dump-resource-usage", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return int(re.search(r"REG:(\d+)", text).group(1))
 
 
@@ -189,9 +202,25 @@ def short_name(mangled: str) -> str:
 def nvcc_usage(nvcc: str, cu: Path, arch: str, include: Path, workdir: Path) -> list[Usage]:
     """Compile `cu` for `arch` ('sm_80') with `-Xptxas -v`; the usage of each kernel it defines.
     Raises CalledProcessError (with nvcc's output) when it does not compile."""
-    result = subprocess.run([nvcc, "-c", f"-arch={arch}", *NVCC_FLAGS, "-Xptxas", "-v", f"-I{include}", str(cu),
-                             "-o", str(workdir / f"{cu.stem}.{arch}.o")], capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            nvcc,
+            "-c",
+            f"-arch={arch}",
+            *NVCC_FLAGS,
+            "-Xptxas",
+            "-v",
+            f"-I{include}",
+            str(cu),
+            "-o",
+            str(workdir / f"{cu.stem}.{arch}.o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         raise subprocess.CalledProcessError(result.returncode, result.args, result.stdout, result.stderr)
-    return [Usage(short_name(u.function), u.registers, u.spill_stores, u.spill_loads, u.stack, u.static_smem)
-            for u in parse_ptxas_v(result.stdout + result.stderr)]
+    return [
+        Usage(short_name(u.function), u.registers, u.spill_stores, u.spill_loads, u.stack, u.static_smem)
+        for u in parse_ptxas_v(result.stdout + result.stderr)
+    ]

@@ -11,6 +11,7 @@ memory comes from the compile's metadata; registers and spills from `ptxas -v`. 
 under nanochat_fast/kernels/ without an entry in the list fails `coverage()` (and so the tests).
 How a variant is compiled and checked: docs/measurements.md#triton-ahead-of-time-compile.
 """
+
 import argparse
 import ast
 import contextlib
@@ -32,8 +33,8 @@ from pathlib import Path
 import torch
 
 from .. import kernels
-from .gpu_targets import TARGETS, GPU, Usage, bundled_ptxas, check, cubin_registers, parse_ptxas_v, ptxas_v
 from . import triton_kernel_list
+from .gpu_targets import GPU, TARGETS, Usage, bundled_ptxas, check, cubin_registers, parse_ptxas_v, ptxas_v
 from .triton_kernel_list import KERNELS
 
 TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -79,10 +80,12 @@ def coverage(entries=None, found=None) -> list[str]:
     listed = {(e.module, e.kernel) for e in (KERNELS if entries is None else entries)}
     found = discover() if found is None else found
     where = f"{triton_kernel_list.__name__}.KERNELS"
-    return ([f"Triton kernel {m}.{k} has no entry in {where}: add one so it is compiled for "
-             f"every GPU target" for m, k in sorted(found - listed)] +
-            [f"{where} lists {m}.{k}, which is not a Triton kernel (renamed or removed?)"
-             for m, k in sorted(listed - found)])
+    return [
+        f"Triton kernel {m}.{k} has no entry in {where}: add one so it is compiled for every GPU target"
+        for m, k in sorted(found - listed)
+    ] + [
+        f"{where} lists {m}.{k}, which is not a Triton kernel (renamed or removed?)" for m, k in sorted(listed - found)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,10 +108,22 @@ def variants(entries=None, targets: dict[str, GPU] | None = None, dtypes=None) -
                 for target, gpu in (TARGETS if targets is None else targets).items():
                     where = f"{config}/{TRITON_DTYPES[dtype]}/{target}"
                     why = [reason for pattern, reason in entry.spills_ok.items() if fnmatch(where, pattern)]
-                    jobs.append(dict(module=entry.module, kernel=entry.kernel, config=config, config_values=cfg,
-                                     dtype=TRITON_DTYPES[dtype], dtype_bytes=dtype.itemsize, target=target,
-                                     cc=gpu.cc, signature=signature, constexprs=constexprs, options=options,
-                                     spills_ok=" ".join(why)))
+                    jobs.append(
+                        dict(
+                            module=entry.module,
+                            kernel=entry.kernel,
+                            config=config,
+                            config_values=cfg,
+                            dtype=TRITON_DTYPES[dtype],
+                            dtype_bytes=dtype.itemsize,
+                            target=target,
+                            cc=gpu.cc,
+                            signature=signature,
+                            constexprs=constexprs,
+                            options=options,
+                            spills_ok=" ".join(why),
+                        )
+                    )
     return jobs
 
 
@@ -117,8 +132,10 @@ def _triton_signature(fn, job) -> tuple[dict, dict]:
     declared, constexprs = job["signature"], job["constexprs"]
     runtime_args = [a for a in fn.arg_names if a not in constexprs]
     if sorted(runtime_args) != sorted(declared):
-        raise ValueError(f"the entry's signature lists {sorted(declared)} but the kernel's runtime arguments "
-                         f"are {sorted(runtime_args)}")
+        raise ValueError(
+            f"the entry's signature lists {sorted(declared)} but the kernel's runtime arguments "
+            f"are {sorted(runtime_args)}"
+        )
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         ty, _, hint = ("constexpr" if name in constexprs else declared[name]).partition(":")
@@ -172,10 +189,17 @@ def launcher_specialization(job: dict) -> list[tuple[dict, dict, dict]]:
         bound, specialization, opts = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, opts)
         hinted = {i for (i,), a in attrs.items() if ["tt.divisibility", 16] in a}
-        out.append(({name: ty + (":16" if i in hinted else "") for i, (name, ty) in enumerate(signature.items())
-                     if ty != "constexpr"},
-                    {fn.arg_names[path[0]]: v for path, v in constexprs.items()},
-                    dict(num_warps=options.num_warps, num_stages=options.num_stages)))
+        out.append(
+            (
+                {
+                    name: ty + (":16" if i in hinted else "")
+                    for i, (name, ty) in enumerate(signature.items())
+                    if ty != "constexpr"
+                },
+                {fn.arg_names[path[0]]: v for path, v in constexprs.items()},
+                dict(num_warps=options.num_warps, num_stages=options.num_stages),
+            )
+        )
     return out
 
 
@@ -206,8 +230,9 @@ def compile_variant(job: dict) -> dict:
     try:
         fn = getattr(importlib.import_module(job["module"]), job["kernel"])
         if not isinstance(fn, JITFunction):
-            raise TypeError(f"{job['kernel']} is a {type(fn).__name__}, not a JITFunction (TRITON_INTERPRET=1 "
-                            "in this process?)")
+            raise TypeError(
+                f"{job['kernel']} is a {type(fn).__name__}, not a JITFunction (TRITON_INTERPRET=1 in this process?)"
+            )
         signature, attrs = _triton_signature(fn, job)
         src = ASTSource(fn=fn, signature=signature, constexprs=job["constexprs"], attrs=attrs)
         triton.knobs.nvidia.dump_ptxas_log = True  # Triton prints the `ptxas -v` report of its own cubin
@@ -228,15 +253,32 @@ def compile_variant(job: dict) -> dict:
         mismatch = _launcher_mismatch(job)
     except Exception as e:  # reported as the variant's problem, with the others still compiled
         lines = [line for line in str(e).strip().splitlines() if line.strip()] or [""]
-        return dict(job, error=f"{type(e).__name__}: {lines[0][:300]}", seconds=time.perf_counter() - t0,
-                    cpu_seconds=_cpu_seconds() - cpu0)
+        return dict(
+            job,
+            error=f"{type(e).__name__}: {lines[0][:300]}",
+            seconds=time.perf_counter() - t0,
+            cpu_seconds=_cpu_seconds() - cpu0,
+        )
     md = compiled.metadata
-    return dict(job, arch=arch, shared=md.shared, num_warps=md.num_warps, num_stages=md.num_stages,
-                registers=usage.registers, spill_stores=usage.spill_stores, spill_loads=usage.spill_loads,
-                stack=usage.stack, cubin_registers=cubin_regs, ptxas=ptxas, launcher_mismatch=mismatch, cached=cached,
-                ptx_version=re.search(r"^\.version (\S+)", ptx, re.M).group(1),
-                ptx_sha256=hashlib.sha256(ptx.encode()).hexdigest(),
-                seconds=time.perf_counter() - t0, cpu_seconds=_cpu_seconds() - cpu0)
+    return dict(
+        job,
+        arch=arch,
+        shared=md.shared,
+        num_warps=md.num_warps,
+        num_stages=md.num_stages,
+        registers=usage.registers,
+        spill_stores=usage.spill_stores,
+        spill_loads=usage.spill_loads,
+        stack=usage.stack,
+        cubin_registers=cubin_regs,
+        ptxas=ptxas,
+        launcher_mismatch=mismatch,
+        cached=cached,
+        ptx_version=re.search(r"^\.version (\S+)", ptx, re.M).group(1),
+        ptx_sha256=hashlib.sha256(ptx.encode()).hexdigest(),
+        seconds=time.perf_counter() - t0,
+        cpu_seconds=_cpu_seconds() - cpu0,
+    )
 
 
 @contextlib.contextmanager
@@ -263,27 +305,32 @@ def check_record(rec: dict, gpu: GPU) -> list[str]:
     if "error" in rec:
         return [f"{label(rec)} on {gpu.arch} ({gpu.name}): does not compile: {rec['error']}"]
     usage = Usage(rec["kernel"], rec["registers"], rec["spill_stores"], rec["spill_loads"], rec["stack"])
-    problems = check(usage, gpu, label(rec), shared=rec["shared"], threads=32 * rec["num_warps"],
-                     spills_ok=rec["spills_ok"])
+    problems = check(
+        usage, gpu, label(rec), shared=rec["shared"], threads=32 * rec["num_warps"], spills_ok=rec["spills_ok"]
+    )
     if rec["launcher_mismatch"]:
         problems.append(f"{label(rec)} on {gpu.arch}: {rec['launcher_mismatch']}")
     if rec["cubin_registers"] != rec["registers"]:  # Triton assembled its cubin with an older ptxas (sm_80)
         cubin = Usage(rec["kernel"], rec["cubin_registers"], 0, 0, 0)
-        problems += [f"{p} (Triton's own cubin)" for p in check(cubin, gpu, label(rec), shared=0,
-                                                                 threads=32 * rec["num_warps"])]
+        problems += [
+            f"{p} (Triton's own cubin)" for p in check(cubin, gpu, label(rec), shared=0, threads=32 * rec["num_warps"])
+        ]
     return problems
 
 
-def compile_all(jobs: list[dict], targets: dict[str, GPU] | None = None, workers: int | None = None,
-                cache_dir: str | None = None) -> list[dict]:
+def compile_all(
+    jobs: list[dict], targets: dict[str, GPU] | None = None, workers: int | None = None, cache_dir: str | None = None
+) -> list[dict]:
     """Compile every job in parallel processes, each record with its `problems` (empty: fits).
     `cache_dir`: a Triton cache to reuse (default: a fresh one, so everything is compiled); its
     entries are keyed by the kernel's source, options and Triton version, so a hit is the same
     compile. `ptxas -v` runs on every variant either way."""
     targets = TARGETS if targets is None else targets
     workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
-    with tempfile.TemporaryDirectory(prefix="nanochat_fast_triton_aot_") as fresh, \
-            _environment_for_workers(cache_dir or fresh):
+    with (
+        tempfile.TemporaryDirectory(prefix="nanochat_fast_triton_aot_") as fresh,
+        _environment_for_workers(cache_dir or fresh),
+    ):
         # wide dtypes first: they take longest (bigger register allocation), so no worker idles at the end
         order = sorted(range(len(jobs)), key=lambda i: -jobs[i]["dtype_bytes"])
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -301,14 +348,19 @@ def summary(records: list[dict], seconds: float) -> str:
     verdict = "all within limits" if not problems else f"{problems} problem(s)"
     cpu = sum(r["cpu_seconds"] for r in records)
     cached = sum(bool(r.get("cached")) for r in records)
-    return (f"compiled {len(records)} Triton variants ({kernels} kernels x configs x dtypes x {targets}"
-            f"{f'; {cached} from the Triton cache' if cached else ''}) in {seconds:.0f} s ({cpu:.0f} CPU-seconds "
-            f"in the compile processes): {verdict}")
+    return (
+        f"compiled {len(records)} Triton variants ({kernels} kernels x configs x dtypes x {targets}"
+        f"{f'; {cached} from the Triton cache' if cached else ''}) in {seconds:.0f} s ({cpu:.0f} CPU-seconds "
+        f"in the compile processes): {verdict}"
+    )
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanochat_fast.tools.triton_aot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m nanochat_fast.tools.triton_aot",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     parser.add_argument("--json", default=None, help="also write every variant's record here")
     parser.add_argument("--workers", type=int, default=None, help="parallel compile processes (default: all cores)")
@@ -324,8 +376,10 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"{label(r):<50} {r['target']:<7} {status}")
         else:
-            print(f"{label(r):<50} {r['target']:<7} {r['registers']:>3} regs {r['shared'] / 1024:>6.1f} KiB smem "
-                  f"{r['spill_stores'] + r['spill_loads']:>4} B spills  {status}")
+            print(
+                f"{label(r):<50} {r['target']:<7} {r['registers']:>3} regs {r['shared'] / 1024:>6.1f} KiB smem "
+                f"{r['spill_stores'] + r['spill_loads']:>4} B spills  {status}"
+            )
     gaps = coverage()
     for line in gaps:
         print(line)

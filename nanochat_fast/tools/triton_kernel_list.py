@@ -8,15 +8,18 @@ Adding a kernel: give its module a GPU_CONFIGS table (every config a GPU may lau
 Entry to KERNELS. A @triton.jit kernel under nanochat_fast/kernels/ without an entry fails the
 tests (triton_aot.coverage).
 """
+
 import unittest.mock
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+
 @dataclass(frozen=True)
 class Call:
     """One representative call of a kernel, for the roofline: compulsory HBM bytes and flops."""
+
     shape: str
     bytes: float
     flops: float
@@ -30,16 +33,17 @@ class Entry:
     int, `fp32` a float; `:16` marks a value the runtime sees divisible by 16 (so it specialises
     on it, e.g. vectorising loads): pointers from torch allocations, and matrix sizes, all
     multiples of 128 in the model. `{dtype}` stands for the variant's dtype."""
+
     module: str
     kernel: str
     signature: dict
     dtypes: tuple
-    launch: Callable      # (module, config, dtype) -> constexprs and options, as the launcher passes them
-    work: Callable        # (module, config, dtype) -> Call, for the roofline table
-    example: Callable     # (module, config, dtype, device) -> launches it through its launcher (gpu test)
+    launch: Callable  # (module, config, dtype) -> constexprs and options, as the launcher passes them
+    work: Callable  # (module, config, dtype) -> Call, for the roofline table
+    example: Callable  # (module, config, dtype, device) -> launches it through its launcher (gpu test)
     configs: str | dict = "GPU_CONFIGS"  # the module's table of GPU configs (a dict: test-only configs)
     spills_ok: dict = field(default_factory=dict)  # "config/dtype/target" pattern (fnmatch) -> why spills are
-                                                   # accepted there; any other spill is a failure
+    # accepted there; any other spill is a failure
 
 
 # Representative calls for the roofline: a depth-12 GPT (n_embd 768) at nanochat's 65,536-token
@@ -71,7 +75,7 @@ def _adamw_example(mod, cfg, dtype, device):
     params = [torch.randn(n, device=device).to(dtype) for n in (5000, 3000, 100)]
     grads = [torch.randn_like(p) for p in params]
     moments = [torch.zeros(p.shape, device=device) for p in params for _ in range(2)]
-    hparams = torch.tensor([1e-3, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05 ** 0.5], dtype=torch.float64, device=device)
+    hparams = torch.tensor([1e-3, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05**0.5], dtype=torch.float64, device=device)
     with unittest.mock.patch.dict(mod.CONFIGS, {device.type: cfg}):  # the launcher picks its config by device
         mod.adamw_slice_update_triton(params, grads, moments[0::2], moments[1::2], hparams, [1.0] * 3, [1.0] * 3)
 
@@ -80,11 +84,18 @@ def _ns_work(key):
     def work(mod, cfg, dtype):
         K, m, n = NS_CALL
         block = cfg["BLOCK"]
-        elements = {"symmetric_xxt": m * n + m * m,                   # read X, write A
-                    "symmetric_poly": m * (m + block) // 2 + m * m,   # read A's upper tiles, write B
-                    "fused_update": m * m + 2 * m * n}[key]           # read B and X, write X'
-        return Call(f"{K} x {m}x{n}", K * elements * dtype.itemsize, mod.flop_counts(m, n, block, K)[key],
-                    "bf16" if dtype == torch.bfloat16 else "fp32")
+        elements = {
+            "symmetric_xxt": m * n + m * m,  # read X, write A
+            "symmetric_poly": m * (m + block) // 2 + m * m,  # read A's upper tiles, write B
+            "fused_update": m * m + 2 * m * n,
+        }[key]  # read B and X, write X'
+        return Call(
+            f"{K} x {m}x{n}",
+            K * elements * dtype.itemsize,
+            mod.flop_counts(m, n, block, K)[key],
+            "bf16" if dtype == torch.bfloat16 else "fp32",
+        )
+
     return work
 
 
@@ -129,27 +140,79 @@ def _sce_example(mod, cfg, dtype, device):
 
 
 KERNELS = [
-    Entry("nanochat_fast.kernels.adamw_slice_triton", "_adamw_multi_tensor_kernel",
-          dict(table_ptr="*i64:16", muls_ptr="*fp32:16", blocks_ptr="*i64:16", hparams_ptr="*fp64:16",
-               n_tensors="i32", n_blocks="i32"),
-          (torch.float32, torch.bfloat16), _adamw_launch, lambda mod, cfg, dtype: adamw_call(dtype), _adamw_example),
-    Entry(_NS, "_symmetric_xxt_kernel",
-          dict(x_ptr="*{dtype}:16", a_ptr="*{dtype}:16", pairs_ptr="*i32:16", M="i32:16", N="i32:16"),
-          _NS_DTYPES, _NS_LAUNCH, _ns_work("symmetric_xxt"), _ns_example, spills_ok=_NS_SPILLS),
-    Entry(_NS, "_symmetric_poly_kernel",
-          dict(a_ptr="*{dtype}:16", b_ptr="*{dtype}:16", pairs_ptr="*i32:16", M="i32:16", coef_b="fp32", coef_c="fp32"),
-          _NS_DTYPES, _NS_LAUNCH, _ns_work("symmetric_poly"), _ns_example,
-          spills_ok={**_NS_SPILLS, "large/bf16/sm_80": (
-              "sm_80 has no wgmma: the 128x128 fp32 accumulator (64 registers per thread) and the mma.sync "
-              "fragments of both operands overflow 255 registers, by 48 B per thread (local memory, cached in L1)")}),
-    Entry(_NS, "_fused_update_kernel",
-          dict(b_ptr="*{dtype}:16", x_ptr="*{dtype}:16", out_ptr="*{dtype}:16", M="i32:16", N="i32:16", coef_a="fp32"),
-          _NS_DTYPES, _NS_LAUNCH, _ns_work("fused_update"), _ns_example, spills_ok=_NS_SPILLS),
-    Entry("nanochat_fast.kernels.softcap_cross_entropy_triton", "_softcap_ce_rows_kernel",
-          dict(z_ptr="*{dtype}:16", z_stride="i32:16", targets_ptr="*i64:16", scale_ptr="*fp32:16",
-               losses_ptr="*fp32:16", n_cols="i32:16", softcap="fp32", ignore_index="i32"),
-          (torch.float32, torch.bfloat16),
-          lambda mod, cfg, dtype: dict(COMPUTE_GRAD=cfg["COMPUTE_GRAD"], IS_BF16=dtype == torch.bfloat16,
-                                       BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"]),
-          _sce_work, _sce_example),
+    Entry(
+        "nanochat_fast.kernels.adamw_slice_triton",
+        "_adamw_multi_tensor_kernel",
+        dict(
+            table_ptr="*i64:16",
+            muls_ptr="*fp32:16",
+            blocks_ptr="*i64:16",
+            hparams_ptr="*fp64:16",
+            n_tensors="i32",
+            n_blocks="i32",
+        ),
+        (torch.float32, torch.bfloat16),
+        _adamw_launch,
+        lambda mod, cfg, dtype: adamw_call(dtype),
+        _adamw_example,
+    ),
+    Entry(
+        _NS,
+        "_symmetric_xxt_kernel",
+        dict(x_ptr="*{dtype}:16", a_ptr="*{dtype}:16", pairs_ptr="*i32:16", M="i32:16", N="i32:16"),
+        _NS_DTYPES,
+        _NS_LAUNCH,
+        _ns_work("symmetric_xxt"),
+        _ns_example,
+        spills_ok=_NS_SPILLS,
+    ),
+    Entry(
+        _NS,
+        "_symmetric_poly_kernel",
+        dict(a_ptr="*{dtype}:16", b_ptr="*{dtype}:16", pairs_ptr="*i32:16", M="i32:16", coef_b="fp32", coef_c="fp32"),
+        _NS_DTYPES,
+        _NS_LAUNCH,
+        _ns_work("symmetric_poly"),
+        _ns_example,
+        spills_ok={
+            **_NS_SPILLS,
+            "large/bf16/sm_80": (
+                "sm_80 has no wgmma: the 128x128 fp32 accumulator (64 registers per thread) and the mma.sync "
+                "fragments of both operands overflow 255 registers, by 48 B per thread (local memory, cached in L1)"
+            ),
+        },
+    ),
+    Entry(
+        _NS,
+        "_fused_update_kernel",
+        dict(b_ptr="*{dtype}:16", x_ptr="*{dtype}:16", out_ptr="*{dtype}:16", M="i32:16", N="i32:16", coef_a="fp32"),
+        _NS_DTYPES,
+        _NS_LAUNCH,
+        _ns_work("fused_update"),
+        _ns_example,
+        spills_ok=_NS_SPILLS,
+    ),
+    Entry(
+        "nanochat_fast.kernels.softcap_cross_entropy_triton",
+        "_softcap_ce_rows_kernel",
+        dict(
+            z_ptr="*{dtype}:16",
+            z_stride="i32:16",
+            targets_ptr="*i64:16",
+            scale_ptr="*fp32:16",
+            losses_ptr="*fp32:16",
+            n_cols="i32:16",
+            softcap="fp32",
+            ignore_index="i32",
+        ),
+        (torch.float32, torch.bfloat16),
+        lambda mod, cfg, dtype: dict(
+            COMPUTE_GRAD=cfg["COMPUTE_GRAD"],
+            IS_BF16=dtype == torch.bfloat16,
+            BLOCK=cfg["BLOCK"],
+            num_warps=cfg["num_warps"],
+        ),
+        _sce_work,
+        _sce_example,
+    ),
 ]

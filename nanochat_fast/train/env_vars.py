@@ -15,6 +15,7 @@ all (a misspelt NANOCHAT_FAST_KERNEL is silently ignored), into one line, exit 2
 Any other NANOCHAT_FAST_* variable is refused as a likely misspelling (KNOWN lists the names);
 check_kernels(device_type) then checks that the forced backends can run on the chosen device.
 """
+
 import os
 from dataclasses import dataclass
 from difflib import get_close_matches
@@ -32,14 +33,18 @@ TORCHRUN_CORE = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 @dataclass(frozen=True)
 class Environment:
     """What the environment asks for, after checking (for the log and the run report)."""
+
     home: str
     kernels: str
     omp_num_threads: str | None
-    torchrun: dict | None    # RANK, LOCAL_RANK, WORLD_SIZE, ... as ints/strings, or None: one plain process
+    torchrun: dict | None  # RANK, LOCAL_RANK, WORLD_SIZE, ... as ints/strings, or None: one plain process
 
     def describe(self) -> dict:
-        out = {"NANOCHAT_FAST_HOME": self.home, "NANOCHAT_FAST_KERNELS": self.kernels or "(unset: auto)",
-               "OMP_NUM_THREADS": self.omp_num_threads or "(unset)"}
+        out = {
+            "NANOCHAT_FAST_HOME": self.home,
+            "NANOCHAT_FAST_KERNELS": self.kernels or "(unset: auto)",
+            "OMP_NUM_THREADS": self.omp_num_threads or "(unset)",
+        }
         if self.torchrun:
             out["torchrun"] = ", ".join(f"{k}={v}" for k, v in self.torchrun.items())
         return out
@@ -65,8 +70,10 @@ def _check_names(env):
         if name.startswith(PREFIX) and name not in KNOWN:
             close = get_close_matches(name, KNOWN, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
-            raise UserError(f"environment variable {name} is not one nanochat_fast reads; {hint}"
-                            f"known: {', '.join(KNOWN)} (unset it)")
+            raise UserError(
+                f"environment variable {name} is not one nanochat_fast reads; {hint}"
+                f"known: {', '.join(KNOWN)} (unset it)"
+            )
 
 
 def _check_home(env) -> str:
@@ -74,9 +81,11 @@ def _check_home(env) -> str:
     if value:
         path = Path(value).expanduser()
         if path.exists() and not path.is_dir():
-            raise _bad("NANOCHAT_FAST_HOME", value, "exists and is not a directory; point it at a folder "
-                       "(created if missing)")
+            raise _bad(
+                "NANOCHAT_FAST_HOME", value, "exists and is not a directory; point it at a folder (created if missing)"
+            )
     from ..core.paths import home
+
     return str(home())
 
 
@@ -91,8 +100,7 @@ def _check_simple(env):
     if omp is not None:
         parts = omp.split(",")
         if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-            raise _bad("OMP_NUM_THREADS", omp, "must be a positive integer (threads per process), e.g. 2; "
-                       "or unset it")
+            raise _bad("OMP_NUM_THREADS", omp, "must be a positive integer (threads per process), e.g. 2; or unset it")
     return omp
 
 
@@ -111,17 +119,21 @@ def _check_torchrun(env) -> dict | None:
         return None
     if len(present) != len(TORCHRUN_CORE):
         missing = [k for k in TORCHRUN_CORE if k not in env]
-        raise UserError(f"torchrun's environment variables are incomplete: {', '.join(present)} set, "
-                        f"{', '.join(missing)} missing; launch several processes with torchrun (it sets them all), "
-                        "or unset them for one process")
+        raise UserError(
+            f"torchrun's environment variables are incomplete: {', '.join(present)} set, "
+            f"{', '.join(missing)} missing; launch several processes with torchrun (it sets them all), "
+            "or unset them for one process"
+        )
     world = _int("WORLD_SIZE", env["WORLD_SIZE"], 1)
     rank = _int("RANK", env["RANK"], 0, world - 1)
     local_world = _int("LOCAL_WORLD_SIZE", env["LOCAL_WORLD_SIZE"], 1, world) if "LOCAL_WORLD_SIZE" in env else None
     local_rank = _int("LOCAL_RANK", env["LOCAL_RANK"], 0, (local_world or world) - 1)
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not env.get(name, "").strip():
-            raise UserError(f"environment variable {name} is not set but RANK/WORLD_SIZE are: launch with torchrun "
-                            "(it sets MASTER_ADDR and MASTER_PORT), or set both")
+            raise UserError(
+                f"environment variable {name} is not set but RANK/WORLD_SIZE are: launch with torchrun "
+                "(it sets MASTER_ADDR and MASTER_PORT), or set both"
+            )
     addr = env["MASTER_ADDR"]
     if any(c.isspace() for c in addr):
         raise _bad("MASTER_ADDR", addr, "must be a host name or address, without spaces")

@@ -7,6 +7,7 @@ A GPT set up for a training run: its optimizers, its compute dtypes and whether 
     compile_for_training(model, ...)        the module the training step calls: compiled or not, and why
     tuning_works(depth, ...)                what `python -m nanochat_fast.hardware --tune --depth N` times
 """
+
 from collections import Counter
 from dataclasses import asdict, replace
 
@@ -15,8 +16,8 @@ import torch
 from ..core.compiling import default_compile
 from ..core.errors import UserError
 from ..hardware import precision, tuning
-from ..model.gpt import GPT, GPTConfig, config_from_depth
 from ..model import sharding
+from ..model.gpt import GPT, GPTConfig, config_from_depth
 from ..model.loading import new_model
 from ..optim.muon import newton_schulz_work
 
@@ -45,18 +46,27 @@ def step_work(model: GPT, rows: int, seq_len: int, device, run_micro_steps: int 
                     loss = net(x, y)
                 loss.backward()
                 net.zero_grad(set_to_none=True)
+
             return forward_backward
+
         return {name: call(dtype) for name, dtype in precision.DTYPES.items()}
 
     tokens, d = rows * seq_len, config.n_embd
-    return tuning.Work("model", dict(config=asdict(config), rows=rows, seq_len=seq_len),
-                       what=f"this model's forward+backward ({rows}x{seq_len} tokens)",
-                       flops=model.estimate_flops() * tokens, make=make, run_calls=run_micro_steps,
-                       matmuls=[(tokens, d, config.vocab_size), (tokens, d, 4 * d), (tokens, 4 * d, d)])
+    return tuning.Work(
+        "model",
+        dict(config=asdict(config), rows=rows, seq_len=seq_len),
+        what=f"this model's forward+backward ({rows}x{seq_len} tokens)",
+        flops=model.estimate_flops() * tokens,
+        make=make,
+        run_calls=run_micro_steps,
+        matmuls=[(tokens, d, config.vocab_size), (tokens, d, 4 * d), (tokens, 4 * d, d)],
+    )
 
 
-tuning.register("model", lambda spec, device: step_work(_meta_model(GPTConfig(**spec["config"])), spec["rows"],
-                                                        spec["seq_len"], device))
+tuning.register(
+    "model",
+    lambda spec, device: step_work(_meta_model(GPTConfig(**spec["config"])), spec["rows"], spec["seq_len"], device),
+)
 
 
 def _meta_model(config: GPTConfig) -> GPT:
@@ -77,8 +87,16 @@ def tuning_works(depth: int, vocab_size: int, seq_len: int, rows: int, device) -
     return [step_work(model, rows, seq_len, device), newton_schulz_work(muon_shapes(model), 5, "quintic", device)]
 
 
-def tune_for_training(model: GPT, optimizers: list, dev, requested_dtype: str, rows: int, seq_len: int,
-                      grad_accum_steps: int, run_tokens: int | None):
+def tune_for_training(
+    model: GPT,
+    optimizers: list,
+    dev,
+    requested_dtype: str,
+    rows: int,
+    seq_len: int,
+    grad_accum_steps: int,
+    run_tokens: int | None,
+):
     """(dev with the model's compute dtype, Newton-Schulz's precision) for this run. An explicit
     --dtype/--ns-dtype stands; on a CPU, auto is timed at the run's own shapes: one micro-batch of
     this model, and Muon on its own matrices (hardware/tuning.py), within a budget of a few percent
@@ -88,7 +106,9 @@ def tune_for_training(model: GPT, optimizers: list, dev, requested_dtype: str, r
     timing = None
     if dev.device.type == "cpu" and requested_dtype == "auto":
         timing = tuning.measure_everywhere(step_work(model, rows, seq_len, dev.device, micro_steps), dev.device)
-    dev = replace(dev, precision=precision.choose(dev.device, requested_dtype, what="--dtype", warn=False, timing=timing))
+    dev = replace(
+        dev, precision=precision.choose(dev.device, requested_dtype, what="--dtype", warn=False, timing=timing)
+    )
     muon = next(opt for opt in optimizers if opt.kind == "muon")
     ns = muon.resolve_ns_precision(micro_steps // grad_accum_steps if micro_steps else None, warn=False)
     return dev, ns
@@ -97,8 +117,10 @@ def tune_for_training(model: GPT, optimizers: list, dev, requested_dtype: str, r
 def check_sharding(mode: str, dev):
     """--sharding=fsdp shards over processes: refused, with what to do, on a single one."""
     if mode == "fsdp" and dev.world_size < 2:
-        raise UserError("--sharding=fsdp shards the model over processes but this run has one: launch with "
-                        "torchrun --nproc_per_node=N (N >= 2), or drop the flag (zero2, the default)")
+        raise UserError(
+            "--sharding=fsdp shards the model over processes but this run has one: launch with "
+            "torchrun --nproc_per_node=N (N >= 2), or drop the flag (zero2, the default)"
+        )
 
 
 def describe_sharding(mode: str, world_size: int) -> str:
@@ -123,8 +145,14 @@ def shard_for_training(model: GPT, optimizers: list, optim_config, dev) -> list:
     return sharded
 
 
-def compile_for_training(model: GPT, requested: bool | None, device, run_tokens: int | None,
-                         peak_flops: float | None, varying_shapes: bool = False):
+def compile_for_training(
+    model: GPT,
+    requested: bool | None,
+    device,
+    run_tokens: int | None,
+    peak_flops: float | None,
+    varying_shapes: bool = False,
+):
     """(the module the training step calls, why): torch.compile'd or `model` itself.
     --compile/--no-compile as given; by default core/compiling.default_compile's rule (CUDA and CPU
     unless the run's FLOPs, model.estimate_flops() x run_tokens, are too few at peak_flops: the

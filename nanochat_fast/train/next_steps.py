@@ -15,6 +15,7 @@ nanochat's defaults).
 
 resume_command is the other command a run prints: the one that continues it after a stop.
 """
+
 import math
 import os
 import shlex
@@ -26,8 +27,7 @@ import torch
 from ..core import paths
 
 # a model and batch a 2-core CPU trains in minutes (make demo's): depth 4, 256-token rows, 8K-token steps
-CPU_RUN = ["--depth=4", "--max-seq-len=256", "--device-batch-size=16", "--total-batch-size=8192",
-           "--eval-tokens=32768"]
+CPU_RUN = ["--depth=4", "--max-seq-len=256", "--device-batch-size=16", "--total-batch-size=8192", "--eval-tokens=32768"]
 CPU_BATCH_TOKENS, CPU_MAX_STEPS = 8192, 200
 CPU_EVAL_EXAMPLES = 100  # per task, for chat_eval on a machine without a GPU
 
@@ -96,6 +96,7 @@ def midtrain(name: str) -> str:
 def after_tokens(name: str, kind: str, n_tokens: int):
     """What to do with a dataset once it is tokenized."""
     from ..data.documents import TEXT
+
     show(pretrain(name, n_tokens) if kind == TEXT else midtrain(name))
 
 
@@ -103,9 +104,12 @@ def after_midtraining(run_dir: Path) -> str:
     """chat_sft from this mid run, with the mid run's own conversations (--extra-conversations)
     mixed in again: without a conversation dataset they are what it trains on."""
     from ..checkpoints import complete_checkpoints, load_meta
+
     found = complete_checkpoints(run_dir)
     extra = load_meta(found[-1])["args"].get("extra_conversations") if found else None
-    return command("chat_sft", run_flag(run_dir, "--source-run"), *([f"--extra-conversations={extra}"] if extra else []))
+    return command(
+        "chat_sft", run_flag(run_dir, "--source-run"), *([f"--extra-conversations={extra}"] if extra else [])
+    )
 
 
 def after_sft(run_dir: Path) -> str:
@@ -113,6 +117,7 @@ def after_sft(run_dir: Path) -> str:
     of CPU_EVAL_EXAMPLES per task: the full set takes a while there), else a chat with it."""
     from ..evals.prepared_benchmarks import read_task_manifest
     from ..evals.tasks import CHAT_TASKS
+
     if not any(read_task_manifest(task.folder) for task in CHAT_TASKS):
         return command("chat_cli", run_flag(run_dir))
     sizing = [] if torch.cuda.is_available() else [f"--max-examples={CPU_EVAL_EXAMPLES}"]

@@ -14,6 +14,7 @@ targets, advantages), one row per sample; training_loop.train_step divides its s
 (weighted_loss_sum: sum of A * cross-entropy) by the global count of targets, as for every masked
 loss, so each sampled token weighs the same, however long its sample, on 1 and N processes.
 """
+
 import torch
 
 
@@ -22,8 +23,9 @@ def advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - rewards.mean(dim=-1, keepdim=True)
 
 
-def rollout_batch(prompt: list[int], samples: list[tuple[list[int], list[bool]]], advantage: torch.Tensor,
-                  pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rollout_batch(
+    prompt: list[int], samples: list[tuple[list[int], list[bool]]], advantage: torch.Tensor, pad_id: int, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One question's samples as a micro-batch (inputs, targets, advantages): row i is prompt +
     sample i's tokens (ids, forced flags), padded with pad_id on the right; a target is the next
     token where that token was sampled, -1 where it is the prompt's, forced or padding."""
@@ -32,8 +34,8 @@ def rollout_batch(prompt: list[int], samples: list[tuple[list[int], list[bool]]]
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     sampled = torch.zeros((len(rows), width), dtype=torch.bool)
     for i, (row, mask) in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-        sampled[i, :len(mask)] = torch.tensor(mask, dtype=torch.bool)
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        sampled[i, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
     targets = ids[:, 1:].masked_fill(~sampled[:, 1:], -1)
     return ids[:, :-1].to(device), targets.to(device), advantage.to(device=device, dtype=torch.float32)
 

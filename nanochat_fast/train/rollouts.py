@@ -11,6 +11,7 @@ the global stream of questions, so 1 and N processes draw the same samples and t
 and the loader's state (the place of the next step's first question) resumes on any number of
 processes. The seeds, groups and stream in full: docs/measurements.md#rl-rollouts.
 """
+
 import random
 from dataclasses import dataclass
 
@@ -30,11 +31,12 @@ from .stage_data import ConversationShards, Data, val_batches
 @dataclass(frozen=True)
 class Sampling:
     """How a question's samples are drawn (chat_rl's flags)."""
+
     num_samples: int
     max_new_tokens: int
     temperature: float
     top_k: int | None
-    device_batch_size: int   # rows sampled together (at least one question's samples)
+    device_batch_size: int  # rows sampled together (at least one question's samples)
 
     @property
     def questions_per_group(self) -> int:
@@ -50,10 +52,18 @@ def split_examples(task, eval_examples: int) -> tuple[list, list, str]:
         return task.load("train"), held_out, ""
     train = evaluated[eval_examples:]
     if not train:
-        raise UserError(f"--eval-examples {eval_examples} leaves no {task.name} question to train on (its "
-                        f"{task.eval_split} split holds {len(evaluated)}); lower it")
-    return train, held_out, (f"{task.name} has no train split prepared: RL trains on its other {len(train):,} "
-                             f"{task.eval_split} questions, so chat_eval's {task.name} score of this run is not clean")
+        raise UserError(
+            f"--eval-examples {eval_examples} leaves no {task.name} question to train on (its "
+            f"{task.eval_split} split holds {len(evaluated)}); lower it"
+        )
+    return (
+        train,
+        held_out,
+        (
+            f"{task.name} has no train split prepared: RL trains on its other {len(train):,} "
+            f"{task.eval_split} questions, so chat_eval's {task.name} score of this run is not clean"
+        ),
+    )
 
 
 class Rollouts:
@@ -70,33 +80,67 @@ class Rollouts:
         if self.examples_per_step % world_size:
             below = self.examples_per_step // world_size * world_size
             options = " or ".join(str(v) for v in (below, below + world_size) if v > 0)
-            raise UserError(f"--examples-per-step {self.examples_per_step} is not a multiple of the {world_size} "
-                            f"processes (each samples the same number of questions); nearest valid values: {options}")
+            raise UserError(
+                f"--examples-per-step {self.examples_per_step} is not a multiple of the {world_size} "
+                f"processes (each samples the same number of questions); nearest valid values: {options}"
+            )
         return self.examples_per_step // world_size
 
     def open(self, args, cfg, tokenizer, dev, model=None) -> Data:
         train, held_out, note = split_examples(self.task, self.eval_examples)
-        loader = RolloutLoader(model, tokenizer, self.task, train, self.examples_per_step, self.sampling,
-                               cfg.data.max_seq_len, cfg.run.seed, dev, self.num_epochs)
+        loader = RolloutLoader(
+            model,
+            tokenizer,
+            self.task,
+            train,
+            self.examples_per_step,
+            self.sampling,
+            cfg.data.max_seq_len,
+            cfg.run.seed,
+            dev,
+            self.num_epochs,
+        )
         pad = tokenizer.encode_special("<|assistant_end|>")
-        val = ConversationMixture([(self.task.name, ConversationShards(
-            [self.task.conversation(ex) for ex in held_out], tokenizer, f"{self.task.name} held out"))],
-            shuffle=False) if held_out else None
+        val = (
+            ConversationMixture(
+                [
+                    (
+                        self.task.name,
+                        ConversationShards(
+                            [self.task.conversation(ex) for ex in held_out], tokenizer, f"{self.task.name} held out"
+                        ),
+                    )
+                ],
+                shuffle=False,
+            )
+            if held_out
+            else None
+        )
 
         def batches():
             if val is None:  # --eval-examples=0: nothing held out (val bpb n/a)
                 return iter(())
 
             def make_loader(split, rank, world_size):
-                return PaddedConversationLoader(val, cfg.data.device_batch_size, cfg.data.max_seq_len, pad, rank,
-                                                world_size, dev.device)
-            return val_batches(make_loader, cfg.loop.eval_tokens, cfg.data.device_batch_size, cfg.data.max_seq_len,
-                               dev.rank, dev.world_size)
+                return PaddedConversationLoader(
+                    val, cfg.data.device_batch_size, cfg.data.max_seq_len, pad, rank, world_size, dev.device
+                )
+
+            return val_batches(
+                make_loader,
+                cfg.loop.eval_tokens,
+                cfg.data.device_batch_size,
+                cfg.data.max_seq_len,
+                dev.rank,
+                dev.world_size,
+            )
 
         s = self.sampling
-        describe = (f"{len(train):,} {self.task.name} questions, {self.examples_per_step} per step x {s.num_samples} "
-                    f"samples (temperature {s.temperature:g}, top-k {s.top_k}, at most {s.max_new_tokens} new tokens); "
-                    f"{len(held_out):,} held out" + (f"; {note}" if note else ""))
+        describe = (
+            f"{len(train):,} {self.task.name} questions, {self.examples_per_step} per step x {s.num_samples} "
+            f"samples (temperature {s.temperature:g}, top-k {s.top_k}, at most {s.max_new_tokens} new tokens); "
+            f"{len(held_out):,} held out" + (f"; {note}" if note else "")
+        )
         return Data(loader, batches, f"rl:{self.task.name}", describe)
 
 
@@ -105,21 +149,36 @@ def rl_horizon(cfg, model, data) -> Horizon:
     loader = data.train
     per_epoch = max(1, len(loader.examples) // loader.examples_per_step)
     steps = cfg.horizon.num_iterations if cfg.horizon.num_iterations > 0 else loader.num_epochs * per_epoch
-    return Horizon(steps, lambda step: step / steps, lambda: False,
-                   f"{steps} steps ({per_epoch} per epoch of {len(loader.examples):,} questions)")
+    return Horizon(
+        steps,
+        lambda step: step / steps,
+        lambda: False,
+        f"{steps} steps ({per_epoch} per epoch of {len(loader.examples):,} questions)",
+    )
 
 
 class RolloutLoader:
     """This rank's micro-batches of the stream of questions (docs/measurements.md#rl-rollouts)."""
 
-    def __init__(self, model, tokenizer, task, examples: list, examples_per_step: int, sampling: Sampling,
-                 seq_len: int, seed: int, dev, num_epochs: int = 1):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        task,
+        examples: list,
+        examples_per_step: int,
+        sampling: Sampling,
+        seq_len: int,
+        seed: int,
+        dev,
+        num_epochs: int = 1,
+    ):
         self.model, self.tokenizer, self.task, self.examples = model, tokenizer, task, examples
         self.examples_per_step, self.sampling, self.seed, self.dev = examples_per_step, sampling, seed, dev
         self.device_batch_size, self.seq_len, self.num_epochs = sampling.num_samples, seq_len, num_epochs
-        self.position = 0        # place in the stream of the next step's first question
+        self.position = 0  # place in the stream of the next step's first question
         self._order = (None, None)  # (epoch, its order of the questions)
-        self.pending = []        # this step's micro-batches not handed out yet
+        self.pending = []  # this step's micro-batches not handed out yet
         self.stats = torch.zeros(5, dtype=torch.float64)  # rewards, right samples, samples, questions solved, tokens
         self.pad = tokenizer.encode_special("<|assistant_end|>")
         self.stop = stop_tokens(tokenizer)
@@ -162,24 +221,38 @@ class RolloutLoader:
         group = self.sampling.questions_per_group
         batches = []
         for start in range(0, per_rank, group):
-            batches += self.sample_group(places[start:start + group])
+            batches += self.sample_group(places[start : start + group])
         return batches
 
     def sample_group(self, places: list[int]) -> list:
         s, bos = self.sampling, self.tokenizer.get_bos_token_id()
         questions = [self.question(p) for p in places]
-        prompts = [fit_context(self.tokenizer.render_for_completion(self.task.conversation(q)), s.max_new_tokens,
-                               self.seq_len, bos) for q in questions]
-        samples = sample_rows(self.model, self.tokenizer, prompts, s, [self.seed + p * s.num_samples for p in places],
-                              self.dev)
+        prompts = [
+            fit_context(
+                self.tokenizer.render_for_completion(self.task.conversation(q)), s.max_new_tokens, self.seq_len, bos
+            )
+            for q in questions
+        ]
+        samples = sample_rows(
+            self.model, self.tokenizer, prompts, s, [self.seed + p * s.num_samples for p in places], self.dev
+        )
         batches = []
         for question, (prompt, _), rows in zip(questions, prompts, samples):
             texts = [decode_reply(self.tokenizer, [t for t in ids if t not in self.stop]) for ids, _ in rows]
             rewards = torch.tensor([float(self.task.check(question, text)) for text in texts])
-            self.stats += torch.tensor([rewards.sum(), (rewards >= 1).sum(), len(rows), float((rewards >= 1).any()),
-                                        sum(len(ids) for ids, _ in rows)], dtype=torch.float64)
-            batches.append(rl_objective.rollout_batch(prompt, rows, rl_objective.advantages(rewards), self.pad,
-                                                      self.dev.device))
+            self.stats += torch.tensor(
+                [
+                    rewards.sum(),
+                    (rewards >= 1).sum(),
+                    len(rows),
+                    float((rewards >= 1).any()),
+                    sum(len(ids) for ids, _ in rows),
+                ],
+                dtype=torch.float64,
+            )
+            batches.append(
+                rl_objective.rollout_batch(prompt, rows, rl_objective.advantages(rewards), self.pad, self.dev.device)
+            )
         return batches
 
     def step_metrics(self) -> dict:
@@ -187,8 +260,12 @@ class RolloutLoader:
         (questions with a right sample) and mean length in tokens."""
         rewards, right, samples, solved, tokens = all_reduce_sum(self.stats.to(self.dev.device)).tolist()
         n = self.sampling.num_samples
-        return {"reward": rewards / samples, "pass@1": right / samples, f"pass@{n}": solved / (samples / n),
-                "seq_len": tokens / samples}
+        return {
+            "reward": rewards / samples,
+            "pass@1": right / samples,
+            f"pass@{n}": solved / (samples / n),
+            "seq_len": tokens / samples,
+        }
 
     def state_dict(self) -> dict:
         return {"position": self.position}
@@ -203,10 +280,13 @@ class RolloutLoader:
 def sample_rows(model, tokenizer, prompts: list[tuple[list[int], int]], s: Sampling, seeds: list[int], dev) -> list:
     """For each (prompt, max_tokens): num_samples samples as (token ids, forced flags), drawn
     together in one batch engine; question q's sample c uses the seed seeds[q] + c."""
-    engine = BatchEngine(model, tokenizer, slots=len(prompts) * s.num_samples,
-                         max_len=max(len(p) + m for p, m in prompts))
-    rows = [engine.add(Request(p, m, s.temperature, s.top_k, seed), copies=s.num_samples)
-            for (p, m), seed in zip(prompts, seeds)]
+    engine = BatchEngine(
+        model, tokenizer, slots=len(prompts) * s.num_samples, max_len=max(len(p) + m for p, m in prompts)
+    )
+    rows = [
+        engine.add(Request(p, m, s.temperature, s.top_k, seed), copies=s.num_samples)
+        for (p, m), seed in zip(prompts, seeds)
+    ]
     forced = {row: [] for group in rows for row in group}
     with dev.autocast():
         while engine.active:

@@ -4,6 +4,7 @@ loss.png (train/val loss and tokens/s) and report.md (results, timing, hardware,
 precision with the reason for each choice, kernels, model, every setting). Only rank 0 writes
 these. Also the summary a run prints before its first step.
 """
+
 import json
 import os
 import time
@@ -23,8 +24,11 @@ class MetricsLog:
         self.path = Path(path)
         self.trackers = trackers  # tracking.Trackers (wandb, TensorBoard): each row goes there too
         if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step
+            ]
             paths.write_durably(self.path, lambda f: f.write("".join(line + "\n" for line in kept).encode()))
         elif resume_step is None:
             self.path.unlink(missing_ok=True)
@@ -45,6 +49,7 @@ class MetricsLog:
 def plot(rows: list[dict], out_png: Path, title: str):
     """train loss, val bpb and tokens/s against step, in one figure."""
     import matplotlib
+
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
@@ -81,8 +86,12 @@ def hardware() -> str:
 
 def device_summary(dev) -> dict:
     """What a run computes on, for its meta.json (the report card's cost: core-hours or GPU-hours)."""
-    return {"type": dev.device.type, "processes": dev.world_size, "threads_per_process": torch.get_num_threads(),
-            "hardware": hardware()}
+    return {
+        "type": dev.device.type,
+        "processes": dev.world_size,
+        "threads_per_process": torch.get_num_threads(),
+        "hardware": hardware(),
+    }
 
 
 def _table(d: dict) -> list[str]:
@@ -92,7 +101,12 @@ def _table(d: dict) -> list[str]:
 def write_report(path: Path, title: str, sections: dict):
     """report.md: a title, then one section per entry of `sections` (name -> a dict shown as a
     table, or text)."""
-    lines = [f"# {title}", "", f"Written {time.strftime('%Y-%m-%d %H:%M:%S')} by nanochat_fast; torch {torch.__version__}.", ""]
+    lines = [
+        f"# {title}",
+        "",
+        f"Written {time.strftime('%Y-%m-%d %H:%M:%S')} by nanochat_fast; torch {torch.__version__}.",
+        "",
+    ]
     for name, body in sections.items():
         lines += [f"## {name}", "", *(_table(body) if isinstance(body, dict) else [str(body)]), ""]
     paths.write_durably(Path(path), lambda f: f.write("\n".join(lines).encode()))
@@ -102,13 +116,15 @@ def summary(run, config, extra: dict) -> str:
     """What a run prints before its first step (after the device line): where it writes, the model,
     the batch, and the stage's own lines (horizon, starting point, data)."""
     per_rank = run.data.train.device_batch_size * run.data.train.seq_len
-    lines = [f"run dir: {run.run_dir}",
-             f"model: n_layer={config.n_layer} n_embd={config.n_embd} n_head={config.n_head} "
-             f"n_kv_head={config.n_kv_head} vocab={config.vocab_size} seq_len={config.sequence_len}",
-             f"parameters: {sum(p.numel() for p in run.orig_model.parameters()):,} | "
-             f"FLOPs per token: {run.flops_per_token:.3e}",
-             f"tokens per micro-batch per rank: {run.data.train.device_batch_size} x {run.data.train.seq_len} = "
-             f"{per_rank:,} | {run.grad_accum_steps} gradient accumulation step(s) per optimizer step"]
+    lines = [
+        f"run dir: {run.run_dir}",
+        f"model: n_layer={config.n_layer} n_embd={config.n_embd} n_head={config.n_head} "
+        f"n_kv_head={config.n_kv_head} vocab={config.vocab_size} seq_len={config.sequence_len}",
+        f"parameters: {sum(p.numel() for p in run.orig_model.parameters()):,} | "
+        f"FLOPs per token: {run.flops_per_token:.3e}",
+        f"tokens per micro-batch per rank: {run.data.train.device_batch_size} x {run.data.train.seq_len} = "
+        f"{per_rank:,} | {run.grad_accum_steps} gradient accumulation step(s) per optimizer step",
+    ]
     return "\n".join(lines + [f"{k}: {v}" for k, v in extra.items()])
 
 
@@ -119,26 +135,43 @@ def finish_report(run, metrics: MetricsLog, title: str, wall_start: float, secti
     train_rows = [r for r in rows if r.get("kind") == "train"]
     speeds = sorted(r["tok_per_sec"] for r in train_rows)
     state = run.state
-    results = {"steps": state.step, "tokens seen": f"{state.tokens_seen:,}",
-               "final train loss (smoothed)": f"{train_rows[-1]['smooth_loss']:.4f}" if train_rows else "n/a",
-               "val bpb at start": f"{state.first_val_bpb:.4f}" if state.first_val_bpb is not None else "n/a",
-               "val bpb at end": f"{state.last_val_bpb:.4f}" if state.last_val_bpb is not None else "n/a",
-               **{f"{k} (last eval)": f"{v:.4f}" for k, v in state.last_evals.items()},
-               "median tokens/s": f"{speeds[len(speeds) // 2]:,.0f}" if speeds else "n/a",
-               "skipped non-finite steps": state.nonfinite_skipped,
-               "last checkpoint": str(run.last_checkpoint)}
+    results = {
+        "steps": state.step,
+        "tokens seen": f"{state.tokens_seen:,}",
+        "final train loss (smoothed)": f"{train_rows[-1]['smooth_loss']:.4f}" if train_rows else "n/a",
+        "val bpb at start": f"{state.first_val_bpb:.4f}" if state.first_val_bpb is not None else "n/a",
+        "val bpb at end": f"{state.last_val_bpb:.4f}" if state.last_val_bpb is not None else "n/a",
+        **{f"{k} (last eval)": f"{v:.4f}" for k, v in state.last_evals.items()},
+        "median tokens/s": f"{speeds[len(speeds) // 2]:,.0f}" if speeds else "n/a",
+        "skipped non-finite steps": state.nonfinite_skipped,
+        "last checkpoint": str(run.last_checkpoint),
+    }
     mfus = [r["mfu"] for r in train_rows if r.get("mfu") is not None]
     results["median MFU"] = f"{sorted(mfus)[len(mfus) // 2]:.1f}% (of {run.peak.describe()})" if mfus else "n/a"
-    timing = {"training time (steps only)": f"{state.train_time:.1f} s",
-              "torch.compile (one-time, not in the steps)": f"{state.compile_time:.1f} s" if run.compiled else "not compiled",
-              "wall time of this invocation": f"{time.time() - wall_start:.1f} s"}
+    timing = {
+        "training time (steps only)": f"{state.train_time:.1f} s",
+        "torch.compile (one-time, not in the steps)": f"{state.compile_time:.1f} s" if run.compiled else "not compiled",
+        "wall time of this invocation": f"{time.time() - wall_start:.1f} s",
+    }
     dev = run.dev
     device = {"processes": run.world_size, "device": str(dev.device), "precision": dev.precision.describe()}
     plot(rows, run.run_dir / "loss.png", title)
-    write_report(run.run_dir / "report.md", title, {
-        "Results": results, "Timing": timing, "Hardware": f"{hardware()}; {run.world_size} process(es).",
-        "Device and precision": device, "Kernels (backend per op on this device)": dev.kernels,
-        "Model": run.meta()["model_config"], **sections})
-    print(f"val bpb: {results['val bpb at start']} at start -> {results['val bpb at end']} at step {state.step}; "
-          f"median {results['median tokens/s']} tokens/s", flush=True)
+    write_report(
+        run.run_dir / "report.md",
+        title,
+        {
+            "Results": results,
+            "Timing": timing,
+            "Hardware": f"{hardware()}; {run.world_size} process(es).",
+            "Device and precision": device,
+            "Kernels (backend per op on this device)": dev.kernels,
+            "Model": run.meta()["model_config"],
+            **sections,
+        },
+    )
+    print(
+        f"val bpb: {results['val bpb at start']} at start -> {results['val bpb at end']} at step {state.step}; "
+        f"median {results['median tokens/s']} tokens/s",
+        flush=True,
+    )
     print(f"report: {run.run_dir / 'report.md'}", flush=True)

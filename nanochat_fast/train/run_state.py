@@ -5,6 +5,7 @@ long it trains); save hands this run's state dicts (model, each rank's optimizer
 meta) to the checkpoint home, restore puts a checkpoint's back for an exact resume (any saved
 number of processes). Files are the home's business (nanochat_fast.checkpoints).
 """
+
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -22,10 +23,11 @@ from .training_config import LoopConfig, OptimConfig
 @dataclass
 class LoopState:
     """Everything about the loop (besides model, optimizer, data and RNG) a resume must restore."""
+
     step: int = 0
     smooth_loss: float = 0.0
-    train_time: float = 0.0       # seconds spent in training steps (not eval/sampling/saving/compiling)
-    compile_time: float = 0.0     # seconds torch.compile spent inside training steps (one-time)
+    train_time: float = 0.0  # seconds spent in training steps (not eval/sampling/saving/compiling)
+    compile_time: float = 0.0  # seconds torch.compile spent inside training steps (one-time)
     tokens_seen: int = 0
     nonfinite_skipped: int = 0
     first_val_bpb: float | None = None
@@ -36,37 +38,39 @@ class LoopState:
 @dataclass
 class Horizon:
     """How long a stage trains: a number of steps, or until its data has done an epoch."""
-    num_iterations: int | None          # None: until epoch_done()
-    progress: Callable[[int], float]    # step -> fraction of training done: the lr schedule's clock
-    epoch_done: Callable[[], bool]      # the training loader finished its epoch (False: never stops on it)
-    describe: str                       # for the run's summary
-    tokens: int | None = None           # training tokens of the whole run, if known (the compile rule)
+
+    num_iterations: int | None  # None: until epoch_done()
+    progress: Callable[[int], float]  # step -> fraction of training done: the lr schedule's clock
+    epoch_done: Callable[[], bool]  # the training loader finished its epoch (False: never stops on it)
+    describe: str  # for the run's summary
+    tokens: int | None = None  # training tokens of the whole run, if known (the compile rule)
 
 
 @dataclass
 class Run:
     """Everything the loop needs; stage.run_stage builds one for every stage."""
-    model: torch.nn.Module              # what runs forward/backward (possibly compiled)
-    orig_model: torch.nn.Module         # the plain module (FSDP-sharded with --sharding=fsdp): state_dict keys
+
+    model: torch.nn.Module  # what runs forward/backward (possibly compiled)
+    orig_model: torch.nn.Module  # the plain module (FSDP-sharded with --sharding=fsdp): state_dict keys
     optimizers: list
-    data: Data                          # .train (this rank's loader), .val_batches()
+    data: Data  # .train (this rank's loader), .val_batches()
     token_bytes: torch.Tensor
     run_dir: Path
     grad_accum_steps: int
     flops_per_token: float
     horizon: Horizon
-    optim: OptimConfig                  # grad_clip and the lr schedule
-    loop: LoopConfig                    # eval/sample/save cadence, NaN guard
-    dev: ProcessSetup                   # device, rank, world_size, precision
-    peak: hardware.Peak | None          # the peak MFU is quoted against (None: n/a)
-    compiled: bool                      # model is torch.compile'd: the first step's compile is timed apart
-    meta: Callable[[], dict]            # model config, settings... for meta.json
+    optim: OptimConfig  # grad_clip and the lr schedule
+    loop: LoopConfig  # eval/sample/save cadence, NaN guard
+    dev: ProcessSetup  # device, rank, world_size, precision
+    peak: hardware.Peak | None  # the peak MFU is quoted against (None: n/a)
+    compiled: bool  # model is torch.compile'd: the first step's compile is timed apart
+    meta: Callable[[], dict]  # model config, settings... for meta.json
     sample: Callable[[torch.nn.Module], list[str]]  # a few generations of a plain model to print (rank 0 only)
-    evals: tuple = ()                   # (name, fn(model) -> {metric: value}) run with every val bpb eval
+    evals: tuple = ()  # (name, fn(model) -> {metric: value}) run with every val bpb eval
     state: LoopState = field(default_factory=LoopState)
     resume_command: str = ""
     last_checkpoint: Path | None = None
-    finished: bool = False              # reached its horizon (not stopped by a signal or the NaN guard)
+    finished: bool = False  # reached its horizon (not stopped by a signal or the NaN guard)
 
     def __post_init__(self):
         self.device, self.rank, self.world_size = self.dev.device, self.dev.rank, self.dev.world_size
@@ -74,13 +78,25 @@ class Run:
 
 
 def save(run: Run) -> Path:
-    meta = {**run.meta(), "world_size": run.world_size, "loader_state": run.data.train.state_dict(),
-            "loop_state": asdict(run.state)}
+    meta = {
+        **run.meta(),
+        "world_size": run.world_size,
+        "loader_state": run.data.train.state_dict(),
+        "loop_state": asdict(run.state),
+    }
     sharded = sharding.is_sharded(run.orig_model)  # its weights go to DCP shards, one file per rank
     path = checkpoints.save_checkpoint(
-        run.run_dir, run.state.step, model_state=sharding.model_state_dict(run.orig_model), rank_state=rank_state(run),
-        meta=meta, rank=run.rank, all_ranks_ok=lambda ok: all_ranks_ok(ok, run.device),
-        keep_last=run.loop.keep_last, previous=run.last_checkpoint, sharded=sharded)
+        run.run_dir,
+        run.state.step,
+        model_state=sharding.model_state_dict(run.orig_model),
+        rank_state=rank_state(run),
+        meta=meta,
+        rank=run.rank,
+        all_ranks_ok=lambda ok: all_ranks_ok(ok, run.device),
+        keep_last=run.loop.keep_last,
+        previous=run.last_checkpoint,
+        sharded=sharded,
+    )
     run.last_checkpoint = path
     return path
 

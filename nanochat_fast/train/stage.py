@@ -11,6 +11,7 @@ and writes the report. How a later stage (chat_sft, chat_rl) plugs in without ch
 and the resume rule for learning rates: ARCHITECTURE.md, "A training stage" and "The learning
 rate, from flag to kernel".
 """
+
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -35,11 +36,11 @@ from .training_config import OptimConfig, TrainingConfig
 
 @dataclass(frozen=True)
 class StartPoint:
-    config: GPTConfig              # the model to build
-    seq_len: int                   # row length of this run (at most config.sequence_len)
-    source: Path | None            # the checkpoint whose weights it starts from (None: fresh init)
-    name: str                      # what the default run name is made from
-    describe: dict                 # summary/report lines ("starting from": ...)
+    config: GPTConfig  # the model to build
+    seq_len: int  # row length of this run (at most config.sequence_len)
+    source: Path | None  # the checkpoint whose weights it starts from (None: fresh init)
+    name: str  # what the default run name is made from
+    describe: dict  # summary/report lines ("starting from": ...)
 
 
 class NewModel:
@@ -69,21 +70,33 @@ class FromRun:
         default the newest) and `--source-step`, named after `run_flag` and `step_flag`."""
         g = parser.add_argument_group("starting point")
         newest = ", else ".join(f"the newest {phase} run" for phase in self.phases)
-        g.add_argument(flag_name(self.run_flag), type=cli.run_ref, default="",
-                       help=f"{' or '.join(self.phases)} run (name or directory) to start from (default: {newest})")
-        g.add_argument(flag_name(self.step_flag), type=cli.non_negative_int, default=None,
-                       help=f"checkpoint step of the {self.run_flag.replace('_', ' ')} (default: newest)")
+        g.add_argument(
+            flag_name(self.run_flag),
+            type=cli.run_ref,
+            default="",
+            help=f"{' or '.join(self.phases)} run (name or directory) to start from (default: {newest})",
+        )
+        g.add_argument(
+            flag_name(self.step_flag),
+            type=cli.non_negative_int,
+            default=None,
+            help=f"checkpoint step of the {self.run_flag.replace('_', ' ')} (default: newest)",
+        )
 
     def resolve(self, args, cfg, tokenizer) -> StartPoint:
         run_dir = checkpoints.run_dir_of(getattr(args, self.run_flag), self.phases)
         ckpt, meta, config = loading.open_checkpoint(run_dir, getattr(args, self.step_flag), tokenizer)
         if meta.get("phase") not in self.phases:
-            raise UserError(f"{flag_name(self.run_flag)} {run_dir}: {ckpt} is a {meta.get('phase')} checkpoint, "
-                            f"not a {' or '.join(self.phases)} one")
+            raise UserError(
+                f"{flag_name(self.run_flag)} {run_dir}: {ckpt} is a {meta.get('phase')} checkpoint, "
+                f"not a {' or '.join(self.phases)} one"
+            )
         seq_len = cfg.data.max_seq_len or config.sequence_len
         if seq_len > config.sequence_len:
-            raise UserError(f"--max-seq-len {seq_len} is above the {meta.get('phase')} model's sequence_len "
-                            f"{config.sequence_len}; use at most {config.sequence_len}")
+            raise UserError(
+                f"--max-seq-len {seq_len} is above the {meta.get('phase')} model's sequence_len "
+                f"{config.sequence_len}; use at most {config.sequence_len}"
+            )
         return StartPoint(config, seq_len, ckpt, run_dir.name, {"starting from": str(ckpt)})
 
 
@@ -97,22 +110,37 @@ def fixed_horizon(cfg, model, data) -> Horizon:
     elif h.target_param_data_ratio > 0:
         steps = max(1, round(h.target_param_data_ratio * model.num_scaling_params() / tokens_per_step))
     else:
-        raise UserError("no training horizon: pass --num-iterations N (> 0), --target-flops F or "
-                        "--target-param-data-ratio R")
+        raise UserError(
+            "no training horizon: pass --num-iterations N (> 0), --target-flops F or --target-param-data-ratio R"
+        )
     tokens = steps * tokens_per_step
-    return Horizon(steps, lambda step: step / steps, lambda: False,
-                   f"{steps:,} steps = {tokens:,} tokens ({tokens / model.num_scaling_params():.2f} tokens/param)",
-                   tokens)
+    return Horizon(
+        steps,
+        lambda step: step / steps,
+        lambda: False,
+        f"{steps:,} steps = {tokens:,} tokens ({tokens / model.num_scaling_params():.2f} tokens/param)",
+        tokens,
+    )
 
 
 def one_epoch(cfg, model, data) -> Horizon:
     """--num-iterations if set, else until the training data has been read once."""
     steps = cfg.horizon.num_iterations if cfg.horizon.num_iterations > 0 else None
     if steps:
-        return Horizon(steps, lambda step: step / steps, lambda: data.train.epochs_done >= 1, f"{steps} steps",
-                       steps * cfg.data.total_batch_size)
-    return Horizon(None, lambda step: data.train.epoch_progress, lambda: data.train.epochs_done >= 1,
-                   "one epoch of the training data", getattr(data.train, "epoch_tokens", None))
+        return Horizon(
+            steps,
+            lambda step: step / steps,
+            lambda: data.train.epochs_done >= 1,
+            f"{steps} steps",
+            steps * cfg.data.total_batch_size,
+        )
+    return Horizon(
+        None,
+        lambda step: data.train.epoch_progress,
+        lambda: data.train.epochs_done >= 1,
+        "one epoch of the training data",
+        getattr(data.train, "epoch_tokens", None),
+    )
 
 
 def complete_prompts(prompts, max_tokens=16):
@@ -122,9 +150,13 @@ def complete_prompts(prompts, max_tokens=16):
 
 def answer_questions(questions, max_tokens=32):
     """Samples of a chat model: each question and the assistant's greedy reply."""
+
     def sample(model, tokenizer):
-        return [f"{q} -> {generation.assistant_reply(model, tokenizer, [{'role': 'user', 'content': q}], max_tokens)}"
-                for q in questions]
+        return [
+            f"{q} -> {generation.assistant_reply(model, tokenizer, [{'role': 'user', 'content': q}], max_tokens)}"
+            for q in questions
+        ]
+
     return sample
 
 
@@ -132,40 +164,42 @@ def answer_questions(questions, max_tokens=32):
 class Stage:
     """What differs between base_train, mid_train and the stages after them:
 
-        phase     "base", "mid", ...: written into every checkpoint; later stages find runs by it
-        title     the report's title
-        start     where the weights come from: NewModel() (the depth dial) or FromRun(...) (another
-                  run's checkpoint, e.g. --base-run for mid_train)
-        data      what it trains and validates on (stage_data.py: grad_accum_steps, open, and
-                  varying_shapes: whether row lengths change between batches, which keeps it eager;
-                  chat_rl's samples its batches from the model being trained: rollouts.py)
-        horizon   how long: fixed_horizon (steps, FLOPs budget or tokens per parameter) or one_epoch
-        sample    what to print every --sample-every steps: completions or chat replies
-        run_name  the default --run
-        evals     more evaluations, run with every val bpb eval; their latest values go into the report
+    phase     "base", "mid", ...: written into every checkpoint; later stages find runs by it
+    title     the report's title
+    start     where the weights come from: NewModel() (the depth dial) or FromRun(...) (another
+              run's checkpoint, e.g. --base-run for mid_train)
+    data      what it trains and validates on (stage_data.py: grad_accum_steps, open, and
+              varying_shapes: whether row lengths change between batches, which keeps it eager;
+              chat_rl's samples its batches from the model being trained: rollouts.py)
+    horizon   how long: fixed_horizon (steps, FLOPs budget or tokens per parameter) or one_epoch
+    sample    what to print every --sample-every steps: completions or chat replies
+    run_name  the default --run
+    evals     more evaluations, run with every val bpb eval; their latest values go into the report
     """
+
     phase: str
     title: str
     start: NewModel | FromRun
-    data: object                           # stage_data.PackedRows(...) or anything with its two methods
-    horizon: Callable                      # (cfg, model, data) -> Horizon
-    sample: Callable                       # (model, tokenizer) -> list of texts to print
-    run_name: Callable                     # (cfg, StartPoint) -> the default --run
-    next_step: Callable | None = None      # run_dir -> the command to print once the run is done
-    evals: tuple = ()                      # (name, fn(cfg, tokenizer, dev) -> fn(model) -> {metric: value})
+    data: object  # stage_data.PackedRows(...) or anything with its two methods
+    horizon: Callable  # (cfg, model, data) -> Horizon
+    sample: Callable  # (model, tokenizer) -> list of texts to print
+    run_name: Callable  # (cfg, StartPoint) -> the default --run
+    next_step: Callable | None = None  # run_dir -> the command to print once the run is done
+    evals: tuple = ()  # (name, fn(cfg, tokenizer, dev) -> fn(model) -> {metric: value})
 
 
 @dataclass(frozen=True)
 class RunSetup:
     """What run_stage settles before it opens the stage's data."""
-    cfg: TrainingConfig            # the flags' configs, max_seq_len set to the starting point's
-    dev: ProcessSetup              # the process, before the dtypes are measured at the run's shapes
+
+    cfg: TrainingConfig  # the flags' configs, max_seq_len set to the starting point's
+    dev: ProcessSetup  # the process, before the dtypes are measured at the run's shapes
     tokenizer: Tokenizer
     point: StartPoint
     run_name: str
     run_dir: Path
-    ckpt: Path | None              # the checkpoint to resume from (None: a fresh run)
-    meta: dict | None              # its meta.json
+    ckpt: Path | None  # the checkpoint to resume from (None: a fresh run)
+    meta: dict | None  # its meta.json
     grad_accum_steps: int
     orig_model: GPT
     optimizers: list
@@ -206,8 +240,11 @@ def set_up(args, stage: Stage, cfg: TrainingConfig, dev: ProcessSetup) -> RunSet
         loading.check_compatible(meta, ckpt, point.config, tokenizer)
     weights = ckpt or point.source
     orig_model, optimizers = model_setup.build_for_training(
-        point.config, dev.device, cfg.optim.optimizer_kwargs(),
-        checkpoints.load_model_state(weights, dev.device) if weights else None)
+        point.config,
+        dev.device,
+        cfg.optim.optimizer_kwargs(),
+        checkpoints.load_model_state(weights, dev.device) if weights else None,
+    )
     return RunSetup(cfg, dev, tokenizer, point, run_name, run_dir, ckpt, meta, grad_accum_steps, orig_model, optimizers)
 
 
@@ -216,28 +253,54 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
     (which needs the horizon); the Run, and the stage's sections of the report."""
     cfg, orig_model, tokenizer = setup.cfg, setup.orig_model, setup.tokenizer
     horizon = stage.horizon(cfg, orig_model, data)
-    dev, ns = model_setup.tune_for_training(orig_model, setup.optimizers, setup.dev, cfg.device.dtype,
-                                            cfg.data.device_batch_size, setup.point.seq_len, setup.grad_accum_steps,
-                                            horizon.tokens)
+    dev, ns = model_setup.tune_for_training(
+        orig_model,
+        setup.optimizers,
+        setup.dev,
+        cfg.device.dtype,
+        cfg.data.device_batch_size,
+        setup.point.seq_len,
+        setup.grad_accum_steps,
+        horizon.tokens,
+    )
     print0(f"precision: {dev.precision.describe()}")
     optimizers = model_setup.shard_for_training(orig_model, setup.optimizers, cfg.optim, dev)
     peak = hardware.peak_flops(dev.device)
-    model, compile_why = model_setup.compile_for_training(orig_model, cfg.run.compile, dev.device, horizon.tokens,
-                                                          peak.flops * dev.world_size, stage.data.varying_shapes)
+    model, compile_why = model_setup.compile_for_training(
+        orig_model, cfg.run.compile, dev.device, horizon.tokens, peak.flops * dev.world_size, stage.data.varying_shapes
+    )
     settings = {**flag_values(args), **cfg.as_dict(), "dataset": data.dataset}
     run = Run(
-        model=model, orig_model=orig_model, optimizers=optimizers, data=data,
-        token_bytes=get_token_bytes(device=dev.device), run_dir=setup.run_dir, grad_accum_steps=setup.grad_accum_steps,
-        flops_per_token=orig_model.estimate_flops(), horizon=horizon, optim=cfg.optim, loop=cfg.loop, dev=dev,
-        peak=peak, compiled=model is not orig_model, meta=meta_of_run(stage, setup, dev, settings),
+        model=model,
+        orig_model=orig_model,
+        optimizers=optimizers,
+        data=data,
+        token_bytes=get_token_bytes(device=dev.device),
+        run_dir=setup.run_dir,
+        grad_accum_steps=setup.grad_accum_steps,
+        flops_per_token=orig_model.estimate_flops(),
+        horizon=horizon,
+        optim=cfg.optim,
+        loop=cfg.loop,
+        dev=dev,
+        peak=peak,
+        compiled=model is not orig_model,
+        meta=meta_of_run(stage, setup, dev, settings),
         sample=lambda model: stage.sample(model, tokenizer),
         evals=tuple((name, make(cfg, tokenizer, dev)) for name, make in stage.evals),
-        resume_command=next_steps.resume_command(getattr(args, "_argv", None), setup.run_dir))
-    lines = {"horizon": horizon.describe, **setup.point.describe, "data": data.describe.removeprefix("data: "),
-             "compile": compile_why, "sharding": model_setup.describe_sharding(cfg.optim.sharding, dev.world_size),
-             "muon": cfg.optim.recipe().describe().removeprefix("muon recipe "),
-             "newton-schulz precision": ns.describe(), "threads per process": threads.thread_choice().describe(),
-             "mfu against": peak.describe()}
+        resume_command=next_steps.resume_command(getattr(args, "_argv", None), setup.run_dir),
+    )
+    lines = {
+        "horizon": horizon.describe,
+        **setup.point.describe,
+        "data": data.describe.removeprefix("data: "),
+        "compile": compile_why,
+        "sharding": model_setup.describe_sharding(cfg.optim.sharding, dev.world_size),
+        "muon": cfg.optim.recipe().describe().removeprefix("muon recipe "),
+        "newton-schulz precision": ns.describe(),
+        "threads per process": threads.thread_choice().describe(),
+        "mfu against": peak.describe(),
+    }
     return run, {"Stage": lines, "Settings": settings}
 
 
@@ -245,20 +308,26 @@ def meta_of_run(stage: Stage, setup: RunSetup, dev: ProcessSetup, settings: dict
     """What every checkpoint's meta.json says of the run, read when it is saved (the loop adds its
     own state)."""
     point, tokenizer = setup.point, setup.tokenizer
-    return lambda: {"phase": stage.phase, "model_config": asdict(point.config),
-                    "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
-                    "args": settings, "device": run_report.device_summary(dev),
-                    **({"base_checkpoint": str(point.source)} if point.source else {})}
+    return lambda: {
+        "phase": stage.phase,
+        "model_config": asdict(point.config),
+        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
+        "args": settings,
+        "device": run_report.device_summary(dev),
+        **({"base_checkpoint": str(point.source)} if point.source else {}),
+    }
 
 
 def train_and_report(run: Run, stage: Stage, setup: RunSetup, sections: dict) -> int:
     """The loop, then (rank 0) the report and the command to run next."""
     metrics = None
     if run.rank == 0:  # only rank 0 logs, to metrics.jsonl and the trackers asked for (--wandb, --tensorboard)
-        trackers = tracking.open_trackers(setup.cfg.run.wandb, setup.cfg.run.tensorboard, setup.run_name,
-                                          setup.run_dir, sections["Settings"])
-        metrics = MetricsLog(setup.run_dir / "metrics.jsonl", resume_step=run.state.step if setup.ckpt else None,
-                             trackers=trackers)
+        trackers = tracking.open_trackers(
+            setup.cfg.run.wandb, setup.cfg.run.tensorboard, setup.run_name, setup.run_dir, sections["Settings"]
+        )
+        metrics = MetricsLog(
+            setup.run_dir / "metrics.jsonl", resume_step=run.state.step if setup.ckpt else None, trackers=trackers
+        )
     wall = time.time()
     try:
         code = training_loop.train(run, metrics)
@@ -274,6 +343,7 @@ def train_and_report(run: Run, stage: Stage, setup: RunSetup, sections: dict) ->
 
 def resume(run: Run, ckpt: Path, meta: dict, cfg: TrainingConfig):
     """Restore the training state of `ckpt`, then apply the learning-rate rule (ARCHITECTURE.md, "Resume rule")."""
+
     def groups_of(prefix):
         return [g for opt in run.optimizers for g in opt.param_groups if g["param_names"][0].startswith(prefix)]
 
@@ -291,8 +361,12 @@ def resume(run: Run, ckpt: Path, meta: dict, cfg: TrainingConfig):
         if flag in cfg.explicit:
             for g, lr in zip(groups, from_flags[flag]):
                 g["initial_lr"] = lr
-            print0(f"{flag_name(flag)}={value:g} given: it replaces the checkpoint's learning rate of {prefix} "
-                   f"(initial lr {saved[0]:g} -> {from_flags[flag][0]:g})")
+            print0(
+                f"{flag_name(flag)}={value:g} given: it replaces the checkpoint's learning rate of {prefix} "
+                f"(initial lr {saved[0]:g} -> {from_flags[flag][0]:g})"
+            )
         else:
-            print0(f"{prefix} keeps the checkpoint's initial lr {saved[0]:g} (the default {flag_name(flag)}={value:g} "
-                   f"would give {from_flags[flag][0]:g}; pass {flag_name(flag)} to change it)")
+            print0(
+                f"{prefix} keeps the checkpoint's initial lr {saved[0]:g} (the default {flag_name(flag)}={value:g} "
+                f"would give {from_flags[flag][0]:g}; pass {flag_name(flag)} to change it)"
+            )

@@ -15,6 +15,7 @@ and has state_dict()/load_state_dict() (the global cursor), epoch_progress and c
 Validation reads the same rows on any number of processes (val_batches). What mid_train's own
 conversations and chat_sft's mixture add: docs/measurements.md#training-data-mixtures.
 """
+
 import argparse
 import json
 from dataclasses import dataclass
@@ -39,17 +40,17 @@ TASK_LIMITS = {"SpellingBee": 600}  # SFT: examples taken from a task's train sp
 @dataclass
 class Data:
     """A stage's data for this rank."""
-    train: Iterator                    # the training loader (see the module docstring)
+
+    train: Iterator  # the training loader (see the module docstring)
     val_batches: Callable[[], Iterator]  # a fresh pass over this rank's validation batches
-    dataset: str                       # what it is, for meta.json and the report
-    describe: str                      # one line for the run's summary
+    dataset: str  # what it is, for meta.json and the report
+    describe: str  # one line for the run's summary
 
     def close(self):
         self.train.close()
 
 
-def val_batches(make_loader, eval_tokens: int, device_batch_size: int, seq_len: int, rank: int,
-                world_size: int):
+def val_batches(make_loader, eval_tokens: int, device_batch_size: int, seq_len: int, rank: int, world_size: int):
     """This rank's share of up to eval_tokens of the val split: the batches a single process would
     evaluate (device_batch_size rows each, packed from the start of the split, at most one pass),
     batch i going to rank i mod world_size. So every process count sees the same rows, and val bpb
@@ -85,7 +86,8 @@ class Conversations(list):
             except json.JSONDecodeError:
                 raise argparse.ArgumentTypeError(
                     f"{path} line {n}: expected "
-                    '{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}') from None
+                    '{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}'
+                ) from None
             self.append(conv)
         if not self:
             raise argparse.ArgumentTypeError(f"{path} holds no conversations")
@@ -134,55 +136,95 @@ class PackedRows:
             options = dict(tokenizer=tokenizer)
             if not data.dataset and not tokens_dir(dataset).is_dir():
                 if extra is None:
-                    raise UserError(f"no conversation dataset is prepared ({tokens_dir(dataset)}): prepare one with "
-                                    "`python -m nanochat_fast.scripts.prepare_data --datasets=chat`, or train on your "
-                                    "own conversations with --extra-conversations=FILE.jsonl")
+                    raise UserError(
+                        f"no conversation dataset is prepared ({tokens_dir(dataset)}): prepare one with "
+                        "`python -m nanochat_fast.scripts.prepare_data --datasets=chat`, or train on your "
+                        "own conversations with --extra-conversations=FILE.jsonl"
+                    )
                 return self._conversations_alone(extra, cfg, tokenizer, dev)
             note = f" + {len(extra):,} conversations of {extra}" if extra else ""
 
         def make_loader(split, rank, world_size, **more):
-            return self.loader_class(dataset=dataset, split=split, device_batch_size=data.device_batch_size,
-                                     seq_len=data.max_seq_len, rank=rank, world_size=world_size, device=dev.device,
-                                     **options, **more)
+            return self.loader_class(
+                dataset=dataset,
+                split=split,
+                device_batch_size=data.device_batch_size,
+                seq_len=data.max_seq_len,
+                rank=rank,
+                world_size=world_size,
+                device=dev.device,
+                **options,
+                **more,
+            )
 
         train = make_loader("train", dev.rank, dev.world_size, **({"extra_conversations": extra} if extra else {}))
         check_shards(train, tokenizer)
-        return Data(train, self._val(make_loader, cfg, dev), dataset,
-                    f"data: tokens/{dataset}{note} ({train.n_docs:,} documents per epoch)")
+        return Data(
+            train,
+            self._val(make_loader, cfg, dev),
+            dataset,
+            f"data: tokens/{dataset}{note} ({train.n_docs:,} documents per epoch)",
+        )
 
     def _conversations_alone(self, extra, cfg, tokenizer, dev) -> Data:
         """No conversation dataset is prepared: train on the user's conversations alone."""
         if len(extra) < 2:
-            raise UserError(f"--extra-conversations {extra} holds one conversation; training on it alone needs at "
-                            f"least 2 (every {VAL_EVERY}th, from the first, is held out for validation)")
+            raise UserError(
+                f"--extra-conversations {extra} holds one conversation; training on it alone needs at "
+                f"least 2 (every {VAL_EVERY}th, from the first, is held out for validation)"
+            )
         held_out = {"val": extra[::VAL_EVERY], "train": [c for i, c in enumerate(extra) if i % VAL_EVERY]}
-        shards = {split: ConversationShards(convs, tokenizer, f"{extra} ({split})") for split, convs in held_out.items()}
+        shards = {
+            split: ConversationShards(convs, tokenizer, f"{extra} ({split})") for split, convs in held_out.items()
+        }
         data, name = cfg.data, f"conversations:{Path(str(extra)).name}"
 
         def make_loader(split, rank, world_size):
-            return ConversationRowLoader(dataset=name, split=split, device_batch_size=data.device_batch_size,
-                                         seq_len=data.max_seq_len, rank=rank, world_size=world_size,
-                                         device=dev.device, tokenizer=tokenizer, shards=shards[split])
+            return ConversationRowLoader(
+                dataset=name,
+                split=split,
+                device_batch_size=data.device_batch_size,
+                seq_len=data.max_seq_len,
+                rank=rank,
+                world_size=world_size,
+                device=dev.device,
+                tokenizer=tokenizer,
+                shards=shards[split],
+            )
 
-        return Data(make_loader("train", dev.rank, dev.world_size), self._val(make_loader, cfg, dev), name,
-                    f"data: {len(held_out['train']):,} conversations of {extra} alone (no conversation dataset "
-                    f"prepared; {len(held_out['val'])} held out for val bpb)")
+        return Data(
+            make_loader("train", dev.rank, dev.world_size),
+            self._val(make_loader, cfg, dev),
+            name,
+            f"data: {len(held_out['train']):,} conversations of {extra} alone (no conversation dataset "
+            f"prepared; {len(held_out['val'])} held out for val bpb)",
+        )
 
     @staticmethod
     def _val(make_loader, cfg, dev):
         def batches():
-            return val_batches(make_loader, cfg.loop.eval_tokens, cfg.data.device_batch_size, cfg.data.max_seq_len,
-                               dev.rank, dev.world_size)
+            return val_batches(
+                make_loader,
+                cfg.loop.eval_tokens,
+                cfg.data.device_batch_size,
+                cfg.data.max_seq_len,
+                dev.rank,
+                dev.world_size,
+            )
+
         return batches
 
 
 def check_shards(loader, tokenizer):
     """The token shards must have been made with the tokenizer this run encodes prompts with."""
     from ..core.paths import tokenizer_dir
+
     if loader.shards.fingerprint != tokenizer.fingerprint:
-        raise UserError(f"the token shards in {loader.shards.directory} were made with another tokenizer than the "
-                        f"one in {tokenizer_dir()}; re-tokenize with "
-                        "`python -m nanochat_fast.scripts.prepare_data --stage=tokens`")
+        raise UserError(
+            f"the token shards in {loader.shards.directory} were made with another tokenizer than the "
+            f"one in {tokenizer_dir()}; re-tokenize with "
+            "`python -m nanochat_fast.scripts.prepare_data --stage=tokens`"
+        )
 
 
 TOKEN_ROWS = PackedRows(TokenRowLoader, "base")
@@ -201,40 +243,54 @@ class PaddedConversations:
 
     def grad_accum_steps(self, data_config, world_size: int) -> int:
         """Micro-steps per optimizer step: examples_per_step / (device_batch_size x world_size)."""
-        return micro_steps("--target-examples-per-step", self.examples_per_step, "device_batch_size x world_size",
-                           (data_config.device_batch_size, world_size))
+        return micro_steps(
+            "--target-examples-per-step",
+            self.examples_per_step,
+            "device_batch_size x world_size",
+            (data_config.device_batch_size, world_size),
+        )
 
     def open(self, args, cfg, tokenizer, dev, model=None) -> Data:
         train_parts, val_parts, dataset, notes = self.sources(args, cfg, tokenizer)
         data, pad = cfg.data, tokenizer.encode_special("<|assistant_end|>")
-        mixtures = {"train": ConversationMixture(train_parts, seed=cfg.run.seed),
-                    "val": ConversationMixture(val_parts, shuffle=False)}
+        mixtures = {
+            "train": ConversationMixture(train_parts, seed=cfg.run.seed),
+            "val": ConversationMixture(val_parts, shuffle=False),
+        }
 
         def make_loader(split, rank, world_size):
-            return PaddedConversationLoader(mixtures[split], data.device_batch_size, data.max_seq_len, pad, rank,
-                                            world_size, dev.device)
+            return PaddedConversationLoader(
+                mixtures[split], data.device_batch_size, data.max_seq_len, pad, rank, world_size, dev.device
+            )
 
         def batches():
-            return val_batches(make_loader, cfg.loop.eval_tokens, data.device_batch_size, data.max_seq_len, dev.rank,
-                               dev.world_size)
+            return val_batches(
+                make_loader, cfg.loop.eval_tokens, data.device_batch_size, data.max_seq_len, dev.rank, dev.world_size
+            )
 
         train = mixtures["train"]
         cut = int((train.lengths() > data.max_seq_len + 1).sum())
-        notes = notes + ([f"{cut:,} conversations longer than {data.max_seq_len + 1} tokens lose their end"]
-                         if cut else [])
-        describe = (f"{train.n_docs:,} conversations, one per row ({train.describe()}); val "
-                    f"{mixtures['val'].describe()}" + "".join(f"; {n}" for n in notes))
+        notes = notes + (
+            [f"{cut:,} conversations longer than {data.max_seq_len + 1} tokens lose their end"] if cut else []
+        )
+        describe = (
+            f"{train.n_docs:,} conversations, one per row ({train.describe()}); val "
+            f"{mixtures['val'].describe()}" + "".join(f"; {n}" for n in notes)
+        )
         return Data(make_loader("train", dev.rank, dev.world_size), batches, dataset, describe)
 
 
 def prepared_conversation_shards(dataset: str, split: str, tokenizer) -> TokenShards:
     shards = TokenShards(dataset, split)
     if shards.kind != CHAT:
-        raise UserError(f"dataset {dataset!r} holds prose, not conversations: pass a conversation dataset "
-                        "(e.g. --dataset=chat)")
+        raise UserError(
+            f"dataset {dataset!r} holds prose, not conversations: pass a conversation dataset (e.g. --dataset=chat)"
+        )
     if shards.fingerprint != tokenizer.fingerprint:
-        raise UserError(f"the token shards in {shards.directory} were made with another tokenizer; re-tokenize with "
-                        "`python -m nanochat_fast.scripts.prepare_data --stage=tokens`")
+        raise UserError(
+            f"the token shards in {shards.directory} were made with another tokenizer; re-tokenize with "
+            "`python -m nanochat_fast.scripts.prepare_data --stage=tokens`"
+        )
     return shards
 
 
@@ -260,15 +316,19 @@ def sft_sources(args, cfg, tokenizer):
     use_dataset = bool(cfg.data.dataset) or tokens_dir(dataset).is_dir()
     in_memory, notes = task_conversations()
     if notes:
-        notes = [f"{', '.join(notes)} left out: no evaluation data (`python -m nanochat_fast.scripts.prepare_data "
-                 "--datasets=eval` adds them)"]
+        notes = [
+            f"{', '.join(notes)} left out: no evaluation data (`python -m nanochat_fast.scripts.prepare_data "
+            "--datasets=eval` adds them)"
+        ]
     extra = args.extra_conversations
     if extra:
         in_memory.append((Path(str(extra)).name, list(extra)))
     if not use_dataset and not in_memory:
-        raise UserError(f"nothing to fine-tune on: no conversation dataset ({tokens_dir(dataset)}) and no evaluation "
-                        "data; prepare them with `python -m nanochat_fast.scripts.prepare_data --datasets=chat,eval`, "
-                        "or bring your own conversations with --extra-conversations=FILE.jsonl")
+        raise UserError(
+            f"nothing to fine-tune on: no conversation dataset ({tokens_dir(dataset)}) and no evaluation "
+            "data; prepare them with `python -m nanochat_fast.scripts.prepare_data --datasets=chat,eval`, "
+            "or bring your own conversations with --extra-conversations=FILE.jsonl"
+        )
     if use_dataset:
         train = [(dataset, prepared_conversation_shards(dataset, "train", tokenizer))]
         val = [(dataset, prepared_conversation_shards(dataset, "val", tokenizer))]
@@ -282,7 +342,9 @@ def sft_sources(args, cfg, tokenizer):
             train.append((name, ConversationShards(kept, tokenizer, name)))
         val.append((name, ConversationShards(convs[::VAL_EVERY], tokenizer, f"{name} (val)")))
     if not train:
-        raise UserError(f"--extra-conversations {extra} holds one conversation; training on it alone needs at least "
-                        f"2 (every {VAL_EVERY}th, from the first, is held out for validation)")
+        raise UserError(
+            f"--extra-conversations {extra} holds one conversation; training on it alone needs at least "
+            f"2 (every {VAL_EVERY}th, from the first, is held out for validation)"
+        )
     notes.append(f"no conversation dataset prepared: every {VAL_EVERY}th conversation is held out for val bpb")
     return train, val, "conversations:" + "+".join(name.split()[0] for name, _ in in_memory), notes

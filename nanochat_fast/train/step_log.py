@@ -3,6 +3,7 @@ What the training loop prints while it trains: one line per step (describe_step,
 StepRecord of what the step measured; the same step's metrics row comes with it), on a tqdm bar
 when attached to a terminal, as plain lines otherwise (Progress).
 """
+
 import sys
 from dataclasses import dataclass, field
 
@@ -43,14 +44,15 @@ class Progress:
 @dataclass
 class StepRecord:
     """What one finished step measured."""
-    step: int                     # steps done, this one included
-    num_iterations: int | None    # the horizon in steps (None: until the data's epoch is done)
+
+    step: int  # steps done, this one included
+    num_iterations: int | None  # the horizon in steps (None: until the data's epoch is done)
     loss: float
     grad_norm: float
-    lrm: float                    # the learning-rate multiplier of the schedule
-    dt: float                     # seconds, a compile inside the step left out
-    tokens: int                   # input tokens of the step on all ranks
-    smooth_loss: float            # the debiased EMA of the loss
+    lrm: float  # the learning-rate multiplier of the schedule
+    dt: float  # seconds, a compile inside the step left out
+    tokens: int  # input tokens of the step on all ranks
+    smooth_loss: float  # the debiased EMA of the loss
     eta_seconds: float | None
     tokens_seen: int
     extra: dict = field(default_factory=dict)  # the loader's own figures of the step (chat_rl: reward, ...)
@@ -58,7 +60,11 @@ class StepRecord:
 
 def format_eta(seconds: float) -> str:
     seconds = int(seconds)
-    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 def describe_step(m: StepRecord, flops_per_token: float, peak: hardware.Peak | None, world_size: int):
@@ -70,11 +76,24 @@ def describe_step(m: StepRecord, flops_per_token: float, peak: hardware.Peak | N
     total = f"/{m.num_iterations}" if m.num_iterations else ""
     eta = f" | eta {format_eta(m.eta_seconds)}" if m.eta_seconds is not None else ""
     extra = "".join(f" | {k.replace('_', ' ')} {v:.4g}" for k, v in m.extra.items())
-    line = (f"step {m.step:05d}{total} | loss {m.loss:.4f}{extra} | lrm {m.lrm:.3f} | dt {m.dt * 1000:.0f}ms | "
-            f"tok/s {tok_per_sec:,.0f} | {mfu_text}{eta}")
+    line = (
+        f"step {m.step:05d}{total} | loss {m.loss:.4f}{extra} | lrm {m.lrm:.3f} | dt {m.dt * 1000:.0f}ms | "
+        f"tok/s {tok_per_sec:,.0f} | {mfu_text}{eta}"
+    )
     postfix = f"loss {m.loss:.3f}{extra.replace(' | ', ' ')} tok/s {tok_per_sec:,.0f}"
-    row = dict(kind="train", step=m.step, loss=m.loss, smooth_loss=m.smooth_loss, lrm=m.lrm, grad_norm=m.grad_norm,
-               dt=m.dt, tok_per_sec=tok_per_sec, mfu=mfu, tokens_seen=m.tokens_seen, **m.extra)
+    row = dict(
+        kind="train",
+        step=m.step,
+        loss=m.loss,
+        smooth_loss=m.smooth_loss,
+        lrm=m.lrm,
+        grad_norm=m.grad_norm,
+        dt=m.dt,
+        tok_per_sec=tok_per_sec,
+        mfu=mfu,
+        tokens_seen=m.tokens_seen,
+        **m.extra,
+    )
     if torch.cuda.is_initialized():  # this process's GPU: what a larger batch or model has left to grow into
         row["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     return line, postfix, row

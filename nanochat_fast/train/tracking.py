@@ -15,15 +15,25 @@ Off by default: with neither flag no tracker is made and neither package importe
 naming the extra, raised while the flags are checked. wandb's run name is --run, its config the
 run's settings; WANDB_MODE=offline keeps it on this machine (the run folder's wandb/).
 """
+
 import importlib.util
 import math
 from pathlib import Path
 
 from ..core.errors import UserError
 
-TRAIN_NAMES = {"smooth_loss": "train/loss", "loss": "train/raw_loss", "lrm": "train/lrm", "dt": "train/dt",
-               "tok_per_sec": "train/tok_per_sec", "mfu": "train/mfu", "grad_norm": "train/grad_norm",
-               "tokens_seen": "total_training_tokens", "reward": "reward", "seq_len": "sequence_length"}
+TRAIN_NAMES = {
+    "smooth_loss": "train/loss",
+    "loss": "train/raw_loss",
+    "lrm": "train/lrm",
+    "dt": "train/dt",
+    "tok_per_sec": "train/tok_per_sec",
+    "mfu": "train/mfu",
+    "grad_norm": "train/grad_norm",
+    "tokens_seen": "total_training_tokens",
+    "reward": "reward",
+    "seq_len": "sequence_length",
+}
 EVAL_NAMES = {"val_bpb": "val/bpb"}
 PACKAGES = {"wandb": ("wandb", "wandb", "--wandb"), "tensorboard": ("tensorboard", "tensorboard", "--tensorboard")}
 
@@ -32,7 +42,7 @@ def require(what: str):
     """UserError unless the package behind --wandb / --tensorboard is installed."""
     module, extra, flag = PACKAGES[what]
     if importlib.util.find_spec(module) is None:
-        raise UserError(f"{flag} needs the {module} package: pip install \"nanochat_fast[{extra}]\"")
+        raise UserError(f'{flag} needs the {module} package: pip install "nanochat_fast[{extra}]"')
 
 
 def tracked_metrics(row: dict) -> dict:
@@ -44,19 +54,25 @@ def tracked_metrics(row: dict) -> dict:
         names = {k: EVAL_NAMES.get(k, k) for k in row if k not in ("kind", "step", "time")}
     else:
         return {}
-    return {names[k]: float(v) for k, v in row.items()
-            if k in names and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        names[k]: float(v)
+        for k, v in row.items()
+        if k in names and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 class WandbTracker:
     def __init__(self, project: str, run_name: str, run_dir: Path, config: dict):
         import wandb
+
         try:
             self.run = wandb.init(project=project, name=run_name, config=config, dir=str(run_dir))
         except Exception as e:  # no API key, no network, a bad setting: what wandb says, in one line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--wandb: wandb could not start a run ({first}); run `wandb login`, or set "
-                            "WANDB_MODE=offline to keep the run on this machine") from None
+            raise UserError(
+                f"--wandb: wandb could not start a run ({first}); run `wandb login`, or set "
+                "WANDB_MODE=offline to keep the run on this machine"
+            ) from None
 
     def log(self, step: int, metrics: dict):
         self.run.log({"step": step, **metrics}, step=step)
@@ -68,6 +84,7 @@ class WandbTracker:
 class TensorBoardTracker:
     def __init__(self, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
 
     def log(self, step: int, metrics: dict):

@@ -14,6 +14,7 @@ argparse flag whose type is the check, `from_args` builds the object, `__post_in
 for a config built in code. A bad value is a UserError in argparse's words ("argument --depth: must
 be a positive integer, got 0"), exit code 2; optimizers and kernels keep their own ValueError checks.
 """
+
 import argparse
 import math
 from contextlib import contextmanager
@@ -21,8 +22,20 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..core import cli
-from ..core.cli import (boolean, choice, fraction, integer, non_negative_float, non_negative_int, optional,
-                        positive_int, positive_or_unset_float, positive_or_unset_int, random_seed, run_name)
+from ..core.cli import (
+    boolean,
+    choice,
+    fraction,
+    integer,
+    non_negative_float,
+    non_negative_int,
+    optional,
+    positive_int,
+    positive_or_unset_float,
+    positive_or_unset_int,
+    random_seed,
+    run_name,
+)
 from ..core.errors import UserError
 from ..hardware import precision
 from ..hardware.process_setup import ProcessSetup
@@ -67,7 +80,9 @@ class Config:
             if check is boolean:
                 group.add_argument(cli.flag_name(f.name), action="store_true", default=default, **meta)
             elif meta.pop("optional_bool", False):
-                group.add_argument(cli.flag_name(f.name), action=argparse.BooleanOptionalAction, default=default, **meta)
+                group.add_argument(
+                    cli.flag_name(f.name), action=argparse.BooleanOptionalAction, default=default, **meta
+                )
             else:
                 group.add_argument(cli.flag_name(f.name), type=check, default=default, **meta)
         if defaults:
@@ -89,13 +104,16 @@ class ModelConfig(Config):
 
     def validate(self):
         if self.head_dim % 2:
-            raise UserError(f"argument --head-dim: must be even (rotary embeddings turn pairs of channels), "
-                            f"got {self.head_dim}")
+            raise UserError(
+                f"argument --head-dim: must be even (rotary embeddings turn pairs of channels), got {self.head_dim}"
+            )
 
     def gpt_config(self, vocab_size: int, sequence_len: int):
         from ..model.gpt import config_from_depth
-        return config_from_depth(self.depth, vocab_size, sequence_len, aspect_ratio=self.aspect_ratio,
-                                 head_dim=self.head_dim)
+
+        return config_from_depth(
+            self.depth, vocab_size, sequence_len, aspect_ratio=self.aspect_ratio, head_dim=self.head_dim
+        )
 
 
 @dataclass(frozen=True)
@@ -108,8 +126,12 @@ class DataConfig(Config):
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step: total_batch_size / (device_batch_size x max_seq_len x world_size)."""
-        return micro_steps("--total-batch-size", self.total_batch_size, "device_batch_size x max_seq_len x world_size",
-                           (self.device_batch_size, self.max_seq_len, world_size))
+        return micro_steps(
+            "--total-batch-size",
+            self.total_batch_size,
+            "device_batch_size x max_seq_len x world_size",
+            (self.device_batch_size, self.max_seq_len, world_size),
+        )
 
 
 def micro_steps(flag: str, total: int, what: str, factors: tuple) -> int:
@@ -119,8 +141,10 @@ def micro_steps(flag: str, total: int, what: str, factors: tuple) -> int:
     if total % per_micro_step:
         below = total // per_micro_step * per_micro_step
         options = [v for v in (below, below + per_micro_step) if v > 0]
-        raise UserError(f"{flag} {total} is not a multiple of {what} = {' x '.join(map(str, factors))} = "
-                        f"{per_micro_step}; nearest valid values: {' or '.join(str(v) for v in options)}")
+        raise UserError(
+            f"{flag} {total} is not a multiple of {what} = {' x '.join(map(str, factors))} = "
+            f"{per_micro_step}; nearest valid values: {' or '.join(str(v) for v in options)}"
+        )
     return total // per_micro_step
 
 
@@ -143,24 +167,50 @@ class OptimConfig(Config):
     warmup_ratio: float = flag(0.0, fraction, "fraction of steps of linear lr warmup")
     warmdown_ratio: float = flag(0.2, fraction, "fraction of steps of linear lr warmdown")
     final_lr_frac: float = flag(0.0, fraction, "lr at the end, as a fraction of the peak")
-    muon_recipe: str = flag("quintic", muon_recipe_name, "Muon's recipe "
-                            "(optim/recipe.py): quintic (the seeds' Muon: quintic Newton-Schulz, momentum warmup) "
-                            "or polar-normuon (nanochat's today: Polar Express, MuonEq, Muon+, NorMuon, cautious "
-                            "weight decay, momentum warmdown); the flags below override parts of it. The former "
-                            "names seeds and current still work, with a notice", choices=list(PRESET_NAMES))
-    ns_dtype: str = flag("auto", choice(*precision.CHOICES), "dtype Newton-Schulz computes in (auto: bf16 on CUDA "
-                         "sm80+; on a CPU the faster one, timed at Muon's matrices and cached)", choices=list(precision.CHOICES))
-    ns_coefficients: str | None = flag(None, optional(choice("quintic", "polar_express")),
-                                       "Newton-Schulz coefficients (default: the recipe's)",
-                                       choices=["quintic", "polar_express"])
-    normuon: bool | None = flag(None, optional(boolean), "NorMuon's per-row normalisation of the update "
-                                "(default: the recipe's)", optional_bool=True)
-    muon_weight_decay: float | None = flag(None, optional(non_negative_float), "Muon's weight decay (default: the "
-                                           "recipe's: 0 for quintic, 0.28 cautious and cosine-scheduled for polar-normuon)")
-    sharding: str = flag("zero2", choice("zero2", "fsdp"), "how several processes share the model: zero2 (each "
-                         "holds the whole model and gradient, the optimizer state is sharded) or fsdp (parameters, "
-                         "gradients and optimizer state all sharded by FSDP2; for models that do not fit one device; "
-                         "needs >= 2 processes)", choices=["zero2", "fsdp"])
+    muon_recipe: str = flag(
+        "quintic",
+        muon_recipe_name,
+        "Muon's recipe "
+        "(optim/recipe.py): quintic (the seeds' Muon: quintic Newton-Schulz, momentum warmup) "
+        "or polar-normuon (nanochat's today: Polar Express, MuonEq, Muon+, NorMuon, cautious "
+        "weight decay, momentum warmdown); the flags below override parts of it. The former "
+        "names seeds and current still work, with a notice",
+        choices=list(PRESET_NAMES),
+    )
+    ns_dtype: str = flag(
+        "auto",
+        choice(*precision.CHOICES),
+        "dtype Newton-Schulz computes in (auto: bf16 on CUDA "
+        "sm80+; on a CPU the faster one, timed at Muon's matrices and cached)",
+        choices=list(precision.CHOICES),
+    )
+    ns_coefficients: str | None = flag(
+        None,
+        optional(choice("quintic", "polar_express")),
+        "Newton-Schulz coefficients (default: the recipe's)",
+        choices=["quintic", "polar_express"],
+    )
+    normuon: bool | None = flag(
+        None,
+        optional(boolean),
+        "NorMuon's per-row normalisation of the update (default: the recipe's)",
+        optional_bool=True,
+    )
+    muon_weight_decay: float | None = flag(
+        None,
+        optional(non_negative_float),
+        "Muon's weight decay (default: the "
+        "recipe's: 0 for quintic, 0.28 cautious and cosine-scheduled for polar-normuon)",
+    )
+    sharding: str = flag(
+        "zero2",
+        choice("zero2", "fsdp"),
+        "how several processes share the model: zero2 (each "
+        "holds the whole model and gradient, the optimizer state is sharded) or fsdp (parameters, "
+        "gradients and optimizer state all sharded by FSDP2; for models that do not fit one device; "
+        "needs >= 2 processes)",
+        choices=["zero2", "fsdp"],
+    )
 
     # The learning-rate flags and the parameters (by name prefix) whose optimizer groups they set:
     # on resume, a flag given on the command line replaces the checkpoint's value (stage.py).
@@ -168,8 +218,10 @@ class OptimConfig(Config):
 
     def validate(self):
         if self.warmup_ratio + self.warmdown_ratio > 1:
-            raise UserError(f"--warmup-ratio {self.warmup_ratio} + --warmdown-ratio {self.warmdown_ratio} is above 1: "
-                            "the warmup and the warmdown would overlap; lower one of them")
+            raise UserError(
+                f"--warmup-ratio {self.warmup_ratio} + --warmdown-ratio {self.warmdown_ratio} is above 1: "
+                "the warmup and the warmdown would overlap; lower one of them"
+            )
 
     def recipe(self) -> MuonRecipe:
         """The Muon recipe: the --muon-recipe preset with the flags given on top. The polar-normuon
@@ -177,37 +229,52 @@ class OptimConfig(Config):
         overrides = dict(ns_dtype=self.ns_dtype)
         if self.muon_recipe == "polar-normuon":
             overrides["momentum_warmdown_ratio"] = self.warmdown_ratio
-        for name, value in (("ns_coefficients", self.ns_coefficients), ("normuon", self.normuon),
-                            ("weight_decay", self.muon_weight_decay)):
+        for name, value in (
+            ("ns_coefficients", self.ns_coefficients),
+            ("normuon", self.normuon),
+            ("weight_decay", self.muon_weight_decay),
+        ):
             if value is not None:
                 overrides[name] = value
         return MuonRecipe.preset(self.muon_recipe, **overrides)
 
     def optimizer_kwargs(self) -> dict:
         """The keyword arguments of GPT.setup_optimizers."""
-        return dict(unembedding_lr=self.unembedding_lr, embedding_lr=self.embedding_lr, matrix_lr=self.matrix_lr,
-                    weight_decay=self.weight_decay, muon_recipe=self.recipe())
+        return dict(
+            unembedding_lr=self.unembedding_lr,
+            embedding_lr=self.embedding_lr,
+            matrix_lr=self.matrix_lr,
+            weight_decay=self.weight_decay,
+            muon_recipe=self.recipe(),
+        )
 
 
 @dataclass(frozen=True)
 class LoopConfig(Config):
     GROUP = "evaluation and checkpoints"
-    eval_every: int = flag(250, integer, "steps between val bits-per-byte evals, also run at the start and the end "
-                                         "(<=0: never)")
+    eval_every: int = flag(
+        250, integer, "steps between val bits-per-byte evals, also run at the start and the end (<=0: never)"
+    )
     eval_tokens: int = flag(20 * 524288, positive_int, "validation tokens per eval")
     sample_every: int = flag(2000, integer, "steps between printed samples (<=0: never)")
     save_every: int = flag(-1, integer, "steps between checkpoints (<=0: only at the end and when stopped)")
     keep_last: int = flag(0, non_negative_int, "keep only the newest K complete checkpoints (0: all)")
-    skip_nonfinite: int = flag(0, non_negative_int, "skip up to N steps whose loss or grad norm is not finite "
-                                                    "instead of stopping")
+    skip_nonfinite: int = flag(
+        0, non_negative_int, "skip up to N steps whose loss or grad norm is not finite instead of stopping"
+    )
 
 
 @dataclass(frozen=True)
 class DeviceConfig(Config):
     GROUP = "device"
     device_type: str = flag("", choice("", "cpu", "cuda", "mps"), "'' = autodetect", choices=["", "cpu", "cuda", "mps"])
-    dtype: str = flag("auto", choice(*precision.CHOICES), "compute dtype of the model's matmuls (auto: bf16 on "
-                      "CUDA sm80+; on a CPU the faster one, timed at the run's shapes and cached; fp32 on MPS)", choices=list(precision.CHOICES))
+    dtype: str = flag(
+        "auto",
+        choice(*precision.CHOICES),
+        "compute dtype of the model's matmuls (auto: bf16 on "
+        "CUDA sm80+; on a CPU the faster one, timed at the run's shapes and cached; fp32 on MPS)",
+        choices=list(precision.CHOICES),
+    )
     # threads per process (core/threads.py) is decided in compute_init from the environment
 
     def init(self, seed: int = 42, deterministic: bool = False) -> ProcessSetup:
@@ -217,8 +284,10 @@ class DeviceConfig(Config):
         a training stage then times its own model (model_setup.tune_for_training)."""
         from ..core.distributed import compute_init, rank0_decides
         from .env_vars import check_kernels
-        ddp, rank, local_rank, world_size, device = compute_init(self.device_type, seed=seed,
-                                                                 deterministic=deterministic)
+
+        ddp, rank, local_rank, world_size, device = compute_init(
+            self.device_type, seed=seed, deterministic=deterministic
+        )
         chosen = rank0_decides(lambda: precision.choose(device, self.dtype, what="--dtype"))
         return ProcessSetup(ddp, rank, local_rank, world_size, device, chosen, check_kernels(device.type))
 
@@ -230,6 +299,7 @@ def evaluation_process(args):
     and compute_cleanup() when the command ends, however it ends. Yields the ProcessSetup."""
     from ..core.distributed import compute_cleanup, print0
     from .env_vars import check_environment
+
     check_environment()
     dev = DeviceConfig.from_args(args).init()
     try:
@@ -244,21 +314,41 @@ class RunConfig(Config):
     GROUP = "run"
     run: str = flag("", run_name, "run name: a folder under NANOCHAT_FAST_HOME/runs ('': the stage's default)")
     out_dir: str = flag("", str, "run directory anywhere (default: NANOCHAT_FAST_HOME/runs/<run>)")
-    resume: str = flag("", str, "auto: continue from the newest complete checkpoint of the run (start fresh if "
-                                "none); PATH: from that checkpoint directory", metavar="auto|PATH")
+    resume: str = flag(
+        "",
+        str,
+        "auto: continue from the newest complete checkpoint of the run (start fresh if "
+        "none); PATH: from that checkpoint directory",
+        metavar="auto|PATH",
+    )
     overwrite: bool = flag(False, boolean, "delete an existing run directory and start over")
-    compile: bool | None = flag(None, optional(boolean), "torch.compile the training step (default: on for CUDA "
-                                "and CPU unless the run is too short to win back the one-time compile, or its row "
-                                "lengths vary; off on MPS; the log says which and why)", optional_bool=True)
+    compile: bool | None = flag(
+        None,
+        optional(boolean),
+        "torch.compile the training step (default: on for CUDA "
+        "and CPU unless the run is too short to win back the one-time compile, or its row "
+        "lengths vary; off on MPS; the log says which and why)",
+        optional_bool=True,
+    )
     seed: int = flag(42, random_seed, "random seed")
     deterministic: bool = flag(False, boolean, "bitwise reproducible CPU runs (slower)")
-    wandb: str = flag("", cli.plain_name, "log to wandb under this project, with nanochat's metric names (needs "
-                               "pip install \"nanochat_fast[wandb]\"; WANDB_MODE=offline keeps it local)", metavar="PROJECT")
-    tensorboard: bool = flag(False, boolean, "also write TensorBoard event files into the run folder's tensorboard/ "
-                                             "(needs pip install \"nanochat_fast[tensorboard]\")")
+    wandb: str = flag(
+        "",
+        cli.plain_name,
+        "log to wandb under this project, with nanochat's metric names (needs "
+        'pip install "nanochat_fast[wandb]"; WANDB_MODE=offline keeps it local)',
+        metavar="PROJECT",
+    )
+    tensorboard: bool = flag(
+        False,
+        boolean,
+        "also write TensorBoard event files into the run folder's tensorboard/ "
+        '(needs pip install "nanochat_fast[tensorboard]")',
+    )
 
     def validate(self):
         from .tracking import require
+
         for what in ("wandb", "tensorboard"):
             if getattr(self, what):
                 require(what)
@@ -266,28 +356,37 @@ class RunConfig(Config):
         if self.out_dir and out_dir.exists() and not out_dir.is_dir():
             raise UserError(f"argument --out-dir: {self.out_dir} exists and is not a directory; give a directory")
         if self.resume and self.overwrite:
-            raise UserError("--resume and --overwrite contradict each other: --resume continues the run, "
-                            "--overwrite deletes it; pass one")
+            raise UserError(
+                "--resume and --overwrite contradict each other: --resume continues the run, "
+                "--overwrite deletes it; pass one"
+            )
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
     """Every component of a training run, built from the parsed flags in one place."""
-    model: ModelConfig | None     # None: the stage takes the model of the checkpoint it starts from
+
+    model: ModelConfig | None  # None: the stage takes the model of the checkpoint it starts from
     data: DataConfig
     horizon: HorizonConfig
     optim: OptimConfig
     loop: LoopConfig
     device: DeviceConfig
     run: RunConfig
-    explicit: frozenset           # the flags given on the command line (not defaulted)
+    explicit: frozenset  # the flags given on the command line (not defaulted)
 
     @classmethod
     def from_args(cls, args, with_model: bool):
-        return cls(model=ModelConfig.from_args(args) if with_model else None, data=DataConfig.from_args(args),
-                   horizon=HorizonConfig.from_args(args), optim=OptimConfig.from_args(args),
-                   loop=LoopConfig.from_args(args), device=DeviceConfig.from_args(args), run=RunConfig.from_args(args),
-                   explicit=cli.explicit_flags(args))
+        return cls(
+            model=ModelConfig.from_args(args) if with_model else None,
+            data=DataConfig.from_args(args),
+            horizon=HorizonConfig.from_args(args),
+            optim=OptimConfig.from_args(args),
+            loop=LoopConfig.from_args(args),
+            device=DeviceConfig.from_args(args),
+            run=RunConfig.from_args(args),
+            explicit=cli.explicit_flags(args),
+        )
 
     def as_dict(self) -> dict:
         """Every setting, flat (meta.json's "args" and the report's table)."""

@@ -14,6 +14,7 @@ Dividing by the global count of supervised tokens (not per-rank means) makes the
 on 1 and N processes, also for masked targets. A micro-batch (x, y, row weights) weighs each row's
 token losses (chat_rl's advantages); a loader's step_metrics() adds to the step's log line.
 """
+
 import contextlib
 import math
 import signal
@@ -38,8 +39,9 @@ from .step_log import Progress, StepRecord, describe_step
 @dataclass
 class Boundary:
     """The loop between two steps: where it evaluates, samples, saves and may stop."""
+
     step: int
-    last: bool   # the horizon is reached: no step follows
+    last: bool  # the horizon is reached: no step follows
     fresh: bool  # the first time at this step (a skipped step comes back to it)
 
 
@@ -154,16 +156,20 @@ def checkpoint_due(s: Session, at: Boundary, preempted: bool) -> bool:
 
 def stop_preempted(s: Session, step: int) -> int:
     name = s.preemption.signal_name or "a signal on another rank"
-    print0(f"stopped by {name} at step {step}; checkpoint {s.run.last_checkpoint}. "
-           f"Resume with: {s.run.resume_command} --resume auto", flush=True)
+    print0(
+        f"stopped by {name} at step {step}; checkpoint {s.run.last_checkpoint}. "
+        f"Resume with: {s.run.resume_command} --resume auto",
+        flush=True,
+    )
     return 0
 
 
 def schedule(run: Run, step: int) -> float:
     """Set the learning rates and Muon momentum of `step`; the lr multiplier. The schedule's clock
     is the progress at the start of the step, before its batches are read."""
-    lrm = lr_multiplier(run.horizon.progress(step), run.optim.warmup_ratio, run.optim.warmdown_ratio,
-                        run.optim.final_lr_frac)
+    lrm = lr_multiplier(
+        run.horizon.progress(step), run.optim.warmup_ratio, run.optim.warmdown_ratio, run.optim.final_lr_frac
+    )
     set_schedule(run.optimizers, lrm, muon_momentum(run.optimizers, step, run.horizon.num_iterations))
     return lrm
 
@@ -221,8 +227,13 @@ class StepResult:
 
 def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx) -> StepResult:
     """One optimizer step over this rank's micro-batches (see the module docstring)."""
-    local = torch.stack([torch.stack([(y >= 0).sum(), torch.tensor(x.numel(), device=x.device)])
-                         for x, y, *_ in micro_batches]).sum(0).double()
+    local = (
+        torch.stack(
+            [torch.stack([(y >= 0).sum(), torch.tensor(x.numel(), device=x.device)]) for x, y, *_ in micro_batches]
+        )
+        .sum(0)
+        .double()
+    )
     n_sup, n_tokens = all_reduce_sum(local).unbind()  # one collective for both counts
     # The optimizers average gradients over ranks (sum / world_size), so each rank scales its part
     # by world_size: the averaged gradient is then d(global loss sum)/d(params) / n_sup.
@@ -266,8 +277,10 @@ def skip_nonfinite(s: Session, step: int, result: StepResult) -> bool:
     if state.nonfinite_skipped >= allowed:
         return False
     state.nonfinite_skipped += 1
-    s.bar.write(f"step {step:05d} | non-finite {result.what_failed}: step skipped "
-                f"({state.nonfinite_skipped}/{allowed} allowed by --skip-nonfinite)")
+    s.bar.write(
+        f"step {step:05d} | non-finite {result.what_failed}: step skipped "
+        f"({state.nonfinite_skipped}/{allowed} allowed by --skip-nonfinite)"
+    )
     if s.metrics:
         # logged under the step it attempted, as train rows are: a resume from checkpoint `step`
         # drops it with the rest of that history
@@ -276,10 +289,15 @@ def skip_nonfinite(s: Session, step: int, result: StepResult) -> bool:
 
 
 def stop_nonfinite(run: Run, step: int, result: StepResult) -> int:
-    where = f"the last good checkpoint is {run.last_checkpoint}" if run.last_checkpoint else "no checkpoint was saved yet"
-    print0(f"error: non-finite {result.what_failed} at step {step} (on at least one rank); no update was applied "
-           f"and no checkpoint with it was written; {where}. Resume with --resume auto, perhaps with a lower "
-           "learning rate (or pass --skip-nonfinite N to skip up to N such steps)", file=sys.stderr)
+    where = (
+        f"the last good checkpoint is {run.last_checkpoint}" if run.last_checkpoint else "no checkpoint was saved yet"
+    )
+    print0(
+        f"error: non-finite {result.what_failed} at step {step} (on at least one rank); no update was applied "
+        f"and no checkpoint with it was written; {where}. Resume with --resume auto, perhaps with a lower "
+        "learning rate (or pass --skip-nonfinite N to skip up to N such steps)",
+        file=sys.stderr,
+    )
     return EXIT_NONFINITE
 
 
@@ -293,10 +311,19 @@ def count_step(s: Session, result: StepResult, lrm: float, dt: float) -> StepRec
     state.smooth_loss = beta * state.smooth_loss + (1 - beta) * result.loss
     s.dt_ema = dt if s.dt_ema is None else beta * s.dt_ema + (1 - beta) * dt
     step_metrics = getattr(s.run.data.train, "step_metrics", None)  # on every rank: it may all-reduce
-    return StepRecord(state.step, horizon.num_iterations, result.loss, result.grad_norm, lrm, dt, result.n_tokens,
-                      smooth_loss=state.smooth_loss / (1 - beta ** state.step),
-                      eta_seconds=eta_seconds(horizon, state.step, s.dt_ema), tokens_seen=state.tokens_seen,
-                      extra=step_metrics() if step_metrics else {})
+    return StepRecord(
+        state.step,
+        horizon.num_iterations,
+        result.loss,
+        result.grad_norm,
+        lrm,
+        dt,
+        result.n_tokens,
+        smooth_loss=state.smooth_loss / (1 - beta**state.step),
+        eta_seconds=eta_seconds(horizon, state.step, s.dt_ema),
+        tokens_seen=state.tokens_seen,
+        extra=step_metrics() if step_metrics else {},
+    )
 
 
 def eta_seconds(horizon: Horizon, step: int, dt_ema: float) -> float | None:
@@ -340,8 +367,12 @@ class Preemption:
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # second Ctrl-C: stop now, no checkpoint
         self.signal_name = signal.Signals(signum).name
-        print(f"\nreceived {self.signal_name}: finishing this step, then saving a checkpoint "
-              "(press Ctrl-C again to abort without saving)", file=sys.stderr, flush=True)
+        print(
+            f"\nreceived {self.signal_name}: finishing this step, then saving a checkpoint "
+            "(press Ctrl-C again to abort without saving)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def restore(self):
         for sig, handler in self._previous.items():

@@ -15,6 +15,7 @@ a client that stalls mid-upload does not hold a connection) before it is parsed,
 preflight, and no CORS headers are ever sent), and the Host header must name the loopback
 when the server listens there (a DNS-rebinding page cannot talk to it).
 """
+
 import asyncio
 import json
 import logging
@@ -36,22 +37,30 @@ from .schema import Limits, greedy_below_min, parse_request
 log = logging.getLogger("nanochat_fast.chat_web")
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
-               ".js": "text/javascript; charset=utf-8", ".svg": "image/svg+xml"}
+MEDIA_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".svg": "image/svg+xml",
+}
 # the page loads nothing but its own files and talks to nothing but this server
-PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; "
-                                           "base-uri 'none'; frame-ancestors 'none'; form-action 'none'",
-                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; "
+    "base-uri 'none'; frame-ancestors 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
 
 
 @dataclass(frozen=True)
 class Settings:
-    model_name: str                 # shown by the page and /health
-    temperature: float = 0.8        # defaults for requests that do not say
-    top_k: int = 50                 # 0: no top-k
+    model_name: str  # shown by the page and /health
+    temperature: float = 0.8  # defaults for requests that do not say
+    top_k: int = 50  # 0: no top-k
     request_timeout: float = 120.0  # seconds from arrival to the last token, queueing included
-    body_timeout: float = 10.0      # seconds for the request body to arrive in full (else 408)
+    body_timeout: float = 10.0  # seconds for the request body to arrive in full (else 408)
     limits: Limits = Limits()
     allowed_hosts: tuple = tuple(LOOPBACK_HOSTS)  # ("*",) when listening beyond the loopback
 
@@ -111,8 +120,7 @@ async def read_body_in_time(request: Request, max_bytes: int, timeout: float) ->
             return await read_body(request, max_bytes, upload)
     except TimeoutError:
         log.warning("request body not received within %g s (%s arrived): answered 408", timeout, upload)
-        return error(408, f"the request body did not arrive within {timeout:g} s",
-                     headers={"Connection": "close"})
+        return error(408, f"the request body did not arrive within {timeout:g} s", headers={"Connection": "close"})
     except ClientDisconnect:
         log.warning("client went away during its upload (%s)", upload)
         return Response(status_code=400)  # the connection is gone: nobody reads this
@@ -170,6 +178,7 @@ def create_app(pool: ReplicaPool, settings: Settings) -> FastAPI:
     def serve_file(body: bytes, media_type: str):
         async def handler():
             return Response(body, media_type=media_type, headers=PAGE_HEADERS)
+
         return handler
 
     # one route per file: any other path, every /../ or %2e%2e spelling included, is a 404
@@ -178,11 +187,14 @@ def create_app(pool: ReplicaPool, settings: Settings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": settings.model_name, "replicas": len(pool.replicas),
-                "devices": [r.device for r in pool.replicas],
-                "defaults": {"temperature": settings.temperature, "top_k": settings.top_k,
-                             "max_tokens": limits.max_tokens},
-                "limits": asdict(limits)}
+        return {
+            "status": "ok",
+            "model": settings.model_name,
+            "replicas": len(pool.replicas),
+            "devices": [r.device for r in pool.replicas],
+            "defaults": {"temperature": settings.temperature, "top_k": settings.top_k, "max_tokens": limits.max_tokens},
+            "limits": asdict(limits),
+        }
 
     @app.get("/stats")
     async def stats():
@@ -201,16 +213,21 @@ def create_app(pool: ReplicaPool, settings: Settings) -> FastAPI:
             req = parse_request(body, limits)
         except ValueError as e:
             return error(400, str(e))
-        job = Job(messages=[m.model_dump() for m in req.messages],
-                  max_tokens=req.max_tokens or limits.max_tokens,
-                  temperature=greedy_below_min(settings.temperature if req.temperature is None else req.temperature),
-                  top_k=(settings.top_k if req.top_k is None else req.top_k) or None,
-                  seed=random.getrandbits(31))
+        job = Job(
+            messages=[m.model_dump() for m in req.messages],
+            max_tokens=req.max_tokens or limits.max_tokens,
+            temperature=greedy_below_min(settings.temperature if req.temperature is None else req.temperature),
+            top_k=(settings.top_k if req.top_k is None else req.top_k) or None,
+            seed=random.getrandbits(31),
+        )
         try:
             pool.submit(job)
         except QueueFull as e:
             return error(503, str(e), headers={"Retry-After": str(e.retry_after)})
-        return StreamingResponse(reply_events(job, pool, arrived, settings.request_timeout),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            reply_events(job, pool, arrived, settings.request_timeout),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
     return app

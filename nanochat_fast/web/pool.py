@@ -11,6 +11,7 @@ of models. Admission is decided when a request arrives: at most every slot busy 
 waiting; a request beyond that is refused at once (HTTP 503). The threads, jobs and failures in
 full: docs/measurements.md#chat-server.
 """
+
 import asyncio
 import collections
 import logging
@@ -28,9 +29,10 @@ log = logging.getLogger("nanochat_fast.chat_web")
 @dataclass
 class Prepared:
     """What a replica's prepare(job) gives: the engine request for the job and its reply's text."""
-    request: object                # what engine.add takes (model/batch_engine.Request)
-    decode: Callable[[int], str]   # a token id -> the text it completes ("" for the end token, a partial character)
-    truncated: bool = False        # the conversation was cut from its start to fit the model's context
+
+    request: object  # what engine.add takes (model/batch_engine.Request)
+    decode: Callable[[int], str]  # a token id -> the text it completes ("" for the end token, a partial character)
+    truncated: bool = False  # the conversation was cut from its start to fit the model's context
 
 
 @dataclass
@@ -38,6 +40,7 @@ class Replica:
     """One model on one device. engine: model/batch_engine.BatchEngine or a stand-in with `slots`,
     add(request) -> [row], cancel(row), step() -> tokens (.row, .token, .last), `active`.
     prepare(job) -> Prepared."""
+
     engine: object
     prepare: Callable
     device: str
@@ -53,6 +56,7 @@ class QueueFull(Exception):
 class Job:
     """One reply to generate. Created on the event loop; its events are ("token", str),
     ("error", str) and finally ("done", None)."""
+
     messages: list
     max_tokens: int
     temperature: float
@@ -109,13 +113,15 @@ class ReplicaPool:
         self.queue_limit = queue_limit
         self.slots = [r.engine.slots for r in replicas]
         self._waiting = collections.deque()
-        self._held = [set() for _ in replicas]   # per replica: the jobs holding (or about to hold) a slot
+        self._held = [set() for _ in replicas]  # per replica: the jobs holding (or about to hold) a slot
         self._rows = [dict() for _ in replicas]  # per replica: row -> job; its worker's alone
         self._cond = threading.Condition()
         self._closed = False
         self.counts = ServerStats(len(replicas))  # read and written under _cond
-        self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"replica-{i}", daemon=True)
-                         for i in range(len(replicas))]
+        self._threads = [
+            threading.Thread(target=self._serve, args=(i,), name=f"replica-{i}", daemon=True)
+            for i in range(len(replicas))
+        ]
         for t in self._threads:
             t.start()
 
@@ -129,8 +135,11 @@ class ReplicaPool:
             busy = sum(len(h) for h in self._held)
             if busy + len(self._waiting) >= sum(self.slots) + self.queue_limit:
                 self.counts.outcomes["rejected"] += 1
-                raise QueueFull(f"server busy: all {sum(self.slots)} slot(s) generating and {len(self._waiting)} "
-                                f"request(s) waiting (the limit); retry shortly", self._retry_after())
+                raise QueueFull(
+                    f"server busy: all {sum(self.slots)} slot(s) generating and {len(self._waiting)} "
+                    f"request(s) waiting (the limit); retry shortly",
+                    self._retry_after(),
+                )
             self._waiting.append(job)
             self._cond.notify_all()
 
@@ -151,13 +160,21 @@ class ReplicaPool:
             in_use = [len(h) for h in self._held]
             counts = self.counts.snapshot(time.monotonic())
             per_replica = counts.pop("per_replica")
-            return {"replicas": len(self.replicas), "replicas_busy": sum(1 for n in in_use if n),
-                    "queue_length": len(self._waiting), "queue_limit": self.queue_limit,
-                    "slots": {"total": sum(self.slots), "in_use": sum(in_use),
-                              "per_replica": [{"device": r.device, "slots": n, "in_use": used, **own}
-                                              for r, n, used, own in zip(self.replicas, self.slots, in_use,
-                                                                         per_replica)]},
-                    **counts}
+            return {
+                "replicas": len(self.replicas),
+                "replicas_busy": sum(1 for n in in_use if n),
+                "queue_length": len(self._waiting),
+                "queue_limit": self.queue_limit,
+                "slots": {
+                    "total": sum(self.slots),
+                    "in_use": sum(in_use),
+                    "per_replica": [
+                        {"device": r.device, "slots": n, "in_use": used, **own}
+                        for r, n, used, own in zip(self.replicas, self.slots, in_use, per_replica)
+                    ],
+                },
+                **counts,
+            }
 
     def close(self):
         """Stop every job and let the worker threads end (they finish the step in hand)."""
@@ -227,8 +244,7 @@ class ReplicaPool:
                 outcome = "timed_out" if job.stop_reason == "timeout" else "cancelled"
             job.stop.set()  # finished: a late cancel() is a no-op
             self._held[i].discard(job)
-            self.counts.ended(i, outcome, now - job.admitted if job.admitted else None, now,
-                              busy=bool(self._held[i]))
+            self.counts.ended(i, outcome, now - job.admitted if job.admitted else None, now, busy=bool(self._held[i]))
             self._cond.notify_all()  # a slot is free: another replica may be waiting to balance
         if emit:
             job.emit("done")
@@ -274,8 +290,13 @@ class ReplicaPool:
         One log line for the step, not one per reply (the traceback at DEBUG level)."""
         replica, jobs = self.replicas[i], list(self._rows[i].values())
         self._rows[i].clear()
-        log.error("a decode step failed on %s (%s: %s); %d repl(ies) ended with an error", replica.device,
-                  type(e).__name__, e, len(jobs))
+        log.error(
+            "a decode step failed on %s (%s: %s); %d repl(ies) ended with an error",
+            replica.device,
+            type(e).__name__,
+            e,
+            len(jobs),
+        )
         log.debug("the failed step", exc_info=e)
         for job in jobs:
             job.emit("error", failure(e))

@@ -11,6 +11,7 @@ Types are strict (a number in quotes is not a number), unknown keys are refused 
 "top-k" would otherwise be silently ignored), and every violation becomes one line that says
 which field is wrong and what it must be.
 """
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,6 +35,7 @@ MAX_TOP_K = 200  # 0 means no top-k filtering (the whole vocabulary)
 @dataclass(frozen=True)
 class Limits:
     """Bounds on one request. max_tokens is the server's --max-new-tokens."""
+
     max_tokens: int = 512
     max_messages: int = 500
     max_message_chars: int = 8000
@@ -69,11 +71,13 @@ class ChatRequest(BaseModel):
         for i, m in enumerate(messages):
             want = "user" if i % 2 == 0 else "assistant"
             if m.role != want:
-                raise ValueError(f"messages.{i}.role: roles must alternate, starting with user "
-                                 f"(message {i} must be from the {want})")
+                raise ValueError(
+                    f"messages.{i}.role: roles must alternate, starting with user (message {i} must be from the {want})"
+                )
             if len(m.content) > limits.max_message_chars:
-                raise ValueError(f"messages.{i}.content: at most {limits.max_message_chars} characters, "
-                                 f"got {len(m.content)}")
+                raise ValueError(
+                    f"messages.{i}.content: at most {limits.max_message_chars} characters, got {len(m.content)}"
+                )
             if m.role == "user" and not m.content.strip():
                 raise ValueError(f"messages.{i}.content: a user message must not be empty")
         if messages[-1].role != "user":
@@ -82,8 +86,9 @@ class ChatRequest(BaseModel):
         if total > limits.max_total_chars:
             raise ValueError(f"messages: at most {limits.max_total_chars} characters in all, got {total}")
         if self.max_tokens is not None and self.max_tokens > limits.max_tokens:
-            raise ValueError(f"max_tokens: at most {limits.max_tokens} on this server (its --max-new-tokens), "
-                             f"got {self.max_tokens}")
+            raise ValueError(
+                f"max_tokens: at most {limits.max_tokens} on this server (its --max-new-tokens), got {self.max_tokens}"
+            )
         return self
 
 

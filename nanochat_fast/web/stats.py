@@ -14,6 +14,7 @@ decoding them, time to first token, prompts cut to fit. The pool calls it under 
                       one: from the request's arrival in the queue (its body read and validated) to
                       the end of the step that sampled its first token
 """
+
 import collections
 import math
 
@@ -34,9 +35,9 @@ class ServerStats:
         self.ttft = collections.deque(maxlen=TTFT_WINDOW)
         self.truncated = 0
         self.replies, self.reply_seconds = 0, 0.0  # admitted replies that ended, their time from admission
-        self.busy_since = [None] * replicas        # when each replica last went from no reply to one
+        self.busy_since = [None] * replicas  # when each replica last went from no reply to one
         self.busy_seconds = [0.0] * replicas
-        self.any_busy_since = None                 # the same for the server: at least one replica busy
+        self.any_busy_since = None  # the same for the server: at least one replica busy
         self.decode_seconds = 0.0
 
     def started(self, replica: int, now: float, truncated: bool):
@@ -71,16 +72,24 @@ class ServerStats:
     def snapshot(self, now: float) -> dict:
         def rate(tokens, seconds):
             return round(tokens / seconds, 2) if seconds > 0 else None
+
         decode = self.decode_seconds + (now - self.any_busy_since if self.any_busy_since is not None else 0.0)
-        own = [seconds + (now - since if since is not None else 0.0)
-               for seconds, since in zip(self.busy_seconds, self.busy_since)]
+        own = [
+            seconds + (now - since if since is not None else 0.0)
+            for seconds, since in zip(self.busy_seconds, self.busy_since)
+        ]
         ttft = list(self.ttft)
-        return {"requests": {k: self.outcomes[k] for k in OUTCOMES + ("rejected",)},
-                "tokens_generated": sum(self.tokens), "decode_seconds": round(decode, 3),
-                "tokens_per_s": rate(sum(self.tokens), decode),
-                "ttft_s": {"p50": round(percentile(ttft, 50), 4) if ttft else None,
-                           "p90": round(percentile(ttft, 90), 4) if ttft else None,
-                           "p99": round(percentile(ttft, 99), 4) if ttft else None,
-                           "requests": len(ttft)},
-                "prompts_truncated": self.truncated,
-                "per_replica": [{"tokens_generated": t, "tokens_per_s": rate(t, s)} for t, s in zip(self.tokens, own)]}
+        return {
+            "requests": {k: self.outcomes[k] for k in OUTCOMES + ("rejected",)},
+            "tokens_generated": sum(self.tokens),
+            "decode_seconds": round(decode, 3),
+            "tokens_per_s": rate(sum(self.tokens), decode),
+            "ttft_s": {
+                "p50": round(percentile(ttft, 50), 4) if ttft else None,
+                "p90": round(percentile(ttft, 90), 4) if ttft else None,
+                "p99": round(percentile(ttft, 99), 4) if ttft else None,
+                "requests": len(ttft),
+            },
+            "prompts_truncated": self.truncated,
+            "per_replica": [{"tokens_generated": t, "tokens_per_s": rate(t, s)} for t, s in zip(self.tokens, own)],
+        }

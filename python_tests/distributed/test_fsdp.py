@@ -7,14 +7,14 @@ The tiny GPT of dist_worker.py (vocab 4099: rows that do not split evenly; GQA) 
 in fp32 by fsdp_worker.py at 2 processes (torchrun) and 3 (spawn); 4 processes (spawn) only
 measure the memory. Single-process runs in this process are the reference for the tolerance.
 """
+
 import json
 from pathlib import Path
 
-import pytest
-import torch
-
 import dist_worker as W
 import fsdp_worker as F
+import pytest
+import torch
 from dist_runs import PARITY_RTOL, rel_err, spawn, torchrun
 
 
@@ -46,8 +46,7 @@ def single():
         if recipe == "quintic":
             nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
             out["total_bytes"] = 2 * nbytes + sum(o.state_nbytes() for o in optimizers)
-            out["largest_matrix_bytes"] = max(p.numel() * p.element_size()
-                                              for p in model.transformer.h.parameters())
+            out["largest_matrix_bytes"] = max(p.numel() * p.element_size() for p in model.transformer.h.parameters())
     return out
 
 
@@ -59,8 +58,10 @@ def test_fsdp_matches_zero2(runs, single, world_size):
         assert info["zero2_quintic_types"] == ["DistAdamW", "DistMuon"]
     fsdp, zero2 = run["fsdp_quintic"], run["zero2_quintic"]
     err = rel_err(fsdp["params"], zero2["params"])
-    print(f"fsdp vs zero2, N={world_size}: relative parameter error {err:.2e} (zero2 vs 1 process: "
-          f"{rel_err(zero2['params'], single['quintic']):.2e})")
+    print(
+        f"fsdp vs zero2, N={world_size}: relative parameter error {err:.2e} (zero2 vs 1 process: "
+        f"{rel_err(zero2['params'], single['quintic']):.2e})"
+    )
     assert err < PARITY_RTOL
     torch.testing.assert_close(torch.tensor(fsdp["norms"]), torch.tensor(zero2["norms"]), rtol=1e-5, atol=0)
     assert min(fsdp["norms"]) > W.GRAD_CLIP  # clipping by the global norm was active at every step
@@ -72,8 +73,11 @@ def test_fsdp_polar_normuon_recipe_matches_zero2(runs, single, world_size):
     """NorMuon, cautious weight decay, MuonEq and Muon+ on the owner ranks. The matrices agree to
     fp32 rounding; the embedding, whose Adam divides by each element's own small second moment,
     differs between zero2 and one process already (~1e-5), and as much between fsdp and either."""
-    fsdp, zero2, one = runs[world_size]["fsdp_polar-normuon"]["params"], \
-        runs[world_size]["zero2_polar-normuon"]["params"], single["polar-normuon"]
+    fsdp, zero2, one = (
+        runs[world_size]["fsdp_polar-normuon"]["params"],
+        runs[world_size]["zero2_polar-normuon"]["params"],
+        single["polar-normuon"],
+    )
     matrices = [k for k in one if k.startswith("transformer.h.")]
     assert rel_err({k: fsdp[k] for k in matrices}, {k: zero2[k] for k in matrices}) < PARITY_RTOL
     assert rel_err(fsdp, zero2) < 5 * max(rel_err(zero2, one), PARITY_RTOL)
@@ -96,8 +100,9 @@ def test_memory_per_rank(runs, single, world_size):
     held = [sum(info["fsdp_bytes"].values()) for info in runs[world_size]["ranks"]]
     print(f"fsdp N={world_size}: per rank {held} bytes, bound {bound:.0f}, total {total}")
     assert max(held) <= bound
-    assert sum(info["fsdp_bytes"]["state"] for info in runs[world_size]["ranks"]) == \
-        total - 2 * sum(p.numel() * 4 for p in W.make_model().parameters())  # each state element on one rank
+    assert sum(info["fsdp_bytes"]["state"] for info in runs[world_size]["ranks"]) == total - 2 * sum(
+        p.numel() * 4 for p in W.make_model().parameters()
+    )  # each state element on one rank
     if world_size == 2:  # zero2 holds the whole model and gradient: above the bound
         assert min(sum(info["zero2_bytes"].values()) for info in runs[2]["ranks"]) > bound
 

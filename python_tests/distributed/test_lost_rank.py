@@ -3,6 +3,7 @@ A run that loses a rank goes on: torchrun --max-restarts=1 with --resume=auto --
 is killed with SIGKILL once step 7 is logged; torchrun restarts both ranks, which resume from the
 newest complete checkpoint, and the run ends with the final weights of an uninterrupted run.
 """
+
 import os
 import shutil
 import signal
@@ -13,12 +14,23 @@ import uuid
 from pathlib import Path
 
 import torch
-
-from nanochat_fast import checkpoints
 from tiny_pipeline import FP32, ROOT, TINY_MODEL, run_script, train_rows
 
-ARGS = TINY_MODEL + FP32 + ["--eval-tokens=512", "--sample-every=-1", "--eval-every=-1", "--device-batch-size=4",
-                            "--total-batch-size=512", "--num-iterations=40", "--sharding=fsdp"]
+from nanochat_fast import checkpoints
+
+ARGS = (
+    TINY_MODEL
+    + FP32
+    + [
+        "--eval-tokens=512",
+        "--sample-every=-1",
+        "--eval-every=-1",
+        "--device-batch-size=4",
+        "--total-batch-size=512",
+        "--num-iterations=40",
+        "--sharding=fsdp",
+    ]
+)
 
 
 def workers_marked(mark: str, rank: int) -> list[int]:
@@ -43,8 +55,21 @@ def test_killed_rank_is_restarted_and_the_run_ends_as_uninterrupted(tiny_home, t
     shutil.copytree(tiny_home, home)
     mark = uuid.uuid4().hex
     env = {**os.environ, "NANOCHAT_FAST_HOME": str(home), "OMP_NUM_THREADS": "1", "LOST_RANK_TEST": mark}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           "-m", "nanochat_fast.scripts.base_train", "--", *ARGS, "--resume=auto", "--save-every=5", "--run=lost"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "-m",
+        "nanochat_fast.scripts.base_train",
+        "--",
+        *ARGS,
+        "--resume=auto",
+        "--save-every=5",
+        "--run=lost",
+    ]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = home / "runs/lost/metrics.jsonl"
     killed, deadline = None, time.monotonic() + 120

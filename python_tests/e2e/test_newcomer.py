@@ -7,6 +7,7 @@ step is run exactly as printed (a shell runs the line, with `python` being this 
    of `mid_train --help`, as printed -> the printed chat_sft (on the same conversations) -> the
    printed chat_cli.
 """
+
 import contextlib
 import io
 import os
@@ -15,10 +16,10 @@ import subprocess
 import sys
 
 import pytest
+from tiny_pipeline import ROOT, home_env, write_corpus
 
 from nanochat_fast import checkpoints
 from nanochat_fast.scripts import mid_train, prepare_data
-from tiny_pipeline import ROOT, home_env, write_corpus
 
 
 def next_command(stdout: str) -> str:
@@ -37,12 +38,18 @@ def shell(tmp_path_factory):
     python = bin_dir / "python"  # a wrapper, not a symlink: a venv's python finds its packages by its own path
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "NANOCHAT_FAST_HOME": str(root / "home"),
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "NANOCHAT_FAST_HOME": str(root / "home"),
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
 
     def run(line: str) -> subprocess.CompletedProcess:
-        out = subprocess.run(line, shell=True, cwd=root, env=env, capture_output=True, text=True, timeout=600,
-                             stdin=subprocess.DEVNULL)
+        out = subprocess.run(
+            line, shell=True, cwd=root, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL
+        )
         assert out.returncode == 0, f"{line}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
         return out
 

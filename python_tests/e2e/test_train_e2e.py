@@ -1,15 +1,16 @@
 """The training pipeline end to end on a tiny model: base_train, torchrun parity, mid_train,
 base_eval and chat_cli."""
+
 import json
 import math
 import shutil
 
 import pytest
 import torch
+from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
 
 from nanochat_fast import checkpoints
 from nanochat_fast.scripts import base_eval, base_train, chat_cli, mid_train
-from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
 
 BASE = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512"]
 
@@ -17,8 +18,9 @@ BASE = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=51
 @pytest.fixture(scope="module")
 def base_run(tiny_home, tmp_path_factory):
     """One 30-step base run (in-process), shared by the tests that need a trained checkpoint."""
-    return home_with_base_run(tiny_home, tmp_path_factory.mktemp("e2e") / "home",
-                              BASE + ["--num-iterations=30", "--eval-every=15", "--run=b"])
+    return home_with_base_run(
+        tiny_home, tmp_path_factory.mktemp("e2e") / "home", BASE + ["--num-iterations=30", "--eval-every=15", "--run=b"]
+    )
 
 
 def test_base_train_learns_and_writes_outputs(base_run):
@@ -47,8 +49,12 @@ def test_torchrun_two_processes_match_one(tiny_home, tmp_path):
     (TINY_LOOP) for the model and Newton-Schulz: where `auto` picks bf16, bf16 rounding differs
     between the row splits (7e-4 measured on a Zen 4 with AVX512-BF16)."""
     args = TINY_MODEL + TINY_LOOP + ["--total-batch-size=512", "--num-iterations=8", "--eval-every=-1"]
-    one = run_script("base_train", args + ["--device-batch-size=8", "--run=one"], tiny_home_copy(tiny_home, tmp_path, "h1"))
-    two = run_script("base_train", args + ["--device-batch-size=4", "--run=two"], tiny_home_copy(tiny_home, tmp_path, "h2"), nproc=2)
+    one = run_script(
+        "base_train", args + ["--device-batch-size=8", "--run=one"], tiny_home_copy(tiny_home, tmp_path, "h1")
+    )
+    two = run_script(
+        "base_train", args + ["--device-batch-size=4", "--run=two"], tiny_home_copy(tiny_home, tmp_path, "h2"), nproc=2
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
     a = [r["loss"] for r in train_rows(tmp_path / "h1" / "runs" / "one")]
@@ -67,8 +73,20 @@ def tiny_home_copy(tiny_home, tmp_path, name):
 
 def test_mid_train_base_eval_and_chat(base_run, monkeypatch, capsys):
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(base_run))
-    assert mid_train.main(["--device-batch-size=4", "--total-batch-size=512", "--num-iterations=6",
-                           "--eval-every=3", "--eval-tokens=512", "--base-run=b", "--run=m"]) == 0
+    assert (
+        mid_train.main(
+            [
+                "--device-batch-size=4",
+                "--total-batch-size=512",
+                "--num-iterations=6",
+                "--eval-every=3",
+                "--eval-tokens=512",
+                "--base-run=b",
+                "--run=m",
+            ]
+        )
+        == 0
+    )
     rows = train_rows(base_run / "runs" / "m")
     assert len(rows) == 6 and all(math.isfinite(r["loss"]) for r in rows)
     meta = checkpoints.load_meta(checkpoints.complete_checkpoints(base_run / "runs" / "m")[-1])
@@ -101,13 +119,15 @@ def assistant_targets(x: torch.Tensor, y: torch.Tensor, start_id: int, end_id: i
 def test_mid_train_loss_is_only_on_assistant_tokens(home):
     """The conversation loader masks every non-assistant target, and the training step's loss is
     the cross-entropy over the assistant's tokens alone, averaged over all of them in the step."""
+    from contextlib import nullcontext
+
+    import torch.nn.functional as F
+
     from nanochat_fast.data.packed_loaders import ConversationRowLoader
+    from nanochat_fast.data.tokenizer import get_tokenizer
     from nanochat_fast.model.gpt import GPT, config_from_depth
     from nanochat_fast.optim import MuonRecipe
-    from nanochat_fast.data.tokenizer import get_tokenizer
     from nanochat_fast.train.training_loop import train_step
-    from contextlib import nullcontext
-    import torch.nn.functional as F
 
     tok = get_tokenizer()
     start, end = tok.encode_special("<|assistant_start|>"), tok.encode_special("<|assistant_end|>")
@@ -139,8 +159,18 @@ def test_val_bpb_is_the_same_on_one_and_two_processes(tiny_home, tmp_path):
     i mod 2 (5 batches here, so the ranks get 3 and 2), and all ranks' sums are added. In fp32
     (FP32): the 1e-6 bound is fp32 rounding of the sums, and `auto` would pick bf16 on CPUs that
     have it natively."""
-    args = TINY_MODEL + FP32 + ["--device-batch-size=4", "--total-batch-size=512", "--num-iterations=1",
-                                "--eval-every=1", "--eval-tokens=1280", "--sample-every=-1"]
+    args = (
+        TINY_MODEL
+        + FP32
+        + [
+            "--device-batch-size=4",
+            "--total-batch-size=512",
+            "--num-iterations=1",
+            "--eval-every=1",
+            "--eval-tokens=1280",
+            "--sample-every=-1",
+        ]
+    )
     home = tiny_home_copy(tiny_home, tmp_path, "h")
     with home_env(home):
         assert base_train.main(args + ["--run=one"]) == 0

@@ -2,6 +2,7 @@
 to 1 (a model whose letters score apart) and the counts too, the results file the report card
 reads, the vocabulary projection at the answer position alone, the CORE subset against a hand
 count and against scoring.core_counts item by item."""
+
 import json
 import os
 import shutil
@@ -10,25 +11,28 @@ import sys
 
 import pytest
 import torch
+from eval_home import write_eval_home, write_task
+from recording_chat_eval import recording
+from repo_paths import SUPPORT
+from stub_models import FavouriteTokenModel, byte_tokenizer
+from tiny_gpt import random_model
+from tiny_pipeline import FP32, ROOT, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run
 
 from nanochat_fast import checkpoints
 from nanochat_fast.data.tokenizer import get_tokenizer
-from nanochat_fast.evals import task_runner, scoring, tasks
+from nanochat_fast.evals import scoring, task_runner, tasks
 from nanochat_fast.evals.tasks.core_benchmark import MULTIPLE_CHOICE, CoreTask
 from nanochat_fast.model import loading
 from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.scripts import base_eval, chat_eval, mid_train
-from eval_home import write_eval_home, write_task
-from stub_models import FavouriteTokenModel, byte_tokenizer
-from recording_chat_eval import recording
-from repo_paths import SUPPORT
-from tiny_gpt import random_model
-from tiny_pipeline import FP32, ROOT, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run
 
 # a context of 128: the multiple-choice prompts (up to ~90 tokens here) fit whole; a longer one would be
 # cut to its end and lose its question (scoring.py)
-BASE = [a if not a.startswith("--max-seq-len") else "--max-seq-len=128" for a in TINY_MODEL] + TINY_LOOP + \
-    ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
+BASE = (
+    [a if not a.startswith("--max-seq-len") else "--max-seq-len=128" for a in TINY_MODEL]
+    + TINY_LOOP
+    + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
+)
 # fp32 pinned: 1 and 2 processes batch the prompts differently, and their scores are compared
 EVAL = ["--run=spread", "--task=all", "--max-new-tokens=12", "--batch-size=3", "--dtype=fp32"]
 
@@ -37,11 +41,25 @@ EVAL = ["--run=spread", "--task=all", "--max-new-tokens=12", "--batch-size=3", "
 def eval_home(tiny_home, tmp_path_factory):
     """tiny_home + hand-written evaluation data + a base run `b`, a mid run `m`, and `spread`: m
     with random weights."""
-    home = home_with_base_run(tiny_home, tmp_path_factory.mktemp("evals") / "home", BASE + ["--num-iterations=3", "--run=b"])
+    home = home_with_base_run(
+        tiny_home, tmp_path_factory.mktemp("evals") / "home", BASE + ["--num-iterations=3", "--run=b"]
+    )
     write_eval_home(home, n=7)
     with home_env(home):
-        assert mid_train.main(["--device-batch-size=4", "--total-batch-size=512", "--num-iterations=2",
-                               "--eval-every=-1", "--base-run=b", "--run=m", *FP32]) == 0
+        assert (
+            mid_train.main(
+                [
+                    "--device-batch-size=4",
+                    "--total-batch-size=512",
+                    "--num-iterations=2",
+                    "--eval-every=-1",
+                    "--base-run=b",
+                    "--run=m",
+                    *FP32,
+                ]
+            )
+            == 0
+        )
     spread_run(home)
     return home
 
@@ -63,17 +81,30 @@ def spread_run(home):
 
 def recorded(home, run, script):
     records = json.loads((home / "runs" / run / "evals.json").read_text())
-    (step, entry), = records["steps"].items()
+    ((step, entry),) = records["steps"].items()
     return int(step), entry[script]
 
 
 def chat_eval_on_two_processes(home, records_dir):
     """chat_eval EVAL under torchrun (2 gloo processes), each rank's categorical records written to
     records_dir (recording_chat_eval.py); returns the records by (task, example id)."""
-    env = {**os.environ, "NANOCHAT_FAST_HOME": str(home), "OMP_NUM_THREADS": "1", "RECORDS_DIR": str(records_dir),
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(SUPPORT / "recording_chat_eval.py"), "--", *EVAL]  # `--`: torchrun would take --run
+    env = {
+        **os.environ,
+        "NANOCHAT_FAST_HOME": str(home),
+        "OMP_NUM_THREADS": "1",
+        "RECORDS_DIR": str(records_dir),
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(SUPPORT / "recording_chat_eval.py"),
+        "--",
+        *EVAL,
+    ]  # `--`: torchrun would take --run
     two = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert two.returncode == 0, two.stderr[-3000:]
     ranks = [[json.loads(line) for line in (records_dir / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
@@ -99,8 +130,10 @@ def test_two_processes_score_what_one_scores(eval_home, monkeypatch, capsys, tmp
     for name, r in one.items():
         assert r["total"] == (3 if name == "HumanEval" else 7)
         lo, hi = scoring.wilson_interval(r["correct"], r["total"])
-        assert f"{name}: {100 * r['correct'] / r['total']:.2f}% ({r['correct']}/{r['total']} test) | chance " \
-               f"{100 * r['chance']:.0f}% | 95% interval {100 * lo:.1f}%-{100 * hi:.1f}%" in out
+        assert (
+            f"{name}: {100 * r['correct'] / r['total']:.2f}% ({r['correct']}/{r['total']} test) | chance "
+            f"{100 * r['chance']:.0f}% | 95% interval {100 * lo:.1f}%-{100 * hi:.1f}%" in out
+        )
     assert "ChatCORE" in out and out.strip().endswith("next: python -m nanochat_fast.scripts.report")
     assert len(one_records) == 21
     margins = [sorted(rec["letter_logits"])[-1] - sorted(rec["letter_logits"])[-2] for rec in one_records]
@@ -114,8 +147,9 @@ def test_two_processes_score_what_one_scores(eval_home, monkeypatch, capsys, tmp
         # logits recorded to 4 decimals: one rounding step apart at most
         assert max(abs(a - b) for a, b in zip(rec["letter_logits"], other["letter_logits"])) <= 1.5e-4, (rec, other)
     _, both = recorded(eval_home, "spread", "chat_eval")
-    assert {n: (r["correct"], r["total"]) for n, r in both.items()} == \
-           {n: (r["correct"], r["total"]) for n, r in one.items()}
+    assert {n: (r["correct"], r["total"]) for n, r in both.items()} == {
+        n: (r["correct"], r["total"]) for n, r in one.items()
+    }
     assert both["ARC-Easy"]["settings"]["world_size"] == 2
 
 
@@ -123,8 +157,9 @@ def test_categorical_scoring_projects_only_the_answer_position():
     """With the lm_head hook the logits are (B, 1, V) and equal the full forward's at each row's last
     position; the hook is gone afterwards."""
     tok = byte_tokenizer()
-    model = random_model(GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2,
-                                   n_kv_head=2, n_embd=64), seed=1).eval()
+    model = random_model(
+        GPTConfig(sequence_len=64, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2, n_embd=64), seed=1
+    ).eval()
     idx = torch.randint(0, 256, (3, 20))
     last = torch.tensor([4, 19, 11])
     with torch.no_grad():
@@ -139,17 +174,24 @@ def test_categorical_scoring_projects_only_the_answer_position():
 def hand_tasks(home):
     """Two CORE-style tasks whose right answers a model that always predicts 'a' picks out: it
     chooses the all-'a' continuation, right 3 of 5 times (chance 1/2) and 1 of 4 times (chance 1/4)."""
-    two = [{"id": str(i), "question": f"pick {i}", "choices": ["aaaa", "bbbb"], "answer": g}
-           for i, g in enumerate([0, 1, 0, 0, 1])]
-    four = [{"id": str(i), "question": f"four {i}", "choices": ["bbbb", "cccc", "aaaa", "dddd"], "answer": g}
-            for i, g in enumerate([2, 0, 1, 3])]
+    two = [
+        {"id": str(i), "question": f"pick {i}", "choices": ["aaaa", "bbbb"], "answer": g}
+        for i, g in enumerate([0, 1, 0, 0, 1])
+    ]
+    four = [
+        {"id": str(i), "question": f"four {i}", "choices": ["bbbb", "cccc", "aaaa", "dddd"], "answer": g}
+        for i, g in enumerate([2, 0, 1, 3])
+    ]
     write_task(home, "hand-two", {"validation": two})
     write_task(home, "hand-four", {"validation": four})
 
     def item(ex):
         return {"query": ex["question"], "choices": ex["choices"], "gold": ex["answer"]}
-    return [CoreTask("two", "hand-two", "validation", 2, " ", MULTIPLE_CHOICE, 0.5, item),
-            CoreTask("four", "hand-four", "validation", 0, " ", MULTIPLE_CHOICE, 0.25, item)]
+
+    return [
+        CoreTask("two", "hand-two", "validation", 2, " ", MULTIPLE_CHOICE, 0.5, item),
+        CoreTask("four", "hand-four", "validation", 0, " ", MULTIPLE_CHOICE, 0.25, item),
+    ]
 
 
 def test_core_subset_against_a_hand_count(tmp_path, monkeypatch):
@@ -158,7 +200,10 @@ def test_core_subset_against_a_hand_count(tmp_path, monkeypatch):
     model = FavouriteTokenModel(tok.get_vocab_size(), favourite=tok.encode("a")[0])
     core = hand_tasks(tmp_path)
     summary = task_runner.core_subset(model, tok, core, batch_size=3)
-    assert [(summary["counts"][t]["correct"], summary["counts"][t]["total"]) for t in ("two", "four")] == [(3, 5), (1, 4)]
+    assert [(summary["counts"][t]["correct"], summary["counts"][t]["total"]) for t in ("two", "four")] == [
+        (3, 5),
+        (1, 4),
+    ]
     assert summary["results"] == {"two": 0.6, "four": 0.25}
     assert summary["centered"] == pytest.approx({"two": (0.6 - 0.5) / 0.5, "four": 0.0})
     assert summary["core_subset"] == pytest.approx(0.1) and summary["name"] == "CORE subset (2/22 tasks)"
@@ -179,6 +224,7 @@ def test_base_eval_scores_the_prepared_core_tasks(eval_home, monkeypatch, capsys
         counts = core_counts(model, tokenizer, task, items, **kwargs)
         scored.setdefault(task.name, []).extend(counts.records)
         return counts
+
     monkeypatch.setattr(scoring, "core_counts", recording_core_counts)
     # fp32 on both sides: core_counts below runs the model without autocast, and `auto` would pick
     # bf16 for base_eval on CPUs with native bf16, whose rounding can change which choice wins
@@ -207,7 +253,9 @@ def test_base_eval_without_evaluation_data_skips_core(tiny_home, tmp_path, monke
     home = home_with_base_run(tiny_home, tmp_path / "home", BASE + ["--num-iterations=1", "--run=b"])
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
     assert base_eval.main(["--eval-tokens=512", "--samples=0"]) == 0
-    assert "CORE subset (10/22 tasks): skipped, no evaluation data (run `python -m nanochat_fast.scripts" \
-           ".prepare_data --datasets=eval`)" in capsys.readouterr().out
+    assert (
+        "CORE subset (10/22 tasks): skipped, no evaluation data (run `python -m nanochat_fast.scripts"
+        ".prepare_data --datasets=eval`)" in capsys.readouterr().out
+    )
     _, entry = recorded(home, "b", "base_eval")
     assert "core_subset" not in entry

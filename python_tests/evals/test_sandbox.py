@@ -1,23 +1,24 @@
 """The sandbox that runs generated code: a right solution passes and a wrong one fails, an endless
 loop and a memory bomb are stopped within their limits, and the program cannot write outside its
 folder or reach the network."""
+
 import os
 import time
 
 import pytest
 
 from nanochat_fast.evals.sandbox import isolation, run_program
-from nanochat_fast.evals.tasks.humaneval import extract_program, check_program
+from nanochat_fast.evals.tasks.humaneval import check_program, extract_program
 
 # a HumanEval-style problem (prompt, canonical solution, tests), written here
 PROBLEM = {
-    "question": 'from typing import List\n\n\ndef running_max(xs: List[int]) -> List[int]:\n'
-                '    """The largest value seen so far, at each position."""\n',
+    "question": "from typing import List\n\n\ndef running_max(xs: List[int]) -> List[int]:\n"
+    '    """The largest value seen so far, at each position."""\n',
     "answer": "    out, best = [], None\n    for x in xs:\n        best = x if best is None else max(best, x)\n"
-              "        out.append(best)\n    return out\n",
+    "        out.append(best)\n    return out\n",
     "entry_point": "running_max",
     "test": "def check(candidate):\n    assert candidate([]) == []\n    assert candidate([1, 3, 2, 5, 4]) == [1, 3, 3, 5, 5]\n"
-            "    assert candidate([-2, -5]) == [-2, -2]\n",
+    "    assert candidate([-2, -5]) == [-2, -2]\n",
 }
 
 
@@ -48,8 +49,9 @@ def test_infinite_loop_is_killed_at_its_time_limit():
 
 def test_memory_bomb_is_stopped_by_the_memory_limit():
     start = time.monotonic()
-    result = run_program("blocks = []\nwhile True:\n    blocks.append(bytearray(50 * 1024 * 1024))\n",
-                         timeout=20.0, memory_mb=256)
+    result = run_program(
+        "blocks = []\nwhile True:\n    blocks.append(bytearray(50 * 1024 * 1024))\n", timeout=20.0, memory_mb=256
+    )
     assert result.status == "error" and "MemoryError" in result.detail
     assert time.monotonic() - start < 20.0, "stopped by the memory limit, not by the clock"
 
@@ -57,8 +59,10 @@ def test_memory_bomb_is_stopped_by_the_memory_limit():
 def test_no_write_outside_the_sandbox_folder(tmp_path):
     targets = [tmp_path / "escape.txt", f"/tmp/nanochat_fast_sandbox_escape_{os.getpid()}.txt"]
     for target in targets:
-        for code in (f"open({str(target)!r}, 'w').write('x')",
-                     f"import os\nos.close(os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT))"):
+        for code in (
+            f"open({str(target)!r}, 'w').write('x')",
+            f"import os\nos.close(os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT))",
+        ):
             result = run_program(code)
             assert result.status == "error" and "PermissionError" in result.detail, result
             assert not os.path.exists(target)

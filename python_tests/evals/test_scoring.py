@@ -1,20 +1,20 @@
 """Scoring: categorical accuracy from the answer letters' logits (a stub that favours one letter
 scores 100% or 0%; batching with padding changes nothing), CORE likelihood scoring against a float64
 recomputation, generative scoring with a scripted model, centring, the Wilson interval, shards."""
+
 import math
 
 import pytest
 import torch
+from stub_models import FavouriteTokenModel, ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
+from tiny_gpt import random_model
 
 from nanochat_fast.evals import scoring, tasks
 from nanochat_fast.evals.tasks.core_benchmark import MULTIPLE_CHOICE, SCHEMA, CoreTask
 from nanochat_fast.model.gpt import GPTConfig
-from stub_models import FavouriteTokenModel, ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
-from tiny_gpt import random_model
 
 tok = byte_tokenizer()
 ARC = tasks.get("ARC-Easy")
-
 
 
 def mc_examples(answers, seed=0):
@@ -23,14 +23,21 @@ def mc_examples(answers, seed=0):
     out = []
     for i, answer in enumerate(answers):
         words = int(torch.randint(1, 12, (1,), generator=g))
-        out.append({"id": str(i), "question": "why " * words + f"number {i}?",
-                    "choices": ["red", "green", "blue", "gold"], "answer": answer})
+        out.append(
+            {
+                "id": str(i),
+                "question": "why " * words + f"number {i}?",
+                "choices": ["red", "green", "blue", "gold"],
+                "answer": answer,
+            }
+        )
     return out
 
 
 def tiny_gpt(seed=0, sequence_len=512):
-    cfg = GPTConfig(sequence_len=sequence_len, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2,
-                    n_embd=32)
+    cfg = GPTConfig(
+        sequence_len=sequence_len, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2, n_embd=32
+    )
     return random_model(cfg, seed=seed).eval()
 
 
@@ -77,12 +84,20 @@ def reference_choice_losses(model, prompts, scored_chars, max_len):
 def test_core_scoring_matches_a_float64_recomputation(task_type, max_len):
     model = tiny_gpt(seed=4)
     if task_type == MULTIPLE_CHOICE:
-        items = [{"query": f"Question: what is item {i}?", "choices": ["apple", "kiwi", "banana"], "gold": i % 3}
-                 for i in range(7)]
+        items = [
+            {"query": f"Question: what is item {i}?", "choices": ["apple", "kiwi", "banana"], "gold": i % 3}
+            for i in range(7)
+        ]
         task = CoreTask("test_mc", "unused", "validation", 2, "\nAnswer: ", MULTIPLE_CHOICE, 1 / 3, None)
     else:
-        items = [{"context_options": [f"Tom told Ann {i} so Tom", f"Tom told Ann {i} so Ann"],
-                  "continuation": "went home.", "gold": i % 2} for i in range(6)]
+        items = [
+            {
+                "context_options": [f"Tom told Ann {i} so Tom", f"Tom told Ann {i} so Ann"],
+                "continuation": "went home.",
+                "gold": i % 2,
+            }
+            for i in range(6)
+        ]
         task = CoreTask("test_schema", "unused", "validation", 1, " ", SCHEMA, 0.5, None)
     counts = scoring.core_counts(model, tok, task, items, batch_size=5, max_seq_len=max_len)
     assert counts.total == len(items)
@@ -98,8 +113,10 @@ def test_core_scoring_matches_a_float64_recomputation(task_type, max_len):
         assert record["prediction"] == min(range(len(losses)), key=losses.__getitem__)
         assert record["correct"] == (record["prediction"] == item["gold"])
     # shards add up to the whole
-    halves = [scoring.core_counts(model, tok, task, items, indices=scoring.shard(len(items), r, 2),
-                                  max_seq_len=max_len) for r in range(2)]
+    halves = [
+        scoring.core_counts(model, tok, task, items, indices=scoring.shard(len(items), r, 2), max_seq_len=max_len)
+        for r in range(2)
+    ]
     assert halves[0].correct + halves[1].correct == counts.correct
     assert halves[0].total + halves[1].total == counts.total
 
@@ -107,8 +124,10 @@ def test_core_scoring_matches_a_float64_recomputation(task_type, max_len):
 def test_generative_scoring_with_a_scripted_model():
     gsm8k = tasks.get("GSM8K")
     model = ScriptedModel(tok, tok.encode("So it is 42.\n#### 42") + [tok.encode_special("<|assistant_end|>")])
-    examples = [{"id": "a", "question": "6 x 7?", "answer": "6*7 = <<6*7=42>>42\n#### 42"},
-                {"id": "b", "question": "6 x 7 - 1?", "answer": "#### 41"}]
+    examples = [
+        {"id": "a", "question": "6 x 7?", "answer": "6*7 = <<6*7=42>>42\n#### 42"},
+        {"id": "b", "question": "6 x 7 - 1?", "answer": "#### 41"},
+    ]
     counts = scoring.generative_counts(model, tok, gsm8k, examples, num_samples=2, max_tokens=40)
     assert (counts.correct, counts.total) == (1, 2)
     assert [r["correct"] for r in counts.records] == [True, False]
@@ -120,8 +139,9 @@ def test_centring_and_core_summary():
     assert scoring.centered(1.0, 0.25) == 1.0
     assert scoring.centered(0.625, 0.25) == pytest.approx(0.5)
     assert scoring.centered(0.5, 0.62) == pytest.approx(-0.12 / 0.38)
-    summary = scoring.core_summary({"copa": 0.75, "hellaswag": 0.25, "boolq": 0.81},
-                                   {"copa": 0.5, "hellaswag": 0.25, "boolq": 0.62})
+    summary = scoring.core_summary(
+        {"copa": 0.75, "hellaswag": 0.25, "boolq": 0.81}, {"copa": 0.5, "hellaswag": 0.25, "boolq": 0.62}
+    )
     assert summary["centered"] == pytest.approx({"copa": 0.5, "hellaswag": 0.0, "boolq": 0.5})
     assert summary["core_subset"] == pytest.approx(1 / 3)
     assert summary["name"] == "CORE subset (3/22 tasks)"
@@ -166,13 +186,17 @@ def test_prompts_longer_than_the_context_are_cut_to_their_end_and_counted():
     gsm8k = tasks.get("GSM8K")
     scripted = ScriptedModel(tok, tok.encode("#### 4") + [tok.encode_special("<|assistant_end|>")])
     scripted.config.sequence_len = 48
-    long_question = [{"id": "a", "question": "2 + 2? " * 100, "answer": "#### 4"}, {"id": "b", "question": "2+2",
-                                                                                      "answer": "#### 4"}]
+    long_question = [
+        {"id": "a", "question": "2 + 2? " * 100, "answer": "#### 4"},
+        {"id": "b", "question": "2+2", "answer": "#### 4"},
+    ]
     generated = scoring.generative_counts(scripted, tok, gsm8k, long_question, max_tokens=8)
     assert (generated.correct, generated.truncated) == (2, 1)
 
     task = CoreTask("test_mc", "unused", "validation", 2, "\nAnswer: ", MULTIPLE_CHOICE, 1 / 3, None)
-    items = [{"query": "Question: what is item 0? " * (40 if i == 2 else 1), "choices": ["apple", "kiwi"], "gold": 0}
-             for i in range(4)]
+    items = [
+        {"query": "Question: what is item 0? " * (40 if i == 2 else 1), "choices": ["apple", "kiwi"], "gold": 0}
+        for i in range(4)
+    ]
     core = scoring.core_counts(model, tok, task, items, batch_size=4)
     assert core.total == 4 and core.truncated == 4  # two few-shot examples put every item past 48 tokens

@@ -1,16 +1,17 @@
 """hardware/bandwidth.py: the memory-bandwidth cache (hit, busy machine, stale entry), datasheet
 GPUs by exact name, MBU arithmetic against a hand count, the read probe itself, its buffer size
 from the last-level cache, and the line `python -m nanochat_fast.hardware` prints."""
+
 import json
 import math
 
+import measurement_files
 import pytest
 import torch
 
 from nanochat_fast import hardware
 from nanochat_fast.hardware import Bandwidth, bandwidth, cache, machine, peak
 from nanochat_fast.model.gpt import GPT, GPTConfig
-import measurement_files
 
 
 @pytest.fixture
@@ -71,19 +72,34 @@ def test_a_stale_probe_is_taken_again(fake_probe, monkeypatch):
 def test_a_foreign_cache_is_measured_again(fake_probe, capsys):
     calls, _ = fake_probe
     path = measurement_files.write_foreign_file(
-        bandwidth.CACHE, json.dumps({"version": 1, "entries": {hardware.machine_key("cpu"): {"bytes_per_s": -1}}}))
+        bandwidth.CACHE, json.dumps({"version": 1, "entries": {hardware.machine_key("cpu"): {"bytes_per_s": -1}}})
+    )
     assert hardware.memory_bandwidth("cpu").bytes_per_s == 30e9 and len(calls) == 1
     assert capsys.readouterr().err.startswith(f"note: {path} is not a cache this version wrote")
 
 
 # Every datasheet row by the exact name torch.cuda.get_device_name() gives, and names that are not rows.
 DATASHEET = [
-    ("NVIDIA B200", 8e12), ("NVIDIA H200", 4.8e12), ("NVIDIA H200 NVL", 4.8e12), ("NVIDIA GH200 480GB", 4e12),
-    ("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H100 NVL", 3.9e12), ("NVIDIA H100 PCIe", 2e12),
-    ("NVIDIA A100-SXM4-80GB", 2.039e12), ("NVIDIA A100-SXM4-40GB", 1.555e12), ("NVIDIA A100 80GB PCIe", 1.935e12),
-    ("NVIDIA A100-PCIE-40GB", 1.555e12), ("NVIDIA L40S", 864e9), ("NVIDIA L40", 864e9), ("NVIDIA L4", 300e9),
-    ("NVIDIA A10", 600e9), ("NVIDIA GeForce RTX 4090", 1.008e12), ("NVIDIA GeForce RTX 3090", 936e9),
-    ("NVIDIA A10G", None), ("NVIDIA H100", None), ("NVIDIA GeForce RTX 4090 D", None),
+    ("NVIDIA B200", 8e12),
+    ("NVIDIA H200", 4.8e12),
+    ("NVIDIA H200 NVL", 4.8e12),
+    ("NVIDIA GH200 480GB", 4e12),
+    ("NVIDIA H100 80GB HBM3", 3.35e12),
+    ("NVIDIA H100 NVL", 3.9e12),
+    ("NVIDIA H100 PCIe", 2e12),
+    ("NVIDIA A100-SXM4-80GB", 2.039e12),
+    ("NVIDIA A100-SXM4-40GB", 1.555e12),
+    ("NVIDIA A100 80GB PCIe", 1.935e12),
+    ("NVIDIA A100-PCIE-40GB", 1.555e12),
+    ("NVIDIA L40S", 864e9),
+    ("NVIDIA L40", 864e9),
+    ("NVIDIA L4", 300e9),
+    ("NVIDIA A10", 600e9),
+    ("NVIDIA GeForce RTX 4090", 1.008e12),
+    ("NVIDIA GeForce RTX 3090", 936e9),
+    ("NVIDIA A10G", None),
+    ("NVIDIA H100", None),
+    ("NVIDIA GeForce RTX 4090 D", None),
 ]
 
 
@@ -124,12 +140,15 @@ def test_mbu_against_a_hand_count():
     measured = Bandwidth(10e9, "measured", "cpu")
     assert math.isclose(hardware.mbu(weights + kv, 1000, measured, world_size=2), 4.38912)
     assert math.isclose(hardware.mbu(weights + kv, 1000, 10e9), 8.77824)
-    assert hardware.mbu_text(weights + kv, 1000, measured) == \
-        "mbu 8.8% (of the memory bandwidth 10 GB/s, measured here)"
+    assert (
+        hardware.mbu_text(weights + kv, 1000, measured) == "mbu 8.8% (of the memory bandwidth 10 GB/s, measured here)"
+    )
     assert hardware.mbu_text(weights + kv, 1000, measured, against=False) == "mbu 8.8%"
     h100 = Bandwidth(3.35e12, "datasheet", "NVIDIA H100 80GB HBM3")
-    assert hardware.mbu_text(weights + kv, 1e6, h100) == \
-        "mbu 26.2% (of the memory bandwidth 3.35 TB/s (NVIDIA H100 80GB HBM3 datasheet))"
+    assert (
+        hardware.mbu_text(weights + kv, 1e6, h100)
+        == "mbu 26.2% (of the memory bandwidth 3.35 TB/s (NVIDIA H100 80GB HBM3 datasheet))"
+    )
     assert hardware.mbu_text(weights + kv, 1000, None) == "mbu n/a"
 
 
@@ -143,9 +162,12 @@ def test_the_probe_reads_a_finite_positive_rate_and_keeps_the_threads():
 def test_the_buffer_is_several_times_the_last_level_cache(tmp_path, monkeypatch):
     """Two chiplets, each with its own 32 MiB L3 and two cores with their own L2: 64 MiB of L3."""
     for cpu in range(4):
-        caches = {"index0": (1, "Data", "32K", str(cpu)), "index1": (1, "Instruction", "32K", str(cpu)),
-                  "index2": (2, "Unified", "1024K", str(cpu)),
-                  "index3": (3, "Unified", "32M", "0-1" if cpu < 2 else "2-3")}
+        caches = {
+            "index0": (1, "Data", "32K", str(cpu)),
+            "index1": (1, "Instruction", "32K", str(cpu)),
+            "index2": (2, "Unified", "1024K", str(cpu)),
+            "index3": (3, "Unified", "32M", "0-1" if cpu < 2 else "2-3"),
+        }
         for index, (level, kind, size, shared) in caches.items():
             d = tmp_path / f"cpu{cpu}" / "cache" / index
             d.mkdir(parents=True)
@@ -165,6 +187,7 @@ def test_the_buffer_is_several_times_the_last_level_cache(tmp_path, monkeypatch)
 
 def test_the_listing_shows_the_bandwidth_and_tune_measures_it_again(fake_probe, monkeypatch, capsys):
     from nanochat_fast.hardware import __main__ as listing
+
     calls, rate = fake_probe
     monkeypatch.setattr(peak, "measure_matmul_rate", lambda *a, **k: 100e9)
     monkeypatch.setattr(peak.CACHE, "probed", {})

@@ -1,5 +1,6 @@
 """core/threads.py and hardware/peak.py: the thread rule (a table, and real launches), the
 peak-rate cache, MFU arithmetic against a hand count, and the matmul probe."""
+
 import json
 import math
 import os
@@ -8,8 +9,10 @@ import subprocess
 import sys
 import textwrap
 
+import measurement_files
 import pytest
 import torch
+from repo_paths import ROOT
 
 from nanochat_fast import hardware
 from nanochat_fast.core import threads
@@ -17,28 +20,29 @@ from nanochat_fast.core.cli import UserError
 from nanochat_fast.core.threads import UNKNOWN, decide_threads
 from nanochat_fast.hardware import Peak, cache, peak
 from nanochat_fast.model.gpt import GPT, GPTConfig
-import measurement_files
-from repo_paths import ROOT
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2"}
 
 
-@pytest.mark.parametrize("env, cores, launcher_env, bound, threads, why", [
-    ({}, 8, None, False, 8, "the 8 core"),
-    ({"OMP_NUM_THREADS": "3"}, 8, None, False, 3, "set by the user"),
-    ({"OMP_NUM_THREADS": "4,2"}, 8, None, False, 4, "set by the user"),       # nested levels: the first
-    (TORCHRUN, 8, {}, False, 4, "split among 2 local ranks"),                 # nproc 2, user set nothing
-    ({**TORCHRUN, "OMP_NUM_THREADS": "1"}, 8, {}, False, 4, "torchrun's OMP_NUM_THREADS=1 default replaced"),
-    ({**TORCHRUN, "OMP_NUM_THREADS": "1"}, 8, {"OMP_NUM_THREADS": "1"}, False, 1, "set by the user"),
-    ({**TORCHRUN, "OMP_NUM_THREADS": "6"}, 8, {"OMP_NUM_THREADS": "6"}, False, 6, "set by the user"),
-    ({**TORCHRUN, "OMP_NUM_THREADS": "1"}, 8, UNKNOWN, False, 4, "default replaced"),  # no /proc: torchrun's value
-    ({**TORCHRUN, "OMP_NUM_THREADS": "2"}, 8, UNKNOWN, False, 2, "set by the user"),   # not torchrun's value
-    ({**TORCHRUN, "OMP_NUM_THREADS": "1"}, 2, {}, False, 1, "2 core(s) split among 2"),
-    ({**TORCHRUN, "LOCAL_WORLD_SIZE": "3"}, 2, {}, False, 1, "split among 3"),     # never 0 threads
-    ({**TORCHRUN, "LOCAL_WORLD_SIZE": "4"}, 10, {}, False, 2, "split among 4"),    # the remainder idles
-    ({**TORCHRUN, "LOCAL_WORLD_SIZE": "1"}, 8, {}, False, 8, "the 8 core"),
-    ({**TORCHRUN, "OMP_NUM_THREADS": "1"}, 4, {}, True, 4, "bound to"),            # pinned per rank
-])
+@pytest.mark.parametrize(
+    "env, cores, launcher_env, bound, threads, why",
+    [
+        ({}, 8, None, False, 8, "the 8 core"),
+        ({"OMP_NUM_THREADS": "3"}, 8, None, False, 3, "set by the user"),
+        ({"OMP_NUM_THREADS": "4,2"}, 8, None, False, 4, "set by the user"),  # nested levels: the first
+        (TORCHRUN, 8, {}, False, 4, "split among 2 local ranks"),  # nproc 2, user set nothing
+        ({**TORCHRUN, "OMP_NUM_THREADS": "1"}, 8, {}, False, 4, "torchrun's OMP_NUM_THREADS=1 default replaced"),
+        ({**TORCHRUN, "OMP_NUM_THREADS": "1"}, 8, {"OMP_NUM_THREADS": "1"}, False, 1, "set by the user"),
+        ({**TORCHRUN, "OMP_NUM_THREADS": "6"}, 8, {"OMP_NUM_THREADS": "6"}, False, 6, "set by the user"),
+        ({**TORCHRUN, "OMP_NUM_THREADS": "1"}, 8, UNKNOWN, False, 4, "default replaced"),  # no /proc: torchrun's value
+        ({**TORCHRUN, "OMP_NUM_THREADS": "2"}, 8, UNKNOWN, False, 2, "set by the user"),  # not torchrun's value
+        ({**TORCHRUN, "OMP_NUM_THREADS": "1"}, 2, {}, False, 1, "2 core(s) split among 2"),
+        ({**TORCHRUN, "LOCAL_WORLD_SIZE": "3"}, 2, {}, False, 1, "split among 3"),  # never 0 threads
+        ({**TORCHRUN, "LOCAL_WORLD_SIZE": "4"}, 10, {}, False, 2, "split among 4"),  # the remainder idles
+        ({**TORCHRUN, "LOCAL_WORLD_SIZE": "1"}, 8, {}, False, 8, "the 8 core"),
+        ({**TORCHRUN, "OMP_NUM_THREADS": "1"}, 4, {}, True, 4, "bound to"),  # pinned per rank
+    ],
+)
 def test_thread_rule(env, cores, launcher_env, bound, threads, why):
     choice = decide_threads(env, cores, launcher_env, bound)
     assert choice.threads == threads
@@ -77,7 +81,9 @@ WORKER = textwrap.dedent("""
 
 
 def launch(cmd, omp):
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+    }
     env["PYTHONPATH"] = str(ROOT)
     if omp is not None:
         env["OMP_NUM_THREADS"] = omp
@@ -100,13 +106,16 @@ def test_launchers_environment_tells_torchruns_value_from_the_users(tmp_path):
     environment tells them apart."""
     script, launcher = tmp_path / "worker.py", tmp_path / "launcher.py"
     script.write_text(WORKER)
-    launcher.write_text(textwrap.dedent(f"""
+    launcher.write_text(
+        textwrap.dedent(f"""
         import os, subprocess, sys
         os.environ.update(OMP_NUM_THREADS="1", TORCHELASTIC_RUN_ID="t", LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
         sys.exit(subprocess.call([sys.executable, {str(script)!r}]))
-    """))
-    torchrun = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                       str(script)], None)
+    """)
+    )
+    torchrun = launch(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)], None
+    )
     late, early = launch([sys.executable, str(launcher)], None), launch([sys.executable, str(launcher)], "1")
     ranks = results(torchrun)
     assert len(ranks) == 2
@@ -186,9 +195,16 @@ def test_cache_is_keyed_by_threads_and_torch_version(fake_probe, monkeypatch):
     assert len(json.loads(peak.CACHE.path.read_text())["entries"]) == 3
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"version": 2, "entries": {"k": 3}}', "[]",
-                                     '{"version": 1, "entries": {}}',
-                                     '{"version": 2, "entries": {"KEY": {"fp32": -1, "bf16": 1}}}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        '{"version": 2, "entries": {"k": 3}}',
+        "[]",
+        '{"version": 1, "entries": {}}',
+        '{"version": 2, "entries": {"KEY": {"fp32": -1, "bf16": 1}}}',
+    ],
+)
 def test_corrupt_or_foreign_cache_is_measured_again(fake_probe, capsys, content):
     calls, _ = fake_probe
     path = measurement_files.write_foreign_file(peak.CACHE, content.replace("KEY", hardware.machine_key("cpu")))
@@ -219,29 +235,43 @@ def test_a_probe_taken_under_load_is_replaced_once_a_run_beats_it(fake_probe, mo
     machine. A run reaching 150 GFLOP/s per process shows the cached peak was low: it is probed
     again, the cache replaced, and the next process reads the quiet figure."""
     calls, rates = fake_probe
-    rates.update({torch.float32: 50e9, torch.bfloat16: 97e9})      # the probe under load
+    rates.update({torch.float32: 50e9, torch.bfloat16: 97e9})  # the probe under load
     low = hardware.peak_flops("cpu")
     assert (low.dtype, low.flops) == ("bf16", 97e9)
-    assert hardware.revise_peak(low, 90e9, "cpu") is low            # below its peak: nothing to do
-    rates.update({torch.float32: 374e9, torch.bfloat16: 183e9})    # quiet now
+    assert hardware.revise_peak(low, 90e9, "cpu") is low  # below its peak: nothing to do
+    rates.update({torch.float32: 374e9, torch.bfloat16: 183e9})  # quiet now
     revised = hardware.revise_peak(low, 150e9, "cpu")
     assert (revised.dtype, revised.flops, revised.others) == ("fp32", 374e9, (("bf16", 183e9),))
     new_process(monkeypatch)
     assert hardware.peak_flops("cpu") == revised
-    rates.update({torch.float32: 100e9, torch.bfloat16: 80e9})     # re-probed, still below the run
+    rates.update({torch.float32: 100e9, torch.bfloat16: 80e9})  # re-probed, still below the run
     assert hardware.revise_peak(revised, 400e9, "cpu").flops == 400e9  # never below what was achieved
 
 
 # Every datasheet row by the exact name torch.cuda.get_device_name() gives, and names that a
 # substring match got wrong (an L40 is not an L4, a PCIe H100 is not an SXM one) or that are not rows.
 DATASHEET = [
-    ("NVIDIA B200", 2250e12), ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12),
-    ("NVIDIA GH200 480GB", 989e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 NVL", 835e12),
-    ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100-SXM4-40GB", 312e12),
-    ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA A100-PCIE-40GB", 312e12), ("NVIDIA L40S", 362e12),
-    ("NVIDIA L40", 181e12), ("NVIDIA L4", 121e12), ("NVIDIA A10", 125e12),
-    ("NVIDIA GeForce RTX 4090", 165e12), ("NVIDIA GeForce RTX 3090", 71e12),
-    ("NVIDIA A10G", None), ("Tesla V100-SXM2-16GB", None), ("NVIDIA H100", None), ("NVIDIA GeForce RTX 4090 D", None),
+    ("NVIDIA B200", 2250e12),
+    ("NVIDIA H200", 989e12),
+    ("NVIDIA H200 NVL", 835e12),
+    ("NVIDIA GH200 480GB", 989e12),
+    ("NVIDIA H100 80GB HBM3", 989e12),
+    ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA A100-SXM4-40GB", 312e12),
+    ("NVIDIA A100 80GB PCIe", 312e12),
+    ("NVIDIA A100-PCIE-40GB", 312e12),
+    ("NVIDIA L40S", 362e12),
+    ("NVIDIA L40", 181e12),
+    ("NVIDIA L4", 121e12),
+    ("NVIDIA A10", 125e12),
+    ("NVIDIA GeForce RTX 4090", 165e12),
+    ("NVIDIA GeForce RTX 3090", 71e12),
+    ("NVIDIA A10G", None),
+    ("Tesla V100-SXM2-16GB", None),
+    ("NVIDIA H100", None),
+    ("NVIDIA GeForce RTX 4090 D", None),
 ]
 
 
@@ -280,8 +310,10 @@ def test_mfu_against_a_hand_count():
     assert math.isclose(hardware.mfu(by_hand, 1000, 10e9), 26.32704)
     assert hardware.mfu_text(by_hand, 1000, peak, 2) == "mfu 13.2% (of the fp32 peak 10 GFLOP/s, measured here)"
     h100 = Peak(989e12, "bf16", "datasheet", "NVIDIA H100 80GB HBM3")
-    assert hardware.mfu_text(by_hand, 1e8, h100) == \
-        "mfu 26.6% (of the bf16 peak 989 TFLOP/s (NVIDIA H100 80GB HBM3 datasheet))"
+    assert (
+        hardware.mfu_text(by_hand, 1e8, h100)
+        == "mfu 26.6% (of the bf16 peak 989 TFLOP/s (NVIDIA H100 80GB HBM3 datasheet))"
+    )
     assert hardware.mfu_text(by_hand, 1000, None) == "mfu n/a"
 
 

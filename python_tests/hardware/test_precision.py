@@ -1,4 +1,5 @@
 """The precision policy: one rule from the device and the measurements to the compute dtype."""
+
 import pytest
 import torch
 
@@ -13,26 +14,29 @@ def timed(fp32: float, bf16: float) -> Timing:
     return Timing({"fp32": fp32, "bf16": bf16}, "the work", 5)
 
 
-@pytest.mark.parametrize("device,requested,facts,dtype,native", [
-    # auto on CUDA and MPS follows the device
-    ("cuda", "auto", dict(cuda_capability=(9, 0)), BF16, True),
-    ("cuda", "auto", dict(cuda_capability=(8, 0)), BF16, True),
-    ("cuda", "auto", dict(cuda_capability=(7, 5)), F32, True),
-    ("mps", "auto", dict(), F32, True),
-    # auto on a CPU follows the timing, whatever the flags say
-    ("cpu", "auto", dict(cpu_bf16="AVX512-BF16", timing=timed(1.0, 2.04)), F32, True),   # the Xeon of issue 20
-    ("cpu", "auto", dict(cpu_bf16="AVX512-BF16", timing=timed(1.0, 0.45)), BF16, True),  # a Zen 4
-    ("cpu", "auto", dict(cpu_bf16="AMX", timing=timed(1.0, 0.25)), BF16, True),
-    ("cpu", "auto", dict(cpu_bf16=None, timing=timed(1.0, 80.0)), F32, True),           # AVX2: emulated
-    ("cpu", "auto", dict(cpu_bf16="AMX", timing=timed(1.0, 0.95)), F32, True),           # 1.05x: not clearly faster
-    # an explicit choice wins over any timing; bf16 where it is emulated is allowed but not native
-    ("cpu", "fp32", dict(cpu_bf16="AMX", timing=timed(1.0, 0.25)), F32, True),
-    ("cuda", "fp32", dict(cuda_capability=(9, 0)), F32, True),
-    ("cpu", "bf16", dict(cpu_bf16=None, timing=timed(1.0, 80.0)), BF16, False),
-    ("cpu", "bf16", dict(cpu_bf16="AVX512-BF16"), BF16, True),
-    ("cuda", "bf16", dict(cuda_capability=(7, 0)), BF16, False),
-    ("mps", "bf16", dict(), BF16, False),
-])
+@pytest.mark.parametrize(
+    "device,requested,facts,dtype,native",
+    [
+        # auto on CUDA and MPS follows the device
+        ("cuda", "auto", dict(cuda_capability=(9, 0)), BF16, True),
+        ("cuda", "auto", dict(cuda_capability=(8, 0)), BF16, True),
+        ("cuda", "auto", dict(cuda_capability=(7, 5)), F32, True),
+        ("mps", "auto", dict(), F32, True),
+        # auto on a CPU follows the timing, whatever the flags say
+        ("cpu", "auto", dict(cpu_bf16="AVX512-BF16", timing=timed(1.0, 2.04)), F32, True),  # the Xeon of issue 20
+        ("cpu", "auto", dict(cpu_bf16="AVX512-BF16", timing=timed(1.0, 0.45)), BF16, True),  # a Zen 4
+        ("cpu", "auto", dict(cpu_bf16="AMX", timing=timed(1.0, 0.25)), BF16, True),
+        ("cpu", "auto", dict(cpu_bf16=None, timing=timed(1.0, 80.0)), F32, True),  # AVX2: emulated
+        ("cpu", "auto", dict(cpu_bf16="AMX", timing=timed(1.0, 0.95)), F32, True),  # 1.05x: not clearly faster
+        # an explicit choice wins over any timing; bf16 where it is emulated is allowed but not native
+        ("cpu", "fp32", dict(cpu_bf16="AMX", timing=timed(1.0, 0.25)), F32, True),
+        ("cuda", "fp32", dict(cuda_capability=(9, 0)), F32, True),
+        ("cpu", "bf16", dict(cpu_bf16=None, timing=timed(1.0, 80.0)), BF16, False),
+        ("cpu", "bf16", dict(cpu_bf16="AVX512-BF16"), BF16, True),
+        ("cuda", "bf16", dict(cuda_capability=(7, 0)), BF16, False),
+        ("mps", "bf16", dict(), BF16, False),
+    ],
+)
 def test_policy_table(device, requested, facts, dtype, native):
     choice = decide(device, requested, **facts)
     assert (choice.dtype, choice.native) == (dtype, native)
@@ -55,11 +59,14 @@ def test_bad_choice_names_the_flag():
         decide("cpu", "fp16", what="--ns-dtype")
 
 
-@pytest.mark.parametrize("flags,expected", [
-    ("fpu sse avx2 fma", None),
-    ("fpu avx512f avx512_bf16 avx512_vnni", "AVX512-BF16"),
-    ("fpu avx512f amx_bf16 amx_tile", "AMX"),
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        ("fpu sse avx2 fma", None),
+        ("fpu avx512f avx512_bf16 avx512_vnni", "AVX512-BF16"),
+        ("fpu avx512f amx_bf16 amx_tile", "AMX"),
+    ],
+)
 def test_cpuinfo_flags(tmp_path, flags, expected):
     info = tmp_path / "cpuinfo"
     info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")

@@ -1,33 +1,45 @@
 """hardware/tuning.py and the precision policy on CPUs this machine is not: the measurements of
 three kinds of CPU injected (a fake clock that advances by what each call would cost there), and
 the choice checked to be the faster dtype; the budget, the fallbacks, the cache and --tune."""
+
 import json
 import subprocess
 import sys
 
+import measurement_files
 import pytest
 import torch
+from repo_paths import ROOT
 
 from nanochat_fast.hardware import precision, tuning
 from nanochat_fast.hardware.tuning import Timing, TuningError, Work
 from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.train import model_setup
-import measurement_files
-from repo_paths import ROOT
-
 
 # Measured machines (issue 20 and the Zen 3 this package was first developed on): the square-matmul
 # probe's FLOP/s, and the seconds one call of the work takes in each dtype.
 CPUS = {
     # AVX2 only (Zen 3): bf16 emulated, ~80x slower than fp32
-    "bf16 emulated": dict(probe={"fp32": 140e9, "bf16": 1.8e9}, model={"fp32": 0.80, "bf16": 62.0},
-                          ns={"fp32": 0.40, "bf16": 31.0}, faster="fp32"),
+    "bf16 emulated": dict(
+        probe={"fp32": 140e9, "bf16": 1.8e9},
+        model={"fp32": 0.80, "bf16": 62.0},
+        ns={"fp32": 0.40, "bf16": 31.0},
+        faster="fp32",
+    ),
     # Xeon with AVX512-BF16, no AMX: bf16 0.49x fp32 on matmuls, the step 0.62x
-    "bf16 present but slower": dict(probe={"fp32": 374e9, "bf16": 183e9}, model={"fp32": 0.77, "bf16": 1.26},
-                                    ns={"fp32": 0.20, "bf16": 0.38}, faster="fp32"),
+    "bf16 present but slower": dict(
+        probe={"fp32": 374e9, "bf16": 183e9},
+        model={"fp32": 0.77, "bf16": 1.26},
+        ns={"fp32": 0.20, "bf16": 0.38},
+        faster="fp32",
+    ),
     # AMX-like: bf16 4x fp32
-    "bf16 fast": dict(probe={"fp32": 200e9, "bf16": 800e9}, model={"fp32": 1.00, "bf16": 0.27},
-                      ns={"fp32": 0.50, "bf16": 0.13}, faster="bf16"),
+    "bf16 fast": dict(
+        probe={"fp32": 200e9, "bf16": 800e9},
+        model={"fp32": 1.00, "bf16": 0.27},
+        ns={"fp32": 0.50, "bf16": 0.13},
+        faster="bf16",
+    ),
 }
 
 
@@ -45,9 +57,12 @@ class FakeMachine:
             def run():
                 self.calls.append((kind, name))
                 self.now += seconds[name]
+
             return run
-        return Work(kind, dict(shapes=kind), f"the {kind}", flops, lambda: {d: call(d) for d in ("fp32", "bf16")},
-                    **kwargs)
+
+        return Work(
+            kind, dict(shapes=kind), f"the {kind}", flops, lambda: {d: call(d) for d in ("fp32", "bf16")}, **kwargs
+        )
 
     def matmul_call(self, matmuls, rows, device, dtype):
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
@@ -56,12 +71,14 @@ class FakeMachine:
         def run():
             self.calls.append(("matmuls", name))
             self.now += flops / self.probe[name]
+
         return run
 
 
 @pytest.fixture
 def machine(monkeypatch, nanochat_home):
     """Install a FakeMachine; the test picks the CPU with machine(name)."""
+
     def install(cpu: str) -> FakeMachine:
         fake = FakeMachine(CPUS[cpu]["probe"])
         monkeypatch.setattr(tuning, "clock", fake.clock)
@@ -69,6 +86,7 @@ def machine(monkeypatch, nanochat_home):
         monkeypatch.setattr(tuning, "_matmul_call", fake.matmul_call)
         monkeypatch.setattr(tuning, "machine_busy", lambda: False)
         return fake
+
     return install
 
 
@@ -94,8 +112,13 @@ def test_emulated_bf16_is_never_run_on_the_full_work(machine):
     """62 s a call would blow the 30 s budget: the probe predicts it and the work is not started;
     the choice comes from its matmuls at fewer rows (which fit)."""
     fake = machine("bf16 emulated")
-    work = fake.work("model", CPUS["bf16 emulated"]["model"], work_flops("bf16 emulated", "model"),
-                     matmuls=[(4096, 256, 8192), (4096, 256, 1024)], run_calls=10_000)
+    work = fake.work(
+        "model",
+        CPUS["bf16 emulated"]["model"],
+        work_flops("bf16 emulated", "model"),
+        matmuls=[(4096, 256, 8192), (4096, 256, 1024)],
+        run_calls=10_000,
+    )
     timing = tuning.measure(work, "cpu")
     assert ("model", "bf16") not in fake.calls and ("model", "fp32") not in fake.calls
     assert timing.winner == "fp32" and timing.what.startswith("the matmuls of the model (")
@@ -116,7 +139,9 @@ def test_rounds_are_interleaved_and_a_busy_moment_is_ignored(machine):
             count[0] += 1
             fp32()
             fake.now += 19.0 if count[0] == 3 else 0.0
+
         return {"fp32": busy, "bf16": calls["bf16"]}
+
     work.make = make
     timing = tuning.measure(work, "cpu", max_seconds=100)
     assert [name for _, name in fake.calls][:6] == ["fp32", "bf16"] * 3
@@ -135,8 +160,9 @@ def test_budget_is_a_few_percent_of_the_run(machine):
     """A 20-call run of a 1 s work may spend 5% = 1 s: not enough for the work (4 calls of each
     dtype), so its matmuls are timed at as many rows as fit; a 2,000-call run times the work."""
     fake = machine("bf16 fast")
-    short = fake.work("model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model"),
-                      matmuls=[(8192, 512, 2048)], run_calls=20)
+    short = fake.work(
+        "model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model"), matmuls=[(8192, 512, 2048)], run_calls=20
+    )
     assert tuning.measure(short, "cpu").what.startswith("the matmuls of the model (")
     assert not any(kind == "model" for kind, _ in fake.calls)
     assert fake.now <= max(0.05 * 20 * 1.0, tuning.MATMUL_MIN_SECONDS)
@@ -175,8 +201,9 @@ def test_cached_for_later_runs_and_keyed_by_the_machine(machine, monkeypatch):
     assert len(json.loads(tuning.CACHE.path.read_text())["entries"]) == 3
 
 
-@pytest.mark.parametrize("content", ["{not json", "[]", '{"version": 1, "entries": {"k": {"seconds": 3}}}',
-                                     '{"version": 99, "entries": {}}'])
+@pytest.mark.parametrize(
+    "content", ["{not json", "[]", '{"version": 1, "entries": {"k": {"seconds": 3}}}', '{"version": 99, "entries": {}}']
+)
 def test_a_corrupt_or_foreign_cache_is_measured_again_with_one_notice(machine, capsys, content):
     fake = machine("bf16 fast")
     measurement_files.write_foreign_file(tuning.CACHE, content)
@@ -197,28 +224,37 @@ def test_a_training_run_takes_the_measured_dtypes(cpu, monkeypatch):
     def fake_measure(work, device, **kwargs):
         measured.append((work.kind, work.run_calls))
         return Timing(times[work.kind], work.what, 5)
+
     monkeypatch.setattr(tuning, "measure", fake_measure)
     config = GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32)
     dev = fake_device()
     for requested, expected in (("auto", CPUS[cpu]["faster"]), ("fp32", "fp32"), ("bf16", "bf16")):
-        model, optimizers = model_setup.build_for_training(config, "cpu", dict(
-            unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0))
+        model, optimizers = model_setup.build_for_training(
+            config, "cpu", dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0)
+        )
         optimizers[1].defaults["ns_dtype"] = requested
-        tuned, ns = model_setup.tune_for_training(model, optimizers, dev, requested, rows=4, seq_len=32,
-                                             grad_accum_steps=2, run_tokens=4 * 32 * 2 * 100)
+        tuned, ns = model_setup.tune_for_training(
+            model, optimizers, dev, requested, rows=4, seq_len=32, grad_accum_steps=2, run_tokens=4 * 32 * 2 * 100
+        )
         assert (tuned.precision.name, ns.name) == (expected, expected)
     assert measured == [("model", 200), ("newton_schulz", 100)]  # auto only; run_calls: micro-steps, steps
 
 
 def fake_device():
     from nanochat_fast.hardware.process_setup import ProcessSetup
+
     return ProcessSetup(False, 0, 0, 1, torch.device("cpu"), precision.decide("cpu", "fp32"), {})
 
 
 def test_tune_refuses_a_budget_nothing_fits(nanochat_home):
     """python -m nanochat_fast.hardware --tune: one line, exit 2, nothing written."""
-    proc = subprocess.run([sys.executable, "-m", "nanochat_fast.hardware", "--tune", "--depth=20", "--budget=0.01"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanochat_fast.hardware", "--tune", "--depth=20", "--budget=0.01"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: no timing of this model's forward+backward")
     assert not (nanochat_home / "hardware").exists() or not any((nanochat_home / "hardware").iterdir())
@@ -228,7 +264,9 @@ def test_tune_times_a_model_and_later_runs_reuse_it(nanochat_home, monkeypatch, 
     """The real thing on this machine, small: --tune --depth times the model and its Muon
     matrices; a second invocation lists them from the cache. (In this process, with the load check
     off: on a loaded machine nothing is cached by design, test_a_busy_machine_is_not_cached...)"""
-    from nanochat_fast.hardware import __main__ as hardware_cli, cache
+    from nanochat_fast.hardware import __main__ as hardware_cli
+    from nanochat_fast.hardware import cache
+
     monkeypatch.setattr(cache, "machine_busy", lambda: False)
     monkeypatch.setattr(tuning, "machine_busy", lambda: False)
     small = ["--depth=1", "--max-seq-len=32", "--device-batch-size=2", "--budget=5"]
@@ -245,11 +283,13 @@ def test_muon_alone_times_its_own_matrices_at_its_first_step(cpu, monkeypatch):
     """Muon(ns_dtype="auto") used outside a run: its first step measures Newton-Schulz on its own
     stacks (one per shape) and computes in the faster dtype from then on."""
     from nanochat_fast.optim import Muon
+
     seen = []
 
     def fake_measure(work, device, **kwargs):
         seen.append(work.spec["shapes"])
         return Timing(CPUS[cpu]["ns"], work.what, 5)
+
     monkeypatch.setattr(tuning, "measure", fake_measure)
     params = [torch.nn.Parameter(torch.randn(s)) for s in ((8, 16), (8, 16), (16, 8))]
     for p in params:
@@ -278,6 +318,7 @@ def test_measuring_leaves_the_runs_random_stream_alone(machine):
     """The timed work and the peak probe draw random inputs; the run's own draws after them (its
     initial weights) must be those of a run whose timings came from the cache."""
     from nanochat_fast.hardware import peak
+
     fake = machine("bf16 fast")
     work = fake.work("model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model"))
     original = work.make

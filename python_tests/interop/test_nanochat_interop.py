@@ -4,6 +4,7 @@ nanochat_files.py the way nanochat writes them), and the runs they make used by 
 The reference for the weights is the checkpoint's tensors themselves, run through a GPT built
 here; for the tokenizer, the tiktoken encoding nanochat pickled; for the optimizer, the
 AdamW/Muon state put into nanochat's files."""
+
 import datetime
 import json
 import pickle
@@ -11,21 +12,22 @@ import shutil
 
 import pytest
 import torch
+from nanochat_files import gpt_shapes, optimizer_files, random_weights, write_checkpoint, write_tokenizer
+from tiny_pipeline import TINY_LOOP, TINY_MODEL
 
 from nanochat_fast.core import cli
 from nanochat_fast.data.tokenizer import Tokenizer, get_tokenizer
 from nanochat_fast.model import loading
 from nanochat_fast.model.gpt import GPT, GPTConfig
 from nanochat_fast.scripts import base_eval, base_train, chat_cli, export_nanochat, import_nanochat, mid_train
-from nanochat_files import (gpt_shapes, optimizer_files, random_weights, write_checkpoint,
-                            write_tokenizer)
-from tiny_pipeline import TINY_LOOP, TINY_MODEL
 
 # our TINY_MODEL (depth 2, aspect 32, head_dim 32, 64-token rows) as nanochat's model_config
 CFG = dict(sequence_len=64, vocab_size=320, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
-SAMPLE = ("<|bos|>Hello, world! 2025.<|user_start|>Grüße aus Köln – café.<|user_end|><|assistant_start|>"
-          "日本語と中文。 Русский. Ελληνικά. العربية. हिन्दी 🙂<|assistant_end|><|python_start|>1+1<|python_end|>"
-          "<|output_start|>2<|output_end|>")
+SAMPLE = (
+    "<|bos|>Hello, world! 2025.<|user_start|>Grüße aus Köln – café.<|user_end|><|assistant_start|>"
+    "日本語と中文。 Русский. Ελληνικά. العربية. हिन्दी 🙂<|assistant_end|><|python_start|>1+1<|python_end|>"
+    "<|output_start|>2<|output_end|>"
+)
 TINY_STEP = ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1", "--no-compile"]
 
 
@@ -41,8 +43,9 @@ def reference_logits(weights: dict, cfg: dict, ids: torch.Tensor) -> torch.Tenso
     """The nanochat checkpoint's tensors (as fp32, vocab padding cut) in a GPT built here, in float64."""
     model = GPT(GPTConfig(**cfg))
     V = cfg["vocab_size"]
-    model.load_state_dict({k: (v[:V] if k in ("transformer.wte.weight", "lm_head.weight") else v).float()
-                           for k, v in weights.items()})
+    model.load_state_dict(
+        {k: (v[:V] if k in ("transformer.wte.weight", "lm_head.weight") else v).float() for k, v in weights.items()}
+    )
     return model.double().eval()(ids)
 
 
@@ -66,8 +69,9 @@ def nano(home, tmp_path):
 
 
 def test_import_then_evaluate_chat_and_keep_training(home, nano, tmp_path, capsys):
-    code, out, err = run_main(import_nanochat, [f"--from={nano['folder']}", f"--tokenizer={nano['tok_dir']}",
-                                                "--run=imp"], capsys)
+    code, out, err = run_main(
+        import_nanochat, [f"--from={nano['folder']}", f"--tokenizer={nano['tok_dir']}", "--run=imp"], capsys
+    )
     assert code == 0, err
     assert "step 40" in out and "val bpb 1.2500" in out and "n_embd=64" in out and "AdamW after 7 updates" in out
     run_dir = home / "runs" / "imp"
@@ -75,7 +79,9 @@ def test_import_then_evaluate_chat_and_keep_training(home, nano, tmp_path, capsy
     ids = torch.tensor([get_tokenizer().encode(SAMPLE)[:60]])
     assert torch.equal(imported_logits(run_dir, ids), reference_logits(nano["weights"], CFG, ids))
     # tokenizer: nanochat's ids, special tokens included
-    assert get_tokenizer().enc.encode(SAMPLE, allowed_special="all") == nano["enc"].encode(SAMPLE, allowed_special="all")
+    assert get_tokenizer().enc.encode(SAMPLE, allowed_special="all") == nano["enc"].encode(
+        SAMPLE, allowed_special="all"
+    )
     # optimizer state: nanochat's moments and momentum under our parameter names
     shards = torch.load(run_dir / "checkpoints/step_000040/optim_rank0.pt", weights_only=True)["optimizers"]
     assert shards[0]["num_updates"] == 7
@@ -86,21 +92,26 @@ def test_import_then_evaluate_chat_and_keep_training(home, nano, tmp_path, capsy
         assert torch.equal(shards[1]["state"][name]["momentum_buffer"], st["momentum_buffer"])
         assert torch.equal(shards[1]["state"][name]["normuon_second_moment"], st["second_momentum_buffer"])
 
-    code, out, err = run_main(base_eval, ["--run=imp", "--max-examples=0", "--eval-tokens=512", "--samples=1",
-                                          "--max-tokens=4", "--dtype=fp32"], capsys)
+    code, out, err = run_main(
+        base_eval,
+        ["--run=imp", "--max-examples=0", "--eval-tokens=512", "--samples=1", "--max-tokens=4", "--dtype=fp32"],
+        capsys,
+    )
     assert code == 0 and "val bpb" in out, err
     code, out, err = run_main(chat_cli, ["--run=imp", "--prompt=hello", "--max-tokens=4", "--dtype=fp32"], capsys)
     assert code == 0 and out.startswith("Assistant: "), err
 
     # pretraining goes on from step 40 with nanochat's optimizer state: AdamW counts 7 + 2 updates
-    code, out, err = run_main(base_train, TINY_MODEL + TINY_LOOP + TINY_STEP + ["--run=imp", "--resume=auto",
-                                                                               "--num-iterations=42"], capsys)
+    code, out, err = run_main(
+        base_train, TINY_MODEL + TINY_LOOP + TINY_STEP + ["--run=imp", "--resume=auto", "--num-iterations=42"], capsys
+    )
     assert code == 0, err
     assert "resumed from" in out and "(step 40" in out and "has no data position" in out
     shards = torch.load(run_dir / "checkpoints/step_000042/optim_rank0.pt", weights_only=True)["optimizers"]
     assert shards[0]["num_updates"] == 9
-    code, out, err = run_main(mid_train, TINY_LOOP + TINY_STEP + ["--base-run=imp", "--num-iterations=1",
-                                                                  "--run=mid_imp"], capsys)
+    code, out, err = run_main(
+        mid_train, TINY_LOOP + TINY_STEP + ["--base-run=imp", "--num-iterations=1", "--run=mid_imp"], capsys
+    )
     assert code == 0, err
 
     # export that run of ours: nanochat's layout and dtypes; importing it again gives the same tensors
@@ -119,15 +130,17 @@ def test_import_then_evaluate_chat_and_keep_training(home, nano, tmp_path, capsy
     assert enc.encode(SAMPLE, allowed_special="all") == nano["enc"].encode(SAMPLE, allowed_special="all")
     token_bytes = torch.load(out_dir / "tokenizer" / "token_bytes.pt", weights_only=True)
     assert token_bytes.dtype == torch.int32 and torch.equal(token_bytes, torch.load(home / "tokenizer/token_bytes.pt"))
-    code, out, err = run_main(import_nanochat, [f"--from={folder}", f"--tokenizer={out_dir / 'tokenizer'}",
-                                                "--run=reimp"], capsys)
+    code, out, err = run_main(
+        import_nanochat, [f"--from={folder}", f"--tokenizer={out_dir / 'tokenizer'}", "--run=reimp"], capsys
+    )
     assert code == 0 and "fresh optimizer state" in out, err
     ours = torch.load(run_dir / "checkpoints/step_000042/model.pt", weights_only=True)
     again = torch.load(home / "runs/reimp/checkpoints/step_000042/model.pt", weights_only=True)
     assert ours.keys() == again.keys() and all(torch.equal(ours[k], again[k]) for k in ours)
     # without optimizer files, training from it starts with fresh state and says so
-    code, out, err = run_main(base_train, TINY_MODEL + TINY_LOOP + TINY_STEP + ["--run=reimp", "--resume=auto",
-                                                                               "--num-iterations=43"], capsys)
+    code, out, err = run_main(
+        base_train, TINY_MODEL + TINY_LOOP + TINY_STEP + ["--run=reimp", "--resume=auto", "--num-iterations=43"], capsys
+    )
     assert code == 0 and "imported without optimizer state: the optimizers start fresh" in out, err
     shards = torch.load(home / "runs/reimp/checkpoints/step_000043/optim_rank0.pt", weights_only=True)["optimizers"]
     assert shards[0]["num_updates"] == 1
@@ -144,18 +157,24 @@ def test_import_into_a_fresh_home_padded_vocab_and_sharded_optimizer(nanochat_ho
     one, _, _ = optimizer_files(weights, world_size=1)
     write_checkpoint(tmp_path / "a", 5, cfg, weights, optim=two, compiled_keys=True, bf16_wte=False)
     write_checkpoint(tmp_path / "b", 5, cfg, weights, optim=one)
-    code, out, err = run_main(import_nanochat, [f"--from={tmp_path / 'a'}", f"--tokenizer={tmp_path / 'tok'}",
-                                                "--run=two", "--phase=sft"], capsys)
+    code, out, err = run_main(
+        import_nanochat,
+        [f"--from={tmp_path / 'a'}", f"--tokenizer={tmp_path / 'tok'}", "--run=two", "--phase=sft"],
+        capsys,
+    )
     assert code == 0, err
     assert (nanochat_home / "tokenizer" / "tokenizer.tiktoken").is_file()
     assert get_tokenizer().enc.encode(SAMPLE, allowed_special="all") == enc.encode(SAMPLE, allowed_special="all")
     ids = torch.tensor([get_tokenizer().encode(SAMPLE)[:60]])
     assert torch.equal(imported_logits(nanochat_home / "runs/two", ids), reference_logits(weights, cfg, ids))
-    code, out, err = run_main(import_nanochat, [f"--from={tmp_path / 'b'}", f"--tokenizer={tmp_path / 'tok'}",
-                                                "--run=one"], capsys)
+    code, out, err = run_main(
+        import_nanochat, [f"--from={tmp_path / 'b'}", f"--tokenizer={tmp_path / 'tok'}", "--run=one"], capsys
+    )
     assert code == 0 and "already in" in out, err
-    a, b = (torch.load(nanochat_home / f"runs/{r}/checkpoints/step_000005/optim_rank0.pt", weights_only=True)
-            for r in ("two", "one"))
+    a, b = (
+        torch.load(nanochat_home / f"runs/{r}/checkpoints/step_000005/optim_rank0.pt", weights_only=True)
+        for r in ("two", "one")
+    )
     for i in range(2):  # the rank shards of DistAdamW/DistMuon are the one-process state, rows cut to 300
         assert a["optimizers"][i]["state"].keys() == b["optimizers"][i]["state"].keys()
         for name, entry in a["optimizers"][i]["state"].items():
@@ -163,8 +182,9 @@ def test_import_into_a_fresh_home_padded_vocab_and_sharded_optimizer(nanochat_ho
                 other = b["optimizers"][i]["state"][name][key]
                 assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
     assert a["optimizers"][0]["state"]["lm_head.weight"]["numel"] == 300 * 64
-    assert torch.equal(a["optimizers"][0]["state"]["lm_head.weight"]["exp_avg"],
-                       adam["lm_head.weight"]["exp_avg"][:300].reshape(-1))
+    assert torch.equal(
+        a["optimizers"][0]["state"]["lm_head.weight"]["exp_avg"], adam["lm_head.weight"]["exp_avg"][:300].reshape(-1)
+    )
 
 
 def bad_pickle(tmp_path, nano):
@@ -200,8 +220,9 @@ def test_bad_nanochat_files_are_one_line_and_write_nothing(case, nano, tmp_path,
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(fresh))
     if change:
         change(tmp_path, nano)
-    code, out, err = run_main(import_nanochat, [f"--from={nano['folder']}", f"--tokenizer={nano['tok_dir']}",
-                                                "--run=bad", *extra], capsys)
+    code, out, err = run_main(
+        import_nanochat, [f"--from={nano['folder']}", f"--tokenizer={nano['tok_dir']}", "--run=bad", *extra], capsys
+    )
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and expected in lines[0], err
     assert not fresh.exists() or not any(fresh.rglob("*")), sorted(fresh.rglob("*"))
@@ -211,8 +232,9 @@ def test_import_refuses_a_home_with_another_tokenizer(home, nano, tmp_path, caps
     ranks = dict(get_tokenizer().enc._mergeable_ranks)  # the same ranks with another split pattern
     write_tokenizer(nano["tok_dir"], ranks, r"""\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+""")
     before = (home / "tokenizer" / "tokenizer.tiktoken").read_bytes()
-    code, _, err = run_main(import_nanochat, [f"--from={nano['folder']}", f"--tokenizer={nano['tok_dir']}",
-                                              "--run=x"], capsys)
+    code, _, err = run_main(
+        import_nanochat, [f"--from={nano['folder']}", f"--tokenizer={nano['tok_dir']}", "--run=x"], capsys
+    )
     assert code == 2 and "holds another tokenizer" in err
     assert (home / "tokenizer" / "tokenizer.tiktoken").read_bytes() == before and not (home / "runs" / "x").exists()
     shutil.rmtree(nano["tok_dir"])
@@ -229,6 +251,7 @@ class Shell:
 def test_the_restricted_unpickler_runs_nothing(payload, named, tmp_path, monkeypatch):
     from nanochat_fast.core.errors import UserError
     from nanochat_fast.interop import nanochat_tokenizer
+
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "tokenizer.pkl"
     path.write_bytes(pickle.dumps(payload))

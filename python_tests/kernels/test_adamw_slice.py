@@ -1,13 +1,14 @@
 """adamw_slice_update: every backend against torch.optim.AdamW, plus the op's contracts."""
+
 import os
 import re
 
 import pytest
 import torch
+from repo_paths import ROOT
 
 from nanochat_fast.kernels import KernelUnavailableError, adamw_slice_update, registry
 from nanochat_fast.kernels.adamw_slice_hparams import HPARAMS, SLOT, make_hparams
-from repo_paths import ROOT
 
 # Without a GPU the Triton kernel runs on CPU tensors in the interpreter. TRITON_INTERPRET must be
 # set before the kernel is defined; its module is imported lazily on first use, so setting it here
@@ -16,8 +17,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HAS_CPP = registry.extension() is not None
-BACKENDS = ["reference", pytest.param("cpp", marks=pytest.mark.skipif(not HAS_CPP, reason="extension not built")),
-            pytest.param("triton", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="tested on CUDA instead"))]
+BACKENDS = [
+    "reference",
+    pytest.param("cpp", marks=pytest.mark.skipif(not HAS_CPP, reason="extension not built")),
+    pytest.param("triton", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="tested on CUDA instead")),
+]
 # odd sizes: a single element, a prime, one short of a power of two, more than one block, empty, 2-D
 SHAPES = [(1,), (7,), (1023,), (9000,), (0,), (33, 65)]
 LR_MULS = [1.0, 2.0, 1.0, 0.5, 1.0, 3.0]
@@ -42,8 +46,17 @@ def run_ours(backend, dtype, steps=12, hparams_as_tensors=False, device="cpu"):
         hp = dict(lr=lr, beta1=0.8, beta2=0.95, eps=1e-10, weight_decay=0.1)
         if hparams_as_tensors:
             hp = {k: torch.tensor(v, dtype=torch.float64, device=device) for k, v in hp.items()}
-        adamw_slice_update(params, grads_for(step, dtype, device), exp_avgs, exp_avg_sqs, step,
-                           lr_muls=LR_MULS, wd_muls=WD_MULS, backend=backend, **hp)
+        adamw_slice_update(
+            params,
+            grads_for(step, dtype, device),
+            exp_avgs,
+            exp_avg_sqs,
+            step,
+            lr_muls=LR_MULS,
+            wd_muls=WD_MULS,
+            backend=backend,
+            **hp,
+        )
     return [p.cpu() for p in params]
 
 
@@ -84,13 +97,17 @@ def test_bf16_params_match_torch_adamw(backend):
     for i, (a, b) in enumerate(zip(ours, ref)):
         assert a.dtype == torch.bfloat16
         # both round to bf16 after every step; a one-ulp difference in a rounding tie may propagate
-        torch.testing.assert_close(a.float(), b, rtol=2 ** -7, atol=1e-3, msg=f"tensor {i}")
+        torch.testing.assert_close(a.float(), b, rtol=2**-7, atol=1e-3, msg=f"tensor {i}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tensor_hyperparameters_match_floats(backend):
-    torch.testing.assert_close(run_ours(backend, torch.float32, steps=3, hparams_as_tensors=True),
-                               run_ours(backend, torch.float32, steps=3), rtol=0, atol=0)
+    torch.testing.assert_close(
+        run_ours(backend, torch.float32, steps=3, hparams_as_tensors=True),
+        run_ours(backend, torch.float32, steps=3),
+        rtol=0,
+        atol=0,
+    )
 
 
 @pytest.mark.gpu
@@ -104,7 +121,7 @@ def test_cuda_backends(backend, dtype):
         if dtype == torch.float32:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         else:
-            torch.testing.assert_close(a.float(), b, rtol=2 ** -7, atol=1e-3)
+            torch.testing.assert_close(a.float(), b, rtol=2**-7, atol=1e-3)
 
 
 @pytest.mark.skipif(not HAS_CPP or torch.cuda.is_available(), reason="extension not built / tested on CUDA")
@@ -116,17 +133,20 @@ def test_backends_round_bf16_the_same_way():
     b = torch.cat([x.flatten() for x in run_ours("triton", torch.bfloat16, steps=4)]).float()
     differ = a != b
     assert differ.float().mean() < 0.01
-    assert ((a - b).abs() <= a.abs() * 2 ** -7)[differ].all()
+    assert ((a - b).abs() <= a.abs() * 2**-7)[differ].all()
 
 
-@pytest.mark.parametrize("kwargs, arg", [
-    (dict(lr=-1.0), "lr"),
-    (dict(beta1=1.0), "beta1"),
-    (dict(beta2=-0.1), "beta2"),
-    (dict(eps=-1e-8), "eps"),
-    (dict(weight_decay=-0.1), "weight_decay"),
-    (dict(step=0), "step"),
-])
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        (dict(lr=-1.0), "lr"),
+        (dict(beta1=1.0), "beta1"),
+        (dict(beta2=-0.1), "beta2"),
+        (dict(eps=-1e-8), "eps"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(step=0), "step"),
+    ],
+)
 def test_bad_hyperparameters_name_the_argument(kwargs, arg):
     p, g, m, v = torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.zeros(3)
     hp = dict(step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0) | kwargs
@@ -169,11 +189,15 @@ def test_cpp_op_checks_its_own_arguments():
 def test_opcheck():
     """torch.library.opcheck: schema (mutation annotations), fake kernel, autograd registration."""
     g = torch.Generator().manual_seed(0)
-    args = ([torch.randn(5, generator=g), torch.randn(2, 3, generator=g).bfloat16()],
-            [torch.randn(5, generator=g), torch.randn(2, 3, generator=g).bfloat16()],
-            [torch.zeros(5), torch.zeros(2, 3)], [torch.zeros(5), torch.zeros(2, 3)],
-            torch.tensor([1e-3, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05 ** 0.5], dtype=torch.float64),
-            [1.0, 2.0], [1.0, 0.0])
+    args = (
+        [torch.randn(5, generator=g), torch.randn(2, 3, generator=g).bfloat16()],
+        [torch.randn(5, generator=g), torch.randn(2, 3, generator=g).bfloat16()],
+        [torch.zeros(5), torch.zeros(2, 3)],
+        [torch.zeros(5), torch.zeros(2, 3)],
+        torch.tensor([1e-3, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05**0.5], dtype=torch.float64),
+        [1.0, 2.0],
+        [1.0, 0.0],
+    )
     torch.library.opcheck(torch.ops.nanochat_fast.adamw_slice_update.default, args)
 
 
@@ -239,7 +263,7 @@ def test_make_hparams_puts_each_value_in_its_named_slot(as_tensors):
     values = dict(lr=0.125, beta1=0.75, beta2=0.875, eps=1e-6, weight_decay=0.25)
     given = {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()} if as_tensors else values
     hp = make_hparams(3, device="cpu", **given)
-    expected = dict(values, bias_correction1=1 - 0.75 ** 3, bias_correction2_sqrt=(1 - 0.875 ** 3) ** 0.5)
+    expected = dict(values, bias_correction1=1 - 0.75**3, bias_correction2_sqrt=(1 - 0.875**3) ** 0.5)
     assert hp.dtype == torch.float64 and hp.shape == (len(HPARAMS),)
     for name, value in expected.items():
         assert hp[SLOT[name]].item() == pytest.approx(value, rel=1e-15), name

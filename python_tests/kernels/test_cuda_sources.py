@@ -3,6 +3,7 @@ plain nvcc for sm_80 (A100) and sm_90 (H100) (they include only CUDA headers), e
 within its target's limits by nvcc's `-Xptxas -v` report (registers <= 255, no spills, shared
 memory <= the per-block maximum), and the torch bindings as C++ against torch's headers. GPU-only
 tests that run them are marked `gpu` (make test-gpu)."""
+
 import os
 import shutil
 import subprocess
@@ -10,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch.utils.cpp_extension as cpp_extension
+from repo_paths import ROOT
 
 from nanochat_fast.tools import gpu_targets
-from repo_paths import ROOT
 
 CSRC = ROOT / "csrc"
 CU_FILES = sorted((CSRC / "cuda").glob("*.cu"))
@@ -27,8 +28,12 @@ def nvcc():
 
 
 def cuda_include():
-    candidates = [os.environ.get("CUDA_HOME"), cpp_extension.CUDA_HOME, "/usr/local/cuda",
-                  str(Path(nvcc()).resolve().parents[1])]
+    candidates = [
+        os.environ.get("CUDA_HOME"),
+        cpp_extension.CUDA_HOME,
+        "/usr/local/cuda",
+        str(Path(nvcc()).resolve().parents[1]),
+    ]
     for home in filter(None, candidates):
         if (Path(home) / "include" / "cuda_runtime_api.h").exists():
             return Path(home) / "include"

@@ -2,9 +2,12 @@
 batch invariance they promise (a row's result bitwise the same alone as in any batch), the op
 contracts (opcheck, bad arguments), and the engine running its decode steps through them: packs
 follow weight updates, and a model's decode logits for a row do not depend on the rows beside it."""
+
 import pytest
 import torch
 import torch.nn.functional as F
+from stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
+from tiny_gpt import random_model
 
 from nanochat_fast import optim
 from nanochat_fast.kernels import registry
@@ -14,8 +17,6 @@ from nanochat_fast.model import packed_linears
 from nanochat_fast.model.batch_engine import BatchEngine, Request
 from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.model.kv_cache import SlotBatch, SlotCache, SlotPrefill
-from stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
-from tiny_gpt import random_model
 
 pytestmark = pytest.mark.skipif(registry.extension() is None, reason="extension not built")
 ops = torch.ops.nanochat_fast
@@ -34,7 +35,7 @@ SHAPES = [(1, 256, 1024), (3, 63, 33), (8, 64, 32), (9, 65, 100), (17, 1000, 31)
 
 @pytest.mark.parametrize("rows,k,n", SHAPES)
 def test_packed_linear_matches_float64(rows, k, n):
-    x, w = randn(rows, k, seed=1), randn(n, k, seed=2) / k ** 0.5
+    x, w = randn(rows, k, seed=1), randn(n, k, seed=2) / k**0.5
     y = pack_linear(w, backend="cpp")(x)
     ref = x.double() @ w.double().T
     assert y.dtype == torch.float32 and y.shape == (rows, n)
@@ -50,7 +51,7 @@ def test_packed_linear_rows_do_not_depend_on_the_batch():
     for rows in (1, 2, 7, 8, 9, 16, 20):
         batch = packed(x[:rows])
         for i in range(rows):
-            assert torch.equal(batch[i], packed(x[i:i + 1])[0]), (rows, i)
+            assert torch.equal(batch[i], packed(x[i : i + 1])[0]), (rows, i)
 
 
 def test_packed_linear_keeps_leading_dims_and_refuses_bad_input():
@@ -77,6 +78,7 @@ def test_packed_linear_ops_pass_opcheck():
 
 # -- decode_attention -------------------------------------------------------------------------------
 
+
 def attention_case(heads=4, kv_heads=2, slots=6, max_len=40, d=16, seed=0):
     """A cache of `slots` slots, the rows of a step in slots 1, 2 and 4 (a gap at 3) at lengths 1,
     40 and 17: block views as SlotBatch gives them (slots 1..4, up to the longest row)."""
@@ -91,8 +93,8 @@ def float64_attention(q, keys, values, rows, lengths):
     """Each row alone, by SDPA in float64 over exactly its own entries."""
     out = []
     for b, (r, n) in enumerate(zip(rows.tolist(), lengths.tolist())):
-        k, v = keys[r:r + 1, :, :n].double(), values[r:r + 1, :, :n].double()
-        out.append(F.scaled_dot_product_attention(q[b:b + 1].double(), k, v, enable_gqa=True))
+        k, v = keys[r : r + 1, :, :n].double(), values[r : r + 1, :, :n].double()
+        out.append(F.scaled_dot_product_attention(q[b : b + 1].double(), k, v, enable_gqa=True))
     return torch.cat(out)
 
 
@@ -109,8 +111,9 @@ def test_decode_attention_rows_do_not_depend_on_the_batch():
     q, keys, values, rows, lengths = attention_case()
     together = decode_attention(q, keys, values, rows, lengths, enable_gqa=True, backend="cpp")
     for b in range(len(rows)):
-        alone = decode_attention(q[b:b + 1], keys, values, rows[b:b + 1], lengths[b:b + 1], enable_gqa=True,
-                                 backend="cpp")
+        alone = decode_attention(
+            q[b : b + 1], keys, values, rows[b : b + 1], lengths[b : b + 1], enable_gqa=True, backend="cpp"
+        )
         assert torch.equal(together[b], alone[0]), b
 
 
@@ -146,7 +149,8 @@ def packs_seen(model, run) -> list[bool]:
     """Per lm_head call inside run(): whether it ran through a packed weight."""
     seen = []
     hook = model.lm_head.register_forward_pre_hook(
-        lambda module, args: seen.append(packed_linears.current(module) is not None))
+        lambda module, args: seen.append(packed_linears.current(module) is not None)
+    )
     try:
         run()
     finally:
@@ -200,8 +204,11 @@ def test_decode_steps_run_packed_and_follow_weight_updates(model):
 def test_a_rows_decode_logits_do_not_depend_on_the_rows_beside_it(model):
     """Three prompts of different lengths prefilled into slots 0, 2, 5; one decode step of all three
     and one of each alone give bitwise the same logits for every row."""
-    prompts = {0: tok.encode("a", prepend="<|bos|>"), 2: tok.encode("a longer prompt here", prepend="<|bos|>"),
-               5: tok.encode("medium one", prepend="<|bos|>")}
+    prompts = {
+        0: tok.encode("a", prepend="<|bos|>"),
+        2: tok.encode("a longer prompt here", prepend="<|bos|>"),
+        5: tok.encode("medium one", prepend="<|bos|>"),
+    }
     cache = SlotCache(CONFIG.n_layer, slots=6, max_len=CONFIG.sequence_len)
     with torch.inference_mode():
         for slot, ids in prompts.items():
@@ -211,6 +218,7 @@ def test_a_rows_decode_logits_do_not_depend_on_the_rows_beside_it(model):
             batch = SlotBatch(cache, slots, [len(prompts[s]) for s in slots], model.get_device())
             with packed_linears.decoding(model, len(slots)):
                 return model(torch.tensor([[7] for _ in slots]), kv_cache=batch)[:, -1]
+
         together = step([0, 2, 5])
         for i, slot in enumerate([0, 2, 5]):
             assert torch.equal(together[i], step([slot])[0]), slot

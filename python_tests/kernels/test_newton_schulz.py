@@ -4,14 +4,15 @@ Gram form with restarts), the public API's contracts, and Muon training a tiny G
 with the fast backend as with the reference. fp32 is asked for explicitly: on a CPU with native
 bf16 the default would be bf16. bf16 and the dtype/path policy are tested in
 test_newton_schulz_policy.py, the Triton kernels in test_newton_schulz_triton.py."""
+
 import importlib
 
 import pytest
 import torch
-
-from nanochat_fast.kernels import KernelUnavailableError, newton_schulz, registry
 from newton_schulz_reference import POLAR_EXPRESS, QUINTIC, float64_newton_schulz, force_path, make_input, published
 from tiny_gpt import counting_batches, counting_model, train_on
+
+from nanochat_fast.kernels import KernelUnavailableError, newton_schulz, registry
 
 ns = importlib.import_module("nanochat_fast.kernels.newton_schulz")
 OP = ns.OP
@@ -41,8 +42,13 @@ def test_backend_matches_float64(backend, shape, coefficients):
     G = make_input(shape)
     steps = 3 if coefficients == "custom" else 5
     coeffs = published(CUSTOM if coefficients == "custom" else coefficients, steps)
-    out = newton_schulz(G, steps=steps, coefficients=CUSTOM if coefficients == "custom" else coefficients,
-                        backend=backend, dtype=torch.float32)
+    out = newton_schulz(
+        G,
+        steps=steps,
+        coefficients=CUSTOM if coefficients == "custom" else coefficients,
+        backend=backend,
+        dtype=torch.float32,
+    )
     assert out.shape == G.shape and out.dtype == G.dtype
     assert max_error(out, G, coeffs) <= 1e-4  # fp32 vs float64: 4e-7 .. 1e-5 measured
 
@@ -56,7 +62,9 @@ def forms(monkeypatch):
     taken = []
     for name in ("_direct", "_gram"):
         fn = getattr(ns, name)
-        monkeypatch.setattr(ns, name, lambda *args, _fn=fn, _name=name, **kw: (taken.append(_name), _fn(*args, **kw))[1])
+        monkeypatch.setattr(
+            ns, name, lambda *args, _fn=fn, _name=name, **kw: (taken.append(_name), _fn(*args, **kw))[1]
+        )
     monkeypatch.setattr(ns, "SYM_BLOCK_ROWS", 24)  # 40 rows -> 2 block rows, 129 -> 5
     return taken
 
@@ -163,7 +171,9 @@ def train_tiny_gpt(monkeypatch, backend, steps=20, device="cpu", ns_dtype="fp32"
     monkeypatch.setenv("NANOCHAT_FAST_KERNELS", f"{OP}={backend}")
     # the 64x64 Q and output projections take the symmetric form (in 3 block rows with these
     # settings), the 32x64 K/V and the MLP's 256x64 and 64x256 the Gram form
-    monkeypatch.setattr(ns, "choose_path", lambda device, dtype, m, n: "gram" if max(m, n) >= 2 * min(m, n) else "symmetric")
+    monkeypatch.setattr(
+        ns, "choose_path", lambda device, dtype, m, n: "gram" if max(m, n) >= 2 * min(m, n) else "symmetric"
+    )
     monkeypatch.setattr(ns, "symmetric_pays", lambda *args: True)
     monkeypatch.setattr(ns, "SYM_BLOCK_ROWS", 24)
     model = counting_model(device)

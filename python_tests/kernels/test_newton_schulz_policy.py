@@ -4,16 +4,17 @@ dtype, m, n -> path, and which backend `auto` runs), and every path in bf16 agai
 bf16 is emulated on CPUs without AVX512-BF16/AMX (~1 GFLOP/s), so the bf16 shapes are small. The
 bound is the issue's 2e-2 max abs on the normalised output, on Gaussian inputs (on low-rank inputs
 even the plain bf16 iteration is off by 0.1-0.3: bf16 rounding of the small singular directions)."""
+
 import importlib
 
 import pytest
 import torch
+from newton_schulz_reference import float64_newton_schulz, force_path, make_input, published
 
 from nanochat_fast.hardware import precision
 from nanochat_fast.hardware.tuning import Timing
 from nanochat_fast.kernels import newton_schulz, registry
 from nanochat_fast.optim import Muon
-from newton_schulz_reference import float64_newton_schulz, force_path, make_input, published
 
 ns = importlib.import_module("nanochat_fast.kernels.newton_schulz")
 F32, BF16 = torch.float32, torch.bfloat16
@@ -22,9 +23,11 @@ F32, BF16 = torch.float32, torch.bfloat16
 @pytest.fixture
 def cpu_bf16(monkeypatch):
     """Pretend this CPU has (or has not) bf16 instructions: set(feature or None)."""
+
     def set_feature(feature):
         monkeypatch.setattr(precision, "cpu_bf16_support", lambda: feature)
         ns._auto_dtype.cache_clear()
+
     yield set_feature
     ns._auto_dtype.cache_clear()
 
@@ -49,9 +52,17 @@ def test_auto_dtype_follows_the_measured_cpu(monkeypatch, cpu, expected):
         ns._auto_dtype.cache_clear()
 
 
-@pytest.mark.parametrize("device,capability,timing,expected", [
-    ("cuda", (9, 0), None, "bf16"), ("cuda", (8, 0), None, "bf16"), ("cuda", (7, 5), None, "fp32"),
-    ("cpu", None, (1.0, 0.45), "bf16"), ("cpu", None, (1.0, 2.04), "fp32"), ("mps", None, None, "fp32")])
+@pytest.mark.parametrize(
+    "device,capability,timing,expected",
+    [
+        ("cuda", (9, 0), None, "bf16"),
+        ("cuda", (8, 0), None, "bf16"),
+        ("cuda", (7, 5), None, "fp32"),
+        ("cpu", None, (1.0, 0.45), "bf16"),
+        ("cpu", None, (1.0, 2.04), "fp32"),
+        ("mps", None, None, "fp32"),
+    ],
+)
 def test_ns_dtype_rule(device, capability, timing, expected):
     timing = timing and Timing({"fp32": timing[0], "bf16": timing[1]}, "Muon's matrices", 5)
     choice = precision.decide(device, "auto", timing=timing, cuda_capability=capability, what="--ns-dtype")
@@ -67,15 +78,29 @@ def test_compute_dtype_rejects_other_dtypes():
         Muon([torch.nn.Parameter(torch.zeros(4, 4))], ns_dtype="half")
 
 
-@pytest.mark.parametrize("device,dtype,m,n,path", [
-    ("cpu", F32, 64, 64, "plain"), ("cpu", F32, 255, 255, "plain"), ("cpu", F32, 256, 256, "symmetric"),
-    ("cpu", F32, 512, 768, "symmetric"), ("cpu", F32, 512, 1024, "gram"), ("cpu", F32, 2048, 512, "gram"),
-    ("cpu", F32, 128, 512, "plain"),  # the Gram form does not pay below m = 256
-    ("cpu", BF16, 512, 2048, "gram"), ("cpu", BF16, 512, 768, "plain"), ("cpu", BF16, 1280, 1280, "symmetric"),
-    ("cpu", BF16, 128, 512, "plain"),  # no Gram in bf16 below m = 256: its error can pass the bound there
-    ("cuda", BF16, 1280, 5120, "plain"), ("cuda", BF16, 2048, 2048, "symmetric"), ("cuda", BF16, 8192, 2048, "symmetric"),
-    ("cuda", F32, 512, 2048, "gram"), ("cuda", F32, 4096, 4096, "symmetric"),
-    ("mps", F32, 4096, 4096, "plain"), ("mps", BF16, 4096, 4096, "plain")])
+@pytest.mark.parametrize(
+    "device,dtype,m,n,path",
+    [
+        ("cpu", F32, 64, 64, "plain"),
+        ("cpu", F32, 255, 255, "plain"),
+        ("cpu", F32, 256, 256, "symmetric"),
+        ("cpu", F32, 512, 768, "symmetric"),
+        ("cpu", F32, 512, 1024, "gram"),
+        ("cpu", F32, 2048, 512, "gram"),
+        ("cpu", F32, 128, 512, "plain"),  # the Gram form does not pay below m = 256
+        ("cpu", BF16, 512, 2048, "gram"),
+        ("cpu", BF16, 512, 768, "plain"),
+        ("cpu", BF16, 1280, 1280, "symmetric"),
+        ("cpu", BF16, 128, 512, "plain"),  # no Gram in bf16 below m = 256: its error can pass the bound there
+        ("cuda", BF16, 1280, 5120, "plain"),
+        ("cuda", BF16, 2048, 2048, "symmetric"),
+        ("cuda", BF16, 8192, 2048, "symmetric"),
+        ("cuda", F32, 512, 2048, "gram"),
+        ("cuda", F32, 4096, 4096, "symmetric"),
+        ("mps", F32, 4096, 4096, "plain"),
+        ("mps", BF16, 4096, 4096, "plain"),
+    ],
+)
 def test_path_table(device, dtype, m, n, path):
     assert ns.choose_path(device, dtype, m, n) == path
     assert ns.choose_path(device, dtype, n, m) == path  # tall and wide alike

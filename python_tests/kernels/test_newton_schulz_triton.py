@@ -4,6 +4,7 @@
 Symmetry: the X X^T and b A + c A A kernels launch one program per tile on/above the diagonal and
 their outputs are exactly symmetric; b A + c A A must not read A's tiles below the diagonal (they
 are poisoned with NaN here)."""
+
 import os
 
 import pytest
@@ -13,9 +14,10 @@ if not torch.cuda.is_available():
     # must be set before the kernels are defined (the module is imported below, after this line)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from newton_schulz_reference import float64_newton_schulz, make_input, published  # noqa: E402
+
 from nanochat_fast.kernels import newton_schulz  # noqa: E402
 from nanochat_fast.kernels import newton_schulz_triton as nst  # noqa: E402
-from newton_schulz_reference import float64_newton_schulz, make_input, published  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 COMPUTE_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -78,9 +80,18 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 # one tile (100 rows) and a partial second tile (129) at the interpreter's 128-tiles, wide and tall
 # (transposed once), stacks of 1 and 5
-@pytest.mark.parametrize("shape,dtype", [((100, 300), F32), ((100, 300), BF16), ((257, 129), F32),
-                                         ((257, 129), BF16), ((1, 64, 96), F32), ((5, 40, 70), BF16),
-                                         ((5, 70, 40), F32)])
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        ((100, 300), F32),
+        ((100, 300), BF16),
+        ((257, 129), F32),
+        ((257, 129), BF16),
+        ((1, 64, 96), F32),
+        ((5, 40, 70), BF16),
+        ((5, 70, 40), F32),
+    ],
+)
 def test_newton_schulz_triton_matches_float64(shape, dtype):
     G = make_input(shape).to(DEVICE)
     coeffs = published("quintic")
@@ -107,7 +118,7 @@ def test_flop_counts():
     assert f["symmetric_xxt"] == 21 * 2 * 128 * 128 * 3072
     assert f["symmetric_poly"] == 21 * 2 * 128 * 128 * 768
     assert f["fused_update"] == f["full_update"] == 2 * 768 * 768 * 3072
-    assert f["full_step"] == 4 * 768 ** 2 * 3072 + 2 * 768 ** 3
+    assert f["full_step"] == 4 * 768**2 * 3072 + 2 * 768**3
     assert f["full_step"] / f["step"] == pytest.approx(1.31, abs=0.01)  # 1.38 with no tile padding
 
 

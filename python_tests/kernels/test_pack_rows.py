@@ -1,5 +1,6 @@
 """pack_rows: the compiled packer against the plain-Python definition, the rule's invariants, bad
 input, the GIL, and the stateful RowPacker against its Python twin."""
+
 import itertools
 import random
 import re
@@ -202,7 +203,11 @@ def test_row_packer_matches_its_python_twin():
     next_id = 0
     for step in range(60):
         lengths = [rng.randint(1, 30) for _ in range(rng.randint(0, 9))]
-        tokens, offsets = make_docs(lengths, rng) if lengths else (torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
+        tokens, offsets = (
+            make_docs(lengths, rng)
+            if lengths
+            else (torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
+        )
         dtype = rng.choice([torch.int32, torch.uint16])
         mask = torch.tensor([rng.random() < 0.5 for _ in range(len(tokens))], dtype=torch.uint8)
         with_mask = rng.random() < 0.5
@@ -242,7 +247,7 @@ def test_row_packer_is_the_op_on_documents_cut_to_a_row():
     row_len = 21
     lengths = [rng.randint(1, 50) for _ in range(80)]
     tokens, offsets = make_docs(lengths, rng)
-    cut = [tokens[int(o):int(o) + min(n, row_len)] for o, n in zip(offsets, lengths)]
+    cut = [tokens[int(o) : int(o) + min(n, row_len)] for o, n in zip(offsets, lengths)]
     cut_offsets = torch.tensor([0] + list(itertools.accumulate(len(c) for c in cut)), dtype=torch.int64)
     full = torch.empty(6, row_len, dtype=torch.int64)
     used, _, cropped = pack_rows(torch.cat(cut), cut_offsets, full, BOS, backend="cpp")
@@ -354,5 +359,8 @@ def test_backend_choice(monkeypatch):
 def test_fake_kernel_and_schema():
     tokens, offsets = make_docs([5, 9, 3, 4], random.Random(5))
     out = torch.zeros(2, 6, dtype=torch.int64)
-    torch.library.opcheck(torch.ops.nanochat_fast.pack_rows.default, (tokens, offsets, out, BOS),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.nanochat_fast.pack_rows.default,
+        (tokens, offsets, out, BOS),
+        test_utils=("test_schema", "test_faketensor"),
+    )

@@ -1,6 +1,7 @@
 """softcap_cross_entropy: every backend against float64 PyTorch cross_entropy of the softcapped
 logits (loss and both gradients), the op contracts (opcheck, torch.compile, bad arguments), the
 gradients-in-the-forward design, autocast, and GPT.forward on top of it."""
+
 import os
 
 import pytest
@@ -29,7 +30,7 @@ def make_inputs(n=N, d=D, v=V, seed=0, dtype=torch.float32, scale=1.0):
     """Logits with a spread of ~15: some saturate the softcap, some sit in tanh's linear part."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, d, generator=g) * scale
-    weight = torch.randn(v, d, generator=g) * (3.0 / d ** 0.5)
+    weight = torch.randn(v, d, generator=g) * (3.0 / d**0.5)
     targets = torch.randint(0, v, (n,), generator=g)
     targets[::7] = -1  # ignored rows
     return hidden.to(dtype), weight.to(dtype), targets
@@ -148,8 +149,9 @@ def test_gradients_computed_in_forward_and_skipped_without_grad(backend):
     hidden, weight, targets = make_inputs()
     chunks = -(-N // CHUNK)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    call = lambda reduction: softcap_cross_entropy(h, w, targets, CAP, reduction=reduction, backend=backend,
-                                                   chunk_rows=CHUNK)
+    call = lambda reduction: softcap_cross_entropy(
+        h, w, targets, CAP, reduction=reduction, backend=backend, chunk_rows=CHUNK
+    )
     with torch.no_grad():
         assert count_matmuls(lambda: call("mean")) == chunks
     out = {}
@@ -177,14 +179,17 @@ def test_compiles_fullgraph(reduction):
     """torch.compile(fullgraph=True) traces through the op and its autograd formula: the same
     loss and gradients as eager, and for mean no op call left in the backward graph."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
+
     backend = "cpp" if HAS_CPP else "torch"
     hidden, weight, targets = make_inputs()
     g = grad_output(reduction)
     torch._dynamo.reset()
     graphs = AotEagerAndRecordGraphs()
-    compiled = torch.compile(lambda h, w: (softcap_cross_entropy(h, w, targets, CAP, reduction=reduction,
-                                                                 backend=backend) * g).sum(),
-                             fullgraph=True, backend=graphs)
+    compiled = torch.compile(
+        lambda h, w: (softcap_cross_entropy(h, w, targets, CAP, reduction=reduction, backend=backend) * g).sum(),
+        fullgraph=True,
+        backend=graphs,
+    )
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss = compiled(h, w)
     loss.backward()
@@ -192,28 +197,36 @@ def test_compiles_fullgraph(reduction):
     torch.testing.assert_close(loss, eager_loss.mul(g).sum(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(h.grad, eager_dh, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(w.grad, eager_dw, rtol=1e-6, atol=1e-7)
-    in_backward = sum(n.op == "call_function" and "nanochat_fast" in str(n.target)
-                      for gm in graphs.bw_graphs for n in gm.graph.nodes)
+    in_backward = sum(
+        n.op == "call_function" and "nanochat_fast" in str(n.target) for gm in graphs.bw_graphs for n in gm.graph.nodes
+    )
     assert in_backward == (0 if reduction == "mean" else 1)
 
 
-@pytest.mark.parametrize("kwargs, arg", [
-    (dict(hidden=torch.zeros(2, 3, 4)), "hidden"),
-    (dict(hidden=torch.zeros(4, 8, dtype=torch.float16), weight=torch.zeros(10, 8, dtype=torch.float16)), "hidden"),
-    (dict(weight=torch.zeros(10, 7)), "weight"),
-    (dict(targets=torch.zeros(4, dtype=torch.int32)), "targets"),
-    (dict(targets=torch.zeros(5, dtype=torch.int64)), "targets"),
-    (dict(softcap=0.0), "softcap"),
-    (dict(softcap=float("inf")), "softcap"),
-    (dict(softcap="15"), "softcap"),
-    (dict(ignore_index=-1.0), "ignore_index"),
-    (dict(reduction="avg"), "reduction"),
-    (dict(chunk_rows=0), "chunk_rows"),
-    (dict(weight=torch.zeros(10, 8, device="meta")), "weight"),
-])
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        (dict(hidden=torch.zeros(2, 3, 4)), "hidden"),
+        (dict(hidden=torch.zeros(4, 8, dtype=torch.float16), weight=torch.zeros(10, 8, dtype=torch.float16)), "hidden"),
+        (dict(weight=torch.zeros(10, 7)), "weight"),
+        (dict(targets=torch.zeros(4, dtype=torch.int32)), "targets"),
+        (dict(targets=torch.zeros(5, dtype=torch.int64)), "targets"),
+        (dict(softcap=0.0), "softcap"),
+        (dict(softcap=float("inf")), "softcap"),
+        (dict(softcap="15"), "softcap"),
+        (dict(ignore_index=-1.0), "ignore_index"),
+        (dict(reduction="avg"), "reduction"),
+        (dict(chunk_rows=0), "chunk_rows"),
+        (dict(weight=torch.zeros(10, 8, device="meta")), "weight"),
+    ],
+)
 def test_bad_arguments_name_the_argument(kwargs, arg):
-    args = dict(hidden=torch.zeros(4, 8), weight=torch.zeros(10, 8), targets=torch.zeros(4, dtype=torch.int64),
-                softcap=CAP) | kwargs
+    args = (
+        dict(
+            hidden=torch.zeros(4, 8), weight=torch.zeros(10, 8), targets=torch.zeros(4, dtype=torch.int64), softcap=CAP
+        )
+        | kwargs
+    )
     with pytest.raises(ValueError, match=rf"^{arg} "):
         softcap_cross_entropy(**args)
 
@@ -243,6 +256,7 @@ def test_gpt_forward_uses_the_fused_loss(monkeypatch):
     """GPT.forward with targets: the fused op (auto) gives the reference backend's loss and
     gradients for every reduction; the logits path is untouched."""
     from nanochat_fast.model.gpt import GPT, GPTConfig
+
     torch.manual_seed(0)
     model = GPT(GPTConfig(sequence_len=16, vocab_size=97, n_layer=1, n_head=2, n_kv_head=1, n_embd=32))
     model.init_weights()
@@ -258,8 +272,11 @@ def test_gpt_forward_uses_the_fused_loss(monkeypatch):
             model.zero_grad()
             loss = model(idx, targets, loss_reduction=reduction)
             loss.sum().backward()
-            results[kernels, reduction] = (loss.detach(), model.lm_head.weight.grad.clone(),
-                                           model.transformer.wte.weight.grad.clone())
+            results[kernels, reduction] = (
+                loss.detach(),
+                model.lm_head.weight.grad.clone(),
+                model.transformer.wte.weight.grad.clone(),
+            )
     for reduction in ("mean", "sum", "none"):
         for got, expected in zip(results["auto", reduction], results["softcap_cross_entropy=reference", reduction]):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

@@ -1,14 +1,15 @@
 """The batch engine: conversations decoded in one shared batch, joining and leaving at different
 steps, get exactly the tokens each gets decoded alone (temperature 0, fp32); the alone decode is
 checked against full forwards without any cache; slots come back; bad requests are refused."""
+
 import pytest
 import torch
+from stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
+from tiny_gpt import random_model
 
 from nanochat_fast.model.batch_engine import BatchEngine, DecodeRow, EngineFull, Request
 from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.model.kv_cache import SlotPrefill
-from stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
-from tiny_gpt import random_model
 
 tok = byte_tokenizer()
 SP = tok.encode_special
@@ -71,8 +72,14 @@ def decode_alone(model, request: Request, copies: int = 1) -> list[tuple[list[in
 
 
 REQUESTS = {  # name -> (request, copies, step it joins at)
-    "long": (Request(prompt("A much longer prompt than the others, so that its rows sit far ahead of "
-                            "theirs in the cache"), max_tokens=30), 1, 0),
+    "long": (
+        Request(
+            prompt("A much longer prompt than the others, so that its rows sit far ahead of theirs in the cache"),
+            max_tokens=30,
+        ),
+        1,
+        0,
+    ),
     "cancelled": (Request(prompt("cut short after a few tokens"), max_tokens=40), 1, 0),
     "bos only": (Request([tok.get_bos_token_id()], max_tokens=45), 1, 0),
     "calculator": (Request(prompt("What is 6 times 7?"), max_tokens=25), 1, 2),

@@ -1,5 +1,6 @@
 """The calculator tool: arithmetic and string operations give Python's answers; hostile or
 oversized expressions are refused, quickly, without doing anything."""
+
 import time
 
 import pytest
@@ -8,9 +9,9 @@ from nanochat_fast.model.calculator import MAX_EXPR_CHARS, CalculatorError, calc
 
 VALID = [
     ("12/60", "0.2"),
-    ("48/2", "24"),            # an integral float is written as an integer
+    ("48/2", "24"),  # an integral float is written as an integer
     ("16-3-4", "9"),
-    ("1,250 * 3", "3750"),     # digit-group commas, as people write numbers
+    ("1,250 * 3", "3750"),  # digit-group commas, as people write numbers
     ("2**10", "1024"),
     ("-5 // 2", "-3"),
     ("7 % 3", "1"),
@@ -25,7 +26,7 @@ VALID = [
     ("','.join('abc')", "a,b,c"),
     ("len('a b c'.split())", "3"),
     ("'banana'.replace('a', 'o')", "bonono"),
-    ("'a,b'.count(',')", "1"),     # a comma inside a string is kept
+    ("'a,b'.count(',')", "1"),  # a comma inside a string is kept
     ("int('41') + 1", "42"),
 ]
 

@@ -1,17 +1,17 @@
 """Generation with the calculator tool and in batches: a scripted model calls the tool and the
 output is forced in and generation goes on; batched samples equal one-at-a-time generation at
 temperature 0; rows that end leave the batch without disturbing the others."""
+
 import torch
+from stub_models import ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
+from tiny_gpt import generate_without_cache, random_model
 
 from nanochat_fast.model import generation
 from nanochat_fast.model.gpt import GPTConfig
-from stub_models import ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
-from tiny_gpt import generate_without_cache, random_model
 
 tok = byte_tokenizer()
 SP = tok.encode_special
 END = SP("<|assistant_end|>")
-
 
 
 def chars(text):
@@ -28,8 +28,15 @@ def test_tool_call_output_is_forced_and_generation_continues():
     prompt = tok.render_for_completion({"messages": messages})
     model = ScriptedModel(tok, tool_script("6*7", " so 42", output_len=4))  # <|output_start|> 4 2 <|output_end|>
     [sample] = generation.generate_batch(model, tok, prompt, max_tokens=40)
-    expected = [SP("<|python_start|>"), *chars("6*7"), SP("<|python_end|>"),
-                SP("<|output_start|>"), *chars("42"), SP("<|output_end|>"), *chars(" so 42")]
+    expected = [
+        SP("<|python_start|>"),
+        *chars("6*7"),
+        SP("<|python_end|>"),
+        SP("<|output_start|>"),
+        *chars("42"),
+        SP("<|output_end|>"),
+        *chars(" so 42"),
+    ]
     assert sample.ids == expected and sample.finished
     assert sample.forced == [False] * 5 + [True] * 4 + [False] * 6, "only the tool's tokens are forced"
     assert sample.text == "<<6*7=42>> so 42"
@@ -55,8 +62,9 @@ def test_should_stop_and_max_tokens():
     [cut] = generation.generate_batch(model, tok, prompt, max_tokens=4)
     assert cut.text == "abcd" and not cut.finished
     calls = []
-    reply = generation.assistant_reply(model, tok, [{"role": "user", "content": "hi"}], 40,
-                                       should_stop=lambda: calls.append(1) or len(calls) > 3)
+    reply = generation.assistant_reply(
+        model, tok, [{"role": "user", "content": "hi"}], 40, should_stop=lambda: calls.append(1) or len(calls) > 3
+    )
     assert reply == "abc"
 
 
@@ -69,9 +77,10 @@ def test_batched_generation_equals_one_at_a_time_at_temperature_zero():
     model = tiny_gpt()
     prompt = tok.encode("The capital of France is", prepend="<|bos|>")
     reference = generate_without_cache(model, prompt, 24, temperature=0.0)  # one sequence, its own loop
-    reference = reference[:reference.index(END)] if END in reference else reference
-    samples = generation.generate_batch(model, tok, prompt, num_samples=3, max_tokens=24, temperature=0.0,
-                                        use_tools=False)
+    reference = reference[: reference.index(END)] if END in reference else reference
+    samples = generation.generate_batch(
+        model, tok, prompt, num_samples=3, max_tokens=24, temperature=0.0, use_tools=False
+    )
     assert len(reference) > 5 and len(set(reference)) > 1
     assert [s.ids for s in samples] == [reference] * 3
     [single] = generation.generate_batch(model, tok, prompt, num_samples=1, max_tokens=24, use_tools=False)
@@ -83,9 +92,8 @@ def test_one_sample_matches_gpt_generate_when_sampling():
     model = tiny_gpt(seed=1)
     prompt = tok.encode("Once upon a time", prepend="<|bos|>")
     reference = list(model.generate(prompt, 20, temperature=0.9, top_k=20, seed=5))
-    [sample] = generation.generate_batch(model, tok, prompt, 1, 20, temperature=0.9, top_k=20, seed=5,
-                                         use_tools=False)
-    assert sample.ids == reference[:len(sample.ids)] and (sample.finished or len(sample.ids) == 20)
+    [sample] = generation.generate_batch(model, tok, prompt, 1, 20, temperature=0.9, top_k=20, seed=5, use_tools=False)
+    assert sample.ids == reference[: len(sample.ids)] and (sample.finished or len(sample.ids) == 20)
 
 
 class EndBias(torch.nn.Module):
@@ -109,8 +117,9 @@ def test_rows_leave_the_batch_and_the_rest_stay_consistent():
     own history: a row that read another row's cache after the batch shrank would fail this."""
     model = EndBias(tiny_gpt(seed=2), bias=-0.6)
     prompt = tok.encode("Hello there", prepend="<|bos|>")
-    samples = generation.generate_batch(model, tok, prompt, num_samples=6, max_tokens=16, temperature=1.0,
-                                        top_k=3, seed=0, use_tools=False)
+    samples = generation.generate_batch(
+        model, tok, prompt, num_samples=6, max_tokens=16, temperature=1.0, top_k=3, seed=0, use_tools=False
+    )
     lengths = {len(s.ids) for s in samples}
     assert len(lengths) > 1 and any(s.finished for s in samples), "rows should end at different steps"
     with torch.no_grad():
@@ -130,8 +139,15 @@ def test_fit_context_keeps_bos_and_the_end():
 
 
 def test_decode_reply_and_stream_write_tool_calls_readably():
-    ids = chars("x ") + [SP("<|python_start|>")] + chars("2+2") + [SP("<|python_end|>"), SP("<|output_start|>")] \
-        + chars("4") + [SP("<|output_end|>")] + chars(" café")
+    ids = (
+        chars("x ")
+        + [SP("<|python_start|>")]
+        + chars("2+2")
+        + [SP("<|python_end|>"), SP("<|output_start|>")]
+        + chars("4")
+        + [SP("<|output_end|>")]
+        + chars(" café")
+    )
     assert generation.decode_reply(tok, ids) == "x <<2+2=4>> café"
     stream = generation.TextStream(tok)
     assert "".join(stream.push(i) for i in ids) == "x <<2+2=4>> café" == stream.text()
@@ -142,6 +158,7 @@ def test_streams_release_what_decoding_the_whole_text_would():
     whole text at every token would release (held while it ends in a partial character), for any
     bytes, broken UTF-8 and special tokens included. ReplyStream adds nothing for the end tokens."""
     import random
+
     rng = random.Random(0)
     alphabet = list(range(256)) + list(chars("é東🙂")) * 8 + [SP("<|python_start|>"), SP("<|output_end|>")]
     for _ in range(200):

@@ -1,14 +1,15 @@
 """The GPT: shapes, masking, losses, KV-cached generation, FLOPs, the depth dial, init and
 optimizer grouping; the forward pass against a float64 re-implementation written from the math."""
+
 import math
 
 import pytest
 import torch
+from tiny_gpt import TINY, generate_without_cache, random_model
 
 from nanochat_fast.model.gpt import GPT, GPTConfig, config_from_depth
 from nanochat_fast.model.kv_cache import SlotCache, SlotPrefill
 from nanochat_fast.optim import AdamW, Muon
-from tiny_gpt import TINY, generate_without_cache, random_model
 
 
 def reference_forward(model: GPT, idx: torch.Tensor) -> torch.Tensor:
@@ -27,7 +28,7 @@ def reference_forward(model: GPT, idx: torch.Tensor) -> torch.Tensor:
     ang = pos[:, None] * inv_freq[None, :]  # (T, D/2)
 
     def rotate(x):  # (B, T, H, D): pairs (i, i + D/2) rotated by -angle
-        a, b = x[..., :D // 2], x[..., D // 2:]
+        a, b = x[..., : D // 2], x[..., D // 2 :]
         c, s = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
         return torch.cat([a * c + b * s, -a * s + b * c], -1)
 
@@ -99,11 +100,15 @@ def test_kv_cache_chunks_match_full_forward():
     with torch.no_grad():
         for row in (1, 0):
             view = SlotPrefill(cache, row)
-            x = idx[row:row + 1]
-            parts = [model(x[:, :5], kv_cache=view), model(x[:, 5:9], kv_cache=view),
-                     model(x[:, 9:10], kv_cache=view), model(x[:, 10:12], kv_cache=view)]
+            x = idx[row : row + 1]
+            parts = [
+                model(x[:, :5], kv_cache=view),
+                model(x[:, 5:9], kv_cache=view),
+                model(x[:, 9:10], kv_cache=view),
+                model(x[:, 10:12], kv_cache=view),
+            ]
             assert view.get_pos() == 12
-            torch.testing.assert_close(torch.cat(parts, 1), full[row:row + 1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(torch.cat(parts, 1), full[row : row + 1], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, 5)])
@@ -118,7 +123,7 @@ def test_generate_matches_a_full_recompute(temperature, top_k):
         # greedy: each token is the argmax of the full forward over everything before it
         ids = prompt + cached
         logits = model(torch.tensor([ids]))[0]
-        assert cached == logits[len(prompt) - 1:-1].argmax(-1).tolist()
+        assert cached == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
         assert len(set(cached)) > 1
 
 
@@ -236,6 +241,7 @@ def test_cuda_bf16_autocast_compiled_training():
     compiled = torch.compile(model, dynamic=False)
     opts = model.setup_optimizers()
     from nanochat_fast import optim
+
     losses = []
     for _ in range(10):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -254,7 +260,9 @@ def test_evaluate_bpb_matches_a_hand_count():
     """Bits per byte = summed nats of the counted targets / (ln 2 * their UTF-8 bytes); targets that
     are masked (-1) or special (0 bytes) count neither nats nor bytes."""
     from contextlib import nullcontext
+
     from nanochat_fast.evals.bits_per_byte import evaluate_bpb
+
     model = random_model()
     g = torch.Generator().manual_seed(1)
     token_bytes = torch.randint(1, 5, (TINY.vocab_size,), generator=g)

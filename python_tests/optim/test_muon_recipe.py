@@ -4,25 +4,34 @@ cautious weight decay, MuonEq and Muon+ against a float64 reference written from
 exact resume, the tiny GPT training with muon_recipe="polar-normuon" (library level: the CLI flag is
 wired by the run layer), and the presets' former names (seeds, current) as aliases. DistMuon with
 these parts is tested on 2 and 3 processes in distributed/test_dist_parity.py."""
+
 import math
 
 import pytest
 import torch
+from newton_schulz_reference import float64_newton_schulz, published  # the published coefficients, not the package's
+from tiny_gpt import counting_batches, counting_model, train_on
 
 from nanochat_fast.optim import Muon, MuonRecipe
 from nanochat_fast.optim import recipe as recipes
 from nanochat_fast.train import training_loop
-from newton_schulz_reference import float64_newton_schulz, published  # the published coefficients, not the package's
-from tiny_gpt import counting_batches, counting_model, train_on
 
 
 def test_presets():
     quintic, polar = MuonRecipe.preset("quintic"), MuonRecipe.preset("polar-normuon")
     assert quintic == MuonRecipe() and quintic.muon_kwargs()["normuon_beta"] is None
-    assert (quintic.ns_coefficients, quintic.momentum_start, quintic.momentum, quintic.weight_decay) == \
-        ("quintic", 0.85, 0.95, 0.0)
-    assert (polar.ns_coefficients, polar.normuon, polar.normuon_beta, polar.cautious_weight_decay) == \
-        ("polar_express", True, 0.9, True)
+    assert (quintic.ns_coefficients, quintic.momentum_start, quintic.momentum, quintic.weight_decay) == (
+        "quintic",
+        0.85,
+        0.95,
+        0.0,
+    )
+    assert (polar.ns_coefficients, polar.normuon, polar.normuon_beta, polar.cautious_weight_decay) == (
+        "polar_express",
+        True,
+        0.9,
+        True,
+    )
     assert polar.ns_dtype == quintic.ns_dtype == "auto"
     assert MuonRecipe.preset("polar-normuon", normuon=False).muon_kwargs()["normuon_beta"] is None
     assert "muon recipe polar-normuon: polar_express x5" in polar.describe()
@@ -30,12 +39,22 @@ def test_presets():
     assert MuonRecipe.of(polar) is polar and MuonRecipe.of("quintic") == quintic
 
 
-@pytest.mark.parametrize("overrides,field", [
-    (dict(ns_steps=0), "ns_steps"), (dict(ns_dtype="fp16"), "ns_dtype"), (dict(normuon_beta=1.0), "normuon_beta"),
-    (dict(normuon=1), "normuon"), (dict(weight_decay=-0.1), "weight_decay"), (dict(momentum=1.2), "momentum"),
-    (dict(ns_coefficients="cubic"), "ns_coefficients"), (dict(momentum_warmdown_ratio=1.5), "momentum_warmdown_ratio"),
-    (dict(weight_decay_schedule="linear"), "weight_decay_schedule"), (dict(momentum_warmup_steps=-1), "momentum_warmup_steps"),
-    (dict(bogus=1), "bogus")])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (dict(ns_steps=0), "ns_steps"),
+        (dict(ns_dtype="fp16"), "ns_dtype"),
+        (dict(normuon_beta=1.0), "normuon_beta"),
+        (dict(normuon=1), "normuon"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(momentum=1.2), "momentum"),
+        (dict(ns_coefficients="cubic"), "ns_coefficients"),
+        (dict(momentum_warmdown_ratio=1.5), "momentum_warmdown_ratio"),
+        (dict(weight_decay_schedule="linear"), "weight_decay_schedule"),
+        (dict(momentum_warmup_steps=-1), "momentum_warmup_steps"),
+        (dict(bogus=1), "bogus"),
+    ],
+)
 def test_bad_values_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         MuonRecipe.preset("quintic", **overrides)
@@ -50,7 +69,7 @@ def test_unknown_preset():
 
 def test_quintic_momentum_is_the_seeds_warmup():
     recipe = MuonRecipe.preset("quintic")
-    for step in list(range(0, 320)) + [1000, 10 ** 6]:
+    for step in list(range(0, 320)) + [1000, 10**6]:
         frac = min(step / 300, 1.0)
         assert recipe.momentum_at(step, 500) == (1 - frac) * 0.85 + frac * 0.95
         assert recipe.momentum_at(step, None) == recipe.momentum_at(step, 500)
@@ -64,15 +83,15 @@ def test_polar_normuon_momentum_and_weight_decay_schedules():
     assert r.momentum_at(0, 2000) == pytest.approx(0.85)
     assert r.momentum_at(200, 2000) == pytest.approx(0.91)
     assert r.momentum_at(999, 2000) == pytest.approx(0.97)
-    assert r.momentum_at(1000, 2000) == pytest.approx(0.97)          # warmdown starts at 2000 - 1000
+    assert r.momentum_at(1000, 2000) == pytest.approx(0.97)  # warmdown starts at 2000 - 1000
     assert r.momentum_at(1500, 2000) == pytest.approx(0.935)
     assert r.momentum_at(1999, 2000) == pytest.approx(0.97 - 0.07 * 999 / 1000)
     assert r.momentum_at(300, 400) == pytest.approx(0.85 + 0.12 * 300 / 400)  # still warming up
-    assert r.momentum_at(5000, None) == pytest.approx(0.97)         # no horizon: no warmdown
+    assert r.momentum_at(5000, None) == pytest.approx(0.97)  # no horizon: no warmdown
     assert r.weight_decay_at(0, 100) == pytest.approx(0.28)
     assert r.weight_decay_at(50, 100) == pytest.approx(0.14)
     assert r.weight_decay_at(100, 100) == pytest.approx(0.0, abs=1e-12)
-    scaled = r.scaled_weight_decay(total_batch_size=2 ** 17, tokens=4e8, reference_tokens=8e8)
+    scaled = r.scaled_weight_decay(total_batch_size=2**17, tokens=4e8, reference_tokens=8e8)
     assert scaled.weight_decay == pytest.approx(0.28 * 0.5 * 2)
 
 
@@ -91,16 +110,16 @@ def reference_polar_normuon(params, grads_per_step, lr, momentum, beta, wd, coef
             rows, cols = p.shape
             g = g.double()
             bufs[i] = momentum * bufs[i] + (1 - momentum) * g
-            x = (1 - momentum) * g + momentum * bufs[i]                       # Nesterov
+            x = (1 - momentum) * g + momentum * bufs[i]  # Nesterov
             x = x * (x.norm() / math.sqrt(rows)) / x.norm(dim=1, keepdim=True)  # MuonEq
             u = float64_newton_schulz(x, coeffs)
-            u = u * math.sqrt(min(rows, cols)) / u.norm()                     # Muon+
-            stat = (u ** 2).mean(dim=1, keepdim=True) if rows >= cols else (u ** 2).mean(dim=0, keepdim=True)
+            u = u * math.sqrt(min(rows, cols)) / u.norm()  # Muon+
+            stat = (u**2).mean(dim=1, keepdim=True) if rows >= cols else (u**2).mean(dim=0, keepdim=True)
             second[i] = (1 - beta) * stat if second[i] is None else beta * second[i] + (1 - beta) * stat
             w = u / second[i].sqrt()
-            u = w * u.norm() / w.norm()                                       # NorMuon
+            u = w * u.norm() / w.norm()  # NorMuon
             step_lr = lr * lr_muls[i] * max(1, rows / cols) ** 0.5
-            agree = (u * p >= 0).double()                                     # cautious
+            agree = (u * p >= 0).double()  # cautious
             params[i] = p - step_lr * wd * wd_muls[i] * agree * p - step_lr * u
     return params
 
@@ -129,14 +148,24 @@ def test_polar_normuon_update_matches_float64_reference():
             p.grad = g.clone()
         grads_per_step.append(grads)
         opt.step()
-    expected = reference_polar_normuon(start, grads_per_step, 0.05, 0.9, 0.9, 0.3, published("polar_express"),
-                                 [1.0, 2.0, 1.0, 1.0], [1.0, 1.0, 0.5, 1.0])
+    expected = reference_polar_normuon(
+        start,
+        grads_per_step,
+        0.05,
+        0.9,
+        0.9,
+        0.3,
+        published("polar_express"),
+        [1.0, 2.0, 1.0, 1.0],
+        [1.0, 1.0, 0.5, 1.0],
+    )
     for p, e, s in zip(params, expected, start):
         assert (e - s.double()).abs().max() > 0.05  # moved, decay included (~0.05 * 0.3 * |p|)
         assert (p.detach().double() - e).abs().max() < 1e-5
     # without the cautious mask the result is measurably different: the mask is being applied
-    plain = reference_polar_normuon(start, grads_per_step, 0.05, 0.9, 0.9, 0.0, published("polar_express"),
-                              [1.0] * 4, [1.0] * 4)
+    plain = reference_polar_normuon(
+        start, grads_per_step, 0.05, 0.9, 0.9, 0.0, published("polar_express"), [1.0] * 4, [1.0] * 4
+    )
     assert max((a - b).abs().max() for a, b in zip(expected, plain)) > 1e-3
     second = opt.state[params[0]]["normuon_second_moment"]
     assert second.shape == (1, 40) and opt.state[params[2]]["normuon_second_moment"].shape == (40, 1)
@@ -171,7 +200,9 @@ def test_resume_is_exact(tmp_path):
                     for p, q in zip(params, old):
                         p.copy_(q)
                         p.grad = q.grad
-                opt = polar_normuon_muon(params, normuon_beta=None, weight_decay=0.0)  # hyperparameters come from the file
+                opt = polar_normuon_muon(
+                    params, normuon_beta=None, weight_decay=0.0
+                )  # hyperparameters come from the file
                 opt.load_state_dict(torch.load(tmp_path / "optim.pt", weights_only=True))
                 assert opt.param_groups[0]["normuon_beta"] == 0.9 and opt.param_groups[0]["weight_decay"] == 0.3
             opt.step()
@@ -200,6 +231,7 @@ def test_polar_normuon_recipe_trains_the_tiny_gpt():
         momentum = training_loop.muon_momentum(opts, step, 30)
         assert momentum == muon.recipe.momentum_at(step, 30) == muon.param_groups[0]["momentum"]
         assert muon.param_groups[0]["weight_decay"] == pytest.approx(muon.recipe.weight_decay_at(step, 30))
+
     final, losses = train_on(model, opts, counting_batches(30), before_step=the_loops_schedule)
     assert len(losses) == 30
     assert final < losses[0] - 1.0, (losses[0], final)
@@ -229,8 +261,12 @@ def fresh_process(monkeypatch):
 
 def settings_of(opt):
     """Everything that makes an optimizer what it is, but its parameters' values."""
-    return (type(opt), opt.recipe, [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-            opt._layout)
+    return (
+        type(opt),
+        opt.recipe,
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        opt._layout,
+    )
 
 
 @pytest.mark.parametrize("old,new", [("seeds", "quintic"), ("current", "polar-normuon")])
@@ -242,7 +278,8 @@ def test_a_former_name_prints_one_notice_and_builds_the_same_optimizer(old, new,
         assert MuonRecipe(name=old) == MuonRecipe(name=new)
     assert capsys.readouterr().err.splitlines() == [
         f"note: the muon recipe '{old}' is now called '{new}' (--muon-recipe={new}); '{old}' will stop working "
-        "in the next release"]
+        "in the next release"
+    ]
     _, muon_new = model.setup_optimizers(muon_recipe=new)
     assert capsys.readouterr().err == ""
     assert muon_old.recipe.name == new and settings_of(muon_old) == settings_of(muon_new)

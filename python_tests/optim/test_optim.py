@@ -1,15 +1,16 @@
 """Single-process optimizers against independent references: AdamW against torch.optim.AdamW,
 Muon against a float64 transcription of nanochat's Muon, Newton-Schulz against an SVD; global-norm
 clipping, the NaN guard, and the world-size independent state format (resharded in-process)."""
+
 import math
 
 import pytest
 import torch
+from newton_schulz_reference import float64_newton_schulz, published  # the published coefficients, not the package's
 
 from nanochat_fast import optim
 from nanochat_fast.kernels import newton_schulz
 from nanochat_fast.optim import AdamW, DistAdamW, DistMuon, Muon
-from newton_schulz_reference import float64_newton_schulz, published  # the published coefficients, not the package's
 
 
 def make_params(shapes, seed=0):
@@ -32,12 +33,20 @@ def test_adamw_matches_torch_adamw():
     ours, ref = make_params(shapes), make_params(shapes)
     ours[1].lr_mul, ours[1].wd_mul = 2.0, 0.0
     ours[2].wd_mul = 3.0
-    opt = AdamW([dict(params=ours[:2], lr=0.01), dict(params=ours[2:], lr=0.003)],
-                betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1)
+    opt = AdamW(
+        [dict(params=ours[:2], lr=0.01), dict(params=ours[2:], lr=0.003)],
+        betas=(0.8, 0.95),
+        eps=1e-10,
+        weight_decay=0.1,
+    )
     # torch.optim.AdamW decays by lr*weight_decay: per-parameter groups carry the multipliers
     groups = [(0.01, 1.0, 1.0), (0.01, 2.0, 0.0), (0.003, 1.0, 3.0), (0.003, 1.0, 1.0)]
-    ref_opt = torch.optim.AdamW([dict(params=[p], lr=lr * lm, weight_decay=0.1 * wm) for p, (lr, lm, wm) in zip(ref, groups)],
-                                betas=(0.8, 0.95), eps=1e-10, foreach=False)
+    ref_opt = torch.optim.AdamW(
+        [dict(params=[p], lr=lr * lm, weight_decay=0.1 * wm) for p, (lr, lm, wm) in zip(ref, groups)],
+        betas=(0.8, 0.95),
+        eps=1e-10,
+        foreach=False,
+    )
     for step in range(1, 6):
         set_grads(ours, step)
         set_grads(ref, step)
@@ -86,7 +95,9 @@ def svd_factors(G):
 
 
 # measured bands: quintic [0.682, 1.135], Polar Express [0.858, 1.142] (quintic's known ~[0.68, 1.13])
-@pytest.mark.parametrize("coefficients,band,max_offdiag", [("quintic", (0.65, 1.16), 2e-5), ("polar_express", (0.84, 1.16), 2e-5)])
+@pytest.mark.parametrize(
+    "coefficients,band,max_offdiag", [("quintic", (0.65, 1.16), 2e-5), ("polar_express", (0.84, 1.16), 2e-5)]
+)
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64), (3, 48, 160)])
 def test_newton_schulz_orthogonalizes(coefficients, band, max_offdiag, shape):
     """X = NS(G) ~ U diag(s') V^T with s' in the polynomial's band: U^T X V is diagonal (the SVD's
@@ -124,8 +135,14 @@ def test_muon_matches_float64_reference(nesterov, coefficients):
     shapes = [(24, 40)] * 3 + [(40, 24)] * 2 + [(16, 16)]
     params = make_params(shapes)
     start = [p.detach().clone() for p in params]
-    opt = Muon([(f"m{i}", p) for i, p in enumerate(params)], lr=0.02, momentum=0.9, nesterov=nesterov,
-               ns_coefficients=coefficients, ns_dtype="fp32")
+    opt = Muon(
+        [(f"m{i}", p) for i, p in enumerate(params)],
+        lr=0.02,
+        momentum=0.9,
+        nesterov=nesterov,
+        ns_coefficients=coefficients,
+        ns_dtype="fp32",
+    )
     assert sorted(len(g["params"]) for g in opt.param_groups) == [1, 2, 3]  # grouped by shape
     grads_per_step = []
     for step in range(1, 5):
@@ -153,8 +170,9 @@ def build_pair(seed=0):
     """An AdamW (vectors and an odd tensor) and a Muon (matrices) over separate parameters."""
     adam_params = make_params([(7, 3), (5,)], seed)
     muon_params = make_params([(6, 10), (6, 10), (10, 6)], seed + 1)
-    adamw = AdamW([(f"a{i}", p) for i, p in enumerate(adam_params)], lr=0.01, betas=(0.8, 0.95), eps=1e-10,
-                  weight_decay=0.0)
+    adamw = AdamW(
+        [(f"a{i}", p) for i, p in enumerate(adam_params)], lr=0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0
+    )
     muon = Muon([(f"m{i}", p) for i, p in enumerate(muon_params)], lr=0.02, momentum=0.95, ns_dtype="fp32")
     return adam_params + muon_params, [adamw, muon]
 
@@ -186,8 +204,7 @@ def test_step_returns_global_norm_and_clips():
 
 
 def snapshot(params, opts):
-    return ([p.detach().clone() for p in params],
-            [{k: v for k, v in o.shard_state_dict().items()} for o in opts])
+    return ([p.detach().clone() for p in params], [{k: v for k, v in o.shard_state_dict().items()} for o in opts])
 
 
 def assert_same_snapshot(a, b):
@@ -261,9 +278,13 @@ def split_shard(shard, world_size):
         for r in range(world_size):
             lo, hi = min(r * s, n), min((r + 1) * s, n)
             if hi > lo:
-                shards[r]["state"][name] = dict(shape=entry["shape"], offset=lo, numel=hi - lo,
-                                                exp_avg=entry["exp_avg"][lo:hi].clone(),
-                                                exp_avg_sq=entry["exp_avg_sq"][lo:hi].clone())
+                shards[r]["state"][name] = dict(
+                    shape=entry["shape"],
+                    offset=lo,
+                    numel=hi - lo,
+                    exp_avg=entry["exp_avg"][lo:hi].clone(),
+                    exp_avg_sq=entry["exp_avg_sq"][lo:hi].clone(),
+                )
     return shards
 
 

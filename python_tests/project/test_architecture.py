@@ -1,6 +1,7 @@
 """The rules of ARCHITECTURE.md: one folder per layer, each importing only the folders below it
 (imports inside functions count too); the tree is the table; modules and the loop stay readable;
 only the checkpoint home reads and writes tensor files; only interop/ knows nanochat's files."""
+
 import ast
 import re
 from pathlib import Path
@@ -56,7 +57,7 @@ def imported(source: str, module: str, is_package: bool = False) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
+            base = package[: len(package) - node.level + 1] if node.level else []
             base = ".".join(base + (node.module.split(".") if node.module else []))
             out |= {f"{base}.{a.name}" for a in node.names}
     return {m for m in out if m.startswith("nanochat_fast.")}
@@ -68,8 +69,11 @@ def module_name(path: Path) -> str:
 
 
 def forbidden_imports(source: str, module: str, is_package: bool = False) -> list[str]:
-    return [f"{module} ({folder_of(module)}/) imports {name} ({folder_of(name)}/)"
-            for name in sorted(imported(source, module, is_package)) if not allowed(module, name)]
+    return [
+        f"{module} ({folder_of(module)}/) imports {name} ({folder_of(name)}/)"
+        for name in sorted(imported(source, module, is_package))
+        if not allowed(module, name)
+    ]
 
 
 def modules():
@@ -86,13 +90,16 @@ def test_no_folder_imports_one_above_it():
 def test_the_check_fails_on_an_upward_import():
     late = "def f():\n    from ..train import stage\n"
     assert forbidden_imports(late, "nanochat_fast.optim.adamw") == [
-        "nanochat_fast.optim.adamw (optim/) imports nanochat_fast.train.stage (train/)"]
+        "nanochat_fast.optim.adamw (optim/) imports nanochat_fast.train.stage (train/)"
+    ]
     assert forbidden_imports("from nanochat_fast.common import print0", "nanochat_fast.data.tokenizer") != []
     assert forbidden_imports("from ..train.training_loop import train", "nanochat_fast.model.gpt") != []
     assert forbidden_imports("from .. import hardware", "nanochat_fast.core.distributed") != []
     assert forbidden_imports("from ..model import gpt", "nanochat_fast.data.tokenizer") != []  # siblings too
-    assert forbidden_imports("from ..kernels import registry\nfrom ..core import errors",
-                             "nanochat_fast.train.env_vars") == []
+    assert (
+        forbidden_imports("from ..kernels import registry\nfrom ..core import errors", "nanochat_fast.train.env_vars")
+        == []
+    )
     assert forbidden_imports("from ..optim import muon", "nanochat_fast.tools.triton_aot") != []
     assert forbidden_imports("from ..tools import triton_aot", "nanochat_fast.kernels.registry") != []
     assert forbidden_imports("from ..train import model_setup", "nanochat_fast.hardware.__main__") == []
@@ -115,13 +122,17 @@ def test_public_names_are_the_packages_own():
     from nanochat_fast import common, gpt
     from nanochat_fast.core import distributed
     from nanochat_fast.model import gpt as model_gpt
+
     assert common.compute_init is distributed.compute_init and common.print0 is distributed.print0
     assert gpt.GPT is model_gpt.GPT and gpt.GPTConfig is model_gpt.GPTConfig
 
 
 def test_modules_and_loop_functions_stay_short():
-    long_modules = [f"{p.relative_to(PACKAGE)}: {n} lines" for p in modules()
-                    if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    long_modules = [
+        f"{p.relative_to(PACKAGE)}: {n} lines"
+        for p in modules()
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
     long_functions = []
     for rel in READABLE:
         for node in ast.walk(ast.parse((PACKAGE / rel).read_text())):
@@ -167,16 +178,22 @@ def tensor_file_io(source: str) -> list[str]:
         what = None
         if isinstance(node, ast.Attribute):
             name = dotted(node)
-            if name in ("torch.save", "torch.load") or re.search(r"(^|\.)checkpoint\.(save|load|async_save)$", name) \
-                    or node.attr in ("FileSystemReader", "FileSystemWriter"):
+            if (
+                name in ("torch.save", "torch.load")
+                or re.search(r"(^|\.)checkpoint\.(save|load|async_save)$", name)
+                or node.attr in ("FileSystemReader", "FileSystemWriter")
+            ):
                 what = name or node.attr
         elif isinstance(node, ast.Import):
             what = next((a.name for a in node.names if is_dcp(a.name)), None)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names = {a.name for a in node.names}
-            if is_dcp(node.module) or node.module == "torch.serialization" \
-                    or (node.module == "torch" and names & {"save", "load"}) \
-                    or (node.module == "torch.distributed" and "checkpoint" in names):
+            if (
+                is_dcp(node.module)
+                or node.module == "torch.serialization"
+                or (node.module == "torch" and names & {"save", "load"})
+                or (node.module == "torch.distributed" and "checkpoint" in names)
+            ):
                 what = f"from {node.module} import {', '.join(sorted(names))}"
         if what:
             found.append(f"line {node.lineno}: {what}")
@@ -202,14 +219,23 @@ def test_the_tensor_file_check_fails_on_io_outside_the_home():
     assert tensor_file_io("import torch\ndef f(x, p):\n    torch.save(x, p)\n") == ["line 3: torch.save"]
     assert tensor_file_io("def f(p):\n    return torch.load(p, weights_only=True)\n") == ["line 2: torch.load"]
     assert tensor_file_io("from torch import load\n") != []
-    assert tensor_file_io("def f(s, p):\n    import torch.distributed.checkpoint as dcp\n"
-                          "    dcp.save(s, checkpoint_id=p)\n") != []
+    assert (
+        tensor_file_io(
+            "def f(s, p):\n    import torch.distributed.checkpoint as dcp\n    dcp.save(s, checkpoint_id=p)\n"
+        )
+        != []
+    )
     assert tensor_file_io("from torch.distributed.checkpoint import FileSystemReader\n") != []
     assert tensor_file_io("from torch.distributed import checkpoint\n") != []
     assert tensor_file_io("import torch.distributed as dist\ndist.checkpoint.load(s, checkpoint_id=p)\n") != []
-    assert tensor_file_io("from torch.distributed.checkpoint.state_dict import get_model_state_dict\n"
-                          "model.load_state_dict(checkpoints.read_tensors(p))\n"
-                          "checkpoints.save_checkpoint(run_dir, 3, model_state=s)\n") == []
+    assert (
+        tensor_file_io(
+            "from torch.distributed.checkpoint.state_dict import get_model_state_dict\n"
+            "model.load_state_dict(checkpoints.read_tensors(p))\n"
+            "checkpoints.save_checkpoint(run_dir, 3, model_state=s)\n"
+        )
+        == []
+    )
 
 
 # Only interop/ knows nanochat's files. The marker: a string in code (not a docstring, which may
@@ -217,8 +243,10 @@ def test_the_tensor_file_check_fails_on_io_outside_the_home():
 # format string, glob or regex: tokenizer.pkl, model_NNNNNN.pt, meta_NNNNNN.json,
 # optim_NNNNNN_rankR.pt, <stage>_checkpoints. f-strings are read with {} for each field.
 STEP = r"(?:\{[^}]*\}|%\d*d|\*|N{6}|\(\\d\+\)|\\d\+|\d{6})"  # {:06d}, %06d, *, NNNNNN, (\d+), \d+, 000100
-NANOCHAT_NAMES = re.compile(rf"tokenizer\.pkl|\b(?:model|meta)_{STEP}\\?\.(?:pt|json)|\boptim_{STEP}_rank"
-                            r"|\b(?:base|mid|chatsft|chatrl)_checkpoints\b")
+NANOCHAT_NAMES = re.compile(
+    rf"tokenizer\.pkl|\b(?:model|meta)_{STEP}\\?\.(?:pt|json)|\boptim_{STEP}_rank"
+    r"|\b(?:base|mid|chatsft|chatrl)_checkpoints\b"
+)
 INTEROP = "interop"
 
 
@@ -226,9 +254,14 @@ def strings_in_code(source: str) -> list[tuple[int, str]]:
     """(line, text) of every string constant of `source` but its docstrings; an f-string as one
     text with {} for each field."""
     tree = ast.parse(source)
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
     parts = {id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for v in node.values}
     out = []
     for node in ast.walk(tree):
@@ -252,14 +285,26 @@ def test_only_interop_names_nanochats_files():
 def test_the_nanochat_names_check_fails_on_a_format_outside_interop():
     assert nanochat_names('PICKLE = "tokenizer.pkl"\n') == ["line 1: 'tokenizer.pkl'"]
     assert nanochat_names('def f(step):\n    return f"model_{step:06d}.pt"\n') == ["line 2: 'model_{}.pt'"]
-    for text in ["meta_{:06d}.json", "optim_{:06d}_rank{}.pt", "optim_%06d_rank%d.pt", "meta_*.json",
-                 r"meta_(\d+)\.json", "model_000100.pt", "no optim_NNNNNN_rank*.pt here", "base_checkpoints"]:
+    for text in [
+        "meta_{:06d}.json",
+        "optim_{:06d}_rank{}.pt",
+        "optim_%06d_rank%d.pt",
+        "meta_*.json",
+        r"meta_(\d+)\.json",
+        "model_000100.pt",
+        "no optim_NNNNNN_rank*.pt here",
+        "base_checkpoints",
+    ]:
         assert nanochat_names(f"x = {text!r}\n") != [], text
     # our own names, a docstring and a comment are not nanochat's formats
-    assert nanochat_names('"""Reads tokenizer.pkl and model_NNNNNN.pt."""\n# meta_{:06d}.json\n'
-                          'FILES = ["model.pt", "meta.json", "optim_rank{}.pt", "step_{:06d}", "checkpoints"]\n'
-                          'def f(r):\n    """meta_*.json"""\n    return f"optim_rank{r}.pt"\n') == []
-
+    assert (
+        nanochat_names(
+            '"""Reads tokenizer.pkl and model_NNNNNN.pt."""\n# meta_{:06d}.json\n'
+            'FILES = ["model.pt", "meta.json", "optim_rank{}.pt", "step_{:06d}", "checkpoints"]\n'
+            'def f(r):\n    """meta_*.json"""\n    return f"optim_rank{r}.pt"\n'
+        )
+        == []
+    )
 
 
 def test_every_path_of_the_concept_map_exists():

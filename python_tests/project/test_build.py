@@ -1,5 +1,6 @@
 """The package installs and runs without its compiled extension: NANOCHAT_FAST_NO_EXT=1 skips it,
 a broken compiler only warns, and the backend choice falls back to pure PyTorch."""
+
 import os
 import shutil
 import subprocess
@@ -7,25 +8,47 @@ import sys
 import zipfile
 
 import pytest
-
 from repo_paths import ROOT
 
 
 def build_wheel(tmp_path, **env):
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", "build", ".git", "*.so", "__pycache__",
-                                                               "*.egg-info", "benchmarks", "python_tests"))
-    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
-                             "-w", str(tmp_path / "dist"), str(src)],
-                            capture_output=True, text=True, env={**os.environ, **env})
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".venv", "build", ".git", "*.so", "__pycache__", "*.egg-info", "benchmarks", "python_tests"
+        ),
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-v",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+    )
     wheels = list((tmp_path / "dist").glob("*.whl"))
     return result, wheels
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"NANOCHAT_FAST_NO_EXT": "1"}, "NANOCHAT_FAST_NO_EXT=1: skipping"),
-    ({"CXX": "/bin/false", "CC": "/bin/false"}, "building the C++ extension failed"),
-], ids=["no-ext", "broken-compiler"])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"NANOCHAT_FAST_NO_EXT": "1"}, "NANOCHAT_FAST_NO_EXT=1: skipping"),
+        ({"CXX": "/bin/false", "CC": "/bin/false"}, "building the C++ extension failed"),
+    ],
+    ids=["no-ext", "broken-compiler"],
+)
 def test_installs_without_the_extension(tmp_path, env, message):
     result, wheels = build_wheel(tmp_path, **env)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -37,13 +60,15 @@ def test_installs_without_the_extension(tmp_path, env, message):
 
 
 def test_runs_on_fallbacks_without_the_extension():
-    code = ("import sys; sys.modules['nanochat_fast._C'] = None\n"  # make `from nanochat_fast import _C` fail
-            "import torch\n"
-            "from nanochat_fast.kernels import adamw_slice_update, registry\n"
-            "p, g, m, v = torch.ones(4), torch.ones(4), torch.zeros(4), torch.zeros(4)\n"
-            "adamw_slice_update([p], [g], [m], [v], 1, 0.1, 0.9, 0.95, 1e-8, 0.0)\n"
-            "print(registry.select('adamw_slice_update', 'cpu').name, round(p[0].item(), 4))\n"
-            "print(registry.backends('adamw_slice_update')['cpp'].why_not('cpu'))\n")
+    code = (
+        "import sys; sys.modules['nanochat_fast._C'] = None\n"  # make `from nanochat_fast import _C` fail
+        "import torch\n"
+        "from nanochat_fast.kernels import adamw_slice_update, registry\n"
+        "p, g, m, v = torch.ones(4), torch.ones(4), torch.zeros(4), torch.zeros(4)\n"
+        "adamw_slice_update([p], [g], [m], [v], 1, 0.1, 0.9, 0.95, 1e-8, 0.0)\n"
+        "print(registry.select('adamw_slice_update', 'cpu').name, round(p[0].item(), 4))\n"
+        "print(registry.backends('adamw_slice_update')['cpp'].why_not('cpu'))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     first, second = out.stdout.splitlines()
@@ -59,8 +84,9 @@ def test_forced_cuda_build_fails_loudly(tmp_path):
     setup.py chose the GPU targets itself where no GPU is visible and no TORCH_CUDA_ARCH_LIST is given."""
     import torch
 
-    result, wheels = build_wheel(tmp_path, NANOCHAT_FAST_FORCE_CUDA="1", TORCH_CUDA_ARCH_LIST="", MAX_JOBS="1",
-                                 CXX="/bin/false", CC="/bin/false")
+    result, wheels = build_wheel(
+        tmp_path, NANOCHAT_FAST_FORCE_CUDA="1", TORCH_CUDA_ARCH_LIST="", MAX_JOBS="1", CXX="/bin/false", CC="/bin/false"
+    )
     out = result.stderr + result.stdout
     assert result.returncode != 0 and not wheels, out[-2000:]
     if torch.version.cuda is None:

@@ -1,14 +1,15 @@
 """chat_rl end to end on the tiny pipeline: RL alone raises a tiny SFT'd model's held-out reward on
 the synthetic last-digit task; 2 gloo processes take the same steps as 1; a stopped run resumes
 exactly; the report card gets an RL column."""
+
 import json
 
 import pytest
+from faults import preempted_and_resumed
+from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, run_script
 
 from nanochat_fast.evals import tasks
 from nanochat_fast.scripts import base_train, chat_rl, chat_sft, report
-from faults import preempted_and_resumed
-from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, run_script
 
 BASE = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 # SFT at the pretraining learning rates: a 140k-parameter model learns the task's format in a few
@@ -19,8 +20,17 @@ SFT_STEPS = 60
 # AdamW's step size the embedding at 0.2 turns the noise of 64 samples into damage (val bpb
 # 0.35 -> 0.80 in 10 steps, reward down), at 0.01 RL lifts the held-out reward 0.19 -> 0.77 in 30
 RL_LR = ["--matrix-lr=0.01", "--embedding-lr=0.01", "--unembedding-lr=0.002", "--warmdown-ratio=0"]
-RL = ["--source-run=s", "--task=last-digit", "--examples-per-step=8", "--num-samples=8", "--max-new-tokens=8",
-      "--eval-examples=40", "--eval-tokens=512", *RL_LR, *FP32]
+RL = [
+    "--source-run=s",
+    "--task=last-digit",
+    "--examples-per-step=8",
+    "--num-samples=8",
+    "--max-new-tokens=8",
+    "--eval-examples=40",
+    "--eval-tokens=512",
+    *RL_LR,
+    *FP32,
+]
 RL_STEPS = 30
 
 
@@ -34,6 +44,7 @@ def rl_home(tiny_home, tmp_path_factory):
     """tiny_home + a 4-step base run `b` + `s`: SFT_STEPS steps of chat_sft with the synthetic
     task's train conversations mixed in."""
     import shutil
+
     home = tmp_path_factory.mktemp("rl") / "home"
     shutil.copytree(tiny_home, home)
     task = tasks.get("last-digit")
@@ -41,9 +52,24 @@ def rl_home(tiny_home, tmp_path_factory):
     conversations.write_text("".join(json.dumps(task.conversation(ex)) + "\n" for ex in task.load("train")))
     with home_env(home):
         assert base_train.main(BASE + ["--num-iterations=4", "--run=b"]) == 0
-        assert chat_sft.main(["--source-run=b", f"--extra-conversations={conversations}", "--device-batch-size=16",
-                              "--target-examples-per-step=16", f"--num-iterations={SFT_STEPS}", "--eval-every=-1",
-                              "--chat-eval-examples=0", "--warmdown-ratio=0.5", "--run=s", *FULL_LR, *FP32]) == 0
+        assert (
+            chat_sft.main(
+                [
+                    "--source-run=b",
+                    f"--extra-conversations={conversations}",
+                    "--device-batch-size=16",
+                    "--target-examples-per-step=16",
+                    f"--num-iterations={SFT_STEPS}",
+                    "--eval-every=-1",
+                    "--chat-eval-examples=0",
+                    "--warmdown-ratio=0.5",
+                    "--run=s",
+                    *FULL_LR,
+                    *FP32,
+                ]
+            )
+            == 0
+        )
     return home
 
 
@@ -62,13 +88,16 @@ def test_rl_alone_raises_the_held_out_reward(rl_home, monkeypatch, capsys):
     assert len(trained) == RL_STEPS and all(0 <= r["reward"] <= 1 and r["seq_len"] > 0 for r in trained)
     line = next(line for line in out.splitlines() if line.startswith(f"step 00001/{RL_STEPS}"))
     assert "| reward " in line and "| pass@1 " in line and "| seq len " in line and "| dt " in line
-    assert out.strip().splitlines()[-1] == ("next: python -m nanochat_fast.scripts.chat_eval --run=learn "
-                                            "--task=last-digit --max-examples=100")
+    assert out.strip().splitlines()[-1] == (
+        "next: python -m nanochat_fast.scripts.chat_eval --run=learn --task=last-digit --max-examples=100"
+    )
 
     assert report.main([]) == 0
     card = capsys.readouterr().out
     assert "| metric | BASE | SFT | RL |" in card
-    assert f"| pass@1 on held-out last-digit questions (chat_rl's eval, sampled) | - | - | {end['pass@1']:.4f} |" in card
+    assert (
+        f"| pass@1 on held-out last-digit questions (chat_rl's eval, sampled) | - | - | {end['pass@1']:.4f} |" in card
+    )
 
 
 def test_two_processes_take_the_same_steps(rl_home, tmp_path):
@@ -87,7 +116,8 @@ def test_two_processes_take_the_same_steps(rl_home, tmp_path):
     assert any(r["reward"] not in (0.0, 1.0) for r in one_rows)  # the steps had something to learn from
     for a, b in zip(*(rows_of(rl_home / "runs" / r, "eval") for r in ("one", "two"))):
         assert {k: v for k, v in a.items() if k.startswith("pass@") or k == "val_bpb"} == pytest.approx(
-            {k: v for k, v in b.items() if k.startswith("pass@") or k == "val_bpb"}, abs=1e-5)
+            {k: v for k, v in b.items() if k.startswith("pass@") or k == "val_bpb"}, abs=1e-5
+        )
 
 
 def test_stop_and_resume_is_exact(rl_home, monkeypatch, capsys):

@@ -1,11 +1,16 @@
 """chat_sft: one conversation per row with only the assistant's tokens supervised (padding never),
 the default mixture, 1 vs 2 gloo processes, exact resume, and the printed next commands."""
+
 import json
 import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+from eval_home import gsm8k, mc, write_eval_home, write_task
+from faults import preempted_and_resumed
+from tiny_gpt import random_model
+from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script
 
 from nanochat_fast import checkpoints
 from nanochat_fast.data.padded_conversations import ConversationMixture, PaddedConversationLoader
@@ -13,35 +18,52 @@ from nanochat_fast.data.tokenizer import get_tokenizer
 from nanochat_fast.evals import tasks
 from nanochat_fast.scripts import chat_eval, chat_sft, mid_train
 from nanochat_fast.train.stage_data import ConversationShards
-from eval_home import gsm8k, mc, write_eval_home, write_task
-from faults import preempted_and_resumed
-from tiny_gpt import random_model
-from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script
 
 BASE = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 # fp32 pinned (FP32: model and Newton-Schulz), as in BASE: the runs are compared to 1e-4..1e-5 and
 # bitwise; with `auto` a CPU with native bf16 would train in bf16, whose rounding differs between
 # 1 and 2 processes (2.8e-4 in val bpb measured on an AVX512-BF16 Xeon)
-SFT = ["--device-batch-size=4", "--target-examples-per-step=8", "--eval-tokens=512", "--chat-eval-examples=4",
-       "--source-run=m"] + FP32
+SFT = [
+    "--device-batch-size=4",
+    "--target-examples-per-step=8",
+    "--eval-tokens=512",
+    "--chat-eval-examples=4",
+    "--source-run=m",
+] + FP32
 
 
 @pytest.fixture(scope="module")
 def sft_home(tiny_home, tmp_path_factory):
     """tiny_home + hand-written evaluation data + a 4-step base run `b` and a 2-step mid run `m`."""
-    home = home_with_base_run(tiny_home, tmp_path_factory.mktemp("sft") / "home", BASE + ["--num-iterations=4", "--run=b"])
+    home = home_with_base_run(
+        tiny_home, tmp_path_factory.mktemp("sft") / "home", BASE + ["--num-iterations=4", "--run=b"]
+    )
     write_eval_home(home)
     with home_env(home):
-        assert mid_train.main(["--device-batch-size=4", "--total-batch-size=512", "--num-iterations=2",
-                               "--eval-every=-1", "--base-run=b", "--run=m", *FP32]) == 0
+        assert (
+            mid_train.main(
+                [
+                    "--device-batch-size=4",
+                    "--total-batch-size=512",
+                    "--num-iterations=2",
+                    "--eval-every=-1",
+                    "--base-run=b",
+                    "--run=m",
+                    *FP32,
+                ]
+            )
+            == 0
+        )
     return home
 
 
 def supervised_by_special_tokens(ids: list[int], tok) -> list[bool]:
     """Which tokens the assistant says, from the special tokens alone: after <|assistant_start|> up
     to and including <|assistant_end|>, except a tool's output (<|output_start|> ... <|output_end|>)."""
-    sp = {name: tok.encode_special(name) for name in
-          ("<|assistant_start|>", "<|assistant_end|>", "<|output_start|>", "<|output_end|>")}
+    sp = {
+        name: tok.encode_special(name)
+        for name in ("<|assistant_start|>", "<|assistant_end|>", "<|output_start|>", "<|output_end|>")
+    }
     out, speaking, tool = [], False, False
     for t in ids:
         if t == sp["<|assistant_start|>"]:
@@ -61,16 +83,41 @@ def test_rows_hold_one_conversation_with_only_the_assistant_supervised(sft_home,
     loss of the padded batch is the sum of each conversation's loss computed alone, unpadded."""
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(sft_home))
     tok = get_tokenizer()
-    convs = [{"messages": [{"role": "user", "content": "what is 2 plus 2?"},
-                           {"role": "assistant", "content": "2 plus 2 is 4."}]}]
-    convs += [{"messages": [{"role": "user", "content": ex["question"]},
-                            {"role": "assistant", "content": [{"type": "text", "text": "so "},
-                                                              {"type": "python", "text": "3+4"},
-                                                              {"type": "python_output", "text": "7"},
-                                                              {"type": "text", "text": " #### 7"}]}]}
-              for ex in gsm8k(2)]
-    convs.append({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                               {"role": "user", "content": "bye"}, {"role": "assistant", "content": "bye now"}]})
+    convs = [
+        {
+            "messages": [
+                {"role": "user", "content": "what is 2 plus 2?"},
+                {"role": "assistant", "content": "2 plus 2 is 4."},
+            ]
+        }
+    ]
+    convs += [
+        {
+            "messages": [
+                {"role": "user", "content": ex["question"]},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "so "},
+                        {"type": "python", "text": "3+4"},
+                        {"type": "python_output", "text": "7"},
+                        {"type": "text", "text": " #### 7"},
+                    ],
+                },
+            ]
+        }
+        for ex in gsm8k(2)
+    ]
+    convs.append(
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "bye"},
+                {"role": "assistant", "content": "bye now"},
+            ]
+        }
+    )
     mixture = ConversationMixture([("hand", ConversationShards(convs, tok, "hand"))], shuffle=False)
     pad = tok.encode_special("<|assistant_end|>")
     loader = PaddedConversationLoader(mixture, device_batch_size=4, seq_len=200, pad_id=pad)
@@ -89,8 +136,12 @@ def test_rows_hold_one_conversation_with_only_the_assistant_supervised(sft_home,
     model = random_model(mid_config(sft_home), seed=3)
     with torch.no_grad():
         batch_loss = model(x, y, loss_reduction="sum").item()
-        alone = sum(F.cross_entropy(model(x[r:r + 1, :len(ids) - 1])[0], y[r, :len(ids) - 1], ignore_index=-1,
-                                    reduction="sum").item() for r, ids in enumerate(rendered))
+        alone = sum(
+            F.cross_entropy(
+                model(x[r : r + 1, : len(ids) - 1])[0], y[r, : len(ids) - 1], ignore_index=-1, reduction="sum"
+            ).item()
+            for r, ids in enumerate(rendered)
+        )
     assert batch_loss == pytest.approx(alone, rel=1e-5)
 
     loader = PaddedConversationLoader(mixture, device_batch_size=2, seq_len=8, pad_id=pad)
@@ -100,6 +151,7 @@ def test_rows_hold_one_conversation_with_only_the_assistant_supervised(sft_home,
 
 def mid_config(home):
     from nanochat_fast.model.gpt import GPTConfig
+
     return GPTConfig(**checkpoints.load_meta(checkpoints.complete_checkpoints(home / "runs" / "m")[-1])["model_config"])
 
 
@@ -110,8 +162,15 @@ def test_default_mixture_and_its_report(sft_home, monkeypatch, capsys):
     assert chat_sft.main(SFT + ["--num-iterations=2", "--eval-every=2", "--run=mix"]) == 0
     out = capsys.readouterr().out
     data = next(line for line in out.splitlines() if line.startswith("data: "))
-    for part in ("chat 360", "ARC-Easy validation 5", "ARC-Challenge validation 3", "MMLU dev 2",
-                 "MMLU validation 4", "GSM8K dev 2", "SpellingBee train 4"):
+    for part in (
+        "chat 360",
+        "ARC-Easy validation 5",
+        "ARC-Challenge validation 3",
+        "MMLU dev 2",
+        "MMLU validation 4",
+        "GSM8K dev 2",
+        "SpellingBee train 4",
+    ):
         assert part in data, data
     assert "test" not in data and "HumanEval" not in data
     run_dir = sft_home / "runs" / "mix"
@@ -119,7 +178,9 @@ def test_default_mixture_and_its_report(sft_home, monkeypatch, capsys):
     assert meta["phase"] == "sft" and meta["base_checkpoint"].endswith("m/checkpoints/step_000002")
     assert meta["device"]["type"] == "cpu" and meta["device"]["processes"] == 1
     assert "| arc_easy_acc (last eval) |" in (run_dir / "report.md").read_text()
-    assert out.strip().splitlines()[-1] == "next: python -m nanochat_fast.scripts.chat_eval --run=mix --max-examples=100"
+    assert (
+        out.strip().splitlines()[-1] == "next: python -m nanochat_fast.scripts.chat_eval --run=mix --max-examples=100"
+    )
 
 
 def test_without_a_conversation_dataset_every_50th_is_held_out(sft_home, tmp_path, monkeypatch, capsys):
@@ -164,22 +225,30 @@ def test_stop_and_resume_is_exact(sft_home, monkeypatch, capsys):
 
 def test_batch_must_divide_into_examples(sft_home, monkeypatch):
     from nanochat_fast.core.errors import UserError
+
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(sft_home))
     with pytest.raises(UserError, match="nearest valid values: 8 or 12"):
         chat_sft.main(SFT[1:] + ["--device-batch-size=4", "--target-examples-per-step=10", "--run=x"])
 
 
-def test_prompts_longer_than_the_context_stop_neither_training_nor_evaluation(sft_home, tmp_path, monkeypatch,
-                                                                             capsys):
+def test_prompts_longer_than_the_context_stop_neither_training_nor_evaluation(sft_home, tmp_path, monkeypatch, capsys):
     """Two MMLU questions of ~1,000 tokens, past the rotary table of the 64-position model (640):
     chat_sft with the default mixture, its in-training MMLU evaluation included, finishes; chat_eval
     --task=MMLU scores every question and says how many prompts it cut to their end."""
     home = tmp_path / "home"
     shutil.copytree(sft_home, home)
-    long = [dict(e, question=e["question"] + " Think of the colour of the evening sky." * 25)
-            for e in mc("mmlu-long", 2)]
-    write_task(home, "mmlu", {"dev": mc("mmlu-dev", 2), "validation": mc("mmlu-val", 4) + long,
-                              "test": [dict(e, subject="colours") for e in mc("mmlu", 6) + long]})
+    long = [
+        dict(e, question=e["question"] + " Think of the colour of the evening sky." * 25) for e in mc("mmlu-long", 2)
+    ]
+    write_task(
+        home,
+        "mmlu",
+        {
+            "dev": mc("mmlu-dev", 2),
+            "validation": mc("mmlu-val", 4) + long,
+            "test": [dict(e, subject="colours") for e in mc("mmlu", 6) + long],
+        },
+    )
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
     assert chat_sft.main(SFT + ["--num-iterations=2", "--eval-every=1", "--run=long"]) == 0
     assert "mmlu acc" in capsys.readouterr().out
@@ -188,5 +257,6 @@ def test_prompts_longer_than_the_context_stop_neither_training_nor_evaluation(sf
     tok, mmlu = get_tokenizer(), tasks.get("MMLU")
     lengths = [len(tok.render_for_completion(mmlu.conversation(ex))) for ex in mmlu.load()]
     assert len(lengths) == 8 and max(lengths) > 10 * 64
-    assert f"| {sum(n > 64 for n in lengths)} of 8 prompts longer than the context were truncated (their end kept)" \
-        in out, out
+    assert (
+        f"| {sum(n > 64 for n in lengths)} of 8 prompts longer than the context were truncated (their end kept)" in out
+    ), out

@@ -1,22 +1,35 @@
 """infer_bench: a tiny sweep finishes, its last stdout line is JSON with every figure per batch size,
 each row decodes the tokens asked for (even where the model wants to stop), and the bytes per step
 behind MBU are the hand count; a run's checkpoint benchmarks the same way."""
+
 import json
 import math
 
 import pytest
+from chat_web_support import random_model, save_chat_checkpoint
+from stub_models import StubModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
 
 from nanochat_fast.core import cli
 from nanochat_fast.model.batch_engine import Request
 from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.scripts import infer_bench
-from chat_web_support import random_model, save_chat_checkpoint
-from stub_models import StubModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
 
 TINY = ["--depth=1", "--vocab-size=512", "--max-seq-len=64", "--prompt-tokens=8", "--decode-tokens=5", "--dtype=fp32"]
-FIELDS = ["prefill_tok_per_s", "decode_tok_per_s", "per_token_latency_s", "ttft_median_s", "prefill_s", "decode_s",
-          "peak_memory_bytes", "kv_cache_bytes", "kv_read_bytes_per_step", "bytes_per_step", "steps_per_s",
-          "mbu_percent", "mfu_percent"]
+FIELDS = [
+    "prefill_tok_per_s",
+    "decode_tok_per_s",
+    "per_token_latency_s",
+    "ttft_median_s",
+    "prefill_s",
+    "decode_s",
+    "peak_memory_bytes",
+    "kv_cache_bytes",
+    "kv_read_bytes_per_step",
+    "bytes_per_step",
+    "steps_per_s",
+    "mbu_percent",
+    "mfu_percent",
+]
 
 
 def bench(argv, capsys) -> tuple[dict, list[str]]:
@@ -86,11 +99,13 @@ def test_a_runs_checkpoint(home, capsys):
     """A saved chat checkpoint (random weights, GQA: 2 query heads share 1 kv head), loaded the way
     chat_cli loads it, with the home's tokenizer."""
     from nanochat_fast.data.tokenizer import get_tokenizer
+
     vocab = get_tokenizer(home / "tokenizer").get_vocab_size()
     config = GPTConfig(sequence_len=64, vocab_size=vocab, n_layer=2, n_head=2, n_kv_head=1, n_embd=32)
     save_chat_checkpoint(home, "tinychat", random_model(config), step=3)
-    out, _ = bench(["--run=tinychat", "--batch-sizes=2", "--prompt-tokens=6", "--decode-tokens=4", "--dtype=fp32"],
-                   capsys)
+    out, _ = bench(
+        ["--run=tinychat", "--batch-sizes=2", "--prompt-tokens=6", "--decode-tokens=4", "--dtype=fp32"], capsys
+    )
     assert out["model"]["step"] == 3 and out["model"]["checkpoint"].endswith("step_000003")
     assert out["model_config"]["n_kv_head"] == 1
     assert out["kv_bytes_per_position"] == 2 * 2 * 1 * 16 * 4  # layers x (k, v) x kv heads x head_dim x fp32

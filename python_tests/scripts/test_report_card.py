@@ -1,5 +1,6 @@
 """The report card from hand-made stage reports (checkpoint meta.json and evals.json, no training):
 which runs it picks, its summary table, costs and scores computed by hand."""
+
 import json
 import os
 
@@ -13,16 +14,29 @@ from nanochat_fast.scripts import report
 MODEL = {"sequence_len": 64, "vocab_size": 320, "n_layer": 2, "n_head": 2, "n_kv_head": 2, "n_embd": 64}
 
 
-def fake_run(home, name, phase, step, source=None, train_time=3600.0, tokens=1000, device=None, bpb=(3.0, 2.0),
-             mtime=0):
+def fake_run(
+    home, name, phase, step, source=None, train_time=3600.0, tokens=1000, device=None, bpb=(3.0, 2.0), mtime=0
+):
     """A run directory holding one complete checkpoint's meta.json (no weights: the card reads none)."""
     ckpt = home / "runs" / name / "checkpoints" / f"step_{step:06d}"
     ckpt.mkdir(parents=True)
-    meta = {"format_version": checkpoints.FORMAT_VERSION, "step": step, "phase": phase, "model_config": MODEL,
-            "args": {"dataset": "chat" if phase != "base" else "base"}, "world_size": 2,
-            "device": device or {"type": "cpu", "processes": 2, "threads_per_process": 2, "hardware": "a test CPU"},
-            "loop_state": {"step": step, "train_time": train_time, "tokens_seen": tokens, "first_val_bpb": bpb[0],
-                           "last_val_bpb": bpb[1], "last_evals": {}}}
+    meta = {
+        "format_version": checkpoints.FORMAT_VERSION,
+        "step": step,
+        "phase": phase,
+        "model_config": MODEL,
+        "args": {"dataset": "chat" if phase != "base" else "base"},
+        "world_size": 2,
+        "device": device or {"type": "cpu", "processes": 2, "threads_per_process": 2, "hardware": "a test CPU"},
+        "loop_state": {
+            "step": step,
+            "train_time": train_time,
+            "tokens_seen": tokens,
+            "first_val_bpb": bpb[0],
+            "last_val_bpb": bpb[1],
+            "last_evals": {},
+        },
+    }
     if source is not None:
         meta["base_checkpoint"] = str(home / "runs" / source / "checkpoints" / "step_000010")
     (ckpt / "meta.json").write_text(json.dumps(meta))
@@ -45,15 +59,32 @@ def pipeline(nanochat_home):
     fake_run(home, "s_old", "sft", 10, source="m_other", mtime=5)
     gpu = {"type": "cuda", "processes": 8, "threads_per_process": 1, "hardware": "8 x H100"}
     fake_run(home, "s", "sft", 20, source="m", train_time=900.0, device=gpu, mtime=70)
-    core = {"name": "CORE subset (2/22 tasks)", "results": {"copa": 0.6, "piqa": 0.5},
-            "centered": {"copa": 0.2, "piqa": 0.0}, "core_subset": 0.1, "chance": {"copa": 0.5, "piqa": 0.5},
-            "counts": {"copa": {"correct": 6, "total": 10, "shots": 0, "split": "validation", "seconds": 1.0},
-                       "piqa": {"correct": 5, "total": 10, "shots": 10, "split": "validation", "seconds": 1.0}},
-            "max_examples": 10}
-    task_runner.record(home / "runs" / "b", 10, "base_eval",
-                      {"val_bpb": {"value": 1.9, "dataset": "base", "eval_tokens": 512}, "core_subset": core})
-    chances = {"ARC-Easy": 0.25, "ARC-Challenge": 0.25, "MMLU": 0.25, "GSM8K": 0.0, "HumanEval": 0.0,
-               "SpellingBee": 0.0}
+    core = {
+        "name": "CORE subset (2/22 tasks)",
+        "results": {"copa": 0.6, "piqa": 0.5},
+        "centered": {"copa": 0.2, "piqa": 0.0},
+        "core_subset": 0.1,
+        "chance": {"copa": 0.5, "piqa": 0.5},
+        "counts": {
+            "copa": {"correct": 6, "total": 10, "shots": 0, "split": "validation", "seconds": 1.0},
+            "piqa": {"correct": 5, "total": 10, "shots": 10, "split": "validation", "seconds": 1.0},
+        },
+        "max_examples": 10,
+    }
+    task_runner.record(
+        home / "runs" / "b",
+        10,
+        "base_eval",
+        {"val_bpb": {"value": 1.9, "dataset": "base", "eval_tokens": 512}, "core_subset": core},
+    )
+    chances = {
+        "ARC-Easy": 0.25,
+        "ARC-Challenge": 0.25,
+        "MMLU": 0.25,
+        "GSM8K": 0.0,
+        "HumanEval": 0.0,
+        "SpellingBee": 0.0,
+    }
     sft = {name: chat_result(name, 30 if chance else 0, 100, chance) for name, chance in chances.items()}
     task_runner.record(home / "runs" / "s", 20, "chat_eval", sft)
     task_runner.record(home / "runs" / "m", 10, "chat_eval", {"ARC-Easy": chat_result("ARC-Easy", 25, 100, 0.25)})
@@ -82,8 +113,11 @@ def test_card_follows_the_newest_sft_runs_lineage(pipeline, capsys):
     assert rows["ChatCORE (six tasks, centred by chance)"] == ["-", "-", f"{3 * (0.05 / 0.75) / 6:.4f}"]
     assert rows["tokens seen"][0] == "123,456"
     # 1 h x 2 processes x 2 threads; 0.5 h x 4 cores; 0.25 h x 8 GPUs
-    assert rows["cost"] == ["4.000 core-hours (2 x 2 threads)", "2.000 core-hours (2 x 2 threads)",
-                            "2.000 GPU-hours (8 x cuda)"]
+    assert rows["cost"] == [
+        "4.000 core-hours (2 x 2 threads)",
+        "2.000 core-hours (2 x 2 threads)",
+        "2.000 GPU-hours (8 x cuda)",
+    ]
     assert "Total training time: 105.0 min." in text
     assert "| copa | 0 | 60.0% | 6 / 10 | 50.0% | +0.2000 |" in text
     assert "| MMLU | 30.0% | 30 / 100 test | 25.0% | 21.9% - 39.6% | 1.5 s |" in text

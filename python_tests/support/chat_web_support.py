@@ -2,6 +2,7 @@
 package's own checkpoint writer (random weights to time serving; a few seconds of training for
 replies that read as replies), a real chat_web process on a free port of 127.0.0.1, and a reader
 for its server-sent events."""
+
 import collections
 import json
 import os
@@ -16,15 +17,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-
 from repo_paths import ROOT, SUPPORT
-
 
 
 def random_model(config, seed: int = 0):
     """A GPT with nanochat's init and its zero-initialised output projections filled in too (else
     every logit is equal): as fast as a trained model of its shape, its replies are noise."""
     from nanochat_fast.model import loading
+
     torch.manual_seed(seed)
     model = loading.new_model(config, "cpu")
     with torch.no_grad():
@@ -39,13 +39,21 @@ def arithmetic_chat_model(tokenizer, config, steps: int = 120, seed: int = 0):
     "2 plus 3 is 5."), loss on the assistant's tokens only: its replies read as replies (for the page
     and its screenshot); their arithmetic is mostly wrong."""
     from nanochat_fast.model import loading
+
     rng = random.Random(seed)
     chats = []
     for _ in range(400):
         a, b = rng.randint(0, 20), rng.randint(0, 20)
-        chats.append(tokenizer.render_conversation({"messages": [
-            {"role": "user", "content": f"what is {a} plus {b}?"},
-            {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}))
+        chats.append(
+            tokenizer.render_conversation(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"what is {a} plus {b}?"},
+                        {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+                    ]
+                }
+            )
+        )
     width = max(len(ids) for ids, _ in chats)
     rows = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in chats])
     masks = torch.tensor([mask + [0] * (width - len(mask)) for _, mask in chats], dtype=torch.bool)
@@ -72,11 +80,16 @@ def save_chat_checkpoint(home: Path, run: str, model, step: int = 1) -> Path:
     as a "mid" checkpoint made with home's tokenizer, as training would leave it."""
     from nanochat_fast import checkpoints
     from nanochat_fast.data.tokenizer import get_tokenizer
+
     tokenizer = get_tokenizer(home / "tokenizer")
-    meta = {"phase": "mid", "model_config": asdict(model.config),
-            "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint}}
-    return checkpoints.save_checkpoint(home / "runs" / run, step, model_state=model.state_dict(), rank_state={},
-                                       meta=meta, rank=0)
+    meta = {
+        "phase": "mid",
+        "model_config": asdict(model.config),
+        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
+    }
+    return checkpoints.save_checkpoint(
+        home / "runs" / run, step, model_state=model.state_dict(), rank_state={}, meta=meta, rank=0
+    )
 
 
 # the tests' chat model: the tiny corpus' tokenizer, 2 layers of width 64, 256 positions (replies up to 128 tokens)
@@ -89,8 +102,10 @@ def chat_home(tiny_home: Path) -> Path:
     run (every chat_web test module asks for it)."""
     if tiny_home not in _chat_homes:
         import shutil
-        from nanochat_fast.model.gpt import GPTConfig
+
         from nanochat_fast.data.tokenizer import get_tokenizer
+        from nanochat_fast.model.gpt import GPTConfig
+
         home = tiny_home.parent / "chat_web_home"
         shutil.copytree(tiny_home, home)
         tokenizer = get_tokenizer(home / "tokenizer")
@@ -102,8 +117,9 @@ def chat_home(tiny_home: Path) -> Path:
 
 def load_chat_model(home: Path, run: str = "chat"):
     """(model, tokenizer) of a run, loaded the way chat_web loads it: the reference replies come from these."""
-    from nanochat_fast.model import loading
     from nanochat_fast.data.tokenizer import get_tokenizer
+    from nanochat_fast.model import loading
+
     tokenizer = get_tokenizer(home / "tokenizer")
     model, _, _ = loading.load_model(home / "runs" / run, None, "cpu", tokenizer)
     return model, tokenizer
@@ -122,18 +138,25 @@ class Server:
 
 
 @contextmanager
-def chat_web_process(home: Path, args: list[str], timeout: float = 120.0, threads: int | None = 1,
-                     token_delay: float | None = None):
+def chat_web_process(
+    home: Path, args: list[str], timeout: float = 120.0, threads: int | None = 1, token_delay: float | None = None
+):
     """A real `python -m nanochat_fast.scripts.chat_web --port=0 ...` on 127.0.0.1; yields a Server
     once it answers /health, and stops it (SIGTERM, then SIGKILL) afterwards. Its output is read
     all along (an unread pipe would fill with access-log lines and stall the server); the last
     lines are kept in Server.log. threads: OMP_NUM_THREADS of the server (None: unset, chat_web's
     own choice). token_delay: seconds before every engine step (slow_chat_web.py: a slow model)."""
     import httpx
+
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env.update(NANOCHAT_FAST_HOME=str(home), PYTHONUNBUFFERED="1", **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    script = ["-m", "nanochat_fast.scripts.chat_web"] if token_delay is None else \
-        [str(SUPPORT / "slow_chat_web.py"), f"--token-delay={token_delay}", "--"]
+    env.update(
+        NANOCHAT_FAST_HOME=str(home), PYTHONUNBUFFERED="1", **({"OMP_NUM_THREADS": str(threads)} if threads else {})
+    )
+    script = (
+        ["-m", "nanochat_fast.scripts.chat_web"]
+        if token_delay is None
+        else [str(SUPPORT / "slow_chat_web.py"), f"--token-delay={token_delay}", "--"]
+    )
     cmd = [sys.executable, *script, "--host=127.0.0.1", "--port=0", *args]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     log, lines = collections.deque(maxlen=200), queue.Queue()
@@ -143,6 +166,7 @@ def chat_web_process(home: Path, args: list[str], timeout: float = 120.0, thread
             log.append(line)
             lines.put(line)
         lines.put(None)  # the process closed its output: it has ended
+
     threading.Thread(target=drain, daemon=True).start()
     try:
         banner, deadline = None, time.monotonic() + timeout
@@ -172,5 +196,10 @@ def sse_events(chunks) -> list[dict]:
     """The `data:` events of a server-sent event stream given as its body's text chunks."""
     text = "".join(chunks)
     assert text.endswith("\n\n"), text[-200:]
-    return [json.loads(line[len("data: "):]) for block in text.split("\n\n") if block
-            for line in block.split("\n") if line.startswith("data: ")]
+    return [
+        json.loads(line[len("data: ") :])
+        for block in text.split("\n\n")
+        if block
+        for line in block.split("\n")
+        if line.startswith("data: ")
+    ]

@@ -1,5 +1,6 @@
 """The multi-process workers of the distributed tests (dist_worker.py, fsdp_worker.py) started under
 torchrun or by torch.multiprocessing.spawn, and their weights compared with one process's."""
+
 import argparse
 import json
 import os
@@ -11,9 +12,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from repo_paths import ROOT, SUPPORT
 
 from nanochat_fast.core.distributed import compute_cleanup
-from repo_paths import ROOT, SUPPORT
 
 PARITY_RTOL = 1e-5
 
@@ -56,17 +57,30 @@ def torchrun(worker: str, nproc: int, argv: list[str], timeout: int = 300):
     """`python -m torch.distributed.run --standalone --nproc_per_node=NPROC support/WORKER ARGV`, one
     thread per process; the test fails with the tail of its output when it does."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(SUPPORT / worker), *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(SUPPORT / worker),
+        *argv,
+    ]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def as_if_torchrun(rank, world_size, port):
     """The environment torchrun would set for `rank`, one thread each (a spawned process's start)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
 
 

@@ -17,15 +17,16 @@ What one launch does (results under DIR, read and asserted by the test):
 Newton-Schulz runs in fp32 here (ns_dtype="fp32"): the comparisons are at fp32 rounding level, and
 on a CPU with native bf16 "auto" would pick bf16.
 """
+
 from pathlib import Path
 
 import torch
+from dist_runs import finish, worker_parser
 
 from nanochat_fast import optim
 from nanochat_fast.core.distributed import all_reduce_sum, compute_init, get_dist_info
 from nanochat_fast.model.gpt import GPT, GPTConfig
 from nanochat_fast.optim import MuonRecipe
-from dist_runs import finish, worker_parser
 
 CONFIG = GPTConfig(sequence_len=16, vocab_size=4099, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
 GLOBAL_ROWS = 6  # divisible by 1, 2 and 3: every world size sees the same global batch
@@ -68,7 +69,7 @@ def train(model, optimizers, first_step, last_step, rank=0, world_size=1, on_ste
     for step in range(first_step, last_step + 1):
         x, y = global_batch(step)
         rows = GLOBAL_ROWS // world_size
-        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
         n_supervised = all_reduce_sum((y != -1).sum())
         loss = model(x, y, loss_reduction="sum") / n_supervised * world_size
         loss.backward()
@@ -140,8 +141,12 @@ def odd_shape_checks(rank, world_size):
         if kind == "adamw":
             opt = DistAdamW(ours, lr=0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1)
             # torch.optim.AdamW with the multipliers: one param group per parameter
-            ref_opt = torch.optim.AdamW([dict(params=[p], lr=0.01 * p.lr_mul, weight_decay=0.1 * p.wd_mul)
-                                         for p in ref], betas=(0.8, 0.95), eps=1e-10, foreach=False)
+            ref_opt = torch.optim.AdamW(
+                [dict(params=[p], lr=0.01 * p.lr_mul, weight_decay=0.1 * p.wd_mul) for p in ref],
+                betas=(0.8, 0.95),
+                eps=1e-10,
+                foreach=False,
+            )
         else:
             hp = CURRENT_MUON if kind == "muon_current" else dict(lr=0.02, momentum=0.9, ns_dtype="fp32")
             opt = DistMuon(ours, **hp)
@@ -179,16 +184,25 @@ def resume_checks(opt, ours, ref_opt, ref, set_grads, shapes, rel):
     for o in [opt, ref_opt] + [resumed for _, resumed in copies.values()]:
         o.step()
     same = all(torch.equal(a, b) for a, b in zip(copies["same_world_size"][0], ours))
-    return dict(same_world_size_bitwise=same,
-                one_process=max(rel(a.detach(), b.detach()) for a, b in zip(copies["one_process"][0], ref)))
+    return dict(
+        same_world_size_bitwise=same,
+        one_process=max(rel(a.detach(), b.detach()) for a, b in zip(copies["one_process"][0], ref)),
+    )
 
 
 def run(args):
     ddp, rank, local_rank, world_size, device = compute_init("cpu", deterministic=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    info = dict(ddp=ddp, rank=rank, local_rank=local_rank, world_size=world_size, device=str(device),
-                backend=torch.distributed.get_backend(), dist_info=list(get_dist_info()))
+    info = dict(
+        ddp=ddp,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        device=str(device),
+        backend=torch.distributed.get_backend(),
+        dist_info=list(get_dist_info()),
+    )
     info["sum_of_rank_plus_1"] = all_reduce_sum(torch.tensor(rank + 1)).item()
     info["float_sums"] = all_reduce_sum(torch.tensor([rank + 1.0, 2.0 * rank])).tolist()
 
@@ -200,6 +214,7 @@ def run(args):
     def maybe_save(step):
         if step == RESUME_STEP:
             save_checkpoint(model, optimizers, out / "step3", rank)
+
     info["norms"] = train(model, optimizers, 1, STEPS, rank, world_size, maybe_save)
     info["state_bytes"] = {type(o).__name__: o.state_nbytes() for o in optimizers}
     if rank == 0:

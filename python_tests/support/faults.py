@@ -12,6 +12,7 @@ As a process (run_script's `faults`, also under torchrun, one per rank):
 Both wrap functions the training loop looks up at each step (train/training_loop.py), and restore them.
 preempted_and_resumed: a run stopped that way and resumed ends where an uninterrupted one does.
 """
+
 import argparse
 import importlib
 import signal
@@ -20,10 +21,10 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+from tiny_pipeline import last_model_state, train_rows
 
 from nanochat_fast.core import cli
 from nanochat_fast.train import training_loop
-from tiny_pipeline import last_model_state, train_rows
 
 
 @contextmanager
@@ -40,12 +41,15 @@ def _replaced(name: str, wrap):
 def preempt_at_step(step: int):
     """SIGTERM to this process when the loop, at `step`, asks whether to stop (not at the step a
     run resumes from): the loop's own handler takes it, so it saves and exits 0 as under a scheduler."""
+
     def wrap(preemption_agreed):
         def agreed(s):
             if s.run.state.step == step > s.start_step:
                 signal.raise_signal(signal.SIGTERM)  # the calling thread: handled before the check below
             return preemption_agreed(s)
+
         return agreed
+
     with _replaced("preemption_agreed", wrap):
         yield
 
@@ -64,13 +68,16 @@ def nan_loss_at_step(step: int):
                 return optimizer_step(s)
             finally:
                 state["armed"] = False
+
         return step_once
 
     def wrap_loss(micro_batch_loss):
         def loss(model, batch):
             value = micro_batch_loss(model, batch)
             return value * float("nan") if state["armed"] else value
+
         return loss
+
     with _replaced("optimizer_step", wrap_step), _replaced("micro_batch_loss", wrap_loss):
         yield
 
@@ -99,8 +106,10 @@ def main(argv: list[str]):
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
     script = importlib.import_module(f"nanochat_fast.scripts.{a.script}")
-    with preempt_at_step(a.preempt_at_step) if a.preempt_at_step is not None else nullcontext(), \
-            nan_loss_at_step(a.nan_at_step) if a.nan_at_step is not None else nullcontext():
+    with (
+        preempt_at_step(a.preempt_at_step) if a.preempt_at_step is not None else nullcontext(),
+        nan_loss_at_step(a.nan_at_step) if a.nan_at_step is not None else nullcontext(),
+    ):
         cli.run(script.main, a.args)  # as `python -m` runs it: one line for a UserError, the exit code
 
 

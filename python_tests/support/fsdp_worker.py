@@ -15,13 +15,14 @@ by the test:
   4. FsdpAdamW and FsdpMuon on odd shapes (fewer rows than ranks: empty shards) under fully_shard,
      against AdamW / Muon in one process fed the rank-averaged gradients              -> rank<r>.json
 """
+
 from pathlib import Path
 
+import dist_worker as W
 import torch
 import torch.distributed as dist
-
-import dist_worker as W
 from dist_runs import finish, worker_parser
+
 from nanochat_fast.core.distributed import compute_init
 from nanochat_fast.model import sharding
 from nanochat_fast.optim import AdamW, Muon, MuonRecipe
@@ -46,8 +47,10 @@ def shard_states(optimizers):
 def held_bytes(model, optimizers) -> dict:
     """What this rank holds: its parameter and gradient shards (whole tensors under zero2) and its
     optimizer state."""
+
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
+
     params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
     grads = sum(local(p.grad).numel() * local(p.grad).element_size() for p in model.parameters())
     return dict(params=params, grads=grads, state=sum(o.state_nbytes() for o in optimizers))
@@ -62,16 +65,18 @@ def training_runs(rank, world_size, out, info):
             def at_step(step):
                 if step == W.RESUME_STEP and mode == "fsdp" and recipe == "polar-normuon":
                     saved.update(weights=sharding.full_state_dict(model), shards=shard_states(optimizers))
+
             norms = W.train(model, optimizers, 1, W.STEPS, rank, world_size, at_step)
             state = sharding.full_state_dict(model)
             if rank == 0:
-                torch.save(dict(params={k: v.clone() for k, v in state.items()}, norms=norms),
-                           out / f"{mode}_{recipe}.pt")
+                torch.save(
+                    dict(params={k: v.clone() for k, v in state.items()}, norms=norms), out / f"{mode}_{recipe}.pt"
+                )
             info[f"{mode}_{recipe}_types"] = [type(o).__name__ for o in optimizers]
             if recipe == "quintic":  # after one more backward: parameters, gradients and state held
                 x, y = W.global_batch(99)
                 rows = W.GLOBAL_ROWS // world_size
-                model(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]).backward()
+                model(x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]).backward()
                 info[f"{mode}_bytes"] = held_bytes(model, optimizers)
     # 3. fsdp's state at step 3 continued by zero2 optimizers
     weights = [saved["weights"]]
@@ -107,9 +112,11 @@ def odd_shape_checks(rank, world_size) -> dict:
     results = {}
     adam_shapes = [(7, 5), (3,), (1,), (2, 2), (11, 3, 2)]
     muon_shapes = [(5, 3)] + [(3, 5)] * 3 + [(4, 4)] * 5 + [(2, 7)]
-    cases = (("adamw", adam_shapes, dict(lr=0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1)),
-             ("muon", muon_shapes, dict(lr=0.02, momentum=0.9, ns_dtype="fp32")),
-             ("muon_current", muon_shapes, dict(RECIPES["polar-normuon"].muon_kwargs(), lr=0.02)))
+    cases = (
+        ("adamw", adam_shapes, dict(lr=0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.1)),
+        ("muon", muon_shapes, dict(lr=0.02, momentum=0.9, ns_dtype="fp32")),
+        ("muon_current", muon_shapes, dict(RECIPES["polar-normuon"].muon_kwargs(), lr=0.02)),
+    )
     for kind, shapes, hp in cases:
         toy = Toy(shapes, torch.Generator().manual_seed(7))
         ref = [torch.nn.Parameter(p.detach().clone()) for p in toy.ps]
@@ -118,9 +125,11 @@ def odd_shape_checks(rank, world_size) -> dict:
         named = [(f"p{i}", p) for i, p in enumerate(toy.ps)]
         if kind == "adamw":
             from nanochat_fast.optim import FsdpAdamW
+
             opt, ref_opt = FsdpAdamW(named, **hp), AdamW(ref, **hp)
         else:
             from nanochat_fast.optim import FsdpMuon
+
             opt, ref_opt = FsdpMuon(named, **hp), Muon(ref, **hp)
         for step in range(1, 4):
             toy(weights_of(rank, shapes, step)).backward()
@@ -133,8 +142,9 @@ def odd_shape_checks(rank, world_size) -> dict:
         ours = [p.full_tensor() for p in toy.ps]
         results[kind] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, ref))
         results[kind + "_state_bytes"] = opt.state_nbytes()
-        results["moved"] = min(results.get("moved", 1.0), min(((a - b).norm() / b.norm()).item()
-                                                              for a, b in zip(ours, init)))
+        results["moved"] = min(
+            results.get("moved", 1.0), min(((a - b).norm() / b.norm()).item() for a, b in zip(ours, init))
+        )
     return results
 
 
@@ -150,7 +160,7 @@ def run(args):
         model, optimizers = build("fsdp", "quintic")
         W.train(model, optimizers, 1, 2, rank, world_size)
         x, y = W.global_batch(99)
-        model(x[rank:rank + 1], y[rank:rank + 1]).backward()
+        model(x[rank : rank + 1], y[rank : rank + 1]).backward()
         info["fsdp_bytes"] = held_bytes(model, optimizers)
         info["fsdp_quintic_types"] = [type(o).__name__ for o in optimizers]
     finish(out, rank, info)

@@ -1,5 +1,6 @@
 """What the tests of hardware/'s measurement files share (peak.py, bandwidth.py, tuning.py: each a
 cache.MeasurementCache): a file another version left, an entry measured long ago, a new process."""
+
 import json
 from pathlib import Path
 

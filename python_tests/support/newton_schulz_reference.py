@@ -1,5 +1,6 @@
 """What the Newton-Schulz and Muon tests check against: the published coefficients written out, the
 iteration in float64 written from the math, their inputs, and a torch-backend path forced."""
+
 import importlib
 
 import torch

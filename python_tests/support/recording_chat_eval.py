@@ -5,6 +5,7 @@ of 1 and 2 processes (the counts alone can agree while the examples' answers dif
 each rank runs chat_eval.main(ARGS) and writes the records of the examples it scored (the task, the
 example's id, the letters' logits, the chosen letter) to $RECORDS_DIR/rank<R>.jsonl.
 """
+
 import json
 import os
 import sys
@@ -16,11 +17,13 @@ from nanochat_fast.scripts import chat_eval
 
 def recording(categorical_counts, sink):
     """scoring.categorical_counts, also handing each example's record (with its task's name) to sink."""
+
     def counts_and_records(model, tokenizer, task, examples, *args, **kwargs):
         counts = categorical_counts(model, tokenizer, task, examples, *args, **kwargs)
         for record in counts.records:
             sink(dict(record, task=task.name))
         return counts
+
     return counts_and_records
 
 

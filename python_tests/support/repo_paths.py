@@ -1,4 +1,5 @@
 """Where things are: the repository's root, this support folder and its fixtures (data files)."""
+
 from pathlib import Path
 
 SUPPORT = Path(__file__).resolve().parent

@@ -4,6 +4,7 @@ midway, overlapping requests, a full queue): every engine step first sleeps. In-
 engine in Slowed; as a process (chat_web_support.chat_web_process's token_delay):
     python python_tests/support/slow_chat_web.py --token-delay=0.2 -- CHAT_WEB_ARGS
 """
+
 import argparse
 import dataclasses
 import sys
@@ -37,6 +38,7 @@ def main(argv: list[str]):
     def slow_replica(*args, **kwargs):
         replica = make_replica(*args, **kwargs)
         return dataclasses.replace(replica, engine=Slowed(replica.engine, a.token_delay))
+
     chat_web.make_replica = slow_replica
     cli.run(chat_web.main, a.args[1:] if a.args[:1] == ["--"] else a.args)  # as `python -m` runs it
 

@@ -6,6 +6,7 @@ save midway:
 
 The delay comes after the file is in place, as a slow disk would leave things: the step directory
 holds some files and no COMPLETE. The package itself has no such switch."""
+
 import runpy
 import sys
 import time
@@ -18,6 +19,7 @@ def slowed(write, seconds: float):
         result = write(*args, **kwargs)
         time.sleep(seconds)
         return result
+
     return write_slowly
 
 

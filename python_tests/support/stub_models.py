@@ -1,6 +1,7 @@
 """Small stand-ins for the evaluation tests: a byte-level tokenizer (no training needed), a model
 that follows a script, a model whose every position favours one token, and a fixture (import it
 into a test module to use it) that runs tiny models on one thread."""
+
 from types import SimpleNamespace
 
 import pytest

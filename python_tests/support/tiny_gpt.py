@@ -1,5 +1,6 @@
 """Tiny GPTs for the tests: random weights in every parameter, GPT.generate's tokens recomputed the
 slow way, and a 2-layer GPT trained a few optimizer steps on counting sequences (Muon's tests)."""
+
 import torch
 
 from nanochat_fast import optim
@@ -31,7 +32,7 @@ def generate_without_cache(model, tokens, max_tokens, temperature=1.0, top_k=Non
     with torch.inference_mode():
         for _ in range(max_tokens):
             ids = torch.cat((ids, sample_next(model(ids)[:, -1, :], temperature, top_k, rng)), dim=1)
-    return ids[0, len(tokens):].tolist()
+    return ids[0, len(tokens) :].tolist()
 
 
 COUNTING = GPTConfig(sequence_len=32, vocab_size=128, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)

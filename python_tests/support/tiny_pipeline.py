@@ -1,6 +1,7 @@
 """A tiny but real pipeline for the training tests: a made-up prose corpus and conversations,
 prepared with prepare_data --input, a 320-token tokenizer from tok_train, and the flags of a
 ~50k-parameter model. Nothing is downloaded."""
+
 import errno
 import json
 import os
@@ -12,7 +13,6 @@ from pathlib import Path
 
 from repo_paths import ROOT, SUPPORT
 
-
 # depth 2 -> n_embd 64 (aspect 32, head_dim 32 -> 2 heads); 4 rows of 64 tokens per micro-step
 TINY_MODEL = ["--depth=2", "--aspect-ratio=32", "--head-dim=32", "--max-seq-len=64"]
 # fp32 pinned: tests compare runs to 1e-4..1e-6 on every CPU, and CPUs with native bf16 would
@@ -20,9 +20,11 @@ TINY_MODEL = ["--depth=2", "--aspect-ratio=32", "--head-dim=32", "--max-seq-len=
 FP32 = ["--dtype=fp32", "--ns-dtype=fp32"]
 DEFAULT_LOOP = ["--eval-tokens=512", "--sample-every=-1", "--warmdown-ratio=0.2"]
 TINY_LOOP = DEFAULT_LOOP + FP32
-WORDS = {"adj": ["red", "small", "old", "quiet", "bright", "green"],
-         "noun": ["cat", "dog", "king", "ship", "tree", "bird", "house"],
-         "verb": ["sees", "finds", "follows", "paints", "likes"]}
+WORDS = {
+    "adj": ["red", "small", "old", "quiet", "bright", "green"],
+    "noun": ["cat", "dog", "king", "ship", "tree", "bird", "house"],
+    "verb": ["sees", "finds", "follows", "paints", "likes"],
+}
 
 
 def sentence(rng: random.Random) -> str:
@@ -41,8 +43,17 @@ def write_corpus(folder: Path, n_docs=400, seed=0):
     with open(folder / "chat" / "convs.jsonl", "w") as f:
         for _ in range(n_docs):
             a, b = rng.randint(0, 20), rng.randint(0, 20)
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"what is {a} plus {b}?"},
-                                             {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"what is {a} plus {b}?"},
+                            {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+                        ]
+                    }
+                )
+                + "\n"
+            )
 
 
 @contextmanager
@@ -63,6 +74,7 @@ def disk_full_at(checkpoint_name: str):
     """While active, saving any file of checkpoint `checkpoint_name` (e.g. "step_000008") fails
     with ENOSPC, as on a full disk."""
     from nanochat_fast.checkpoints import files
+
     real_write = files.write_tensors
 
     def write_tensors(path, obj):
@@ -79,6 +91,7 @@ def disk_full_at(checkpoint_name: str):
 
 def build_tiny_home(root: Path) -> Path:
     from nanochat_fast.scripts import prepare_data, tok_train
+
     src, home = root / "src", root / "home"
     write_corpus(src)
     with home_env(home):
@@ -92,7 +105,9 @@ def build_tiny_home(root: Path) -> Path:
 def home_with_base_run(tiny_home: Path, dst: Path, argv: list[str]) -> Path:
     """A copy of tiny_home at dst with one in-process base_train run (argv) made in it."""
     import shutil
+
     from nanochat_fast.scripts import base_train
+
     shutil.copytree(tiny_home, dst)
     with home_env(dst):
         assert base_train.main(argv) == 0
@@ -106,8 +121,16 @@ def run_script(name: str, args: list[str], home: Path, nproc: int = 1, timeout: 
     if faults:
         target, args = [str(SUPPORT / "faults.py")], [*faults, name, *args]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *target, "--", *args]  # `--`: torchrun would take --run as its --run-path
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            *target,
+            "--",
+            *args,
+        ]  # `--`: torchrun would take --run as its --run-path
     else:
         cmd = [sys.executable, *target, *args]
     full_env = {**os.environ, "NANOCHAT_FAST_HOME": str(home), "OMP_NUM_THREADS": "1", **(env or {})}
@@ -122,5 +145,7 @@ def train_rows(run_dir: Path) -> list[dict]:
 def last_model_state(run_dir: Path) -> dict:
     """The model weights of a run's newest complete checkpoint."""
     import torch
+
     from nanochat_fast import checkpoints
+
     return torch.load(checkpoints.complete_checkpoints(run_dir)[-1] / "model.pt", weights_only=True)

@@ -3,6 +3,7 @@ of its GPU table x every dtype it accepts), each variant within its target's lim
 (tools/triton_aot.py, tools/triton_kernel_list.py). Marked `aot`: `pytest -m aot` runs these
 alone (~180 CPU-seconds of compiling in parallel processes; the fp32 variants take 3/4 of it).
 On a GPU (marked `gpu`): the kernels the runtime compiles are the variants compiled here, bit for bit."""
+
 import dataclasses
 import hashlib
 import importlib
@@ -32,15 +33,18 @@ def entry(kernel: str) -> Entry:
 
 
 # A test-only config whose operand buffers cannot fit: 4 stages x 2 operands x 128x128 bf16 = 256 KiB.
-OVERSIZED = dataclasses.replace(entry("_symmetric_xxt_kernel"), configs={
-    "oversized": dict(BLOCK=128, BLOCK_K=128, num_warps=8, num_stages=4, DOT_FP32=False)})
+OVERSIZED = dataclasses.replace(
+    entry("_symmetric_xxt_kernel"),
+    configs={"oversized": dict(BLOCK=128, BLOCK_K=128, num_warps=8, num_stages=4, DOT_FP32=False)},
+)
 
 
 # A test-only entry whose signature misses a hint the launcher's call gives the runtime (M = 256 is
 # divisible by 16): it describes a kernel the runtime never compiles.
 _XXT = entry("_symmetric_xxt_kernel")
-UNHINTED = dataclasses.replace(_XXT, signature={**_XXT.signature, "M": "i32"},
-                               configs={"small": importlib.import_module(_XXT.module).GPU_SMALL})
+UNHINTED = dataclasses.replace(
+    _XXT, signature={**_XXT.signature, "M": "i32"}, configs={"small": importlib.import_module(_XXT.module).GPU_SMALL}
+)
 
 
 @pytest.fixture(scope="session")
@@ -51,13 +55,13 @@ def compiled(request):
     h100 = {"sm_90": TARGETS["sm_90"]}
     extra = [variants([e], h100, dtypes=[torch.bfloat16])[0] for e in (OVERSIZED, UNHINTED)]
     records = compile_all(jobs + extra, cache_dir=CACHE_DIR)
-    line = triton_aot.summary(records[:len(jobs)], time.perf_counter() - t0)
+    line = triton_aot.summary(records[: len(jobs)], time.perf_counter() - t0)
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     if reporter is not None and capture is not None:  # shown in the `make test` output, not captured
         with capture.global_and_fixture_disabled():
             reporter.write_line(f"\n{line}")
-    return records[:len(jobs)], dict(zip(("oversized", "unhinted"), records[len(jobs):]))
+    return records[: len(jobs)], dict(zip(("oversized", "unhinted"), records[len(jobs) :]))
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
@@ -108,7 +112,7 @@ def test_every_kernel_has_an_entry():
 @pytest.mark.parametrize("dropped", range(len(KERNELS)), ids=[e.kernel for e in KERNELS])
 def test_a_dropped_entry_fails_coverage(dropped):
     e = KERNELS[dropped]
-    [problem] = coverage(KERNELS[:dropped] + KERNELS[dropped + 1:])
+    [problem] = coverage(KERNELS[:dropped] + KERNELS[dropped + 1 :])
     assert problem.startswith(f"Triton kernel {e.module}.{e.kernel} has no entry")
 
 
@@ -118,7 +122,9 @@ def test_a_kernel_added_to_a_kernel_file_needs_an_entry(tmp_path):
     pkg = tmp_path / "kernels"
     shutil.copytree(triton_aot.KERNELS_DIR, pkg, ignore=shutil.ignore_patterns("__pycache__"))
     path = pkg / "newton_schulz_triton.py"
-    path.write_text(path.read_text() + textwrap.dedent("""
+    path.write_text(
+        path.read_text()
+        + textwrap.dedent("""
         @triton.jit
         def _twice(x):
             return 2 * x
@@ -132,7 +138,8 @@ def test_a_kernel_added_to_a_kernel_file_needs_an_entry(tmp_path):
 
         def scale(x):
             _scale[(1,)](x, x.numel(), BLOCK=1024)
-        """))
+        """)
+    )
     [problem] = coverage(found=discover(pkg))
     assert problem.startswith("Triton kernel nanochat_fast.kernels.newton_schulz_triton._scale has no entry")
 
@@ -156,8 +163,12 @@ def _runtime_key(fn, kernel) -> tuple:
 
 
 def _key(signature, constexprs, num_warps, num_stages) -> tuple:
-    return (tuple(sorted(signature.items())), tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
-            num_warps, num_stages)
+    return (
+        tuple(sorted(signature.items())),
+        tuple(sorted((k, repr(v)) for k, v in constexprs.items())),
+        num_warps,
+        num_stages,
+    )
 
 
 @pytest.mark.gpu

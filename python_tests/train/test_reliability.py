@@ -1,5 +1,6 @@
 """Reliability of training runs: atomic checkpoints under kill -9, exact resume (bitwise on one
 process, 1e-6 on two), resume on another world size, SIGTERM under torchrun, the NaN guard."""
+
 import os
 import shutil
 import signal
@@ -9,14 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
+from faults import nan_loss_at_step, preempted_and_resumed
+from repo_paths import SUPPORT
+from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, last_model_state, run_script, train_rows
 
 from nanochat_fast import checkpoints
 from nanochat_fast.core.cli import UserError
 from nanochat_fast.scripts import base_train
 from nanochat_fast.train import next_steps
-from faults import nan_loss_at_step, preempted_and_resumed
-from repo_paths import SUPPORT
-from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, last_model_state, run_script, train_rows
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 
@@ -26,13 +27,33 @@ def popen(name, args, home, nproc=1, env=None, slow_writes=0.0):
     seconds longer (python_tests/support/slow_checkpoint_writes.py)."""
     cmd = [sys.executable, "-m", f"nanochat_fast.scripts.{name}", *args]
     if slow_writes:
-        cmd = [sys.executable, str(SUPPORT / "slow_checkpoint_writes.py"), str(slow_writes),
-               f"nanochat_fast.scripts.{name}", *args]
+        cmd = [
+            sys.executable,
+            str(SUPPORT / "slow_checkpoint_writes.py"),
+            str(slow_writes),
+            f"nanochat_fast.scripts.{name}",
+            *args,
+        ]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", f"nanochat_fast.scripts.{name}", "--", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "NANOCHAT_FAST_HOME": str(home), "OMP_NUM_THREADS": "1", **(env or {})})
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            f"nanochat_fast.scripts.{name}",
+            "--",
+            *args,
+        ]
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "NANOCHAT_FAST_HOME": str(home), "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
 def wait_until(predicate, proc, timeout=120):
@@ -61,8 +82,9 @@ def children(pid: int) -> list[int]:
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(home):
     run_dir = home / "runs" / "k"
-    proc = popen("base_train", TINY + ["--num-iterations=30", "--save-every=5", "--run=k"], home,
-                 slow_writes=1.5)  # each checkpoint file takes >= 1.5 s
+    proc = popen(
+        "base_train", TINY + ["--num-iterations=30", "--save-every=5", "--run=k"], home, slow_writes=1.5
+    )  # each checkpoint file takes >= 1.5 s
     wait_until(lambda: (run_dir / "checkpoints" / "step_000010").exists(), proc)
     proc.send_signal(signal.SIGKILL)  # in the middle of writing step 10
     proc.wait()
@@ -70,7 +92,9 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(home):
     assert not (run_dir / "checkpoints" / "step_000010" / checkpoints.COMPLETE).exists()
     checkpoints.load_model_state(run_dir / "checkpoints" / "step_000005")  # intact
 
-    resumed = run_script("base_train", TINY + ["--num-iterations=12", "--save-every=5", "--run=k", "--resume=auto"], home)
+    resumed = run_script(
+        "base_train", TINY + ["--num-iterations=12", "--save-every=5", "--run=k", "--resume=auto"], home
+    )
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout and "step_000005" in resumed.stdout
     assert [p.name for p in checkpoints.complete_checkpoints(run_dir)] == ["step_000005", "step_000010", "step_000012"]
@@ -81,6 +105,7 @@ def test_stop_and_resume_is_bitwise_on_one_process(home, capsys):
 
     def saved_at_the_stop():
         assert [p.name for p in checkpoints.complete_checkpoints(home / "runs" / "part")] == ["step_000006"]
+
     a, b = preempted_and_resumed(base_train.main, args, home / "runs", 6, capsys, while_stopped=saved_at_the_stop)
     assert [r["step"] for r in b] == list(range(1, 15))  # the metrics log holds one history
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
@@ -133,8 +158,9 @@ def test_sigterm_under_torchrun_saves_and_resumes(home):
     step = checkpoints.load_meta(ckpt)["step"]
     assert 3 <= step < 2000
 
-    resumed = run_script("base_train", args + ["--resume=auto"], home, nproc=2,
-                         faults=[f"--preempt-at-step={step + 2}"])
+    resumed = run_script(
+        "base_train", args + ["--resume=auto"], home, nproc=2, faults=[f"--preempt-at-step={step + 2}"]
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"(step {step}," in resumed.stdout
     assert checkpoints.complete_checkpoints(run_dir)[-1].name == f"step_{step + 2:06d}"

@@ -1,20 +1,21 @@
 """chat_rl's pieces against hand-computed values: the advantages, the token-level policy-gradient
 loss with tool-forced tokens masked, the samples the batch engine gives (forced tokens marked),
 pass@k, the synthetic task and the examples-per-step rule."""
+
 import contextlib
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from stub_models import ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (fixture)
+from tiny_gpt import random_model
 
 from nanochat_fast.core.errors import UserError
 from nanochat_fast.evals import scoring, task_runner, tasks
 from nanochat_fast.train import rl_objective
 from nanochat_fast.train.rollouts import Rollouts, Sampling, sample_rows
 from nanochat_fast.train.training_loop import micro_batch_loss, train_step
-from stub_models import ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (fixture)
-from tiny_gpt import random_model
 
 PAD = 99
 
@@ -31,8 +32,10 @@ def test_advantage_and_token_level_loss_by_hand():
     prompt, samples, rewards = hand_example()
     adv = rl_objective.advantages(rewards)
     assert adv.tolist() == [0.5, -0.5]
-    assert rl_objective.advantages(torch.tensor([[1.0, 1, 0, 0], [0, 0, 0, 0]])).tolist() == \
-        [[0.5, 0.5, -0.5, -0.5], [0, 0, 0, 0]]
+    assert rl_objective.advantages(torch.tensor([[1.0, 1, 0, 0], [0, 0, 0, 0]])).tolist() == [
+        [0.5, 0.5, -0.5, -0.5],
+        [0, 0, 0, 0],
+    ]
     x, y, a = rl_objective.rollout_batch(prompt, samples, adv, PAD, "cpu")
     assert x.tolist() == [[1, 2, 5, 6], [1, 2, 5, 8]]
     # targets: the prompt's, the forced 6 and the padding are -1; the sampled 5, 7 and 5, 8 are kept
@@ -53,14 +56,20 @@ def test_train_step_normalises_by_the_sampled_tokens_of_the_whole_step(monkeypat
     all their sampled tokens divided by the count of all of them (not a mean of per-question means)."""
     prompt, samples, rewards = hand_example()
     first = rl_objective.rollout_batch(prompt, samples, rl_objective.advantages(rewards), PAD, "cpu")
-    second = rl_objective.rollout_batch([3], [([4, 4, 4, 4], [False] * 4), ([9], [False])],
-                                        rl_objective.advantages(torch.tensor([0.0, 1.0])), PAD, "cpu")
+    second = rl_objective.rollout_batch(
+        [3],
+        [([4, 4, 4, 4], [False] * 4), ([9], [False])],
+        rl_objective.advantages(torch.tensor([0.0, 1.0])),
+        PAD,
+        "cpu",
+    )
     model = random_model(seed=2)
     reference = random_model(seed=2)
     total = sum(micro_batch_loss(reference, b) for b in (first, second)) / 9  # 4 + 5 sampled tokens
     total.backward()
 
     import nanochat_fast.optim as optim
+
     grads = []  # what the optimizers would step with
 
     def record(optimizers, clip):
@@ -80,8 +89,18 @@ def test_tool_forced_tokens_are_marked_and_carry_no_loss():
     is forced into each sample and gets target -1; everything the model wrote is a target."""
     tok = byte_tokenizer()
     sp = tok.encode_special
-    script = [sp("<|python_start|>"), ord("2"), ord("+"), ord("3"), sp("<|python_end|>"), 0, 0, 0,
-              *map(ord, "#### 5"), sp("<|assistant_end|>")]
+    script = [
+        sp("<|python_start|>"),
+        ord("2"),
+        ord("+"),
+        ord("3"),
+        sp("<|python_end|>"),
+        0,
+        0,
+        0,
+        *map(ord, "#### 5"),
+        sp("<|assistant_end|>"),
+    ]
     model = ScriptedModel(tok, script)
     prompt = tok.render_for_completion({"messages": [{"role": "user", "content": "2+3?"}]})
     dev = SimpleNamespace(autocast=contextlib.nullcontext, device=torch.device("cpu"))
@@ -92,8 +111,8 @@ def test_tool_forced_tokens_are_marked_and_carry_no_loss():
         assert forced == [False] * 5 + [True] * 3 + [False] * 7
     x, y, _ = rl_objective.rollout_batch(prompt, rows, torch.zeros(2), sp("<|assistant_end|>"), "cpu")
     n = len(prompt)
-    assert y[0, :n - 1].eq(-1).all()
-    assert y[0, n - 1:].tolist() == script[:5] + [-1, -1, -1] + script[8:]
+    assert y[0, : n - 1].eq(-1).all()
+    assert y[0, n - 1 :].tolist() == script[:5] + [-1, -1, -1] + script[8:]
 
 
 def test_pass_at_k_of_known_outcomes():
@@ -111,8 +130,9 @@ def test_pass_at_k_of_known_outcomes():
     examples = task.load(max_examples=30)
     share = sum(ex["answer"] == 2 for ex in examples) / len(examples)
     assert 0 < share < 1
-    result = task_runner.evaluate_pass_at_k(model, tok, task, examples, num_samples=3, max_new_tokens=10,
-                                            temperature=1.0)
+    result = task_runner.evaluate_pass_at_k(
+        model, tok, task, examples, num_samples=3, max_new_tokens=10, temperature=1.0
+    )
     assert result == pytest.approx({"pass@1": share, "pass@2": share, "pass@3": share})
 
 

@@ -1,10 +1,12 @@
 """The run layer: configs validated when built, the learning-rate rule on resume, a stage's own
 evaluations, and the schedule's clock."""
+
 import json
 from dataclasses import replace
 
 import pytest
 import torch
+from tiny_pipeline import TINY_LOOP, TINY_MODEL
 
 from nanochat_fast import checkpoints
 from nanochat_fast.core.errors import UserError
@@ -12,21 +14,23 @@ from nanochat_fast.scripts import base_train
 from nanochat_fast.train.stage import run_stage
 from nanochat_fast.train.training_config import DataConfig, ModelConfig, OptimConfig, RunConfig
 from nanochat_fast.train.training_loop import lr_multiplier
-from tiny_pipeline import TINY_LOOP, TINY_MODEL
 
 TINY = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--eval-every=-1"]
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda: OptimConfig(matrix_lr=-1.0), "argument --matrix-lr: must be >= 0, got -1.0"),
-    (lambda: OptimConfig(embedding_lr=float("inf")), "argument --embedding-lr: must be a finite number"),
-    (lambda: OptimConfig(warmup_ratio=0.6, warmdown_ratio=0.6), "would overlap"),
-    (lambda: ModelConfig(depth=0), "argument --depth: must be a positive integer, got 0"),
-    (lambda: ModelConfig(head_dim=63), "argument --head-dim: must be even"),
-    (lambda: DataConfig(device_batch_size=True), "argument --device-batch-size: expected an integer, got True"),
-    (lambda: RunConfig(run="../x"), "argument --run: must be a plain name"),
-    (lambda: RunConfig(resume="auto", overwrite=True), "contradict each other"),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: OptimConfig(matrix_lr=-1.0), "argument --matrix-lr: must be >= 0, got -1.0"),
+        (lambda: OptimConfig(embedding_lr=float("inf")), "argument --embedding-lr: must be a finite number"),
+        (lambda: OptimConfig(warmup_ratio=0.6, warmdown_ratio=0.6), "would overlap"),
+        (lambda: ModelConfig(depth=0), "argument --depth: must be a positive integer, got 0"),
+        (lambda: ModelConfig(head_dim=63), "argument --head-dim: must be even"),
+        (lambda: DataConfig(device_batch_size=True), "argument --device-batch-size: expected an integer, got True"),
+        (lambda: RunConfig(run="../x"), "argument --run: must be a plain name"),
+        (lambda: RunConfig(resume="auto", overwrite=True), "contradict each other"),
+    ],
+)
 def test_a_config_built_in_code_is_checked_like_the_flag(build, message):
     with pytest.raises(UserError, match=None) as e:
         build()
@@ -78,6 +82,7 @@ def test_an_explicit_lr_flag_wins_on_resume_and_a_default_one_does_not(home, cap
 
 def test_a_stage_can_add_its_own_evaluations(home):
     """Stage.evals run with every val bpb eval: their values go to metrics.jsonl and the report."""
+
     def make(cfg, tokenizer, dev):
         return lambda model: {"embedding_norm": model.transformer.wte.weight.norm().item()}
 
@@ -97,12 +102,13 @@ def test_dtype_choice_and_its_reason_open_the_log_and_the_report(home, capsys):
     """--dtype=bf16 where the CPU has no native bf16 runs (slowly) after precision's one warning
     line; the run's first lines (before its first step) and the report name the choice and why."""
     from nanochat_fast.hardware import precision
+
     assert base_train.main(TINY + ["--num-iterations=1", "--run=bf", "--dtype=bf16"]) == 0
     captured = capsys.readouterr()
     chosen = precision.choose(torch.device("cpu"), "bf16", warn=False)
     lines = captured.out.splitlines()
     assert lines[0] == "device: cpu x 1 process(es)"
-    before_steps = lines[:next(i for i, l in enumerate(lines) if l.startswith("step 00001"))]
+    before_steps = lines[: next(i for i, l in enumerate(lines) if l.startswith("step 00001"))]
     assert f"precision: {chosen.describe()}" in before_steps
     warnings = [line for line in captured.err.splitlines() if line.startswith("warning: --dtype bf16")]
     assert len(warnings) == (0 if chosen.native else 1)

@@ -1,17 +1,21 @@
 """--wandb (offline) and --tensorboard: a short run logs nanochat's metric names, TensorBoard's own
 event reader reads back the values metrics.jsonl holds, a missing package is one line naming the
 extra, and without the flags nothing is made."""
+
 import json
 
 import pytest
+from tiny_pipeline import TINY_LOOP, TINY_MODEL
 
 from nanochat_fast.core import cli
 from nanochat_fast.scripts import base_train
 from nanochat_fast.train import tracking
-from tiny_pipeline import TINY_LOOP, TINY_MODEL
 
-RUN = TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512", "--no-compile",
-                                "--num-iterations=5", "--eval-every=5"]
+RUN = (
+    TINY_MODEL
+    + TINY_LOOP
+    + ["--device-batch-size=4", "--total-batch-size=512", "--no-compile", "--num-iterations=5", "--eval-every=5"]
+)
 
 
 def wandb_records(path):
@@ -21,13 +25,14 @@ def wandb_records(path):
     import struct
 
     from wandb.proto import wandb_internal_pb2
+
     data, pos, chunks, out = path.read_bytes(), 7, b"", []
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
             pos += 32768 - pos % 32768
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        payload, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        payload, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         chunks = payload if kind in (1, 2) else chunks + payload
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -44,6 +49,7 @@ def test_wandb_offline_and_tensorboard_get_nanochat_metric_names(home, monkeypat
     pytest.importorskip("wandb")
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     assert base_train.main(RUN + ["--run=tracked", "--wandb=nanochat-test", "--tensorboard"]) == 0

@@ -1,9 +1,11 @@
 """What the defaults choose (compute dtype, torch.compile, Muon's recipe) and that they train to the
 same place as the plainest setup (fp32, eager)."""
+
 import json
 
 import pytest
 import torch
+from tiny_pipeline import DEFAULT_LOOP, TINY_LOOP, TINY_MODEL, run_script, train_rows
 
 from nanochat_fast import hardware
 from nanochat_fast.hardware import precision
@@ -12,10 +14,18 @@ from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.scripts import base_train
 from nanochat_fast.train import model_setup
 from nanochat_fast.train.training_config import OptimConfig
-from tiny_pipeline import DEFAULT_LOOP, TINY_LOOP, TINY_MODEL, run_script, train_rows
 
-STEPS_60 = TINY_MODEL + DEFAULT_LOOP + ["--device-batch-size=4", "--total-batch-size=256", "--num-iterations=60",
-                                        "--eval-every=60", "--eval-tokens=1024"]
+STEPS_60 = (
+    TINY_MODEL
+    + DEFAULT_LOOP
+    + [
+        "--device-batch-size=4",
+        "--total-batch-size=256",
+        "--num-iterations=60",
+        "--eval-every=60",
+        "--eval-tokens=1024",
+    ]
+)
 
 
 def final_val_bpb(run_dir) -> float:
@@ -23,16 +33,20 @@ def final_val_bpb(run_dir) -> float:
     return [r["val_bpb"] for r in rows if r["kind"] == "eval"][-1]
 
 
-@pytest.mark.parametrize("choice", [["--compile", "--dtype=fp32", "--ns-dtype=fp32"], ["--dtype=bf16", "--ns-dtype=bf16"]],
-                         ids=["compiled (what the defaults pick for a real run)", "bf16 (CUDA's and native-bf16 CPUs')"])
+@pytest.mark.parametrize(
+    "choice",
+    [["--compile", "--dtype=fp32", "--ns-dtype=fp32"], ["--dtype=bf16", "--ns-dtype=bf16"]],
+    ids=["compiled (what the defaults pick for a real run)", "bf16 (CUDA's and native-bf16 CPUs')"],
+)
 def test_defaults_reach_the_val_bpb_of_fp32_eager_after_60_steps(choice, home):
     """Same seed, same data: the dtype and compile choices of the defaults change rounding, not
     where training goes. Each variant changes one thing against fp32 eager: the compiled one is
     compiled in fp32 (with `auto` it would also be bf16 on CPUs with native bf16), the bf16 one is
     eager. A tiny run's own default is eager (too short to pay for a compile), so the compiled
     side is asked for explicitly."""
-    plain = run_script("base_train", STEPS_60 + ["--dtype=fp32", "--ns-dtype=fp32", "--no-compile", "--run=plain"],
-                       home, timeout=600)
+    plain = run_script(
+        "base_train", STEPS_60 + ["--dtype=fp32", "--ns-dtype=fp32", "--no-compile", "--run=plain"], home, timeout=600
+    )
     chosen = run_script("base_train", STEPS_60 + choice + ["--run=chosen"], home, timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert chosen.returncode == 0, chosen.stderr[-3000:]
@@ -45,13 +59,23 @@ def test_defaults_reach_the_val_bpb_of_fp32_eager_after_60_steps(choice, home):
 
 
 def test_muon_recipe_polar_normuon_trains_and_is_reported(home, capsys):
-    code = base_train.main(TINY_MODEL + TINY_LOOP + ["--device-batch-size=4", "--total-batch-size=512",
-                                                     "--num-iterations=30", "--eval-every=-1",
-                                                     "--muon-recipe=polar-normuon", "--run=polar"])
+    code = base_train.main(
+        TINY_MODEL
+        + TINY_LOOP
+        + [
+            "--device-batch-size=4",
+            "--total-batch-size=512",
+            "--num-iterations=30",
+            "--eval-every=-1",
+            "--muon-recipe=polar-normuon",
+            "--run=polar",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
-    assert ("muon: polar-normuon: polar_express x5, ns-dtype fp32, MuonEq, Muon+, NorMuon beta 0.9, "
-            "cautious wd 0.28") in out
+    assert (
+        "muon: polar-normuon: polar_express x5, ns-dtype fp32, MuonEq, Muon+, NorMuon beta 0.9, cautious wd 0.28"
+    ) in out
     run_dir = home / "runs" / "polar"
     rows = train_rows(run_dir)
     assert rows[-1]["loss"] < 0.8 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
@@ -61,8 +85,12 @@ def test_muon_recipe_polar_normuon_trains_and_is_reported(home, capsys):
 
 def test_recipe_flags_override_the_preset():
     recipe = OptimConfig(muon_recipe="polar-normuon", normuon=False, muon_weight_decay=0.1, warmdown_ratio=0.3).recipe()
-    assert (recipe.name, recipe.normuon, recipe.weight_decay, recipe.cautious_weight_decay) == \
-        ("polar-normuon", False, 0.1, True)
+    assert (recipe.name, recipe.normuon, recipe.weight_decay, recipe.cautious_weight_decay) == (
+        "polar-normuon",
+        False,
+        0.1,
+        True,
+    )
     assert recipe.momentum_warmdown_ratio == 0.3  # the polar-normuon recipe's momentum warmdown follows the lr's
     assert OptimConfig().recipe().ns_coefficients == "quintic" and OptimConfig().recipe().normuon is False
 
@@ -72,6 +100,7 @@ def test_the_former_recipe_names_still_work_with_one_notice(old, new, monkeypatc
     """--muon-recipe=seeds|current (and --muon_recipe): the new name from the flag on, one notice
     line on stderr however often the config is rebuilt and its recipe asked for."""
     from nanochat_fast.optim import recipe as recipes
+
     monkeypatch.setattr(recipes, "_noticed", set())
     args = base_train.build_parser().parse_args([f"--muon_recipe={old}", "--warmdown-ratio=0.3"])
     assert args.muon_recipe == new
@@ -94,8 +123,9 @@ def test_a_cuda_machine_chooses_bf16_and_compile(monkeypatch):
     peak = hardware.peak_flops(cuda)
     assert (peak.source, peak.flops) == ("datasheet", 989e12)
     assert hardware.memory_bandwidth(cuda) == hardware.Bandwidth(3.35e12, "datasheet", "NVIDIA H100 80GB HBM3")
-    model = loading.new_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=16),
-                             "cpu")  # built here; compile_for_training only decides and wraps
+    model = loading.new_model(
+        GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=16), "cpu"
+    )  # built here; compile_for_training only decides and wraps
     run_tokens = round(3600 * peak.flops / model.estimate_flops())  # an hour at peak
     compiled, why = model_setup.compile_for_training(model, None, cuda, run_tokens, peak.flops)
     assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule) and "compiled on cuda" in why

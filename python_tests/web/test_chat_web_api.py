@@ -4,6 +4,7 @@ body, the body-size cap, what is served and what is not, the bounded queue (503)
 timeout, a failing step, the /stats counters, temperatures too small to divide by, and the command
 line's one-line errors. Uploads cut short or stalled go through a real uvicorn on a loopback port,
 byte by byte over a raw socket."""
+
 import asyncio
 import json
 import logging
@@ -17,16 +18,16 @@ import torch
 
 pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install -e '.[web]'")
 import httpx  # noqa: E402
-
 from chat_web_support import chat_home, load_chat_model, sse_events  # noqa: E402
+from slow_chat_web import Slowed  # noqa: E402
+
 from nanochat_fast.core import cli  # noqa: E402
 from nanochat_fast.model import generation, sampling  # noqa: E402
 from nanochat_fast.scripts import chat_web  # noqa: E402
+from nanochat_fast.web import schema  # noqa: E402
 from nanochat_fast.web.app import Settings, create_app  # noqa: E402
 from nanochat_fast.web.pool import ReplicaPool  # noqa: E402
-from nanochat_fast.web import schema  # noqa: E402
 from nanochat_fast.web.schema import Limits  # noqa: E402
-from slow_chat_web import Slowed  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "what is 2 plus 3?"}]
 LIMITS = Limits(max_tokens=64)
@@ -49,8 +50,9 @@ def reference(model_and_tokenizer):
     return generation.assistant_reply(model, tokenizer, QUESTION, LIMITS.max_tokens, temperature=0.0)
 
 
-def make_app(model_and_tokenizer, wrap=None, slots=4, queue_limit=4, timeout=60.0, temperature=0.0,
-             body_timeout=10.0, delay=0.0):
+def make_app(
+    model_and_tokenizer, wrap=None, slots=4, queue_limit=4, timeout=60.0, temperature=0.0, body_timeout=10.0, delay=0.0
+):
     """The app over one CPU replica made as chat_web makes it; wrap(engine) stands in for its engine."""
     model, tokenizer = model_and_tokenizer
     replica = chat_web.make_replica(model, tokenizer, "cpu", slots)
@@ -59,8 +61,14 @@ def make_app(model_and_tokenizer, wrap=None, slots=4, queue_limit=4, timeout=60.
     if wrap is not None:
         replica.engine = wrap(replica.engine)
     pool = ReplicaPool([replica], queue_limit=queue_limit)
-    settings = Settings(model_name="chat step 1 (mid)", temperature=temperature, top_k=0, request_timeout=timeout,
-                        body_timeout=body_timeout, limits=LIMITS)
+    settings = Settings(
+        model_name="chat step 1 (mid)",
+        temperature=temperature,
+        top_k=0,
+        request_timeout=timeout,
+        body_timeout=body_timeout,
+        limits=LIMITS,
+    )
     return create_app(pool, settings), pool
 
 
@@ -80,8 +88,9 @@ def test_reply_streams_in_chunks_and_matches_the_model(model_and_tokenizer, refe
     # a pause per token: a server that buffered the reply would write it in one piece
     app, pool = make_app(model_and_tokenizer, delay=0.01)
     body = json.dumps({"messages": QUESTION, "temperature": 0}).encode()
-    status, chunks = asyncio.run(asgi_call(app, "POST", "/chat/completions", body,
-                                           [(b"content-type", b"application/json")]))
+    status, chunks = asyncio.run(
+        asgi_call(app, "POST", "/chat/completions", body, [(b"content-type", b"application/json")])
+    )
     pool.close()
     assert status == 200
     events = sse_events(chunks)
@@ -99,6 +108,7 @@ def test_the_asgi_client_sees_the_event_stream(model_and_tokenizer, reference):
     async def go():
         async with client(app) as c:
             return await chat(c, {"messages": QUESTION})  # the server's default temperature: 0 here
+
     status, headers, chunks = asyncio.run(go())
     pool.close()
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
@@ -148,9 +158,11 @@ def test_each_invalid_body_is_a_400_with_its_reason(model_and_tokenizer):
             out = []
             for body, _ in INVALID:
                 content = body if isinstance(body, bytes) else json.dumps(body).encode()
-                out.append(await c.post("/chat/completions", content=content,
-                                        headers={"Content-Type": "application/json"}))
+                out.append(
+                    await c.post("/chat/completions", content=content, headers={"Content-Type": "application/json"})
+                )
             return out
+
     responses = asyncio.run(go())
     pool.close()
     for (body, reason), r in zip(INVALID, responses):
@@ -166,24 +178,31 @@ def test_body_size_content_type_paths_hosts_and_no_cors(model_and_tokenizer):
 
     async def chunked():  # no Content-Length: the cap must hold while the body streams in
         for i in range(0, len(big), 4096):
-            yield big[i:i + 4096]
+            yield big[i : i + 4096]
 
     async def go():
         async with client(app) as c:
-            r = {"big": await c.post("/chat/completions", content=big, headers={"Content-Type": "application/json"}),
-                 "chunked": await c.post("/chat/completions", content=chunked(),
-                                         headers={"Content-Type": "application/json"}),
-                 "form": await c.post("/chat/completions", data={"messages": "hi"}),
-                 "evil host": await c.get("/health", headers={"Host": "attacker.example"}),
-                 "preflight": await c.options("/chat/completions", headers={
-                     "Origin": "http://attacker.example", "Access-Control-Request-Method": "POST"}),
-                 "health": await c.get("/health", headers={"Origin": "http://attacker.example"}),
-                 "stats": await c.get("/stats"), "page": await c.get("/")}
+            r = {
+                "big": await c.post("/chat/completions", content=big, headers={"Content-Type": "application/json"}),
+                "chunked": await c.post(
+                    "/chat/completions", content=chunked(), headers={"Content-Type": "application/json"}
+                ),
+                "form": await c.post("/chat/completions", data={"messages": "hi"}),
+                "evil host": await c.get("/health", headers={"Host": "attacker.example"}),
+                "preflight": await c.options(
+                    "/chat/completions",
+                    headers={"Origin": "http://attacker.example", "Access-Control-Request-Method": "POST"},
+                ),
+                "health": await c.get("/health", headers={"Origin": "http://attacker.example"}),
+                "stats": await c.get("/stats"),
+                "page": await c.get("/"),
+            }
             for path in ("/static/chat.js", "/static/chat.css", "/static/icon.svg"):
                 r[path] = await c.get(path)
             for path in ("/nope", "/static/nope.js", "/static/", "/docs", "/openapi.json", "/static/index.html"):
                 r["missing " + path] = await c.get(path)
             return r
+
     r = asyncio.run(go())
     assert "content-length" not in r["chunked"].request.headers
     for key in ("big", "chunked"):
@@ -203,8 +222,15 @@ def test_body_size_content_type_paths_hosts_and_no_cors(model_and_tokenizer):
         if key.startswith("missing"):
             assert resp.status_code == 404 and resp.json() == {"error": "not found"}, key
     # paths as the client sent them, dot segments and encodings untouched (httpx would normalise them)
-    for raw in ("/static/../app.py", "/../pool.py", "/static/..%2fapp.py", "/%2e%2e/%2e%2e/etc/passwd",
-                "/static/%2e%2e/schema.py", "/static//chat.js", "/static/./chat.js"):
+    for raw in (
+        "/static/../app.py",
+        "/../pool.py",
+        "/static/..%2fapp.py",
+        "/%2e%2e/%2e%2e/etc/passwd",
+        "/static/%2e%2e/schema.py",
+        "/static//chat.js",
+        "/static/./chat.js",
+    ):
         assert asyncio.run(asgi_call(app, "GET", raw))[0] == 404, raw
     pool.close()
 
@@ -215,10 +241,21 @@ async def asgi_call(app, method: str, raw_path: str, body: bytes = b"", headers=
     as sent, dot segments and encodings untouched (httpx normalises them). Setting `leave`
     disconnects the client."""
     from urllib.parse import unquote
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": method, "scheme": "http", "path": unquote(raw_path), "raw_path": raw_path.encode(),
-             "root_path": "", "query_string": b"", "headers": [(b"host", b"127.0.0.1"), *headers],
-             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 80)}
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": unquote(raw_path),
+        "raw_path": raw_path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1"), *headers],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 80),
+    }
     sent, finished, requested = [], asyncio.Event(), []
 
     async def receive():
@@ -236,6 +273,7 @@ async def asgi_call(app, method: str, raw_path: str, body: bytes = b"", headers=
         sent.append(message)
         if message["type"] == "http.response.body" and not message.get("more_body"):
             finished.set()
+
     await app(scope, receive, send)
     return sent[0]["status"], [m["body"].decode() for m in sent[1:] if m.get("body")]
 
@@ -287,6 +325,7 @@ def test_queue_full_is_503_with_retry_after_and_queued_requests_complete(model_a
             refused = await c.post("/chat/completions", json=body)
             gate.set()
             return refused, *[await t for t in running], await queued
+
     refused, *served = asyncio.run(go())
     pool.close()
     assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
@@ -299,8 +338,10 @@ def test_queue_full_is_503_with_retry_after_and_queued_requests_complete(model_a
     assert pool.stats()["requests"] == {"completed": 3, "cancelled": 0, "timed_out": 0, "failed": 0, "rejected": 1}
 
 
-QUESTIONS = [[{"role": "user", "content": f"what is {a} plus {b}?"}] for a, b in
-             ((2, 3), (12, 7), (4, 4), (0, 9), (15, 15), (1, 20), (8, 3), (6, 11))]
+QUESTIONS = [
+    [{"role": "user", "content": f"what is {a} plus {b}?"}]
+    for a, b in ((2, 3), (12, 7), (4, 4), (0, 9), (15, 15), (1, 20), (8, 3), (6, 11))
+]
 
 
 def test_eight_streams_are_decoded_together_in_one_engine(model_and_tokenizer):
@@ -322,6 +363,7 @@ def test_eight_streams_are_decoded_together_in_one_engine(model_and_tokenizer):
                 in_use.append(slots_in_use(pool))
                 await asyncio.sleep(0.002)
             return [await t for t in calls]
+
     replies = asyncio.run(go())
     stats = pool.stats()
     pool.close()
@@ -330,8 +372,17 @@ def test_eight_streams_are_decoded_together_in_one_engine(model_and_tokenizer):
         assert status == 200 and events[-1] == {"done": True}
         assert "".join(e["token"] for e in events[:-1]) == want
     assert max(in_use) > 1 and stats["slots"] == {
-        "total": 8, "in_use": 0, "per_replica": [{"device": "cpu", "slots": 8, "in_use": 0, **{
-            k: stats["slots"]["per_replica"][0][k] for k in ("tokens_generated", "tokens_per_s")}}]}
+        "total": 8,
+        "in_use": 0,
+        "per_replica": [
+            {
+                "device": "cpu",
+                "slots": 8,
+                "in_use": 0,
+                **{k: stats["slots"]["per_replica"][0][k] for k in ("tokens_generated", "tokens_per_s")},
+            }
+        ],
+    }
     assert stats["requests"]["completed"] == 8 and stats["ttft_s"]["requests"] == 8
     assert 0 < stats["ttft_s"]["p50"] <= stats["ttft_s"]["p90"] <= stats["ttft_s"]["p99"]
     assert stats["tokens_generated"] >= sum(map(len, alone)) // 2 and stats["tokens_per_s"] > 0
@@ -339,21 +390,24 @@ def test_eight_streams_are_decoded_together_in_one_engine(model_and_tokenizer):
 
 def test_stats_decode_time_is_the_union_of_busy_replicas_and_ttft_is_nearest_rank():
     from nanochat_fast.web.stats import ServerStats, percentile
+
     stats = ServerStats(2)
-    stats.started(0, 10.0, truncated=False)     # replica 0 busy 10..14, replica 1 busy 12..17:
-    stats.started(1, 12.0, truncated=True)      # the server decoded for 7 s, not 4 + 5
+    stats.started(0, 10.0, truncated=False)  # replica 0 busy 10..14, replica 1 busy 12..17:
+    stats.started(1, 12.0, truncated=True)  # the server decoded for 7 s, not 4 + 5
     stats.stepped(0, 40, [0.5])
     stats.stepped(1, 30, [0.1, 0.2])
     stats.ended(0, "completed", 4.0, 14.0, busy=False)
     stats.ended(1, "cancelled", 5.0, 17.0, busy=False)
     s = stats.snapshot(20.0)
     assert s["decode_seconds"] == 7.0 and s["tokens_per_s"] == 10.0 and s["prompts_truncated"] == 1
-    assert s["per_replica"] == [{"tokens_generated": 40, "tokens_per_s": 10.0},
-                                {"tokens_generated": 30, "tokens_per_s": 6.0}]
+    assert s["per_replica"] == [
+        {"tokens_generated": 40, "tokens_per_s": 10.0},
+        {"tokens_generated": 30, "tokens_per_s": 6.0},
+    ]
     assert s["ttft_s"] == {"p50": 0.2, "p90": 0.5, "p99": 0.5, "requests": 3}
     assert s["requests"]["completed"] == 1 and s["requests"]["cancelled"] == 1 and stats.mean_reply_seconds() == 4.5
     assert [percentile(list(range(1, 101)), p) for p in (50, 90, 99)] == [50, 90, 99]
-    stats.started(0, 30.0, truncated=False)     # busy now: the time so far counts
+    stats.started(0, 30.0, truncated=False)  # busy now: the time so far counts
     assert stats.snapshot(32.5)["decode_seconds"] == 9.5
 
 
@@ -366,6 +420,7 @@ def test_a_conversation_longer_than_the_context_keeps_its_end_and_is_counted(mod
     async def go():
         async with client(app) as c:
             return await chat(c, {"messages": long}), await chat(c, {"messages": QUESTION})
+
     (status, _, chunks), _ = asyncio.run(go())
     pool.close()
     assert status == 200 and "".join(e.get("token", "") for e in sse_events(chunks)) == want
@@ -388,6 +443,7 @@ def test_a_client_that_leaves_while_queued_leaves_the_queue(model_and_tokenizer,
         await wait_for(lambda: pool.stats()["queue_length"] == 0)
         gate.set()
         return await running, await queued
+
     (status, chunks), (left_status, left_chunks) = asyncio.run(go())
     pool.close()
     assert status == 200 and "".join(e.get("token", "") for e in sse_events(chunks)) == reference
@@ -404,6 +460,7 @@ def test_request_timeout_ends_the_stream_and_frees_the_slot(model_and_tokenizer)
             started = time.monotonic()
             out = await chat(c, {"messages": QUESTION})
             return out, time.monotonic() - started
+
     (status, _, chunks), took = asyncio.run(go())
     events = sse_events(chunks)
     assert status == 200 and 0.3 <= took < 5
@@ -415,8 +472,9 @@ def test_request_timeout_ends_the_stream_and_frees_the_slot(model_and_tokenizer)
     pool.close()
 
 
-def test_a_failing_step_ends_its_replies_with_an_error_and_the_replica_serves_on(model_and_tokenizer, reference,
-                                                                                 caplog):
+def test_a_failing_step_ends_its_replies_with_an_error_and_the_replica_serves_on(
+    model_and_tokenizer, reference, caplog
+):
     gate = threading.Event()
     app, pool = make_app(model_and_tokenizer, wrap=gated(gate, fail_once=True))
 
@@ -427,17 +485,21 @@ def test_a_failing_step_ends_its_replies_with_an_error_and_the_replica_serves_on
             gate.set()  # the next step fails, with all 3 replies in it
             failed = [await t for t in calls]
             return failed, await chat(c, {"messages": QUESTION})
+
     failed, (s2, _, c2) = asyncio.run(go())
     pool.close()
     for status, _, chunks in failed:
         assert status == 200 and sse_events(chunks) == [
-            {"error": "generation failed (RuntimeError); see the server log"}, {"done": True}]
+            {"error": "generation failed (RuntimeError); see the server log"},
+            {"done": True},
+        ]
     assert "".join(e.get("token", "") for e in sse_events(c2)) == reference
     stats = pool.stats()
     assert stats["requests"]["failed"] == 3 and stats["requests"]["completed"] == 1 and stats["slots"]["in_use"] == 0
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert [r.getMessage() for r in errors] == [
-        "a decode step failed on cpu (RuntimeError: boom); 3 repl(ies) ended with an error"]
+        "a decode step failed on cpu (RuntimeError: boom); 3 repl(ies) ended with an error"
+    ]
 
 
 # -- the command line -------------------------------------------------------------------------
@@ -462,9 +524,14 @@ def test_bad_command_lines_exit_2_with_one_line(web_home, nanochat_home, monkeyp
     assert code == 2 and len(err) == 2
     assert err[0].startswith("warning: --host 0.0.0.0 lets other machines reach this server")
     assert "no tokenizer" in err[1]
-    for argv, reason in ((["--queue-size=-1"], "must be >= 0"), (["--request-timeout=0"], "must be > 0"),
-                         (["--workers=0"], "must be a positive integer"), (["--port=x"], "expected an integer"),
-                         (["--temperature=2.5"], "at most 2.0"), (["--top-k=201"], "at most 200")):
+    for argv, reason in (
+        (["--queue-size=-1"], "must be >= 0"),
+        (["--request-timeout=0"], "must be > 0"),
+        (["--workers=0"], "must be a positive integer"),
+        (["--port=x"], "expected an integer"),
+        (["--temperature=2.5"], "at most 2.0"),
+        (["--top-k=201"], "at most 200"),
+    ):
         code, err = run_main(argv, capsys)
         assert code == 2 and len(err) == 1 and reason in err[0], (argv, err)
     for value in ("0", "-1", "nan", "inf"):
@@ -474,6 +541,7 @@ def test_bad_command_lines_exit_2_with_one_line(web_home, nanochat_home, monkeyp
     code, err = run_main(["--run=nope", "--port=0"], capsys)
     assert code == 2 and err == [f"error: no run named 'nope' (looked for {web_home}/runs/nope/checkpoints)"]
     import socket
+
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         code, err = run_main([f"--port={port}", "--run=chat"], capsys)
@@ -500,6 +568,7 @@ def test_closing_the_pool_stops_running_and_waiting_replies(model_and_tokenizer)
         await wait_for(lambda: pool.stats()["queue_length"] == 1)
         pool.close()  # what the server's shutdown does
         return await asyncio.gather(*calls)
+
     (s1, running), (s2, waiting) = asyncio.run(go())
     assert s1 == s2 == 200
     assert sse_events(running) == [{"done": True}]  # stopped before its first token
@@ -530,17 +599,22 @@ def test_the_temperature_floor_is_where_softmax_still_works():
 def test_tiny_temperatures_are_greedy_and_no_accepted_temperature_fails(model_and_tokenizer, reference, caplog):
     caplog.set_level(logging.INFO)
     for t in TINY_TEMPERATURES:
-        assert schema.parse_request(json.dumps({"messages": QUESTION, "temperature": t}).encode(),
-                                    LIMITS).temperature == 0.0, t
+        assert (
+            schema.parse_request(json.dumps({"messages": QUESTION, "temperature": t}).encode(), LIMITS).temperature
+            == 0.0
+        ), t
     app, pool = make_app(model_and_tokenizer)
     accepted = TINY_TEMPERATURES + (schema.MIN_TEMPERATURE, 1e-3, 0.7, schema.MAX_TEMPERATURE)
 
     async def go():
         async with client(app) as c:
             replies = [await chat(c, {"messages": QUESTION, "temperature": t}) for t in accepted]
-            refused = [await c.post("/chat/completions", json={"messages": QUESTION, "temperature": t})
-                       for t in (1e308, 2.0000001, -5e-324)]
+            refused = [
+                await c.post("/chat/completions", json={"messages": QUESTION, "temperature": t})
+                for t in (1e308, 2.0000001, -5e-324)
+            ]
             return replies, refused
+
     replies, refused = asyncio.run(go())
     pool.close()
     for t, (status, _, chunks) in zip(accepted, replies):
@@ -560,6 +634,7 @@ def test_a_tiny_server_default_temperature_is_greedy(model_and_tokenizer, refere
     async def go():
         async with client(app) as c:
             return await chat(c, {"messages": QUESTION})
+
     status, _, chunks = asyncio.run(go())
     pool.close()
     events = sse_events(chunks)
@@ -570,7 +645,7 @@ def test_a_tiny_server_default_temperature_is_greedy(model_and_tokenizer, refere
 # -- uploads cut short or stalled, over a raw socket to a real uvicorn -------------------------
 
 BODY_TIMEOUT = 0.5
-POST = (b"POST /chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
+POST = b"POST /chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
 
 
 @pytest.fixture
@@ -578,6 +653,7 @@ def live_server(model_and_tokenizer):
     """The app on a free loopback port, served by uvicorn in a thread of this process (so caplog
     sees every log record, uvicorn's own included); yields (base url, pool)."""
     import uvicorn
+
     app, pool = make_app(model_and_tokenizer, body_timeout=BODY_TIMEOUT)
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="info"))
@@ -631,9 +707,9 @@ def serves_the_next_request(url, pool, reference):
 
 CUT_SHORT = [  # (what the client sends before it closes the connection, the log line)
     (POST + b"Content-Length: 100\r\n\r\n" + b'{"messages"', "client went away during its upload (11 of 100 bytes)"),
-    (POST + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mes\r\n", "client went away during its upload (5 bytes)"),
+    (POST + b'Transfer-Encoding: chunked\r\n\r\n5\r\n{"mes\r\n', "client went away during its upload (5 bytes)"),
     # a broken chunked body: uvicorn answers 400 and warns "Invalid HTTP request received." itself
-    (POST + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mes\r\nZZ\r\n", "client went away during its upload (5 bytes)"),
+    (POST + b'Transfer-Encoding: chunked\r\n\r\n5\r\n{"mes\r\nZZ\r\n', "client went away during its upload (5 bytes)"),
 ]
 
 
@@ -664,13 +740,15 @@ def test_a_stalled_upload_is_a_408_after_the_body_timeout(live_server, reference
     assert json.loads(body) == {"error": f"the request body did not arrive within {BODY_TIMEOUT:g} s"}
     assert BODY_TIMEOUT <= took < BODY_TIMEOUT + 5, took
     assert [r.getMessage() for r in our_records(caplog)] == [
-        f"request body not received within {BODY_TIMEOUT:g} s (11 of 100 bytes arrived): answered 408"]
+        f"request body not received within {BODY_TIMEOUT:g} s (11 of 100 bytes arrived): answered 408"
+    ]
     no_traceback(caplog)
     serves_the_next_request(url, pool, reference)
 
 
 def test_cpu_replicas_leave_a_core_to_the_server_unless_omp_num_threads_is_set():
     from nanochat_fast.core.threads import decide_threads
+
     assert chat_web.server_threads(decide_threads({}, cores=2, launcher_env={})) == 1
     assert chat_web.server_threads(decide_threads({}, cores=16, launcher_env={})) == 15
     assert chat_web.server_threads(decide_threads({}, cores=1, launcher_env={})) == 1

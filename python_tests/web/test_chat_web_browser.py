@@ -6,6 +6,7 @@ validation error shown in the page, new chat, and nothing loaded from anywhere b
 The screenshot in the README comes from here:
     NANOCHAT_FAST_SCREENSHOT=docs/chat_web.png pytest python_tests/web/test_chat_web_browser.py
 """
+
 import os
 import shutil
 import time
@@ -14,8 +15,8 @@ import pytest
 
 pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install -e '.[web]'")
 import httpx  # noqa: E402
-
 from chat_web_support import chat_home, chat_web_process, load_chat_model  # noqa: E402
+
 from nanochat_fast.model import generation  # noqa: E402
 
 pytestmark = pytest.mark.browser
@@ -23,8 +24,12 @@ pytestmark = pytest.mark.browser
 
 def find_chromium() -> str | None:
     """NANOCHAT_FAST_CHROMIUM, else a Chromium on PATH (Debian's `chromium` package)."""
-    for candidate in (os.environ.get("NANOCHAT_FAST_CHROMIUM"), shutil.which("chromium"),
-                      shutil.which("chromium-browser"), shutil.which("google-chrome")):
+    for candidate in (
+        os.environ.get("NANOCHAT_FAST_CHROMIUM"),
+        shutil.which("chromium"),
+        shutil.which("chromium-browser"),
+        shutil.which("google-chrome"),
+    ):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     return None
@@ -61,9 +66,12 @@ def server(web_home):
 
 def streamed_text(page) -> str:
     """The reply's text once some has arrived while it is still streaming."""
-    return page.wait_for_function("""() => {
+    return page.wait_for_function(
+        """() => {
         const t = document.querySelector('.message.assistant[data-state="streaming"] .text');
-        return t && t.textContent ? t.textContent : null; }""", timeout=30_000).json_value()
+        return t && t.textContent ? t.textContent : null; }""",
+        timeout=30_000,
+    ).json_value()
 
 
 def ask(page, text: str):

@@ -5,6 +5,7 @@ the server's memory does not grow over rounds; a client that disconnects mid-rep
 while the others go on; paths reach the server unnormalised over a raw socket and still find
 nothing but the page; an upload cut short is one log line, one that stalls a 408 after
 --body-timeout."""
+
 import asyncio
 import socket
 import time
@@ -13,8 +14,8 @@ import pytest
 
 pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install -e '.[web]'")
 import httpx  # noqa: E402
-
 from chat_web_support import chat_home, chat_web_process, load_chat_model, sse_events  # noqa: E402
+
 from nanochat_fast.model import generation  # noqa: E402
 
 CLIENTS = 16
@@ -103,9 +104,19 @@ def test_over_the_slots_and_queue_clients_get_503_and_nothing_else(slow_server, 
         assert len(chunks) >= 3  # streamed over the socket as generated
     s = wait_idle(slow_server)  # every client has gone: every slot is free, the queue empty
     assert s["requests"]["rejected"] == len(refused) and s["requests"]["completed"] == len(served)
-    assert s["slots"] == {"total": 2, "in_use": 0, "per_replica": [
-        {"device": "cpu", "slots": 2, "in_use": 0, "tokens_generated": s["tokens_generated"],
-         "tokens_per_s": s["tokens_per_s"]}]}
+    assert s["slots"] == {
+        "total": 2,
+        "in_use": 0,
+        "per_replica": [
+            {
+                "device": "cpu",
+                "slots": 2,
+                "in_use": 0,
+                "tokens_generated": s["tokens_generated"],
+                "tokens_per_s": s["tokens_per_s"],
+            }
+        ],
+    }
     assert not any("Traceback" in line or "ERROR" in line for line in slow_server.log), "".join(slow_server.log)
 
 
@@ -119,7 +130,7 @@ def test_a_client_that_disconnects_frees_its_slot_while_another_goes_on(slow_ser
     async def read_one_token_and_leave(c):
         async with c.stream("POST", slow_server.url + "/chat/completions", json={"messages": QUESTION}) as r:
             async for chunk in r.aiter_text():
-                assert chunk.startswith("data: {\"token\"")
+                assert chunk.startswith('data: {"token"')
                 return  # closes the connection mid-reply
 
     async def go():
@@ -132,8 +143,9 @@ def test_a_client_that_disconnects_frees_its_slot_while_another_goes_on(slow_ser
                 seen.append((await c.get(slow_server.url + "/stats")).json()["slots"]["in_use"])
                 await asyncio.sleep(0.01)
             return await staying
+
     status, _, chunks = asyncio.run(go())
-    assert 1 in seen and 2 not in seen[seen.index(1):], seen  # the slot came back while the other streamed
+    assert 1 in seen and 2 not in seen[seen.index(1) :], seen  # the slot came back while the other streamed
     assert status == 200 and "".join(e["token"] for e in sse_events(chunks)[:-1]) == reference
     after = wait_idle(slow_server, timeout=5)
     assert after["requests"]["cancelled"] == before["requests"]["cancelled"] + 1
@@ -153,8 +165,14 @@ def raw_http(url: str, request_line: str, host="127.0.0.1") -> str:
 def test_over_a_raw_socket_only_the_page_is_served(slow_server):
     url = slow_server.url
     assert raw_http(url, "GET /static/chat.js HTTP/1.1") == "HTTP/1.1 200 OK"
-    for path in ("/static/../app.py", "/static/../../../../etc/passwd", "/..%2f..%2fetc%2fpasswd",
-                 "/static/%2e%2e/pool.py", "/static/..\\app.py", "/nanochat_fast/web/app.py"):
+    for path in (
+        "/static/../app.py",
+        "/static/../../../../etc/passwd",
+        "/..%2f..%2fetc%2fpasswd",
+        "/static/%2e%2e/pool.py",
+        "/static/..\\app.py",
+        "/nanochat_fast/web/app.py",
+    ):
         assert raw_http(url, f"GET {path} HTTP/1.1") == "HTTP/1.1 404 Not Found", path
     assert raw_http(url, "GET /health HTTP/1.1", host="rebound.example:80") == "HTTP/1.1 400 Bad Request"
 

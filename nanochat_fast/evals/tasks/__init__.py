@@ -14,6 +14,7 @@ Evaluation tasks over the prepared data (data/eval/, see evals/prepared_benchmar
     task.check(examples[0], "A")               # is this reply right?
     tasks.get("hellaswag_zeroshot").items()    # CORE items ({query, choices, gold} ...)
 """
+
 from ...core.errors import UserError
 from .arc import ARC
 from .core_benchmark import CORE_SUBSET, SUBSET_NAME, CoreTask
@@ -22,8 +23,16 @@ from .humaneval import HumanEval
 from .last_digit import LastDigit
 from .mmlu import MMLU
 from .spellingbee import SpellingBee
-from .task_types import (CATEGORICAL, GENERATIVE, LIKELIHOOD, ChatTask, GenerativeTask, MultipleChoiceTask, Task,
-                         render_mc)
+from .task_types import (
+    CATEGORICAL,
+    GENERATIVE,
+    LIKELIHOOD,
+    ChatTask,
+    GenerativeTask,
+    MultipleChoiceTask,
+    Task,
+    render_mc,
+)
 
 CHAT_TASKS = [ARC("ARC-Easy"), ARC("ARC-Challenge"), MMLU(), GSM8K(), HumanEval(), SpellingBee()]
 CHAT_TASK_NAMES = [t.name for t in CHAT_TASKS]
@@ -40,8 +49,10 @@ def get(name: str) -> Task:
     arc_easy, ...), any case."""
     task = _BY_NAME.get(name.strip().lower())
     if task is None:
-        raise UserError(f"unknown task {name!r}; chat tasks: {', '.join(CHAT_TASK_NAMES)}; synthetic: "
-                        f"{', '.join(t.name for t in SYNTHETIC_TASKS)}; CORE subset: {', '.join(CORE_TASK_NAMES)}")
+        raise UserError(
+            f"unknown task {name!r}; chat tasks: {', '.join(CHAT_TASK_NAMES)}; synthetic: "
+            f"{', '.join(t.name for t in SYNTHETIC_TASKS)}; CORE subset: {', '.join(CORE_TASK_NAMES)}"
+        )
     return task
 
 
@@ -55,7 +66,30 @@ def parse_names(spec: str, default: list[str]) -> list[Task]:
     return [get(n) for n in names]
 
 
-__all__ = ["ARC", "CATEGORICAL", "CHAT_TASKS", "CHAT_TASK_NAMES", "CORE_SUBSET", "CORE_TASK_NAMES", "ChatTask",
-           "CoreTask", "GENERATIVE", "GSM8K", "GenerativeTask", "HumanEval", "LIKELIHOOD", "LastDigit", "MMLU",
-           "MultipleChoiceTask", "RL_TASK_NAMES", "SUBSET_NAME", "SYNTHETIC_TASKS", "SpellingBee", "Task",
-           "extract_answer", "get", "parse_names", "render_mc"]
+__all__ = [
+    "ARC",
+    "CATEGORICAL",
+    "CHAT_TASKS",
+    "CHAT_TASK_NAMES",
+    "CORE_SUBSET",
+    "CORE_TASK_NAMES",
+    "ChatTask",
+    "CoreTask",
+    "GENERATIVE",
+    "GSM8K",
+    "GenerativeTask",
+    "HumanEval",
+    "LIKELIHOOD",
+    "LastDigit",
+    "MMLU",
+    "MultipleChoiceTask",
+    "RL_TASK_NAMES",
+    "SUBSET_NAME",
+    "SYNTHETIC_TASKS",
+    "SpellingBee",
+    "Task",
+    "extract_answer",
+    "get",
+    "parse_names",
+    "render_mc",
+]

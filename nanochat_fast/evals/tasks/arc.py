@@ -1,5 +1,6 @@
 """ARC (AI2 Reasoning Challenge): grade-school science questions with 3-5 choices, Easy and
 Challenge sets. Evaluated on test; validation may be trained on."""
+
 from .task_types import MultipleChoiceTask
 
 

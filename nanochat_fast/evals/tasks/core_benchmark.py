@@ -8,6 +8,7 @@ one prompt per way of filling the blank; scoring.core_counts picks the one whose
 the lowest mean loss. The tasks left out, and the prompts and scoring in full:
 docs/measurements.md#core-subset.
 """
+
 import random
 
 from .task_types import LIKELIHOOD, Task
@@ -31,17 +32,23 @@ def _copa_item(ex):
 
 
 def _boolq_item(ex):
-    return {"query": f"Passage: {ex['passage']}\nQuestion: {ex['question']}?", "choices": ex["choices"],
-            "gold": ex["answer"]}
+    return {
+        "query": f"Passage: {ex['passage']}\nQuestion: {ex['question']}?",
+        "choices": ex["choices"],
+        "gold": ex["answer"],
+    }
 
 
 def _winogrande_item(ex):
     # "Sarah was a much better surgeon than Maria so _ always got the easier cases."
     # -> contexts "... so Sarah" / "... so Maria", continuation "always got the easier cases."
     blank = ex["question"].index("_")
-    before, after = ex["question"][:blank], ex["question"][blank + 1:]
-    return {"context_options": [before + option for option in ex["choices"]], "continuation": after.strip(),
-            "gold": ex["answer"]}
+    before, after = ex["question"][:blank], ex["question"][blank + 1 :]
+    return {
+        "context_options": [before + option for option in ex["choices"]],
+        "continuation": after.strip(),
+        "gold": ex["answer"],
+    }
 
 
 class CoreTask(Task):

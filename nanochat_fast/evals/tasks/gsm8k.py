@@ -4,6 +4,7 @@ do its arithmetic with the calculator: the solutions' "<<48/2=24>>" notes become
 its output. Evaluated on test (1,319); the eight worked examples of the few-shot pool (dev) may be
 trained on. An answer is right when the number after its "####" equals the solution's.
 """
+
 import re
 from decimal import Decimal, InvalidOperation
 
@@ -45,8 +46,12 @@ class GSM8K(GenerativeTask):
     train_splits = ("dev",)
 
     def conversation(self, example: dict) -> dict:
-        return {"messages": [{"role": "user", "content": example["question"]},
-                             {"role": "assistant", "content": solution_parts(example["answer"])}]}
+        return {
+            "messages": [
+                {"role": "user", "content": example["question"]},
+                {"role": "assistant", "content": solution_parts(example["answer"])},
+            ]
+        }
 
     def check(self, example: dict, completion: str) -> bool:
         predicted = extract_answer(completion)

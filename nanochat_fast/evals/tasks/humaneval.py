@@ -4,6 +4,7 @@ asked with the prompt (the start of the program) and answers with the whole func
 passes when the program, run in the sandbox (sandbox.py: a subprocess with time and memory limits
 and no network), passes the problem's tests.
 """
+
 import re
 
 from ..sandbox import run_program
@@ -39,12 +40,16 @@ def check_program(example: dict, code: str) -> str:
 class HumanEval(GenerativeTask):
     name, folder = "HumanEval", "humaneval"
     train_splits = ()
-    timeout = 5.0      # seconds per program
+    timeout = 5.0  # seconds per program
     memory_mb = 512
 
     def conversation(self, example: dict) -> dict:
-        return {"messages": [{"role": "user", "content": example["question"]},
-                             {"role": "assistant", "content": example["question"] + example["answer"]}]}
+        return {
+            "messages": [
+                {"role": "user", "content": example["question"]},
+                {"role": "assistant", "content": example["question"] + example["answer"]},
+            ]
+        }
 
     def execute(self, example: dict, completion: str):
         """The sandbox's result for the reply `completion` (status passed/failed/timeout/error)."""

@@ -8,6 +8,7 @@ SFT a tiny model writes "#### d" with a mostly wrong d, and on-policy RL alone t
 Its examples are made, not prepared: every list of DIGITS digits, in a fixed shuffled order; the
 first TEST_SIZE are the test split (held out: never trained on), the rest the train split.
 """
+
 import itertools
 import random
 
@@ -32,13 +33,23 @@ class LastDigit(GenerativeTask):
         lists = list(itertools.product(range(10), repeat=DIGITS))
         random.Random(self.shuffle_seed).shuffle(lists)
         chosen = lists[:TEST_SIZE] if split == "test" else lists[TEST_SIZE:]
-        examples = [{"id": f"{self.name}-{split}-{i}", "question": f"Digits: {' '.join(map(str, d))}. Which comes last?",
-                     "answer": d[-1]} for i, d in enumerate(chosen)]
+        examples = [
+            {
+                "id": f"{self.name}-{split}-{i}",
+                "question": f"Digits: {' '.join(map(str, d))}. Which comes last?",
+                "answer": d[-1],
+            }
+            for i, d in enumerate(chosen)
+        ]
         return examples[:max_examples] if max_examples is not None else examples
 
     def conversation(self, example: dict) -> dict:
-        return {"messages": [{"role": "user", "content": example["question"]},
-                             {"role": "assistant", "content": f"#### {example['answer']}"}]}
+        return {
+            "messages": [
+                {"role": "user", "content": example["question"]},
+                {"role": "assistant", "content": f"#### {example['answer']}"},
+            ]
+        }
 
     def check(self, example: dict, completion: str) -> bool:
         return extract_answer(completion) == str(example["answer"])

@@ -1,5 +1,6 @@
 """MMLU: four-choice questions in 57 subjects. Evaluated on test (14,042); dev (5 per subject, the
 few-shot pool) and validation may be trained on."""
+
 from .task_types import MultipleChoiceTask
 
 

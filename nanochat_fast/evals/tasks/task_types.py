@@ -10,6 +10,7 @@ Kinds of evaluation:
     likelihood   the base model's few-shot log-likelihood of each choice as a continuation; the
                  most likely (lowest mean loss per token) is its answer (the CORE subset)
 """
+
 import random
 
 from ..prepared_benchmarks import load_split
@@ -19,10 +20,10 @@ ANSWER_LETTERS = "ABCDEFGHIJ"  # the letters of multiple-choice answers, in choi
 
 
 class Task:
-    name = ""          # nanochat's name, e.g. "ARC-Easy"
-    folder = ""        # data/eval/<folder>/
-    kind = ""          # CATEGORICAL, GENERATIVE or LIKELIHOOD
-    chance = 0.0       # accuracy of guessing
+    name = ""  # nanochat's name, e.g. "ARC-Easy"
+    folder = ""  # data/eval/<folder>/
+    kind = ""  # CATEGORICAL, GENERATIVE or LIKELIHOOD
+    chance = 0.0  # accuracy of guessing
     eval_split = "test"
     train_splits = ()  # splits that may be trained on (never the one evaluated)
     shuffle_seed = 42  # examples are shuffled so that --max-examples takes a random subset
@@ -56,12 +57,13 @@ class ChatTask(Task):
 
 class GenerativeTask(ChatTask):
     """The model writes its answer; nothing to pick from, so guessing scores 0."""
+
     kind = GENERATIVE
     chance = 0.0
 
 
 def letters_for(example: dict) -> str:
-    return ANSWER_LETTERS[:len(example["choices"])]
+    return ANSWER_LETTERS[: len(example["choices"])]
 
 
 def render_mc(question: str, letters: str, choices: list[str]) -> str:
@@ -75,6 +77,7 @@ def render_mc(question: str, letters: str, choices: list[str]) -> str:
 
 class MultipleChoiceTask(ChatTask):
     """Questions with lettered choices, answered by a letter (scored from the letters' logits)."""
+
     kind = CATEGORICAL
 
     def letters(self, example: dict) -> str:
@@ -82,9 +85,12 @@ class MultipleChoiceTask(ChatTask):
 
     def conversation(self, example: dict) -> dict:
         letters = self.letters(example)
-        return {"messages": [
-            {"role": "user", "content": render_mc(example["question"], letters, example["choices"])},
-            {"role": "assistant", "content": letters[example["answer"]]}]}
+        return {
+            "messages": [
+                {"role": "user", "content": render_mc(example["question"], letters, example["choices"])},
+                {"role": "assistant", "content": letters[example["answer"]]},
+            ]
+        }
 
     def check(self, example: dict, completion: str) -> bool:
         return completion.strip()[:1] == self.letters(example)[example["answer"]]
