@@ -1,6 +1,7 @@
 # nanochat_fast: set up, test, benchmark and demo from a fresh clone.
 #
-#   make test       install into .venv, build the extension, run the C++ and Python tests
+#   make test       install into .venv, build the extension, lint, run the C++ and Python tests
+#   make lint       ruff: the linter and the formatter's check (`ruff format .` formats)
 #   make demo       install, prepare data, train tokenizer + model, mid-train, fine-tune, evaluate, chat,
 #                   report card (CPU, within 15 min)
 #   make bench      run benchmarks/ and write benchmarks/results.json and benchmarks/RESULTS.md
@@ -38,7 +39,7 @@ STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC) $(TRITON_SPEC)' |
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cpp)
 PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest
 
-.PHONY: install test ctest test-gpu gpu-bundle gpu-check aot-compat test-torch-floor cuda-build-check floor-install \
+.PHONY: install lint test ctest test-gpu gpu-bundle gpu-check aot-compat test-torch-floor cuda-build-check floor-install \
         bench demo kernels clean
 
 install: $(STAMP)
@@ -65,7 +66,12 @@ ctest: install
 	cmake --build build/cmake -j2
 	ctest --test-dir build/cmake --output-on-failure
 
-test: install ctest
+# The rules live in pyproject.toml ([tool.ruff]); .pre-commit-config.yaml runs the same before a commit.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: install lint ctest
 	$(PYTEST) python_tests
 
 test-gpu: install

@@ -191,8 +191,8 @@ def test_loader_keeps_up(benchmark, corpus):
             warmup_rounds=2,
         )
     finally:
-        for l in (loader, inline, held):
-            l.close()
+        for each in (loader, inline, held):
+            each.close()
         rows.stop()
 
     def ratio(name, baseline="cpp pack_rows"):  # rate of `name` / rate of `baseline`

@@ -53,7 +53,9 @@ def make_inputs(d, seed=0):
 def step_fn(variant, hidden, weight, targets, chunk_rows=None):
     """One forward+backward of `variant`, under the device's autocast, gradients set anew."""
     if variant == "ours":
-        loss_fn = lambda h, w, t: softcap_cross_entropy(h, w, t, SOFTCAP, chunk_rows=chunk_rows)
+
+        def loss_fn(h, w, t):
+            return softcap_cross_entropy(h, w, t, SOFTCAP, chunk_rows=chunk_rows)
     elif variant == "stock eager":
         loss_fn = stock_loss
     elif variant == "stock compiled":

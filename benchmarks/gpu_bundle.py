@@ -155,7 +155,9 @@ def _stub_wheel(dest: Path, name: str, version: str):
     dist = f"{name.replace('-', '_')}-{version}"
     files = {
         f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-        f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: gpu_bundle\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{dist}.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: gpu_bundle\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
     }
     files[f"{dist}.dist-info/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{dist}.dist-info/RECORD,,\n"
     with zipfile.ZipFile(dest / f"{dist}-py3-none-any.whl", "w") as z:

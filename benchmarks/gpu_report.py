@@ -162,10 +162,12 @@ class Report:
         lines = [
             f"# GPU check: {gpu}",
             "",
-            f"Made by `make gpu-check` on {self.started}{' (a rehearsal on a CPU: small shapes)' if self.rehearse else ''}: "
+            f"Made by `make gpu-check` on {self.started}"
+            f"{' (a rehearsal on a CPU: small shapes)' if self.rehearse else ''}: "
             f"{where}; torch {env.get('torch')} (CUDA {env.get('cuda')}), Triton {env.get('triton')}, "
             f"Python {env.get('python')}; the bundle made {self.bundle.get('created')}.  ",
-            f"Verdict: **{data['verdict']}**{'' if data['finished'] else ' (so far: the check is running or was stopped)'}. "
+            f"Verdict: **{data['verdict']}**"
+            f"{'' if data['finished'] else ' (so far: the check is running or was stopped)'}. "
             f"{data['seconds']:.0f} s in all. Logs: logs.tar.gz; every figure: results-cuda.json.",
             "",
             "| step | result | time / cap | detail |",
@@ -197,7 +199,9 @@ def _environment(f: dict, report) -> list[str]:
     lines = [
         "## Environment",
         "",
-        f"Extension: {'built with CUDA' if f.get('extension_cuda') else 'NOT built with CUDA: ' + str(f.get('extension_why_not'))}.  ",
+        "Extension: "
+        + ("built with CUDA" if f.get("extension_cuda") else f"NOT built with CUDA: {f.get('extension_why_not')}")
+        + ".  ",
     ]
     differ = f.get("node_packages_differ") or {}
     lines.append(

@@ -140,5 +140,8 @@ def adamw_slice_update_triton(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_
     for i, p in enumerate(params):
         by_dtype.setdefault(p.dtype, []).append(i)
     for idx in by_dtype.values():
-        pick = lambda seq: [seq[i] for i in idx]
+
+        def pick(seq):
+            return [seq[i] for i in idx]
+
         _launch(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), hparams, pick(lr_muls), pick(wd_muls))

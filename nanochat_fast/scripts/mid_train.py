@@ -4,7 +4,8 @@ turn-taking format, with the loss only on the assistant's tokens. Ends after one
 conversation mixture (or --num-iterations steps).
 
     python -m nanochat_fast.scripts.mid_train --device-batch-size=16 --total-batch-size=8192
-    python -m nanochat_fast.scripts.mid_train --device-batch-size=16 --total-batch-size=8192 --extra-conversations=my_chats.jsonl
+    python -m nanochat_fast.scripts.mid_train --device-batch-size=16 --total-batch-size=8192 \
+        --extra-conversations=my_chats.jsonl
 
 --extra-conversations takes JSONL lines {"messages": [{"role": "user", "content": ...},
 {"role": "assistant", "content": ...}, ...]}, mixed into the conversation dataset (--dataset,

@@ -45,7 +45,8 @@ class GPU:
 # Shared memory per block: CUDA C++ Programming Guide, "Technical Specifications per Compute
 # Capability" (163 KB on 8.0, 227 KB on 9.0 and 10.0). Rates:
 #   A100 SXM4 80GB: NVIDIA A100 datasheet: 2,039 GB/s HBM2e, BF16 tensor 312 TFLOPS (624 sparse), FP32 19.5 TFLOPS.
-#   H100 SXM5:      NVIDIA H100 datasheet: 3.35 TB/s HBM3, BF16 tensor 1,979 TFLOPS sparse = 989.5 dense, FP32 67 TFLOPS.
+#   H100 SXM5:      NVIDIA H100 datasheet: 3.35 TB/s HBM3, BF16 tensor 1,979 TFLOPS sparse = 989.5 dense,
+#                   FP32 67 TFLOPS.
 #   B200 (HGX B200, 1000 W): NVIDIA Blackwell datasheet: 8 TB/s HBM3e, BF16 tensor 4.5 PFLOPS sparse = 2.25
 #                   dense, FP32 80 TFLOPS.
 TARGETS = {

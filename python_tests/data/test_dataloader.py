@@ -65,7 +65,7 @@ def loader(root, **kw):
 
 def global_rows(loaders):
     """One micro-step of every rank, stacked in rank order: the global batch."""
-    xs, ys = zip(*(next(l) for l in loaders))
+    xs, ys = zip(*(next(dl) for dl in loaders))
     return torch.cat(xs), torch.cat(ys)
 
 
@@ -120,8 +120,8 @@ def test_ranks_share_one_stream_and_cover_each_document_once(tokens_root, datase
     assert sorted(by_doc) == list(range(N_DOCS))
     assert all(epochs == list(range(len(epochs))) for epochs in by_doc.values())
     assert all(len(epochs) >= single.epochs_done - 1 for epochs in by_doc.values())
-    for l in ranks + [single]:
-        l.close()
+    for dl in ranks + [single]:
+        dl.close()
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -164,8 +164,8 @@ def test_resume_on_another_world_size(tokens_root, capsys):
             assert done <= now
             assert len(segments(torch.cat([x, y[:, -1:]], 1))) == len(now - done)
             done = now
-    for l in ranks:
-        l.close()
+    for dl in ranks:
+        dl.close()
 
 
 def test_reference_backend_gives_the_same_stream(tokens_root):
@@ -227,17 +227,17 @@ def test_compiled_stream_matches_its_python_twin(tmp_path, prefetch):
     for step in range(30):
         if step == 12:
             state = loaders[1].state_dict()
-        batches = [next(l) for l in loaders]
+        batches = [next(dl) for dl in loaders]
         for h, b in zip(held, batches):
             h.append(b)
         assert torch.equal(batches[0][0], batches[1][0]) and torch.equal(batches[0][1], batches[1][1]), f"step {step}"
         assert loaders[0].state_dict() == loaders[1].state_dict()
     assert loaders[0].epochs_done >= 1
-    for l in loaders:
-        l.load_state_dict(state)
+    for dl in loaders:
+        dl.load_state_dict(state)
         for _ in range(5):
-            next(l)
-        l.close()
+            next(dl)
+        dl.close()
     del loaders
     gc.collect()  # the compiled stream is gone; its batches live on, untouched by the later ones
     for (x, y), (x2, y2) in zip(*held):
@@ -287,13 +287,13 @@ def test_an_error_in_the_prefetch_thread_reaches_next(tmp_path, backend):
     write_split(tmp_path, "bad", "train", docs)
     with TokenRowLoader(
         dataset="bad", tokens_root=tmp_path, device_batch_size=2, seq_len=15, buffer_docs=4, backend=backend
-    ) as l:
+    ) as dl:
         made = 0
         with pytest.raises(ValueError, match="document 30 starts with token 5, not bos_id=0"):
             for _ in range(100):
-                next(l)
+                next(dl)
                 made += 1
-        assert made > 3 and not l._stream.prefetching
+        assert made > 3 and not dl._stream.prefetching
 
 
 def test_val_split_from_the_start_and_reset(tokens_root):
@@ -340,16 +340,16 @@ def test_close_stops_the_prefetch_thread(tokens_root, backend):
         counts.append(prefetch_threads())
         time.sleep(0.002)
     before = min(counts)
-    l = loader(tokens_root, device_batch_size=2, backend=backend)
-    next(l)
-    stream = l._stream
+    dl = loader(tokens_root, device_batch_size=2, backend=backend)
+    next(dl)
+    stream = dl._stream
     assert stream.prefetching
     if backend == "reference" or os.path.isdir("/proc/self/task"):
         assert prefetch_threads() == before + 1, "one prefetch thread per loader"
-    l.close()
+    dl.close()
     assert not stream.prefetching and prefetch_threads_settle_at(before), "close() joined the thread"
     with pytest.raises(RuntimeError, match="closed"):
-        next(l)
+        next(dl)
     with loader(tokens_root, device_batch_size=2, backend=backend) as m:
         next(m)
         stream = m._stream
@@ -365,9 +365,9 @@ def test_close_stops_the_prefetch_thread(tokens_root, backend):
 def test_prefetch_thread_does_not_block_process_exit(tokens_root, backend):
     code = textwrap.dedent(f"""
         from nanochat_fast.data.packed_loaders import TokenRowLoader
-        l = TokenRowLoader(dataset="toy", tokens_root={str(tokens_root)!r}, device_batch_size=2, seq_len=15, buffer_docs=8,
-                           backend={backend!r})
-        next(l)
+        dl = TokenRowLoader(dataset="toy", tokens_root={str(tokens_root)!r}, device_batch_size=2, seq_len=15,
+                            buffer_docs=8, backend={backend!r})
+        next(dl)
         print("done")
     """)  # exits with the thread running, never calling close()
     result = subprocess.run(
@@ -428,11 +428,11 @@ def test_extra_conversations_are_mixed_in_deterministically(tmp_path):
     def batches(**kw):
         with ConversationRowLoader(
             dataset="talk", tokens_root=tmp_path, device_batch_size=2, seq_len=30, buffer_docs=6, tokenizer=tok, **kw
-        ) as l:
+        ) as dl:
             out = []
-            while not l.last_step:
-                out.append(next(l))
-            return out, l.n_docs
+            while not dl.last_step:
+                out.append(next(dl))
+            return out, dl.n_docs
 
     a, n_a = batches(extra_conversations=extra)
     b, _ = batches(extra_conversations=extra)
@@ -472,7 +472,7 @@ def test_bad_arguments_and_missing_or_broken_shards(tokens_root, tmp_path):
     with pytest.raises(UserError, match="shard_00001"):
         TokenRowLoader(dataset="broken", tokens_root=tmp_path)
     with pytest.raises(ValueError, match="n_docs"):
-        with loader(tokens_root, device_batch_size=2) as l:
-            state = l.state_dict()
+        with loader(tokens_root, device_batch_size=2) as dl:
+            state = dl.state_dict()
             state["n_docs"] += 1
-            l.load_state_dict(state)
+            dl.load_state_dict(state)

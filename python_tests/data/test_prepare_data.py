@@ -287,7 +287,9 @@ def fake_archives(home):
     _zip(
         d / "chatterbot" / "chatterbot_corpus-1.3.3-py2.py3-none-any.whl",
         {
-            "chatterbot_corpus/data/english/ai.yml": "categories:\n- AI\nconversations:\n- - What is AI?\n  - A field.\n- - Hello\n  - Hi\n  - How are you\n",
+            "chatterbot_corpus/data/english/ai.yml": (
+                "categories:\n- AI\nconversations:\n- - What is AI?\n  - A field.\n- - Hello\n  - Hi\n  - How are you\n"
+            ),
             "chatterbot_corpus/data/spanish/x.yml": "conversations:\n- - Hola\n  - Hola\n",
         },
     )

@@ -114,7 +114,8 @@ def test_global_grad_norm_matches(runs, world_size):
         assert info["norms"] == ranks[0]["norms"]  # the same bits on every rank
     ours, single = torch.tensor(ranks[0]["norms"]), torch.tensor(runs[1]["norms"])
     print(
-        f"grad norm N={world_size}: largest relative difference to 1 process {((ours - single).abs() / single).max():.1e}"
+        f"grad norm N={world_size}: largest relative difference to 1 process "
+        f"{((ours - single).abs() / single).max():.1e}"
     )
     torch.testing.assert_close(ours, single, rtol=1e-5, atol=0)
     assert min(runs[1]["norms"]) > W.GRAD_CLIP  # clipping was active at every step

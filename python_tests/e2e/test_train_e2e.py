@@ -30,7 +30,7 @@ def test_base_train_learns_and_writes_outputs(base_run):
     first, last = rows[0]["loss"], rows[-1]["loss"]
     assert math.log(320) - 0.5 < first  # starts near uniform over the vocabulary
     assert last < 0.6 * first, (first, last)  # the grammar is learnable: the loss falls clearly
-    evals = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in l]
+    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
     assert [e["step"] for e in evals] == [0, 15, 30] and evals[-1]["val_bpb"] < evals[0]["val_bpb"]
     ckpt = checkpoints.complete_checkpoints(run_dir)[-1]
     assert ckpt.name == "step_000030"
@@ -178,7 +178,7 @@ def test_val_bpb_is_the_same_on_one_and_two_processes(tiny_home, tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
 
     def val_bpb_at_step_0(run):
-        rows = [json.loads(l) for l in (home / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (home / "runs" / run / "metrics.jsonl").read_text().splitlines()]
         return next(r["val_bpb"] for r in rows if r["kind"] == "eval" and r["step"] == 0)
 
     one_bpb, two_bpb = val_bpb_at_step_0("one"), val_bpb_at_step_0("two")

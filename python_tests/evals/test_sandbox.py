@@ -17,8 +17,11 @@ PROBLEM = {
     "answer": "    out, best = [], None\n    for x in xs:\n        best = x if best is None else max(best, x)\n"
     "        out.append(best)\n    return out\n",
     "entry_point": "running_max",
-    "test": "def check(candidate):\n    assert candidate([]) == []\n    assert candidate([1, 3, 2, 5, 4]) == [1, 3, 3, 5, 5]\n"
-    "    assert candidate([-2, -5]) == [-2, -2]\n",
+    "test": (
+        "def check(candidate):\n    assert candidate([]) == []\n"
+        "    assert candidate([1, 3, 2, 5, 4]) == [1, 3, 3, 5, 5]\n"
+        "    assert candidate([-2, -5]) == [-2, -2]\n"
+    ),
 }
 
 

@@ -192,7 +192,7 @@ def test_the_listing_shows_the_bandwidth_and_tune_measures_it_again(fake_probe, 
     monkeypatch.setattr(peak, "measure_matmul_rate", lambda *a, **k: 100e9)
     monkeypatch.setattr(peak.CACHE, "probed", {})
     assert listing.main(["--device", "cpu"]) == 0
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("bandwidth: "))
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("bandwidth: "))
     assert line.startswith("bandwidth: memory bandwidth 30 GB/s, measured here (probe of ")
     assert str(bandwidth.CACHE.path) in line and len(calls) == 1
     rate[0] = 35e9

@@ -271,7 +271,7 @@ def test_tune_times_a_model_and_later_runs_reuse_it(nanochat_home, monkeypatch, 
     monkeypatch.setattr(tuning, "machine_busy", lambda: False)
     small = ["--depth=1", "--max-seq-len=32", "--device-batch-size=2", "--budget=5"]
     assert hardware_cli.main(["--tune", *small]) == 0
-    timed = [l for l in capsys.readouterr().out.splitlines() if l.startswith("timed: ")]
+    timed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("timed: ")]
     assert len(timed) == 2 and "forward+backward (2x32 tokens)" in timed[0] and "Newton-Schulz" in timed[1]
     assert hardware_cli.main([]) == 0
     listed = capsys.readouterr().out

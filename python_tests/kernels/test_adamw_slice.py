@@ -159,7 +159,9 @@ def _call(params, grads, exp_avgs, exp_avg_sqs, **kw):
 
 
 def test_bad_tensors_name_the_argument():
-    z = lambda *s: torch.zeros(*s)
+    def z(*s):
+        return torch.zeros(*s)
+
     with pytest.raises(ValueError, match="^grads has 2 entries but params has 1"):
         _call([z(3)], [z(3), z(3)], [z(3)], [z(3)])
     with pytest.raises(ValueError, match="^lr_muls has 2 entries"):

@@ -149,9 +149,10 @@ def test_gradients_computed_in_forward_and_skipped_without_grad(backend):
     hidden, weight, targets = make_inputs()
     chunks = -(-N // CHUNK)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    call = lambda reduction: softcap_cross_entropy(
-        h, w, targets, CAP, reduction=reduction, backend=backend, chunk_rows=CHUNK
-    )
+
+    def call(reduction):
+        return softcap_cross_entropy(h, w, targets, CAP, reduction=reduction, backend=backend, chunk_rows=CHUNK)
+
     with torch.no_grad():
         assert count_matmuls(lambda: call("mean")) == chunks
     out = {}

@@ -26,7 +26,7 @@ BELOW = {  # folder -> the folders it may import (its own is always allowed)
 ENTRY_POINTS = {"scripts"}  # and every package's __main__: they may import anything
 PUBLIC_NAMES = {"common": {"core"}, "gpt": {"model"}}  # the SPEC's import paths, re-exports only
 EXTENSION = {"_C": {"kernels"}}  # the compiled ops: loaded by the kernel registry alone
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 500  # formatted by ruff: nanochat-sized flat modules
 MAX_FUNCTION_LINES = 60
 READABLE = ["train/training_loop.py", "train/stage.py", "train/training_config.py"]
 
@@ -152,7 +152,7 @@ DCP, DCP_STATE_DICT = "torch.distributed.checkpoint", "torch.distributed.checkpo
 TENSOR_FILE_EXCEPTIONS = {
     # the tokenizer's own token_bytes.pt, saved and read beside its ranks and pattern files: it is
     # the tokenizer's file, not a run's, and data/ stands below the layers that use the home
-    "data/tokenizer.py",
+    "data/tokenizer.py"
 }
 
 

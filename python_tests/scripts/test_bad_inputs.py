@@ -355,7 +355,8 @@ CASES = [
         "infer_bench",
         BENCH + ["--batch-sizes=1,64", "--kv-memory=64KiB"],
         None,
-        "--batch-sizes: batch 64 needs 384.00 KiB of KV cache (64 rows x 6 positions), above --kv-memory 64.00 KiB; at most "
+        "--batch-sizes: batch 64 needs 384.00 KiB of KV cache (64 rows x 6 positions), above --kv-memory 64.00 KiB; "
+        "at most "
         "10 rows fit",
     ),
     (
@@ -413,7 +414,7 @@ def one_line_exit_2(script, argv, capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
         cli.run(SCRIPTS[script].main, argv)
     err = capsys.readouterr().err
-    lines = [l for l in err.splitlines() if l.strip() and "%|" not in l]  # not the progress bars
+    lines = [line for line in err.splitlines() if line.strip() and "%|" not in line]  # not the progress bars
     assert exit_info.value.code == 2, err
     assert len(lines) == 1, err
     assert "Traceback" not in err

@@ -151,7 +151,7 @@ def test_sigterm_under_torchrun_saves_and_resumes(home):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     assert "received SIGTERM" in out and "stopped by" in out
-    (resume_line,) = [l for l in out.splitlines() if "Resume with:" in l]
+    (resume_line,) = [line for line in out.splitlines() if "Resume with:" in line]
     assert "Resume with: torchrun --nproc_per_node=2 -m nanochat_fast.scripts.base_train -- " in resume_line
     assert resume_line.endswith(" --run=t --resume auto"), resume_line
     (ckpt,) = checkpoints.complete_checkpoints(run_dir)
@@ -191,7 +191,10 @@ def test_nan_guard_stops_before_the_update_and_saves_nothing_bad(home, capsys):
 
 def test_keep_last_prunes_only_after_a_newer_checkpoint_is_complete(home):
     args = TINY + ["--num-iterations=9", "--save-every=2", "--keep-last=2", "--run=p"]
-    complete = lambda: [p.name for p in checkpoints.complete_checkpoints(home / "runs" / "p")]
+
+    def complete():
+        return [p.name for p in checkpoints.complete_checkpoints(home / "runs" / "p")]
+
     with disk_full_at("step_000008"), pytest.raises(UserError, match="disk full"):  # it never completes
         base_train.main(args)
     assert complete() == ["step_000004", "step_000006"]  # nothing pruned for a save that failed

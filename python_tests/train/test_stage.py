@@ -108,7 +108,7 @@ def test_dtype_choice_and_its_reason_open_the_log_and_the_report(home, capsys):
     chosen = precision.choose(torch.device("cpu"), "bf16", warn=False)
     lines = captured.out.splitlines()
     assert lines[0] == "device: cpu x 1 process(es)"
-    before_steps = lines[: next(i for i, l in enumerate(lines) if l.startswith("step 00001"))]
+    before_steps = lines[: next(i for i, line in enumerate(lines) if line.startswith("step 00001"))]
     assert f"precision: {chosen.describe()}" in before_steps
     warnings = [line for line in captured.err.splitlines() if line.startswith("warning: --dtype bf16")]
     assert len(warnings) == (0 if chosen.native else 1)

@@ -29,7 +29,7 @@ STEPS_60 = (
 
 
 def final_val_bpb(run_dir) -> float:
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["val_bpb"] for r in rows if r["kind"] == "eval"][-1]
 
 

@@ -71,7 +71,7 @@ def render_mc(question: str, letters: str, choices: list[str]) -> str:
     no space ("- Paris=A"): the answer is the bare letter, and " A" and "A" are different tokens,
     so the letter the model writes is exactly the token it saw next to the choice (a detail small
     models are sensitive to, as nanochat found)."""
-    lines = [f"Multiple Choice question: {question}"] + [f"- {c}={l}" for l, c in zip(letters, choices)]
+    lines = [f"Multiple Choice question: {question}"] + [f"- {c}={letter}" for letter, c in zip(letters, choices)]
     return "\n".join(lines) + "\n\nRespond only with the letter of the correct answer."
 
 
