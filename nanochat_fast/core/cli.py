@@ -224,6 +224,15 @@ def run_ref(value) -> str:
         ) from None
 
 
+def add_checkpoint_flags(parser, newest: str = "the newest run", required: bool = False):
+    """--run and --step: the checkpoint a command reads (a run's newest complete step unless --step)."""
+    run_help = "run name or directory" + ("" if required else f" (default: {newest})")
+    parser.add_argument("--run", type=run_ref, default="", required=required, help=run_help)
+    parser.add_argument(
+        "--step", type=non_negative_int, default=None, help="checkpoint step (default: the newest complete one)"
+    )
+
+
 def choice(*values):
     """A check that the value is one of `values` (for fields set in code; argparse has choices=)."""
 

@@ -30,10 +30,7 @@ from .base_train import DEFAULT_PROMPTS
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.base_eval", description=__doc__)
-    p.add_argument("--run", type=cli.run_ref, default="", help="run name or directory (default: the newest base run)")
-    p.add_argument(
-        "--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest complete one)"
-    )
+    cli.add_checkpoint_flags(p, newest="the newest base run")
     p.add_argument(
         "--dataset",
         type=cli.plain_name,

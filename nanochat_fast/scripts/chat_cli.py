@@ -20,15 +20,7 @@ from ..train.training_config import DeviceConfig
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_cli", description=__doc__)
-    p.add_argument(
-        "--run",
-        type=cli.run_ref,
-        default="",
-        help="run name or directory (default: the newest sft run, else the newest mid run)",
-    )
-    p.add_argument(
-        "--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest complete one)"
-    )
+    cli.add_checkpoint_flags(p, newest="the newest sft run, else the newest mid run")
     p.add_argument("--prompt", default="", help="answer this one message and exit")
     p.add_argument("--temperature", type=cli.non_negative_float, default=0.6, help="0 = greedy")
     p.add_argument("--top-k", type=cli.positive_int, default=50, help="sample among the k likeliest tokens")

@@ -22,7 +22,7 @@ from ..evals import task_runner, tasks
 from ..train import next_steps
 from ..train.rollouts import Rollouts, Sampling, rl_horizon, split_examples
 from ..train.stage import FromRun, Stage, answer_questions, run_stage
-from ..train.training_config import DataConfig, add_training_flags
+from ..train.training_config import DataConfig, OptimConfig, add_training_flags
 
 INIT_LR_FRACTION = 0.05  # nanochat's chat_rl starts at 5% of the pretraining learning rates
 START = FromRun("source_run", "source_step", phases=("sft", "mid"))  # a chat model: sft, else mid
@@ -141,15 +141,8 @@ def build_parser():
         help="held-out questions scored pass@1..num_samples at every evaluation (0: none); GSM8K's come from its "
         "test split and are never trained on",
     )
-    add_training_flags(
-        p,
-        eval_every=60,
-        sample_every=-1,
-        embedding_lr=0.2 * INIT_LR_FRACTION,
-        unembedding_lr=0.004 * INIT_LR_FRACTION,
-        matrix_lr=0.02 * INIT_LR_FRACTION,
-        warmdown_ratio=1.0,
-    )
+    lrs = OptimConfig.scaled_lrs(INIT_LR_FRACTION)
+    add_training_flags(p, eval_every=60, sample_every=-1, warmdown_ratio=1.0, **lrs)
     return p
 
 

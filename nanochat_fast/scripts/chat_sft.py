@@ -21,7 +21,7 @@ from ..evals import prepared_benchmarks, task_runner, tasks
 from ..train import next_steps
 from ..train.stage import FromRun, Stage, answer_questions, one_epoch, run_stage
 from ..train.stage_data import Conversations, PaddedConversations, sft_sources
-from ..train.training_config import DataConfig, add_training_flags
+from ..train.training_config import DataConfig, OptimConfig, add_training_flags
 from .mid_train import SAMPLE_QUESTIONS
 
 LR_FRACTION = 0.02  # nanochat's SFT trains at 2% of the pretraining learning rates
@@ -112,15 +112,8 @@ def build_parser():
         help=f"examples of {' and '.join(IN_TRAINING_EVAL_TASKS)} scored at every evaluation (0: none)",
     )
     # eager by default: padded rows change length every batch (PaddedConversations.varying_shapes)
-    add_training_flags(
-        p,
-        eval_every=100,
-        sample_every=-1,
-        embedding_lr=0.2 * LR_FRACTION,
-        unembedding_lr=0.004 * LR_FRACTION,
-        matrix_lr=0.02 * LR_FRACTION,
-        warmdown_ratio=1.0,
-    )
+    lrs = OptimConfig.scaled_lrs(LR_FRACTION)
+    add_training_flags(p, eval_every=100, sample_every=-1, warmdown_ratio=1.0, **lrs)
     return p
 
 

@@ -46,15 +46,7 @@ KV_DTYPE = torch.float32
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.chat_web", description=__doc__)
-    p.add_argument(
-        "--run",
-        type=cli.run_ref,
-        default="",
-        help="run name or directory (default: the newest sft run, else the newest mid run)",
-    )
-    p.add_argument(
-        "--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest complete one)"
-    )
+    cli.add_checkpoint_flags(p, newest="the newest sft run, else the newest mid run")
     p.add_argument(
         "--host",
         default="127.0.0.1",

@@ -23,10 +23,7 @@ PHASES = ("sft", "mid", "base")
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.export_checkpoint", description=__doc__)
-    p.add_argument("--run", type=cli.run_ref, default="", help="run name or directory (default: the newest run)")
-    p.add_argument(
-        "--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest complete one)"
-    )
+    cli.add_checkpoint_flags(p)
     p.add_argument(
         "--output", type=str, default="", help="file to write (default: model.pt inside the checkpoint directory)"
     )

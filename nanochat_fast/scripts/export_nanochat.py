@@ -29,10 +29,7 @@ from ..train.env_vars import check_environment
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.export_nanochat", description=__doc__)
-    p.add_argument("--run", type=cli.run_ref, required=True, help="run name or directory")
-    p.add_argument(
-        "--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest complete one)"
-    )
+    cli.add_checkpoint_flags(p, required=True)
     p.add_argument("--out", required=True, help="nanochat base directory to write into (NANOCHAT_BASE_DIR)")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint or tokenizer already in --out")
     return p

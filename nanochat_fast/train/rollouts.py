@@ -25,7 +25,7 @@ from ..model.generation import decode_reply, fit_context
 from ..model.sampling import stop_tokens
 from . import rl_objective
 from .run_state import Horizon
-from .stage_data import ConversationShards, Data, val_batches
+from .stage_data import ConversationShards, Data, stage_val_batches
 
 
 @dataclass(frozen=True)
@@ -126,14 +126,7 @@ class Rollouts:
                     val, cfg.data.device_batch_size, cfg.data.max_seq_len, pad, rank, world_size, dev.device
                 )
 
-            return val_batches(
-                make_loader,
-                cfg.loop.eval_tokens,
-                cfg.data.device_batch_size,
-                cfg.data.max_seq_len,
-                dev.rank,
-                dev.world_size,
-            )
+            return stage_val_batches(make_loader, cfg, dev)
 
         s = self.sampling
         describe = (

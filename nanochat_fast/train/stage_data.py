@@ -17,6 +17,7 @@ conversations and chat_sft's mixture add: docs/measurements.md#training-data-mix
 """
 
 import argparse
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,13 @@ def val_batches(make_loader, eval_tokens: int, device_batch_size: int, seq_len: 
             batch = next(val)
             if i % world_size == rank:
                 yield batch
+
+
+def stage_val_batches(make_loader, cfg, dev):
+    """val_batches with a stage's settings (its eval tokens, batch and context) on this process."""
+    return val_batches(
+        make_loader, cfg.loop.eval_tokens, cfg.data.device_batch_size, cfg.data.max_seq_len, dev.rank, dev.world_size
+    )
 
 
 class Conversations(list):
@@ -202,17 +210,7 @@ class PackedRows:
 
     @staticmethod
     def _val(make_loader, cfg, dev):
-        def batches():
-            return val_batches(
-                make_loader,
-                cfg.loop.eval_tokens,
-                cfg.data.device_batch_size,
-                cfg.data.max_seq_len,
-                dev.rank,
-                dev.world_size,
-            )
-
-        return batches
+        return functools.partial(stage_val_batches, make_loader, cfg, dev)
 
 
 def check_shards(loader, tokenizer):
@@ -263,10 +261,7 @@ class PaddedConversations:
                 mixtures[split], data.device_batch_size, data.max_seq_len, pad, rank, world_size, dev.device
             )
 
-        def batches():
-            return val_batches(
-                make_loader, cfg.loop.eval_tokens, data.device_batch_size, data.max_seq_len, dev.rank, dev.world_size
-            )
+        batches = functools.partial(stage_val_batches, make_loader, cfg, dev)
 
         train = mixtures["train"]
         cut = int((train.lengths() > data.max_seq_len + 1).sum())

@@ -216,6 +216,12 @@ class OptimConfig(Config):
     # on resume, a flag given on the command line replaces the checkpoint's value (stage.py).
     LR_FLAGS = (("embedding_lr", "transformer.wte"), ("unembedding_lr", "lm_head"), ("matrix_lr", "transformer.h"))
 
+    @classmethod
+    def scaled_lrs(cls, fraction: float) -> dict:
+        """The learning-rate flags' defaults at `fraction` of pretraining's (fine-tuning stages start lower)."""
+        defaults = {f.name: f.default for f in fields(cls)}
+        return {name: defaults[name] * fraction for name, _ in cls.LR_FLAGS}
+
     def validate(self):
         if self.warmup_ratio + self.warmdown_ratio > 1:
             raise UserError(

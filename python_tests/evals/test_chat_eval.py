@@ -16,7 +16,7 @@ from recording_chat_eval import recording
 from repo_paths import SUPPORT
 from stub_models import FavouriteTokenModel, byte_tokenizer
 from tiny_gpt import random_model
-from tiny_pipeline import FP32, ROOT, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run
+from tiny_pipeline import ROOT, TINY_LOOP, TINY_MID, TINY_MODEL, home_env, home_with_base_run
 
 from nanochat_fast import checkpoints
 from nanochat_fast.data.tokenizer import get_tokenizer
@@ -46,20 +46,7 @@ def eval_home(tiny_home, tmp_path_factory):
     )
     write_eval_home(home, n=7)
     with home_env(home):
-        assert (
-            mid_train.main(
-                [
-                    "--device-batch-size=4",
-                    "--total-batch-size=512",
-                    "--num-iterations=2",
-                    "--eval-every=-1",
-                    "--base-run=b",
-                    "--run=m",
-                    *FP32,
-                ]
-            )
-            == 0
-        )
+        assert mid_train.main(TINY_MID) == 0
     spread_run(home)
     return home
 

@@ -28,6 +28,7 @@ PUBLIC_NAMES = {"common": {"core"}, "gpt": {"model"}}  # the SPEC's import paths
 EXTENSION = {"_C": {"kernels"}}  # the compiled ops: loaded by the kernel registry alone
 MAX_MODULE_LINES = 500  # formatted by ruff: nanochat-sized flat modules
 MAX_FUNCTION_LINES = 60
+MAX_DOCSTRING_LINES = 15
 READABLE = ["train/training_loop.py", "train/stage.py", "train/training_config.py"]
 
 
@@ -141,6 +142,16 @@ def test_modules_and_loop_functions_stay_short():
                 if n > MAX_FUNCTION_LINES:
                     long_functions.append(f"{rel}: {node.name} {n} lines")
     assert not long_modules and not long_functions, "\n".join(long_modules + long_functions)
+
+
+def test_module_docstrings_say_what_a_module_is_in_15_lines():
+    """Longer notes and figures belong in docs/measurements.md, where the docstring points."""
+    long_docstrings = [
+        f"{p.relative_to(PACKAGE)}: {n} lines"
+        for p in modules()
+        if (n := len((ast.get_docstring(ast.parse(p.read_text())) or "").strip().splitlines())) > MAX_DOCSTRING_LINES
+    ]
+    assert not long_docstrings, "\n".join(long_docstrings)
 
 
 # Only the checkpoint home (checkpoints/) calls torch.save, torch.load or torch.distributed.checkpoint

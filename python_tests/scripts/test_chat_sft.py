@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from eval_home import gsm8k, mc, write_eval_home, write_task
 from faults import preempted_and_resumed
 from tiny_gpt import random_model
-from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script
+from tiny_pipeline import FP32, TINY_LOOP, TINY_MID, TINY_MODEL, home_env, home_with_base_run, run_script
 
 from nanochat_fast import checkpoints
 from nanochat_fast.data.padded_conversations import ConversationMixture, PaddedConversationLoader
@@ -40,20 +40,7 @@ def sft_home(tiny_home, tmp_path_factory):
     )
     write_eval_home(home)
     with home_env(home):
-        assert (
-            mid_train.main(
-                [
-                    "--device-batch-size=4",
-                    "--total-batch-size=512",
-                    "--num-iterations=2",
-                    "--eval-every=-1",
-                    "--base-run=b",
-                    "--run=m",
-                    *FP32,
-                ]
-            )
-            == 0
-        )
+        assert mid_train.main(TINY_MID) == 0
     return home
 
 

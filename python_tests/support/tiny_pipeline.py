@@ -20,6 +20,9 @@ TINY_MODEL = ["--depth=2", "--aspect-ratio=32", "--head-dim=32", "--max-seq-len=
 FP32 = ["--dtype=fp32", "--ns-dtype=fp32"]
 DEFAULT_LOOP = ["--eval-tokens=512", "--sample-every=-1", "--warmdown-ratio=0.2"]
 TINY_LOOP = DEFAULT_LOOP + FP32
+# mid_train run `m`, 2 steps from the base run `b`, in fp32
+TINY_MID = ["--device-batch-size=4", "--total-batch-size=512", "--num-iterations=2", "--eval-every=-1"]
+TINY_MID += ["--base-run=b", "--run=m", *FP32]
 WORDS = {
     "adj": ["red", "small", "old", "quiet", "bright", "green"],
     "noun": ["cat", "dog", "king", "ship", "tree", "bird", "house"],
@@ -114,6 +117,11 @@ def home_with_base_run(tiny_home: Path, dst: Path, argv: list[str]) -> Path:
     return dst
 
 
+def torchrun(nproc: int) -> list[str]:
+    """The start of a command line that runs a script on nproc local processes."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def run_script(name: str, args: list[str], home: Path, nproc: int = 1, timeout: int = 300, env=None, faults=()):
     """Run a script as a real process (under torchrun when nproc > 1); returns CompletedProcess.
     faults: options of faults.py (e.g. ["--preempt-at-step=5"]), which then runs the script."""
@@ -121,16 +129,7 @@ def run_script(name: str, args: list[str], home: Path, nproc: int = 1, timeout: 
     if faults:
         target, args = [str(SUPPORT / "faults.py")], [*faults, name, *args]
     if nproc > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            *target,
-            "--",
-            *args,
-        ]  # `--`: torchrun would take --run as its --run-path
+        cmd = [*torchrun(nproc), *target, "--", *args]  # `--`: torchrun would take --run as its --run-path
     else:
         cmd = [sys.executable, *target, *args]
     full_env = {**os.environ, "NANOCHAT_FAST_HOME": str(home), "OMP_NUM_THREADS": "1", **(env or {})}

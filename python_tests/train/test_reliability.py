@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from faults import nan_loss_at_step, preempted_and_resumed
 from repo_paths import SUPPORT
-from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, last_model_state, run_script, train_rows
+from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, last_model_state, run_script, torchrun, train_rows
 
 from nanochat_fast import checkpoints
 from nanochat_fast.core.cli import UserError
@@ -35,17 +35,7 @@ def popen(name, args, home, nproc=1, env=None, slow_writes=0.0):
             *args,
         ]
     if nproc > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            f"nanochat_fast.scripts.{name}",
-            "--",
-            *args,
-        ]
+        cmd = [*torchrun(nproc), "-m", f"nanochat_fast.scripts.{name}", "--", *args]
     return subprocess.Popen(
         cmd,
         cwd=ROOT,
