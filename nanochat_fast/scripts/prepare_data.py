@@ -57,7 +57,7 @@ def build_parser():
     )
     p.add_argument(
         "--shards",
-        type=int,
+        type=cli.integer,
         default=None,
         help="--download: training shards to fetch (~100 MB, ~250M characters each; a GPT-2-grade run: 170)",
     )
@@ -67,7 +67,10 @@ def build_parser():
         "--retries", type=cli.non_negative_int, default=5, help="--download: tries after the first, per shard"
     )
     p.add_argument(
-        "--retry-wait", type=float, default=1.0, help="--download: seconds before the first retry (then doubled)"
+        "--retry-wait",
+        type=cli.non_negative_float,
+        default=1.0,
+        help="--download: seconds before the first retry (then doubled)",
     )
     p.add_argument(
         "--name",
