@@ -216,3 +216,40 @@ def test_memory_setting_sizes_the_batch_and_too_little_is_one_line():
     assert abs(chars * streamed_tokens.BYTES_PER_CHAR / 2**20 - 500) < 50
     with pytest.raises(UserError, match="--max-memory-mb=10 leaves too little"):
         streamed_tokens.batch_chars_within(10)
+
+
+def test_a_killed_preparation_resumes_at_its_shard_and_gives_identical_token_shards(nanochat_home, monkeypatch):
+    """Stopped in the middle of the third shard (an exception where a kill would land), then run
+    again: the two finished shards are reused, and every file equals an uninterrupted run's."""
+    files = published(4)
+    with ShardServer(files) as server:
+        assert download(server, shards=4) == 0
+    tok = Tokenizer.train(shard_texts(9), 300)
+    tok.save(paths.tokenizer_dir())
+    small = ["--download=climbmix", "--stage=tokens", "--num-threads=2", "--max-memory-mb=4000"]
+    monkeypatch.setattr(streamed_tokens, "ROWS_PER_READ", 4)
+    monkeypatch.setattr(streamed_tokens, "batch_chars_within", lambda mb: 3000)  # several batches a shard
+    assert prepare_data.main(small) == 0
+    root = paths.tokens_dir("climbmix")
+    reference = {p.relative_to(root): p.read_bytes() for p in root.rglob("*.npy")}
+    for path in root.rglob("*"):
+        if path.is_file():
+            path.unlink()
+    real = streamed_tokens.text_batches
+
+    def killed_in_shard_2(source, batch_chars):
+        for n, batch in enumerate(real(source, batch_chars)):
+            if source.name == "shard_00002.parquet" and n == 2:
+                raise KeyboardInterrupt  # the third shard, after two of its batches were written
+            yield batch
+
+    monkeypatch.setattr(streamed_tokens, "text_batches", killed_in_shard_2)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data.main(small)
+    assert sorted(p.name for p in (root / "train").glob("*.json")) == ["shard_00000.json", "shard_00001.json"]
+    assert not list(root.rglob(".*"))  # the unfinished shard's partial file went with it
+    monkeypatch.setattr(streamed_tokens, "text_batches", real)
+    before = {p: p.stat().st_mtime_ns for p in (root / "train").glob("shard_0000[01].*")}
+    assert prepare_data.main(small) == 0
+    assert {p: p.stat().st_mtime_ns for p in before} == before  # reused, not redone
+    assert {p.relative_to(root): p.read_bytes() for p in root.rglob("*.npy")} == reference
