@@ -243,6 +243,63 @@ def whole_run(threads, memory_mb, n_shards):
     }
 
 
+HEADING = "## Preparation at scale"
+
+
+def section(r: dict) -> list[str]:
+    """RESULTS.md's section from prep_scale.json."""
+    base = r["compare"]["tiktoken batch"]
+    rate = {k: v["tokens"] / v["seconds"] for k, v in r["compare"].items()}
+    w = r["whole"]
+    whole_rate = w["tokens"] / w["seconds"]
+    lines = [
+        f"{HEADING}: {r['gb_text']:.2f} GB of generated text, {r['shards']} shards, {r['threads']} threads",
+        "",
+        "`make bench-prepare` (benchmarks/prep_scale.py). Text generated from the built-in corpus, repeated with "
+        "variation; a tokenizer of 8,192 tokens trained on it. The four ways run per shard in a rotating order on "
+        f"the same text (the ceiling times tiktoken's encoder alone, text already in memory). Shared machine: "
+        f"load average {r['load_average'][0]:.1f} on {r['threads']} cores at the end, so absolute rates are low and "
+        "noisy; the ratios are what was compared in the same rounds.",
+        "",
+        "| way | tokens | seconds | tokens/s | per core | vs tiktoken batch |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, v in r["compare"].items():
+        lines.append(
+            f"| {name} | {v['tokens']:,} | {v['seconds']:.1f} | {rate[name]:,.0f} | {rate[name] / r['threads']:,.0f} "
+            f"| {v['seconds'] and base['seconds'] / v['seconds']:.2f}x |"
+        )
+    lines += [
+        f"| whole preparation (prepare_data --stage=tokens, a process of its own) | {w['tokens']:,} | "
+        f"{w['seconds']:.1f} | {whole_rate:,.0f} | {whole_rate / r['threads']:,.0f} | "
+        f"{whole_rate / rate['tiktoken batch']:.2f}x |",
+        "",
+        f"- Peak RSS of the whole preparation: {w['peak_rss_mb']:.0f} MB with --max-memory-mb={r['memory_mb']} "
+        f"(batches of {r['batch_chars']:,} characters); the resumed run: {w['resume_peak_rss_mb']:.0f} MB.",
+        f"- Killed (SIGKILL) once {r['shards'] // 2} of {r['shards']} shards were complete, {w['killed_after_s']:.1f}s "
+        f"in; the resumed run took {w['resume_seconds']:.1f}s (the uninterrupted one {w['seconds']:.1f}s); its token "
+        f"shards {'are' if w['identical_after_resume'] else 'are NOT'} byte-identical to the uninterrupted run's.",
+        "",
+    ]
+    return lines
+
+
+def section_from_file(path: Path) -> list[str]:
+    return section(json.loads(Path(path).read_text())) if Path(path).exists() else []
+
+
+def write_section(results_md: Path, lines: list[str]):
+    """Put the section into RESULTS.md in place of its previous version (or at the end)."""
+    text = results_md.read_text() if results_md.exists() else "# Benchmark results\n"
+    start = text.find(HEADING)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + "\n".join(lines)
+    else:
+        end = text.find("\n## ", start + len(HEADING))
+        text = text[:start] + "\n".join(lines) + ("\n" + text[end + 1 :] if end >= 0 else "")
+    results_md.write_text(text)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gb", type=float, default=1.0, help="text to generate, in GB (UTF-8)")
@@ -252,7 +309,11 @@ def main():
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--compare-shards", type=int, default=0, help="shards timed four ways (0: all)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "prep_scale.json"))
+    p.add_argument("--section-only", action="store_true", help="only write RESULTS.md's section from --out")
     args = p.parse_args()
+    results_md = ROOT / "benchmarks" / "RESULTS.md"
+    if args.section_only:
+        return write_section(results_md, section_from_file(Path(args.out)))
     os.environ["NANOCHAT_FAST_HOME"] = str(WORK / "home")
     from nanochat_fast.core import paths
     from nanochat_fast.data import streamed_tokens
@@ -287,7 +348,8 @@ def main():
         "self_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_section(results_md, section(result))
+    print("\n".join(section(result)))
 
 
 if __name__ == "__main__":

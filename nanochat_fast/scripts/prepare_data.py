@@ -243,21 +243,25 @@ def prepare_folder(name, folder, args):
 
 def prepare_download(name, args):
     """data/<name>/ from a published set's shards, downloaded (or already there), used in place."""
+    if args.shards is None:
+        raise UserError(
+            "--download needs --shards=N: how many training shards to fetch (~100 MB each; a GPT-2-grade run uses 170)"
+        )
     cfg = shard_download.DownloadConfig(
         dataset=args.download,
-        shards=args.shards if args.shards is not None else 0,
+        shards=args.shards,
         base_url=args.base_url,
         workers=args.download_workers,
         retries=args.retries,
         retry_wait_s=args.retry_wait,
     )
     root = paths.data_dir(name)
-    old = paths.read_json_or_none(root / "manifest.json") or paths.read_json_or_none(root / "building.json")
-    old_set = (old or {}).get("config", old or {}).get("download")
-    if (old is not None and old_set != cfg.dataset) or (root / "building.json").is_file():
+    manifest = paths.read_json_or_none(root / "manifest.json")
+    if (root / "building.json").is_file() or (
+        manifest is not None and manifest.get("config", {}).get("download") != cfg.dataset
+    ):  # its shard_NNNNN.parquet files would pass for downloaded ones
         raise UserError(
-            f"data/{name} holds another dataset ({old_set or 'prepared from other sources'}); "
-            "pass --name=NAME to download into a folder of its own, or remove it"
+            f"data/{name} holds another dataset; pass --name=NAME to download into a folder of its own, or remove it"
         )
     got = shard_download.download(cfg, root)
     published = shard_download.DATASETS[cfg.dataset]
