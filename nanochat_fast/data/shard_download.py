@@ -205,6 +205,10 @@ def _fetch_once(url: str, tmp: Path, cfg: DownloadConfig, counters: _Counters):
         if offset and resp.status != 206:  # the server ignored the Range header: the body is the whole file
             counters.add_bytes(-offset)
             offset = 0
+        elif offset and not (resp.headers.get("Content-Range") or "").startswith(f"bytes {offset}-"):
+            counters.add_bytes(-offset)
+            tmp.unlink()
+            raise _Retry(f"asked for bytes {offset}- and got {resp.headers.get('Content-Range')}; starting over")
         length = resp.headers.get("Content-Length")
         expected = offset + int(length) if length and length.isdigit() else None
         got = offset
