@@ -207,7 +207,7 @@ def run_child(cmd, kill_after_shards=None, n_shards=None):
     t0 = time.perf_counter()
     (WORK / "child_hwm_kb").unlink(missing_ok=True)
     log = open(WORK / "child.log", "a")
-    child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.DEVNULL)
+    child = subprocess.Popen(cmd, stdout=log, stderr=log)
     killed = False
     while child.poll() is None:
         if not killed and kill_after_shards is not None and len(list(done_dir.glob("*.json"))) >= kill_after_shards:
@@ -231,6 +231,11 @@ def whole_run(threads, memory_mb, n_shards):
     killed_s, _, killed = run_child(prepare_cmd(threads, memory_mb), kill_after_shards=n_shards // 2)
     resume_s, resume_peak, _ = run_child(prepare_cmd(threads, memory_mb))
     same = {p.relative_to(tokens): p.read_bytes() for p in tokens.rglob("*.npy")} == reference
+    n_tokens = sum(json.loads(p.read_text())["n_tokens"] for p in tokens.rglob("shard_*.json"))
+    low_memory = memory_mb // 2  # the same input within half the memory: the peak follows the setting
+    shutil.rmtree(tokens)
+    low_s, low_peak, _ = run_child(prepare_cmd(threads, low_memory))
+    same_low = {p.relative_to(tokens): p.read_bytes() for p in tokens.rglob("*.npy")} == reference
     return {
         "seconds": full_s,
         "peak_rss_mb": peak_mb,
@@ -239,7 +244,11 @@ def whole_run(threads, memory_mb, n_shards):
         "resume_seconds": resume_s,
         "resume_peak_rss_mb": resume_peak,
         "identical_after_resume": same,
-        "tokens": sum(json.loads(p.read_text())["n_tokens"] for p in tokens.rglob("shard_*.json")),
+        "tokens": n_tokens,
+        "low_memory_mb": low_memory,
+        "low_memory_seconds": low_s,
+        "low_memory_peak_rss_mb": low_peak,
+        "identical_at_low_memory": same_low,
     }
 
 
@@ -275,7 +284,10 @@ def section(r: dict) -> list[str]:
         f"{whole_rate / rate['tiktoken batch']:.2f}x |",
         "",
         f"- Peak RSS of the whole preparation: {w['peak_rss_mb']:.0f} MB with --max-memory-mb={r['memory_mb']} "
-        f"(batches of {r['batch_chars']:,} characters); the resumed run: {w['resume_peak_rss_mb']:.0f} MB.",
+        f"(batches of {r['batch_chars']:,} characters; one process: the threads are in it); the resumed run: "
+        f"{w['resume_peak_rss_mb']:.0f} MB; with --max-memory-mb={w['low_memory_mb']}: "
+        f"{w['low_memory_peak_rss_mb']:.0f} MB in {w['low_memory_seconds']:.1f}s, token shards "
+        f"{'identical' if w['identical_at_low_memory'] else 'NOT identical'} to the first run's.",
         f"- Killed (SIGKILL) once {r['shards'] // 2} of {r['shards']} shards were complete, {w['killed_after_s']:.1f}s "
         f"in; the resumed run took {w['resume_seconds']:.1f}s (the uninterrupted one {w['seconds']:.1f}s); its token "
         f"shards {'are' if w['identical_after_resume'] else 'are NOT'} byte-identical to the uninterrupted run's.",

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 
-def parquet_bytes(texts, row_group_size=64) -> bytes:
+def parquet_bytes(texts, row_group_size=16) -> bytes:
     sink = pa.BufferOutputStream()
     pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), sink, row_group_size=row_group_size)
     return sink.getvalue().to_pybytes()
