@@ -1,17 +1,20 @@
 """
 Prose tokenized as a stream: a text shard read a few row groups at a time, each batch of documents
-tokenized on every core, its tokens appended to the shard's .npy file as they come. Resident memory
-is set by the batch, not by the shard (a published set's shard holds ~250M characters):
-batch_chars_within(memory_mb) sizes the batch from a measured cost per character in flight.
+tokenized on every core by a pool of worker processes, its tokens appended to the shard's .npy file
+as they come. Resident memory is set by the batch, not by the shard (a published set's shard holds
+~250M characters): batch_chars_within(memory_mb, workers) sizes the batch from measured costs.
 
-Threads, not processes: tiktoken's Rust encoder releases the GIL, and encode_to_numpy hands each
-document back as one buffer (no list of Python ints), so threads share the text without pickling it.
-The figures behind both choices: docs/measurements.md#preparing-published-sets.
+Processes, not threads: on the same batches a process pool (the texts pickled over, one numpy array
+a document back through encode_to_numpy, no list of Python ints) measured faster than threads, and
+than tiktoken's own encode_ordinary_batch (benchmarks/RESULTS.md, "Preparation at scale").
+The figures and the other choices: docs/measurements.md#preparing-published-sets.
 """
 
+import multiprocessing
 import os
 import resource
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,8 @@ from ..core.errors import UserError
 from .documents import iter_column
 
 DEFAULT_MEMORY_MB = 2048
-BYTES_PER_CHAR = 8  # peak resident bytes per character of a batch in flight (text, Python strings, tokens)
+BYTES_PER_CHAR = 10  # peak resident bytes per character of a batch in flight, parent and workers together
+WORKER_MB = 120  # a worker's own resident memory (Python, numpy, tiktoken and the ranks)
 MIN_BATCH_CHARS = 1 << 20
 ROWS_PER_READ = 256  # rows read from parquet at a time; a batch gathers reads up to its characters
 
@@ -35,16 +39,16 @@ def resident_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def batch_chars_within(memory_mb: int) -> int:
-    """Characters per batch so that the process stays within memory_mb; a UserError when the
-    process alone already holds nearly that much."""
-    held = resident_mb()
+def batch_chars_within(memory_mb: int, workers: int = 0) -> int:
+    """Characters per batch so that the process and its `workers` stay within memory_mb; a
+    UserError when they alone already hold nearly that much."""
+    held = resident_mb() + workers * WORKER_MB
     chars = int((memory_mb - held) * 2**20 / BYTES_PER_CHAR)
     if chars < MIN_BATCH_CHARS:
         need = held + MIN_BATCH_CHARS * BYTES_PER_CHAR / 2**20
         raise UserError(
-            f"--max-memory-mb={memory_mb} leaves too little to tokenize in: the process holds {held:.0f} MB "
-            f"before any text is read; give at least {need:.0f}"
+            f"--max-memory-mb={memory_mb} leaves too little to tokenize in: the process and its {workers} workers "
+            f"hold about {held:.0f} MB before any text is read; give at least {need:.0f} (or fewer --num-threads)"
         )
     return chars
 
@@ -64,17 +68,37 @@ def text_batches(source: Path, batch_chars: int):
         yield batch
 
 
-def _encode_part(enc, texts):
+_ENCODER = None  # in a worker: the tokenizer's tiktoken encoding
+
+
+def _start_worker(pattern: str, ranks: dict, specials: dict):
+    global _ENCODER
+    import tiktoken
+
+    _ENCODER = tiktoken.Encoding(name="worker", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def _encode_part(texts):
     # allowed_special=set() and disallowed_special=(): special-token strings in the text are plain
     # text, exactly as encode_ordinary does (python_tests/data/test_download.py checks it)
-    return [enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
+    return [_ENCODER.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
 
 
-def encode_batch(enc, texts, pool: ThreadPoolExecutor, parts: int) -> list:
+@contextmanager
+def encoder_pool(tokenizer, workers: int):
+    """`workers` processes holding the tokenizer, started fresh (spawn: none of the parent's threads
+    or locks are forked into them)."""
+    args = (tokenizer.pattern, tokenizer.enc._mergeable_ranks, tokenizer.special_tokens)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=args) as pool:
+        yield pool
+
+
+def encode_batch(texts, pool, parts: int) -> list:
     """uint32 token arrays of `texts`, in order, encoded in `parts` contiguous slices on the pool
-    (a future per document would cost more than a short document's encoding)."""
+    (a task per document would cost more than a short document's encoding)."""
     step = max(1, -(-len(texts) // parts))
-    slices = pool.map(lambda i: _encode_part(enc, texts[i : i + step]), range(0, len(texts), step))
+    slices = pool.map(_encode_part, [texts[i : i + step] for i in range(0, len(texts), step)])
     return [ids for part in slices for ids in part]
 
 
@@ -110,26 +134,26 @@ class NpyAppender:
         self.tmp.unlink(missing_ok=True)
 
 
-def tokenize_text_shard(source: Path, tokenizer, out_dir: Path, stem: str, dtype, num_threads: int, batch_chars: int):
-    """tokens/<...>/<stem>.{tokens,offsets}.npy from one text shard, a batch at a time: the same
-    files write_token_shard makes from the whole shard at once. Returns the counts."""
-    enc, bos = tokenizer.enc, tokenizer.get_bos_token_id()
+def tokenize_text_shard(source: Path, tokenizer, out_dir: Path, stem: str, dtype, pool, workers: int, batch_chars: int):
+    """tokens/<...>/<stem>.{tokens,offsets}.npy from one text shard, a batch at a time on `pool`
+    (encoder_pool): the same files write_token_shard makes from the whole shard at once. Returns
+    the counts."""
+    bos = tokenizer.get_bos_token_id()
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens = NpyAppender(out_dir / f"{stem}.tokens.npy", dtype)
     lengths = []
     try:
-        with ThreadPoolExecutor(num_threads) as pool:
-            for texts in text_batches(source, batch_chars):
-                arrays = encode_batch(enc, texts, pool, parts=4 * num_threads)
-                sizes = np.fromiter((len(a) + 1 for a in arrays), np.int64, len(arrays))
-                ends = np.cumsum(sizes)
-                out = np.empty(int(ends[-1]), dtype)
-                for ids, end, size in zip(arrays, ends, sizes):
-                    out[end - size] = bos
-                    out[end - size + 1 : end] = ids
-                tokens.append(out)
-                lengths.append(sizes)
-                del arrays, out  # (the next batch's memory, not twice this one's)
+        for texts in text_batches(source, batch_chars):
+            arrays = encode_batch(texts, pool, parts=4 * workers)
+            sizes = np.fromiter((len(a) + 1 for a in arrays), np.int64, len(arrays))
+            ends = np.cumsum(sizes)
+            out = np.empty(int(ends[-1]), dtype)
+            for ids, end, size in zip(arrays, ends, sizes):
+                out[end - size] = bos
+                out[end - size + 1 : end] = ids
+            tokens.append(out)
+            lengths.append(sizes)
+            del arrays, out  # (the next batch's memory, not twice this one's)
         offsets = np.zeros(sum(map(len, lengths)) + 1, np.int64)
         np.cumsum(np.concatenate(lengths) if lengths else np.zeros(0, np.int64), out=offsets[1:])
         tokens.close()

@@ -4,6 +4,7 @@ tokens/<dataset>/: docs/measurements.md#prepared-data-on-disk). Each shard's .js
 so a shard without it is unfinished and is redone; a shard made with another tokenizer is redone too.
 """
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -32,16 +33,20 @@ def tokenize_dataset(
     """Pre-tokenize data/<name>/ into tokens/<name>/ (every document starts with <|bos|>;
     conversations also get their loss mask). Complete shards made by this tokenizer from the
     current text shards are skipped: a killed run resumes at the shard it stopped in. Prose is
-    streamed (streamed_tokens.py) within `memory_mb` of resident memory. Returns {"tokens": n,
-    "docs": n, "skipped_shards": n} over all splits."""
-    batch_chars = streamed_tokens.batch_chars_within(memory_mb)
+    streamed (streamed_tokens.py) on `num_threads` worker processes within `memory_mb` of resident
+    memory. Returns {"tokens": n, "docs": n, "skipped_shards": n} over all splits."""
     manifest = read_dataset_manifest(name)
     kind, out_root = manifest["kind"], paths.tokens_dir(name)
+    batch_chars = streamed_tokens.batch_chars_within(memory_mb, num_threads) if kind == TEXT else 0
+    pool = None
     fingerprint, bos = tokenizer.fingerprint, tokenizer.get_bos_token_id()
     dtype = token_dtype(tokenizer.get_vocab_size())
     jobs = [(split, shard) for split in SPLITS for shard in manifest["shards"][split]]
     totals = {"tokens": 0, "docs": 0, "skipped_shards": 0}
-    with progress_bar(desc=f"tokenizing data/{name}", unit="shard", total=len(jobs)) as bar:
+    with (
+        contextlib.ExitStack() as stack,
+        progress_bar(desc=f"tokenizing data/{name}", unit="shard", total=len(jobs)) as bar,
+    ):
         for split, shard in jobs:
             source = paths.data_dir(name) / split / shard
             out_dir = out_root / split
@@ -59,8 +64,10 @@ def tokenize_dataset(
                 totals["skipped_shards"] += 1
             else:
                 if kind == TEXT:
+                    if pool is None:  # started for the first shard to do: none when all are done
+                        pool = stack.enter_context(streamed_tokens.encoder_pool(tokenizer, num_threads))
                     meta = streamed_tokens.tokenize_text_shard(
-                        source, tokenizer, out_dir, stem, dtype, num_threads, batch_chars
+                        source, tokenizer, out_dir, stem, dtype, pool, num_threads, batch_chars
                     )
                 else:
                     meta = _tokenize_chat_shard(source, tokenizer, out_dir, stem, dtype)

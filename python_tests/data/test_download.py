@@ -200,22 +200,24 @@ def test_streamed_shard_equals_the_whole_shard_at_once(tmp_path):
     reference = token_shards.write_token_shard(
         tmp_path / "ref", "s", [np.asarray(ids, np.uint16) for ids in tok.encode(kept, prepend=tok.bos_token_id)]
     )
-    for batch_chars in (1, 10_000, 10**9):
-        counts = streamed_tokens.tokenize_text_shard(source, tok, tmp_path / "out", "s", np.uint16, 3, batch_chars)
-        assert counts == reference
-        for what in ("tokens", "offsets"):
-            assert (tmp_path / "out" / f"s.{what}.npy").read_bytes() == (
-                tmp_path / "ref" / f"s.{what}.npy"
-            ).read_bytes()
+    with streamed_tokens.encoder_pool(tok, 2) as pool:
+        for batch_chars in (1, 10_000, 10**9):
+            counts = streamed_tokens.tokenize_text_shard(
+                source, tok, tmp_path / "out", "s", np.uint16, pool, 2, batch_chars
+            )
+            assert counts == reference
+            for what in ("tokens", "offsets"):
+                ours, ref = (tmp_path / d / f"s.{what}.npy" for d in ("out", "ref"))
+                assert ours.read_bytes() == ref.read_bytes()
     assert not list((tmp_path / "out").glob(".*"))
 
 
 def test_memory_setting_sizes_the_batch_and_too_little_is_one_line():
-    held = streamed_tokens.resident_mb()
-    chars = streamed_tokens.batch_chars_within(int(held) + 500)
+    held = streamed_tokens.resident_mb() + 2 * streamed_tokens.WORKER_MB
+    chars = streamed_tokens.batch_chars_within(int(held) + 500, 2)
     assert abs(chars * streamed_tokens.BYTES_PER_CHAR / 2**20 - 500) < 50
     with pytest.raises(UserError, match="--max-memory-mb=10 leaves too little"):
-        streamed_tokens.batch_chars_within(10)
+        streamed_tokens.batch_chars_within(10, 2)
 
 
 def test_a_killed_preparation_resumes_at_its_shard_and_gives_identical_token_shards(nanochat_home, monkeypatch):
@@ -228,7 +230,7 @@ def test_a_killed_preparation_resumes_at_its_shard_and_gives_identical_token_sha
     tok.save(paths.tokenizer_dir())
     small = ["--download=climbmix", "--stage=tokens", "--num-threads=2", "--max-memory-mb=4000"]
     monkeypatch.setattr(streamed_tokens, "ROWS_PER_READ", 4)
-    monkeypatch.setattr(streamed_tokens, "batch_chars_within", lambda mb: 3000)  # several batches a shard
+    monkeypatch.setattr(streamed_tokens, "batch_chars_within", lambda mb, workers: 3000)  # several batches a shard
     assert prepare_data.main(small) == 0
     root = paths.tokens_dir("climbmix")
     reference = {p.relative_to(root): p.read_bytes() for p in root.rglob("*.npy")}
