@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,33 +116,29 @@ def train_tokenizer(vocab_size: int):
 # one shard, four ways
 
 
-def _process_encode(texts):
-    from nanochat_fast.data.tokenizer import get_tokenizer
-
-    enc = _process_encode.enc = getattr(_process_encode, "enc", None) or get_tokenizer().enc
+def _thread_encode(enc, texts):
     return [enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
 
 
-def per_shard(tok, source: Path, threads: int, batch_chars: int, pool) -> dict:
+def per_shard(tok, source: Path, threads: int, batch_chars: int, pool, thread_pool) -> dict:
     """Seconds and tokens of each way of tokenizing `source`, in a rotating order."""
     import numpy as np
     import pyarrow.parquet as pq
 
     from nanochat_fast.data import streamed_tokens
 
-    out_dir = WORK / "scratch"
+    def ours():  # what prepare_data runs: batches read here, encoded by the worker processes, written
+        out = streamed_tokens.tokenize_text_shard(
+            source, tok, WORK / "scratch", "s", np.uint16, pool, threads, batch_chars
+        )
+        return out["n_tokens"]
 
-    def ours():
-        return streamed_tokens.tokenize_text_shard(source, tok, out_dir, "s", np.uint16, threads, batch_chars)[
-            "n_tokens"
-        ]
-
-    def processes():  # the same batches, encoded by a process pool (texts pickled over, arrays back)
+    def threads_way():  # the alternative: the same batches encoded by threads (the GIL released in tiktoken)
         n = 0
         for texts in streamed_tokens.text_batches(source, batch_chars):
-            step = max(1, len(texts) // (4 * threads))
-            for arrays in pool.map(_process_encode, [texts[i : i + step] for i in range(0, len(texts), step)]):
-                n += sum(len(a) + 1 for a in arrays)
+            step = max(1, -(-len(texts) // (4 * threads)))
+            parts = thread_pool.map(lambda i: _thread_encode(tok.enc, texts[i : i + step]), range(0, len(texts), step))
+            n += sum(len(a) + 1 for part in parts for a in part)
         return n
 
     def ceiling():  # tiktoken's batch encoder alone: the text already in memory, only the encode timed
@@ -161,7 +157,12 @@ def per_shard(tok, source: Path, threads: int, batch_chars: int, pool) -> dict:
                 n += sum(map(len, tok.encode(texts[i : i + 128], prepend=tok.bos_token_id, num_threads=4)))
         return n
 
-    ways = {"ours (threads)": ours, "ours (processes)": processes, "tiktoken batch": ceiling, "nanochat": nanochat}
+    ways = {
+        "ours (worker processes)": ours,
+        "threads instead": threads_way,
+        "tiktoken batch": ceiling,
+        "nanochat": nanochat,
+    }
     order = list(ways)
     shift = per_shard.calls = getattr(per_shard, "calls", -1) + 1
     result = {}
@@ -199,6 +200,20 @@ def prepare_cmd(threads, memory_mb):
     ]
 
 
+def tree_rss_mb(root: int) -> float:
+    """Resident memory of `root` and all its descendants (the workers) now, from /proc."""
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(k) for k in (task / "children").read_text().split()]
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 2**20
+
+
 def run_child(cmd, kill_after_shards=None, n_shards=None):
     """(seconds, peak RSS MB, killed) of `cmd`; SIGKILL once kill_after_shards token shards are complete."""
     from nanochat_fast.core import paths
@@ -209,7 +224,9 @@ def run_child(cmd, kill_after_shards=None, n_shards=None):
     log = open(WORK / "child.log", "a")
     child = subprocess.Popen(cmd, stdout=log, stderr=log)
     killed = False
+    tree_peak = 0.0  # the process and its workers, summed, sampled (each one's own peak would not add up)
     while child.poll() is None:
+        tree_peak = max(tree_peak, tree_rss_mb(child.pid))
         if not killed and kill_after_shards is not None and len(list(done_dir.glob("*.json"))) >= kill_after_shards:
             os.kill(child.pid, signal.SIGKILL)
             killed = True
@@ -217,7 +234,7 @@ def run_child(cmd, kill_after_shards=None, n_shards=None):
     seconds = time.perf_counter() - t0
     log.close()
     hwm = WORK / "child_hwm_kb"
-    return seconds, int(hwm.read_text()) / 1024 if hwm.is_file() else None, killed
+    return seconds, max(tree_peak, int(hwm.read_text()) / 1024 if hwm.is_file() else 0), killed
 
 
 def whole_run(threads, memory_mb, n_shards):
@@ -266,7 +283,9 @@ def section(r: dict) -> list[str]:
         "",
         "`make bench-prepare` (benchmarks/prep_scale.py). Text generated from the built-in corpus, repeated with "
         "variation; a tokenizer of 8,192 tokens trained on it. The four ways run per shard in a rotating order on "
-        f"the same text (the ceiling times tiktoken's encoder alone, text already in memory). Shared machine: "
+        f"the same text at the same thread count (ours and the threads alternative include reading the parquet; ours "
+        "writes the token shard too; the ceiling times tiktoken's encoder alone, text already in memory; nanochat's "
+        "loader: a row group read, then encode() on 128 documents with 4 threads). Shared machine: "
         f"load average {r['load_average'][0]:.1f} on {r['threads']} cores at the end, so absolute rates are low and "
         "noisy; the ratios are what was compared in the same rounds.",
         "",
@@ -284,7 +303,8 @@ def section(r: dict) -> list[str]:
         f"{whole_rate / rate['tiktoken batch']:.2f}x |",
         "",
         f"- Peak RSS of the whole preparation: {w['peak_rss_mb']:.0f} MB with --max-memory-mb={r['memory_mb']} "
-        f"(batches of {r['batch_chars']:,} characters; one process: the threads are in it); the resumed run: "
+        f"(batches of {r['batch_chars']:,} characters; the process and its {r['threads']} workers summed, sampled "
+        "every 50 ms); the resumed run: "
         f"{w['resume_peak_rss_mb']:.0f} MB; with --max-memory-mb={w['low_memory_mb']}: "
         f"{w['low_memory_peak_rss_mb']:.0f} MB in {w['low_memory_seconds']:.1f}s, token shards "
         f"{'identical' if w['identical_at_low_memory'] else 'NOT identical'} to the first run's.",
@@ -336,11 +356,11 @@ def main():
     data_bytes = sum(s.stat().st_size for s in shards)
     print(f"{len(shards)} shards, {data_bytes / 1e9:.2f} GB of parquet ({time.perf_counter() - t0:.0f}s)", flush=True)
     tok = train_tokenizer(args.vocab_size)
-    batch_chars = streamed_tokens.batch_chars_within(args.memory_mb)
+    batch_chars = streamed_tokens.batch_chars_within(args.memory_mb, args.threads)
     compare = {}
-    with ProcessPoolExecutor(args.threads) as pool:
+    with streamed_tokens.encoder_pool(tok, args.threads) as pool, ThreadPoolExecutor(args.threads) as thread_pool:
         for source in shards[: args.compare_shards or len(shards)]:
-            for name, r in per_shard(tok, source, args.threads, batch_chars, pool).items():
+            for name, r in per_shard(tok, source, args.threads, batch_chars, pool, thread_pool).items():
                 c = compare.setdefault(name, {"tokens": 0, "seconds": 0.0})
                 c["tokens"] += r["tokens"]
                 c["seconds"] += r["seconds"]
