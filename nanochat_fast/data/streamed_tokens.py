@@ -4,9 +4,9 @@ tokenized on every core by a pool of worker processes, its tokens appended to th
 as they come. Resident memory is set by the batch, not by the shard (a published set's shard holds
 ~250M characters): batch_chars_within(memory_mb, workers) sizes the batch from measured costs.
 
-Processes, not threads: on the same batches a process pool (the texts pickled over, one numpy array
-a document back through encode_to_numpy, no list of Python ints) measured faster than threads, and
-than tiktoken's own encode_ordinary_batch (benchmarks/RESULTS.md, "Preparation at scale").
+Worker processes (the texts pickled over, one numpy array a document back through encode_to_numpy,
+no list of Python ints): they beat tiktoken's own encode_ordinary_batch at the same count; against
+threads the verdict flipped with the load of the shared machine it was measured on.
 The figures and the other choices: docs/measurements.md#preparing-published-sets.
 """
 
