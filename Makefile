@@ -5,6 +5,9 @@
 #   make demo       install, prepare data, train tokenizer + model, mid-train, fine-tune, evaluate, chat,
 #                   report card (CPU, within 15 min)
 #   make bench      run benchmarks/ and write benchmarks/results.json and benchmarks/RESULTS.md
+#   make bench-prepare  preparation of 1 GB of generated text (not part of bench: ~30 min on 2 busy cores):
+#                   tokens/s against tiktoken's batch encoder and nanochat's on-the-fly tokenization, peak
+#                   RSS against --max-memory-mb, a kill at 50% and its resume -> benchmarks/prep_scale.json
 #   make test-gpu   the GPU-only tests (needs a CUDA build of torch, see TORCH_SPEC)
 #   make gpu-bundle what the offline GPU node lacks (wheels for its Python, a prepared home) -> build/gpu-bundle
 #   make gpu-check  on the GPU node, offline, OUT=DIR: the extension built with CUDA, every kernel checked,
@@ -40,7 +43,7 @@ SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu
 PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest
 
 .PHONY: install lint test ctest test-gpu gpu-bundle gpu-check aot-compat test-torch-floor cuda-build-check floor-install \
-        bench demo kernels clean
+        bench bench-prepare demo kernels clean
 
 install: $(STAMP)
 
@@ -81,6 +84,12 @@ bench: install
 	$(PY) -m pytest benchmarks -o python_files='bench_*.py' -p no:cacheprovider \
 	    --benchmark-json=benchmarks/results.json --benchmark-columns=median,rounds
 	$(PY) benchmarks/make_results.py benchmarks/results.json benchmarks/RESULTS.md
+
+# Preparation at scale: GB of text generated from the built-in corpus (cached under build/prep-scale/), then
+# timed, interleaved per shard, and killed and resumed; the figures go to benchmarks/RESULTS.md by hand.
+PREP_GB ?= 1
+bench-prepare: install
+	$(PY) benchmarks/prep_scale.py --gb=$(PREP_GB) --out=benchmarks/prep_scale.json
 
 # The GPU verdict on the GPU node users have: one GPU, its own python3 with torch and triton, no network
 # (README, "GPU"). Here, with the package registries, `make gpu-bundle` writes what the node lacks into

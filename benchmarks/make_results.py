@@ -5,6 +5,7 @@ import platform
 import sys
 from pathlib import Path
 
+import prep_scale
 import torch
 from compiled_table import section_from_file
 
@@ -134,6 +135,7 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
             lines += ["| " + " | ".join(row) + " |" for row in t["targets"]] + [""]
     lines += section_from_file(Path(out_path).with_name("compiled.json"))  # compiled, not run: compiled_table.py
     lines += inference_sweep_section(data)  # bench_infer.py
+    lines += prep_scale.section_from_file(Path(out_path).with_name("prep_scale.json"))  # make bench-prepare
     Path(out_path).write_text("\n".join(lines))
     print(f"wrote {out_path}")
 

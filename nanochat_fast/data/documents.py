@@ -271,12 +271,38 @@ def write_dataset(
     return manifest
 
 
+def register_shards(name: str, shards: dict, *, config: dict, sources: list[dict]) -> dict:
+    """Write data/<name>/manifest.json for text shards already in place (downloaded ones: whole
+    documents, their own validation shard), without copying them. Documents are counted from the
+    parquet footers; characters are not counted (that would read every shard), so "chars" is None."""
+    import pyarrow.parquet as pq
+
+    root = paths.data_dir(name)
+    config = dict(config, kind=TEXT, format=FORMAT_VERSION)
+    docs = {split: sum(pq.ParquetFile(root / split / s).metadata.num_rows for s in shards[split]) for split in SPLITS}
+    size = sum((root / split / s).stat().st_size for split in SPLITS for s in shards[split])
+    manifest = {
+        "name": name,
+        "kind": TEXT,
+        "config": config,
+        "sources": sources,
+        "shards": {split: list(shards[split]) for split in SPLITS},
+        "docs": docs,
+        "chars": None,
+        "bytes": size,
+    }
+    _write_sources_md(root / "SOURCES.md", manifest)
+    paths.write_json(root / "manifest.json", manifest)
+    return manifest
+
+
 def _write_sources_md(path: Path, manifest: dict):
     lines = [
         f"# data/{manifest['name']}: sources and licences",
         "",
         f"{manifest['docs']['train']:,} train and {manifest['docs']['val']:,} validation documents "
-        f"({manifest['kind']}), {manifest['chars']:,} characters.",
+        f"({manifest['kind']}), "
+        + (f"{manifest['chars']:,} characters." if manifest["chars"] is not None else f"{manifest['bytes']:,} bytes."),
         "",
         "| source | what | fetched as | licence | documents | characters |",
         "|---|---|---|---|---:|---:|",
@@ -284,7 +310,7 @@ def _write_sources_md(path: Path, manifest: dict):
     for s in manifest["sources"]:
         lines.append(
             f"| {s['name']} | {s.get('about', '')} | {s.get('spec', '')} | {s.get('licence', '')} | "
-            f"{s.get('docs', 0):,} | {s.get('chars', 0):,} |"
+            f"{s.get('docs', 0):,} | {s.get('chars') or 0:,} |"
         )
     paths.replace_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
 
@@ -310,12 +336,30 @@ def prepared_datasets() -> list[str]:
 def iter_texts(name: str, split: str = "train", doc_cap: int = 0):
     """The documents of a prepared dataset as strings (conversations: their contents joined)."""
     manifest = read_dataset_manifest(name)
+    column = "text" if manifest["kind"] == TEXT else "messages"
     for shard in manifest["shards"][split]:
-        path = paths.data_dir(name) / split / shard
-        column = "text" if manifest["kind"] == TEXT else "messages"
-        for value in read_parquet(path, [column]).column(column).to_pylist():
-            text = value if column == "text" else "\n".join(m["content"] for m in value)
-            yield text[:doc_cap] if doc_cap > 0 else text
+        for values in iter_column(paths.data_dir(name) / split / shard, column):
+            for value in values:
+                if value is None:
+                    continue
+                text = value if column == "text" else "\n".join(m["content"] for m in value)
+                yield text[:doc_cap] if doc_cap > 0 else text
+
+
+def iter_column(path: Path, column: str, batch_rows: int = 1024):
+    """One column of a parquet shard as lists of values, `batch_rows` rows at a time: a shard of a
+    published set holds ~250M characters, never read whole."""
+    import pyarrow.parquet as pq
+
+    try:
+        reader = pq.ParquetFile(path)
+        for batch in reader.iter_batches(batch_size=batch_rows, columns=[column]):
+            yield batch.column(0).to_pylist()
+    except Exception as e:
+        raise UserError(
+            f"{path} is missing or unreadable ({type(e).__name__}: {e}); rebuild it with "
+            "`python -m nanochat_fast.scripts.prepare_data --overwrite`"
+        ) from None
 
 
 def read_parquet(path: Path, columns):

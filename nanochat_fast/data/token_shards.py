@@ -4,6 +4,7 @@ tokens/<dataset>/: docs/measurements.md#prepared-data-on-disk). Each shard's .js
 so a shard without it is unfinished and is redone; a shard made with another tokenizer is redone too.
 """
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -12,7 +13,9 @@ import numpy as np
 from ..core import paths
 from ..core.errors import UserError
 from ..core.progress import progress_bar
+from . import streamed_tokens
 from .documents import CHAT, FORMAT_VERSION, SPLITS, TEXT, read_dataset_manifest, read_parquet
+from .streamed_tokens import DEFAULT_MEMORY_MB
 
 
 def token_dtype(vocab_size: int):
@@ -20,19 +23,30 @@ def token_dtype(vocab_size: int):
 
 
 def tokenize_dataset(
-    name: str, tokenizer, *, overwrite: bool = False, num_threads: int = 8, batch_docs: int = 4096
+    name: str,
+    tokenizer,
+    *,
+    overwrite: bool = False,
+    num_threads: int = 8,
+    memory_mb: int = DEFAULT_MEMORY_MB,
 ) -> dict:
     """Pre-tokenize data/<name>/ into tokens/<name>/ (every document starts with <|bos|>;
     conversations also get their loss mask). Complete shards made by this tokenizer from the
-    current text shards are skipped. Returns {"tokens": n, "docs": n, "skipped_shards": n} over all
-    splits."""
+    current text shards are skipped: a killed run resumes at the shard it stopped in. Prose is
+    streamed (streamed_tokens.py) on `num_threads` worker processes within `memory_mb` of resident
+    memory. Returns {"tokens": n, "docs": n, "skipped_shards": n} over all splits."""
     manifest = read_dataset_manifest(name)
     kind, out_root = manifest["kind"], paths.tokens_dir(name)
+    batch_chars = streamed_tokens.batch_chars_within(memory_mb, num_threads) if kind == TEXT else 0
+    pool = None
     fingerprint, bos = tokenizer.fingerprint, tokenizer.get_bos_token_id()
     dtype = token_dtype(tokenizer.get_vocab_size())
     jobs = [(split, shard) for split in SPLITS for shard in manifest["shards"][split]]
     totals = {"tokens": 0, "docs": 0, "skipped_shards": 0}
-    with progress_bar(desc=f"tokenizing data/{name}", unit="shard", total=len(jobs)) as bar:
+    with (
+        contextlib.ExitStack() as stack,
+        progress_bar(desc=f"tokenizing data/{name}", unit="shard", total=len(jobs)) as bar,
+    ):
         for split, shard in jobs:
             source = paths.data_dir(name) / split / shard
             out_dir = out_root / split
@@ -49,7 +63,14 @@ def tokenize_dataset(
             if meta is not None:
                 totals["skipped_shards"] += 1
             else:
-                meta = _tokenize_shard(source, kind, tokenizer, out_dir, stem, dtype, num_threads, batch_docs)
+                if kind == TEXT:
+                    if pool is None:  # started for the first shard to do: none when all are done
+                        pool = stack.enter_context(streamed_tokens.encoder_pool(tokenizer, num_threads))
+                    meta = streamed_tokens.tokenize_text_shard(
+                        source, tokenizer, out_dir, stem, dtype, pool, num_threads, batch_chars
+                    )
+                else:
+                    meta = _tokenize_chat_shard(source, tokenizer, out_dir, stem, dtype)
                 meta.update(
                     signature,
                     tokenizer=fingerprint,
@@ -88,21 +109,14 @@ def _current_shard_meta(meta_path: Path, fingerprint: str, signature: dict) -> d
     return meta if current else None
 
 
-def _tokenize_shard(source: Path, kind: str, tokenizer, out_dir: Path, stem: str, dtype, num_threads, batch_docs):
-    column = "text" if kind == TEXT else "messages"
-    values = read_parquet(source, [column]).column(column).to_pylist()
+def _tokenize_chat_shard(source: Path, tokenizer, out_dir: Path, stem: str, dtype):
+    """Conversations (small sets: mid-training's and SFT's), rendered one by one with their masks."""
     docs, masks = [], []
-    bos = tokenizer.get_bos_token_id()
-    for start in range(0, len(values), batch_docs):
-        batch = values[start : start + batch_docs]
-        if kind == TEXT:  # (numpy right away: a list of Python ints costs ~30 bytes a token)
-            docs += [np.asarray(ids, dtype) for ids in tokenizer.encode(batch, prepend=bos, num_threads=num_threads)]
-        else:
-            for messages in batch:
-                ids, mask = tokenizer.render_conversation({"messages": messages})
-                docs.append(np.asarray(ids, dtype))
-                masks.append(np.asarray(mask, np.uint8))
-    return write_token_shard(out_dir, stem, docs, masks if kind == CHAT else None, dtype)
+    for messages in read_parquet(source, ["messages"]).column("messages").to_pylist():
+        ids, mask = tokenizer.render_conversation({"messages": messages})
+        docs.append(np.asarray(ids, dtype))  # (numpy right away: a list of Python ints costs ~30 bytes a token)
+        masks.append(np.asarray(mask, np.uint8))
+    return write_token_shard(out_dir, stem, docs, masks, dtype)
 
 
 def write_token_shard(out_dir: Path, stem: str, docs, masks=None, dtype=np.uint16, meta: dict | None = None) -> dict:

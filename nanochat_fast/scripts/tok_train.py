@@ -48,7 +48,25 @@ def build_parser():
     )
     p.add_argument("--no-tokenize", action="store_true", help="only train; do not tokenize the prepared datasets")
     p.add_argument("--num-threads", type=cli.positive_int, default=os.cpu_count() or 1, help="tokenizer threads")
+    p.add_argument(
+        "--max-memory-mb",
+        type=cli.positive_int,
+        default=token_shards.DEFAULT_MEMORY_MB,
+        help="tokenizing: resident memory to stay within (text read and tokenized a batch at a time)",
+    )
     return p
+
+
+VAL_CHARS = 20_000_000  # the compression printed after training is measured on at most this much val text
+
+
+def capped_texts_of(name: str, split: str, max_chars: int):
+    chars = 0
+    for text in documents.iter_texts(name, split):
+        if chars >= max_chars:
+            return
+        chars += len(text)
+        yield text
 
 
 def capped_texts(name: str, max_chars: int, doc_cap: int, counter: dict):
@@ -98,7 +116,7 @@ def main(argv=None) -> int:
             "the vocabulary is smaller"
         )
 
-    val = list(documents.iter_texts(args.dataset, "val"))
+    val = list(capped_texts_of(args.dataset, "val", VAL_CHARS))  # a published set's val shard is ~250M characters
     n_chars = sum(map(len, val))
     n_tokens = sum(map(len, tokenizer.encode(val, num_threads=args.num_threads)))
     if n_tokens:
@@ -109,7 +127,9 @@ def main(argv=None) -> int:
 
     if not args.no_tokenize:
         for name in documents.prepared_datasets():
-            totals = token_shards.tokenize_dataset(name, tokenizer, num_threads=args.num_threads)
+            totals = token_shards.tokenize_dataset(
+                name, tokenizer, num_threads=args.num_threads, memory_mb=args.max_memory_mb
+            )
             print(f"tokens/{name}: {totals['docs']:,} documents, {totals['tokens']:,} tokens")
             if name == args.dataset:
                 trained_on = totals["tokens"]
