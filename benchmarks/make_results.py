@@ -1,4 +1,5 @@
-"""Write benchmarks/RESULTS.md from the pytest-benchmark JSON written by `make bench`."""
+"""Write this CPU's section of benchmarks/RESULTS.md from the pytest-benchmark JSON written by `make bench`
+(the other CPUs' sections are kept: results_sections.py)."""
 
 import json
 import platform
@@ -7,7 +8,9 @@ from pathlib import Path
 
 import torch
 from compiled_table import section_from_file
+from results_sections import cpu_kind, demote, merge
 
+from nanochat_fast.core.paths import replace_atomically
 from nanochat_fast.hardware import cpu_bf16_support, cpu_model, format_flops, measured_peaks
 from nanochat_fast.hardware.machine import cpuinfo
 from nanochat_fast.train.run_report import hardware
@@ -86,8 +89,6 @@ def inference_sweep_section(data: dict) -> list[str]:
 def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
     data = json.loads(Path(json_path).read_text())
     lines = [
-        "# Benchmark results",
-        "",
         f"Machine: {machine()}  ",
         f"CPU: {cpu_line()}  ",
         f"Date: {data.get('datetime', '?')[:19]}  ",
@@ -132,10 +133,18 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
         if t.get("targets"):  # figures from the same run against what they should reach
             lines += ["| figure | measured | target | met |", "|---|---:|---|---|"]
             lines += ["| " + " | ".join(row) + " |" for row in t["targets"]] + [""]
-    lines += section_from_file(Path(out_path).with_name("compiled.json"))  # compiled, not run: compiled_table.py
     lines += inference_sweep_section(data)  # bench_infer.py
-    Path(out_path).write_text("\n".join(lines))
-    print(f"wrote {out_path}")
+    compiled = section_from_file(Path(out_path).with_name("compiled.json"))  # compiled, not run: compiled_table.py
+    out = Path(out_path)
+    kind = cpu_kind(cpuinfo(), cpu_bf16_support(), torch.backends.cpu.get_cpu_capability())
+    text = merge(
+        out.read_text() if out.exists() else "",
+        kind,
+        demote(lines),
+        replace={compiled[0]: compiled[1:]} if compiled else None,
+    )
+    replace_atomically(out, lambda tmp: tmp.write_text(text))
+    print(f"wrote the section '{kind}' of {out_path}")
 
 
 if __name__ == "__main__":
