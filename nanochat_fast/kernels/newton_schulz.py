@@ -4,7 +4,7 @@ newton_schulz: the Newton-Schulz orthogonalization at the heart of Muon, and eve
 Given G (m x n, or a stack K x m x n), returns an approximation of U V^T from G = U S V^T:
 X = G / (||G||_F + 1e-7), then per step (a, b, c):  A = X X^T;  B = b A + c A A;  X = a X + B X.
 Tall matrices are transposed once so X X^T is the small Gram matrix. A call decides, in order:
-    coefficients  "quintic", "polar_express" or one (a, b, c) per step      resolve_coefficients
+    coefficients  "quintic", "polar_express", "minimax4" or (a, b, c) a step  resolve_coefficients
     dtype         the iteration's (default: the precision policy's for G's    compute_dtype
                   device); the input is normalised in fp32, the result is cast to `out_dtype`
     path          "plain", "symmetric" or "gram": exact rewrites, by shape    PATH_TABLE, choose_path
@@ -31,11 +31,25 @@ POLAR_EXPRESS = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
+# minimax4: 4 steps that keep the band 5 quintic steps keep. For sigma / ||G||_F in [1.5e-3, 1], 5 quintic
+# steps give singular values in [0.68, 1.20]; these 4 give the same band for sigma / ||G||_F in [2.5e-3, 1]
+# (below that, less: 0.41 at 1.5e-3), 4/5 of the products. Built as Polar Express builds its steps: each
+# step the minimax odd quintic for 1 on the interval the previous steps leave (fitted 2% past its top, so a
+# bf16 rounding up does not blow up: the band holds with each step's output off by 1%), the last scaled to
+# the band's centre. The policy's bound is kept: bf16 within 2e-2 (max abs) of this schedule in float64.
+# Derivation and figures: docs/measurements.md#newton-schulz-in-4-steps.
+MINIMAX4 = (
+    (8.242664441512078, -23.426191774131343, 16.694413472196352),
+    (4.004924779560354, -2.8663643231211355, 0.5193007965007853),
+    (3.5691290841182965, -2.571840696790716, 0.4880117132458294),
+    (2.4752094270454656, -1.7788068580866805, 0.3922456223072339),
+)
+COEFFICIENTS = ("quintic", "polar_express", "minimax4")
 PATHS = ("plain", "symmetric", "gram")
 
 
 def resolve_coefficients(coefficients, steps: int) -> tuple[tuple[float, float, float], ...]:
-    """'quintic' | 'polar_express' | a list of (a, b, c) per step -> one (a, b, c) per step."""
+    """'quintic' | 'polar_express' | 'minimax4' | a list of (a, b, c) per step -> one (a, b, c) per step."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     if coefficients == "quintic":
@@ -44,9 +58,13 @@ def resolve_coefficients(coefficients, steps: int) -> tuple[tuple[float, float, 
         if steps > len(POLAR_EXPRESS):
             raise ValueError(f"coefficients='polar_express' has {len(POLAR_EXPRESS)} steps, got steps={steps}")
         return POLAR_EXPRESS[:steps]
+    if coefficients == "minimax4":
+        if steps != len(MINIMAX4):  # its last step is scaled for the band: no prefix keeps it
+            raise ValueError(f"coefficients='minimax4' has exactly {len(MINIMAX4)} steps, got steps={steps}")
+        return MINIMAX4
     if isinstance(coefficients, str):
         raise ValueError(
-            f"coefficients must be 'quintic', 'polar_express' or a list of (a, b, c), got {coefficients!r}"
+            f"coefficients must be 'quintic', 'polar_express', 'minimax4' or a list of (a, b, c), got {coefficients!r}"
         )
     table = tuple(tuple(float(x) for x in abc) for abc in coefficients)
     if len(table) != steps or any(len(abc) != 3 for abc in table):
