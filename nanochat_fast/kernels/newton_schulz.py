@@ -33,7 +33,7 @@ POLAR_EXPRESS = (
 )
 # minimax4: 4 steps that keep the band 5 quintic steps keep. For sigma / ||G||_F in [1.5e-3, 1], 5 quintic
 # steps give singular values in [0.68, 1.20]; these 4 give the same band for sigma / ||G||_F in [2.5e-3, 1]
-# (below that, less: 0.41 at 1.5e-3), 4/5 of the products. Built as Polar Express builds its steps: each
+# (below that, less: 0.43 at 1.5e-3), 4/5 of the products. Built as Polar Express builds its steps: each
 # step the minimax odd quintic for 1 on the interval the previous steps leave (fitted 2% past its top, so a
 # bf16 rounding up does not blow up: the band holds with each step's output off by 1%), the last scaled to
 # the band's centre. The policy's bound is kept: bf16 within 2e-2 (max abs) of this schedule in float64.
