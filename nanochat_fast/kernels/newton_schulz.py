@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..hardware import precision
+from ..hardware.machine import cpu_bf16_support
 from . import registry
 from .registry import always, register_backend, register_op, triton_why_not
 
@@ -123,6 +124,9 @@ class Row(NamedTuple):
 
 PATH_TABLE = (
     # device  dtype   path         m >=  n/m >=  where the row comes from (the comment above)
+    # bf16 on AMX tiles (table_device): a product split in block rows, or written into a strided block,
+    # loses 2-4x there (measured on a 2-core AMX Xeon), so no symmetric row and the Gram form unsplit
+    Row("cpu-amx", "bf16", "gram", 256, 2.0, "measured"),
     Row("cpu", "fp32", "gram", 256, 2.0, "measured"),
     Row("cpu", "fp32", "symmetric", 256, 1.0, "measured"),
     Row("cpu", "bf16", "gram", 256, 2.0, "measured"),
@@ -131,6 +135,14 @@ PATH_TABLE = (
     Row("cuda", "fp32", "symmetric", 2048, 1.0, "paper (published SYRK vs GEMM)"),
     Row("cuda", "bf16", "symmetric", 2048, 1.0, "paper (published SYRK vs GEMM)"),
 )
+
+
+def table_device(device_type: str, dtype: torch.dtype) -> str:
+    """The PATH_TABLE device a `device_type` runs `dtype` as: "cpu-amx" for bf16 on a CPU whose bf16
+    runs on AMX tiles (its rows measured apart), else the device type itself."""
+    if device_type == "cpu" and dtype == torch.bfloat16 and cpu_bf16_support() == "AMX":
+        return "cpu-amx"
+    return device_type
 
 
 def choose_path(device_type: str, dtype: torch.dtype, m: int, n: int) -> str:
@@ -165,7 +177,7 @@ def plan(shape, device, dtype=None, backend=None) -> tuple[registry.Backend, tor
     """(backend, compute dtype, path) that newton_schulz would use for a G of `shape` on `device`."""
     device = torch.device(device)
     dtype = compute_dtype(device, dtype)
-    path = choose_path(device.type, dtype, shape[-2], shape[-1])
+    path = choose_path(table_device(device.type, dtype), dtype, shape[-2], shape[-1])
     impl = registry.select(OP, device.type, backend)
     if impl.name == "triton" and path != "symmetric" and (backend or registry.requested(OP)) == "auto":
         # the Triton kernels are the symmetric path; below the table's sizes cuBLAS's full products win
@@ -297,7 +309,8 @@ def newton_schulz_torch(G, coeffs, dtype, path):
     norm = torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True, dtype=torch.float32)
     S = (stack / (norm + 1e-7)).to(dtype).contiguous()
     if path == "gram":
-        S = _gram(S, coeffs, wide, split=symmetric_pays(G.device.type, dtype, min(stack.shape[-2:])))
+        split = symmetric_pays(table_device(G.device.type, dtype), dtype, min(stack.shape[-2:]))
+        S = _gram(S, coeffs, wide, split=split)
     else:
         S = _direct(S, coeffs, wide, split=path == "symmetric")
     return S if G.dim() == 3 else S[0]
