@@ -56,13 +56,14 @@ def inference_sweep_section(data: dict) -> list[str]:
     lines = [
         f"## Inference sweep ({r['device']}, {r['dtype']})",
         "",
-        "| batch | prefill tok/s | decode tok/s | per-token latency (ms) | TTFT median (ms) | peak memory (MiB) "
-        "| MBU | MFU |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | dtype | prefill tok/s | decode tok/s | per-token latency (ms) | TTFT median (ms) "
+        "| peak memory (MiB) | MBU | MFU |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in r["sweep"]:
         lines.append(
-            f"| {row['batch_size']} | {row['prefill_tok_per_s']:,.0f} | {row['decode_tok_per_s']:,.1f} | "
+            f"| {row['batch_size']} | {row.get('dtype', r['dtype'])} | {row['prefill_tok_per_s']:,.0f} | "
+            f"{row['decode_tok_per_s']:,.1f} | "
             f"{row['per_token_latency_s'] * 1e3:.2f} | {row['ttft_median_s'] * 1e3:.1f} | "
             f"{row['peak_memory_bytes'] / 2**20:,.1f} | {row['mbu_percent']:.1f}% | "
             f"{row['mfu_percent']:.2f}% |"
@@ -77,9 +78,10 @@ def inference_sweep_section(data: dict) -> list[str]:
         f"decode of {r['sweeps']} sweeps (a neighbour only ever adds time). Decode tok/s = B x "
         f"{r['decode_tokens'] - 1} decode steps / their time; TTFT: all B prefills run in the engine's first "
         f"step. MBU = bytes per decode step x steps/s / {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s "
-        f"({bandwidth['source']} memory bandwidth), bytes per step = {r['weight_bytes_per_step']:,} (every "
-        f"weight, {r['dtype']}) + B x {r['kv_bytes_per_position']:,} (KV bytes per position, {r['kv_dtype']}) "
-        f"x {r['mean_context']:g} (mean context); MFU against the {peak['dtype']} peak "
+        f"({bandwidth['source']} memory bandwidth), bytes per step = {r['params']:,} weights x the row's dtype "
+        f"size + B x KV bytes per position ({r['kv_bytes_per_position']:,} in {r['kv_dtype']}) x "
+        f"{r['mean_context']:g} (mean context); dtype auto: each batch size timed on its own mix "
+        f"(model/generation_dtype.py); MFU against the {peak['dtype']} peak "
         f"{peak['flops_per_s'] / 1e9:.0f} GFLOP/s ({peak['source']}). Peak memory: {r['peak_memory_source']}.*",
         "",
     ]

@@ -394,7 +394,7 @@ def main(argv=None) -> int:
             "device": str(dev.device),
             "device_name": bandwidth.device,
             "dtype": "auto (measured per batch size)" if per_batch else dev.precision.name,
-            "kv_dtype": "that of the dtype" if per_batch else str(dtype).split(".")[-1],
+            "kv_dtype": "float32 (half that in a bf16 row)" if per_batch else str(dtype).split(".")[-1],
             "prompt_tokens": args.prompt_tokens,
             "decode_tokens": args.decode_tokens,
             "seed": args.seed,
