@@ -1,9 +1,9 @@
 """One Muon step over the matrices of a depth-8 GPT and of a depth-20 GPT (width 1280): ours with
-ns_dtype auto (the default), forced fp32 and forced bf16, against torch.optim.Muon, in the same
-interleaved rounds.
+ns_dtype auto (the default), forced fp32 and forced bf16, and the minimax4 recipe (4 tuned Newton-Schulz
+steps, auto), against torch.optim.Muon, in the same interleaved rounds.
 
-Every variant gets the same lr (0.02), momentum (0.95, Nesterov), 5 quintic steps and update scale
-(max(1, rows/cols)^0.5), weight_decay=0 for torch's. Before timing, one step of ours (fp32) and of
+Every variant gets the same lr (0.02), momentum (0.95, Nesterov), 5 quintic steps (minimax4: its 4) and
+update scale (max(1, rows/cols)^0.5), weight_decay=0 for torch's. Before timing, one step of ours (fp32) and of
 torch's from the same state is checked to give the same update (to bf16 accuracy) on small
 matrices of the same aspect ratios. Each test plans its variants from flop counts and this
 machine's matmul rates (harness.plan_modes): a full step, a per-shape estimate, or not timed (the
@@ -23,7 +23,8 @@ from nanochat_fast.optim import Muon
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HP = dict(lr=0.02, momentum=0.95, nesterov=True)
-BUDGET_S = {8: 140.0, 20: 40.0}  # with bench_newton_schulz.py: ~5 minutes on a 2-core CPU
+# with bench_newton_schulz.py: ~6 minutes on a 2-core CPU; depth 20 leaves room for the minimax4 recipe per shape
+BUDGET_S = {8: 140.0, 20: 80.0}
 
 
 def gpt_matrices(depth):
@@ -31,6 +32,9 @@ def gpt_matrices(depth):
     with torch.device("meta"):
         model = GPT(config_from_depth(depth, vocab_size=256, sequence_len=64))
     return [tuple(p.shape) for p in model.transformer.h.parameters()]
+
+
+MINIMAX4 = dict(ns_steps=4, ns_coefficients="minimax4")  # the minimax4 recipe's Newton-Schulz (optim/recipe.py)
 
 
 def ns_flops(shape, steps=5):
@@ -46,11 +50,10 @@ def make_params(shapes, seed=0):
     return params
 
 
-def ours(shapes, ns_dtype):
+def ours(shapes, ns_dtype, ns=None):
     params = make_params(shapes)
-    opt = Muon(
-        [(f"m{i}", p) for i, p in enumerate(params)], ns_steps=5, ns_coefficients="quintic", ns_dtype=ns_dtype, **HP
-    )
+    ns = ns or dict(ns_steps=5, ns_coefficients="quintic")
+    opt = Muon([(f"m{i}", p) for i, p in enumerate(params)], ns_dtype=ns_dtype, **ns, **HP)
     if ns_dtype == "auto":  # decided now (as base_train does before its first step), not in a timed round
         opt.resolve_ns_precision()
     return params, opt.step
@@ -117,9 +120,11 @@ def muon_benchmark(benchmark, depth):
     check_same_update(shapes)
     auto = auto_choice(shapes)  # the defaults' choice for this set; cached for the auto optimizer below
     ours_auto = f"ours (auto: {auto.name})"
+    ours_minimax4 = f"ours, minimax4 recipe (auto: {auto.name})"
     dtypes = {
         "torch.optim.Muon (bf16)": "bf16",
         ours_auto: auto.name,
+        ours_minimax4: auto.name,
         "ours, forced fp32": "fp32",
         "ours, forced bf16": "bf16",
     }
@@ -128,6 +133,7 @@ def muon_benchmark(benchmark, depth):
     makers = {
         "torch.optim.Muon (bf16)": torch_muon,
         ours_auto: lambda s: ours(s, "auto" if s == shapes else auto.name),
+        ours_minimax4: lambda s: ours(s, auto.name, MINIMAX4),
         "ours, forced fp32": lambda s: ours(s, "fp32"),
         "ours, forced bf16": lambda s: ours(s, "bf16"),
     }
@@ -135,6 +141,7 @@ def muon_benchmark(benchmark, depth):
     one_each = sum(ns_flops(s) for s in set(shapes))
     rate = {d: matmul_gflops(precision.DTYPES[d], DEVICE) * 1e9 for d in ("fp32", "bf16")}
     costs = {name: {"full step": full / rate[d], "per shape": one_each / rate[d]} for name, d in dtypes.items()}
+    costs[ours_minimax4] = {mode: seconds * 4 / 5 for mode, seconds in costs[ours_minimax4].items()}
     modes, skipped = plan_modes(costs, BUDGET_S[depth], required=ours_auto)
     for name in skipped:
         skipped[name] += (
@@ -165,13 +172,20 @@ def muon_benchmark(benchmark, depth):
         variants=variants,
         notes=f"ns-dtype auto = {auto.describe()}; ours (auto) per shape: {choice}; matmul rates "
         f"measured here: fp32 {rate['fp32'] / 1e9:.0f}, bf16 {rate['bf16'] / 1e9:.1f} GFLOP/s; "
-        "same lr, momentum, Nesterov, 5 quintic steps and update scale",
+        "same lr, momentum, Nesterov, 5 quintic steps (minimax4: its 4 tuned steps) and update scale",
     )
     auto_label = next(v for v in variants if v.startswith(ours_auto))
     others = [v for v in variants if v != auto_label]
     speedups = ", ".join(f"{v}: {medians[v] / medians[auto_label]:.2f}x" for v in others)
+    minimax4 = next((v for v in variants if v.startswith(ours_minimax4)), None)
+    against_torch = (
+        f"; {minimax4} vs {baseline}: {medians[baseline] / medians[minimax4]:.2f}x"
+        if minimax4 and baseline.startswith("torch")
+        else ""
+    )
     benchmark.extra_info["notes"] = (
-        f"{auto_label} vs {speedups} (their time / ours: above 1, ours is faster); " + benchmark.extra_info["notes"]
+        f"{auto_label} vs {speedups} (their time / ours: above 1, ours is faster){against_torch}; "
+        + benchmark.extra_info["notes"]
     )
 
 

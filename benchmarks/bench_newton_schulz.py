@@ -43,7 +43,7 @@ def torch_backend_flops(shape, dtype, steps=5):
     k = shape[0] if len(shape) == 3 else 1
     m, n = sorted(shape[-2:])
     path = ns.plan(shape, DEVICE, dtype)[2]
-    split = path == "symmetric" or (path == "gram" and ns.symmetric_pays(DEVICE, dtype, m))
+    split = path == "symmetric" or (path == "gram" and ns.symmetric_pays(ns.table_device(DEVICE, dtype), dtype, m))
     p = len(ns._block_rows(m, split))
     sym = (p + 1) / (2 * p)
     if path == "gram":  # segments: X X^T once and P X once each; m x m products

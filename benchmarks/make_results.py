@@ -1,4 +1,5 @@
-"""Write benchmarks/RESULTS.md from the pytest-benchmark JSON written by `make bench`."""
+"""Write this CPU's section of benchmarks/RESULTS.md from the pytest-benchmark JSON written by `make bench`
+(the other CPUs' sections are kept: results_sections.py)."""
 
 import json
 import platform
@@ -8,7 +9,9 @@ from pathlib import Path
 import prep_scale
 import torch
 from compiled_table import section_from_file
+from results_sections import cpu_kind, demote, merge
 
+from nanochat_fast.core.paths import replace_atomically
 from nanochat_fast.hardware import cpu_bf16_support, cpu_model, format_flops, measured_peaks
 from nanochat_fast.hardware.machine import cpuinfo
 from nanochat_fast.train.run_report import hardware
@@ -54,13 +57,14 @@ def inference_sweep_section(data: dict) -> list[str]:
     lines = [
         f"## Inference sweep ({r['device']}, {r['dtype']})",
         "",
-        "| batch | prefill tok/s | decode tok/s | per-token latency (ms) | TTFT median (ms) | peak memory (MiB) "
-        "| MBU | MFU |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | dtype | prefill tok/s | decode tok/s | per-token latency (ms) | TTFT median (ms) "
+        "| peak memory (MiB) | MBU | MFU |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in r["sweep"]:
         lines.append(
-            f"| {row['batch_size']} | {row['prefill_tok_per_s']:,.0f} | {row['decode_tok_per_s']:,.1f} | "
+            f"| {row['batch_size']} | {row.get('dtype', r['dtype'])} | {row['prefill_tok_per_s']:,.0f} | "
+            f"{row['decode_tok_per_s']:,.1f} | "
             f"{row['per_token_latency_s'] * 1e3:.2f} | {row['ttft_median_s'] * 1e3:.1f} | "
             f"{row['peak_memory_bytes'] / 2**20:,.1f} | {row['mbu_percent']:.1f}% | "
             f"{row['mfu_percent']:.2f}% |"
@@ -75,9 +79,10 @@ def inference_sweep_section(data: dict) -> list[str]:
         f"decode of {r['sweeps']} sweeps (a neighbour only ever adds time). Decode tok/s = B x "
         f"{r['decode_tokens'] - 1} decode steps / their time; TTFT: all B prefills run in the engine's first "
         f"step. MBU = bytes per decode step x steps/s / {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s "
-        f"({bandwidth['source']} memory bandwidth), bytes per step = {r['weight_bytes_per_step']:,} (every "
-        f"weight, {r['dtype']}) + B x {r['kv_bytes_per_position']:,} (KV bytes per position, {r['kv_dtype']}) "
-        f"x {r['mean_context']:g} (mean context); MFU against the {peak['dtype']} peak "
+        f"({bandwidth['source']} memory bandwidth), bytes per step = {r['params']:,} weights x the row's dtype "
+        f"size + B x KV bytes per position ({r['kv_bytes_per_position']:,} in {r['kv_dtype']}) x "
+        f"{r['mean_context']:g} (mean context); dtype auto: each batch size timed on its own mix "
+        f"(model/generation_dtype.py); MFU against the {peak['dtype']} peak "
         f"{peak['flops_per_s'] / 1e9:.0f} GFLOP/s ({peak['source']}). Peak memory: {r['peak_memory_source']}.*",
         "",
     ]
@@ -87,8 +92,6 @@ def inference_sweep_section(data: dict) -> list[str]:
 def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
     data = json.loads(Path(json_path).read_text())
     lines = [
-        "# Benchmark results",
-        "",
         f"Machine: {machine()}  ",
         f"CPU: {cpu_line()}  ",
         f"Date: {data.get('datetime', '?')[:19]}  ",
@@ -133,11 +136,21 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
         if t.get("targets"):  # figures from the same run against what they should reach
             lines += ["| figure | measured | target | met |", "|---|---:|---|---|"]
             lines += ["| " + " | ".join(row) + " |" for row in t["targets"]] + [""]
-    lines += section_from_file(Path(out_path).with_name("compiled.json"))  # compiled, not run: compiled_table.py
     lines += inference_sweep_section(data)  # bench_infer.py
-    lines += prep_scale.section_from_file(Path(out_path).with_name("prep_scale.json"))  # make bench-prepare
-    Path(out_path).write_text("\n".join(lines))
-    print(f"wrote {out_path}")
+    # sections regenerated from their own JSON, beside the CPUs' (each says what ran it): compiled, not run
+    # (compiled_table.py) and the preparation at scale (make bench-prepare)
+    own = [section_from_file(Path(out_path).with_name("compiled.json"))]
+    own.append(prep_scale.section_from_file(Path(out_path).with_name("prep_scale.json")))
+    out = Path(out_path)
+    kind = cpu_kind(cpuinfo(), cpu_bf16_support(), torch.backends.cpu.get_cpu_capability())
+    text = merge(
+        out.read_text() if out.exists() else "",
+        kind,
+        demote(lines),
+        replace={sec[0]: sec[1:] for sec in own if sec},
+    )
+    replace_atomically(out, lambda tmp: tmp.write_text(text))
+    print(f"wrote the section '{kind}' of {out_path}")
 
 
 if __name__ == "__main__":

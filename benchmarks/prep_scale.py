@@ -28,6 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from nanochat_fast.hardware import cpu_model
+
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "prep-scale"
 NAME = "gen"
@@ -279,7 +281,10 @@ def section(r: dict) -> list[str]:
     w = r["whole"]
     whole_rate = w["tokens"] / w["seconds"]
     lines = [
-        f"{HEADING}: {r['gb_text']:.2f} GB of generated text, {r['shards']} shards, {r['threads']} threads",
+        HEADING,
+        "",
+        f"{r['gb_text']:.2f} GB of generated text, {r['shards']} shards, {r['threads']} threads, on "
+        f"{r.get('cpu', 'an unrecorded CPU')}.",
         "",
         "`make bench-prepare` (benchmarks/prep_scale.py). Text generated from the built-in corpus, repeated with "
         "variation; a tokenizer of 8,192 tokens trained on it. The four ways run per shard in a rotating order on "
@@ -372,6 +377,7 @@ def main():
         "parquet_bytes": data_bytes,
         "shards": len(shards),
         "threads": args.threads,
+        "cpu": cpu_model(),
         "memory_mb": args.memory_mb,
         "batch_chars": batch_chars,
         "load_average": os.getloadavg(),

@@ -12,7 +12,8 @@ base_train would.
 import torch
 
 from ..core import cli, paths, threads
-from ..optim import muon  # noqa: F401  (model_setup and optim register how --tune re-times their work)
+from ..model import generation_dtype  # noqa: F401  (these register how --tune re-times their work)
+from ..optim import muon  # noqa: F401
 from ..train import model_setup
 from ..train.env_vars import check_environment
 from . import bandwidth, peak, tuning

@@ -6,9 +6,10 @@ rate and faster than fp32, and AVX2 CPUs emulate bf16 (docs/measurements.md#bf16
 CPU, `--dtype auto` and `--ns-dtype auto` come from `measure(work)`: the cache
 (NANOCHAT_FAST_HOME/hardware/dtype_timings.json, keyed by machine and by what is timed), else the
 work itself in each dtype in interleaved rounds (the fastest round of each), else matmuls at its
-largest shapes with fewer rows, else the machine's matmul probe (peak.py). The timing keeps within
-a budget (MAX_SECONDS, RUN_FRACTION of the run), and bf16 wins only when at least BF16_MIN_SPEEDUP
-times faster. Each rule and its reason: docs/measurements.md#dtype-timing.
+largest shapes with fewer rows, else (where the probe has bf16 DECIDED_SLOWDOWN times slower) fp32
+alone, else the machine's matmul probe (peak.py). The timing keeps within a budget (MAX_SECONDS,
+RUN_FRACTION of the run), and bf16 wins only when at least BF16_MIN_SPEEDUP times faster. Each rule
+and its reason: docs/measurements.md#dtype-timing.
 """
 
 import json
@@ -25,6 +26,9 @@ from .machine import machine_key, rng_untouched, synchronize
 from .peak import DTYPES, measured_peaks
 
 BF16_MIN_SPEEDUP = 1.1
+# bf16 this many times slower than fp32 by the probe (emulated, AVX2: ~80x) cannot win at any shape: the
+# choice is made, and timing fp32 alone is enough to record it
+DECIDED_SLOWDOWN = 10.0
 MAX_SECONDS = 30.0
 RUN_FRACTION = 0.05
 ROUNDS, MIN_ROUNDS = 5, 3
@@ -117,6 +121,8 @@ def measure(
         timing, level = _time_work(work, device, rates, budget), "work"
         if timing is None:
             timing, level = _time_matmuls(work, device, rates, matmul_budget), "matmuls"
+        if timing is None:
+            timing, level = _time_fp32_alone(work, device, rates, matmul_budget), "decided"
     if timing is None:
         if strict:
             raise TuningError(too_slow(work, rates, max_seconds))
@@ -138,7 +144,9 @@ def check_fits(work: Work, rates: dict, max_seconds: float):
     """TuningError unless the work or its matmuls are predicted to fit max_seconds at `rates`
     (--tune checks every work before it measures or writes anything)."""
     budget, matmul_budget = budgets(work, rates, max_seconds)
-    if not _fits(_predict(work.flops, rates), budget) and _matmul_rows(work, rates, matmul_budget) is None:
+    if _fits(_predict(work.flops, rates), budget) or _matmul_rows(work, rates, matmul_budget) is not None:
+        return
+    if not (_decided(rates) and _fits(_fp32_alone(work.flops, rates), matmul_budget)):
         raise TuningError(too_slow(work, rates, max_seconds))
 
 
@@ -178,6 +186,30 @@ def _matmul_rows(work: Work, rates: dict, budget: float) -> int | None:
     while rows >= MIN_ROWS and not _fits(_predict(_matmul_flops(work, rows), rates), budget):
         rows //= 2
     return rows if rows >= MIN_ROWS else None
+
+
+def _decided(rates: dict) -> bool:
+    """The probe has bf16 so much slower than fp32 that no shape can turn it round."""
+    return rates["fp32"] >= DECIDED_SLOWDOWN * rates["bf16"]
+
+
+def _fp32_alone(flops: float, rates: dict) -> dict:
+    return {"fp32": flops / rates["fp32"]}
+
+
+def _time_fp32_alone(work: Work, device, rates: dict, budget: float) -> Timing | None:
+    """Where bf16 is decided slower (the probe: DECIDED_SLOWDOWN times or more) and neither the work nor its
+    matmuls fit the budget in both dtypes: the work in fp32 alone, bf16's time predicted from it at the
+    probe's ratio. Timing the emulated bf16 would only confirm a choice made by a wide margin."""
+    if not _decided(rates) or not _fits(_fp32_alone(work.flops, rates), budget):
+        return None
+    calls = work.make()
+    timed = time_interleaved({"fp32": calls["fp32"]}, _fp32_alone(work.flops, rates), budget, device)
+    if timed is None:
+        return None
+    slowdown = rates["fp32"] / rates["bf16"]
+    seconds = {"fp32": timed[0]["fp32"], "bf16": timed[0]["fp32"] * slowdown}
+    return Timing(seconds, f"{work.what}; bf16 not timed: {slowdown:.0f}x slower by this machine's probe", timed[1])
 
 
 def _time_matmuls(work: Work, device, rates: dict, budget: float) -> Timing | None:

@@ -4,7 +4,7 @@ newton_schulz: the Newton-Schulz orthogonalization at the heart of Muon, and eve
 Given G (m x n, or a stack K x m x n), returns an approximation of U V^T from G = U S V^T:
 X = G / (||G||_F + 1e-7), then per step (a, b, c):  A = X X^T;  B = b A + c A A;  X = a X + B X.
 Tall matrices are transposed once so X X^T is the small Gram matrix. A call decides, in order:
-    coefficients  "quintic", "polar_express" or one (a, b, c) per step      resolve_coefficients
+    coefficients  "quintic", "polar_express", "minimax4" or (a, b, c) a step  resolve_coefficients
     dtype         the iteration's (default: the precision policy's for G's    compute_dtype
                   device); the input is normalised in fp32, the result is cast to `out_dtype`
     path          "plain", "symmetric" or "gram": exact rewrites, by shape    PATH_TABLE, choose_path
@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..hardware import precision
+from ..hardware.machine import cpu_bf16_support
 from . import registry
 from .registry import always, register_backend, register_op, triton_why_not
 
@@ -31,11 +32,25 @@ POLAR_EXPRESS = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
+# minimax4: 4 steps that keep the band 5 quintic steps keep. For sigma / ||G||_F in [1.5e-3, 1], 5 quintic
+# steps give singular values in [0.68, 1.20]; these 4 give the same band for sigma / ||G||_F in [2.5e-3, 1]
+# (below that, less: 0.43 at 1.5e-3), 4/5 of the products. Built as Polar Express builds its steps: each
+# step the minimax odd quintic for 1 on the interval the previous steps leave (fitted 2% past its top, so a
+# bf16 rounding up does not blow up: the band holds with each step's output off by 1%), the last scaled to
+# the band's centre. The policy's bound is kept: bf16 within 2e-2 (max abs) of this schedule in float64.
+# Derivation and figures: docs/measurements.md#newton-schulz-in-4-steps.
+MINIMAX4 = (
+    (8.242664441512078, -23.426191774131343, 16.694413472196352),
+    (4.004924779560354, -2.8663643231211355, 0.5193007965007853),
+    (3.5691290841182965, -2.571840696790716, 0.4880117132458294),
+    (2.4752094270454656, -1.7788068580866805, 0.3922456223072339),
+)
+COEFFICIENTS = ("quintic", "polar_express", "minimax4")
 PATHS = ("plain", "symmetric", "gram")
 
 
 def resolve_coefficients(coefficients, steps: int) -> tuple[tuple[float, float, float], ...]:
-    """'quintic' | 'polar_express' | a list of (a, b, c) per step -> one (a, b, c) per step."""
+    """'quintic' | 'polar_express' | 'minimax4' | a list of (a, b, c) per step -> one (a, b, c) per step."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     if coefficients == "quintic":
@@ -44,9 +59,13 @@ def resolve_coefficients(coefficients, steps: int) -> tuple[tuple[float, float, 
         if steps > len(POLAR_EXPRESS):
             raise ValueError(f"coefficients='polar_express' has {len(POLAR_EXPRESS)} steps, got steps={steps}")
         return POLAR_EXPRESS[:steps]
+    if coefficients == "minimax4":
+        if steps != len(MINIMAX4):  # its last step is scaled for the band: no prefix keeps it
+            raise ValueError(f"coefficients='minimax4' has exactly {len(MINIMAX4)} steps, got steps={steps}")
+        return MINIMAX4
     if isinstance(coefficients, str):
         raise ValueError(
-            f"coefficients must be 'quintic', 'polar_express' or a list of (a, b, c), got {coefficients!r}"
+            f"coefficients must be 'quintic', 'polar_express', 'minimax4' or a list of (a, b, c), got {coefficients!r}"
         )
     table = tuple(tuple(float(x) for x in abc) for abc in coefficients)
     if len(table) != steps or any(len(abc) != 3 for abc in table):
@@ -105,6 +124,9 @@ class Row(NamedTuple):
 
 PATH_TABLE = (
     # device  dtype   path         m >=  n/m >=  where the row comes from (the comment above)
+    # bf16 on AMX tiles (table_device): a product split in block rows, or written into a strided block,
+    # loses 2-4x there (measured on a 2-core AMX Xeon), so no symmetric row and the Gram form unsplit
+    Row("cpu-amx", "bf16", "gram", 256, 2.0, "measured"),
     Row("cpu", "fp32", "gram", 256, 2.0, "measured"),
     Row("cpu", "fp32", "symmetric", 256, 1.0, "measured"),
     Row("cpu", "bf16", "gram", 256, 2.0, "measured"),
@@ -113,6 +135,14 @@ PATH_TABLE = (
     Row("cuda", "fp32", "symmetric", 2048, 1.0, "paper (published SYRK vs GEMM)"),
     Row("cuda", "bf16", "symmetric", 2048, 1.0, "paper (published SYRK vs GEMM)"),
 )
+
+
+def table_device(device_type: str, dtype: torch.dtype) -> str:
+    """The PATH_TABLE device a `device_type` runs `dtype` as: "cpu-amx" for bf16 on a CPU whose bf16
+    runs on AMX tiles (its rows measured apart), else the device type itself."""
+    if device_type == "cpu" and dtype == torch.bfloat16 and cpu_bf16_support() == "AMX":
+        return "cpu-amx"
+    return device_type
 
 
 def choose_path(device_type: str, dtype: torch.dtype, m: int, n: int) -> str:
@@ -147,7 +177,7 @@ def plan(shape, device, dtype=None, backend=None) -> tuple[registry.Backend, tor
     """(backend, compute dtype, path) that newton_schulz would use for a G of `shape` on `device`."""
     device = torch.device(device)
     dtype = compute_dtype(device, dtype)
-    path = choose_path(device.type, dtype, shape[-2], shape[-1])
+    path = choose_path(table_device(device.type, dtype), dtype, shape[-2], shape[-1])
     impl = registry.select(OP, device.type, backend)
     if impl.name == "triton" and path != "symmetric" and (backend or registry.requested(OP)) == "auto":
         # the Triton kernels are the symmetric path; below the table's sizes cuBLAS's full products win
@@ -279,7 +309,8 @@ def newton_schulz_torch(G, coeffs, dtype, path):
     norm = torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True, dtype=torch.float32)
     S = (stack / (norm + 1e-7)).to(dtype).contiguous()
     if path == "gram":
-        S = _gram(S, coeffs, wide, split=symmetric_pays(G.device.type, dtype, min(stack.shape[-2:])))
+        split = symmetric_pays(table_device(G.device.type, dtype), dtype, min(stack.shape[-2:]))
+        S = _gram(S, coeffs, wide, split=split)
     else:
         S = _direct(S, coeffs, wide, split=path == "symmetric")
     return S if G.dim() == 3 else S[0]

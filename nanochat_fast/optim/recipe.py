@@ -1,9 +1,11 @@
 """
-MuonRecipe: everything about how Muon updates the matrices, as one validated value with two
+MuonRecipe: everything about how Muon updates the matrices, as one validated value with three
 presets named for what they are, so a run names its recipe in one word and can override any part:
 
     quintic         the seeds' Muon (the default): 5 quintic Newton-Schulz steps, Nesterov
                     momentum warmed up 0.85 -> 0.95 over 300 steps, no weight decay
+    minimax4        quintic's Muon with 4 tuned Newton-Schulz steps (kernels/newton_schulz.py,
+                    MINIMAX4): the same singular-value band, 4/5 of the products
     polar-normuon   nanochat's recipe today: Polar Express coefficients, MuonEq, Muon+, NorMuon,
                     cautious weight decay, momentum warmup and warmdown (PRESETS says each part)
 
@@ -22,7 +24,7 @@ from ..core.distributed import print0
 from ..hardware.precision import CHOICES
 from ..kernels.newton_schulz import resolve_coefficients
 
-PRESET_NAMES = ("quintic", "polar-normuon")
+PRESET_NAMES = ("quintic", "polar-normuon", "minimax4")
 # the presets' names before they were named for what they are: accepted until the next release
 RENAMED = {"seeds": "quintic", "current": "polar-normuon"}
 WEIGHT_DECAY_SCHEDULES = ("constant", "cosine")
@@ -48,7 +50,7 @@ def preset_name(name):
 @dataclass(frozen=True)
 class MuonRecipe:
     name: str = "quintic"  # the preset it started from (logs and reports)
-    ns_coefficients: object = "quintic"  # "quintic" | "polar_express" | ((a, b, c), ...) per step
+    ns_coefficients: object = "quintic"  # "quintic" | "polar_express" | "minimax4" | ((a, b, c), ...) per step
     ns_steps: int = 5
     ns_dtype: str = "auto"  # "auto" | "fp32" | "bf16"
     normuon: bool = False
@@ -93,7 +95,7 @@ class MuonRecipe:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "MuonRecipe":
-        """The preset `name` ("quintic" | "polar-normuon") with some fields replaced."""
+        """The preset `name` ("quintic" | "polar-normuon" | "minimax4") with some fields replaced."""
         name = preset_name(name)
         if name not in PRESET_NAMES:
             raise ValueError(f"muon recipe must be one of {', '.join(PRESET_NAMES)}, got {name!r}")
@@ -209,6 +211,9 @@ def _check_int(field, value, low):
 #   - momentum 0.85 -> 0.97 over the first 400 steps, then 0.97 -> 0.90 over the LR warmdown (the
 #     last momentum_warmdown_ratio of the run: nanochat's default 0.65; pass the run's own ratio)
 PRESETS = {"quintic": MuonRecipe()}
+# minimax4: the seeds' Muon with Newton-Schulz in 4 steps instead of 5, for the same band of singular values
+# (down to 2.5e-3 of ||G||_F instead of 1.5e-3): not the default, which stays the seeds' recipe
+PRESETS["minimax4"] = MuonRecipe(name="minimax4", ns_coefficients="minimax4", ns_steps=4)
 PRESETS["polar-normuon"] = MuonRecipe(
     name="polar-normuon",
     ns_coefficients="polar_express",

@@ -13,7 +13,7 @@ import sys
 from .. import checkpoints
 from ..core import cli
 from ..data.tokenizer import get_tokenizer
-from ..model import generation, loading
+from ..model import generation, generation_dtype, loading
 from ..train.env_vars import check_environment
 from ..train.training_config import DeviceConfig
 
@@ -62,6 +62,10 @@ def main(argv=None) -> int:
     )
     if meta["phase"] == "base":
         print(f"note: {ckpt} is a base (not mid-trained) checkpoint: it has not learned to chat", file=sys.stderr)
+    # one reply at a time: on a CPU, auto times that mix in fp32 and bf16 (model/generation_dtype.py)
+    dev = generation_dtype.for_generation(
+        dev, args.dtype, model, generation_dtype.chat_mix(model.config, 1, args.max_tokens)
+    )
     if args.prompt:
         print("Assistant: ", end="")
         reply(model, tokenizer, [{"role": "user", "content": args.prompt}], args, dev)

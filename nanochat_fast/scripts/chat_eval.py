@@ -25,7 +25,7 @@ from ..core.distributed import print0
 from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
 from ..evals import scoring, task_runner, tasks
-from ..model import loading
+from ..model import generation_dtype, loading
 from ..train import next_steps
 from ..train.training_config import DeviceConfig, evaluation_process
 
@@ -96,6 +96,11 @@ def main(argv=None) -> int:
         if meta["phase"] == "base":
             print0(f"note: {ckpt} is a base checkpoint: it has not learned to chat", file=sys.stderr)
         print0(f"checkpoint: {ckpt}")
+        # a generative task samples num_samples replies to each prompt together: on a CPU, auto times that
+        # mix in fp32 and bf16 (model/generation_dtype.py)
+        mix = generation_dtype.chat_mix(model.config, args.num_samples, args.max_new_tokens)
+        dev = generation_dtype.for_generation(dev, args.dtype, model, mix)
+        print0(f"generation dtype: {dev.precision.describe()}")
         settings = {
             k: getattr(args, k) for k in ("max_examples", "num_samples", "temperature", "top_k", "max_new_tokens")
         }

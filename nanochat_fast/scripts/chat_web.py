@@ -26,7 +26,8 @@ from ..core import cli, threads
 from ..core.distributed import compute_init
 from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
-from ..model import generation, loading, packed_linears
+from ..hardware import precision
+from ..model import generation, generation_dtype, loading, packed_linears
 from ..model.batch_engine import BatchEngine, Request
 from ..train.env_vars import check_environment
 from ..web.pool import Prepared, Replica, ReplicaPool
@@ -39,8 +40,8 @@ from ..web.pool import Prepared, Replica, ReplicaPool
 # slowing every reply for little more throughput; requests beyond the slots wait in the queue.
 # MPS (a laptop's GPU, its memory shared with the system) gets the CPU's 8.
 DEFAULT_SLOTS = {"cuda": 32, "cpu": 8, "mps": 8}
-# chat_web runs the model as loaded (fp32 weights, no autocast), so its KV cache holds fp32; were
-# the weights bf16, the cache would be half this, never more than --kv-memory
+# the slots are counted at an fp32 KV cache: under bf16 (--dtype) the cache is half that, never more than
+# --kv-memory
 KV_DTYPE = torch.float32
 
 
@@ -108,6 +109,14 @@ def build_parser():
         help="seconds a request's body may take to arrive in full; a slower upload gets HTTP 408",
     )
     p.add_argument("--device-type", default="", choices=["", "cpu", "cuda", "mps"], help="'' = autodetect")
+    p.add_argument(
+        "--dtype",
+        type=cli.choice(*precision.CHOICES),
+        default="auto",
+        choices=list(precision.CHOICES),
+        help="compute dtype of generation (auto: bf16 on CUDA sm80+; on a CPU the faster one, timed on the "
+        "replica's own mix of prefills and decode steps at its slots and cached; fp32 on MPS)",
+    )
     return p
 
 
@@ -183,12 +192,30 @@ def kv_slots(args, config, device_type: str) -> int:
     return slots
 
 
-def make_replica(model, tokenizer, device: str, slots: int) -> Replica:
-    """A replica for web/pool.py: an engine of `slots` rows at the model's full context, its KV cache
-    allocated now by a two-token warm-up (a prefill and a decode step: a cache that does not fit fails
-    before serving, and the first request pays neither for the first calls nor for packing the
-    decode weights), and how a request becomes an engine request."""
+class AutocastEngine:
+    """A BatchEngine whose steps run under the replica's autocast: the pool's worker thread steps it, and
+    autocast is set per thread. Everything else is the engine's."""
+
+    def __init__(self, engine: BatchEngine, device, chosen: precision.Precision):
+        self.engine, self.device, self.precision = engine, device, chosen
+
+    def step(self):
+        with precision.autocast(self.device, self.precision):
+            return self.engine.step()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def make_replica(model, tokenizer, device: str, slots: int, chosen: precision.Precision | None = None) -> Replica:
+    """A replica for web/pool.py: an engine of `slots` rows at the model's full context, stepping in the
+    `chosen` precision (None: fp32, the model as loaded), its KV cache allocated now by a two-token
+    warm-up (a prefill and a decode step: a cache that does not fit fails before serving, and the first
+    request pays neither for the first calls nor for packing the decode weights), and how a request
+    becomes an engine request."""
     engine = BatchEngine(model, tokenizer, slots, max_len=model.config.sequence_len)
+    if chosen is not None and chosen.dtype != torch.float32:
+        engine = AutocastEngine(engine, device, chosen)
     engine.add(Request([tokenizer.get_bos_token_id()], max_tokens=2, use_tools=False))
     while engine.active:
         engine.step()
@@ -203,8 +230,10 @@ def make_replica(model, tokenizer, device: str, slots: int) -> Replica:
 
 
 def load_replicas(args, devices, tokenizer):
-    """(replicas, name, slots): the model once per device, each with its engine. The one place
-    chat_web finds and loads a checkpoint; the KV cache is checked before any weights load."""
+    """(replicas, name, slots, precision): the model once per device, each with its engine, in the dtype
+    --dtype gives (auto on a CPU: timed on a replica's mix, its slots of short chat turns; the first
+    replica's choice for all). The one place chat_web finds and loads a checkpoint; the KV cache is
+    checked before any weights load."""
     run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid"))
     ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     slots = kv_slots(args, config, devices[0].type)
@@ -213,10 +242,11 @@ def load_replicas(args, devices, tokenizer):
             f"note: {ckpt} is a {meta['phase']} (not fine-tuned) checkpoint: it has not learned to chat",
             file=sys.stderr,
         )
-    replicas = [
-        make_replica(loading.restore_model(ckpt, config, device), tokenizer, str(device), slots) for device in devices
-    ]
-    return replicas, f"{run_dir.name} step {meta['step']} ({meta['phase']})", slots
+    models = [loading.restore_model(ckpt, config, device) for device in devices]
+    mix = generation_dtype.chat_mix(config, slots, args.max_new_tokens)
+    chosen = generation_dtype.choose(devices[0], args.dtype, models[0], mix)
+    replicas = [make_replica(m, tokenizer, str(d), slots, chosen) for m, d in zip(models, devices)]
+    return replicas, f"{run_dir.name} step {meta['step']} ({meta['phase']})", slots, chosen
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -261,7 +291,7 @@ def main(argv=None) -> int:
     tokenizer = get_tokenizer()
     sock = listen(args.host, args.port)
     try:
-        replicas, name, slots = load_replicas(args, devices, tokenizer)
+        replicas, name, slots, chosen = load_replicas(args, devices, tokenizer)
         kv_bytes = sum(r.engine.cache.kv.nbytes for r in replicas) // len(replicas)  # as allocated
         packed = sum(packed_linears.nbytes(r.engine.model) for r in replicas) // len(replicas)
         pool = ReplicaPool(replicas, queue_limit=args.queue_size)
@@ -281,7 +311,7 @@ def main(argv=None) -> int:
             f"chat_web: {name} on {len(replicas)} replica(s) ({', '.join(map(str, devices))}), {slots} slots "
             f"each ({cli.format_bytes(kv_bytes)} of KV cache"
             f"{f', {cli.format_bytes(packed)} of packed decode weights' if packed else ''}), "
-            f"{torch.get_num_threads()} thread(s), "
+            f"{torch.get_num_threads()} thread(s), {chosen.describe()}, "
             f"queue {args.queue_size}; "
             f"open http://{url_host}:{port}/",
             flush=True,

@@ -7,7 +7,9 @@ Inference benchmark: what a model costs to serve, swept over the decode batch si
 
 For each batch size B, B requests of --prompt-tokens random tokens go through one batch engine as a
 server runs them, each decoding exactly --decode-tokens tokens greedily; printed per B: prefill and
-decode tok/s, TTFT, ms/token, peak memory, MBU and MFU. --depth runs nanochat's init of that depth
+decode tok/s, TTFT, ms/token, peak memory, MBU and MFU. On a CPU, --dtype auto times each batch size's own
+mix (its prefills and decode steps) in fp32 and bf16 and runs the faster (model/generation_dtype.py; cached
+for later runs). --depth runs nanochat's init of that depth
 with a byte-level stand-in tokenizer (no trained tokenizer needed). The last line of stdout is one
 JSON document with every figure. How each figure is measured and computed:
 docs/measurements.md#inference-benchmark.
@@ -31,7 +33,7 @@ from ..data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, get_tokenizer
 from ..hardware import bandwidth as hw_bandwidth
 from ..hardware import peak as hw_peak
 from ..hardware.machine import synchronize
-from ..model import loading, packed_linears
+from ..model import generation_dtype, loading, packed_linears
 from ..model.batch_engine import BatchEngine, Request
 from ..model.gpt import config_from_depth
 from ..train.training_config import DeviceConfig, evaluation_process
@@ -332,6 +334,7 @@ def figures(batch: int, m: dict, cost: dict, args, bandwidth, peak) -> dict:
 
 COLUMNS = [
     ("batch", 6, "batch_size", "{:d}"),
+    ("dtype", 6, "dtype", "{}"),
     ("prefill tok/s", 14, "prefill_tok_per_s", "{:,.0f}"),
     ("decode tok/s", 13, "decode_tok_per_s", "{:,.1f}"),
     ("ms/token", 9, "per_token_latency_s", "ms"),
@@ -380,7 +383,8 @@ def main(argv=None) -> int:
         if dev.world_size > 1:
             raise UserError("infer_bench measures one process: run it without torchrun")
         model, tokenizer, info = open_model(args, dev.device)
-        dtype = kv_dtype(model, tokenizer, dev)
+        per_batch = dev.device.type == "cpu" and args.dtype == "auto"  # each batch size's own timing decides
+        dtype = torch.float32 if per_batch else kv_dtype(model, tokenizer, dev)  # fp32: the larger cache plans
         sizes, limit = plan_sweep(args, model.config, dtype, dev.device)
         bandwidth, peak = hw_bandwidth.memory_bandwidth(dev.device), hw_peak.peak_flops(dev.device)
         cost = costs(model, dev.precision.dtype, dtype, args)
@@ -389,8 +393,8 @@ def main(argv=None) -> int:
             "model_config": asdict(model.config),
             "device": str(dev.device),
             "device_name": bandwidth.device,
-            "dtype": dev.precision.name,
-            "kv_dtype": str(dtype).split(".")[-1],
+            "dtype": "auto (measured per batch size)" if per_batch else dev.precision.name,
+            "kv_dtype": "float32 (half that in a bf16 row)" if per_batch else str(dtype).split(".")[-1],
             "prompt_tokens": args.prompt_tokens,
             "decode_tokens": args.decode_tokens,
             "seed": args.seed,
@@ -407,7 +411,11 @@ def main(argv=None) -> int:
         }
         print_card(info, cost, payload, bandwidth, peak)
         for batch in sizes:
-            row = figures(batch, measure(model, tokenizer, dev, args, batch), cost, args, bandwidth, peak)
+            mix = generation_dtype.GenerationMix(batch, args.prompt_tokens, args.decode_tokens)
+            run_dev = generation_dtype.for_generation(dev, args.dtype, model, mix)
+            row_cost = costs(model, run_dev.precision.dtype, kv_dtype(model, tokenizer, run_dev), args)
+            row = figures(batch, measure(model, tokenizer, run_dev, args, batch), row_cost, args, bandwidth, peak)
+            row.update(dtype=run_dev.precision.name, dtype_reason=run_dev.precision.reason)
             payload["sweep"].append(row)
             print(table_row(row), flush=True)
         print(json.dumps(payload))

@@ -171,7 +171,8 @@ class OptimConfig(Config):
         "quintic",
         muon_recipe_name,
         "Muon's recipe "
-        "(optim/recipe.py): quintic (the seeds' Muon: quintic Newton-Schulz, momentum warmup) "
+        "(optim/recipe.py): quintic (the seeds' Muon: quintic Newton-Schulz, momentum warmup), "
+        "minimax4 (the same with 4 tuned Newton-Schulz steps instead of 5, for the same singular-value band) "
         "or polar-normuon (nanochat's today: Polar Express, MuonEq, Muon+, NorMuon, cautious "
         "weight decay, momentum warmdown); the flags below override parts of it. The former "
         "names seeds and current still work, with a notice",

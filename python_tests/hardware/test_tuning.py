@@ -329,3 +329,71 @@ def test_measuring_leaves_the_runs_random_stream_alone(machine):
     assert tuning.measure(work, "cpu").source == "measured"
     peak.measure_matmul_rate("cpu", torch.float32, seconds=0.0, max_size=64)
     assert torch.equal(torch.randn(8), expected)
+
+
+# The AVX2 Zen 3 of `--tune --depth=1 --max-seq-len=32 --device-batch-size=2 --budget=5`: the probe has bf16
+# at 1.1 GFLOP/s (the model's call predicted at ~1.46 s in bf16), and calls this small take ~4x what the
+# probe predicts in either dtype (overhead), which the warm-up of fp32 reveals and carries over to bf16.
+ZEN3_SMALL = dict(probe={"fp32": 140e9, "bf16": 1.1e9}, flops=1.6e9, overhead=4.0)
+
+
+def zen3_small_machine(machine, monkeypatch) -> FakeMachine:
+    fake = machine("bf16 emulated")
+    fake.probe = dict(ZEN3_SMALL["probe"])
+    monkeypatch.setattr(tuning, "measured_peaks", lambda device: dict(fake.probe))
+    plain = fake.matmul_call
+
+    def slow_matmul_call(matmuls, rows, device, dtype):
+        call = plain(matmuls, rows, device, dtype)
+
+        def run():
+            before = fake.now
+            call()
+            fake.now += (ZEN3_SMALL["overhead"] - 1) * (fake.now - before)
+
+        return run
+
+    monkeypatch.setattr(tuning, "_matmul_call", slow_matmul_call)
+    return fake
+
+
+def test_tune_does_not_refuse_where_emulated_bf16_has_already_lost(machine, monkeypatch):
+    """Neither the model's call nor its matmuls fit 5 s in both dtypes there, but bf16 ~130x slower by
+    the probe cannot win: fp32 alone is timed (never bf16 on the whole work), the choice is fp32, and it
+    is cached for later runs like any timing."""
+    fake = zen3_small_machine(machine, monkeypatch)
+    predicted = {d: ZEN3_SMALL["flops"] / r for d, r in ZEN3_SMALL["probe"].items()}
+    seconds = {d: ZEN3_SMALL["overhead"] * p for d, p in predicted.items()}
+    work = fake.work("model", seconds, ZEN3_SMALL["flops"], matmuls=[(64, 64, 65536), (64, 64, 256), (64, 256, 64)])
+    rates = tuning.measured_peaks("cpu")
+    tuning.check_fits(work, rates, 5.0)  # what --tune checks before it measures anything: no TuningError
+    timing = tuning.measure(work, "cpu", max_seconds=5.0, remeasure=True, strict=True)
+    assert ("model", "bf16") not in fake.calls and ("model", "fp32") in fake.calls
+    assert timing.winner == "fp32" and timing.source == "measured"
+    assert timing.seconds["fp32"] == pytest.approx(seconds["fp32"])
+    assert timing.seconds["bf16"] == pytest.approx(seconds["fp32"] * 140e9 / 1.1e9)
+    assert timing.what.startswith("the model; bf16 not timed: 127x slower by this machine's probe")
+    assert fake.now <= 5.0
+    again = tuning.measure(work, "cpu", max_seconds=5.0)
+    assert (again.source, again.seconds) == ("cached", timing.seconds)
+
+
+@pytest.mark.parametrize("cpu", ["bf16 emulated", "bf16 present but slower"])
+def test_tune_refuses_only_where_bf16_is_still_in_question(machine, cpu):
+    """A work whose matmuls do not fit even at 16 rows, and whose fp32 call (1 s) fits alone: decided where
+    the probe has bf16 dozens of times slower, refused where it is only 2x slower (a shape could still
+    turn that round, and nothing of bf16 can be timed)."""
+    fake = machine(cpu)
+    work = fake.work("model", {"fp32": 1.0, "bf16": 1e3}, 1.0 * CPUS[cpu]["probe"]["fp32"])
+    work.matmuls = [(4096, 4096 * 64, 65536)]
+    rates = tuning.measured_peaks("cpu")
+    if cpu == "bf16 emulated":
+        tuning.check_fits(work, rates, 5.0)
+        assert tuning.measure(work, "cpu", max_seconds=5.0, strict=True).winner == "fp32"
+        assert {name for _, name in fake.calls} == {"fp32"}
+    else:
+        with pytest.raises(TuningError, match="give a larger --budget$"):
+            tuning.check_fits(work, rates, 5.0)
+        with pytest.raises(TuningError):
+            tuning.measure(work, "cpu", max_seconds=5.0, strict=True)
+        assert fake.calls == []

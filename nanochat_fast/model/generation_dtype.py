@@ -1,0 +1,122 @@
+"""
+Which dtype generation runs in, on a CPU, measured on the command's own mix: as training's choice is.
+
+A generating command (infer_bench, chat_cli, chat_eval, chat_web) runs prefills of its prompts and decode
+steps at its batch. Their best dtype is not the training step's: a one-row decode step is bound by reading
+the weights and runs our packed fp32 kernels (model/packed_linears.py), while under bf16 autocast the stock
+matmuls run, and a prefill is a matmul like training's. So `--dtype auto` times that mix, a prefill of
+`prompt_tokens` per row and `decode_tokens` decode steps at `batch` rows, in fp32 and under bf16 autocast,
+through hardware/tuning.py (its budget, its fallbacks, its cache: kind "generation"). An explicit --dtype
+stands. Off the CPU the precision policy's rule applies unchanged (hardware/precision.py).
+"""
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from ..hardware import precision, tuning
+from .batch_engine import BatchEngine, Request
+from .gpt import GPT, GPTConfig
+from .loading import new_model
+
+# the generation commands' budget for timing their mix: they start in front of a user, so less than a
+# training run's MAX_SECONDS; later runs read the cache
+MAX_SECONDS = 10.0
+# a chat turn where the command cannot know it in advance (chat_cli, chat_eval, chat_web): a prompt of the
+# chat template's special tokens and a short conversation, and a reply of at most this many tokens (a
+# reply's cap, --max-tokens, is no length: the demo's replies run 6-13 tokens)
+CHAT_PROMPT_TOKENS = 64
+CHAT_REPLY_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class GenerationMix:
+    """What a command generates: `batch` rows, each a prefill of `prompt_tokens` and `decode_tokens` tokens."""
+
+    batch: int
+    prompt_tokens: int
+    decode_tokens: int
+
+    def __post_init__(self):
+        for name in ("batch", "prompt_tokens", "decode_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    def describe(self) -> str:
+        return f"{self.batch} row(s) x ({self.prompt_tokens} prompt + {self.decode_tokens} generated tokens)"
+
+
+def chat_mix(config, batch: int, max_tokens: int) -> GenerationMix:
+    """A chat command's mix: `batch` rows of a CHAT_PROMPT_TOKENS prompt and replies of `max_tokens`, at most
+    CHAT_REPLY_TOKENS, within the model's context."""
+    prompt = max(1, min(CHAT_PROMPT_TOKENS, config.sequence_len // 2))
+    return GenerationMix(batch, prompt, max(1, min(max_tokens, CHAT_REPLY_TOKENS, config.sequence_len - prompt)))
+
+
+def generation_work(model, mix: GenerationMix, device) -> tuning.Work:
+    """The mix in fp32 and under bf16 autocast, each with its own engine (the cache takes the dtype of the
+    first keys written), greedy, on random prompts; for hardware/tuning.py to time. A model on the meta
+    device (--tune's) is materialised only if the timing fits its budget."""
+    config, device = model.config, torch.device(device)
+
+    def make():
+        net = new_model(config, device) if next(model.parameters()).is_meta else model
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(config.vocab_size, (mix.batch, mix.prompt_tokens), generator=gen).tolist()
+        max_len = mix.prompt_tokens + mix.decode_tokens
+
+        def call(dtype):
+            engine = BatchEngine(net, None, mix.batch, max_len=max_len)
+
+            def run():
+                with precision.autocast(device, dtype):
+                    for ids in prompts:
+                        engine.add(Request(ids, mix.decode_tokens, use_tools=False))
+                    while engine.active:
+                        engine.step()
+
+            return run
+
+        return {name: call(dtype) for name, dtype in precision.DTYPES.items()}
+
+    d, rows = config.n_embd, mix.batch * mix.prompt_tokens
+    params = sum(p.numel() for p in model.parameters())
+    return tuning.Work(
+        "generation",
+        dict(config=asdict(config), **asdict(mix)),
+        what=f"this model's generation ({mix.describe()})",
+        flops=2.0 * params * mix.batch * (mix.prompt_tokens + mix.decode_tokens),
+        make=make,
+        matmuls=[(rows, d, config.vocab_size), (rows, d, 4 * d), (rows, 4 * d, d)],
+    )
+
+
+def _meta_work(spec: dict, device) -> tuning.Work:
+    """How --tune re-times a cached generation timing: its model's shapes, random weights."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**spec["config"]))
+    mix = GenerationMix(spec["batch"], spec["prompt_tokens"], spec["decode_tokens"])
+    return generation_work(model, mix, device)
+
+
+tuning.register("generation", _meta_work)
+
+
+def choose(device, requested: str, model, mix: GenerationMix, max_seconds: float = MAX_SECONDS):
+    """The Precision generation runs in: an explicit --dtype as it is (hardware/precision.py warns where bf16
+    is emulated); auto on a CPU the faster of fp32 and bf16 on `mix`, timed (or read from the cache) on rank
+    0 for every rank; elsewhere the precision policy's rule."""
+    device = torch.device(device)
+    timing = None
+    if device.type == "cpu" and requested == "auto":
+        timing = tuning.measure_everywhere(generation_work(model, mix, device), device, max_seconds=max_seconds)
+    return precision.choose(device, requested, what="--dtype", timing=timing)
+
+
+def for_generation(dev, requested: str, model, mix: GenerationMix, max_seconds: float = MAX_SECONDS):
+    """`dev` (a ProcessSetup) with the precision generation runs in (choose): an explicit --dtype, or auto off
+    the CPU, leaves it as DeviceConfig.init set it."""
+    if dev.device.type != "cpu" or requested != "auto":
+        return dev
+    return replace(dev, precision=choose(dev.device, requested, model, mix, max_seconds))
