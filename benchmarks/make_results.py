@@ -83,6 +83,33 @@ def inference_sweep_section(data: dict) -> list[str]:
     return lines
 
 
+def soak_section(path: Path) -> list[str]:
+    """RESULTS.md's "Distributed soak": soak_distributed.py's figures, one row per recorded soak."""
+    if not path.exists():
+        return []
+    lines = [
+        "## Distributed soak (2 processes, gloo, beside a busy neighbour)",
+        "",
+        "| soak | what | runs | exit codes | abort lines | failed runs | seconds |",
+        "|---|---|---:|---|---:|---:|---:|",
+    ]
+    for name, f in json.loads(path.read_text()).items():
+        codes = ", ".join(f"{n} x {code}" for code, n in sorted(f["exit_codes"].items()))
+        lines.append(
+            f"| {name} | {f.get('label', '')} | {f['runs']} | {codes} | {f['abort_lines']} | {f['failed_runs']} | "
+            f"{f['seconds']:.0f} |"
+        )
+    lines += [
+        "",
+        "*`python benchmarks/soak_distributed.py --runs=N --record=NAME`: each run resumes a tiny base_train from "
+        "its step-3 checkpoint under torchrun (2 processes, gloo), evaluates and saves at step 6 and ends, while a "
+        'process of two matmul threads loads both cores; abort lines = "terminate called" in the output. On a '
+        "machine shared with other jobs.*",
+        "",
+    ]
+    return lines
+
+
 def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
     data = json.loads(Path(json_path).read_text())
     lines = [
@@ -134,6 +161,7 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
             lines += ["| " + " | ".join(row) + " |" for row in t["targets"]] + [""]
     lines += section_from_file(Path(out_path).with_name("compiled.json"))  # compiled, not run: compiled_table.py
     lines += inference_sweep_section(data)  # bench_infer.py
+    lines += soak_section(Path(out_path).with_name("soak.json"))  # soak_distributed.py
     Path(out_path).write_text("\n".join(lines))
     print(f"wrote {out_path}")
 
