@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import rank_watch
-from .errors import CollectiveFailed, UserError
+from .errors import UserError
 from .threads import configure_threads
 
 DEVICE_TYPES = ("cuda", "mps", "cpu")
@@ -157,18 +157,23 @@ TEARDOWN_ABANDON_S = 10.0  # after a failure, how long destroying the group may 
 
 def compute_cleanup(ok: bool = True):
     """Tear down the process group, if one was started. ok (the command succeeded on this rank):
-    every rank meets at a barrier (TEARDOWN_BARRIER_S at most) before the group is destroyed, so no
-    rank closes its connections while another is still in a collective (that aborted the other at
-    exit: "terminate called without an active exception"). Not ok: no waiting for a rank that may
-    be dead; the group is destroyed on a side thread given TEARDOWN_ABANDON_S, then left behind."""
+    every rank meets the others (TEARDOWN_BARRIER_S at most, through the store: rank_watch.meet_at_end)
+    before the group is destroyed, so no rank closes its connections while another is still in a
+    collective (that aborted the other at exit: "terminate called without an active exception").
+    Not ok: no waiting for a rank that may be dead; the group is destroyed on a side thread given
+    TEARDOWN_ABANDON_S, then left behind."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     if ok and dist.get_world_size() > 1:
-        try:
-            with rank_watch.phase("the teardown barrier", seconds=max(TEARDOWN_BARRIER_S, rank_watch.timeout_s())):
-                dist.barrier()
-        except CollectiveFailed as e:
-            print(f"warning: {e}", file=sys.stderr, flush=True)
+        seconds = max(TEARDOWN_BARRIER_S, rank_watch.timeout_s())
+        late = rank_watch.meet_at_end(seconds)
+        if late:
+            print(
+                f"warning: rank {', '.join(map(str, late))} did not reach the end within {seconds:g} s; "
+                "leaving without it",
+                file=sys.stderr,
+                flush=True,
+            )
             ok = False
     rank_watch.stop_heartbeat()
     if ok:

@@ -30,7 +30,7 @@ GENEROUS_S = 1800.0  # the first step, saves, evaluations: at least this long
 BEAT_S = 1.0  # heartbeat period
 STORE_TIMEOUT_S = 10.0  # a store read in the failure path never waits longer
 
-_state = {"timeout": DEFAULT_TIMEOUT_S, "now": None, "what": "setup", "step": None, "entered": 0}
+_state = {"timeout": DEFAULT_TIMEOUT_S, "now": None, "what": "setup", "step": None, "entered": 0, "meetings": 0}
 _beat = {"thread": None, "stop": None}
 
 
@@ -85,8 +85,9 @@ def phase(what: str, step: int | None = None, generous: bool = False, sync: bool
 
 
 def is_collective_failure(e: BaseException) -> bool:
-    """Raised by a collective (gloo/NCCL: a timeout, a peer's closed connection)."""
-    if isinstance(e, CollectiveFailed):
+    """Raised by a collective (gloo/NCCL: a timeout, a peer's closed connection) of a group of
+    several processes."""
+    if isinstance(e, CollectiveFailed) or not (dist.is_initialized() and dist.get_world_size() > 1):
         return False
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(e, dist_error):
@@ -197,3 +198,26 @@ def missing_ranks() -> str:
     if behind:
         parts.append(f"rank {', '.join(map(str, behind))} did not arrive (alive but behind: a hung read or step)")
     return "; ".join(parts) or f"every other rank is alive and as far as rank {me}: cannot tell which did not arrive"
+
+
+def meet_at_end(timeout_s: float) -> list[int]:
+    """Every rank marks in the store that it has left its last collective, then waits (timeout_s at
+    most) for the others' marks; the ranks that did not come. A barrier outside the backend's
+    connections: once it returns, no rank is still inside a collective, so closing them aborts
+    nobody (a barrier of the backend itself ends with a message that may still be in flight)."""
+    store = _store()
+    if store is None:
+        return []
+    _state["meetings"] += 1
+    key = f"rank_watch/end{_state['meetings']}"
+    me, world = dist.get_rank(), dist.get_world_size()
+    waiting, deadline = set(range(world)) - {me}, time.monotonic() + timeout_s
+    try:
+        store.set(f"{key}/{me}", "1")
+        while waiting and time.monotonic() < deadline:
+            waiting = {r for r in waiting if not store.check([f"{key}/{r}"])}
+            if waiting:
+                time.sleep(0.02)
+    except Exception:  # the store went with the rank that hosted it, which leaves only once all came
+        return []
+    return sorted(waiting)
