@@ -6,7 +6,9 @@ lands on both), medians of --rounds saves each. Every save is fsynced (files.py)
 deleted before the next save. The optimizer state stands in as one fp32 copy of every parameter per
 kind (Muon's momentum for matrices, AdamW's two moments for the rest), the size a real one has.
 
-    python benchmarks/checkpoint_save_hashing.py --depth=12 --rounds=5 --out=build/hashing.json
+    python benchmarks/checkpoint_save_hashing.py --depth=12 --rounds=5 --out=benchmarks/checkpoint_hashing.json
+
+RESULTS.md's "Checkpoint save with digests" section shows benchmarks/checkpoint_hashing.json (make_results.py).
 """
 
 import argparse
