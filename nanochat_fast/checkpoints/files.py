@@ -21,30 +21,28 @@ import torch
 
 from ..core import paths
 
-_hasher = None  # the thread that hashes what was written, while the writer goes on (and fsyncs)
-MAX_PENDING_BYTES = 256 << 20  # copies waiting to be hashed, at most (a write waits beyond that)
+_hasher = None  # one thread hashing a large write while the writing thread copies it to the file
+OVERLAP_BYTES = 1 << 20  # writes from this size on are hashed beside the write (hashlib and file
+# writes both release the GIL); smaller ones inline
 
 
-def _hashing_thread():
+def _hash_beside(sha, view):
     global _hasher
     if _hasher is None:
         from concurrent.futures import ThreadPoolExecutor
 
         _hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint_hash")
-    return _hasher
+    return _hasher.submit(sha.update, view)
 
 
 class HashingFile(io.RawIOBase):
-    """A file opened for writing that hashes every byte written through it (sequential writes
-    only). Each write's bytes are copied (torch.save lends a view of memory it reuses) and hashed
-    on one side thread, in order, while the writer goes on writing and then fsyncs; digest() waits
-    for the last of them. hashlib and file writes release the GIL, so on a machine with a free core
-    the hashing hides behind the write and the fsync."""
+    """A file opened for writing, hashing every byte written through it (sequential writes only).
+    A large write is hashed on another thread while this one writes it, and waited for before
+    write returns: the caller's buffer (torch.save lends a view of its own memory) stays valid."""
 
     def __init__(self, f):
         super().__init__()
         self._f, self._sha, self.size = f, hashlib.sha256(), 0
-        self._pending = []  # (future, bytes) in write order
 
     def writable(self):
         return True
@@ -52,11 +50,14 @@ class HashingFile(io.RawIOBase):
     def write(self, data):
         view = memoryview(data).cast("B")
         self.size += view.nbytes
-        copy = bytes(view)
-        self._pending.append((_hashing_thread().submit(self._sha.update, copy), len(copy)))
-        while sum(n for _, n in self._pending) > MAX_PENDING_BYTES:
-            self._pending.pop(0)[0].result()
-        return self._f.write(view)
+        if view.nbytes < OVERLAP_BYTES:
+            self._sha.update(view)
+            return self._f.write(view)
+        hashing = _hash_beside(self._sha, view)
+        try:
+            return self._f.write(view)
+        finally:
+            hashing.result()
 
     def tell(self):
         return self._f.tell()
@@ -68,23 +69,20 @@ class HashingFile(io.RawIOBase):
         return self._f.fileno()
 
     def digest(self) -> dict:
-        for future, _ in self._pending:
-            future.result()
-        self._pending = []
         return {"sha256": self._sha.hexdigest(), "bytes": self.size}
 
 
 def _write_hashed(path: Path, write) -> dict:
-    """write(file) into `path` durably (core/paths.write_durably); the digest of what it wrote,
-    finished while the file was fsynced and renamed into place."""
-    box = []
+    """write(file) into `path` durably (core/paths.write_durably); the digest of what it wrote."""
+    digest = {}
 
     def hashed(f):
-        box.append(HashingFile(f))
-        write(box[0])
+        h = HashingFile(f)
+        write(h)
+        digest.update(h.digest())
 
     paths.write_durably(path, hashed)
-    return box[0].digest()
+    return digest
 
 
 def file_digest(path: Path) -> dict:
