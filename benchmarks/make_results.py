@@ -97,7 +97,7 @@ def soak_section(path: Path) -> list[str]:
         codes = ", ".join(f"{n} x {code}" for code, n in sorted(f["exit_codes"].items()))
         lines.append(
             f"| {name} | {f.get('label', '')} | {f['runs']} | {codes} | {f['abort_lines']} | {f['failed_runs']} | "
-            f"{f['seconds']:.0f} |"
+            f"{f'{seconds:.0f}' if (seconds := f.get('seconds')) else '—'} |"
         )
     lines += [
         "",
