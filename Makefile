@@ -8,6 +8,7 @@
 #   make bench-prepare  preparation of 1 GB of generated text (not part of bench: ~30 min on 2 busy cores):
 #                   tokens/s against tiktoken's batch encoder and nanochat's on-the-fly tokenization, peak
 #                   RSS against --max-memory-mb, a kill at 50% and its resume -> benchmarks/prep_scale.json
+#   make soak       50 two-process runs beside a busy neighbour: exit codes and abort lines -> benchmarks/soak.json
 #   make test-gpu   the GPU-only tests (needs a CUDA build of torch, see TORCH_SPEC)
 #   make gpu-bundle what the offline GPU node lacks (wheels for its Python, a prepared home) -> build/gpu-bundle
 #   make gpu-check  on the GPU node, offline, OUT=DIR: the extension built with CUDA, every kernel checked,
@@ -43,7 +44,7 @@ SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu
 PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest
 
 .PHONY: install lint test ctest test-gpu gpu-bundle gpu-check aot-compat test-torch-floor cuda-build-check floor-install \
-        bench bench-prepare demo kernels clean
+        bench bench-prepare demo kernels soak clean
 
 install: $(STAMP)
 
@@ -153,6 +154,11 @@ cuda-build-check: floor-install
 
 kernels: install
 	$(PY) -m nanochat_fast.kernels
+
+SOAK_RUNS ?= 50
+SOAK_NAME ?= latest
+soak: install
+	$(PY) benchmarks/soak_distributed.py --runs=$(SOAK_RUNS) --record=$(SOAK_NAME)
 
 # The whole pipeline on a 2-core CPU within 15 minutes (install included): data (training corpus and
 # the benchmark sets), tokenizer, a depth-4 model (5M parameters) pretrained on ~0.8M tokens and scored

@@ -89,6 +89,64 @@ def inference_sweep_section(data: dict) -> list[str]:
     return lines
 
 
+def soak_section(path: Path) -> list[str]:
+    """RESULTS.md's "Distributed soak": soak_distributed.py's figures, one row per recorded soak."""
+    if not path.exists():
+        return []
+    lines = [
+        "## Distributed soak",
+        "",
+        "2 processes, gloo, beside a busy neighbour, on "
+        + ", ".join(sorted({f["machine"] for f in json.loads(path.read_text()).values() if f.get("machine")}))
+        + ".",
+        "",
+        "| soak | what | runs | exit codes | abort lines | failed runs | seconds |",
+        "|---|---|---:|---|---:|---:|---:|",
+    ]
+    for name, f in json.loads(path.read_text()).items():
+        codes = ", ".join(f"{n} x {code}" for code, n in sorted(f["exit_codes"].items()))
+        lines.append(
+            f"| {name} | {f.get('label', '')} | {f['runs']} | {codes} | {f['abort_lines']} | {f['failed_runs']} | "
+            f"{f'{seconds:.0f}' if (seconds := f.get('seconds')) else '—'} |"
+        )
+    lines += [
+        "",
+        "*`python benchmarks/soak_distributed.py --runs=N --record=NAME`: each run resumes a tiny base_train from "
+        "its step-3 checkpoint under torchrun (2 processes, gloo), evaluates and saves at step 6 and ends, while a "
+        'process of two matmul threads loads both cores; abort lines = "terminate called" in the output. On a '
+        "machine shared with other jobs.*",
+        "",
+    ]
+    return lines
+
+
+def hashing_section(path: Path) -> list[str]:
+    """RESULTS.md's "Checkpoint save with digests": checkpoint_save_hashing.py's interleaved saves."""
+    if not path.exists():
+        return []
+    f = json.loads(path.read_text())
+    rows = [
+        f"| {name} | {f['median_s'][name]:.2f} | {', '.join(f'{t:.1f}' for t in times)} |"
+        for name, times in f["seconds"].items()
+    ]
+    return [
+        "## Checkpoint save with digests",
+        "",
+        f"Depth {f['depth']}, {f['bytes_per_save'] / 1e9:.2f} GB per save, on {f.get('machine', 'an unrecorded CPU')}.",
+        "",
+        "| save | median (s) | each save (s) |",
+        "|---|---:|---|",
+        *rows,
+        "",
+        f"*`python benchmarks/checkpoint_save_hashing.py --depth={f['depth']} --rounds={f['rounds']}`: "
+        "checkpoints.save_checkpoint (model.pt, the optimizer state, meta.json, COMPLETE; every file fsynced), "
+        "with every file's sha256 computed while it is written (large writes hashed on a side thread) and with "
+        f"a pass-through instead, in interleaved rounds; hashed / not hashed = {f['ratio']:.3f}. On a machine "
+        "shared with other jobs (saves vary by tens of percent from one to the next).*",
+        "",
+    ]
+
+
 def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
     data = json.loads(Path(json_path).read_text())
     lines = [
@@ -137,10 +195,12 @@ def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
             lines += ["| figure | measured | target | met |", "|---|---:|---|---|"]
             lines += ["| " + " | ".join(row) + " |" for row in t["targets"]] + [""]
     lines += inference_sweep_section(data)  # bench_infer.py
-    # sections regenerated from their own JSON, beside the CPUs' (each says what ran it): compiled, not run
-    # (compiled_table.py) and the preparation at scale (make bench-prepare)
-    own = [section_from_file(Path(out_path).with_name("compiled.json"))]
-    own.append(prep_scale.section_from_file(Path(out_path).with_name("prep_scale.json")))
+    # sections regenerated from their own JSON, beside the CPUs' (each names what ran it): compiled, not run
+    # (compiled_table.py), the preparation at scale (make bench-prepare), the distributed soak
+    # (soak_distributed.py) and the checkpoint save with digests (checkpoint_save_hashing.py)
+    here = Path(out_path).parent
+    own = [section_from_file(here / "compiled.json"), prep_scale.section_from_file(here / "prep_scale.json")]
+    own += [soak_section(here / "soak.json"), hashing_section(here / "checkpoint_hashing.json")]
     out = Path(out_path)
     kind = cpu_kind(cpuinfo(), cpu_bf16_support(), torch.backends.cpu.get_cpu_capability())
     text = merge(

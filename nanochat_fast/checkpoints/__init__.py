@@ -6,11 +6,13 @@ kills, full disks and changes of world size.
         model.pt            the uncompiled model's state_dict, fp32 tensors        (rank 0)
      or model/              the same, sharded: torch.distributed.checkpoint (DCP)  (every rank its shard)
         optim_rank<R>.pt    rank R's optimizer shards + RNG state                  (every rank)
-        meta.json           format version, step, model config, loader and loop state, args
-        COMPLETE            written last, by rank 0, after a barrier
+        meta.json           format version, step, model config, loader and loop state, args, and the
+                            sha256 and size of every other file ("files")
+        COMPLETE            written last, by rank 0, after a barrier; meta.json's sha256 and size
 
 files.py writes and reads single files (torch.save/torch.load, DCP), step_dirs.py one checkpoint,
-run_dirs.py a run's directory. The model, optimizers and training loop hand state dicts in and get
+run_dirs.py a run's directory, verification.py checks a checkpoint against its recorded digests.
+The model, optimizers and training loop hand state dicts in and get
 state dicts back; everything is plain tensors and JSON (weights_only=True reads it anywhere).
 """
 
@@ -31,7 +33,9 @@ from .step_dirs import (
     resolve_checkpoint,
     save_checkpoint,
     step_dir,
+    verify_checkpoint,
 )
+from .verification import DamagedCheckpoint
 
 __all__ = [
     "read_tensors",
@@ -54,4 +58,6 @@ __all__ = [
     "resolve_checkpoint",
     "save_checkpoint",
     "step_dir",
+    "verify_checkpoint",
+    "DamagedCheckpoint",
 ]

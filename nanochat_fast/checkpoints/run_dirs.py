@@ -46,8 +46,7 @@ def open_run_dir(run, run_name: str, rank: int, phase: str, device):
         run_dir = Path(run.out_dir).expanduser() if run.out_dir else paths.runs_dir() / run_name
     ckpt = None
     if resume == "auto":
-        found = complete_checkpoints(run_dir)
-        ckpt = found[-1] if found else None
+        ckpt = newest_intact(complete_checkpoints(run_dir))
         for half in incomplete_checkpoints(run_dir):
             if ckpt is None or half.name > ckpt.name:
                 print0(
@@ -63,6 +62,7 @@ def open_run_dir(run, run_name: str, rank: int, phase: str, device):
                 f"--resume {resume}: not a complete checkpoint directory (expected "
                 "runs/<run>/checkpoints/step_NNNNNN containing COMPLETE)"
             )
+        step_dirs.verify_checkpoint(ckpt)  # a damaged file: one line naming it, exit 2
     start_over = ckpt is None and resume != "auto" and run_dir.exists() and any(run_dir.iterdir())
     if start_over and not run.overwrite:
         raise UserError(
@@ -85,6 +85,23 @@ def open_run_dir(run, run_name: str, rank: int, phase: str, device):
     if meta is not None and meta.get("phase") != phase:
         raise UserError(f"{ckpt} is a {meta.get('phase')} checkpoint; this script continues {phase} runs")
     return run_dir, ckpt, meta
+
+
+def newest_intact(found: list[Path]) -> Path | None:
+    """The newest of the complete checkpoints `found` whose files match their recorded digests;
+    each damaged one newer than it is named (one line) and skipped."""
+    skipped = []
+    for ckpt in reversed(found):
+        try:
+            step_dirs.verify_checkpoint(ckpt)
+        except UserError as e:
+            print0(f"--resume auto: skipping {ckpt.name}: {e}")
+            skipped.append(ckpt.name)
+            continue
+        if skipped:
+            print0(f"--resume auto: resuming from {ckpt}, the newest intact checkpoint (not {', '.join(skipped)})")
+        return ckpt
+    return None
 
 
 def newest_run(phases) -> Path:

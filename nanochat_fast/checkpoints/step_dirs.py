@@ -5,6 +5,10 @@ A checkpoint counts only once COMPLETE exists, written last, by rank 0, after ev
 written its files; so a kill at any moment leaves the previous complete checkpoint the newest one.
 Reading either model layout (model.pt, or DCP shards in model/) gives the whole state_dict, so a
 run on any number of processes and either sharding loads it and shards it its own way.
+
+meta.json's "files" holds the sha256 and size of every other file, hashed by the ranks that wrote
+them as they wrote them (files.py), and COMPLETE holds meta.json's: a reader checks them
+(verification.py), so a file damaged after saving is refused, never loaded as wrong weights.
 """
 
 import errno
@@ -15,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..core.errors import UserError
-from . import files
+from . import files, verification
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
@@ -47,13 +51,16 @@ def save_checkpoint(
     meta: dict,
     rank: int,
     all_ranks_ok=lambda ok: ok,
+    gather=lambda obj: [obj],
     keep_last: int | None = None,
     previous: Path | None = None,
     sharded: bool = False,
 ) -> Path:
     """Write checkpoint `step`. Every rank calls this; `all_ranks_ok(ok)` must return True on every
-    rank iff `ok` is True on every rank (an all-reduce; it doubles as the barrier). model_state:
-    whole tensors on rank 0 (model.pt), or with `sharded` every rank's DTensors (model/, DCP).
+    rank iff `ok` is True on every rank (an all-reduce; it doubles as the barrier); `gather(obj)`
+    the list of every rank's obj (all_gather_object): the digests of the files each rank wrote, for
+    meta.json. model_state: whole tensors on rank 0 (model.pt), or with `sharded` every rank's
+    DTensors (model/, DCP).
 
     Refuses to write non-finite weights. If any rank fails to write (disk full, permissions) the
     partial step directory is removed on every rank and a UserError says which complete
@@ -77,21 +84,31 @@ def save_checkpoint(
             shutil.rmtree(path)
         path.mkdir(parents=True)
 
+    written = {}  # this rank's files: name in the checkpoint -> digest
+
     def write_rank0_files():
+        listed = dict(written)
         if not sharded:
-            files.write_tensors(path / MODEL_FILE, {k: v.detach().float().cpu() for k, v in model_state.items()})
-        files.write_json(path / META_FILE, {"format_version": FORMAT_VERSION, "step": step, **meta})
+            model = {k: v.detach().float().cpu() for k, v in model_state.items()}
+            listed[MODEL_FILE] = files.write_tensors(path / MODEL_FILE, model)
+        meta_digest = files.write_json(
+            path / META_FILE, {"format_version": FORMAT_VERSION, "step": step, **meta, "files": listed}
+        )
+        files.write_marker(path / COMPLETE, verification.complete_record(meta_digest))
 
     ok = attempt(make_dir if rank == 0 else lambda: None)
     if sharded and ok:  # collective: every rank takes part, and learns if any failed
         try:
-            files.write_shards(path / MODEL_SHARDS, model_state)
+            shards = files.write_shards(path / MODEL_SHARDS, model_state)
+            written.update({f"{MODEL_SHARDS}/{name}": digest for name, digest in shards.items()})
         except OSError as e:
             error = e
         ok = all_ranks_ok(error is None)
-    ok = ok and attempt(lambda: files.write_tensors(optim_file(path, rank), rank_state))
+    rank_file = optim_file(path, rank)
+    ok = ok and attempt(lambda: written.update({rank_file.name: files.write_tensors(rank_file, rank_state)}))
+    if ok:  # every rank's digests, to rank 0 for meta.json
+        written = {name: digest for part in gather(written) for name, digest in part.items()}
     ok = ok and attempt(write_rank0_files if rank == 0 else lambda: None)
-    ok = ok and attempt((lambda: files.write_marker(path / COMPLETE)) if rank == 0 else lambda: None)
     if not ok:
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
@@ -174,7 +191,9 @@ def load_meta(ckpt: Path) -> dict:
     """meta.json of a checkpoint, checked to be of the format this version reads."""
     path = Path(ckpt) / META_FILE
     try:
-        meta = json.loads(path.read_text())
+        raw = path.read_bytes()
+        verification.check_meta(Path(ckpt) / COMPLETE, path, raw)
+        meta = json.loads(raw.decode())
     except FileNotFoundError:
         raise UserError(
             f"{ckpt} is not a checkpoint (no meta.json); checkpoints live in runs/<run>/checkpoints/step_NNNNNN"
@@ -189,10 +208,18 @@ def load_meta(ckpt: Path) -> dict:
     return meta
 
 
+def verify_checkpoint(ckpt: Path):
+    """Every file of the checkpoint against the digests recorded when it was saved (DamagedCheckpoint,
+    a UserError naming the file); an old checkpoint without digests passes with a notice."""
+    ckpt = Path(ckpt)
+    verification.verify(ckpt, load_meta(ckpt), ckpt / COMPLETE)
+
+
 def load_model_state(ckpt: Path, device="cpu") -> dict:
     """The whole model state_dict of a checkpoint: model.pt, or else the DCP shards of model/
     (each process reads them all, without collectives)."""
     ckpt = Path(ckpt)
+    verify_checkpoint(ckpt)
     if (ckpt / MODEL_FILE).exists() or not (ckpt / MODEL_SHARDS).is_dir():
         return _read(ckpt / MODEL_FILE, device)
     try:
@@ -208,6 +235,7 @@ def load_model_state(ckpt: Path, device="cpu") -> dict:
 
 def load_rank_states(ckpt: Path, world_size_saved: int, device="cpu") -> list[dict]:
     """Every rank's saved state (a run resuming with M ranks reads all N files saved with N)."""
+    verify_checkpoint(ckpt)
     return [_read(optim_file(ckpt, r), device) for r in range(world_size_saved)]
 
 
@@ -217,5 +245,10 @@ def export_model(ckpt: Path, output: Path | None = None) -> Path:
     ckpt = Path(ckpt)
     output = Path(output) if output else ckpt / MODEL_FILE
     state = load_model_state(ckpt)
-    files.write_tensors(output, {k: v.float() for k, v in state.items()})
+    digest = files.write_tensors(output, {k: v.float() for k, v in state.items()})
+    if output.resolve() == (ckpt / MODEL_FILE).resolve():  # now part of the checkpoint: recorded like the rest
+        meta = load_meta(ckpt)
+        if "files" in meta:
+            meta["files"][MODEL_FILE] = digest
+            files.write_marker(ckpt / COMPLETE, verification.complete_record(files.write_json(ckpt / META_FILE, meta)))
     return output

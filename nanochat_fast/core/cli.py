@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from .errors import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OK, UserError  # noqa: F401  (re-exported)
+from .errors import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OK, CollectiveFailed, UserError  # noqa: F401  (re-exported)
 
 
 def _canonical(arg: str) -> str:
@@ -129,6 +129,13 @@ def positive_or_unset_float(value) -> float:
     x = _real(value)
     if x != -1 and x <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 (or -1: not set), got {value}")
+    return x
+
+
+def positive_float(value) -> float:
+    x = _real(value)
+    if x <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return x
 
 
@@ -273,7 +280,7 @@ def run(main, argv=None):
     """Entry point for `python -m nanochat_fast.scripts.X`: exit code from main, one line for a UserError."""
     try:
         code = main(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (UserError, CollectiveFailed) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
         code = e.exit_code
     sys.exit(code or EXIT_OK)

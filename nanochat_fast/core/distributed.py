@@ -10,10 +10,14 @@ Launched by torchrun, every process trains on its own share of the data:
 """
 
 import os
+import sys
+import threading
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
+from . import rank_watch
 from .errors import UserError
 from .threads import configure_threads
 
@@ -92,12 +96,14 @@ def set_deterministic(enabled: bool, warn_only: bool = False):
     torch.backends.cudnn.benchmark = False
 
 
-def compute_init(device_type: str = "", seed: int = 42, deterministic: bool = False):
+def compute_init(device_type: str = "", seed: int = 42, deterministic: bool = False, collective_timeout=None):
     """Set up this process: device, process group (under torchrun), seeds.
 
     Returns (ddp, ddp_rank, ddp_local_rank, ddp_world_size, device). Every rank is seeded the
     same, so models initialised on every rank start identical. Mistakes the user can make (a device
     that is not there, MPS under torchrun) raise UserError with one line saying what to do.
+    collective_timeout: seconds a collective waits once rank_watch.settle() is called (the first
+    step is done); until then the generous allowance (core/rank_watch.py).
     """
     device_type = device_type or autodetect_device_type()
     ddp, rank, local_rank, world_size = get_dist_info()
@@ -112,20 +118,23 @@ def compute_init(device_type: str = "", seed: int = 42, deterministic: bool = Fa
         # TF32 for fp32 matmuls outside autocast, unless the run must be reproducible
         torch.set_float32_matmul_precision("highest" if deterministic else "high")
 
+    timeout = rank_watch.init_timeout(collective_timeout)
     if ddp and device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl", device_id=device, **_attempt_store())
+            dist.init_process_group(backend="nccl", device_id=device, timeout=timeout, **_attempt_store())
     elif ddp:
         # CPU (and a lone MPS process under torchrun): gloo carries the collectives
         device = torch.device(device_type)
         if not dist.is_initialized():
-            dist.init_process_group(backend="gloo", **_attempt_store())
+            dist.init_process_group(backend="gloo", timeout=timeout, **_attempt_store())
     else:
         device = torch.device(device_type)
     if ddp:
-        dist.barrier()
+        with rank_watch.phase("process setup"):
+            dist.barrier()
+        rank_watch.start_heartbeat()
     return ddp, rank, local_rank, world_size, device
 
 
@@ -142,10 +151,59 @@ def _attempt_store() -> dict:
     return dict(store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank, world_size=world_size)
 
 
-def compute_cleanup():
-    """Tear down the process group, if one was started."""
-    if dist.is_available() and dist.is_initialized():
+TEARDOWN_BARRIER_S = 300.0  # how long a finished rank waits for the others (rank 0 writes the report)
+TEARDOWN_ABANDON_S = 10.0  # after a failure, how long destroying the group may take
+
+
+def compute_cleanup(ok: bool = True):
+    """Tear down the process group, if one was started. ok (the command succeeded on this rank):
+    every rank meets the others (TEARDOWN_BARRIER_S at most, through the store: rank_watch.meet_at_end)
+    before the group is destroyed, so no rank closes its connections while another is still in a
+    collective (that aborted the other at exit: "terminate called without an active exception").
+    Not ok: no waiting for a rank that may be dead; the group is destroyed on a side thread given
+    TEARDOWN_ABANDON_S, then left behind."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if ok and dist.get_world_size() > 1:
+        seconds = max(TEARDOWN_BARRIER_S, rank_watch.timeout_s())
+        late = rank_watch.meet_at_end(seconds)
+        if late:
+            print(
+                f"warning: rank {', '.join(map(str, late))} did not reach the end within {seconds:g} s; "
+                "leaving without it",
+                file=sys.stderr,
+                flush=True,
+            )
+            ok = False
+    rank_watch.stop_heartbeat()
+    if ok:
         dist.destroy_process_group()
+        return
+    destroyer = threading.Thread(target=_destroy_quietly, name="destroy_process_group", daemon=True)
+    destroyer.start()
+    destroyer.join(TEARDOWN_ABANDON_S)
+
+
+def _destroy_quietly():
+    try:
+        dist.destroy_process_group()
+    except Exception:  # a group whose peers are gone: nothing left to release cleanly
+        pass
+
+
+@contextmanager
+def torn_down():
+    """compute_cleanup() when the block ends: ok if it ended without an exception (or with
+    SystemExit(0)), so a failed rank never waits at the teardown barrier for the others."""
+    try:
+        yield
+    except SystemExit as e:
+        compute_cleanup(ok=not e.code)
+        raise
+    except BaseException:
+        compute_cleanup(ok=False)
+        raise
+    compute_cleanup(ok=True)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -176,6 +234,15 @@ def any_rank(flag: bool, device) -> bool:
 def all_ranks_ok(ok: bool, device) -> bool:
     """True on every rank iff `ok` is True on every rank; doubles as a barrier."""
     return not any_rank(not ok, device)
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order, on every rank; [obj] when not distributed."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def rank0_decides(decide):

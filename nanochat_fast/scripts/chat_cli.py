@@ -12,6 +12,7 @@ import sys
 
 from .. import checkpoints
 from ..core import cli
+from ..core.distributed import torn_down
 from ..data.tokenizer import get_tokenizer
 from ..model import generation, generation_dtype, loading
 from ..train.env_vars import check_environment
@@ -55,7 +56,11 @@ def reply(model, tokenizer, messages, args, dev) -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
-    dev = DeviceConfig.from_args(args).init()
+    with torn_down():
+        return chat(args, DeviceConfig.from_args(args).init())
+
+
+def chat(args, dev) -> int:
     tokenizer = get_tokenizer()
     model, ckpt, meta = loading.load_model(
         checkpoints.run_dir_of(args.run, ("sft", "mid")), args.step, dev.device, tokenizer

@@ -23,7 +23,7 @@ import torch
 
 from .. import checkpoints
 from ..core import cli, threads
-from ..core.distributed import compute_init
+from ..core.distributed import compute_init, torn_down
 from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
 from ..hardware import precision
@@ -279,12 +279,17 @@ def main(argv=None) -> int:
         print(warning, file=sys.stderr, flush=True)
     check_web_dependencies()
     check_ranges(args)
+    with torn_down():
+        return serve(args, compute_init(args.device_type)[-1], warning)
+
+
+def serve(args, device, warning) -> int:
+    """The server on `device` until it is stopped."""
     import uvicorn
 
     from ..web import app as web_app
     from ..web import schema as web_schema
 
-    device = compute_init(args.device_type)[-1]
     if device.type == "cpu":
         torch.set_num_threads(server_threads(threads.thread_choice()))
     devices = replica_devices(device, args.workers)

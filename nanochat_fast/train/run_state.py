@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from .. import checkpoints, hardware
-from ..core.distributed import all_ranks_ok, print0
+from ..core.distributed import all_ranks_ok, gather_objects, print0
 from ..hardware.process_setup import ProcessSetup
 from ..model import sharding
 from .stage_data import Data
@@ -93,6 +93,7 @@ def save(run: Run) -> Path:
         meta=meta,
         rank=run.rank,
         all_ranks_ok=lambda ok: all_ranks_ok(ok, run.device),
+        gather=gather_objects,
         keep_last=run.loop.keep_last,
         previous=run.last_checkpoint,
         sharded=sharded,

@@ -20,7 +20,7 @@ from typing import Callable
 from .. import checkpoints, hardware
 from ..core import cli, threads
 from ..core.cli import flag_name, flag_values
-from ..core.distributed import compute_cleanup, print0
+from ..core.distributed import print0, torn_down
 from ..core.errors import UserError
 from ..data.tokenizer import Tokenizer, get_token_bytes, get_tokenizer
 from ..hardware.process_setup import ProcessSetup
@@ -209,22 +209,22 @@ def run_stage(args, stage: Stage) -> int:
     """Run `stage` with the parsed flags `args`; the process exit code (0, or 3: the NaN guard)."""
     check_environment()
     cfg = TrainingConfig.from_args(args, with_model=stage.start.with_model_flags)
-    dev = cfg.device.init(seed=cfg.run.seed, deterministic=cfg.run.deterministic)
-    model_setup.check_sharding(cfg.optim.sharding, dev)
-    data = None
-    try:
-        print0(dev.describe(precision=False))
-        setup = set_up(args, stage, cfg, dev)
-        data = stage.data.open(args, setup.cfg, setup.tokenizer, dev, setup.orig_model)
-        run, sections = make_run(args, stage, setup, data)
-        print0(run_report.summary(run, setup.point.config, sections["Stage"]))
-        if setup.ckpt is not None:
-            resume(run, setup.ckpt, setup.meta, setup.cfg)
-        return train_and_report(run, stage, setup, sections)
-    finally:
-        if data is not None:
-            data.close()
-        compute_cleanup()
+    with torn_down():  # every rank meets before the group goes; a failed rank leaves at once
+        dev = cfg.device.init(seed=cfg.run.seed, deterministic=cfg.run.deterministic)
+        model_setup.check_sharding(cfg.optim.sharding, dev)
+        data = None
+        try:
+            print0(dev.describe(precision=False))
+            setup = set_up(args, stage, cfg, dev)
+            data = stage.data.open(args, setup.cfg, setup.tokenizer, dev, setup.orig_model)
+            run, sections = make_run(args, stage, setup, data)
+            print0(run_report.summary(run, setup.point.config, sections["Stage"]))
+            if setup.ckpt is not None:
+                resume(run, setup.ckpt, setup.meta, setup.cfg)
+            return train_and_report(run, stage, setup, sections)
+        finally:
+            if data is not None:
+                data.close()
 
 
 def set_up(args, stage: Stage, cfg: TrainingConfig, dev: ProcessSetup) -> RunSetup:

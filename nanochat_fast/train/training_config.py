@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from ..core import cli
+from ..core import cli, rank_watch
 from ..core.cli import (
     boolean,
     choice,
@@ -30,6 +30,7 @@ from ..core.cli import (
     non_negative_float,
     non_negative_int,
     optional,
+    positive_float,
     positive_int,
     positive_or_unset_float,
     positive_or_unset_int,
@@ -282,6 +283,13 @@ class DeviceConfig(Config):
         "CUDA sm80+; on a CPU the faster one, timed at the run's shapes and cached; fp32 on MPS)",
         choices=list(precision.CHOICES),
     )
+    collective_timeout: float = flag(
+        rank_watch.DEFAULT_TIMEOUT_S,
+        positive_float,
+        "seconds a collective waits for the other ranks after the first step (which, like saves and "
+        f"evaluations, gets at least {rank_watch.GENEROUS_S:g} s); a stuck rank is then named in one line "
+        "and the run exits non-zero, for torchrun --max-restarts and --resume auto",
+    )
     # threads per process (core/threads.py) is decided in compute_init from the environment
 
     def init(self, seed: int = 42, deterministic: bool = False) -> ProcessSetup:
@@ -293,7 +301,7 @@ class DeviceConfig(Config):
         from .env_vars import check_kernels
 
         ddp, rank, local_rank, world_size, device = compute_init(
-            self.device_type, seed=seed, deterministic=deterministic
+            self.device_type, seed=seed, deterministic=deterministic, collective_timeout=self.collective_timeout
         )
         chosen = rank0_decides(lambda: precision.choose(device, self.dtype, what="--dtype"))
         return ProcessSetup(ddp, rank, local_rank, world_size, device, chosen, check_kernels(device.type))
@@ -303,17 +311,16 @@ class DeviceConfig(Config):
 def evaluation_process(args):
     """For a command that evaluates a checkpoint (base_eval, chat_eval): the environment checked,
     this process set up from the parsed device flags (DeviceConfig.init) and described on rank 0,
-    and compute_cleanup() when the command ends, however it ends. Yields the ProcessSetup."""
-    from ..core.distributed import compute_cleanup, print0
+    and the process group torn down when the command ends, however it ends (core/distributed.torn_down).
+    Yields the ProcessSetup."""
+    from ..core.distributed import print0, torn_down
     from .env_vars import check_environment
 
     check_environment()
-    dev = DeviceConfig.from_args(args).init()
-    try:
+    with torn_down():
+        dev = DeviceConfig.from_args(args).init()
         print0(dev.describe())
         yield dev
-    finally:
-        compute_cleanup()
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import hardware, optim
+from ..core import rank_watch
 from ..core.compiling import CompileWatch
 from ..core.distributed import all_reduce_sum, any_rank, get_dist_info, print0
 from ..core.errors import EXIT_NONFINITE
@@ -75,11 +76,14 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
     try:
         while True:
             at = s.arrive()
-            if at.fresh:
-                evaluate_and_sample(s, at)
-            preempted = preemption_agreed(s)
+            if at.fresh and evaluation_due(s, at):  # rank 0 may sample alone: all leave together
+                with rank_watch.phase("evaluation", at.step, generous=True, sync=True):
+                    evaluate_and_sample(s, at)
+            with rank_watch.phase("the step boundary", at.step):
+                preempted = preemption_agreed(s)
             if checkpoint_due(s, at, preempted):
-                s.bar.write(f"step {at.step:05d} | saved checkpoint {save(run)}")
+                with rank_watch.phase("the checkpoint save", at.step, generous=True, sync=True):
+                    s.bar.write(f"step {at.step:05d} | saved checkpoint {save(run)}")
             if preempted:
                 return stop_preempted(s, at.step)
             if at.last:
@@ -88,17 +92,28 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
 
             t0 = time.perf_counter()
             lrm = schedule(run, at.step)
-            result, watch = optimizer_step(s)
+            with rank_watch.phase("the training step", at.step + 1):
+                result, watch = optimizer_step(s)
+            if at.step == s.start_step:
+                rank_watch.settle()  # compiled, tuned and loaded: --collective-timeout from now on
             dt = without_compile_time(s, at.step, time.perf_counter() - t0, watch)
             if not result.finite:
                 if skip_nonfinite(s, at.step, result):
                     continue  # the same step again, on the next batches
                 return stop_nonfinite(run, at.step, result)
-            record = count_step(s, result, lrm, dt)  # loop state, smoothed loss and ETA
+            with rank_watch.phase("the training step", at.step + 1):
+                record = count_step(s, result, lrm, dt)  # loop state, smoothed loss and ETA (RL: all-reduced)
             recheck_peak(s, record)
             log_step(s, record)
     finally:
         s.close()
+
+
+def evaluation_due(s: Session, at: Boundary) -> bool:
+    loop = s.run.loop
+    evaluating = loop.eval_every > 0 and (at.step % loop.eval_every == 0 or at.last)
+    sampling = loop.sample_every > 0 and (at.step % loop.sample_every == 0 or at.last) and at.step > 0
+    return evaluating or sampling
 
 
 def evaluate_and_sample(s: Session, at: Boundary):

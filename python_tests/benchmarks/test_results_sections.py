@@ -79,15 +79,18 @@ def test_a_new_cpu_gets_its_own_section_after_the_last_cpus_and_nothing_is_mixed
     assert after.startswith("# Benchmark results\n")
 
 
+OWN_SECTIONS = ("## Preparation at scale", "## Distributed soak", "## Checkpoint save with digests")
+
+
 def test_the_checked_in_results_name_the_cpu_of_every_figure():
     """Every "## " section of RESULTS.md is a CPU's, the compiled table (machine-independent) or the
-    preparation at scale (`make bench-prepare`, its own JSON), which names its CPU in its first line."""
+    sections regenerated from their own JSON (preparation, soak, save with digests), which name their CPU."""
     text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
     head, sections = split_sections(text)
     assert not any(line.startswith(("Machine:", "CPU:", "| ")) for line in head)
     for heading, body in sections:
-        assert heading.startswith((CPU_PREFIX, "## Compiled, not run", "## Preparation at scale")), heading
-        if heading == "## Preparation at scale":
-            assert "threads, on " in body[1], body[1]
+        assert heading.startswith((CPU_PREFIX, "## Compiled, not run", *OWN_SECTIONS)), heading
+        if heading in OWN_SECTIONS:  # regenerated from its own JSON: its first line names the CPU
+            assert ", on " in body[1], body[1]
         if heading.startswith(CPU_PREFIX):
             assert any(line.startswith("CPU: ") for line in body), heading

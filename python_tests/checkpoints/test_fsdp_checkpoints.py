@@ -7,6 +7,7 @@ The reference is the uninterrupted 2-process fsdp run: a resumed run's next loss
 losses at the same steps (fp32; the data order does not depend on the world size).
 """
 
+import json
 import shutil
 from pathlib import Path
 
@@ -121,5 +122,11 @@ def test_truncated_shard_is_a_user_error(home, tmp_path):
     shutil.copytree(home / "runs/f/checkpoints/step_000005", broken)
     shard = broken / "model/__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(UserError, match=r"checkpoint file .*__1_0\.distcp has 100 bytes, [0-9,]+ were recorded"):
+        checkpoints.load_model_state(broken)  # the digests recorded by the rank that wrote it
+    meta = json.loads((broken / "meta.json").read_text())
+    assert {"model/__0_0.distcp", "model/__1_0.distcp", "model/.metadata"} <= set(meta.pop("files"))
+    (broken / "meta.json").write_text(json.dumps(meta))
+    (broken / "COMPLETE").write_bytes(b"ok\n")  # as saved before digests were recorded: DCP's own check
     with pytest.raises(UserError, match="model shards in .* are missing, truncated or corrupt"):
         checkpoints.load_model_state(broken)

@@ -470,6 +470,7 @@ BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--sample-every": "1.5",
     "--save-every": "often",
     "--keep-last": "-1",
+    "--collective-timeout": "0",
     "--skip-nonfinite": "-2",
     "--device-type": "tpu",
     "--dtype": "fp16",
@@ -596,6 +597,13 @@ def test_bad_flag_value_is_one_line_naming_the_flag(script, flag, trained_home, 
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(trained_home))
     line = one_line_exit_2(script, context(script, busy_port, trained_home) + [f"{flag}={BAD_VALUES[flag]}"], capsys)
     assert flag in line, line
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "nan"])
+def test_collective_timeout_must_be_a_positive_number(value, trained_home, monkeypatch, capsys):
+    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(trained_home))
+    line = one_line_exit_2("base_train", ["--depth=2", f"--collective-timeout={value}"], capsys)
+    assert "--collective-timeout" in line, line
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """
 Faults injected into a training run from outside the package, for the reliability tests: a
-preemption (a real SIGTERM, the signal a scheduler sends) or a NaN loss, at a chosen step.
+preemption (a real SIGTERM, the signal a scheduler sends), a NaN loss, or a stuck rank (SIGSTOP, as
+a frozen node), at a chosen step.
 
 In-process, as context managers around a script's main():
     with preempt_at_step(6):
@@ -15,6 +16,7 @@ preempted_and_resumed: a run stopped that way and resumed ends where an uninterr
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 from contextlib import contextmanager, nullcontext
@@ -46,6 +48,26 @@ def preempt_at_step(step: int):
         def agreed(s):
             if s.run.state.step == step > s.start_step:
                 signal.raise_signal(signal.SIGTERM)  # the calling thread: handled before the check below
+            return preemption_agreed(s)
+
+        return agreed
+
+    with _replaced("preemption_agreed", wrap):
+        yield
+
+
+@contextmanager
+def stop_at_step(step: int, rank: int = 1):
+    """SIGSTOP to this process when it is `rank` of torchrun's first attempt and the loop, at `step`,
+    asks whether to stop: the other ranks then wait for it in that collective (a frozen node). A
+    restarted attempt (TORCHELASTIC_RESTART_COUNT > 0) runs on."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    armed = first_attempt and os.environ.get("RANK") == str(rank)
+
+    def wrap(preemption_agreed):
+        def agreed(s):
+            if armed and s.run.state.step == step:
+                os.kill(os.getpid(), signal.SIGSTOP)
             return preemption_agreed(s)
 
         return agreed
@@ -102,6 +124,7 @@ def main(argv: list[str]):
     p = argparse.ArgumentParser(prog="python_tests/support/faults.py", allow_abbrev=False)
     p.add_argument("--preempt-at-step", type=int)
     p.add_argument("--nan-at-step", type=int)
+    p.add_argument("--stop-at-step", type=int, help="rank 1 of the first attempt stops itself (SIGSTOP) there")
     p.add_argument("script", help="a module of nanochat_fast.scripts, e.g. base_train")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
@@ -109,6 +132,7 @@ def main(argv: list[str]):
     with (
         preempt_at_step(a.preempt_at_step) if a.preempt_at_step is not None else nullcontext(),
         nan_loss_at_step(a.nan_at_step) if a.nan_at_step is not None else nullcontext(),
+        stop_at_step(a.stop_at_step) if a.stop_at_step is not None else nullcontext(),
     ):
         cli.run(script.main, a.args)  # as `python -m` runs it: one line for a UserError, the exit code
 

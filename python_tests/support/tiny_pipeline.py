@@ -83,7 +83,7 @@ def disk_full_at(checkpoint_name: str):
     def write_tensors(path, obj):
         if checkpoint_name in str(path):
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(path, obj)
+        return real_write(path, obj)
 
     files.write_tensors = write_tensors
     try:
