@@ -126,11 +126,14 @@ def main(argv=None) -> int:
     run_dir = paths.runs_dir() / args.run
     if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
         raise UserError(f"run directory {run_dir} already exists: pick another --run or pass --overwrite")
-    tokenizer, n = nanochat_tokenizer.read_tokenizer(Path(args.tokenizer).expanduser(), ckpt.config.vocab_size)
+    tok_dir = Path(args.tokenizer).expanduser()
+    tokenizer, n, old_bytes = nanochat_tokenizer.read_tokenizer(tok_dir, ckpt.config.vocab_size)
     print(
         f"tokenizer: {tokenizer.get_vocab_size():,} tokens; same ids as nanochat's on a {n}-token multilingual "
         "sample with every special token"
     )
+    if old_bytes:
+        print(nanochat_tokenizer.old_token_bytes_notice(tok_dir, old_bytes, tokenizer.get_vocab_size()))
     write_tokenizer = home_tokenizer_to_write(tokenizer)
     model_state = nanochat_checkpoint.model_state(ckpt)
     shards, optim_line = nanochat_optimizer.optimizer_shards(
@@ -138,6 +141,8 @@ def main(argv=None) -> int:
     )
     print(optim_line)
     meta = run_meta(ckpt, phase, tokenizer, optimizer=bool(shards[0]["num_updates"] or shards[1]["state"]))
+    if old_bytes:  # base_eval reports the bpb nanochat's own file gives beside the true one
+        meta["imported_from"]["nanochat_token_bytes"] = {str(i): b for i, b in old_bytes.items()}
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     write_run(run_dir, ckpt, model_state, shards, meta, tokenizer if write_tokenizer else None)
     print(
