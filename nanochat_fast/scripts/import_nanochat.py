@@ -26,6 +26,7 @@ from ..core import cli, paths
 from ..core.errors import UserError
 from ..data.tokenizer import RANKS_FILE, Tokenizer, get_tokenizer, save_token_bytes
 from ..interop import nanochat_checkpoint, nanochat_optimizer, nanochat_tokenizer
+from ..model import loading
 from ..model.gpt import GPTConfig
 from ..train.env_vars import check_environment
 from ..train.run_state import LoopState
@@ -80,8 +81,10 @@ def base_train_flags(config: GPTConfig) -> str | None:
         return None
     for aspect in (64, config.n_embd // config.n_layer, *range(1, config.n_embd + 1)):  # nanochat's 64 first
         if math.ceil(aspect * config.n_layer / head_dim) * head_dim == config.n_embd:
+            family = loading.arch_of(config)
+            arch = f"--arch={family} --window-pattern={config.window_pattern} " if family != "gpt" else ""
             return (
-                f"--depth={config.n_layer} --aspect-ratio={aspect} --head-dim={head_dim} "
+                f"{arch}--depth={config.n_layer} --aspect-ratio={aspect} --head-dim={head_dim} "
                 f"--max-seq-len={config.sequence_len}"
             )
     return None
@@ -91,6 +94,7 @@ def run_meta(ckpt, phase: str, tokenizer: Tokenizer, optimizer: bool) -> dict:
     state = LoopState(**nanochat_checkpoint.carried_loop_state(ckpt))
     return {
         "phase": phase,
+        "arch": loading.arch_of(ckpt.config),
         "model_config": asdict(ckpt.config),
         "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
         "args": {},

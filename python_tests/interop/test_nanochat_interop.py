@@ -6,8 +6,8 @@ here; for the tokenizer, the tiktoken encoding nanochat pickled; for the optimiz
 AdamW/Muon state put into nanochat's files."""
 
 import datetime
-import math
 import json
+import math
 import pickle
 import shutil
 
