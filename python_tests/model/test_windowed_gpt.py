@@ -78,3 +78,22 @@ def test_one_optimizer_step_equals_nanochats(fixture):
         assert update > 0, name
         err = (after[name] - theirs).norm()
         assert err <= 1e-5 * update, f"{name}: off by {err:.3g} (L2), the update {update:.3g}"
+
+
+def test_flops_count_each_layers_window_and_the_gates_not_the_lookups():
+    """estimate_flops (what MFU divides by): 6 per matmul weight, the value-embedding and smear gates
+    included, the embeddings and value embeddings (lookups) not; attention over min(window, T) keys."""
+    from nanochat_fast.model.windowed_gpt import WindowedGPT
+
+    config = WindowedGPTConfig(
+        sequence_len=2048, vocab_size=1000, n_layer=4, n_head=4, n_kv_head=4, n_embd=256, window_pattern="SL"
+    )
+    with torch.device("meta"):
+        model = WindowedGPT(config)
+    d, h, hd = 256, 4, 64
+    block = 4 * d * d + 8 * d * d  # q, k, v, proj + the MLP
+    gates = 2 * 12 * 4 + 24  # two layers with value embeddings (1 and 3), then the smear gate
+    matmul = 4 * block + gates + 1000 * d
+    attention = 12 * h * hd * (512 + 2048 + 512 + 2048)  # S L S L: a quarter of 2048 is 512
+    assert model.estimate_flops() == 6 * matmul + attention
+    assert sorted(model.value_embeds) == ["1", "3"]
