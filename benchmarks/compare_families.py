@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["--max-seq-len=256", "--device-batch-size=16", "--total-batch-size=4096", "--eval-tokens=32768"]
+COMMON = ["--max-seq-len=256", "--device-batch-size=8", "--total-batch-size=2048", "--eval-tokens=16384"]
 
 
 def run(home: Path, arch: str, depth: int, steps: int) -> dict:
@@ -37,7 +37,7 @@ def run(home: Path, arch: str, depth: int, steps: int) -> dict:
         arch=arch,
         depth=depth,
         steps=steps,
-        tokens=steps * 4096,
+        tokens=steps * 2048,
         val_bpb=evals[-1]["val_bpb"],
         tok_s=tok_s,
         compile=compile_line,
