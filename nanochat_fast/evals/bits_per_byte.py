@@ -14,16 +14,23 @@ def evaluate_bpb(model, batches, token_bytes: torch.Tensor, autocast_ctx) -> flo
     """Bits per byte over (x, y) batches: summed next-token loss in nats over the summed UTF-8
     bytes of the target tokens, special tokens (0 bytes) and masked targets (-1) excluded. All
     ranks' sums are added, so the figure is the same for any number of processes."""
-    total_nats = torch.zeros((), dtype=torch.float64, device=token_bytes.device)
-    total_bytes = torch.zeros((), dtype=torch.float64, device=token_bytes.device)
+    return evaluate_bpb_each(model, batches, [token_bytes], autocast_ctx)[0]
+
+
+@torch.no_grad()
+def evaluate_bpb_each(model, batches, tables: list[torch.Tensor], autocast_ctx) -> list[float]:
+    """evaluate_bpb for several byte-length tables in one pass over the batches (an imported run
+    whose nanochat token_bytes.pt was computed the old way reports both figures)."""
+    device = tables[0].device
+    sums = torch.zeros(len(tables), 2, dtype=torch.float64, device=device)  # (nats, bytes) per table
     for x, y in batches:
         with autocast_ctx:
             loss = model(x, y, loss_reduction="none").view(-1).double()
         y = y.view(-1)
         valid = y >= 0
-        nbytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
-        counted = nbytes > 0
-        total_nats += (loss * counted).sum()
-        total_bytes += nbytes.sum()
-    both = all_reduce_sum(torch.stack([total_nats, total_bytes]))
-    return (both[0] / (math.log(2) * both[1])).item() if both[1] > 0 else float("nan")
+        for k, token_bytes in enumerate(tables):
+            nbytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
+            sums[k, 0] += (loss * (nbytes > 0)).sum()
+            sums[k, 1] += nbytes.sum()
+    sums = all_reduce_sum(sums)
+    return [(n / (math.log(2) * b)).item() if b > 0 else float("nan") for n, b in sums]

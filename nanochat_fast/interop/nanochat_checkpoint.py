@@ -8,11 +8,14 @@ nanochat's checkpoint folder, read and written. nanochat saves a training step a
 
 in a folder <phase>_checkpoints/d<n_layer> of its base directory (NANOCHAT_BASE_DIR).
 
-Its GPT and ours are the same network with the same parameter names and shapes, so converting is a
-matter of files: the keys lose a torch.compile "_orig_mod." prefix, every tensor becomes fp32 (our
-master weights), and the rows nanochat's later versions pad the vocabulary with (to a multiple of
-64; no token id reaches them) are dropped. Everything else must match the model_config exactly,
-or the import stops with one line. Every .pt file loads with weights_only=True.
+Its GPTs and ours are the same networks with the same parameter names and shapes: the seeds' GPT,
+and the windowed GPT of its later versions (a model_config with a window_pattern, weights with
+resid_lambdas and value_embeds). Converting is a matter of files: the keys lose a torch.compile
+"_orig_mod." prefix, every tensor becomes fp32 (our master weights), and the rows nanochat's later
+versions pad the vocabulary with (to a multiple of 64; no token id reaches them) are dropped on
+import and added back (zeros) on export of a windowed model, whose loader needs them. Everything
+else must match the model_config exactly, or the import stops with one line. Every .pt file loads
+with weights_only=True.
 """
 
 import json
@@ -25,7 +28,9 @@ import torch
 from .. import checkpoints
 from ..core import paths
 from ..core.errors import UserError
-from ..model.gpt import GPT, GPTConfig
+from ..model import loading
+from ..model.gpt import GPTConfig
+from ..model.windowed_gpt import WindowedGPTConfig
 
 MODEL_FILE, META_FILE, OPTIM_FILE = "model_{:06d}.pt", "meta_{:06d}.json", "optim_{:06d}_rank{}.pt"
 FOLDER_FILES = "model_*.pt, meta_*.json"  # what a checkpoint folder holds, for the import's --help
@@ -99,35 +104,39 @@ def open_checkpoint(folder, step: int | None) -> NanochatCheckpoint:
 
 
 def config_of(meta: dict, meta_path: Path) -> GPTConfig:
-    """GPTConfig of a meta's model_config. nanochat's later window_pattern is accepted when every
-    layer attends to the full context ("L"), which is what our GPT does."""
+    """The model config of a meta's model_config: the windowed GPT's when it has a window_pattern
+    with short windows; one of only long windows is taken as the seeds' GPT until the weights say
+    otherwise (model_state)."""
     mc = meta.get("model_config") if isinstance(meta, dict) else None
     if not isinstance(mc, dict):
         raise UserError(f"{meta_path} has no model_config; it was not written by nanochat's training scripts")
     mc = dict(mc)
-    window = mc.pop("window_pattern", "L")
-    if not (isinstance(window, str) and set(window) == {"L"}):
-        raise UserError(
-            f"{meta_path}: window_pattern {window!r} (sliding-window attention) is a newer nanochat "
-            "model than nanochat_fast's GPT, which attends to the full context"
-        )
-    names = {f for f in asdict(GPTConfig())}
+    window = mc.get("window_pattern", "L")
+    if isinstance(window, str) and set(window) == {"L"}:
+        mc.pop("window_pattern", None)
+    cls = WindowedGPTConfig if "window_pattern" in mc else GPTConfig
+    names = {f for f in asdict(cls())}
     if set(mc) != names:
         extra, missing = sorted(set(mc) - names), sorted(names - set(mc))
         raise UserError(
             f"{meta_path}: model_config has keys {extra} our GPT lacks / lacks {missing}; this nanochat "
-            "model is not the GPT nanochat_fast runs"
+            "model is not one nanochat_fast runs"
         )
     try:
-        return GPTConfig(**mc)
+        return cls(**mc)
     except ValueError as e:
         raise UserError(f"{meta_path}: model_config is not a valid GPT ({e})") from None
 
 
 def expected_shapes(config: GPTConfig) -> dict[str, tuple]:
     with torch.device("meta"):
-        model = GPT(config)
+        model = loading.model_class(config)(config)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def vocab_sized(name: str) -> bool:
+    """The tensors with a row per token, which nanochat pads."""
+    return name in ("transformer.wte.weight", "lm_head.weight") or name.startswith("value_embeds.")
 
 
 def padded_rows(rows: int, vocab_size: int) -> bool:
@@ -143,6 +152,8 @@ def model_state(ckpt: NanochatCheckpoint) -> dict[str, torch.Tensor]:
     if not isinstance(raw, dict):
         raise UserError(f"{path} holds a {type(raw).__name__}, not a state_dict")
     raw = {str(k).removeprefix("_orig_mod."): v for k, v in raw.items()}
+    if type(ckpt.config) is GPTConfig and "resid_lambdas" in raw:  # the windowed GPT, all windows long
+        ckpt.config = WindowedGPTConfig(**asdict(ckpt.config), window_pattern="L")
     want = expected_shapes(ckpt.config)
     missing, extra = sorted(set(want) - set(raw)), sorted(set(raw) - set(want))
     if missing or extra:
@@ -156,12 +167,7 @@ def model_state(ckpt: NanochatCheckpoint) -> dict[str, torch.Tensor]:
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise UserError(f"{path}: {name} is not a floating-point tensor")
         got = tuple(t.shape)
-        if (
-            got != shape
-            and name in ("transformer.wte.weight", "lm_head.weight")
-            and got[1:] == shape[1:]
-            and padded_rows(got[0], shape[0])
-        ):
+        if got != shape and vocab_sized(name) and got[1:] == shape[1:] and padded_rows(got[0], shape[0]):
             t = t[: shape[0]]  # nanochat's vocab padding
         elif got != shape:
             raise UserError(
@@ -180,10 +186,16 @@ def meta_summary(ckpt: NanochatCheckpoint) -> str:
     return f"nanochat checkpoint {ckpt.folder} step {ckpt.step}: {cfg}; val bpb {bpb_text}"
 
 
-def export_state(state: dict) -> dict[str, torch.Tensor]:
+def export_state(state: dict, config: GPTConfig) -> dict[str, torch.Tensor]:
     """Our state_dict as nanochat's model_NNNNNN.pt: the same names, fp32 tensors (what nanochat
-    writes from a CPU run; its loader casts as it needs), unpadded vocabulary rows."""
-    return {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+    writes from a CPU run; its loader casts as it needs); the windowed GPT's vocabulary rows padded
+    with zeros to a multiple of 64, as its loader (strict) expects, the seeds' GPT's left unpadded."""
+    out = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+    if isinstance(config, WindowedGPTConfig):
+        rows = -(-config.vocab_size // VOCAB_PAD) * VOCAB_PAD
+        for k in [k for k in out if vocab_sized(k)]:
+            out[k] = torch.cat([out[k], out[k].new_zeros(rows - out[k].size(0), out[k].size(1))])
+    return out
 
 
 def phase_of(ckpt: NanochatCheckpoint) -> str:

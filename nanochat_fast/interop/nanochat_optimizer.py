@@ -14,13 +14,21 @@ State per parameter:
     Muon   momentum_buffer (whole, in the file of the rank that owned the matrix),
            second_momentum_buffer (NorMuon's, rows x 1 or 1 x cols): our normuon_second_moment
 nanochat's AdamW counts steps per parameter; ours counts them per optimizer (they are equal).
+
+Its later versions (92d63d4) save one combined MuonAdamW state_dict per rank instead: groups marked
+kind "adamw" or "muon", in the order its setup_optimizer builds them (combined_layout); an AdamW
+parameter's moments whole (one process, or under 1024 elements) or as rank r's rows, a Muon group's
+state under its first parameter: (chunk, *shape) stacks of which rank r holds the matrices
+[r*chunk, (r+1)*chunk) of the group (combined_shards).
 """
+
+import math
 
 import torch
 
 from ..core.errors import UserError
 from ..optim import FORMAT
-from .nanochat_checkpoint import NanochatCheckpoint, load_pt
+from .nanochat_checkpoint import VOCAB_PAD, NanochatCheckpoint, load_pt, vocab_sized
 
 ADAMW_NAMES = ["lm_head.weight", "transformer.wte.weight"]  # nanochat's AdamW groups, in order
 CARRIED = ("lr", "initial_lr", "betas", "eps")  # hyperparameters that mean the same in both
@@ -178,8 +186,22 @@ def convert(files: list, shapes: dict, paths: list) -> list[dict]:
     return [adamw, muon_shard(files, shapes, adamw["num_updates"])]
 
 
-def empty_shards(shapes: dict) -> list[dict]:
+def empty_shards(shapes: dict, config=None) -> list[dict]:
     """Fresh optimizer state (no update yet) in our format: what a checkpoint without optim files gets."""
+    if config is not None and hasattr(config, "window_pattern"):
+        layout = combined_layout(config)
+        return [
+            {
+                "format": FORMAT,
+                "kind": kind,
+                "world_size": 1,
+                "rank": 0,
+                "num_updates": 0,
+                "param_groups": [{"param_names": names} for k, names in layout if k == kind],
+                "state": {},
+            }
+            for kind in ("adamw", "muon")
+        ]
     matrices = [n for n in shapes if n not in ADAMW_NAMES]
     return [
         {
@@ -195,16 +217,105 @@ def empty_shards(shapes: dict) -> list[dict]:
     ]
 
 
+def combined_layout(config) -> list[tuple[str, list[str]]]:
+    """(kind, parameter names) of each group of nanochat's MuonAdamW, in its setup_optimizer's order:
+    the AdamW groups, then the block matrices grouped by shape (sorted), each in model order."""
+    from ..model import loading
+
+    with torch.device("meta"):
+        model = loading.model_class(config)(config)
+    if hasattr(model, "optimizer_groups"):
+        adam = [[name for name, _ in params] for _, params, *_ in model.optimizer_groups(1.0, 1.0, 1.0)]
+    else:
+        adam = [[name] for name in ADAMW_NAMES]
+    matrices = list(model.transformer.h.named_parameters(prefix="transformer.h"))
+    muon = [[n for n, p in matrices if p.shape == shape] for shape in sorted({p.shape for _, p in matrices})]
+    return [("adamw", names) for names in adam] + [("muon", names) for names in muon]
+
+
+def _is_combined(data) -> bool:
+    groups = data.get("param_groups") if isinstance(data, dict) else None
+    return isinstance(groups, list) and bool(groups) and all(isinstance(g, dict) and "kind" in g for g in groups)
+
+
+def _adamw_entry(entries: list, shape, name: str, world_size: int) -> dict:
+    """One AdamW parameter's moments from every rank's entry: whole (one process, or a parameter
+    of under 1024 elements, which every rank updates whole), else rank r's rows, concatenated."""
+    rows = -(-shape[0] // VOCAB_PAD) * VOCAB_PAD if vocab_sized(name) else shape[0]
+    split = world_size > 1 and rows * math.prod(shape[1:]) >= 1024
+    entry = {"shape": list(shape), "offset": 0}
+    for key in ("exp_avg", "exp_avg_sq"):
+        pieces = [_tensor(e, key, name) for e in entries]
+        t = torch.cat(pieces, dim=0) if split else pieces[0]
+        entry[key] = _rows_fitted(t, shape, name).reshape(-1).contiguous()
+    entry["numel"] = entry["exp_avg"].numel()
+    return entry
+
+
+def combined_shards(files: list, shapes: dict, config) -> list[dict]:
+    """nanochat's per-rank MuonAdamW state_dicts (rank order) -> our [AdamW, Muon] shards."""
+    layout, W = combined_layout(config), len(files)
+    for data in files:
+        got = [(g["kind"], len(g.get("params", []))) for g in data["param_groups"]]
+        if got != [(kind, len(names)) for kind, names in layout]:
+            _fail(f"its MuonAdamW groups {got} are not the ones this model's setup_optimizer builds")
+    out = {kind: dict(groups=[], state={}) for kind in ("adamw", "muon")}
+    steps = set()
+    for g, (kind, names) in enumerate(layout):
+        group = files[0]["param_groups"][g]
+        out[kind]["groups"].append({"param_names": names, **_hparams(group)})
+        if kind == "adamw":
+            for index, name in zip(group["params"], names):
+                entries = [e for data in files if (e := data["state"].get(int(index), data["state"].get(index)))]
+                if entries:
+                    out[kind]["state"][name] = _adamw_entry(entries, shapes[name], name, W)
+                    steps |= {int(torch.as_tensor(e.get("step", 0)).item()) for e in entries}
+            continue
+        first = group["params"][0]
+        stacks = [data["state"].get(int(first), data["state"].get(first)) for data in files]
+        if not all(stacks):
+            continue
+        momentum = torch.cat([_tensor(e, "momentum_buffer", names[0]) for e in stacks])
+        second = torch.cat([_tensor(e, "second_momentum_buffer", names[0]) for e in stacks])
+        for i, name in enumerate(names):
+            out[kind]["state"][name] = {
+                "shape": list(shapes[name]),
+                "offset": 0,
+                "numel": momentum[i].numel(),
+                "momentum_buffer": _rows_fitted(momentum[i], shapes[name], name),
+                "normuon_second_moment": second[i].contiguous(),
+            }
+    if len(steps) > 1:
+        _fail(f"its AdamW parameters were updated different numbers of times ({sorted(steps)})")
+    updates = steps.pop() if steps else 0
+    return [
+        {
+            "format": FORMAT,
+            "kind": kind,
+            "world_size": 1,
+            "rank": 0,
+            "num_updates": updates if out[kind]["state"] else 0,
+            "param_groups": out[kind]["groups"],
+            "state": out[kind]["state"],
+        }
+        for kind in ("adamw", "muon")
+    ]
+
+
 def optimizer_shards(ckpt: NanochatCheckpoint, shapes: dict, skip: bool) -> tuple[list, str]:
     """Our optimizer shards for a nanochat checkpoint (its optimizer files converted, else fresh
     state), and the line saying what became of nanochat's optimizer state."""
     if ckpt.optim_files and not skip:
-        shards = convert([load_pt(p) for p in ckpt.optim_files], shapes, ckpt.optim_files)
+        files = [load_pt(p) for p in ckpt.optim_files]
+        if all(_is_combined(d) for d in files):
+            shards = combined_shards(files, shapes, ckpt.config)
+        else:
+            shards = convert(files, shapes, ckpt.optim_files)
         return shards, (
             f"optimizer state: imported from {len(ckpt.optim_files)} file(s) (AdamW after "
             f"{shards[0]['num_updates']} updates, Muon momentum of {len(shards[1]['state'])} matrices)"
         )
     why = "--no-optimizer" if skip else f"no optim_{ckpt.step:06d}_rank*.pt in {ckpt.folder}"
     return empty_shards(
-        shapes
+        shapes, ckpt.config
     ), f"optimizer state: none ({why}); training from this run starts with fresh optimizer state"

@@ -154,10 +154,24 @@ def read_token_bytes(directory, vocab_size: int):
     return tb
 
 
-def read_tokenizer(directory: Path, vocab_size: int) -> tuple[Tokenizer, int]:
+def old_style_byte_lengths(tokenizer: Tokenizer) -> torch.Tensor:
+    """token_bytes.pt as nanochat's tok_train wrote it before its 2026-07-03 fix: each token decoded
+    to str first, so bytes that are not valid UTF-8 on their own count 3 (U+FFFD) instead of 1."""
+    specials = set(tokenizer.special_tokens.values())
+    return torch.tensor(
+        [
+            0 if i in specials else len(tokenizer.enc.decode([i], errors="replace").encode("utf-8"))
+            for i in range(tokenizer.get_vocab_size())
+        ],
+        dtype=torch.int32,
+    )
+
+
+def read_tokenizer(directory: Path, vocab_size: int) -> tuple[Tokenizer, int, dict[int, int]]:
     """nanochat's tokenizer folder as our Tokenizer, checked: same ids on the sample, the model's
-    vocab size, and (when present) the same bytes per token as its token_bytes.pt. Also returns
-    the number of sample tokens compared."""
+    vocab size, and (when present) the bytes per token of its token_bytes.pt. Also returns the
+    number of sample tokens compared and, for a token_bytes.pt computed the old way (through str),
+    {token id: nanochat's byte count} where it differs from tokenizer.pkl's true lengths."""
     state = read_encoding_state(directory / PICKLE_FILE)
     tokenizer = tokenizer_from_state(state, directory / PICKLE_FILE)
     n = check_same_ids(tokenizer, state)
@@ -167,11 +181,25 @@ def read_tokenizer(directory: Path, vocab_size: int) -> tuple[Tokenizer, int]:
             f"is {vocab_size}: give the tokenizer this model was trained with"
         )
     theirs = read_token_bytes(directory, vocab_size)
-    if theirs is not None and not torch.equal(theirs.to(torch.int32), token_bytes_tensor(tokenizer)):
+    true = token_bytes_tensor(tokenizer)
+    if theirs is None or torch.equal(theirs.to(torch.int32), true):
+        return tokenizer, n, {}
+    theirs = theirs.to(torch.int32)
+    if not torch.equal(theirs, old_style_byte_lengths(tokenizer)):
         raise UserError(
             f"{directory / TOKEN_BYTES_FILE} does not match tokenizer.pkl's tokens; re-run nanochat's tok_train"
         )
-    return tokenizer, n
+    differ = (theirs != true).nonzero().flatten().tolist()
+    return tokenizer, n, {i: int(theirs[i]) for i in differ}
+
+
+def old_token_bytes_notice(directory: Path, differ: dict[int, int], vocab_size: int) -> str:
+    """The one line an import prints for a token_bytes.pt computed the old way."""
+    return (
+        f"note: {directory / TOKEN_BYTES_FILE} was computed the old way (through str, before nanochat's fix "
+        f"of 2026-07-03): {len(differ):,} of {vocab_size:,} tokens differ from tokenizer.pkl's byte lengths, "
+        "which are used here; nanochat's own val bpb figures were computed with its file"
+    )
 
 
 def folder_in(base_dir: Path) -> Path:

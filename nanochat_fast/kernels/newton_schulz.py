@@ -185,24 +185,43 @@ def plan(shape, device, dtype=None, backend=None) -> tuple[registry.Backend, tor
     return impl, dtype, path
 
 
-def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients="quintic", out_dtype=None, dtype=None, *, backend=None):
+def newton_schulz(
+    G: torch.Tensor,
+    steps: int = 5,
+    coefficients="quintic",
+    out_dtype=None,
+    dtype=None,
+    *,
+    backend=None,
+    safety: float = 1.0,
+    eps: float = 1e-7,
+):
     """Orthogonalize G (2-D, or 3-D as a batch of same-shape matrices) with `steps` iterations,
-    computing in `dtype` (None/"auto", "fp32", "bf16" or a torch dtype)."""
+    computing in `dtype` (None/"auto", "fp32", "bf16" or a torch dtype). Each matrix starts divided
+    by safety * its Frobenius norm + eps (nanochat's Polar Express: 1.01 and 1e-6)."""
     if G.dim() not in (2, 3):
         raise ValueError(f"G must be 2-D or a 3-D stack of matrices, got shape {tuple(G.shape)}")
     coeffs = resolve_coefficients(coefficients, steps)
     impl, dtype, path = plan(G.shape, G.device, dtype, backend)
-    return impl.fn(G, coeffs, dtype, path).to(out_dtype or G.dtype)
+    normalisation = {} if (safety, eps) == (1.0, 1e-7) else dict(safety=safety, eps=eps)  # the default: none passed
+    return impl.fn(G, coeffs, dtype, path, **normalisation).to(out_dtype or G.dtype)
+
+
+def normalized(stack: torch.Tensor, safety: float = 1.0, eps: float = 1e-7) -> torch.Tensor:
+    """Each matrix of the stack over safety * its Frobenius norm (in fp32) + eps."""
+    norm = torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    return stack / (norm * safety + eps) if safety != 1.0 else stack / (norm + eps)
 
 
 @register_backend(OP, "reference", always)
-def newton_schulz_reference(G, coeffs, dtype, path="plain"):
+def newton_schulz_reference(G, coeffs, dtype, path="plain", safety=1.0, eps=1e-7):
     """The plain PyTorch iteration, as in nanochat's zeropower_via_newtonschulz5."""
     X = G.to(dtype)
     transposed = G.size(-2) > G.size(-1)
     if transposed:
         X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    norm = X.norm(dim=(-2, -1), keepdim=True)
+    X = X / (norm * safety + eps) if safety != 1.0 else X / (norm + eps)
     for a, b, c in coeffs:
         A = X @ X.mT
         B = b * A + c * (A @ A)
@@ -211,10 +230,10 @@ def newton_schulz_reference(G, coeffs, dtype, path="plain"):
 
 
 @register_backend(OP, "triton", triton_why_not)
-def triton_backend(G, coeffs, dtype, path="symmetric"):
+def triton_backend(G, coeffs, dtype, path="symmetric", safety=1.0, eps=1e-7):
     from .newton_schulz_triton import newton_schulz_triton  # imported late: TRITON_INTERPRET is read at import
 
-    return newton_schulz_triton(G, coeffs, dtype=dtype)
+    return newton_schulz_triton(G, coeffs, dtype=dtype, safety=safety, eps=eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,12 +321,11 @@ def _gram(S, coeffs, wide, split):
 
 
 @register_backend(OP, "torch", always)
-def newton_schulz_torch(G, coeffs, dtype, path):
+def newton_schulz_torch(G, coeffs, dtype, path, safety=1.0, eps=1e-7):
     """The table's `path` ("plain", "symmetric" or "gram") in `dtype`."""
     stack = G if G.dim() == 3 else G.unsqueeze(0)
     wide = stack.size(-2) <= stack.size(-1)
-    norm = torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    S = (stack / (norm + 1e-7)).to(dtype).contiguous()
+    S = normalized(stack, safety, eps).to(dtype).contiguous()
     if path == "gram":
         split = symmetric_pays(table_device(G.device.type, dtype), dtype, min(stack.shape[-2:]))
         S = _gram(S, coeffs, wide, split=split)

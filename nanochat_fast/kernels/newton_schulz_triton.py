@@ -292,7 +292,9 @@ def fused_update(
     return out, grid[0] * grid[1]
 
 
-def newton_schulz_triton(G: torch.Tensor, coeffs, dtype: torch.dtype | None = None, config: dict | None = None):
+def newton_schulz_triton(
+    G: torch.Tensor, coeffs, dtype: torch.dtype | None = None, config: dict | None = None, safety=1.0, eps=1e-7
+):
     """The whole iteration on a 2-D matrix or a (K, rows, cols) stack; computes and returns `dtype`
     (default: the precision policy's choice for G's device)."""
     dtype = compute_dtype(G.device, dtype)
@@ -303,7 +305,7 @@ def newton_schulz_triton(G: torch.Tensor, coeffs, dtype: torch.dtype | None = No
     K, M, N = stack.shape
     norm = torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True, dtype=torch.float32)
     X = torch.empty((K, M, N), dtype=dtype, device=G.device)
-    X.copy_(stack / (norm + 1e-7))  # normalise, cast and lay out contiguously in one pass
+    X.copy_(stack / (norm * safety + eps))  # normalise, cast and lay out contiguously in one pass
     A = torch.empty((K, M, M), dtype=dtype, device=G.device)
     B = torch.empty_like(A)
     Y = torch.empty_like(X)

@@ -248,12 +248,14 @@ class GPT(nn.Module):
         adam_betas=(0.8, 0.95),
         ns_coefficients=None,
         muon_recipe="quintic",
+        scalar_lr=None,
     ):
         """[AdamW for lm_head and wte, Muon for every matrix in the blocks]; the distributed ZeRO-2
         versions when torch.distributed runs more than one process, the FSDP ones (optim/fsdp.py) once
         the model is sharded by fully_shard (its parameters are DTensors). `weight_decay` is AdamW's; Muon
         follows `muon_recipe` (a MuonRecipe or a preset name, see optim/recipe.py; ns_coefficients,
         if given, overrides the recipe's) and keeps it as `.recipe` for the momentum schedule.
+        scalar_lr is the windowed GPT's (this model has no scalars).
         Every group records `initial_lr` for the LR schedule."""
         from ..optim import AdamW, DistAdamW, DistMuon, FsdpAdamW, FsdpMuon, Muon, MuonRecipe
 

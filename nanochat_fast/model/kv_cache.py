@@ -32,6 +32,7 @@ class SlotCache:
     def __init__(self, n_layer: int, slots: int, max_len: int):
         self.n_layer, self.slots, self.max_len = n_layer, slots, max_len
         self.kv = None
+        self.embeddings = None  # each slot's last input embedding (the windowed GPT's smear reads it)
 
     @staticmethod
     def nbytes(n_layer: int, slots: int, n_kv_head: int, max_len: int, head_dim: int, dtype) -> int:
@@ -48,9 +49,26 @@ class SlotCache:
 
     def copy_slot(self, src: int, dst: int, length: int):
         """Slot dst continues from slot src's first `length` positions (a prompt run once, sampled
-        in several slots)."""
+        in several slots; `length` is all src holds, so its last embedding is position length-1's)."""
         if self.kv is not None:
             self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
+        if self.embeddings is not None:
+            self.embeddings[dst] = self.embeddings[src]
+
+    def previous_embedding(self, view, x: torch.Tensor) -> torch.Tensor:
+        """(B, C): the input embedding of the position before each row's first new token in `view`
+        (SlotPrefill or SlotBatch), zero for a row starting at position 0."""
+        if self.embeddings is None:
+            self.embeddings = torch.zeros(self.slots, x.size(-1), dtype=torch.float32, device=x.device)
+        if isinstance(view, SlotPrefill):
+            prev = self.embeddings[view.slot : view.slot + 1]
+            return prev if view.pos > 0 else torch.zeros_like(prev)
+        return torch.where((view.positions > 0)[:, None], self.embeddings[view.slots], 0.0)
+
+    def keep_embedding(self, view, last: torch.Tensor):
+        """Store each row's last input embedding (B, C) for its next step."""
+        rows = slice(view.slot, view.slot + 1) if isinstance(view, SlotPrefill) else view.slots
+        self.embeddings[rows] = last.float()
 
 
 class SlotPrefill:

@@ -7,8 +7,9 @@ Making a GPT and loading a trained one.
     load_model(run_dir, step, device, tok)  a trained model in eval mode, for evaluation and chat
 
 Every script that needs a model goes through here, so the rules live once: models are built on
-the meta device and materialised where they run, and checkpoints must match the model config and
-the tokenizer. Setting a model up for a training run (optimizers, dtypes, compile) is
+the meta device and materialised where they run, a checkpoint's family (meta.json's "arch": the
+seeds' GPT, or the windowed GPT of model/windowed_gpt.py) picks the class, and checkpoints must
+match the model config and the tokenizer. Setting a model up for a training run (optimizers, dtypes, compile) is
 train/model_setup.py.
 """
 
@@ -21,13 +22,46 @@ from .. import checkpoints
 from ..core import paths
 from ..core.errors import UserError
 from .gpt import GPT, GPTConfig
+from .windowed_gpt import WindowedGPT, WindowedGPTConfig
+
+# the model families: --arch's values and meta.json's "arch" -> (config class, model class)
+FAMILIES = {"gpt": (GPTConfig, GPT), "windowed": (WindowedGPTConfig, WindowedGPT)}
+DEFAULT_ARCH = "gpt"  # the seeds' GPT; runs saved before families existed have no "arch"
+
+
+def arch_of(config: GPTConfig) -> str:
+    return next(name for name, (cls, _) in FAMILIES.items() if type(config) is cls)
+
+
+def model_class(config: GPTConfig):
+    return FAMILIES[arch_of(config)][1]
+
+
+def config_of(meta: dict, ckpt: Path) -> GPTConfig:
+    """The model config a checkpoint's meta.json describes, of its family."""
+    arch = meta.get("arch", DEFAULT_ARCH)
+    if arch not in FAMILIES:
+        raise UserError(f"checkpoint {ckpt} is of model family {arch!r}, which this nanochat_fast does not know")
+    try:
+        return FAMILIES[arch][0](**meta["model_config"])
+    except (TypeError, ValueError) as e:
+        raise UserError(f"checkpoint {ckpt}: its model_config is not a {arch} model ({e})") from None
+
+
+def check_arch(wanted: str, config: GPTConfig, ckpt: Path):
+    """A run that names --arch must start from a checkpoint of that family."""
+    if wanted and wanted != arch_of(config):
+        raise UserError(
+            f"checkpoint {ckpt} is a {arch_of(config)} model but --arch={wanted}: drop --arch (the "
+            f"checkpoint decides) or pass --arch={arch_of(config)}"
+        )
 
 
 def new_model(config: GPTConfig, device, state: dict | None = None) -> GPT:
-    """GPT(config) built on the meta device and materialised on `device` with nanochat's init
-    (which also fills the rotary buffers, not saved in checkpoints), then loaded with `state`."""
+    """The model of config's family built on the meta device and materialised on `device` with its
+    init (which also fills the rotary buffers, not saved in checkpoints), then loaded with `state`."""
     with torch.device("meta"):
-        model = GPT(config)
+        model = model_class(config)(config)
     model.to_empty(device=device)
     model.init_weights()
     if state is not None:
@@ -49,6 +83,7 @@ def check_tokenizer(meta: dict, ckpt: Path, tokenizer):
 
 def check_compatible(meta: dict, ckpt: Path, config: GPTConfig, tokenizer):
     """A checkpoint to resume must be of the same model config and tokenizer as this run."""
+    check_arch(arch_of(config), config_of(meta, ckpt), ckpt)
     saved, wanted = meta["model_config"], asdict(config)
     diff = [f"{k}={saved.get(k)} (this run: {v})" for k, v in wanted.items() if saved.get(k) != v]
     if diff:
@@ -65,7 +100,7 @@ def open_checkpoint(run_dir: Path, step: int | None, tokenizer):
     ckpt = checkpoints.resolve_checkpoint(run_dir, step)
     meta = checkpoints.load_meta(ckpt)
     check_tokenizer(meta, ckpt, tokenizer)
-    return ckpt, meta, GPTConfig(**meta["model_config"])
+    return ckpt, meta, config_of(meta, ckpt)
 
 
 def restore_model(ckpt: Path, config: GPTConfig, device) -> GPT:

@@ -152,8 +152,12 @@ class Muon(ZeroOptimizer):
         normuon_beta=None,
         equilibrate_rows=False,
         renormalize=False,
+        ns_safety=1.0,
+        ns_eps=1e-7,
     ):
         check_hparam("lr", lr)
+        check_hparam("ns_safety", ns_safety, 1.0)
+        check_hparam("ns_eps", ns_eps)
         check_hparam("momentum", momentum, 0.0, 1.0)
         check_hparam("weight_decay", weight_decay)
         if normuon_beta is not None:
@@ -175,6 +179,8 @@ class Muon(ZeroOptimizer):
             normuon_beta=normuon_beta,
             equilibrate_rows=bool(equilibrate_rows),
             renormalize=bool(renormalize),
+            ns_safety=float(ns_safety),
+            ns_eps=float(ns_eps),
         )
         super().__init__(self._group_by_shape(params), defaults)
         self.recipe = None
@@ -317,7 +323,13 @@ class Muon(ZeroOptimizer):
             G = equilibrate_rows(G)
         dtype = self.ns_precision.dtype if group["ns_dtype"] == "auto" else DTYPES[group["ns_dtype"]]
         U = newton_schulz(
-            G, steps=group["ns_steps"], coefficients=group["ns_coefficients"], dtype=dtype, out_dtype=torch.float32
+            G,
+            steps=group["ns_steps"],
+            coefficients=group["ns_coefficients"],
+            dtype=dtype,
+            out_dtype=torch.float32,
+            safety=group.get("ns_safety", 1.0),
+            eps=group.get("ns_eps", 1e-7),
         )
         if group["renormalize"]:
             renormalize_(U)

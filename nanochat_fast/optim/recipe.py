@@ -53,6 +53,8 @@ class MuonRecipe:
     ns_coefficients: object = "quintic"  # "quintic" | "polar_express" | "minimax4" | ((a, b, c), ...) per step
     ns_steps: int = 5
     ns_dtype: str = "auto"  # "auto" | "fp32" | "bf16"
+    ns_safety: float = 1.0  # Newton-Schulz's input divided by this times its norm, plus ns_eps
+    ns_eps: float = 1e-7
     normuon: bool = False
     normuon_beta: float = 0.9
     cautious_weight_decay: bool = False
@@ -89,6 +91,8 @@ class MuonRecipe:
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
         _check_real("weight_decay", self.weight_decay, 0.0, None)
+        _check_real("ns_safety", self.ns_safety, 1.0, None)
+        _check_real("ns_eps", self.ns_eps, 0.0, None)
         for field in ("normuon_beta", "momentum_start", "momentum", "momentum_end"):
             _check_real(field, getattr(self, field), 0.0, 1.0)
         _check_real("momentum_warmdown_ratio", self.momentum_warmdown_ratio, 0.0, 1.0, high_inclusive=True)
@@ -161,6 +165,8 @@ class MuonRecipe:
             normuon_beta=self.normuon_beta if self.normuon else None,
             equilibrate_rows=self.equilibrate_rows,
             renormalize=self.renormalize,
+            ns_safety=self.ns_safety,
+            ns_eps=self.ns_eps,
         )
 
     def describe(self) -> str:
@@ -196,7 +202,7 @@ def _check_int(field, value, low):
 
 
 # The presets. polar-normuon is the recipe nanochat trains with (its optim.py and base_train.py):
-#   - Polar Express coefficients (5 steps)
+#   - Polar Express coefficients (5 steps), the input divided by 1.01 times its norm plus 1e-6
 #   - MuonEq: each row of the momentum rescaled to the mean row norm before the orthogonalisation
 #     (better conditioned input)
 #   - Muon+: the orthogonalised update rescaled to Frobenius norm sqrt(min(rows, cols)), that of an
@@ -217,6 +223,8 @@ PRESETS["minimax4"] = MuonRecipe(name="minimax4", ns_coefficients="minimax4", ns
 PRESETS["polar-normuon"] = MuonRecipe(
     name="polar-normuon",
     ns_coefficients="polar_express",
+    ns_safety=1.01,
+    ns_eps=1e-6,
     normuon=True,
     normuon_beta=0.9,
     cautious_weight_decay=True,

@@ -15,13 +15,15 @@ published CORE scores (docs/measurements.md#core-subset); --max-examples N score
 sample of N items per task. Results go to the run's evals.json for the report card.
 """
 
+import torch
+
 from .. import checkpoints
 from ..core import cli
 from ..core.distributed import print0
 from ..data.packed_loaders import ConversationRowLoader, TokenRowLoader
 from ..data.tokenizer import get_token_bytes, get_tokenizer
 from ..evals import prepared_benchmarks, task_runner, tasks
-from ..evals.bits_per_byte import evaluate_bpb
+from ..evals.bits_per_byte import evaluate_bpb_each
 from ..model import generation, loading
 from ..train.stage_data import val_batches
 from ..train.training_config import DeviceConfig, evaluation_process
@@ -75,10 +77,22 @@ def main(argv=None) -> int:
             )
 
         batches = val_batches(make_loader, args.eval_tokens, args.device_batch_size, seq_len, dev.rank, dev.world_size)
-        bpb = evaluate_bpb(model, batches, get_token_bytes(device=dev.device), dev.autocast())
+        tables = [get_token_bytes(device=dev.device)]
+        old_bytes = meta.get("imported_from", {}).get("nanochat_token_bytes")
+        if old_bytes:  # nanochat's token_bytes.pt computed the old way: its figure beside the true one
+            tables.append(tables[0].clone())
+            tables[1][[int(i) for i in old_bytes]] = torch.tensor(list(old_bytes.values()), dtype=tables[0].dtype)
+        bpbs = evaluate_bpb_each(model, batches, tables, dev.autocast())
+        bpb = bpbs[0]
         print0(f"checkpoint: {ckpt}")
         print0(f"val bpb ({dataset} val split, up to {args.eval_tokens:,} tokens): {bpb:.4f}")
         results = {"val_bpb": {"value": bpb, "dataset": dataset, "eval_tokens": args.eval_tokens}}
+        if old_bytes:
+            print0(
+                f"val bpb with nanochat's token_bytes.pt ({len(old_bytes)} tokens counted the old way, as "
+                f"nanochat's own figures are): {bpbs[1]:.4f}"
+            )
+            results["val_bpb"]["with_nanochat_token_bytes"] = bpbs[1]
         core = core_subset_if_prepared(model, tokenizer, args, dev)
         if core is not None:
             results["core_subset"] = core

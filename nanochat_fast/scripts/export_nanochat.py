@@ -53,7 +53,7 @@ def main(argv=None) -> int:
         raise UserError(f"{model_path} exists; pass --overwrite to replace it")
     tokenizer_dir = nanochat_tokenizer.folder_in(out)
     nanochat_tokenizer.check_out_tokenizer(tokenizer_dir, tokenizer, args.overwrite)
-    state = nanochat_checkpoint.export_state(checkpoints.load_model_state(ckpt))
+    state = nanochat_checkpoint.export_state(checkpoints.load_model_state(ckpt), config)
     nanochat_checkpoint.write_checkpoint(folder, step, state, nanochat_checkpoint.export_meta(step, config, meta, ckpt))
     nanochat_tokenizer.write_tokenizer_files(tokenizer, tokenizer_dir)
     print(

@@ -26,6 +26,7 @@ from ..core import cli, paths
 from ..core.errors import UserError
 from ..data.tokenizer import RANKS_FILE, Tokenizer, get_tokenizer, save_token_bytes
 from ..interop import nanochat_checkpoint, nanochat_optimizer, nanochat_tokenizer
+from ..model import loading
 from ..model.gpt import GPTConfig
 from ..train.env_vars import check_environment
 from ..train.run_state import LoopState
@@ -80,8 +81,10 @@ def base_train_flags(config: GPTConfig) -> str | None:
         return None
     for aspect in (64, config.n_embd // config.n_layer, *range(1, config.n_embd + 1)):  # nanochat's 64 first
         if math.ceil(aspect * config.n_layer / head_dim) * head_dim == config.n_embd:
+            family = loading.arch_of(config)
+            arch = f"--arch={family} --window-pattern={config.window_pattern} " if family != "gpt" else ""
             return (
-                f"--depth={config.n_layer} --aspect-ratio={aspect} --head-dim={head_dim} "
+                f"{arch}--depth={config.n_layer} --aspect-ratio={aspect} --head-dim={head_dim} "
                 f"--max-seq-len={config.sequence_len}"
             )
     return None
@@ -91,6 +94,7 @@ def run_meta(ckpt, phase: str, tokenizer: Tokenizer, optimizer: bool) -> dict:
     state = LoopState(**nanochat_checkpoint.carried_loop_state(ckpt))
     return {
         "phase": phase,
+        "arch": loading.arch_of(ckpt.config),
         "model_config": asdict(ckpt.config),
         "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
         "args": {},
@@ -126,11 +130,14 @@ def main(argv=None) -> int:
     run_dir = paths.runs_dir() / args.run
     if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
         raise UserError(f"run directory {run_dir} already exists: pick another --run or pass --overwrite")
-    tokenizer, n = nanochat_tokenizer.read_tokenizer(Path(args.tokenizer).expanduser(), ckpt.config.vocab_size)
+    tok_dir = Path(args.tokenizer).expanduser()
+    tokenizer, n, old_bytes = nanochat_tokenizer.read_tokenizer(tok_dir, ckpt.config.vocab_size)
     print(
         f"tokenizer: {tokenizer.get_vocab_size():,} tokens; same ids as nanochat's on a {n}-token multilingual "
         "sample with every special token"
     )
+    if old_bytes:
+        print(nanochat_tokenizer.old_token_bytes_notice(tok_dir, old_bytes, tokenizer.get_vocab_size()))
     write_tokenizer = home_tokenizer_to_write(tokenizer)
     model_state = nanochat_checkpoint.model_state(ckpt)
     shards, optim_line = nanochat_optimizer.optimizer_shards(
@@ -138,6 +145,8 @@ def main(argv=None) -> int:
     )
     print(optim_line)
     meta = run_meta(ckpt, phase, tokenizer, optimizer=bool(shards[0]["num_updates"] or shards[1]["state"]))
+    if old_bytes:  # base_eval reports the bpb nanochat's own file gives beside the true one
+        meta["imported_from"]["nanochat_token_bytes"] = {str(i): b for i, b in old_bytes.items()}
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     write_run(run_dir, ckpt, model_state, shards, meta, tokenizer if write_tokenizer else None)
     print(

@@ -24,7 +24,7 @@ from .. import checkpoints
 from ..core import cli, paths
 from ..core.errors import UserError
 from ..evals import task_runner, tasks
-from ..model.gpt import GPT, GPTConfig
+from ..model import loading
 from ..train.env_vars import check_environment
 
 STAGES = (("base", "BASE"), ("mid", "MID"), ("sft", "SFT"), ("rl", "RL"))
@@ -109,9 +109,11 @@ def pick_runs(args) -> dict:
     return {phase: chosen[phase] for phase, _ in STAGES}
 
 
-def parameters(model_config: dict) -> int:
+def parameters(meta: dict) -> int:
+    """Parameters of the model a checkpoint's meta.json describes (its family's)."""
+    config = loading.config_of(meta, Path("meta.json"))
     with torch.device("meta"):
-        return sum(p.numel() for p in GPT(GPTConfig(**model_config)).parameters())
+        return sum(p.numel() for p in loading.model_class(config)(config).parameters())
 
 
 def cost(meta: dict) -> str:
@@ -210,7 +212,7 @@ def stage_section(phase: str, f: dict) -> list[str]:
         "run": f"{f['run_dir'].name} ({f['run_dir']})",
         "checkpoint": f"step {meta['step']} ({f['ckpt']})",
         "started from": meta.get("base_checkpoint", "fresh weights (the depth dial)"),
-        "model": f"{config['n_layer']} layers, n_embd {config['n_embd']}, {parameters(config):,} parameters, "
+        "model": f"{config['n_layer']} layers, n_embd {config['n_embd']}, {parameters(meta):,} parameters, "
         f"context {config['sequence_len']}",
         "data": meta["args"].get("dataset", "n/a"),
         "steps": f"{state['step']:,}",

@@ -82,6 +82,13 @@ class FromRun:
             default=None,
             help=f"checkpoint step of the {self.run_flag.replace('_', ' ')} (default: newest)",
         )
+        g.add_argument(
+            "--arch",
+            type=cli.choice("", *loading.FAMILIES),
+            default="",
+            help=f"model family ({', '.join(loading.FAMILIES)}): the checkpoint's must be this one (default: the "
+            "checkpoint's)",
+        )
 
     def resolve(self, args, cfg, tokenizer) -> StartPoint:
         run_dir = checkpoints.run_dir_of(getattr(args, self.run_flag), self.phases)
@@ -91,6 +98,7 @@ class FromRun:
                 f"{flag_name(self.run_flag)} {run_dir}: {ckpt} is a {meta.get('phase')} checkpoint, "
                 f"not a {' or '.join(self.phases)} one"
             )
+        loading.check_arch(getattr(args, "arch", ""), config, ckpt)
         seq_len = cfg.data.max_seq_len or config.sequence_len
         if seq_len > config.sequence_len:
             raise UserError(
@@ -310,6 +318,7 @@ def meta_of_run(stage: Stage, setup: RunSetup, dev: ProcessSetup, settings: dict
     point, tokenizer = setup.point, setup.tokenizer
     return lambda: {
         "phase": stage.phase,
+        "arch": loading.arch_of(point.config),
         "model_config": asdict(point.config),
         "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
         "args": settings,

@@ -96,12 +96,57 @@ class Config:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
+def window_pattern(value) -> str:
+    """--window-pattern's check: letters S and L only."""
+    from ..model.windowed_gpt import check_window_pattern
+
+    try:
+        return check_window_pattern(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+ARCHES = ("gpt", "windowed")  # model/loading.FAMILIES' names (checked equal by the model tests)
+# The windowed family's recipe (nanochat's base_train at 92d63d4): the defaults --arch=windowed
+# gives the flags not set on the command line.
+ARCH_PRESETS = {
+    "windowed": dict(
+        muon_recipe="polar-normuon",
+        embedding_lr=0.3,
+        unembedding_lr=0.008,
+        scalar_lr=0.5,
+        warmup_steps=40,
+        warmdown_ratio=0.65,
+        final_lr_frac=0.05,
+        grad_clip=0.0,
+    )
+}
+
+
+def apply_arch_preset(args):
+    """The flags of --arch's preset that were not given on the command line, set in `args`."""
+    explicit = cli.explicit_flags(args)
+    for name, value in ARCH_PRESETS.get(getattr(args, "arch", ""), {}).items():
+        if hasattr(args, name) and name not in explicit:
+            setattr(args, name, value)
+
+
 @dataclass(frozen=True)
 class ModelConfig(Config):
     GROUP = "model"
+    arch: str = flag(
+        "gpt",
+        choice(*ARCHES),
+        "model family: gpt (the seeds' GPT) or windowed (nanochat's today: sliding windows, value "
+        "embeddings, per-layer scalars, smear and backout; also sets its recipe's defaults)",
+        choices=list(ARCHES),
+    )
     depth: int = flag(20, positive_int, "transformer layers; sets width and heads")
     aspect_ratio: int = flag(64, positive_int, "n_embd ~= aspect_ratio * depth")
     head_dim: int = flag(128, positive_int, "attention head dimension")
+    window_pattern: str = flag(
+        "SSSL", window_pattern, "windowed: S (a quarter of the context) and L (all of it) tiled over the layers"
+    )
 
     def validate(self):
         if self.head_dim % 2:
@@ -110,11 +155,17 @@ class ModelConfig(Config):
             )
 
     def gpt_config(self, vocab_size: int, sequence_len: int):
-        from ..model.gpt import config_from_depth
+        from dataclasses import asdict
 
-        return config_from_depth(
+        from ..model.gpt import config_from_depth
+        from ..model.windowed_gpt import WindowedGPTConfig
+
+        config = config_from_depth(
             self.depth, vocab_size, sequence_len, aspect_ratio=self.aspect_ratio, head_dim=self.head_dim
         )
+        if self.arch == "windowed":
+            return WindowedGPTConfig(**asdict(config), window_pattern=self.window_pattern)
+        return config
 
 
 @dataclass(frozen=True)
@@ -163,9 +214,11 @@ class OptimConfig(Config):
     embedding_lr: float = flag(0.2, non_negative_float, "AdamW lr of the token embedding")
     unembedding_lr: float = flag(0.004, non_negative_float, "AdamW lr of lm_head")
     matrix_lr: float = flag(0.02, non_negative_float, "Muon lr of the block matrices")
-    weight_decay: float = flag(0.0, non_negative_float, "AdamW weight decay")
+    weight_decay: float = flag(0.0, non_negative_float, "AdamW weight decay (windowed: its groups have their own)")
+    scalar_lr: float = flag(0.5, non_negative_float, "windowed: AdamW lr of the per-layer scalars")
     grad_clip: float = flag(1.0, non_negative_float, "clip the global grad norm to this (0: off)")
     warmup_ratio: float = flag(0.0, fraction, "fraction of steps of linear lr warmup")
+    warmup_steps: int = flag(0, non_negative_int, "steps of linear lr warmup (instead of --warmup-ratio when > 0)")
     warmdown_ratio: float = flag(0.2, fraction, "fraction of steps of linear lr warmdown")
     final_lr_frac: float = flag(0.0, fraction, "lr at the end, as a fraction of the peak")
     muon_recipe: str = flag(
@@ -254,6 +307,7 @@ class OptimConfig(Config):
             matrix_lr=self.matrix_lr,
             weight_decay=self.weight_decay,
             muon_recipe=self.recipe(),
+            scalar_lr=self.scalar_lr,
         )
 
 
@@ -391,6 +445,7 @@ class TrainingConfig:
 
     @classmethod
     def from_args(cls, args, with_model: bool):
+        apply_arch_preset(args)
         return cls(
             model=ModelConfig.from_args(args) if with_model else None,
             data=DataConfig.from_args(args),

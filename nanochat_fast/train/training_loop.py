@@ -185,6 +185,8 @@ def schedule(run: Run, step: int) -> float:
     lrm = lr_multiplier(
         run.horizon.progress(step), run.optim.warmup_ratio, run.optim.warmdown_ratio, run.optim.final_lr_frac
     )
+    if step < run.optim.warmup_steps:  # a warmup counted in steps (nanochat's: the first step at 1/N)
+        lrm = (step + 1) / run.optim.warmup_steps
     set_schedule(run.optimizers, lrm, muon_momentum(run.optimizers, step, run.horizon.num_iterations))
     return lrm
 

@@ -79,7 +79,12 @@ def test_a_new_cpu_gets_its_own_section_after_the_last_cpus_and_nothing_is_mixed
     assert after.startswith("# Benchmark results\n")
 
 
-OWN_SECTIONS = ("## Preparation at scale", "## Distributed soak", "## Checkpoint save with digests")
+OWN_SECTIONS = (
+    "## Preparation at scale",
+    "## Distributed soak",
+    "## Checkpoint save with digests",
+    "## The windowed family against nanochat and the seeds' GPT",
+)
 
 
 def test_the_checked_in_results_name_the_cpu_of_every_figure():

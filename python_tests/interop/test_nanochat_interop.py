@@ -7,6 +7,7 @@ AdamW/Muon state put into nanochat's files."""
 
 import datetime
 import json
+import math
 import pickle
 import shutil
 
@@ -258,3 +259,63 @@ def test_the_restricted_unpickler_runs_nothing(payload, named, tmp_path, monkeyp
     with pytest.raises(UserError, match=named):
         nanochat_tokenizer.read_encoding_state(path)
     assert not (tmp_path / "SHOULD_NOT_EXIST").exists()
+
+
+def test_a_token_bytes_file_computed_the_old_way_imports_with_true_byte_lengths(home, nano, tmp_path, capsys):
+    """nanochat's tok_train before 2026-07-03 counted each token's bytes through str: a byte that is not
+    UTF-8 on its own became U+FFFD, 3 bytes. Such a file imports with one notice line; base_eval gives
+    the true bpb (the same as for a correct file) and, beside it, the figure nanochat's file gives."""
+    enc, offset = nano["enc"], len(get_tokenizer().enc._mergeable_ranks)
+    old = [0 if i >= offset else len(enc.decode([i]).encode("utf-8")) for i in range(enc.n_vocab)]
+    true = [0 if i >= offset else len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
+    differ = sum(a != b for a, b in zip(old, true))
+    assert differ >= 128  # at least every single byte >= 0x80
+    old_dir = tmp_path / "old_tok"
+    shutil.copytree(nano["tok_dir"], old_dir)
+    torch.save(torch.tensor(old, dtype=torch.int32), old_dir / "token_bytes.pt")
+    evals = ["--max-examples=0", "--eval-tokens=512", "--samples=0", "--dtype=fp32"]
+    bpb = {}
+    for run, tok_dir in (("new", nano["tok_dir"]), ("old", old_dir)):
+        code, out, err = run_main(
+            import_nanochat, [f"--from={nano['folder']}", f"--tokenizer={tok_dir}", f"--run={run}"], capsys
+        )
+        assert code == 0, err
+        notices = [line for line in out.splitlines() if "computed the old way" in line]
+        assert len(notices) == (run == "old")
+        if notices:
+            assert f"{differ:,} of {enc.n_vocab:,} tokens differ" in notices[0]
+        code, out, err = run_main(base_eval, [f"--run={run}", *evals], capsys)
+        assert code == 0, err
+        bpb[run] = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.startswith("val bpb")]
+    assert len(bpb["new"]) == 1 and len(bpb["old"]) == 2
+    assert bpb["old"][0] == bpb["new"][0]  # the true byte lengths
+    assert bpb["old"][1] <= bpb["old"][0]  # nanochat's file counts as many or more bytes for the same nats
+
+
+def test_both_bits_per_byte_figures_from_one_pass():
+    """evaluate_bpb_each: one pass, one figure per byte-length table, each summed nats over summed bytes."""
+    from contextlib import nullcontext
+
+    from nanochat_fast.evals.bits_per_byte import evaluate_bpb_each
+
+    losses = torch.tensor([[0.5, 1.0, 2.0, 4.0]])
+    y = torch.tensor([[3, 200, 5, -1]])  # token 200: one byte >= 0x80, 3 bytes the old way
+    true, old = torch.ones(256, dtype=torch.int32), torch.ones(256, dtype=torch.int32)
+    old[200], true[5] = 3, 0  # token 5 a special token in both tables
+    old[5] = 0
+
+    def model(x, targets, loss_reduction):
+        return losses
+
+    got = evaluate_bpb_each(model, [(y, y)], [true, old], nullcontext())
+    assert got == pytest.approx([1.5 / (math.log(2) * 2), 1.5 / (math.log(2) * 4)], rel=1e-12)
+
+
+def test_a_token_bytes_file_wrong_in_another_way_is_refused(home, nano, tmp_path, capsys):
+    tb = torch.load(nano["tok_dir"] / "token_bytes.pt", weights_only=True)
+    tb[5] += 1
+    torch.save(tb, nano["tok_dir"] / "token_bytes.pt")
+    code, _, err = run_main(
+        import_nanochat, [f"--from={nano['folder']}", f"--tokenizer={nano['tok_dir']}", "--run=x"], capsys
+    )
+    assert code == 2 and "does not match tokenizer.pkl's tokens" in err

@@ -1,0 +1,75 @@
+"""The windowed GPT in the batch engine (fp32, temperature 0): past the short window's length, each
+conversation gets the same tokens decoded beside others as alone, and alone the argmax of full
+forwards without any cache (sliding windows, value embeddings and smear through the slot cache)."""
+
+import pytest
+import torch
+from stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
+
+from nanochat_fast.model.batch_engine import BatchEngine, Request
+from nanochat_fast.model.windowed_gpt import WindowedGPT, WindowedGPTConfig
+
+tok = byte_tokenizer()
+CONFIG = WindowedGPTConfig(
+    sequence_len=256, vocab_size=tok.get_vocab_size(), n_layer=3, n_head=4, n_kv_head=2, n_embd=32, window_pattern="SL"
+)
+SHORT = min(CONFIG.window_sizes())
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    model = WindowedGPT(CONFIG)
+    model.init_weights()
+    with torch.no_grad():  # every parameter random: zero projections or a zero smear would test nothing
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape) * (p.shape[-1] ** -0.5 if p.dim() == 2 else 0.3) + (p.dim() == 1) * 0.5)
+        model.lm_head.weight[256:] = 0  # special tokens at logit 0, below the best byte: no row stops early
+    return model.eval()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [tok.get_bos_token_id(), *torch.randint(40, 120, (n - 1,), generator=g).tolist()]
+
+
+REQUESTS = {  # name -> (request, step it joins at)
+    "long prompt": (Request(prompt(SHORT + 20, 1), max_tokens=30, use_tools=False), 0),  # prefill past the window
+    "long decode": (Request(prompt(40, 2), max_tokens=SHORT, use_tools=False), 0),  # decodes past the window
+    "late": (Request(prompt(10, 3), max_tokens=25, use_tools=False), 5),
+}
+
+
+def decode_alone(model, request):
+    engine = BatchEngine(model, tok, slots=1)
+    [row] = engine.add(request)
+    while engine.active:
+        engine.step()
+    return row.tokens
+
+
+def test_beside_others_as_alone_past_the_short_window(model):
+    engine = BatchEngine(model, tok, slots=3)
+    rows, step = {}, 0
+    while step == 0 or engine.active or any(at >= step for _, at in REQUESTS.values()):
+        for name, (request, at) in REQUESTS.items():
+            if at == step:
+                [rows[name]] = engine.add(request)
+        engine.step()
+        step += 1
+    assert len(REQUESTS["long decode"][0].prompt) + len(rows["long decode"].tokens) > SHORT + 1
+    for name, (request, _) in REQUESTS.items():
+        assert rows[name].tokens == decode_alone(model, request), name
+
+
+def test_alone_is_the_argmax_of_full_forwards(model):
+    for name, (request, _) in REQUESTS.items():
+        ids = list(request.prompt)
+        expected = []
+        with torch.no_grad():
+            for _ in range(request.max_tokens):
+                nxt = int(model(torch.tensor([ids]))[0, -1].argmax())
+                expected.append(nxt)
+                ids.append(nxt)
+        got = decode_alone(model, request)
+        assert got == expected[: len(got)] and len(got) > 0, name
