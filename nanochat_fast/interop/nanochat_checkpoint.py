@@ -8,14 +8,11 @@ nanochat's checkpoint folder, read and written. nanochat saves a training step a
 
 in a folder <phase>_checkpoints/d<n_layer> of its base directory (NANOCHAT_BASE_DIR).
 
-Its GPTs and ours are the same networks with the same parameter names and shapes: the seeds' GPT,
-and the windowed GPT of its later versions (a model_config with a window_pattern, weights with
-resid_lambdas and value_embeds). Converting is a matter of files: the keys lose a torch.compile
-"_orig_mod." prefix, every tensor becomes fp32 (our master weights), and the rows nanochat's later
-versions pad the vocabulary with (to a multiple of 64; no token id reaches them) are dropped on
-import and added back (zeros) on export of a windowed model, whose loader needs them. Everything
-else must match the model_config exactly, or the import stops with one line. Every .pt file loads
-with weights_only=True.
+Its GPTs and ours (the seeds' GPT; the windowed GPT, whose model_config has a window_pattern) are the
+same networks with the same parameter names: converting is a matter of files. Keys lose torch.compile's
+"_orig_mod." prefix, tensors become fp32, and the vocabulary padding of its later versions (to a
+multiple of 64) is dropped on import and added back as zeros on export. Anything else that differs
+from the model_config stops the import with one line; every .pt file loads with weights_only=True.
 """
 
 import json

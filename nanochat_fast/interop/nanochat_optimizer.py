@@ -1,25 +1,13 @@
 """
 nanochat's optimizer state (optim_NNNNNN_rankR.pt) in our world-size independent format (optim/zero.py).
 
-Each of nanochat's files is [AdamW state_dict, Muon state_dict], torch.optim's format: "state"
-keyed by an integer index, "param_groups" listing the indices of their parameters in order.
-The indices stand for the parameters in the order the groups were built:
-    AdamW  [lm_head], [wte]                         (setup_optimizers' two groups)
-    Muon   the block matrices grouped by numel (Muon) or by shape (DistMuon), each group in
-           model order
-so a group's parameters are found by the size of the state it holds and its count.
-State per parameter:
-    AdamW  step, exp_avg, exp_avg_sq: whole tensors (torch.optim.AdamW, one process) or, from
-           DistAdamW, rank r's rows [r*R/W, (r+1)*R/W): concatenated over the rank files here
-    Muon   momentum_buffer (whole, in the file of the rank that owned the matrix),
-           second_momentum_buffer (NorMuon's, rows x 1 or 1 x cols): our normuon_second_moment
-nanochat's AdamW counts steps per parameter; ours counts them per optimizer (they are equal).
-
-Its later versions (92d63d4) save one combined MuonAdamW state_dict per rank instead: groups marked
-kind "adamw" or "muon", in the order its setup_optimizer builds them (combined_layout); an AdamW
-parameter's moments whole (one process, or under 1024 elements) or as rank r's rows, a Muon group's
-state under its first parameter: (chunk, *shape) stacks of which rank r holds the matrices
-[r*chunk, (r+1)*chunk) of the group (combined_shards).
+Its seeds-era files hold [AdamW state_dict, Muon state_dict] per rank (torch.optim's format: state keyed by
+an integer index in the order the groups were built, so a group's parameters are found by the size of the
+state they hold and their count); its later versions (92d63d4) hold one combined MuonAdamW state_dict per
+rank, groups marked "adamw" or "muon" (combined_layout), a Muon group's state stacked in chunks of which
+rank r holds its share (combined_shards). DistAdamW's moments are concatenated over the rank files; Muon's
+momentum comes from the rank that owned the matrix. The layouts, field by field:
+docs/measurements.md#nanochat-optimizer-state.
 """
 
 import math
