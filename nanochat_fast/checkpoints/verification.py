@@ -61,7 +61,7 @@ def meta_digest_of(complete: Path) -> dict | None:
     if not complete.exists():  # not a complete checkpoint: nothing recorded to check against
         return None
     raw = complete.read_bytes()
-    if raw == OLD_MARKER:
+    if raw.strip() in (OLD_MARKER.strip(), b""):  # "ok" before digests were kept; a hand-made empty marker
         return None
     try:
         record = json.loads(raw.decode())

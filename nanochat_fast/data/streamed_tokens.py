@@ -11,8 +11,6 @@ The figures and the other choices: docs/measurements.md#preparing-published-sets
 """
 
 import multiprocessing
-import os
-import resource
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,25 +28,18 @@ MIN_BATCH_CHARS = 1 << 20
 ROWS_PER_READ = 256  # rows read from parquet at a time; a batch gathers reads up to its characters
 
 
-def resident_mb() -> float:
-    """This process's resident memory now (Linux: /proc; elsewhere its peak so far)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def batch_chars_within(memory_mb: int, workers: int = 0) -> int:
-    """Characters per batch so that the process and its `workers` stay within memory_mb; a
-    UserError when they alone already hold nearly that much."""
-    held = resident_mb() + workers * WORKER_MB
+    """Characters per batch so that what tokenizing adds (the `workers` and the text in flight) stays
+    within memory_mb, beyond what the calling process already holds: a fresh `prepare_data` holds
+    ~270 MB, a notebook or a test session anything, and neither is the tokenizer's to bound. A
+    UserError when the workers alone take nearly all of it."""
+    held = workers * WORKER_MB
     chars = int((memory_mb - held) * 2**20 / BYTES_PER_CHAR)
     if chars < MIN_BATCH_CHARS:
         need = held + MIN_BATCH_CHARS * BYTES_PER_CHAR / 2**20
         raise UserError(
-            f"--max-memory-mb={memory_mb} leaves too little to tokenize in: the process and its {workers} workers "
-            f"hold about {held:.0f} MB before any text is read; give at least {need:.0f} (or fewer --num-threads)"
+            f"--max-memory-mb={memory_mb} leaves too little to tokenize in: its {workers} workers hold about "
+            f"{held:.0f} MB before any text is read; give at least {need:.0f} (or fewer --num-threads)"
         )
     return chars
 

@@ -106,7 +106,7 @@ def build_parser():
         "--max-memory-mb",
         type=cli.positive_int,
         default=token_shards.DEFAULT_MEMORY_MB,
-        help="tokenizing: resident memory to stay within (text read and tokenized a batch at a time)",
+        help="tokenizing: memory its workers and the text in flight may add to this process (read a batch at a time)",
     )
     return p
 

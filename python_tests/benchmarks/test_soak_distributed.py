@@ -1,6 +1,6 @@
 """The distributed soak, short (5 runs; `make soak` runs 50): every two-process run beside a busy
-neighbour exits 0 and no rank aborts at exit ("terminate called"). Before the teardown barrier,
-6-16% of such runs aborted (benchmarks/RESULTS.md, "Distributed soak")."""
+neighbour exits 0 and no rank aborts at exit ("terminate called"). The soak's own figures, before and
+after the teardown meeting: benchmarks/RESULTS.md, "Distributed soak"."""
 
 import sys
 
