@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from results_sections import put_section
 
 from nanochat_fast.tools.gpu_targets import TARGETS, check, nvcc_usage
 
@@ -377,18 +378,6 @@ def _write(path: Path, text: str):
     os.replace(tmp, path)
 
 
-def replace_section(results_md: Path, lines: list[str]):
-    """Put the section into RESULTS.md in place of its previous version (or at the end)."""
-    text = results_md.read_text() if results_md.exists() else "# Benchmark results\n"
-    start = text.find(HEADING)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + "\n".join(lines)
-    else:
-        end = text.find("\n## ", start + len(HEADING))
-        text = text[:start] + "\n".join(lines) + ("\n" + text[end + 1 :] if end >= 0 else "")
-    _write(results_md, text)
-
-
 def problems_of(data: dict) -> list[str]:
     """Every variant over its target's limits (or not compiling), each Triton one naming its version."""
     triton = [
@@ -430,7 +419,7 @@ def main(argv=None) -> int:
     previous = json.loads((out / "compiled.json").read_text()) if (out / "compiled.json").exists() else {}
     data = collect(added=[json.loads(path.read_text()) for path in args.add], previous=previous.get("triton_runs", []))
     _write(out / "compiled.json", json.dumps(data, indent=1))
-    replace_section(out / "RESULTS.md", section(data))
+    put_section(out / "RESULTS.md", section(data))
     problems = problems_of(data)
     print("\n".join([f"Triton {run['triton']}: {run['summary']}" for run in data["triton_runs"]] + problems))
     print(f"wrote {out / 'compiled.json'} and the section '{HEADING[3:]}' of {out / 'RESULTS.md'}")

@@ -28,6 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from results_sections import put_section
+
 from nanochat_fast.hardware import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -325,18 +327,6 @@ def section_from_file(path: Path) -> list[str]:
     return section(json.loads(Path(path).read_text())) if Path(path).exists() else []
 
 
-def write_section(results_md: Path, lines: list[str]):
-    """Put the section into RESULTS.md in place of its previous version (or at the end)."""
-    text = results_md.read_text() if results_md.exists() else "# Benchmark results\n"
-    start = text.find(HEADING)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + "\n".join(lines)
-    else:
-        end = text.find("\n## ", start + len(HEADING))
-        text = text[:start] + "\n".join(lines) + ("\n" + text[end + 1 :] if end >= 0 else "")
-    results_md.write_text(text)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gb", type=float, default=1.0, help="text to generate, in GB (UTF-8)")
@@ -350,7 +340,7 @@ def main():
     args = p.parse_args()
     results_md = ROOT / "benchmarks" / "RESULTS.md"
     if args.section_only:
-        return write_section(results_md, section_from_file(Path(args.out)))
+        return put_section(results_md, section_from_file(Path(args.out)))
     os.environ["NANOCHAT_FAST_HOME"] = str(WORK / "home")
     from nanochat_fast.core import paths
     from nanochat_fast.data import streamed_tokens
@@ -386,7 +376,7 @@ def main():
         "self_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    write_section(results_md, section(result))
+    put_section(results_md, section(result))
     print("\n".join(section(result)))
 
 

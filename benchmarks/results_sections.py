@@ -7,7 +7,9 @@ and a run on one machine never replaces another's: every other section, of a CPU
 was, in its place. A CPU seen for the first time gets its section after the last CPU section.
 """
 
+import os
 import re
+from pathlib import Path
 
 CPU_PREFIX = "## CPU: "
 TITLE = "# Benchmark results"
@@ -91,9 +93,27 @@ def merge(text: str, kind: str, body: list[str], replace: dict[str, list[str]] |
             sections.append((h, lines))
         else:
             sections[found] = (h, lines)
+    return render(sections)
+
+
+def render(sections: list[tuple[str, list[str]]]) -> str:
     out = [TITLE, "", INTRO, ""]
     for h, b in sections:
         while b and not b[-1].strip():
             b = b[:-1]
         out += [h, *b, ""]
     return "\n".join(out)
+
+
+def put_section(results_md: Path, lines: list[str]):
+    """RESULTS.md with the section headed lines[0] set to `lines`, in its place (else at the end), every
+    other section kept: for the sections a script regenerates from its own JSON (compiled, preparation)."""
+    _, sections = split_sections(results_md.read_text() if results_md.exists() else "")
+    found = next((i for i, (h, _) in enumerate(sections) if h == lines[0]), None)
+    if found is None:
+        sections.append((lines[0], lines[1:]))
+    else:
+        sections[found] = (lines[0], lines[1:])
+    tmp = results_md.with_name(f".{results_md.name}.tmp")
+    tmp.write_text(render(sections))
+    os.replace(tmp, results_md)

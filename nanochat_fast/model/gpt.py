@@ -307,24 +307,22 @@ class GPT(nn.Module):
         """idx (B, T) token ids -> logits (B, T, vocab) in fp32; with targets (B, T) the
         cross-entropy instead (targets -1 are ignored): a scalar for "mean"/"sum", (B, T) for "none".
         kv_cache: None (training, scoring) or a slot cache view of kv_cache.py (the batch engine's)."""
-        B, T = idx.size()
-        cos_sin = self._rotary(T, kv_cache)
+        cos_sin = self._rotary(idx.size(1), kv_cache)
         x = self.transformer.wte(idx)
         x = norm(x)
         for block in self.transformer.h:
             x = block(x, cos_sin, kv_cache)
-        x = norm(x)
+        return self._head(norm(x), targets, loss_reduction)
+
+    def _head(self, x, targets, loss_reduction):
+        """The last hidden states (B, T, C) to fp32 softcapped logits; with targets, the loss through
+        the fused lm_head + softcap + cross-entropy (row chunks, never all B*T x vocab logits)."""
         if targets is None:
-            logits = self.lm_head(x)
-            return LOGIT_SOFTCAP * torch.tanh(logits.float() / LOGIT_SOFTCAP)
-        # the fused lm_head + softcap + cross-entropy: row chunks, never all B*T x vocab logits
+            return LOGIT_SOFTCAP * torch.tanh(self.lm_head(x).float() / LOGIT_SOFTCAP)
+        B, T = targets.shape
+        w, rows = self.lm_head.weight, x.reshape(B * T, -1)
         loss = softcap_cross_entropy(
-            x.reshape(B * T, -1),
-            self.lm_head.weight,
-            targets.reshape(-1),
-            LOGIT_SOFTCAP,
-            ignore_index=-1,
-            reduction=loss_reduction,
+            rows, w, targets.reshape(-1), LOGIT_SOFTCAP, ignore_index=-1, reduction=loss_reduction
         )
         return loss.view(B, T) if loss_reduction == "none" else loss
 

@@ -24,8 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.distributed import is_distributed, print0
-from ..kernels import softcap_cross_entropy
-from .gpt import GPT, LOGIT_SOFTCAP, MLP, GPTConfig, Linear, apply_rotary_emb, norm
+from .gpt import GPT, MLP, GPTConfig, Linear, apply_rotary_emb, norm
 from .kv_cache import SlotBatch
 
 ARCH = "windowed"  # the family's name in --arch and meta.json
@@ -273,8 +272,7 @@ class WindowedGPT(GPT):
         return x + gate * prev
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
-        B, T = idx.size()
-        cos_sin = self._rotary(T, kv_cache)
+        cos_sin = self._rotary(idx.size(1), kv_cache)
         x = norm(self.transformer.wte(idx))
         x = self._smear(x, kv_cache)
         x0, backout_at, x_backout = x, self.config.n_layer // 2, None
@@ -284,15 +282,4 @@ class WindowedGPT(GPT):
             x = block(x, ve, cos_sin, kv_cache)
             if i == backout_at:
                 x_backout = x
-        x = norm(x - self.backout_lambda.to(x.dtype) * x_backout)
-        if targets is None:
-            return LOGIT_SOFTCAP * torch.tanh(self.lm_head(x).float() / LOGIT_SOFTCAP)
-        loss = softcap_cross_entropy(
-            x.reshape(B * T, -1),
-            self.lm_head.weight,
-            targets.reshape(-1),
-            LOGIT_SOFTCAP,
-            ignore_index=-1,
-            reduction=loss_reduction,
-        )
-        return loss.view(B, T) if loss_reduction == "none" else loss
+        return self._head(norm(x - self.backout_lambda.to(x.dtype) * x_backout), targets, loss_reduction)
