@@ -6,16 +6,29 @@ so a shard without it is unfinished and is redone; a shard made with another tok
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 
 from ..core import paths
+from ..core.cli import positive_int
 from ..core.errors import UserError
 from ..core.progress import progress_bar
 from . import streamed_tokens
 from .documents import CHAT, FORMAT_VERSION, SPLITS, TEXT, read_dataset_manifest, read_parquet
 from .streamed_tokens import DEFAULT_MEMORY_MB
+
+
+def add_tokenizing_flags(parser):
+    """--num-threads and --max-memory-mb: how prepare_data and tok_train tokenize text shards."""
+    parser.add_argument("--num-threads", type=positive_int, default=os.cpu_count() or 1, help="tokenizer threads")
+    parser.add_argument(
+        "--max-memory-mb",
+        type=positive_int,
+        default=DEFAULT_MEMORY_MB,
+        help="tokenizing: memory its workers and the text in flight may add to this process (read a batch at a time)",
+    )
 
 
 def token_dtype(vocab_size: int):

@@ -16,7 +16,6 @@ tokenizer and tokenizes every dataset. Re-running skips what is complete; the la
 the next command to run.
 """
 
-import os
 import random
 from pathlib import Path
 
@@ -101,13 +100,7 @@ def build_parser():
     )
     p.add_argument("--seed", type=cli.random_seed, default=0, help="shuffles the built-in corpus")
     p.add_argument("--overwrite", action="store_true", help="rebuild even what is complete")
-    p.add_argument("--num-threads", type=cli.positive_int, default=os.cpu_count() or 1, help="tokenizer threads")
-    p.add_argument(
-        "--max-memory-mb",
-        type=cli.positive_int,
-        default=token_shards.DEFAULT_MEMORY_MB,
-        help="tokenizing: memory its workers and the text in flight may add to this process (read a batch at a time)",
-    )
+    token_shards.add_tokenizing_flags(p)
     return p
 
 

@@ -12,7 +12,6 @@ of each token, 0 for special tokens: losses are reported in bits per byte with i
 changes the tokenizer's fingerprint, and the token shards are then rebuilt.
 """
 
-import os
 import time
 
 from ..core import cli, paths
@@ -47,13 +46,7 @@ def build_parser():
         help="prepared dataset (under data/) to train on ('': base, or the only one prepared)",
     )
     p.add_argument("--no-tokenize", action="store_true", help="only train; do not tokenize the prepared datasets")
-    p.add_argument("--num-threads", type=cli.positive_int, default=os.cpu_count() or 1, help="tokenizer threads")
-    p.add_argument(
-        "--max-memory-mb",
-        type=cli.positive_int,
-        default=token_shards.DEFAULT_MEMORY_MB,
-        help="tokenizing: memory its workers and the text in flight may add to this process (read a batch at a time)",
-    )
+    token_shards.add_tokenizing_flags(p)
     return p
 
 

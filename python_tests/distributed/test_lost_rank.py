@@ -14,23 +14,11 @@ import uuid
 from pathlib import Path
 
 import torch
-from tiny_pipeline import FP32, ROOT, TINY_MODEL, run_script, train_rows
+from tiny_pipeline import FP32, ROOT, TINY_MODEL, TINY_STEPS, run_script, train_rows
 
 from nanochat_fast import checkpoints
 
-ARGS = (
-    TINY_MODEL
-    + FP32
-    + [
-        "--eval-tokens=512",
-        "--sample-every=-1",
-        "--eval-every=-1",
-        "--device-batch-size=4",
-        "--total-batch-size=512",
-        "--num-iterations=40",
-        "--sharding=fsdp",
-    ]
-)
+ARGS = TINY_MODEL + FP32 + TINY_STEPS + ["--num-iterations=40", "--sharding=fsdp"]
 
 
 def workers_marked(mark: str, rank: int) -> list[int]:

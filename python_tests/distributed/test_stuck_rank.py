@@ -16,25 +16,12 @@ import uuid
 from pathlib import Path
 
 import torch
-from tiny_pipeline import FP32, ROOT, SUPPORT, TINY_MODEL, run_script, train_rows
+from tiny_pipeline import FP32, ROOT, SUPPORT, TINY_MODEL, TINY_STEPS, run_script, train_rows
 
 from nanochat_fast import checkpoints
 
 TIMEOUT_S = 10
-ARGS = (
-    TINY_MODEL
-    + FP32
-    + [
-        "--eval-tokens=512",
-        "--sample-every=-1",
-        "--eval-every=-1",
-        "--device-batch-size=4",
-        "--total-batch-size=512",
-        "--num-iterations=8",
-        "--save-every=2",
-        "--no-compile",
-    ]
-)
+ARGS = TINY_MODEL + FP32 + TINY_STEPS + ["--num-iterations=8", "--save-every=2", "--no-compile"]
 
 
 def first_attempt_pid(mark: str, rank: int) -> int | None:

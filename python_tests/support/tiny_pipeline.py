@@ -20,6 +20,9 @@ TINY_MODEL = ["--depth=2", "--aspect-ratio=32", "--head-dim=32", "--max-seq-len=
 FP32 = ["--dtype=fp32", "--ns-dtype=fp32"]
 DEFAULT_LOOP = ["--eval-tokens=512", "--sample-every=-1", "--warmdown-ratio=0.2"]
 TINY_LOOP = DEFAULT_LOOP + FP32
+# a short run without evaluation, 4 rows of 64 tokens a micro-step, 512 tokens a step (2 steps on 1 process)
+TINY_STEPS = ["--eval-tokens=512", "--sample-every=-1", "--eval-every=-1", "--device-batch-size=4"]
+TINY_STEPS += ["--total-batch-size=512"]
 # mid_train run `m`, 2 steps from the base run `b`, in fp32
 TINY_MID = ["--device-batch-size=4", "--total-batch-size=512", "--num-iterations=2", "--eval-every=-1"]
 TINY_MID += ["--base-run=b", "--run=m", *FP32]
