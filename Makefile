@@ -157,8 +157,9 @@ kernels: install
 
 SOAK_RUNS ?= 50
 SOAK_NAME ?= latest
+SOAK_SHARDING ?= fsdp
 soak: install
-	$(PY) benchmarks/soak_distributed.py --runs=$(SOAK_RUNS) --record=$(SOAK_NAME)
+	$(PY) benchmarks/soak_distributed.py --runs=$(SOAK_RUNS) --record=$(SOAK_NAME) --sharding=$(SOAK_SHARDING)
 
 # The whole pipeline on a 2-core CPU within 15 minutes (install included): data (training corpus and
 # the benchmark sets), tokenizer, a depth-4 model (5M parameters) pretrained on ~0.8M tokens and scored

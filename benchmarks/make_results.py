@@ -100,19 +100,24 @@ def soak_section(path: Path) -> list[str]:
         + ", ".join(sorted({f["machine"] for f in json.loads(path.read_text()).values() if f.get("machine")}))
         + ".",
         "",
-        "| soak | what | runs | exit codes | abort lines | failed runs | seconds |",
-        "|---|---|---:|---|---:|---:|---:|",
+        "| soak | what | sharding | runs | exit codes | abort lines | failed runs | seconds |",
+        "|---|---|---|---:|---|---:|---:|---:|",
     ]
     for name, f in json.loads(path.read_text()).items():
         codes = ", ".join(f"{n} x {code}" for code, n in sorted(f["exit_codes"].items()))
+        label = f.get("label", "")
+        if f.get("seed_failures"):
+            label += f" (its seed run, before the soak, failed first: exit {', '.join(map(str, f['seed_failures']))})"
         lines.append(
-            f"| {name} | {f.get('label', '')} | {f['runs']} | {codes} | {f['abort_lines']} | {f['failed_runs']} | "
+            f"| {name} | {label} | {f.get('sharding', 'zero2')} | {f['runs']} | {codes} | "
+            f"{f['abort_lines']} | {f['failed_runs']} | "
             f"{f'{seconds:.0f}' if (seconds := f.get('seconds')) else '—'} |"
         )
     lines += [
         "",
-        "*`python benchmarks/soak_distributed.py --runs=N --record=NAME`: each run resumes a tiny base_train from "
-        "its step-3 checkpoint under torchrun (2 processes, gloo), evaluates and saves at step 6 and ends, while a "
+        "*`python benchmarks/soak_distributed.py --runs=N --record=NAME [--sharding=fsdp]`: each run resumes a tiny "
+        "base_train from its step-3 checkpoint under torchrun (2 processes, gloo), evaluates and saves at step 6 and "
+        "ends, while a "
         'process of two matmul threads loads both cores; abort lines = "terminate called" in the output. On a '
         "machine shared with other jobs.*",
         "",

@@ -5,10 +5,10 @@ that loads both cores, counting exit codes and "terminate called" lines (a rank 
 Each run resumes (--resume=auto) a copy of one seed run from its step-3 checkpoint, trains to step 6,
 evaluates and saves there, and ends: a resume, an eval, a save and a teardown per run. The busy
 neighbour is what exposed teardown races (a rank destroying its process group while another is
-still in a collective); without it they are rare.
+still in a collective); without it they are rare. --sharding=fsdp soaks FSDP2's collectives too.
 
-    python benchmarks/soak_distributed.py --runs=50 --record=after
-    make soak                     # the same: 50 runs, figures recorded as "after"
+    python benchmarks/soak_distributed.py --runs=50 --sharding=fsdp --record=after
+    make soak                     # 50 runs with --sharding=fsdp, recorded as "latest"
 
 Exit code 0 when every run exited 0 without an abort line, else 1. --record=NAME keeps the figures
 under NAME in benchmarks/soak.json, which RESULTS.md's "Distributed soak" section shows
@@ -79,21 +79,29 @@ def script(args: list[str], home: Path, nproc: int, timeout: float) -> subproces
         return subprocess.CompletedProcess(cmd, "timeout", out, err)
 
 
-def seed_run(home: Path) -> Path:
-    """One single-process run to step 6 saving at 3 and 6, its step-6 checkpoint removed: every soak
-    run resumes from step 3."""
-    proc = script(ARGS + ["--run=seed"], home, nproc=1, timeout=600)
-    if proc.returncode != 0:
-        sys.exit(f"the seed run failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    run_dir = home / "runs" / "seed"
-    shutil.rmtree(run_dir / "checkpoints" / "step_000006")
-    return run_dir
+def seed_run(home: Path, sharding: list[str], tries: int = 3) -> tuple[Path, list]:
+    """One run to step 6 saving at 3 and 6, its step-6 checkpoint removed: every soak run resumes
+    from step 3. A single process, or two where the soak shards the model (FSDP needs them). Two
+    processes can hit the very race the soak counts, so a failed seed run is retried (up to `tries`)
+    and its exit codes returned with the run."""
+    failed = []
+    for _ in range(tries):
+        run_dir = home / "runs" / "seed"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        proc = script(ARGS + ["--run=seed", *sharding], home, nproc=2 if sharding else 1, timeout=600)
+        if proc.returncode == 0:
+            shutil.rmtree(run_dir / "checkpoints" / "step_000006")
+            return run_dir, failed
+        failed.append(proc.returncode)
+    sys.exit(f"the seed run failed {tries} times:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
 
 
-def soak(runs: int, workdir: Path, timeout: float = 300, log=print) -> dict:
-    """`runs` soak runs in `workdir`; the figures: exit codes counted, abort lines, seconds."""
+def soak(runs: int, workdir: Path, timeout: float = 300, log=print, sharding: str = "") -> dict:
+    """`runs` soak runs in `workdir`; the figures: exit codes counted, abort lines, seconds.
+    sharding: base_train's --sharding for the two-process runs ("": its default, ZeRO-2)."""
     home = build_tiny_home(workdir)
-    seed = seed_run(home)
+    sharding = [f"--sharding={sharding}"] if sharding else []
+    seed, seed_failures = seed_run(home, sharding)
     stop = multiprocessing.Event()
     neighbour = multiprocessing.Process(target=busy, args=(stop,), daemon=True)
     neighbour.start()
@@ -102,7 +110,7 @@ def soak(runs: int, workdir: Path, timeout: float = 300, log=print) -> dict:
         for i in range(runs):
             name = f"soak{i}"
             shutil.copytree(seed, home / "runs" / name)
-            proc = script(ARGS + [f"--run={name}", "--resume=auto"], home, nproc=2, timeout=timeout)
+            proc = script(ARGS + [f"--run={name}", "--resume=auto", *sharding], home, nproc=2, timeout=timeout)
             output = proc.stdout + proc.stderr
             n_abort = output.count(ABORT)
             codes[str(proc.returncode)] = codes.get(str(proc.returncode), 0) + 1
@@ -124,7 +132,9 @@ def soak(runs: int, workdir: Path, timeout: float = 300, log=print) -> dict:
         "failed_runs": len(failures),
         "seconds": round(time.monotonic() - t0, 1),
         "failures": failures[:5],
+        "seed_failures": seed_failures,
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, shared",
+        "sharding": sharding[0].split("=")[1] if sharding else "zero2",
     }
 
 
@@ -135,13 +145,15 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="", help="also write the figures alone to this file")
     p.add_argument("--label", default="", help="what was soaked (e.g. a commit), kept with the figures")
     p.add_argument("--timeout", type=float, default=300, help="seconds before a run counts as hung")
+    p.add_argument("--sharding", default="", help="base_train's --sharding for the runs (default: its own, zero2)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="soak_") as tmp:
-        figures = soak(args.runs, Path(tmp), args.timeout)
+        figures = soak(args.runs, Path(tmp), args.timeout, sharding=args.sharding)
     figures["label"] = args.label
     summary = (
         f"{figures['runs']} runs: exit codes {figures['exit_codes']}, {figures['abort_lines']} abort line(s), "
         f"{figures['failed_runs']} failed, {figures['seconds']:.0f} s"
+        + (f"; the seed run failed first with exit {figures['seed_failures']}" if figures["seed_failures"] else "")
     )
     print(summary)
     for f in figures["failures"]:
