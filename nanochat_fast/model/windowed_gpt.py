@@ -90,7 +90,9 @@ class WindowedAttention(nn.Module):
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:  # the value embedding, gated per kv head in (0, 3)
             gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
-            v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
+            # in v's dtype: under bf16 autocast ve is fp32 (the residual's), and values promoted to
+            # fp32 beside bf16 keys would not go into the cache the keys made bf16
+            v = v + (gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)).to(v.dtype)
         cos, sin = cos_sin
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         q, k = norm(q) * QK_SCALE, norm(k) * QK_SCALE

@@ -73,3 +73,20 @@ def test_alone_is_the_argmax_of_full_forwards(model):
                 ids.append(nxt)
         got = decode_alone(model, request)
         assert got == expected[: len(got)] and len(got) > 0, name
+
+
+def test_decode_steps_under_bf16_autocast(model):
+    """Under bf16 autocast (what `--dtype auto` picks on CPUs with native bf16) the gated value
+    embedding keeps the values in the keys' dtype, so decode steps write into the bf16 cache; each
+    step's logits are those of a full forward under the same autocast, within bf16 rounding."""
+    from nanochat_fast.model.kv_cache import SlotBatch, SlotCache, SlotPrefill
+
+    ids = prompt(SHORT + 20, 4)  # past the short window: the S layer's decode steps mask
+    cache = SlotCache(CONFIG.n_layer, slots=2, max_len=len(ids) + 4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.tensor([ids[:-3]]), kv_cache=SlotPrefill(cache, 1))
+        assert cache.kv.dtype == torch.bfloat16
+        for n in range(len(ids) - 3, len(ids)):
+            step = model(torch.tensor([[ids[n]]]), kv_cache=SlotBatch(cache, [1], [n], "cpu"))[0, -1]
+            full = model(torch.tensor([ids[: n + 1]]))[0, -1]
+            assert (step - full).abs().max() < 0.05 * full.abs().max(), n
