@@ -90,3 +90,17 @@ def test_decode_steps_under_bf16_autocast(model):
             step = model(torch.tensor([[ids[n]]]), kv_cache=SlotBatch(cache, [1], [n], "cpu"))[0, -1]
             full = model(torch.tensor([ids[: n + 1]]))[0, -1]
             assert (step - full).abs().max() < 0.05 * full.abs().max(), n
+
+
+def test_short_windows_decode_through_the_kernel_from_their_start(model, monkeypatch):
+    """Every decode step's attention goes through kernels/decode_attention.py reading the cache in
+    place: the S layer (1 of the 3) with each row's first entry inside its window, once past it."""
+    from nanochat_fast.model import kv_cache
+
+    calls, real = [], kv_cache.decode_attention
+    monkeypatch.setattr(kv_cache, "decode_attention", lambda *a, **kw: calls.append(kw["starts"]) or real(*a, **kw))
+    request = REQUESTS["long prompt"][0]  # its first decode step is already past the short window
+    tokens = decode_alone(model, request)
+    starts = [s for s in calls if s is not None]
+    assert len(calls) == CONFIG.n_layer * (len(tokens) - 1) and len(starts) == len(tokens) - 1
+    assert [int(s) for s in starts] == [len(request.prompt) + i - SHORT for i in range(len(tokens) - 1)]
