@@ -291,24 +291,35 @@ def measure(model, tokenizer, dev, args, batch: int) -> dict:
     }
 
 
+def mean_keys_read(args, windows: list[int]) -> float:
+    """Cached entries a row's query reads per layer, averaged over the layers and the decode steps:
+    prompt + i at step i, or the window's keys and its own where a layer's window is shorter."""
+    steps = range(1, args.decode_tokens)
+    return statistics.fmean(min(args.prompt_tokens + i, w + 1) for w in windows for i in steps)
+
+
 def costs(model, dtype, kv_dtype_, args) -> dict:
     """What a decode step reads and computes, from the model's shapes (the formulas:
     docs/measurements.md#inference-benchmark)."""
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     context = args.prompt_tokens + args.decode_tokens / 2  # mean over the decode steps of prompt + i
+    # the windowed family's short layers read fewer keys; every layer of the seeds' GPT reads them all
+    keys = mean_keys_read(args, getattr(model, "window_sizes", [cfg.sequence_len] * cfg.n_layer))
+    lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
     return {
         "params": params,
         "weight_bytes_per_step": params * dtype.itemsize,
         "kv_bytes_per_position": BatchEngine.kv_bytes(cfg, 1, 1, kv_dtype_),
         "mean_context": context,
-        "decode_flops_per_token": 2 * (params - model.transformer.wte.weight.numel())
-        + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * context,
+        "mean_keys_read": keys,
+        # embeddings (the windowed GPT's value embeddings too) are lookups, not products
+        "decode_flops_per_token": 2 * (params - lookups) + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * keys,
     }
 
 
 def figures(batch: int, m: dict, cost: dict, args, bandwidth, peak) -> dict:
-    kv_read = batch * cost["kv_bytes_per_position"] * cost["mean_context"]
+    kv_read = batch * cost["kv_bytes_per_position"] * cost["mean_keys_read"]
     bytes_per_step = cost["weight_bytes_per_step"] + kv_read
     steps_per_s = m["decode_steps"] / m["decode_s"]
     decode_tok_s = batch * steps_per_s
@@ -368,7 +379,7 @@ def print_card(info: dict, cost: dict, payload: dict, bandwidth, peak):
     )
     print(
         f"bytes per decode step = {cost['weight_bytes_per_step']:,} (weights, {payload['dtype']}) + B x "
-        f"{cost['kv_bytes_per_position']:,} x {cost['mean_context']:g} (KV bytes per position x mean context) | "
+        f"{cost['kv_bytes_per_position']:,} x {cost['mean_keys_read']:g} (KV bytes per position x mean keys read) | "
         f"MBU against the {bandwidth.describe()} | MFU against the {peak.describe()}"
     )
     print(f"peak memory: {payload['peak_memory_source']}")

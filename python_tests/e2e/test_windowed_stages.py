@@ -164,8 +164,15 @@ def test_infer_bench_runs_the_windowed_checkpoint(home, monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert out["model"]["phase"] == "rl" and out["model_config"]["window_pattern"] == "SL"
     assert [row["batch_size"] for row in out["sweep"]] == [1, 2]
+    # decode steps 1..5 at positions 151..155: the S layer reads its window (128) and its own entry,
+    # the L layer all 151..155 entries; products: every weight but the embedding and value embedding
+    assert out["mean_keys_read"] == (129 + 153) / 2 and out["mean_context"] == 153
+    params = out["params"]
+    lookups = 2 * 320 * 64  # wte and the one value embedding (layer 1), vocabulary 320 x 64
+    assert out["decode_flops_per_token"] == 2 * (params - lookups) + 4 * 2 * 2 * 32 * 141
     for row in out["sweep"]:
         assert row["tokens_per_row"] == 6 and row["decode_tok_per_s"] > 0
+        assert row["kv_read_bytes_per_step"] == row["batch_size"] * out["kv_bytes_per_position"] * 141
 
 
 def test_chat_web_streams_the_full_forwards_reply(home, chat_model, monkeypatch):
