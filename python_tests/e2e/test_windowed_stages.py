@@ -109,7 +109,8 @@ def test_base_eval_scores_and_completes_as_the_model_does(home, monkeypatch, cap
     """base_eval's val bpb of the base run is the training loop's own evaluation at its last step (the
     same rows, another reader of the checkpoint), and its sample the argmax of full forwards."""
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
-    argv = ["--run=b", "--eval-tokens=1024", "--device-batch-size=2", "--samples=1", "--max-tokens=8"]
+    # fp32 as the run was trained (FP32); bf16 decode steps are test_windowed_engine.py's
+    argv = ["--run=b", "--eval-tokens=1024", "--device-batch-size=2", "--samples=1", "--max-tokens=8", "--dtype=fp32"]
     assert base_eval.main(argv + ["--max-examples=0"]) == 0
     out = capsys.readouterr().out
     bpb = float(out.split("val bpb")[1].split(":")[1].split()[0])
@@ -164,8 +165,8 @@ def test_infer_bench_runs_the_windowed_checkpoint(home, monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert out["model"]["phase"] == "rl" and out["model_config"]["window_pattern"] == "SL"
     assert [row["batch_size"] for row in out["sweep"]] == [1, 2]
-    # decode steps 1..5 at positions 151..155: the S layer reads its window (128) and its own entry,
-    # the L layer all 151..155 entries; products: every weight but the embedding and value embedding
+    # decode steps 1..5 read 151..155 entries in the L layer (prompt + i), 129 in the S layer (window + 1);
+    # products: every weight but the embedding and the value embedding (lookups)
     assert out["mean_keys_read"] == (129 + 153) / 2 and out["mean_context"] == 153
     params = out["params"]
     lookups = 2 * 320 * 64  # wte and the one value embedding (layer 1), vocabulary 320 x 64
