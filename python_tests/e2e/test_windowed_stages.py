@@ -6,6 +6,7 @@ the replies are checked against a plain argmax over full forwards with no cache.
 import asyncio
 import json
 import math
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from nanochat_fast.data.tokenizer import get_tokenizer
 from nanochat_fast.evals import scoring, tasks
 from nanochat_fast.model import generation, loading
 from nanochat_fast.model.sampling import stop_tokens
+from nanochat_fast.model.windowed_gpt import WindowedGPTConfig
 from nanochat_fast.scripts import base_eval, chat_cli, chat_eval, chat_rl, chat_sft, infer_bench, mid_train
 
 # depth 2 (n_embd 64, 2 heads of 32): layer 0 short (a window of 128 keys), layer 1 long (all 256)
@@ -64,6 +66,18 @@ def long_question(tokenizer) -> tuple[list[dict], int]:
     ids = tokenizer.render_for_completion({"messages": messages})
     assert 140 < len(ids) < 200, len(ids)
     return messages, 24
+
+
+def test_the_long_question_is_past_the_short_window(chat_model):
+    """The chat tests' prompt reaches beyond the S layer's window: the same weights with every
+    window long give other logits at its end."""
+    model, tokenizer = chat_model
+    messages, _ = long_question(tokenizer)
+    ids = torch.tensor([tokenizer.render_for_completion({"messages": messages})])
+    config = WindowedGPTConfig(**{**asdict(model.config), "window_pattern": "L"})
+    all_long = loading.new_model(config, "cpu", model.state_dict()).eval()
+    with torch.no_grad():
+        assert (model(ids)[0, -1] - all_long(ids)[0, -1]).abs().max() > 1e-3
 
 
 def argmax_tokens(model, ids: list[int], max_tokens: int, stop: set[int]) -> list[int]:
@@ -125,25 +139,37 @@ def test_base_eval_scores_and_completes_as_the_model_does(home, monkeypatch, cap
     assert f"  {prompt!r} -> {expected!r}" in out
 
 
-def test_chat_eval_scores_each_example_as_a_full_forward(home, chat_model, monkeypatch, capsys):
-    """chat_eval on the RL run, ARC-Easy: each example's letter logits (batched, projected at the
-    last position only) are those of the example's prompt run alone."""
+def test_chat_eval_scores_and_answers_each_example_as_full_forwards(home, chat_model, monkeypatch, capsys):
+    """chat_eval on the RL run. ARC-Easy: each example's letter logits (batched, projected at the last
+    position only) are those of the example's prompt run alone. GSM8K: each greedy answer (the batch
+    engine) is the argmax of full forwards."""
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
-    records = []
-    monkeypatch.setattr(scoring, "categorical_counts", recording(scoring.categorical_counts, records.append))
-    assert chat_eval.main(["--run=r", "--task=arc-easy", "--batch-size=4", "--dtype=fp32"]) == 0
-    assert "ARC-Easy: " in capsys.readouterr().out
+    letters_seen, answers = [], []
+    monkeypatch.setattr(scoring, "categorical_counts", recording(scoring.categorical_counts, letters_seen.append))
+    monkeypatch.setattr(scoring, "generative_counts", recording(scoring.generative_counts, answers.append))
+    argv = ["--run=r", "--task=arc-easy,gsm8k", "--batch-size=4", "--max-new-tokens=16", "--dtype=fp32"]
+    assert chat_eval.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ARC-Easy: " in out and "GSM8K: " in out
     model, tokenizer = chat_model
-    task = tasks.get("arc-easy")
-    examples = {ex["id"]: ex for ex in task.load("test")}
-    assert len(records) == len(examples) == 6
-    for rec in records:
+    arc = tasks.get("arc-easy")
+    examples = {ex["id"]: ex for ex in arc.load("test")}
+    assert len(letters_seen) == len(examples) == 6
+    for rec in letters_seen:
         ex = examples[rec["id"]]
-        ids = tokenizer.render_for_completion(task.conversation(ex))
-        letters = [tokenizer.encode(letter)[0] for letter in task.letters(ex)]
+        ids = tokenizer.render_for_completion(arc.conversation(ex))
+        letters = [tokenizer.encode(letter)[0] for letter in arc.letters(ex)]
         with torch.no_grad():
             expected = model(torch.tensor([ids]))[0, -1, letters]
         assert rec["letter_logits"] == pytest.approx(expected.tolist(), abs=2e-4), rec
+    gsm8k = tasks.get("gsm8k")
+    examples = {ex["id"]: ex for ex in gsm8k.load("test")}
+    assert len(answers) == len(examples) == 6
+    for rec in answers:
+        ids = tokenizer.render_for_completion(gsm8k.conversation(examples[rec["id"]]))
+        expected = argmax_tokens(model, ids, 16, stop_tokens(tokenizer))
+        assert tokenizer.encode_special("<|python_start|>") not in expected  # no tool forcing tokens
+        assert rec["prediction"] == generation.decode_reply(tokenizer, expected), rec
 
 
 def test_chat_cli_replies_past_the_short_window_as_full_forwards(home, chat_model, monkeypatch, capsys):
