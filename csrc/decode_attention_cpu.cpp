@@ -1,9 +1,10 @@
 // decode_attention on CPU: one query token per row attending to its own cached keys and values,
 // read in place from the continuous-batching cache (model/kv_cache.py's SlotBatch).
 //
-//   out[b, h] = softmax(q[b, h] . keys[rows[b], h / g, :lengths[b]] * scale) @ values[rows[b], h / g, :lengths[b]]
+//   out[b, h] = softmax(q[b, h] . keys[rows[b], h / g, s:lengths[b]] * scale) @ values[rows[b], h / g, s:lengths[b]]
 //
-// with g = H / Hkv query heads per key head (grouped-query attention). Why not SDPA: a decode step
+// with g = H / Hkv query heads per key head (grouped-query attention) and s = starts[b] (0 without
+// starts: a sliding window's rows begin their entries later). Why not SDPA: a decode step
 // of B rows at different lengths needs a mask over the block of slots up to the longest row, and
 // CPU SDPA (flash or math) then spent ~2x the time it takes just to read those keys and values;
 // the cache does not fit in the caches next to the weights, so the read is the cost. Here each
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "target_clones.h"
@@ -63,7 +65,8 @@ void attend_one(const float* __restrict__ q, const float* __restrict__ k, const 
 }
 
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                                const at::Tensor& rows, const at::Tensor& lengths, double scale) {
+                                const at::Tensor& rows, const at::Tensor& lengths, double scale,
+                                const std::optional<at::Tensor>& starts) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.dim() == 4,
               "decode_attention: q must be [B, H, D] and keys, values [S, Hkv, L, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
@@ -78,12 +81,18 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, con
   TORCH_CHECK(rows.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && rows.dim() == 1 &&
                   lengths.dim() == 1 && rows.size(0) == B && lengths.size(0) == B,
               "decode_attention: rows and lengths must be int64 [B] with B = ", B);
+  TORCH_CHECK(!starts.has_value() || (starts->scalar_type() == at::kLong && starts->dim() == 1 && starts->size(0) == B),
+              "decode_attention: starts must be int64 [B] with B = ", B);
   const at::Tensor qc = q.contiguous(), rc = rows.contiguous(), lc = lengths.contiguous();
+  const at::Tensor sc = starts.has_value() ? starts->contiguous() : at::zeros({B}, rows.options());
   const int64_t* row = rc.const_data_ptr<int64_t>();
   const int64_t* len = lc.const_data_ptr<int64_t>();
+  const int64_t* start = sc.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(0 <= row[b] && row[b] < S, "decode_attention: rows[", b, "] = ", row[b], " is outside [0, ", S, ")");
     TORCH_CHECK(1 <= len[b] && len[b] <= L, "decode_attention: lengths[", b, "] = ", len[b], " is outside [1, ", L, "]");
+    TORCH_CHECK(0 <= start[b] && start[b] < len[b], "decode_attention: starts[", b, "] = ", start[b],
+                " is outside [0, lengths[", b, "] = ", len[b], ")");
   }
   at::Tensor out = at::empty({B, H, D}, q.options());
   const Strides ks{keys.stride(0), keys.stride(1), keys.stride(2)};
@@ -97,8 +106,10 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, con
     std::vector<float> scores(L);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H, kvh = h / group;
-      attend_one(qp + i * D, kp + row[b] * ks.slot + kvh * ks.head, vp + row[b] * vs.slot + kvh * vs.head, ks, vs,
-                 len[b], D, static_cast<float>(scale), scores.data(), op + i * D);
+      const int64_t s = start[b];
+      attend_one(qp + i * D, kp + row[b] * ks.slot + kvh * ks.head + s * ks.pos,
+                 vp + row[b] * vs.slot + kvh * vs.head + s * vs.pos, ks, vs, len[b] - s, D, static_cast<float>(scale),
+                 scores.data(), op + i * D);
     }
   });
   return out;

@@ -30,8 +30,11 @@ TORCH_LIBRARY(nanochat_fast, m) {
   m.def("packed_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
 
   // One query token per row over its own cached entries: out[b, h] = softmax(q[b, h] .
-  // keys[rows[b], h / g, :lengths[b]] * scale) @ values[rows[b], h / g, :lengths[b]], g = H / Hkv.
+  // keys[rows[b], h / g, s:lengths[b]] * scale) @ values[rows[b], h / g, s:lengths[b]], g = H / Hkv,
+  // s = starts[b] (0 when starts is None; a sliding window's rows start later).
   // q float32 [B, H, D]; keys, values [S, Hkv, L, D] (views of a cache: any strides but the last);
-  // rows, lengths int64 [B]. A row reads nothing of the others: its result does not depend on them.
-  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor rows, Tensor lengths, float scale) -> Tensor");
+  // rows, lengths, starts int64 [B]. A row reads nothing of the others: its result does not depend on them.
+  m.def(
+      "decode_attention(Tensor q, Tensor keys, Tensor values, Tensor rows, Tensor lengths, float scale, "
+      "Tensor? starts=None) -> Tensor");
 }

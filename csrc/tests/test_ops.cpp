@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -224,38 +225,51 @@ void test_packed_linear_matches_double_loop() {
 }
 
 // decode_attention against a double loop: 4 query heads over 2 key heads, rows reading slots 2, 0,
-// 1 of a strided cache view at lengths 1, 9 and 4.
+// 1 of a strided cache view at lengths 1, 9 and 4, from their first entry and from starts 0, 5, 2
+// (a sliding window's rows).
 void test_decode_attention_matches_double_loop() {
   using Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, double);
+                        const at::Tensor&, double, const std::optional<at::Tensor>&);
   auto attention = c10::Dispatcher::singleton().findSchemaOrThrow("nanochat_fast::decode_attention", "").typed<Fn>();
   const int64_t H = 4, Hkv = 2, L = 9, D = 8;
   const at::Tensor cache = at::randn({2, 3, Hkv, 12, D});
   const at::Tensor keys = cache[0].narrow(2, 0, L), values = cache[1].narrow(2, 0, L), q = at::randn({3, H, D});
   const std::vector<int64_t> rows = {2, 0, 1}, lengths = {1, 9, 4};
   const double scale = 0.3;
-  const at::Tensor out = attention.call(q, keys, values, at::tensor(rows, at::kLong), at::tensor(lengths, at::kLong), scale);
-  double max_err = 0.0;
-  for (int64_t b = 0; b < 3; ++b) {
-    for (int64_t h = 0; h < H; ++h) {
-      const at::Tensor k = keys[rows[b]][h / 2].to(at::kDouble), v = values[rows[b]][h / 2].to(at::kDouble);
-      std::vector<double> p(lengths[b]);
-      double top = -INFINITY, total = 0.0;
-      for (int64_t l = 0; l < lengths[b]; ++l) {
-        p[l] = scale * (q[b][h].to(at::kDouble) * k[l]).sum().item<double>();
-        top = std::max(top, p[l]);
-      }
-      for (auto& x : p) total += (x = std::exp(x - top));
-      for (int64_t d = 0; d < D; ++d) {
-        double ref = 0.0;
-        for (int64_t l = 0; l < lengths[b]; ++l) ref += p[l] / total * v[l][d].item<double>();
-        max_err = std::max(max_err, std::abs(out[b][h][d].item<double>() - ref));
+  for (const std::vector<int64_t>& starts : {std::vector<int64_t>{0, 0, 0}, std::vector<int64_t>{0, 5, 2}}) {
+    const at::Tensor out = attention.call(q, keys, values, at::tensor(rows, at::kLong), at::tensor(lengths, at::kLong),
+                                          scale, at::tensor(starts, at::kLong));
+    double max_err = 0.0;
+    for (int64_t b = 0; b < 3; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const at::Tensor k = keys[rows[b]][h / 2].to(at::kDouble), v = values[rows[b]][h / 2].to(at::kDouble);
+        std::vector<double> p(lengths[b], 0.0);
+        double top = -INFINITY, total = 0.0;
+        for (int64_t l = starts[b]; l < lengths[b]; ++l) {
+          p[l] = scale * (q[b][h].to(at::kDouble) * k[l]).sum().item<double>();
+          top = std::max(top, p[l]);
+        }
+        for (int64_t l = starts[b]; l < lengths[b]; ++l) total += (p[l] = std::exp(p[l] - top));
+        for (int64_t d = 0; d < D; ++d) {
+          double ref = 0.0;
+          for (int64_t l = starts[b]; l < lengths[b]; ++l) ref += p[l] / total * v[l][d].item<double>();
+          max_err = std::max(max_err, std::abs(out[b][h][d].item<double>() - ref));
+        }
       }
     }
+    check(max_err < 1e-5, "decode_attention matches a double loop from starts " + std::to_string(starts[1]) +
+                              " (max error " + std::to_string(max_err) + ")");
   }
-  check(max_err < 1e-5, "decode_attention matches a double loop (max error " + std::to_string(max_err) + ")");
-  check(throws([&] { attention.call(q, keys, values, at::tensor(rows, at::kLong), at::tensor({1, 10, 4}, at::kLong), scale); }),
+  check(throws([&] {
+          attention.call(q, keys, values, at::tensor(rows, at::kLong), at::tensor({1, 10, 4}, at::kLong), scale,
+                         std::nullopt);
+        }),
         "decode_attention rejects a length past the cache");
+  check(throws([&] {
+          attention.call(q, keys, values, at::tensor(rows, at::kLong), at::tensor(lengths, at::kLong), scale,
+                         at::tensor({0, 9, 0}, at::kLong));
+        }),
+        "decode_attention rejects a start at its row's length");
 }
 
 }  // namespace

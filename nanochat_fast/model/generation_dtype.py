@@ -16,8 +16,7 @@ import torch
 
 from ..hardware import precision, tuning
 from .batch_engine import BatchEngine, Request
-from .gpt import GPT, GPTConfig
-from .loading import new_model
+from .loading import config_from_fields, meta_model, new_model
 
 # the generation commands' budget for timing their mix: they start in front of a user, so less than a
 # training run's MAX_SECONDS; later runs read the cache
@@ -94,8 +93,7 @@ def generation_work(model, mix: GenerationMix, device) -> tuning.Work:
 
 def _meta_work(spec: dict, device) -> tuning.Work:
     """How --tune re-times a cached generation timing: its model's shapes, random weights."""
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**spec["config"]))
+    model = meta_model(config_from_fields(spec["config"]))  # of its own family (window_pattern: windowed)
     mix = GenerationMix(spec["batch"], spec["prompt_tokens"], spec["decode_tokens"])
     return generation_work(model, mix, device)
 

@@ -129,7 +129,8 @@ class SlotBatch:
         block = slice(self.lo, self.hi)
         return keys[block, :, : self.length], values[block, :, : self.length]
 
-    def attend(self, q, keys, values, enable_gqa: bool):
+    def attend(self, q, keys, values, enable_gqa: bool, window: int | None = None):
         """The rows' queries q (B, H, 1, D) over the block insert_kv returned, each row to its own
-        entries -> (B, H, 1, D)."""
-        return decode_attention(q, keys, values, self.rows_in_block, self.lengths, enable_gqa)
+        entries -> (B, H, 1, D); with a window, to the `window` entries before its position and its own."""
+        starts = None if window is None else (self.positions - window).clamp_min(0)
+        return decode_attention(q, keys, values, self.rows_in_block, self.lengths, enable_gqa, starts=starts)

@@ -2,6 +2,8 @@
 Making a GPT and loading a trained one.
 
     new_model(config, device, state)        a GPT on `device`, initialised (and loaded with `state`)
+    meta_model(config)                      a GPT of config's family on the meta device (shapes, FLOPs)
+    config_from_fields(fields)              a config of its family back from its fields (a cache key's)
     open_checkpoint(run_dir, step, tok)     (checkpoint, meta, GPTConfig), checked against the tokenizer
     restore_model(ckpt, config, device)     an opened checkpoint's weights in a GPT, in eval mode
     load_model(run_dir, step, device, tok)  a trained model in eval mode, for evaluation and chat
@@ -48,6 +50,18 @@ def config_of(meta: dict, ckpt: Path) -> GPTConfig:
         raise UserError(f"checkpoint {ckpt}: its model_config is not a {arch} model ({e})") from None
 
 
+def config_from_fields(fields: dict) -> GPTConfig:
+    """A config back from its fields (dataclasses.asdict, as the dtype timings' cache keys hold
+    them): the windowed family's when they have a window_pattern, the seeds' GPT's otherwise."""
+    return (WindowedGPTConfig if "window_pattern" in fields else GPTConfig)(**fields)
+
+
+def meta_model(config: GPTConfig) -> GPT:
+    """The model of config's family on the meta device: its shapes, parameters and FLOPs, no storage."""
+    with torch.device("meta"):
+        return model_class(config)(config)
+
+
 def check_arch(wanted: str, config: GPTConfig, ckpt: Path):
     """A run that names --arch must start from a checkpoint of that family."""
     if wanted and wanted != arch_of(config):
@@ -60,8 +74,7 @@ def check_arch(wanted: str, config: GPTConfig, ckpt: Path):
 def new_model(config: GPTConfig, device, state: dict | None = None) -> GPT:
     """The model of config's family built on the meta device and materialised on `device` with its
     init (which also fills the rotary buffers, not saved in checkpoints), then loaded with `state`."""
-    with torch.device("meta"):
-        model = model_class(config)(config)
+    model = meta_model(config)
     model.to_empty(device=device)
     model.init_weights()
     if state is not None:

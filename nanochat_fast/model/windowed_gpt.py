@@ -13,7 +13,7 @@ What it adds to the seeds' network:
   per-group optimizer settings (setup_optimizers)
 Parameter names and shapes are nanochat's (interop/ reads and writes them unchanged, but for the
 vocabulary padding). Attention runs through SDPA, with a boolean window mask where a window is
-shorter than the keys.
+shorter than the keys; a batch engine's decode step through its kernel, each row from its window's start.
 """
 
 import math
@@ -90,7 +90,9 @@ class WindowedAttention(nn.Module):
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:  # the value embedding, gated per kv head in (0, 3)
             gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
-            v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
+            # in v's dtype: under bf16 autocast ve is fp32 (the residual's), and values promoted to
+            # fp32 beside bf16 keys would not go into the cache the keys made bf16
+            v = v + (gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)).to(v.dtype)
         cos, sin = cos_sin
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         q, k = norm(q) * QK_SCALE, norm(k) * QK_SCALE
@@ -103,15 +105,9 @@ class WindowedAttention(nn.Module):
     def _attend(self, q, k, v, kv_cache):
         gqa = self.n_head != self.n_kv_head
         Tq, Tk = q.size(2), k.size(2)
-        if isinstance(kv_cache, SlotBatch):
-            if self.window >= Tk - 1:  # no row can have keys beyond its window
-                return kv_cache.attend(q, k, v, enable_gqa=gqa)
-            # one token per row at its own position: its slot's keys within the window
-            pos = kv_cache.get_pos()
-            cols = torch.arange(Tk, device=q.device)
-            mask = (cols <= pos[:, None]) & (pos[:, None] - cols <= self.window)  # (B, Tk)
-            k, v = k[kv_cache.rows_in_block], v[kv_cache.rows_in_block]
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], enable_gqa=gqa)
+        if isinstance(kv_cache, SlotBatch):  # one token per row at its own position, read in place
+            window = None if self.window >= Tk - 1 else self.window  # None: no row has keys beyond it
+            return kv_cache.attend(q, k, v, enable_gqa=gqa, window=window)
         if Tq == Tk and self.window >= Tq - 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         positions_k = torch.arange(Tk, device=q.device)

@@ -9,7 +9,7 @@ For each batch size B, B requests of --prompt-tokens random tokens go through on
 server runs them, each decoding exactly --decode-tokens tokens greedily; printed per B: prefill and
 decode tok/s, TTFT, ms/token, peak memory, MBU and MFU. On a CPU, --dtype auto times each batch size's own
 mix (its prefills and decode steps) in fp32 and bf16 and runs the faster (model/generation_dtype.py; cached
-for later runs). --depth runs nanochat's init of that depth
+for later runs). --depth runs nanochat's init of that depth (of the seeds' GPT, or --arch=windowed)
 with a byte-level stand-in tokenizer (no trained tokenizer needed). The last line of stdout is one
 JSON document with every figure. How each figure is measured and computed:
 docs/measurements.md#inference-benchmark.
@@ -36,7 +36,8 @@ from ..hardware.machine import synchronize
 from ..model import generation_dtype, loading, packed_linears
 from ..model.batch_engine import BatchEngine, Request
 from ..model.gpt import config_from_depth
-from ..train.training_config import DeviceConfig, evaluation_process
+from ..model.windowed_gpt import WindowedGPTConfig
+from ..train.training_config import ARCHES, DeviceConfig, evaluation_process, window_pattern
 
 AUTO_MAX_BATCH = {"cuda": 256}  # the default sweep's last batch size (at most what fits)
 AUTO_MAX_BATCH_ELSE = 32
@@ -95,6 +96,12 @@ def build_parser():
         default=8192,
         help=f"vocabulary of the --depth model (>= {MIN_VOCAB_SIZE})",
     )
+    model.add_argument(
+        "--arch", choices=ARCHES, default="gpt", help="family of the --depth model (a --run's checkpoint has its own)"
+    )
+    model.add_argument(
+        "--window-pattern", type=window_pattern, default="SSSL", help="windows of an --arch=windowed --depth model"
+    )
     bench = p.add_argument_group("benchmark")
     bench.add_argument(
         "--batch-sizes",
@@ -125,8 +132,11 @@ def check_model_flags(args):
             + (", not both" if args.run is not None else "")
         )
     given = cli.explicit_flags(args)
-    if args.run is not None and given & {"max_seq_len", "vocab_size"}:
-        raise UserError("--max-seq-len and --vocab-size shape a --depth model; a --run's checkpoint has its own")
+    if args.run is not None and given & {"max_seq_len", "vocab_size", "arch", "window_pattern"}:
+        raise UserError(
+            "--max-seq-len, --vocab-size, --arch and --window-pattern shape a --depth model; a --run's checkpoint "
+            "has its own"
+        )
     if args.depth is not None and "step" in given:
         raise UserError("--step picks a checkpoint of --run; a --depth model has none")
     if args.depth is not None and args.vocab_size < MIN_VOCAB_SIZE:
@@ -145,6 +155,8 @@ def open_model(args, device):
     """(model in eval mode, tokenizer, what it is for the JSON); the context checked before the weights load."""
     if args.depth is not None:
         config = config_from_depth(args.depth, args.vocab_size, args.max_seq_len)
+        if args.arch == "windowed":
+            config = WindowedGPTConfig(**asdict(config), window_pattern=args.window_pattern)
         check_context(args, config)
         torch.manual_seed(args.seed)
         model = loading.new_model(config, device).eval()
@@ -153,6 +165,7 @@ def open_model(args, device):
             stand_in_tokenizer(),
             {
                 "depth": args.depth,
+                "arch": args.arch,
                 "init": f"random (nanochat's init, seed {args.seed})",
                 "tokenizer": "byte-level stand-in (the engine looks up special tokens only)",
             },
@@ -291,24 +304,35 @@ def measure(model, tokenizer, dev, args, batch: int) -> dict:
     }
 
 
+def mean_keys_read(args, windows: list[int]) -> float:
+    """Cached entries a row's query reads per layer, averaged over the layers and the decode steps:
+    prompt + i at step i, or the window's keys and its own where a layer's window is shorter."""
+    steps = range(1, args.decode_tokens)
+    return statistics.fmean(min(args.prompt_tokens + i, w + 1) for w in windows for i in steps)
+
+
 def costs(model, dtype, kv_dtype_, args) -> dict:
     """What a decode step reads and computes, from the model's shapes (the formulas:
     docs/measurements.md#inference-benchmark)."""
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     context = args.prompt_tokens + args.decode_tokens / 2  # mean over the decode steps of prompt + i
+    # the windowed family's short layers read fewer keys; every layer of the seeds' GPT reads them all
+    keys = mean_keys_read(args, getattr(model, "window_sizes", [cfg.sequence_len] * cfg.n_layer))
+    lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
     return {
         "params": params,
         "weight_bytes_per_step": params * dtype.itemsize,
         "kv_bytes_per_position": BatchEngine.kv_bytes(cfg, 1, 1, kv_dtype_),
         "mean_context": context,
-        "decode_flops_per_token": 2 * (params - model.transformer.wte.weight.numel())
-        + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * context,
+        "mean_keys_read": keys,
+        # embeddings (the windowed GPT's value embeddings too) are lookups, not products
+        "decode_flops_per_token": 2 * (params - lookups) + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * keys,
     }
 
 
 def figures(batch: int, m: dict, cost: dict, args, bandwidth, peak) -> dict:
-    kv_read = batch * cost["kv_bytes_per_position"] * cost["mean_context"]
+    kv_read = batch * cost["kv_bytes_per_position"] * cost["mean_keys_read"]
     bytes_per_step = cost["weight_bytes_per_step"] + kv_read
     steps_per_s = m["decode_steps"] / m["decode_s"]
     decode_tok_s = batch * steps_per_s
@@ -356,7 +380,10 @@ def table_row(row: dict) -> str:
 
 def print_card(info: dict, cost: dict, payload: dict, bandwidth, peak):
     cfg = payload["model_config"]
-    what = f"run {info['run']} step {info['step']}" if "run" in info else f"depth {info['depth']}, {info['init']}"
+    if "run" in info:
+        what = f"run {info['run']} step {info['step']}"
+    else:
+        what = f"depth {info['depth']} {info['arch']}, {info['init']}"
     print(
         f"model: {what} | {cost['params']:,} parameters | n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}, "
         f"heads {cfg['n_head']} (kv {cfg['n_kv_head']}), vocab {cfg['vocab_size']} | tokenizer: {info['tokenizer']}"
@@ -368,7 +395,7 @@ def print_card(info: dict, cost: dict, payload: dict, bandwidth, peak):
     )
     print(
         f"bytes per decode step = {cost['weight_bytes_per_step']:,} (weights, {payload['dtype']}) + B x "
-        f"{cost['kv_bytes_per_position']:,} x {cost['mean_context']:g} (KV bytes per position x mean context) | "
+        f"{cost['kv_bytes_per_position']:,} x {cost['mean_keys_read']:g} (KV bytes per position x mean keys read) | "
         f"MBU against the {bandwidth.describe()} | MFU against the {peak.describe()}"
     )
     print(f"peak memory: {payload['peak_memory_source']}")

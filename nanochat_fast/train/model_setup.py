@@ -18,7 +18,7 @@ from ..core.errors import UserError
 from ..hardware import precision, tuning
 from ..model import sharding
 from ..model.gpt import GPT, GPTConfig, config_from_depth
-from ..model.loading import new_model
+from ..model.loading import config_from_fields, meta_model, new_model
 from ..optim.muon import newton_schulz_work
 
 
@@ -63,15 +63,13 @@ def step_work(model: GPT, rows: int, seq_len: int, device, run_micro_steps: int 
     )
 
 
+# a cached entry's model is of its own family (the windowed GPT's config has a window_pattern)
 tuning.register(
     "model",
-    lambda spec, device: step_work(_meta_model(GPTConfig(**spec["config"])), spec["rows"], spec["seq_len"], device),
+    lambda spec, device: step_work(
+        meta_model(config_from_fields(spec["config"])), spec["rows"], spec["seq_len"], device
+    ),
 )
-
-
-def _meta_model(config: GPTConfig) -> GPT:
-    with torch.device("meta"):
-        return GPT(config)
 
 
 def muon_shapes(model: GPT) -> list[tuple[int, int, int]]:
@@ -83,7 +81,7 @@ def muon_shapes(model: GPT) -> list[tuple[int, int, int]]:
 def tuning_works(depth: int, vocab_size: int, seq_len: int, rows: int, device) -> list[tuning.Work]:
     """What `python -m nanochat_fast.hardware --tune --depth N` times: the depth-N model's training
     micro-step and its Muon matrices (the quintic recipe's Newton-Schulz)."""
-    model = _meta_model(config_from_depth(depth, vocab_size, seq_len))
+    model = meta_model(config_from_depth(depth, vocab_size, seq_len))
     return [step_work(model, rows, seq_len, device), newton_schulz_work(muon_shapes(model), 5, "quintic", device)]
 
 

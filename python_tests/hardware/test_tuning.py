@@ -397,3 +397,25 @@ def test_tune_refuses_only_where_bf16_is_still_in_question(machine, cpu):
         with pytest.raises(TuningError):
             tuning.measure(work, "cpu", max_seconds=5.0, strict=True)
         assert fake.calls == []
+
+
+def test_tune_retimes_a_windowed_runs_entries_as_the_windowed_model():
+    """A cached timing of the windowed family (its config has a window_pattern) is rebuilt by --tune as
+    that family's model, not the seeds' GPT: the same cache key, and the windowed model's FLOPs and
+    parameter count (value embeddings, windows), which the seeds' GPT of the same shape does not have."""
+    from nanochat_fast.model import generation_dtype, loading
+    from nanochat_fast.model.windowed_gpt import WindowedGPTConfig
+
+    config = WindowedGPTConfig(
+        sequence_len=256, vocab_size=320, n_layer=2, n_head=2, n_kv_head=2, n_embd=64, window_pattern="SL"
+    )
+    model = loading.meta_model(config)
+    seeds = loading.meta_model(GPTConfig(**{k: v for k, v in vars(config).items() if k != "window_pattern"}))
+    mix = generation_dtype.GenerationMix(2, 16, 8)
+    for work, plain in (
+        (model_setup.step_work(model, 2, 256, "cpu"), model_setup.step_work(seeds, 2, 256, "cpu")),
+        (generation_dtype.generation_work(model, mix, "cpu"), generation_dtype.generation_work(seeds, mix, "cpu")),
+    ):
+        again = tuning._MEASURERS[work.kind](json.loads(json.dumps(work.spec)), "cpu")  # as the cache holds it
+        assert tuning.cache_key(again, "cpu") == tuning.cache_key(work, "cpu")
+        assert again.flops == work.flops != plain.flops, work.kind

@@ -107,6 +107,25 @@ def test_decode_attention_matches_float64(backend, heads, kv_heads):
     assert (y.double() - float64_attention(q, keys, values, rows, lengths)).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_decode_attention_from_each_rows_start(backend):
+    """A sliding window's rows: row b reads entries starts[b]..lengths[b]-1 only (row 0 from its
+    first, the others from 30 and 9), as float64 SDPA over exactly those entries; rows in the
+    block's gaps see nothing of it."""
+    q, keys, values, rows, lengths = attention_case()
+    starts = torch.tensor([0, 30, 9])
+    y = decode_attention(q, keys, values, rows, lengths, enable_gqa=True, starts=starts, backend=backend)
+    expected = torch.cat(
+        [
+            float64_attention(q[b : b + 1], keys[:, :, s:], values[:, :, s:], rows[b : b + 1], lengths[b : b + 1] - s)
+            for b, s in enumerate(starts.tolist())
+        ]
+    )
+    assert (y.double() - expected).abs().max() < 1e-6
+    whole = decode_attention(q, keys, values, rows, lengths, enable_gqa=True, backend=backend)
+    assert torch.equal(y[0], whole[0]) and not torch.allclose(y[1:], whole[1:])  # the starts count
+
+
 def test_decode_attention_rows_do_not_depend_on_the_batch():
     q, keys, values, rows, lengths = attention_case()
     together = decode_attention(q, keys, values, rows, lengths, enable_gqa=True, backend="cpp")
@@ -123,6 +142,8 @@ def test_decode_attention_refuses_bad_input():
         ops.decode_attention(q.squeeze(2), keys, values, rows, torch.tensor([1, 41, 2]), 0.25)
     with pytest.raises(RuntimeError, match=r"rows\[0\] = 4 is outside \[0, 4\)"):
         ops.decode_attention(q.squeeze(2), keys, values, torch.tensor([4, 1, 2]), lengths, 0.25)
+    with pytest.raises(RuntimeError, match=r"starts\[2\] = 17 is outside \[0, lengths\[2\] = 17\)"):
+        ops.decode_attention(q.squeeze(2), keys, values, rows, lengths, 0.25, torch.tensor([0, 0, 17]))
     with pytest.raises(ValueError, match="enable_gqa"):
         decode_attention(q, keys, values, rows, lengths)
     with pytest.raises(ValueError, match="float32"):
@@ -132,6 +153,8 @@ def test_decode_attention_refuses_bad_input():
 def test_decode_attention_op_passes_opcheck():
     q, keys, values, rows, lengths = attention_case()
     torch.library.opcheck(ops.decode_attention.default, (q.squeeze(2), keys, values, rows, lengths, 0.25))
+    starts = torch.tensor([0, 30, 9])
+    torch.library.opcheck(ops.decode_attention.default, (q.squeeze(2), keys, values, rows, lengths, 0.25, starts))
 
 
 # -- the engine's decode steps ----------------------------------------------------------------------

@@ -73,3 +73,34 @@ def test_alone_is_the_argmax_of_full_forwards(model):
                 ids.append(nxt)
         got = decode_alone(model, request)
         assert got == expected[: len(got)] and len(got) > 0, name
+
+
+def test_decode_steps_under_bf16_autocast(model):
+    """Under bf16 autocast (what `--dtype auto` picks on CPUs with native bf16) the gated value
+    embedding keeps the values in the keys' dtype, so decode steps write into the bf16 cache; each
+    step's logits are those of a full forward under the same autocast, within bf16 rounding."""
+    from nanochat_fast.model.kv_cache import SlotBatch, SlotCache, SlotPrefill
+
+    ids = prompt(SHORT + 20, 4)  # past the short window: the S layer's decode steps mask
+    cache = SlotCache(CONFIG.n_layer, slots=2, max_len=len(ids) + 4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.tensor([ids[:-3]]), kv_cache=SlotPrefill(cache, 1))
+        assert cache.kv.dtype == torch.bfloat16
+        for n in range(len(ids) - 3, len(ids)):
+            step = model(torch.tensor([[ids[n]]]), kv_cache=SlotBatch(cache, [1], [n], "cpu"))[0, -1]
+            full = model(torch.tensor([ids[: n + 1]]))[0, -1]
+            assert (step - full).abs().max() < 0.05 * full.abs().max(), n
+
+
+def test_short_windows_decode_through_the_kernel_from_their_start(model, monkeypatch):
+    """Every decode step's attention goes through kernels/decode_attention.py reading the cache in
+    place: the S layer (1 of the 3) with each row's first entry inside its window, once past it."""
+    from nanochat_fast.model import kv_cache
+
+    calls, real = [], kv_cache.decode_attention
+    monkeypatch.setattr(kv_cache, "decode_attention", lambda *a, **kw: calls.append(kw["starts"]) or real(*a, **kw))
+    request = REQUESTS["long prompt"][0]  # its first decode step is already past the short window
+    tokens = decode_alone(model, request)
+    starts = [s for s in calls if s is not None]
+    assert len(calls) == CONFIG.n_layer * (len(tokens) - 1) and len(starts) == len(tokens) - 1
+    assert [int(s) for s in starts] == [len(request.prompt) + i - SHORT for i in range(len(tokens) - 1)]

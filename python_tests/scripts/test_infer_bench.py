@@ -116,3 +116,30 @@ def test_a_runs_checkpoint(home, capsys):
         cli.run(infer_bench.main, ["--run=tinychat", "--prompt-tokens=60", "--decode-tokens=8"])
     assert exit_info.value.code == 2
     assert "beyond the model's context of 64 tokens" in capsys.readouterr().err
+
+
+def test_a_windowed_depth_model_counts_the_keys_its_windows_read(nanochat_home, capsys):
+    """--arch=windowed --depth: the windowed family's model (value embeddings, windows); past the short
+    window (128 of 256) the S layer reads its window and its own entry, the L layer every entry."""
+    from nanochat_fast.model import loading
+    from nanochat_fast.model.windowed_gpt import WindowedGPTConfig
+
+    argv = ["--depth=2", "--vocab-size=512", "--max-seq-len=256", "--prompt-tokens=150", "--decode-tokens=5"]
+    out, _ = bench(argv + ["--arch=windowed", "--window-pattern=SL", "--batch-sizes=2", "--dtype=fp32"], capsys)
+    assert out["model"]["arch"] == "windowed" and out["model_config"]["window_pattern"] == "SL"
+    config = WindowedGPTConfig(**out["model_config"])
+    assert config.window_sizes() == [128, 256]
+    params = sum(p.numel() for p in loading.meta_model(config).parameters())
+    assert out["params"] == params
+    # decode steps 1..4 read 151..154 entries in the L layer (prompt + i), 129 in the S layer (its window + 1)
+    keys = (129 + 152.5) / 2
+    assert out["mean_keys_read"] == keys
+    # wte and layer 1's value embedding (n_embd 128, one head of 128 at depth 2): lookups, not products
+    assert (config.n_embd, config.n_head, config.n_kv_head, config.head_dim) == (128, 1, 1, 128)
+    lookups = 2 * 512 * 128
+    assert out["decode_flops_per_token"] == 2 * (params - lookups) + 4 * 2 * 1 * 128 * keys
+    [row] = out["sweep"]
+    assert row["tokens_per_row"] == 5 and row["kv_read_bytes_per_step"] == 2 * out["kv_bytes_per_position"] * keys
+    with pytest.raises(SystemExit) as exit_info:
+        cli.run(infer_bench.main, ["--run=x", "--arch=windowed"])
+    assert exit_info.value.code == 2 and "a --run's checkpoint has its own" in capsys.readouterr().err
