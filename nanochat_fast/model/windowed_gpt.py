@@ -71,6 +71,32 @@ def window_mask(positions_q: torch.Tensor, positions_k: torch.Tensor, window: in
     return (diff >= 0) & (diff <= window)
 
 
+def window_chunked_attention(q, k, v, window: int, gqa: bool):
+    """Causal attention over the last `window` keys, for a sequence (B, H, T, D) of T a multiple of
+    the window, through SDPA on chunks of `window` queries: the first chunk causal on itself, every
+    other chunk against its own keys and the previous chunk's, under one shared mask. A mask over
+    the whole sequence makes SDPA compute all T x T scores; this computes ~2 * window per query."""
+    B, H, T, D = q.shape
+    first = F.scaled_dot_product_attention(
+        q[:, :, :window], k[:, :, :window], v[:, :, :window], is_causal=True, enable_gqa=gqa
+    )
+    n = T // window - 1  # chunks after the first, each with the window before it
+    if n == 0:
+        return first
+
+    def chunks(t, size, start):  # (B, h, T, D) -> (B * n, h, size, D): chunk c spans start + c*window
+        windows = t[:, :, start:].unfold(2, size, window)  # (B, h, n, D, size)
+        return windows.permute(0, 2, 1, 4, 3).reshape(B * n, t.size(1), size, D)
+
+    qc, kc, vc = chunks(q, window, window), chunks(k, 2 * window, 0), chunks(v, 2 * window, 0)
+    rows = torch.arange(window, device=q.device)[:, None] + window  # a query's place among its keys
+    cols = torch.arange(2 * window, device=q.device)[None, :]
+    mask = (cols <= rows) & (rows - cols <= window)
+    rest = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=gqa)
+    rest = rest.view(B, n, H, window, D).permute(0, 2, 1, 3, 4).reshape(B, H, n * window, D)
+    return torch.cat([first, rest], dim=2)
+
+
 class WindowedAttention(nn.Module):
     def __init__(self, config: WindowedGPTConfig, layer_idx: int, window: int):
         super().__init__()
@@ -110,6 +136,8 @@ class WindowedAttention(nn.Module):
             return kv_cache.attend(q, k, v, enable_gqa=gqa, window=window)
         if Tq == Tk and self.window >= Tq - 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if Tq == Tk and Tq % self.window == 0:
+            return window_chunked_attention(q, k, v, self.window, gqa)
         positions_k = torch.arange(Tk, device=q.device)
         mask = window_mask(positions_k[Tk - Tq :], positions_k, self.window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

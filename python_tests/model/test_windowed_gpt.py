@@ -97,3 +97,22 @@ def test_flops_count_each_layers_window_and_the_gates_not_the_lookups():
     attention = 12 * h * hd * (512 + 2048 + 512 + 2048)  # S L S L: a quarter of 2048 is 512
     assert model.estimate_flops() == 6 * matmul + attention
     assert sorted(model.value_embeds) == ["1", "3"]
+
+
+@pytest.mark.parametrize("heads, kv_heads, T, window", [(4, 2, 512, 128), (2, 2, 256, 128), (2, 1, 384, 64)])
+def test_chunked_window_attention_equals_sdpa_under_the_whole_mask(heads, kv_heads, T, window):
+    """Training's short layers attend chunk by chunk (window_chunked_attention); in float64 that is
+    the function SDPA computes under the whole sequence's window mask, gradients included."""
+    from nanochat_fast.model.windowed_gpt import window_chunked_attention, window_mask
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, T, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, T, 16, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    gqa = heads != kv_heads
+    pos = torch.arange(T)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(pos, pos, window), enable_gqa=gqa)
+    got = window_chunked_attention(q, k, v, window, gqa)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
