@@ -3,17 +3,15 @@ The windowed GPT: the model nanochat trains today (its gpt.py at 92d63d4), besid
 What it adds to the seeds' network:
 - sliding-window attention: a pattern of S (short: a quarter of the context, rounded up to a
   multiple of 128) and L (the full context) tiled over the layers, the last layer always L
-- value embeddings (ResFormer) on alternating layers, the last included: a per-token vector added
-  to attention's values through a gate, 3 * sigmoid of a linear map of 12 input channels per head
-- per-layer scalars: resid_lambdas scale the residual stream, x0_lambdas blend the normalised
-  input embedding back in
-- smear (the previous token's embedding mixed into each position through a gate of 24 channels)
-  and backout (the residual after layer n_layer // 2, scaled and subtracted before the final norm)
-- queries and keys scaled by 1.2 after QK-norm, rotary base 100,000, its own initialisation and
-  per-group optimizer settings (setup_optimizers)
-Parameter names and shapes are nanochat's (interop/ reads and writes them unchanged, but for the
-vocabulary padding). Attention runs through SDPA, with a boolean window mask where a window is
-shorter than the keys; a batch engine's decode step through its kernel, each row from its window's start.
+- value embeddings (ResFormer) on alternating layers, the last included, added to attention's
+  values through a gate: 3 * sigmoid of a linear map of 12 input channels per kv head
+- per-layer scalars: resid_lambdas scale the residual stream, x0_lambdas blend the input back in
+- smear (the previous token's embedding mixed in through a gate of 24 channels) and backout (the
+  residual after layer n_layer // 2, scaled and subtracted before the final norm)
+- queries and keys scaled by 1.2 after QK-norm, rotary base 100,000, its own init and optimizer groups
+Parameter names and shapes are nanochat's (interop/ reads and writes them, but for the vocabulary
+padding). Attention runs through SDPA: a short window in training chunk by chunk, elsewhere under a
+window mask; a batch engine's decode step through its kernel, each row from its window's start.
 """
 
 import math
