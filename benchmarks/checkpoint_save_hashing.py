@@ -35,7 +35,7 @@ class PassThrough(files.HashingFile):
     def write(self, data):
         view = memoryview(data).cast("B")
         self.size += view.nbytes
-        return self._f.write(view)
+        return self._f.write(view) if view.nbytes < files.OVERLAP_BYTES else self.write_large(view)
 
 
 def states(depth: int):

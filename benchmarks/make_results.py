@@ -145,9 +145,10 @@ def hashing_section(path: Path) -> list[str]:
         "",
         f"*`python benchmarks/checkpoint_save_hashing.py --depth={f['depth']} --rounds={f['rounds']}`: "
         "checkpoints.save_checkpoint (model.pt, the optimizer state, meta.json, COMPLETE; every file fsynced), "
-        "with every file's sha256 computed while it is written (large writes hashed on a side thread) and with "
-        f"a pass-through instead, in interleaved rounds; hashed / not hashed = {f['ratio']:.3f}. On a machine "
-        "shared with other jobs (saves vary by tens of percent from one to the next).*",
+        "with every file's sha256 computed while it is written (on a side thread that runs on through the fsync; "
+        "large writes start their way to disk at once, in both variants) and with a pass-through instead, in "
+        f"interleaved rounds; hashed / not hashed = {f['ratio']:.3f}. The disk's speed varies by tens of percent "
+        "from one save to the next.*",
         "",
     ]
 

@@ -12,37 +12,43 @@ import errno
 import hashlib
 import io
 import json
+import os
 import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..core import paths
 
-_hasher = None  # one thread hashing a large write while the writing thread copies it to the file
-OVERLAP_BYTES = 1 << 20  # writes from this size on are hashed beside the write (hashlib and file
-# writes both release the GIL); smaller ones inline
+_hasher = None  # one thread hashing what the writing thread has already handed to the file
+OVERLAP_BYTES = 1 << 20  # writes from this size on go to disk at once (HashingFile.write_large)
+IN_FLIGHT_BYTES = 256 << 20  # copies waiting for the hashing thread, at most: then the writer waits
 
 
-def _hash_beside(sha, view):
+def _hash_later(sha, data: bytes):
     global _hasher
     if _hasher is None:
         from concurrent.futures import ThreadPoolExecutor
 
         _hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint_hash")
-    return _hasher.submit(sha.update, view)
+    return _hasher.submit(sha.update, data)
 
 
 class HashingFile(io.RawIOBase):
     """A file opened for writing, hashing every byte written through it (sequential writes only).
-    A large write is hashed on another thread while this one writes it, and waited for before
-    write returns: the caller's buffer (torch.save lends a view of its own memory) stays valid."""
+    Each write is hashed in order on another thread while this one goes on writing, and on through
+    the final fsync (digest() waits for it), so the hashing hides behind the disk. A buffer is
+    only lent for its write (torch.save may free it next), so it is copied first, unless it starts
+    at one of `kept`: addresses of memory that outlives the file (the saved tensors' storages)."""
 
-    def __init__(self, f):
+    def __init__(self, f, kept=frozenset()):
         super().__init__()
-        self._f, self._sha, self.size = f, hashlib.sha256(), 0
+        self._f, self._sha, self.size, self._kept = f, hashlib.sha256(), 0, kept
+        self._small = bytearray()  # small writes gathered into one hashing task
+        self._pending, self._in_flight = [], 0  # [(future, bytes)], their sum
 
     def writable(self):
         return True
@@ -51,13 +57,40 @@ class HashingFile(io.RawIOBase):
         view = memoryview(data).cast("B")
         self.size += view.nbytes
         if view.nbytes < OVERLAP_BYTES:
-            self._sha.update(view)
+            self._small += view
+            if len(self._small) >= OVERLAP_BYTES:
+                self._hash_small()
             return self._f.write(view)
-        hashing = _hash_beside(self._sha, view)
-        try:
-            return self._f.write(view)
-        finally:
-            hashing.result()
+        self._hash_small()
+        if _address(view) in self._kept:
+            self._pending.append((_hash_later(self._sha, view), 0))
+        else:
+            self._hash_copy(bytes(view))
+        return self.write_large(view)
+
+    def _hash_small(self):
+        if self._small:
+            self._hash_copy(bytes(self._small))
+            self._small.clear()
+
+    def _hash_copy(self, data: bytes):
+        while self._pending and self._in_flight + len(data) > IN_FLIGHT_BYTES:
+            done, n = self._pending.pop(0)
+            done.result()
+            self._in_flight -= n
+        self._pending.append((_hash_later(self._sha, data), len(data)))
+        self._in_flight += len(data)
+
+    def write_large(self, view) -> int:
+        """Write a large chunk and start its way to disk at once. Left alone, the kernel holds a
+        checkpoint's pages in memory until the final fsync, which then writes all of it while the
+        CPU idles; started here, the disk writes while the next chunks are copied and hashed
+        (benchmarks/checkpoint_save_hashing.py)."""
+        start = self._f.tell()
+        written = self._f.write(view)
+        self._f.flush()
+        start_writeback(self._f.fileno(), start, written)
+        return written
 
     def tell(self):
         return self._f.tell()
@@ -69,20 +102,49 @@ class HashingFile(io.RawIOBase):
         return self._f.fileno()
 
     def digest(self) -> dict:
+        self._hash_small()
+        for done, _ in self._pending:
+            done.result()
+        self._pending, self._in_flight = [], 0
         return {"sha256": self._sha.hexdigest(), "bytes": self.size}
 
 
-def _write_hashed(path: Path, write) -> dict:
+def start_writeback(fd: int, offset: int, length: int):
+    """Ask the kernel to start writing a file range to disk without waiting for it (Linux starts
+    the writeback of dirty pages on POSIX_FADV_DONTNEED; pages still dirty stay cached). Where
+    posix_fadvise does not exist, the final fsync does it all."""
+    if hasattr(os, "posix_fadvise") and length > 0:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+def _address(view) -> int:
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
+
+
+def _storage_addresses(obj) -> frozenset:
+    """Where the storages of the CPU tensors in `obj` (dicts, lists, tuples of them) start."""
+    found, todo = set(), [obj]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            todo += x.values()
+        elif isinstance(x, (list, tuple)):
+            todo += x
+        elif isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.layout == torch.strided:
+            found.add(x.untyped_storage().data_ptr())
+    return frozenset(found)
+
+
+def _write_hashed(path: Path, write, kept=frozenset()) -> dict:
     """write(file) into `path` durably (core/paths.write_durably); the digest of what it wrote."""
-    digest = {}
+    opened = []
 
     def hashed(f):
-        h = HashingFile(f)
-        write(h)
-        digest.update(h.digest())
+        opened.append(HashingFile(f, kept))
+        write(opened[0])
 
-    paths.write_durably(path, hashed)
-    return digest
+    paths.write_durably(path, hashed)  # its fsync runs while the hashing catches up
+    return opened[0].digest()
 
 
 def file_digest(path: Path) -> dict:
@@ -98,7 +160,7 @@ def file_digest(path: Path) -> dict:
 def write_tensors(path: Path, obj) -> dict:
     """torch.save(obj) to `path`: a temporary name, fsynced and renamed into place, so a reader
     sees the old file or the whole new one, never half of it. Returns its digest."""
-    return _write_hashed(path, lambda f: torch.save(obj, f))
+    return _write_hashed(path, lambda f: torch.save(obj, f), _storage_addresses(obj))
 
 
 def read_tensors(path: Path, map_location="cpu"):

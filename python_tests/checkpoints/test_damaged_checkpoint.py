@@ -125,3 +125,20 @@ def test_a_checkpoint_without_digests_loads_with_a_notice(home, capsys):
     state = checkpoints.load_model_state(ckpt)
     assert "records no file digests" in capsys.readouterr().err
     assert torch.equal(state["lm_head.weight"], torch.load(ckpt / "model.pt")["lm_head.weight"])
+
+
+def test_large_writes_hashed_behind_the_disk_give_the_files_digest(tmp_path, monkeypatch):
+    """Writes of 1 MiB and more are hashed on another thread after they are handed to the file: a
+    saved tensor's storage in place, anything else (a large pickle, DCP's buffers) from a copy, with
+    few copies in flight; every way gives the sha256 of the bytes on disk."""
+    monkeypatch.setattr(files, "IN_FLIGHT_BYTES", 3 << 20)  # the writer waits for the hashing often
+    big = torch.randn(1024, 1024)
+    obj = {"big": big, "view": torch.randn(2048, 512)[100:], "bf16": big.bfloat16(), "pickled": list(range(400_000))}
+    digest = files.write_tensors(tmp_path / "t.pt", obj)
+    data = (tmp_path / "t.pt").read_bytes()
+    assert digest == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)} and len(data) > 10 << 20
+    assert torch.equal(files.read_tensors(tmp_path / "t.pt")["view"], obj["view"])
+    shards = files.write_shards(tmp_path / "model", {"w": torch.randn(1024, 768), "b": torch.randn(7)})
+    for name, digest in shards.items():
+        data = (tmp_path / "model" / name).read_bytes()
+        assert digest == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
