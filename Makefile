@@ -43,7 +43,7 @@ STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC) $(TRITON_SPEC)' |
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cpp)
 PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest
 
-.PHONY: install lint test ctest test-gpu gpu-bundle gpu-check aot-compat test-torch-floor cuda-build-check floor-install \
+.PHONY: install lint test ctest test-gpu bench-collect gpu-bundle gpu-check aot-compat test-torch-floor cuda-build-check floor-install \
         bench bench-prepare demo kernels soak clean
 
 install: $(STAMP)
@@ -81,10 +81,16 @@ test: install lint ctest
 test-gpu: install
 	$(PYTEST) python_tests -m gpu
 
+# the benchmarks import their neighbours (harness.py, ...) as top-level modules: pytest's prepend
+# import mode, not the importlib mode the test suite runs in
+BENCH_PYTEST := -m pytest benchmarks -o python_files='bench_*.py' -p no:cacheprovider --import-mode=prepend
 bench: install
-	$(PY) -m pytest benchmarks -o python_files='bench_*.py' -p no:cacheprovider \
-	    --benchmark-json=benchmarks/results.json --benchmark-columns=median,rounds
+	$(PY) $(BENCH_PYTEST) --benchmark-json=benchmarks/results.json --benchmark-columns=median,rounds
 	$(PY) benchmarks/make_results.py benchmarks/results.json benchmarks/RESULTS.md
+
+# every benchmark imports and is collected (python_tests/benchmarks/test_bench_collects.py runs it)
+bench-collect:
+	$(PY) $(BENCH_PYTEST) --collect-only -q
 
 # Preparation at scale: GB of text generated from the built-in corpus (cached under build/prep-scale/), then
 # timed, interleaved per shard, and killed and resumed; the figures go to benchmarks/RESULTS.md by hand.

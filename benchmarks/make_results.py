@@ -155,6 +155,8 @@ def hashing_section(path: Path) -> list[str]:
 
 def main(json_path="benchmarks/results.json", out_path="benchmarks/RESULTS.md"):
     data = json.loads(Path(json_path).read_text())
+    if not data.get("benchmarks"):  # a run that collected or ran nothing must not replace the figures
+        sys.exit(f"{json_path} holds no benchmark: RESULTS.md left as it is (see the pytest run's errors)")
     lines = [
         f"Machine: {machine()}  ",
         f"CPU: {cpu_line()}  ",
