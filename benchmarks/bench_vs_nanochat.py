@@ -56,13 +56,27 @@ def tok_per_s(log: str, pattern: str) -> float:
     return statistics.median(values[WARMUP:])
 
 
-def run_nanochat(nanochat: Path, base: Path, steps: int, dtype: str | None, extra_path: str = "") -> float:
-    env = dict(
-        os.environ, NANOCHAT_BASE_DIR=str(base), PYTHONPATH=os.pathsep.join(filter(None, [str(nanochat), extra_path]))
-    )
+def nanochat_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags of a script that runs nanochat's own code beside ours."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nanochat", type=Path, required=True, help="a nanochat checkout (92d63d4)")
+    p.add_argument("--home", type=Path, required=True, help="a NANOCHAT_FAST_HOME with base data and a tokenizer")
+    p.add_argument("--pythonpath", default="", help="where nanochat's own dependencies are (rustbpe, psutil)")
+    return p
+
+
+def nanochat_env(nanochat: Path, base: Path, dtype: str | None, extra_path: str = "") -> dict:
+    """The environment nanochat's scripts run in: its base directory, its checkout on the path."""
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(nanochat), extra_path]))
     if dtype:
         env["NANOCHAT_DTYPE"] = dtype
     env.pop("NANOCHAT_FAST_HOME", None)
+    return env
+
+
+def run_nanochat(nanochat: Path, base: Path, steps: int, dtype: str | None, extra_path: str = "") -> float:
+    env = nanochat_env(nanochat, base, dtype, extra_path)
     cmd = [sys.executable, "-m", "scripts.base_train", *CONFIG, f"--num-iterations={steps}", "--eval-every=-1"]
     cmd += ["--core-metric-every=-1", "--sample-every=-1", "--device-type=cpu", "--run=dummy"]
     proc = subprocess.run(cmd, cwd=nanochat, env=env, capture_output=True, text=True)
@@ -82,12 +96,9 @@ def run_ours(home: Path, steps: int, flags: list[str], name: str) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nanochat", type=Path, required=True)
-    p.add_argument("--home", type=Path, required=True)
+    p = nanochat_parser(__doc__)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=25)
-    p.add_argument("--pythonpath", default="", help="where nanochat's own dependencies are (rustbpe, psutil)")
     a = p.parse_args()
     base = nanochat_base_dir(a.home, ROOT / "build" / "nanochat_base")
     variants = {

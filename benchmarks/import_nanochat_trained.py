@@ -12,14 +12,12 @@ tokenizer.pkl, our base shards as its parquet files, our val shard as its last o
 depth 4, T=512, 8 rows, 4,096 tokens per step, window pattern SL, fp32 (NANOCHAT_DTYPE=float32).
 """
 
-import argparse
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-from bench_vs_nanochat import CONFIG, ROOT, nanochat_base_dir
+from bench_vs_nanochat import CONFIG, ROOT, nanochat_base_dir, nanochat_env, nanochat_parser
 
 TAG = "windowed_trained"
 RUN = "nanochat_windowed_trained"
@@ -34,18 +32,12 @@ def run(cmd, cwd, env, what) -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nanochat", type=Path, required=True)
-    p.add_argument("--home", type=Path, required=True)
+    p = nanochat_parser(__doc__)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--eval-tokens", type=int, default=32768)
-    p.add_argument("--pythonpath", default="", help="where nanochat's own dependencies are (rustbpe, psutil)")
     a = p.parse_args()
     base = nanochat_base_dir(a.home, ROOT / "build" / "nanochat_base")
-
-    env = dict(os.environ, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DTYPE="float32")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(a.nanochat), a.pythonpath]))
-    env.pop("NANOCHAT_FAST_HOME", None)
+    env = nanochat_env(a.nanochat, base, "float32", a.pythonpath)
     cmd = [sys.executable, "-m", "scripts.base_train", *CONFIG, f"--num-iterations={a.steps}"]
     cmd += [f"--eval-every={a.steps}", f"--eval-tokens={a.eval_tokens}", "--core-metric-every=-1"]
     cmd += ["--sample-every=-1", "--device-type=cpu", "--run=dummy", f"--model-tag={TAG}"]
