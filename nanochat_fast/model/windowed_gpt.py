@@ -87,9 +87,8 @@ def window_chunked_attention(q, k, v, window: int, gqa: bool):
         return windows.permute(0, 2, 1, 4, 3).reshape(B * n, t.size(1), size, D)
 
     qc, kc, vc = chunks(q, window, window), chunks(k, 2 * window, 0), chunks(v, 2 * window, 0)
-    rows = torch.arange(window, device=q.device)[:, None] + window  # a query's place among its keys
-    cols = torch.arange(2 * window, device=q.device)[None, :]
-    mask = (cols <= rows) & (rows - cols <= window)
+    keys = torch.arange(2 * window, device=q.device)  # a chunk's queries sit at the last `window` of its keys
+    mask = window_mask(keys[window:], keys, window)
     rest = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=gqa)
     rest = rest.view(B, n, H, window, D).permute(0, 2, 1, 3, 4).reshape(B, H, n * window, D)
     return torch.cat([first, rest], dim=2)
