@@ -79,7 +79,7 @@ def script(args: list[str], home: Path, nproc: int, timeout: float) -> subproces
         return subprocess.CompletedProcess(cmd, "timeout", out, err)
 
 
-def seed_run(home: Path, sharding: list[str], tries: int = 3) -> tuple[Path, list]:
+def seed_run(home: Path, flags: list[str], tries: int = 3) -> tuple[Path, list]:
     """One run to step 6 saving at 3 and 6, its step-6 checkpoint removed: every soak run resumes
     from step 3. A single process, or two where the soak shards the model (FSDP needs them). Two
     processes can hit the very race the soak counts, so a failed seed run is retried (up to `tries`)
@@ -88,7 +88,7 @@ def seed_run(home: Path, sharding: list[str], tries: int = 3) -> tuple[Path, lis
     for _ in range(tries):
         run_dir = home / "runs" / "seed"
         shutil.rmtree(run_dir, ignore_errors=True)
-        proc = script(ARGS + ["--run=seed", *sharding], home, nproc=2 if sharding else 1, timeout=600)
+        proc = script(ARGS + ["--run=seed", *flags], home, nproc=2 if flags else 1, timeout=600)
         if proc.returncode == 0:
             shutil.rmtree(run_dir / "checkpoints" / "step_000006")
             return run_dir, failed
@@ -100,8 +100,8 @@ def soak(runs: int, workdir: Path, timeout: float = 300, log=print, sharding: st
     """`runs` soak runs in `workdir`; the figures: exit codes counted, abort lines, seconds.
     sharding: base_train's --sharding for the two-process runs ("": its default, ZeRO-2)."""
     home = build_tiny_home(workdir)
-    sharding = [f"--sharding={sharding}"] if sharding else []
-    seed, seed_failures = seed_run(home, sharding)
+    flags = [f"--sharding={sharding}"] if sharding else []
+    seed, seed_failures = seed_run(home, flags)
     stop = multiprocessing.Event()
     neighbour = multiprocessing.Process(target=busy, args=(stop,), daemon=True)
     neighbour.start()
@@ -110,7 +110,7 @@ def soak(runs: int, workdir: Path, timeout: float = 300, log=print, sharding: st
         for i in range(runs):
             name = f"soak{i}"
             shutil.copytree(seed, home / "runs" / name)
-            proc = script(ARGS + [f"--run={name}", "--resume=auto", *sharding], home, nproc=2, timeout=timeout)
+            proc = script(ARGS + [f"--run={name}", "--resume=auto", *flags], home, nproc=2, timeout=timeout)
             output = proc.stdout + proc.stderr
             n_abort = output.count(ABORT)
             codes[str(proc.returncode)] = codes.get(str(proc.returncode), 0) + 1
@@ -134,7 +134,7 @@ def soak(runs: int, workdir: Path, timeout: float = 300, log=print, sharding: st
         "failures": failures[:5],
         "seed_failures": seed_failures,
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, shared",
-        "sharding": sharding[0].split("=")[1] if sharding else "zero2",
+        "sharding": sharding or "zero2",
     }
 
 
