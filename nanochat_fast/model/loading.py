@@ -3,6 +3,7 @@ Making a GPT and loading a trained one.
 
     new_model(config, device, state)        a GPT on `device`, initialised (and loaded with `state`)
     meta_model(config)                      a GPT of config's family on the meta device (shapes, FLOPs)
+    family_config(config, arch, pattern)    a depth's config as a family's (--arch, --window-pattern)
     config_from_fields(fields)              a config of its family back from its fields (a cache key's)
     open_checkpoint(run_dir, step, tok)     (checkpoint, meta, GPTConfig), checked against the tokenizer
     restore_model(ckpt, config, device)     an opened checkpoint's weights in a GPT, in eval mode
@@ -48,6 +49,12 @@ def config_of(meta: dict, ckpt: Path) -> GPTConfig:
         return FAMILIES[arch][0](**meta["model_config"])
     except (TypeError, ValueError) as e:
         raise UserError(f"checkpoint {ckpt}: its model_config is not a {arch} model ({e})") from None
+
+
+def family_config(config: GPTConfig, arch: str, window_pattern: str) -> GPTConfig:
+    """The seeds' GPT's `config` (a depth's shape) as family `arch`'s: the windowed GPT adds its
+    window pattern (ignored for the seeds' GPT)."""
+    return WindowedGPTConfig(**asdict(config), window_pattern=window_pattern) if arch == "windowed" else config
 
 
 def config_from_fields(fields: dict) -> GPTConfig:

@@ -36,7 +36,6 @@ from ..hardware.machine import synchronize
 from ..model import generation_dtype, loading, packed_linears
 from ..model.batch_engine import BatchEngine, Request
 from ..model.gpt import config_from_depth
-from ..model.windowed_gpt import WindowedGPTConfig
 from ..train.training_config import ARCHES, DeviceConfig, evaluation_process, window_pattern
 
 AUTO_MAX_BATCH = {"cuda": 256}  # the default sweep's last batch size (at most what fits)
@@ -154,9 +153,9 @@ def stand_in_tokenizer() -> Tokenizer:
 def open_model(args, device):
     """(model in eval mode, tokenizer, what it is for the JSON); the context checked before the weights load."""
     if args.depth is not None:
-        config = config_from_depth(args.depth, args.vocab_size, args.max_seq_len)
-        if args.arch == "windowed":
-            config = WindowedGPTConfig(**asdict(config), window_pattern=args.window_pattern)
+        config = loading.family_config(
+            config_from_depth(args.depth, args.vocab_size, args.max_seq_len), args.arch, args.window_pattern
+        )
         check_context(args, config)
         torch.manual_seed(args.seed)
         model = loading.new_model(config, device).eval()

@@ -155,17 +155,13 @@ class ModelConfig(Config):
             )
 
     def gpt_config(self, vocab_size: int, sequence_len: int):
-        from dataclasses import asdict
-
         from ..model.gpt import config_from_depth
-        from ..model.windowed_gpt import WindowedGPTConfig
+        from ..model.loading import family_config
 
         config = config_from_depth(
             self.depth, vocab_size, sequence_len, aspect_ratio=self.aspect_ratio, head_dim=self.head_dim
         )
-        if self.arch == "windowed":
-            return WindowedGPTConfig(**asdict(config), window_pattern=self.window_pattern)
-        return config
+        return family_config(config, self.arch, self.window_pattern)
 
 
 @dataclass(frozen=True)
