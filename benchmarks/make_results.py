@@ -81,7 +81,7 @@ def inference_sweep_section(data: dict) -> list[str]:
         f"step. MBU = bytes per decode step x steps/s / {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s "
         f"({bandwidth['source']} memory bandwidth), bytes per step = {r['params']:,} weights x the row's dtype "
         f"size + B x KV bytes per position ({r['kv_bytes_per_position']:,} in {r['kv_dtype']}) x "
-        f"{r['mean_context']:g} (mean context); dtype auto: each batch size timed on its own mix "
+        f"{r['mean_keys_read']:g} (mean keys read per layer); dtype auto: each batch size timed on its own mix "
         f"(model/generation_dtype.py); MFU against the {peak['dtype']} peak "
         f"{peak['flops_per_s'] / 1e9:.0f} GFLOP/s ({peak['source']}). Peak memory: {r['peak_memory_source']}.*",
         "",
