@@ -55,9 +55,6 @@ def tiny_home(tmp_path_factory):
 @pytest.fixture
 def home(tiny_home, tmp_path, monkeypatch):
     """A private copy of tiny_home, set as NANOCHAT_FAST_HOME for this test."""
-    import shutil
+    from tiny_pipeline import private_home
 
-    dst = tmp_path / "home"
-    shutil.copytree(tiny_home, dst)
-    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(dst))
-    return dst
+    return private_home(tiny_home, tmp_path / "home", monkeypatch)

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from tiny_pipeline import TINY_LOOP, TINY_MODEL, home_env, train_rows
+from tiny_pipeline import TINY_LOOP, TINY_MODEL, home_env, private_home, train_rows
 
 from nanochat_fast import checkpoints
 from nanochat_fast.checkpoints import files
@@ -36,10 +36,7 @@ def trained(tiny_home, tmp_path_factory):
 
 @pytest.fixture
 def home(trained, tmp_path, monkeypatch):
-    dst = tmp_path / "home"
-    shutil.copytree(trained, dst)
-    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(dst))
-    return dst
+    return private_home(trained, tmp_path / "home", monkeypatch)
 
 
 def flip_byte(path):

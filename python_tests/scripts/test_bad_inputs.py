@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_env, home_with_base_run
+from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_env, home_with_base_run, private_home
 
 from nanochat_fast import checkpoints
 from nanochat_fast.core import cli
@@ -415,9 +415,7 @@ def test_bad_input_is_one_line_and_exit_2(case, trained_home, tmp_path, monkeypa
     name, script, argv, setup, expected = case
     if name == "cuda-without-gpu" and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    home = tmp_path / "home"
-    shutil.copytree(trained_home, home)
-    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
+    home = private_home(trained_home, tmp_path / "home", monkeypatch)
     if setup:
         setup(home)
         capsys.readouterr()
@@ -705,9 +703,7 @@ def test_mps_with_several_processes(trained_home, monkeypatch, capsys):
 
 
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(trained_home, tmp_path, monkeypatch, capsys):
-    home = tmp_path / "home"
-    shutil.copytree(trained_home, home)
-    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
+    home = private_home(trained_home, tmp_path / "home", monkeypatch)
     with disk_full_at("step_000004"), pytest.raises(SystemExit) as exit_info:
         cli.run(base_train.main, TINY + ["--num-iterations=6", "--save-every=2", "--run=full"])
     err = capsys.readouterr().err.strip()

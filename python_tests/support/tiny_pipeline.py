@@ -62,6 +62,16 @@ def write_corpus(folder: Path, n_docs=400, seed=0):
             )
 
 
+def private_home(home: Path, dst: Path, monkeypatch) -> Path:
+    """A copy of `home` at `dst`, set as NANOCHAT_FAST_HOME for this test: a test that trains,
+    damages or deletes in it leaves the shared home alone."""
+    import shutil
+
+    shutil.copytree(home, dst)
+    monkeypatch.setenv("NANOCHAT_FAST_HOME", str(dst))
+    return dst
+
+
 @contextmanager
 def home_env(home: Path):
     old = os.environ.get("NANOCHAT_FAST_HOME")
