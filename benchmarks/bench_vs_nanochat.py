@@ -75,13 +75,19 @@ def nanochat_env(nanochat: Path, base: Path, dtype: str | None, extra_path: str 
     return env
 
 
+def run_checked(cmd: list, cwd, env: dict, what: str) -> subprocess.CompletedProcess:
+    """cmd run to its end, its output captured; the script stops with that output if it failed."""
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{what} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
 def run_nanochat(nanochat: Path, base: Path, steps: int, dtype: str | None, extra_path: str = "") -> float:
     env = nanochat_env(nanochat, base, dtype, extra_path)
     cmd = [sys.executable, "-m", "scripts.base_train", *CONFIG, f"--num-iterations={steps}", "--eval-every=-1"]
     cmd += ["--core-metric-every=-1", "--sample-every=-1", "--device-type=cpu", "--run=dummy"]
-    proc = subprocess.run(cmd, cwd=nanochat, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"nanochat failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    proc = run_checked(cmd, nanochat, env, "nanochat")
     return tok_per_s(proc.stdout + proc.stderr, r"tok/sec: ([\d,]+)")
 
 
@@ -89,9 +95,7 @@ def run_ours(home: Path, steps: int, flags: list[str], name: str) -> float:
     env = dict(os.environ, NANOCHAT_FAST_HOME=str(home), TORCHINDUCTOR_CACHE_DIR=str(ROOT / "build" / "inductor"))
     cmd = [sys.executable, "-m", "nanochat_fast.scripts.base_train", "--arch=windowed", *CONFIG, *flags]
     cmd += [f"--num-iterations={steps}", "--eval-every=-1", "--sample-every=-1", f"--run={name}", "--overwrite"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"ours failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    proc = run_checked(cmd, ROOT, env, "ours")
     return tok_per_s(proc.stdout, r"tok/s ([\d,]+)")
 
 

@@ -14,20 +14,18 @@ depth 4, T=512, 8 rows, 4,096 tokens per step, window pattern SL, fp32 (NANOCHAT
 
 import os
 import re
-import subprocess
 import sys
 
-from bench_vs_nanochat import CONFIG, ROOT, nanochat_base_dir, nanochat_env, nanochat_parser
+from bench_vs_nanochat import CONFIG, ROOT, nanochat_base_dir, nanochat_env, nanochat_parser, run_checked
 
 TAG = "windowed_trained"
 RUN = "nanochat_windowed_trained"
 
 
 def run(cmd, cwd, env, what) -> str:
+    """run_checked, said first; its whole output."""
     print("$", " ".join(map(str, cmd)), flush=True)
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{what} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    proc = run_checked(cmd, cwd, env, what)
     return proc.stdout + proc.stderr
 
 
