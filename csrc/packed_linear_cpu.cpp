@@ -4,20 +4,24 @@
 // Why not BLAS: MKL's sgemm runs these shapes (M = 1..16 rows, K and N in the hundreds or
 // thousands) far below the core's FMA rate, and a step of 8 rows cost up to 4x one row's, where the
 // weights are read once for all rows and the arithmetic is still small. Here each panel of 32 output
-// columns is stored k-major ([K, 32] contiguous), so one k reads two 16-float vectors of the panel
-// and every row of the tile adds x[m, k] times them to its own accumulators (an outer product: no
-// horizontal sums, no transposes). A tile is up to 8 rows x 32 columns: 16 vector accumulators,
-// which stay in registers with AVX-512's 32 (AVX2 spills some; still faster than sgemm here). The
-// figures: benchmarks/bench_decode_step.py.
+// columns is stored k-major ([K, 32] contiguous), so one k reads the panel's 32 floats as a few
+// vectors and every row of the tile adds x[m, k] times them to its own accumulators (an outer
+// product: no horizontal sums, no transposes).
+//
+// Per target (panels_for_this_cpu picks the copy at load time): vectors of the target's own width, 16
+// floats with AVX-512, 8 with AVX2, 4 elsewhere (GCC lowers a vector wider than the registers through
+// the stack, 20x slower), and tiles as tall as the registers allow: 8 rows x 2 vectors of accumulators
+// in AVX-512's 32 registers, 3 rows x 4 vectors in AVX2's 16 (taller tiles spill). Measured:
+// docs/measurements.md#packed-decode-linears; the step's figures: benchmarks/bench_decode_step.py.
 //
 // Batch invariance: every output is summed in the same order whatever the number of rows and
 // wherever its row sits in a tile: over k in blocks of kBlock (a sequential fused multiply-add
 // chain from 0 inside a block), the blocks' sums added in order. So a row's result in a batch of
 // 8 is bitwise its result alone: a conversation decodes the same tokens whoever shares its step.
 // The blocks also bound the error growth of a sequential sum (~kBlock + K/kBlock roundings).
+// The vector width and the tile height change nothing of that order.
 //
-// Written with GCC/Clang vector extensions (a 16-float vector: one zmm, two ymm or four NEON
-// registers), compiled per target by target_clones on x86-64 Linux (see target_clones.h).
+// Written with GCC/Clang vector extensions (see target_clones.h for where per-target copies exist).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -31,68 +35,108 @@
 namespace nanochat_fast {
 namespace {
 
-constexpr int64_t kPanel = 32;   // output columns per panel: two vectors
-constexpr int64_t kBlock = 64;   // k per partial sum
-constexpr int kMaxTileRows = 8;  // rows per tile: 8 x 2 accumulators
+constexpr int64_t kPanel = 32;  // output columns per panel
+constexpr int64_t kBlock = 64;  // k per partial sum
 
-typedef float Vec __attribute__((vector_size(64)));
+// A vector of W floats, W the target's register width.
+template <int W>
+struct VecOf {
+  typedef float type __attribute__((vector_size(W * sizeof(float))));
+};
 
-NANOCHAT_FAST_INLINE Vec load(const float* p) {
-  Vec v;
+template <int W>
+NANOCHAT_FAST_INLINE typename VecOf<W>::type load(const float* p) {
+  typename VecOf<W>::type v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-NANOCHAT_FAST_INLINE void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+template <int W>
+NANOCHAT_FAST_INLINE void store(float* p, typename VecOf<W>::type v) {
+  std::memcpy(p, &v, sizeof v);
+}
 
 // out[m, 0:ncols] = x[m, :] . panel columns, for MR rows of x (row stride K) and one panel.
-template <int MR>
+template <int W, int MR>
 NANOCHAT_FAST_INLINE void tile(const float* x, int64_t K, const float* panel, float* out, int64_t ldo,
                                int64_t ncols) {
-  Vec sum[MR][2];
+  typedef typename VecOf<W>::type Vec;
+  constexpr int NV = kPanel / W;  // vectors per panel row
+  Vec sum[MR][NV];
   for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
     const int64_t k1 = std::min(K, k0 + kBlock);
-    Vec acc[MR][2];
-    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = Vec{};
+    Vec acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NV; ++j) acc[m][j] = Vec{};
     for (int64_t k = k0; k < k1; ++k) {
-      const Vec w0 = load(panel + k * kPanel), w1 = load(panel + k * kPanel + 16);
-      for (int m = 0; m < MR; ++m) {
-        const float xk = x[m * K + k];
-        acc[m][0] += xk * w0;
-        acc[m][1] += xk * w1;
+      for (int j = 0; j < NV; ++j) {
+        const Vec w = load<W>(panel + k * kPanel + j * W);
+        for (int m = 0; m < MR; ++m) acc[m][j] += x[m * K + k] * w;
       }
     }
-    for (int m = 0; m < MR; ++m) {
-      sum[m][0] = k0 == 0 ? acc[m][0] : sum[m][0] + acc[m][0];
-      sum[m][1] = k0 == 0 ? acc[m][1] : sum[m][1] + acc[m][1];
-    }
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NV; ++j) sum[m][j] = k0 == 0 ? acc[m][j] : sum[m][j] + acc[m][j];
   }
   for (int m = 0; m < MR; ++m) {
     float row[kPanel];
-    store(row, sum[m][0]);
-    store(row + 16, sum[m][1]);
+    for (int j = 0; j < NV; ++j) store<W>(row + j * W, sum[m][j]);
     std::memcpy(out + m * ldo, row, ncols * sizeof(float));
   }
 }
 
-template <int MR>
-NANOCHAT_FAST_INLINE void tiles(const float* x, int64_t M, int64_t K, const float* panel, float* out,
-                                int64_t N, int64_t ncols) {
+template <int W, int MR>
+NANOCHAT_FAST_INLINE void tiles(const float* x, int64_t M, int64_t K, const float* panel, float* out, int64_t N,
+                                int64_t ncols) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<MR>(x + m * K, K, panel, out + m * N, N, ncols);
-  if constexpr (MR > 1) {  // the last M % 8 rows: one tile of exactly that many
-    if (m < M) tiles<MR - 1>(x + m * K, M - m, K, panel, out + m * N, N, ncols);
+  for (; m + MR <= M; m += MR) tile<W, MR>(x + m * K, K, panel, out + m * N, N, ncols);
+  if constexpr (MR > 1) {  // the last M % MR rows: one tile of exactly that many
+    if (m < M) tiles<W, MR - 1>(x + m * K, M - m, K, panel, out + m * N, N, ncols);
   }
 }
 
-NANOCHAT_FAST_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
-void panels(const float* __restrict__ x, int64_t M, int64_t K, const float* __restrict__ packed, int64_t N,
-            float* __restrict__ out, int64_t p0, int64_t p1) {
+// Panels p0..p1 of the output: vectors of W floats, tiles of up to MR rows.
+template <int W, int MR>
+NANOCHAT_FAST_INLINE void panels_of(const float* __restrict__ x, int64_t M, int64_t K,
+                                    const float* __restrict__ packed, int64_t N, float* __restrict__ out,
+                                    int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t ncols = std::min(kPanel, N - p * kPanel);
-    tiles<kMaxTileRows>(x, M, K, packed + p * K * kPanel, out + p * kPanel, N, ncols);
+    tiles<W, MR>(x, M, K, packed + p * K * kPanel, out + p * kPanel, N, ncols);
   }
 }
+
+using Panels = void (*)(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+
+void panels_baseline(const float* x, int64_t M, int64_t K, const float* packed, int64_t N, float* out, int64_t p0,
+                     int64_t p1) {
+  panels_of<4, 3>(x, M, K, packed, N, out, p0, p1);
+}
+
+#if NANOCHAT_FAST_HAS_CLONES
+NANOCHAT_FAST_TARGET("arch=x86-64-v4")
+void panels_avx512(const float* x, int64_t M, int64_t K, const float* packed, int64_t N, float* out, int64_t p0,
+                   int64_t p1) {
+  panels_of<16, 8>(x, M, K, packed, N, out, p0, p1);
+}
+
+NANOCHAT_FAST_TARGET("arch=x86-64-v3")
+void panels_avx2(const float* x, int64_t M, int64_t K, const float* packed, int64_t N, float* out, int64_t p0,
+                 int64_t p1) {
+  panels_of<8, 3>(x, M, K, packed, N, out, p0, p1);
+}
+#endif
+
+// The copy for this CPU, as target_clones' resolver would pick it.
+Panels panels_for_this_cpu() {
+#if NANOCHAT_FAST_HAS_CLONES
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) return panels_avx512;
+  if (__builtin_cpu_supports("x86-64-v3")) return panels_avx2;
+#endif
+  return panels_baseline;
+}
+
+const Panels panels = panels_for_this_cpu();
 
 void check_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "packed_linear: weight must be 2-D [out_features, in_features], got ",
