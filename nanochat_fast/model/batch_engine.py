@@ -2,8 +2,8 @@
 Continuous batching: many conversations decoded together, each at its own length.
 
 The engine owns a SlotCache (kv_cache.py): keys and values for `slots` sequences, preallocated
-once. A request joins between steps (add): at the next step its prompt is run alone (B=1) into a
-free slot, and its first token sampled. From then on it is one row of the decode batch: every step
+once. A request joins between steps (add): at the next step its prompt is run into a free slot
+(the prompts of the requests that joined together in one forward) and its first token sampled. From then on it is one row of the decode batch: every step
 is one forward of B rows x 1 token, each row at its own position and attending only to its own
 cached entries. A row leaves when it ends (<|assistant_end|> or <|bos|>, max_tokens, or cancelled)
 and its slot goes back to the pool at once. Each row samples with its own settings, generator
@@ -171,13 +171,15 @@ class BatchEngine:
         heapq.heappush(self._free, row.slot)
 
     def step(self) -> list[Token]:
-        """One token for every active row: the rows added since the last step have their prompts
-        run (each alone) and sample their first token; the others feed their last token in one
-        batched forward. Returns this step's tokens in join order; rows that end free their slots."""
+        """One token for every active row: the requests added since the last step have their
+        prompts run (together, one forward) and sample their first token; the others feed their
+        last token in one batched forward. Returns this step's tokens in join order; rows that end
+        free their slots."""
         with torch.inference_mode():
             decoding = sorted((r for r in self._rows if r.length > 0), key=lambda r: r.slot)
             parts = [(decoding, self._decode(decoding))] if decoding else []
-            parts += [(group, self._prefill(group)) for group in self._waiting]
+            if self._waiting:
+                parts += zip(self._waiting, self._prefill(self._waiting))
             self._waiting = []
             if not parts:
                 return []
@@ -187,17 +189,26 @@ class BatchEngine:
             out = sorted(zip(rows, tokens), key=lambda pair: joined[pair[0]])
             return [self._advance(row, token) for row, token in out]
 
-    def _prefill(self, group: list[DecodeRow]) -> torch.Tensor:
-        """Run the request's prompt alone into the first copy's slot, copy that into the other
-        copies' slots; the next-token logits, one row per copy."""
-        prompt = group[0].request.prompt
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        logits = self.model(ids, kv_cache=SlotPrefill(self.cache, group[0].slot))[:, -1, :]
-        for row in group[1:]:
-            self.cache.copy_slot(group[0].slot, row.slot, len(prompt))
-        for row in group:
-            row.length = len(prompt)
-        return logits.expand(len(group), -1)
+    def _prefill(self, groups: list[list[DecodeRow]]) -> list[torch.Tensor]:
+        """Run the requests' prompts into their first copies' slots, together in one forward (each
+        row right-padded to the longest prompt), and copy each into its other copies' slots; per
+        request, the next-token logits, one row per copy. One forward for the requests that joined
+        together: a step that admits several spends one model call on them, not one each (the
+        per-call cost is most of a short prompt's)."""
+        prompts = [group[0].request.prompt for group in groups]
+        width = max(map(len, prompts))
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
+        lengths = [len(p) for p in prompts]
+        view = SlotPrefill(self.cache, [group[0].slot for group in groups], lengths if len(groups) > 1 else None)
+        # short prompts are a few rows too: the packed linears beat sgemm there as in a decode step
+        with packed_linears.decoding(self.model, ids.numel()):
+            logits = view.last(self.model(ids, kv_cache=view))
+        for group, prompt in zip(groups, prompts):
+            for row in group[1:]:
+                self.cache.copy_slot(group[0].slot, row.slot, len(prompt))
+            for row in group:
+                row.length = len(prompt)
+        return [logits[i : i + 1].expand(len(group), -1) for i, group in enumerate(groups)]
 
     def _decode(self, rows: list[DecodeRow]) -> torch.Tensor:
         """Feed every row its last token (rows in slot order) in one forward; their next-token logits."""

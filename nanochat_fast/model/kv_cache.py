@@ -6,8 +6,9 @@ SlotCache is the continuous-batching cache of batch_engine.py (every generation 
 the engine). Storage for `slots` sequences is preallocated once, [n_layer, 2, slots, n_kv_head,
 max_len, head_dim]; each conversation holds one slot while it decodes and gives it back when it
 ends. Two views write into it:
-    SlotPrefill  a prompt run alone (B=1) into its slot from one position (get_pos() an int), so
-                 the model's usual causal path runs it.
+    SlotPrefill  prompts run into their slots, all from one position (get_pos() an int), so the
+                 model's usual causal path runs them: one prompt, or several right-padded to the
+                 longest (the prompts of requests that joined together, from position 0).
     SlotBatch    one decode step of rows at different lengths: row i feeds one token at its own
                  position in its own slot, and attends to its own valid entries only.
 """
@@ -61,38 +62,59 @@ class SlotCache:
         if self.embeddings is None:
             self.embeddings = torch.zeros(self.slots, x.size(-1), dtype=torch.float32, device=x.device)
         if isinstance(view, SlotPrefill):
-            prev = self.embeddings[view.slot : view.slot + 1]
+            prev = self.embeddings[view.slots]
             return prev if view.pos > 0 else torch.zeros_like(prev)
         return torch.where((view.positions > 0)[:, None], self.embeddings[view.slots], 0.0)
 
-    def keep_embedding(self, view, last: torch.Tensor):
-        """Store each row's last input embedding (B, C) for its next step."""
-        rows = slice(view.slot, view.slot + 1) if isinstance(view, SlotPrefill) else view.slots
-        self.embeddings[rows] = last.float()
+    def keep_embedding(self, view, x: torch.Tensor):
+        """Store each row's last input embedding of x (B, T, C) (view.last) for its next step."""
+        self.embeddings[view.slots] = view.last(x).float()
 
 
 class SlotPrefill:
-    """One slot seen as a cache of batch 1: a prompt's forward writes its keys and values straight
-    into the slot, and the model runs its usual causal path over them."""
+    """Prompts run into their slots: row b of the batch into slot slots[b], every row from the same
+    position, so the model's usual causal path runs them. Several rows are prompts into empty slots
+    (from position 0), right-padded to the longest: row b's first lengths[b] positions are its own;
+    the padding's keys and values land after them, where nothing reads them (a decode step attends
+    to a row's own entries and writes its next token over the first of them). One row may also
+    continue from where its previous chunk stopped."""
 
-    def __init__(self, cache: SlotCache, slot: int):
-        self.cache, self.slot, self.pos = cache, slot, 0
+    def __init__(self, cache: SlotCache, slots: int | list[int], lengths: list[int] | None = None):
+        self.cache, self.pos = cache, 0
+        self.slots = [slots] if isinstance(slots, int) else list(slots)
+        self.lengths = lengths  # None: every position of every row is its own
 
     def get_pos(self) -> int:
         return self.pos
 
+    def last(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C): each row's last own position of x (B, T, C)."""
+        if self.lengths is None:
+            return x[:, -1]
+        ends = torch.tensor(self.lengths, device=x.device) - 1
+        return x[torch.arange(x.size(0), device=x.device), ends]
+
     def insert_kv(self, layer_idx, k, v):
-        """Store k, v (1, H_kv, T, D) at the slot's current position; return the slot's keys/values so far."""
+        """Store k, v (B, H_kv, T, D) at the current position of each row's slot; return each
+        slot's keys/values so far, (B, H_kv, position + T, D)."""
         t0, t1 = self.pos, self.pos + k.size(2)
         if t1 > self.cache.max_len:
             raise ValueError(f"a slot holds {self.cache.max_len} positions, asked to grow to {t1}")
         kv = self.cache.storage(k)
-        kv[layer_idx, 0, self.slot, :, t0:t1] = k[0]
-        kv[layer_idx, 1, self.slot, :, t0:t1] = v[0]
+        if len(self.slots) == 1:
+            slot = self.slots[0]
+            kv[layer_idx, 0, slot, :, t0:t1] = k[0]
+            kv[layer_idx, 1, slot, :, t0:t1] = v[0]
+            out = kv[layer_idx, 0, slot : slot + 1, :, :t1], kv[layer_idx, 1, slot : slot + 1, :, :t1]
+        else:
+            if t0 != 0:
+                raise ValueError("several prompts are prefilled together only into empty slots (from position 0)")
+            kv[layer_idx, 0, self.slots, :, :t1] = k
+            kv[layer_idx, 1, self.slots, :, :t1] = v
+            out = k, v  # what the slots now hold, as written
         if layer_idx == self.cache.n_layer - 1:
             self.pos = t1
-        rows = slice(self.slot, self.slot + 1)
-        return kv[layer_idx, 0, rows, :, :t1], kv[layer_idx, 1, rows, :, :t1]
+        return out
 
 
 class SlotBatch:
@@ -118,6 +140,10 @@ class SlotBatch:
     def get_pos(self) -> torch.Tensor:
         """Each row's position, (B,) int64: where its token goes and which rotary angles it gets."""
         return self.positions
+
+    def last(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C): each row's one new position of x (B, 1, C)."""
+        return x[:, -1]
 
     def insert_kv(self, layer_idx, k, v):
         """Store each row's k, v (B, H_kv, 1, D) at its position in its slot; return the block's

@@ -288,7 +288,7 @@ class WindowedGPT(GPT):
         if kv_cache is None:
             return torch.cat([x[:, :1], x[:, 1:] + gate[:, 1:] * prev], dim=1)
         before = kv_cache.cache.previous_embedding(kv_cache, x)
-        kv_cache.cache.keep_embedding(kv_cache, x[:, -1])
+        kv_cache.cache.keep_embedding(kv_cache, x)
         prev = torch.cat([before[:, None].to(x.dtype), prev], dim=1)
         return x + gate * prev
 

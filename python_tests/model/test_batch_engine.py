@@ -37,17 +37,19 @@ class CallsTheCalculator(torch.nn.Module):
 
     def forward(self, idx, kv_cache):
         logits = self.model(idx, kv_cache=kv_cache)
-        if isinstance(kv_cache, SlotPrefill):
-            slots, positions = [kv_cache.slot], [idx.size(1) - 1]
-            self.script_at.pop(kv_cache.slot, None)
-            if idx[0, -1] == TRIGGER:
-                self.script_at[kv_cache.slot] = idx.size(1)
+        if isinstance(kv_cache, SlotPrefill):  # prompts, right-padded when several
+            slots = kv_cache.slots
+            positions = [n - 1 for n in kv_cache.lengths or [idx.size(1)] * len(slots)]
+            for b, (slot, last) in enumerate(zip(slots, positions)):
+                self.script_at.pop(slot, None)
+                if idx[b, last] == TRIGGER:
+                    self.script_at[slot] = last + 1
         else:
             slots, positions = kv_cache.slots.tolist(), kv_cache.get_pos().tolist()
         for b, (slot, pos) in enumerate(zip(slots, positions)):
             offset = pos + 1 - self.script_at.get(slot, 10**9)  # of the token these logits predict
             if offset in SCRIPT:
-                logits[b, -1, SCRIPT[offset]] = 100.0
+                logits[b, pos if isinstance(kv_cache, SlotPrefill) else -1, SCRIPT[offset]] = 100.0
         return logits
 
 
@@ -142,6 +144,26 @@ def test_a_shared_batch_gives_each_conversation_its_tokens_alone(model):
     assert decode_alone(model, second)[0][0] == sampled[1]
     # everything ended: every slot is free again
     assert engine.free_slots == engine.slots == 7 and engine.active == [] and engine.step() == []
+
+
+def test_requests_that_join_together_are_prefilled_in_one_forward(model):
+    """The prompts of the requests added since the last step run as one batch, right-padded to the
+    longest (each row's tokens equal to alone: test_a_shared_batch_gives_each_conversation_its_tokens_alone)."""
+    views = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, kw: views.append(kw["kv_cache"]), with_kwargs=True)
+    try:
+        engine = BatchEngine(model, tok, slots=4)
+        prompts = [prompt("a"), prompt("a longer prompt"), prompt("mid size")]
+        for p in prompts:
+            engine.add(Request(p, 3))
+        engine.step()
+        [view] = views
+        assert isinstance(view, SlotPrefill) and view.lengths == [len(p) for p in prompts]
+        engine.add(Request(prompt("late"), 3))  # joins the decoding rows: its prompt alone, then one decode step
+        engine.step()
+        assert [type(v).__name__ for v in views[1:]] == ["SlotBatch", "SlotPrefill"] and views[2].lengths is None
+    finally:
+        hook.remove()
 
 
 def test_the_alone_decode_is_the_argmax_of_full_forwards(model):
