@@ -43,6 +43,18 @@ def single():
         model, optimizers = F.build("zero2", recipe)
         W.train(model, optimizers, 1, W.STEPS)
         out[recipe] = W.params_of(model)
+        # the same run with every gradient off by about one fp32 rounding: how far rounding alone
+        # (another order of the ranks' sums) moves this recipe's weights
+        model, optimizers = F.build("zero2", recipe)
+        gen = torch.Generator().manual_seed(0)
+
+        def round_otherwise(p):
+            p.grad.mul_(1 + 2.0**-23 * torch.randn(p.grad.shape, generator=gen))
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(round_otherwise)
+        W.train(model, optimizers, 1, W.STEPS)
+        out[recipe + " rounded otherwise"] = W.params_of(model)
         if recipe == "quintic":
             nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
             out["total_bytes"] = 2 * nbytes + sum(o.state_nbytes() for o in optimizers)
@@ -70,25 +82,39 @@ def test_fsdp_matches_zero2(runs, single, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fsdp_polar_normuon_recipe_matches_zero2(runs, single, world_size):
-    """NorMuon, cautious weight decay, MuonEq and Muon+ on the owner ranks. The matrices agree to
-    fp32 rounding; the embedding, whose Adam divides by each element's own small second moment,
-    differs between zero2 and one process already (~1e-5), and as much between fsdp and either."""
+    """NorMuon, cautious weight decay, MuonEq and Muon+ on the owner ranks. The matrices agree as far
+    as fp32 rounding lets this recipe's runs agree: Polar Express in fp32 (a CPU without fast bf16)
+    multiplies a perturbation of a small singular value by ~1e3 over its 5 steps, so the gradients'
+    rounding in another order of sums moves the weights by up to ~1e-4, measured here by one process
+    with its gradients off by one rounding. The embedding, whose Adam divides by each element's own
+    small second moment, differs between zero2 and one process already (~1e-5), as much between fsdp
+    and either."""
     fsdp, zero2, one = (
         runs[world_size]["fsdp_polar-normuon"]["params"],
         runs[world_size]["zero2_polar-normuon"]["params"],
         single["polar-normuon"],
     )
     matrices = [k for k in one if k.startswith("transformer.h.")]
-    assert rel_err({k: fsdp[k] for k in matrices}, {k: zero2[k] for k in matrices}) < PARITY_RTOL
-    assert rel_err(fsdp, zero2) < 5 * max(rel_err(zero2, one), PARITY_RTOL)
+    bound = max(PARITY_RTOL, 3 * rounding_spread(single, "polar-normuon", matrices))
+    assert rel_err({k: fsdp[k] for k in matrices}, {k: zero2[k] for k in matrices}) < bound
+    assert rel_err(fsdp, zero2) < 5 * max(rel_err(zero2, one), PARITY_RTOL, rounding_spread(single, "polar-normuon"))
+
+
+def rounding_spread(single, recipe, keys=None) -> float:
+    """How far one rounding of every gradient moves `recipe`'s weights (the `single` fixture's two runs)."""
+    one, other = single[recipe], single[recipe + " rounded otherwise"]
+    keys = list(one) if keys is None else keys
+    return rel_err({k: one[k] for k in keys}, {k: other[k] for k in keys})
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_fsdp_state_continues_under_zero2(runs, world_size):
-    """fsdp's optimizer state after step 3, loaded by zero2 optimizers: steps 4-5 as uninterrupted."""
+def test_fsdp_state_continues_under_zero2(runs, single, world_size):
+    """fsdp's optimizer state after step 3, loaded by zero2 optimizers: steps 4-5 as uninterrupted
+    (fsdp's own run; zero2's, as far as rounding lets the two agree: test_fsdp_polar_normuon_recipe_matches_zero2)."""
     run = runs[world_size]
     assert rel_err(run["fsdp_to_zero2"], run["fsdp_polar-normuon"]["params"]) < 5 * PARITY_RTOL
-    assert rel_err(run["fsdp_to_zero2"], run["zero2_polar-normuon"]["params"]) < 5 * PARITY_RTOL
+    bound = 5 * max(PARITY_RTOL, rounding_spread(single, "polar-normuon"))
+    assert rel_err(run["fsdp_to_zero2"], run["zero2_polar-normuon"]["params"]) < bound
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
