@@ -58,21 +58,28 @@ def chat_model(home):
     return model, tokenizer
 
 
-def long_question(tokenizer) -> tuple[list[dict], int]:
+def long_question(model, tokenizer) -> tuple[list[dict], int]:
     """A user message whose prompt runs past the short window (so the reply's S layers see only
-    part of it), and the reply's cap, together within the context."""
-    text = " ".join(f"what is {i} plus {i + 1}?" for i in range(9))
-    messages = [{"role": "user", "content": text}]
-    ids = tokenizer.render_for_completion({"messages": messages})
-    assert 140 < len(ids) < 200, len(ids)
-    return messages, 24
+    part of it), and the reply's cap, together within the context. Of a few such questions, the
+    first the model answers in 3 tokens or more (two decode steps past the window) without a tool
+    call: the model is trained here, in this CPU's dtype, so which question gets such a reply
+    depends on the machine."""
+    for lead in ("", "tell me, ", "quick question: ", "please answer: ", "hello! ", "so, "):
+        text = lead + " ".join(f"what is {i} plus {i + 1}?" for i in range(9))
+        messages = [{"role": "user", "content": text}]
+        ids = tokenizer.render_for_completion({"messages": messages})
+        assert 140 < len(ids) < 200, len(ids)
+        reply = argmax_tokens(model, ids, 24, stop_tokens(tokenizer))
+        if len(reply) >= 3 and tokenizer.encode_special("<|python_start|>") not in reply:
+            return messages, 24
+    raise AssertionError("no question got a reply of 3 tokens or more without a tool call")
 
 
 def test_the_long_question_is_past_the_short_window(chat_model):
     """The chat tests' prompt reaches beyond the S layer's window: the same weights with every
     window long give other logits at its end."""
     model, tokenizer = chat_model
-    messages, _ = long_question(tokenizer)
+    messages, _ = long_question(model, tokenizer)
     ids = torch.tensor([tokenizer.render_for_completion({"messages": messages})])
     config = WindowedGPTConfig(**{**asdict(model.config), "window_pattern": "L"})
     all_long = loading.new_model(config, "cpu", model.state_dict()).eval()
@@ -99,7 +106,7 @@ def argmax_reply(model, tokenizer, messages, max_tokens) -> str:
     out = argmax_tokens(model, ids, max_tokens, stop_tokens(tokenizer))
     # a tool call would make the engine force tokens that this loop does not
     assert tokenizer.encode_special("<|python_start|>") not in out
-    assert len(out) >= 4, out  # a reply long enough to compare
+    assert len(out) >= 3, out  # a reply long enough to compare (long_question)
     return generation.decode_reply(tokenizer, out)
 
 
@@ -175,7 +182,7 @@ def test_chat_eval_scores_and_answers_each_example_as_full_forwards(home, chat_m
 def test_chat_cli_replies_past_the_short_window_as_full_forwards(home, chat_model, monkeypatch, capsys):
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
     model, tokenizer = chat_model
-    messages, max_tokens = long_question(tokenizer)
+    messages, max_tokens = long_question(model, tokenizer)
     prompt = messages[0]["content"]
     argv = ["--run=r", f"--prompt={prompt}", f"--max-tokens={max_tokens}", "--temperature=0", "--dtype=fp32"]
     assert chat_cli.main(argv) == 0
@@ -216,7 +223,7 @@ def test_chat_web_streams_the_full_forwards_reply(home, chat_model, monkeypatch)
 
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
     model, tokenizer = chat_model
-    messages, max_tokens = long_question(tokenizer)
+    messages, max_tokens = long_question(model, tokenizer)
     args = chat_web.build_parser().parse_args(["--run=r", "--dtype=fp32", "--slots=2", "--max-new-tokens=64"])
     replicas, name, _, _ = chat_web.load_replicas(args, [torch.device("cpu")], tokenizer)
     assert name.startswith("r step 2 (rl)")
