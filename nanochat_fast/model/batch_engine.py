@@ -3,10 +3,11 @@ Continuous batching: many conversations decoded together, each at its own length
 
 The engine owns a SlotCache (kv_cache.py): keys and values for `slots` sequences, preallocated
 once. A request joins between steps (add): at the next step its prompt is run into a free slot
-(the prompts of the requests that joined together in one forward) and its first token sampled. From then on it is one row of the decode batch: every step
-is one forward of B rows x 1 token, each row at its own position and attending only to its own
-cached entries. A row leaves when it ends (<|assistant_end|> or <|bos|>, max_tokens, or cancelled)
-and its slot goes back to the pool at once. Each row samples with its own settings, generator
+(the prompts of the requests that joined together in one forward) and its first token sampled.
+From then on it is one row of the decode batch: every step is one forward of B rows x 1 token,
+each row at its own position and attending only to its own cached entries. A row leaves when it
+ends (<|assistant_end|> or <|bos|>, max_tokens, or cancelled) and its slot goes back to the pool
+at once. Each row samples with its own settings, generator
 (seeded request.seed + copy) and calculator state (sampling.ToolUse), so what a request gets does
 not depend on what else is in the batch. step() runs under torch.inference_mode(); the caller's
 autocast applies, and the cache keeps the dtype of the first keys written. Whether a row decodes the

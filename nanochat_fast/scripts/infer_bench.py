@@ -318,10 +318,13 @@ def costs(model, dtype, kv_dtype_, args) -> dict:
     context = args.prompt_tokens + args.decode_tokens / 2  # mean over the decode steps of prompt + i
     # the windowed family's short layers read fewer keys; every layer of the seeds' GPT reads them all
     keys = mean_keys_read(args, getattr(model, "window_sizes", [cfg.sequence_len] * cfg.n_layer))
-    lookups = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    lookups = sum(m.weight.numel() for m in embeddings)
     return {
         "params": params,
-        "weight_bytes_per_step": params * dtype.itemsize,
+        # a step reads every weight of the products once, and one row of each embedding per row
+        "weight_bytes_per_step": (params - lookups) * dtype.itemsize,
+        "lookup_bytes_per_row": sum(m.embedding_dim for m in embeddings) * dtype.itemsize,
         "kv_bytes_per_position": BatchEngine.kv_bytes(cfg, 1, 1, kv_dtype_),
         "mean_context": context,
         "mean_keys_read": keys,
@@ -332,7 +335,7 @@ def costs(model, dtype, kv_dtype_, args) -> dict:
 
 def figures(batch: int, m: dict, cost: dict, args, bandwidth, peak) -> dict:
     kv_read = batch * cost["kv_bytes_per_position"] * cost["mean_keys_read"]
-    bytes_per_step = cost["weight_bytes_per_step"] + kv_read
+    bytes_per_step = cost["weight_bytes_per_step"] + batch * cost["lookup_bytes_per_row"] + kv_read
     steps_per_s = m["decode_steps"] / m["decode_s"]
     decode_tok_s = batch * steps_per_s
     return {
@@ -393,8 +396,9 @@ def print_card(info: dict, cost: dict, payload: dict, bandwidth, peak):
         f"limit {cli.format_bytes(payload['kv_memory_bytes'])}"
     )
     print(
-        f"bytes per decode step = {cost['weight_bytes_per_step']:,} (weights, {payload['dtype']}) + B x "
-        f"{cost['kv_bytes_per_position']:,} x {cost['mean_keys_read']:g} (KV bytes per position x mean keys read) | "
+        f"bytes per decode step = {cost['weight_bytes_per_step']:,} (the products' weights, {payload['dtype']}) + B x "
+        f"({cost['lookup_bytes_per_row']:,} (embedding rows) + {cost['kv_bytes_per_position']:,} x "
+        f"{cost['mean_keys_read']:g} (KV bytes per position x mean keys read)) | "
         f"MBU against the {bandwidth.describe()} | MFU against the {peak.describe()}"
     )
     print(f"peak memory: {payload['peak_memory_source']}")

@@ -138,7 +138,7 @@ def test_infer_bench_decides_each_batch_size_on_its_own_mix(inject, nanochat_hom
     params = out["params"]
     for row, itemsize in zip(out["sweep"], (4, 2)):  # weights read per step, in the row's dtype
         kv = row["batch_size"] * (1 * 2 * 1 * 128 * itemsize) * out["mean_context"]
-        assert row["bytes_per_step"] == params * itemsize + kv
+        assert row["bytes_per_step"] == (params - 512 * 128 + row["batch_size"] * 128) * itemsize + kv
     seen.clear()
     assert infer_bench.main(argv + ["--batch-sizes=1,8", "--dtype=bf16"]) == 0  # forced: never timed
     out = json.loads(capsys.readouterr().out.splitlines()[-1])

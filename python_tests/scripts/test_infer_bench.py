@@ -44,7 +44,9 @@ def test_a_tiny_sweep_reports_every_figure_and_mbu_from_the_bytes_count(nanochat
     assert [row["batch_size"] for row in out["sweep"]] == [1, 2]
     # depth 1 at vocab 512: n_embd 128, one head of 128; wte and lm_head 512x128, the block 12 x 128x128
     params = 2 * 512 * 128 + 12 * 128 * 128
-    assert out["params"] == params and out["weight_bytes_per_step"] == params * 4  # fp32
+    products = params - 512 * 128  # wte is looked up: one row of 128 per row and step
+    assert out["params"] == params and out["weight_bytes_per_step"] == products * 4  # fp32
+    assert out["lookup_bytes_per_row"] == 128 * 4
     kv_per_position = 1 * 2 * 1 * 128 * 4  # layers x (k, v) x kv heads x head_dim x fp32
     assert out["kv_bytes_per_position"] == kv_per_position and out["kv_dtype"] == "float32"
     # decode steps feed tokens 1..4 at positions 8..11: each reads 9, 10, 11, 12 cached positions
@@ -56,7 +58,7 @@ def test_a_tiny_sweep_reports_every_figure_and_mbu_from_the_bytes_count(nanochat
         for key in FIELDS:
             assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
         assert row["tokens_per_row"] == 5 and row["decode_steps"] == 4
-        assert row["bytes_per_step"] == params * 4 + b * kv_per_position * 10.5
+        assert row["bytes_per_step"] == products * 4 + b * (128 * 4 + kv_per_position * 10.5)
         steps_per_s = 4 / row["decode_s"]
         assert row["steps_per_s"] == pytest.approx(steps_per_s)
         assert row["decode_tok_per_s"] == pytest.approx(b * steps_per_s)
@@ -111,7 +113,8 @@ def test_a_runs_checkpoint(home, capsys):
     assert out["kv_bytes_per_position"] == 2 * 2 * 1 * 16 * 4  # layers x (k, v) x kv heads x head_dim x fp32
     [row] = out["sweep"]
     assert row["tokens_per_row"] == 4 and row["batch_size"] == 2 and row["mbu_percent"] > 0
-    assert out["weight_bytes_per_step"] == sum(p.numel() for p in random_model(config).parameters()) * 4
+    products = sum(p.numel() for name, p in random_model(config).named_parameters() if "wte" not in name)
+    assert out["weight_bytes_per_step"] == products * 4
     with pytest.raises(SystemExit) as exit_info:  # beyond the checkpoint's 64 positions
         cli.run(infer_bench.main, ["--run=tinychat", "--prompt-tokens=60", "--decode-tokens=8"])
     assert exit_info.value.code == 2
