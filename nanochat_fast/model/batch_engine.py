@@ -200,10 +200,11 @@ class BatchEngine:
         width = max(map(len, prompts))
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
         lengths = [len(p) for p in prompts]
-        view = SlotPrefill(self.cache, [group[0].slot for group in groups], lengths if len(groups) > 1 else None)
+        slots = [group[0].slot for group in groups]
+        view = SlotPrefill(self.cache, slots, lengths if len(groups) > 1 else None, last_logits=True)
         # short prompts are a few rows too: the packed linears beat sgemm there as in a decode step
         with packed_linears.decoding(self.model, ids.numel()):
-            logits = view.last(self.model(ids, kv_cache=view))
+            logits = self.model(ids, kv_cache=view)[:, -1]
         for group, prompt in zip(groups, prompts):
             for row in group[1:]:
                 self.cache.copy_slot(group[0].slot, row.slot, len(prompt))

@@ -312,6 +312,8 @@ class GPT(nn.Module):
         x = norm(x)
         for block in self.transformer.h:
             x = block(x, cos_sin, kv_cache)
+        if kv_cache is not None:
+            x = kv_cache.logit_positions(x)
         return self._head(norm(x), targets, loss_reduction)
 
     def _head(self, x, targets, loss_reduction):

@@ -79,10 +79,19 @@ class SlotPrefill:
     to a row's own entries and writes its next token over the first of them). One row may also
     continue from where its previous chunk stopped."""
 
-    def __init__(self, cache: SlotCache, slots: int | list[int], lengths: list[int] | None = None):
+    def __init__(
+        self, cache: SlotCache, slots: int | list[int], lengths: list[int] | None = None, last_logits: bool = False
+    ):
         self.cache, self.pos = cache, 0
         self.slots = [slots] if isinstance(slots, int) else list(slots)
         self.lengths = lengths  # None: every position of every row is its own
+        self.last_logits = last_logits  # the model's logits for each row's last position only
+
+    def logit_positions(self, x: torch.Tensor) -> torch.Tensor:
+        """The positions of the last hidden states x (B, T, C) the model makes logits of: all, or
+        with last_logits each row's last (B, 1, C), which is all the engine samples from (the
+        unembedding of every prompt position would cost a prefill about a quarter of its work)."""
+        return self.last(x)[:, None] if self.last_logits else x
 
     def get_pos(self) -> int:
         return self.pos
@@ -144,6 +153,9 @@ class SlotBatch:
     def last(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C): each row's one new position of x (B, 1, C)."""
         return x[:, -1]
+
+    def logit_positions(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # one position per row
 
     def insert_kv(self, layer_idx, k, v):
         """Store each row's k, v (B, H_kv, 1, D) at its position in its slot; return the block's

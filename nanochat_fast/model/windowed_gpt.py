@@ -303,4 +303,7 @@ class WindowedGPT(GPT):
             x = block(x, ve, cos_sin, kv_cache)
             if i == backout_at:
                 x_backout = x
-        return self._head(norm(x - self.backout_lambda.to(x.dtype) * x_backout), targets, loss_reduction)
+        x = x - self.backout_lambda.to(x.dtype) * x_backout
+        if kv_cache is not None:
+            x = kv_cache.logit_positions(x)
+        return self._head(norm(x), targets, loss_reduction)

@@ -49,7 +49,7 @@ class CallsTheCalculator(torch.nn.Module):
         for b, (slot, pos) in enumerate(zip(slots, positions)):
             offset = pos + 1 - self.script_at.get(slot, 10**9)  # of the token these logits predict
             if offset in SCRIPT:
-                logits[b, pos if isinstance(kv_cache, SlotPrefill) else -1, SCRIPT[offset]] = 100.0
+                logits[b, -1, SCRIPT[offset]] = 100.0  # a prefill's logits: each row's last position
         return logits
 
 
