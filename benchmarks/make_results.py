@@ -79,9 +79,10 @@ def inference_sweep_section(data: dict) -> list[str]:
         f"decode of {r['sweeps']} sweeps (a neighbour only ever adds time). Decode tok/s = B x "
         f"{r['decode_tokens'] - 1} decode steps / their time; TTFT: all B prefills run in the engine's first "
         f"step. MBU = bytes per decode step x steps/s / {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s "
-        f"({bandwidth['source']} memory bandwidth), bytes per step = {r['params']:,} weights x the row's dtype "
-        f"size + B x KV bytes per position ({r['kv_bytes_per_position']:,} in {r['kv_dtype']}) x "
-        f"{r['mean_keys_read']:g} (mean keys read per layer); dtype auto: each batch size timed on its own mix "
+        f"({bandwidth['source']} memory bandwidth), bytes per step = {r['product_weights']:,} weights of the "
+        f"products (all but the embeddings) x the row's dtype size + B x ({r['lookup_values_per_row']:,} "
+        f"embedding values looked up + KV bytes per position ({r['kv_bytes_per_position']:,} in {r['kv_dtype']}) "
+        f"x {r['mean_keys_read']:g} (mean keys read per layer)); dtype auto: each batch size timed on its own mix "
         f"(model/generation_dtype.py); MFU against the {peak['dtype']} peak "
         f"{peak['flops_per_s'] / 1e9:.0f} GFLOP/s ({peak['source']}). Peak memory: {r['peak_memory_source']}.*",
         "",

@@ -323,6 +323,8 @@ def costs(model, dtype, kv_dtype_, args) -> dict:
     return {
         "params": params,
         # a step reads every weight of the products once, and one row of each embedding per row
+        "product_weights": params - lookups,
+        "lookup_values_per_row": sum(m.embedding_dim for m in embeddings),
         "weight_bytes_per_step": (params - lookups) * dtype.itemsize,
         "lookup_bytes_per_row": sum(m.embedding_dim for m in embeddings) * dtype.itemsize,
         "kv_bytes_per_position": BatchEngine.kv_bytes(cfg, 1, 1, kv_dtype_),

@@ -46,6 +46,7 @@ def test_a_tiny_sweep_reports_every_figure_and_mbu_from_the_bytes_count(nanochat
     params = 2 * 512 * 128 + 12 * 128 * 128
     products = params - 512 * 128  # wte is looked up: one row of 128 per row and step
     assert out["params"] == params and out["weight_bytes_per_step"] == products * 4  # fp32
+    assert out["product_weights"] == products and out["lookup_values_per_row"] == 128
     assert out["lookup_bytes_per_row"] == 128 * 4
     kv_per_position = 1 * 2 * 1 * 128 * 4  # layers x (k, v) x kv heads x head_dim x fp32
     assert out["kv_bytes_per_position"] == kv_per_position and out["kv_dtype"] == "float32"
