@@ -318,20 +318,21 @@ def costs(model, dtype, kv_dtype_, args) -> dict:
     context = args.prompt_tokens + args.decode_tokens / 2  # mean over the decode steps of prompt + i
     # the windowed family's short layers read fewer keys; every layer of the seeds' GPT reads them all
     keys = mean_keys_read(args, getattr(model, "window_sizes", [cfg.sequence_len] * cfg.n_layer))
+    # embeddings (the windowed GPT's value embeddings too) are lookups, not products: a step reads
+    # every weight of the products once, and one row of each embedding per row
     embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
-    lookups = sum(m.weight.numel() for m in embeddings)
+    products = params - sum(m.weight.numel() for m in embeddings)
+    looked_up = sum(m.embedding_dim for m in embeddings)
     return {
         "params": params,
-        # a step reads every weight of the products once, and one row of each embedding per row
-        "product_weights": params - lookups,
-        "lookup_values_per_row": sum(m.embedding_dim for m in embeddings),
-        "weight_bytes_per_step": (params - lookups) * dtype.itemsize,
-        "lookup_bytes_per_row": sum(m.embedding_dim for m in embeddings) * dtype.itemsize,
+        "product_weights": products,
+        "lookup_values_per_row": looked_up,
+        "weight_bytes_per_step": products * dtype.itemsize,
+        "lookup_bytes_per_row": looked_up * dtype.itemsize,
         "kv_bytes_per_position": BatchEngine.kv_bytes(cfg, 1, 1, kv_dtype_),
         "mean_context": context,
         "mean_keys_read": keys,
-        # embeddings (the windowed GPT's value embeddings too) are lookups, not products
-        "decode_flops_per_token": 2 * (params - lookups) + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * keys,
+        "decode_flops_per_token": 2 * products + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * keys,
     }
 
 
