@@ -7,12 +7,13 @@ weights, fp32, one thread (a chat_web replica's). A decode step feeds B rows one
                   packed_linear vs F.linear (MKL sgemm), MKL's packed sgemm (torch.ops.mkl._mkl_linear,
                   what inductor's freezing uses for fp32 linears on CPU) and F.linear in bf16
   test_attention  4 layers of one decode step's attention, 8 rows at lengths 100..170 in a cache of
-                  8 slots x 512 positions: decode_attention vs SDPA with the per-row mask (flash, the
-                  CPU default, and math). Here the cache sits in the CPU's caches between calls; in a
+                  8 slots x 512 positions: decode_attention (rotary, QK-norm, the cache writes and the
+                  attention in one op) vs PyTorch's ops for those and SDPA with the per-row mask (flash,
+                  the CPU default, and math). Here the cache sits in the CPU's caches between calls; in a
                   real step the weights pass between two layers' reads and the keys come from DRAM.
   test_engine     whole BatchEngine.step()s of B rows: the kernels above vs the same engine on stock
-                  PyTorch (NANOCHAT_FAST_KERNELS=packed_linear=reference,decode_attention=reference),
-                  fp32 and under bf16 autocast
+                  PyTorch (NANOCHAT_FAST_KERNELS=packed_linear=reference,decode_attention=reference,
+                  rms_norm=reference), fp32 and under bf16 autocast
 """
 
 import sys
@@ -37,7 +38,7 @@ from stub_models import one_thread  # noqa: E402, F401 (an autouse fixture: a ch
 
 pytestmark = pytest.mark.skipif(registry.extension() is None, reason="extension not built")
 CONFIG = config_from_depth(4, 4096, 512)
-STOCK = "packed_linear=reference,decode_attention=reference"
+STOCK = "packed_linear=reference,decode_attention=reference,rms_norm=reference"
 
 
 def model():
@@ -72,18 +73,20 @@ def test_linears(benchmark, rows):
 
 def test_attention(benchmark):
     g = torch.Generator().manual_seed(0)
-    D, H = CONFIG.head_dim, CONFIG.n_kv_head
-    caches = [torch.randn(2, 8, H, 512, D, generator=g) for _ in range(CONFIG.n_layer)]
-    lengths = torch.arange(100, 180, 10)
+    D, H, Hkv = CONFIG.head_dim, CONFIG.n_head, CONFIG.n_kv_head
+    positions = torch.arange(99, 179, 10)  # the new tokens' positions: rows at lengths 100..170
+    L = int(positions.max()) + 1
+    caches = [torch.randn(2, 8, Hkv, 512, D, generator=g)[:, :, :, :L] for _ in range(CONFIG.n_layer)]
     rows = torch.arange(8)
-    q = torch.randn(8, CONFIG.n_head, 1, D, generator=g)
-    L = int(lengths.max())
+    q, k, v = (torch.randn(8, 1, h, D, generator=g) for h in (H, Hkv, Hkv))
+    angles = torch.randn(8, 1, 1, D // 2, generator=g)
+    cos, sin = angles.cos(), angles.sin()
 
     def layers(backend, sdpa=None):
         def run():
             with torch.nn.attention.sdpa_kernel(sdpa) if sdpa is not None else nullcontext():
-                for kv in caches:
-                    decode_attention(q, kv[0, :, :, :L], kv[1, :, :, :L], rows, lengths, backend=backend)
+                for cache in caches:
+                    decode_attention(q, k, v, cos, sin, cache, rows, positions, backend=backend)
 
         return run
 
@@ -91,14 +94,15 @@ def test_attention(benchmark):
         benchmark,
         op="decode-step attention, 8 rows",
         baseline="SDPA flash, masked",
-        shape_set=f"4 layers x 8 rows x {CONFIG.n_head} heads of {D}, lengths 100..170",
+        shape_set=f"4 layers x 8 rows x {H} heads of {D}, lengths 100..170",
         variants={
             "decode_attention (ours)": layers("cpp"),
             "SDPA flash, masked": layers("reference"),
             "SDPA math, masked": layers("reference", torch.nn.attention.SDPBackend.MATH),
         },
         rounds=30,
-        notes="one thread; the reference backend is the SDPA with the per-row mask",
+        notes="one thread; rotary, QK-norm and the cache writes included; the reference backend is PyTorch's "
+        "ops for those and SDPA with the per-row mask",
     )
 
 
@@ -134,7 +138,7 @@ def test_engine(benchmark, rows, monkeypatch):
         baseline="stock fp32",
         shape_set="depth-4 GPT, vocab 4096, 24-token prompts, 63 decode steps",
         variants={
-            "packed_linear + decode_attention (ours)": steps("auto", False),
+            "packed_linear + decode_attention + rms_norm (ours)": steps("auto", False),
             "stock fp32": steps(STOCK, False),
             "stock bf16 autocast": steps(STOCK, True),
         },

@@ -1,19 +1,27 @@
-// decode_attention on CPU: one query token per row attending to its own cached keys and values,
-// read in place from the continuous-batching cache (model/kv_cache.py's SlotBatch).
+// decode_attention on CPU: a decode step's attention, one new token per row, from the projections
+// on, reading each row's keys and values in place in the continuous-batching cache (model/kv_cache.py's
+// SlotBatch):
 //
-//   out[b, h] = softmax(q[b, h] . keys[rows[b], h / g, s:lengths[b]] * scale) @ values[rows[b], h / g, s:lengths[b]]
+//   q'[b, h] = qk_scale * rms_norm(rotate(q[b, h]))    k'[b, h] likewise, written with v[b, h] into the cache
+//   out[b, h] = softmax(q'[b, h] . keys[rows[b], h / g, s:p+1] * scale) @ values[rows[b], h / g, s:p+1]
 //
-// with g = H / Hkv query heads per key head (grouped-query attention) and s = starts[b] (0 without
-// starts: a sliding window's rows begin their entries later). Why not SDPA: a decode step
-// of B rows at different lengths needs a mask over the block of slots up to the longest row, and
-// CPU SDPA (flash or math) then spent ~2x the time it takes just to read those keys and values;
-// the cache does not fit in the caches next to the weights, so the read is the cost. Here each
-// (row, head) reads only its own valid entries, once: a pass of dot products for the scores, a
-// pass over the values weighted by exp(score - max). The figures: benchmarks/bench_decode_step.py.
+// with p = positions[b] (the new token's), g = H / Hkv query heads per key head (grouped-query
+// attention) and s = max(0, p - window) (a sliding window's rows begin their entries later).
+// rotate turns channel i with channel i + D/2 by the row's angle (the models' apply_rotary_emb);
+// rms_norm is F.rms_norm over D with its default eps (float32's machine epsilon).
 //
-// Batch invariance: a (row, head) reads nothing of the other rows and sums in a fixed order (its
-// entries in order; within a dot product, `omp simd`'s fixed lane split of the head dimension), so
-// its result is bitwise the same whoever shares the step. Math is fp32.
+// Why one op: in PyTorch the rotary, the QK-norm and the cache writes are some forty small ops a
+// layer (slices, products, a concatenation, pow/mean/rsqrt, index_put), each a few microseconds of
+// dispatch on a few hundred floats: most of a one-row decode step's time, more than reading its
+// weights. And why not SDPA for the attention: a step of B rows at different lengths needs a mask
+// over the block of slots up to the longest row, and CPU SDPA (flash or math) then spent ~2x the time
+// it takes just to read those keys and values. Here each (row, head) reads only its own valid
+// entries, once: a pass of dot products for the scores, a pass over the values weighted by
+// exp(score - max). The figures: benchmarks/bench_decode_step.py.
+//
+// Batch invariance: a row reads nothing of the other rows and sums in a fixed order (its entries in
+// order; within a dot product, `omp simd`'s fixed lane split of the head dimension), so its result is
+// bitwise the same whoever shares the step. Math is fp32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -23,6 +31,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "target_clones.h"
@@ -64,51 +73,89 @@ void attend_one(const float* __restrict__ q, const float* __restrict__ k, const 
   for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
-at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                                const at::Tensor& rows, const at::Tensor& lengths, double scale,
-                                const std::optional<at::Tensor>& starts) {
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.dim() == 4,
-              "decode_attention: q must be [B, H, D] and keys, values [S, Hkv, L, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
-              "decode_attention: q, keys and values must be float32");
-  TORCH_CHECK(keys.sizes() == values.sizes(), "decode_attention: keys ", keys.sizes(), " and values ",
-              values.sizes(), " differ in shape");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t S = keys.size(0), Hkv = keys.size(1), L = keys.size(2);
-  TORCH_CHECK(keys.size(3) == D && Hkv > 0 && H % Hkv == 0, "decode_attention: keys [S, Hkv, L, D] with D = ", D,
-              " and Hkv dividing H = ", H, ", got ", keys.sizes());
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "decode_attention: keys and values need a contiguous last dim");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && rows.dim() == 1 &&
-                  lengths.dim() == 1 && rows.size(0) == B && lengths.size(0) == B,
-              "decode_attention: rows and lengths must be int64 [B] with B = ", B);
-  TORCH_CHECK(!starts.has_value() || (starts->scalar_type() == at::kLong && starts->dim() == 1 && starts->size(0) == B),
-              "decode_attention: starts must be int64 [B] with B = ", B);
-  const at::Tensor qc = q.contiguous(), rc = rows.contiguous(), lc = lengths.contiguous();
-  const at::Tensor sc = starts.has_value() ? starts->contiguous() : at::zeros({B}, rows.options());
+// One head: out = qk_scale * rms_norm(rotate(x)), D floats.
+void rotate_and_norm(const float* x, const float* cos, const float* sin, int64_t D, float qk_scale, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    out[i] = x1 * cos[i] + x2 * sin[i];
+    out[i + half] = x1 * -sin[i] + x2 * cos[i];
+  }
+  float squares = 0.0f;
+  for (int64_t d = 0; d < D; ++d) squares += out[d] * out[d];
+  const float inv_rms = 1.0f / std::sqrt(squares / static_cast<float>(D) + std::numeric_limits<float>::epsilon());
+  for (int64_t d = 0; d < D; ++d) out[d] = out[d] * inv_rms * qk_scale;
+}
+
+// A [B, 1, heads, D] (or cos/sin [B, 1, 1, D/2]) float32 input, made contiguous.
+at::Tensor rows_of(const at::Tensor& t, const char* name, int64_t B, int64_t heads, int64_t D) {
+  TORCH_CHECK(t.dim() == 4 && t.scalar_type() == at::kFloat && t.size(0) == B && t.size(1) == 1 &&
+                  (heads < 0 || t.size(2) == heads) && t.size(3) == D,
+              "decode_attention: ", name, " must be float32 [", B, ", 1, ", heads < 0 ? "heads" : std::to_string(heads),
+              ", ", D, "], got ", t.scalar_type(), " ", t.sizes());
+  return t.contiguous();
+}
+
+at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                const at::Tensor& sin, double qk_scale, at::Tensor& cache, const at::Tensor& rows,
+                                const at::Tensor& positions, std::optional<int64_t> window, double scale) {
+  TORCH_CHECK(q.dim() == 4, "decode_attention: q must be [B, 1, H, D], got ", q.sizes());
+  const int64_t B = q.size(0), H = q.size(2), D = q.size(3);
+  TORCH_CHECK(D % 2 == 0, "decode_attention: the head dimension must be even (rotary pairs channels), got ", D);
+  const at::Tensor qc = rows_of(q, "q", B, H, D), kc = rows_of(k, "k", B, -1, D);
+  const int64_t Hkv = kc.size(2);
+  const at::Tensor vc = rows_of(v, "v", B, Hkv, D);
+  const at::Tensor cc = rows_of(cos, "cos", B, 1, D / 2), sc = rows_of(sin, "sin", B, 1, D / 2);
+  TORCH_CHECK(cache.dim() == 5 && cache.scalar_type() == at::kFloat && cache.size(0) == 2 && cache.size(2) == Hkv &&
+                  cache.size(4) == D && cache.stride(4) == 1,
+              "decode_attention: cache must be float32 [2, S, ", Hkv, ", L, ", D, "] with a contiguous last dim, got ",
+              cache.scalar_type(), " ", cache.sizes());
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decode_attention: ", Hkv, " key heads must divide ", H, " query heads");
+  const int64_t S = cache.size(1), L = cache.size(3);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && rows.dim() == 1 &&
+                  positions.dim() == 1 && rows.size(0) == B && positions.size(0) == B,
+              "decode_attention: rows and positions must be int64 [B] with B = ", B);
+  TORCH_CHECK(!window.has_value() || *window >= 0, "decode_attention: window must be >= 0, got ", *window);
+  const at::Tensor rc = rows.contiguous(), pc = positions.contiguous();
   const int64_t* row = rc.const_data_ptr<int64_t>();
-  const int64_t* len = lc.const_data_ptr<int64_t>();
-  const int64_t* start = sc.const_data_ptr<int64_t>();
+  const int64_t* pos = pc.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(0 <= row[b] && row[b] < S, "decode_attention: rows[", b, "] = ", row[b], " is outside [0, ", S, ")");
-    TORCH_CHECK(1 <= len[b] && len[b] <= L, "decode_attention: lengths[", b, "] = ", len[b], " is outside [1, ", L, "]");
-    TORCH_CHECK(0 <= start[b] && start[b] < len[b], "decode_attention: starts[", b, "] = ", start[b],
-                " is outside [0, lengths[", b, "] = ", len[b], ")");
+    TORCH_CHECK(0 <= pos[b] && pos[b] < L, "decode_attention: positions[", b, "] = ", pos[b], " is outside [0, ", L,
+                ")");
+    for (int64_t a = 0; a < b; ++a)
+      TORCH_CHECK(row[a] != row[b], "decode_attention: rows[", a, "] and rows[", b, "] are both ", row[b]);
   }
-  at::Tensor out = at::empty({B, H, D}, q.options());
-  const Strides ks{keys.stride(0), keys.stride(1), keys.stride(2)};
-  const Strides vs{values.stride(0), values.stride(1), values.stride(2)};
-  const float* qp = qc.const_data_ptr<float>();
-  const float* kp = keys.const_data_ptr<float>();
-  const float* vp = values.const_data_ptr<float>();
+  const Strides ks{cache.stride(1), cache.stride(2), cache.stride(3)};
+  const Strides& vs = ks;  // keys and values are the two halves of one tensor
+  float* kp = cache.mutable_data_ptr<float>();
+  float* vp = kp + cache.stride(0);
+  at::Tensor out = at::empty({B, 1, H * D}, q.options());
   float* op = out.mutable_data_ptr<float>();
+  // The new tokens first: a few hundred floats a row, on this thread.
+  at::Tensor rotated = at::empty({B, H, D}, q.options());
+  float* qr = rotated.mutable_data_ptr<float>();
+  const float qk = static_cast<float>(qk_scale);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* c = cc.const_data_ptr<float>() + b * (D / 2);
+    const float* s = sc.const_data_ptr<float>() + b * (D / 2);
+    for (int64_t h = 0; h < H; ++h)
+      rotate_and_norm(qc.const_data_ptr<float>() + (b * H + h) * D, c, s, D, qk, qr + (b * H + h) * D);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t at_entry = row[b] * ks.slot + h * ks.head + pos[b] * ks.pos;
+      rotate_and_norm(kc.const_data_ptr<float>() + (b * Hkv + h) * D, c, s, D, qk, kp + at_entry);
+      const float* value = vc.const_data_ptr<float>() + (b * Hkv + h) * D;
+      std::copy(value, value + D, vp + at_entry);
+    }
+  }
   const int64_t group = H / Hkv;
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(L);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H, kvh = h / group;
-      const int64_t s = start[b];
-      attend_one(qp + i * D, kp + row[b] * ks.slot + kvh * ks.head + s * ks.pos,
-                 vp + row[b] * vs.slot + kvh * vs.head + s * vs.pos, ks, vs, len[b] - s, D, static_cast<float>(scale),
+      const int64_t start = window.has_value() ? std::max<int64_t>(0, pos[b] - *window) : 0;
+      const int64_t first = row[b] * ks.slot + kvh * ks.head + start * ks.pos;
+      attend_one(qr + i * D, kp + first, vp + first, ks, vs, pos[b] + 1 - start, D, static_cast<float>(scale),
                  scores.data(), op + i * D);
     }
   });

@@ -23,18 +23,26 @@ TORCH_LIBRARY(nanochat_fast, m) {
       "softcap_cross_entropy(Tensor hidden, Tensor weight, Tensor targets, float softcap, int ignore_index, "
       "Tensor? grad_scale, int chunk_rows) -> (Tensor, Tensor, Tensor, Tensor)");
 
-  // y = x @ weight^T for a few rows of x (decode steps), from weight [N, K] packed once by
+  // y = x @ weight^T for a few rows of x [..., K] (decode steps), from weight [N, K] packed once by
   // pack_linear_weight into column panels [ceil(N / 32), K, 32]; float32. Every output is summed in
   // the same order whatever the number of rows: a row's result does not depend on the others.
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features) -> Tensor");
 
-  // One query token per row over its own cached entries: out[b, h] = softmax(q[b, h] .
-  // keys[rows[b], h / g, s:lengths[b]] * scale) @ values[rows[b], h / g, s:lengths[b]], g = H / Hkv,
-  // s = starts[b] (0 when starts is None; a sliding window's rows start later).
-  // q float32 [B, H, D]; keys, values [S, Hkv, L, D] (views of a cache: any strides but the last);
-  // rows, lengths, starts int64 [B]. A row reads nothing of the others: its result does not depend on them.
+  // A decode step's attention, one new token per row, from the projections on: q [B, 1, H, D] and
+  // k [B, 1, Hkv, D] rotated by the row's angles cos, sin [B, 1, 1, D/2] (channel i with i + D/2),
+  // RMS-normed over D (F.rms_norm's eps) and scaled by qk_scale; the key so made and v [B, 1, Hkv, D]
+  // written into cache [2 (keys, values), S, Hkv, L, D] (a view of the slot cache: any strides but
+  // the last) at slot rows[b], position positions[b]; then out[b, h] = softmax(q'[b, h] . keys[rows[b],
+  // h / g, s:p+1] * scale) @ values[rows[b], h / g, s:p+1] with p = positions[b], g = H / Hkv and
+  // s = max(0, p - window) (0 without window). Returns [B, 1, H * D] float32 (heads side by side,
+  // what the output projection takes). A row reads nothing of the others: its result does not
+  // depend on them.
   m.def(
-      "decode_attention(Tensor q, Tensor keys, Tensor values, Tensor rows, Tensor lengths, float scale, "
-      "Tensor? starts=None) -> Tensor");
+      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, float qk_scale, Tensor(a!) cache, "
+      "Tensor rows, Tensor positions, int? window, float scale) -> Tensor");
+
+  // x / sqrt(mean(x^2 over the last dim) + eps), float32, no autograd (the models' parameter-free
+  // RMSNorm where no gradient is wanted).
+  m.def("rms_norm(Tensor x, float eps) -> Tensor");
 }

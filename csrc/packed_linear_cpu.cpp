@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "target_clones.h"
 
@@ -172,15 +173,17 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
 }
 
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_linear: x must be float32 [rows, in_features], got ",
-              x.scalar_type(), " of ", x.dim(), " dims");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features, P = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat,
+              "packed_linear: x must be float32 [..., in_features], got ", x.scalar_type(), " of ", x.dim(), " dims");
+  const int64_t K = x.size(-1), M = K == 0 ? 0 : x.numel() / K, N = out_features, P = (N + kPanel - 1) / kPanel;
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.size(0) == P &&
                   packed.size(1) == K && packed.size(2) == kPanel && packed.is_contiguous(),
               "packed_linear: packed must be pack_linear_weight's [", P, ", ", K, ", ", kPanel,
               "] float32 for in_features ", K, " and out_features ", N, ", got ", packed.sizes());
   const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({M, N}, x.options());
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor out = at::empty(out_shape, x.options());
   if (M == 0 || N == 0) return out;
   const float* xp = xc.const_data_ptr<float>();
   const float* wp = packed.const_data_ptr<float>();

@@ -6,6 +6,8 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdio>
+#include <algorithm>
+#include <limits>
 #include <functional>
 #include <optional>
 #include <string>
@@ -224,52 +226,77 @@ void test_packed_linear_matches_double_loop() {
   check(throws([&] { linear.call(x, packed, N + 40); }), "packed_linear rejects packs of another width");
 }
 
-// decode_attention against a double loop: 4 query heads over 2 key heads, rows reading slots 2, 0,
-// 1 of a strided cache view at lengths 1, 9 and 4, from their first entry and from starts 0, 5, 2
-// (a sliding window's rows).
+// decode_attention against a double loop: 4 query heads over 2 key heads, rows in slots 2, 0, 1 of
+// a strided cache view with their new tokens at positions 0, 8 and 3, from their first entry and
+// with a window of 2 (rows then from 0, 6 and 1); rotary by random angles, QK-norm times 1.2.
 void test_decode_attention_matches_double_loop() {
-  using Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, double, const std::optional<at::Tensor>&);
+  using Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        double, at::Tensor&, const at::Tensor&, const at::Tensor&, std::optional<int64_t>, double);
   auto attention = c10::Dispatcher::singleton().findSchemaOrThrow("nanochat_fast::decode_attention", "").typed<Fn>();
-  const int64_t H = 4, Hkv = 2, L = 9, D = 8;
-  const at::Tensor cache = at::randn({2, 3, Hkv, 12, D});
-  const at::Tensor keys = cache[0].narrow(2, 0, L), values = cache[1].narrow(2, 0, L), q = at::randn({3, H, D});
-  const std::vector<int64_t> rows = {2, 0, 1}, lengths = {1, 9, 4};
-  const double scale = 0.3;
-  for (const std::vector<int64_t>& starts : {std::vector<int64_t>{0, 0, 0}, std::vector<int64_t>{0, 5, 2}}) {
-    const at::Tensor out = attention.call(q, keys, values, at::tensor(rows, at::kLong), at::tensor(lengths, at::kLong),
-                                          scale, at::tensor(starts, at::kLong));
+  const int64_t B = 3, H = 4, Hkv = 2, L = 9, D = 8;
+  const double scale = 0.3, qk_scale = 1.2;
+  const at::Tensor q = at::randn({B, 1, H, D}), k = at::randn({B, 1, Hkv, D}), v = at::randn({B, 1, Hkv, D});
+  const at::Tensor angles = at::randn({B, 1, 1, D / 2}), cos = angles.cos(), sin = angles.sin();
+  const std::vector<int64_t> rows = {2, 0, 1}, positions = {0, 8, 3};
+  // one head of x (row b) rotated and normed, in double
+  auto rotate_and_norm = [&](const at::Tensor& x, int64_t b) {
+    std::vector<double> out(D);
+    double squares = 0.0;
+    for (int64_t i = 0; i < D / 2; ++i) {
+      const double x1 = x[i].item<double>(), x2 = x[i + D / 2].item<double>();
+      const double c = cos[b][0][0][i].item<double>(), s = sin[b][0][0][i].item<double>();
+      out[i] = x1 * c + x2 * s;
+      out[i + D / 2] = -x1 * s + x2 * c;
+    }
+    for (double o : out) squares += o * o;
+    for (double& o : out) o *= qk_scale / std::sqrt(squares / D + std::numeric_limits<float>::epsilon());
+    return out;
+  };
+  for (const std::optional<int64_t> window : {std::optional<int64_t>(), std::optional<int64_t>(2)}) {
+    at::Tensor storage = at::randn({2, 3, Hkv, 12, D}), cache = storage.narrow(3, 0, L);
+    const at::Tensor out = attention.call(q, k, v, cos, sin, qk_scale, cache, at::tensor(rows, at::kLong),
+                                          at::tensor(positions, at::kLong), window, scale);
     double max_err = 0.0;
-    for (int64_t b = 0; b < 3; ++b) {
-      for (int64_t h = 0; h < H; ++h) {
-        const at::Tensor k = keys[rows[b]][h / 2].to(at::kDouble), v = values[rows[b]][h / 2].to(at::kDouble);
-        std::vector<double> p(lengths[b], 0.0);
-        double top = -INFINITY, total = 0.0;
-        for (int64_t l = starts[b]; l < lengths[b]; ++l) {
-          p[l] = scale * (q[b][h].to(at::kDouble) * k[l]).sum().item<double>();
-          top = std::max(top, p[l]);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t p = positions[b], start = window ? std::max<int64_t>(0, p - *window) : 0;
+      for (int64_t h = 0; h < Hkv; ++h) {  // the new key and value, written at the row's position
+        const std::vector<double> key = rotate_and_norm(k[b][0][h], b);
+        for (int64_t d = 0; d < D; ++d) {
+          max_err = std::max(max_err, std::abs(cache[0][rows[b]][h][p][d].item<double>() - key[d]));
+          max_err = std::max(max_err, std::abs(cache[1][rows[b]][h][p][d].item<double>() - v[b][0][h][d].item<double>()));
         }
-        for (int64_t l = starts[b]; l < lengths[b]; ++l) total += (p[l] = std::exp(p[l] - top));
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const std::vector<double> query = rotate_and_norm(q[b][0][h], b);
+        const at::Tensor keys = cache[0][rows[b]][h / 2].to(at::kDouble), values = cache[1][rows[b]][h / 2].to(at::kDouble);
+        std::vector<double> w(p + 1, 0.0);
+        double top = -INFINITY, total = 0.0;
+        for (int64_t l = start; l <= p; ++l) {
+          for (int64_t d = 0; d < D; ++d) w[l] += scale * query[d] * keys[l][d].item<double>();
+          top = std::max(top, w[l]);
+        }
+        for (int64_t l = start; l <= p; ++l) total += (w[l] = std::exp(w[l] - top));
         for (int64_t d = 0; d < D; ++d) {
           double ref = 0.0;
-          for (int64_t l = starts[b]; l < lengths[b]; ++l) ref += p[l] / total * v[l][d].item<double>();
-          max_err = std::max(max_err, std::abs(out[b][h][d].item<double>() - ref));
+          for (int64_t l = start; l <= p; ++l) ref += w[l] / total * values[l][d].item<double>();
+          max_err = std::max(max_err, std::abs(out[b][0][h * D + d].item<double>() - ref));
         }
       }
     }
-    check(max_err < 1e-5, "decode_attention matches a double loop from starts " + std::to_string(starts[1]) +
-                              " (max error " + std::to_string(max_err) + ")");
+    check(max_err < 1e-5, "decode_attention matches a double loop with window " +
+                              std::to_string(window.value_or(-1)) + " (max error " + std::to_string(max_err) + ")");
   }
+  at::Tensor cache = at::randn({2, 3, Hkv, L, D});
   check(throws([&] {
-          attention.call(q, keys, values, at::tensor(rows, at::kLong), at::tensor({1, 10, 4}, at::kLong), scale,
-                         std::nullopt);
+          attention.call(q, k, v, cos, sin, qk_scale, cache, at::tensor(rows, at::kLong), at::tensor({0, 9, 3}, at::kLong),
+                         std::nullopt, scale);
         }),
-        "decode_attention rejects a length past the cache");
+        "decode_attention rejects a position past the cache");
   check(throws([&] {
-          attention.call(q, keys, values, at::tensor(rows, at::kLong), at::tensor(lengths, at::kLong), scale,
-                         at::tensor({0, 9, 0}, at::kLong));
+          attention.call(q, k, v, cos, sin, qk_scale, cache, at::tensor({1, 0, 1}, at::kLong),
+                         at::tensor(positions, at::kLong), std::nullopt, scale);
         }),
-        "decode_attention rejects a start at its row's length");
+        "decode_attention rejects two rows in one slot");
 }
 
 }  // namespace

@@ -2,10 +2,12 @@
 The hot paths of nanochat_fast, each with several backends chosen per device (see registry.py):
 
     adamw_slice_update   AdamW over the parameter slices a rank owns
-    decode_attention     a decode step's attention, each row over its own cached entries
+    decode_attention     a decode step's attention from the projections on (rotary, QK-norm, the
+                         cache writes), each row over its own cached entries
     newton_schulz        Newton-Schulz orthogonalization (Muon)
     packed_linear        few-row products (decode steps) through a packed copy of the weight
     pack_rows            best-fit packing of documents into BOS-aligned training rows
+    rms_norm             the models' RMSNorm where no gradient is wanted (decode steps, evaluation)
     softcap_cross_entropy  the lm_head's softcapped cross-entropy, in row chunks (no full logits)
 
 `python -m nanochat_fast.kernels` prints which backend each op uses here and why.
@@ -17,6 +19,7 @@ from .newton_schulz import newton_schulz
 from .pack_rows import pack_rows
 from .packed_linear import pack_linear
 from .registry import KernelUnavailableError, backends, ops, requested, select
+from .rms_norm import rms_norm
 from .softcap_cross_entropy import softcap_cross_entropy
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "newton_schulz",
     "pack_linear",
     "pack_rows",
+    "rms_norm",
     "softcap_cross_entropy",
     "KernelUnavailableError",
     "backends",

@@ -1,19 +1,18 @@
 """
-decode_attention: a decode step's attention. Row b's one query token attends to its own cached
-entries only, read in place from a block of the continuous-batching cache:
+decode_attention: a decode step's attention, one new token per row, from the projections on. Row b's
+query and key are rotated and QK-normed (times qk_scale), its key and value written at its position
+p = positions[b] in slot rows[b] of the cache block, and its query attends to its own entries s..p,
+read in place (s = max(0, p - window), 0 without a window):
 
-    out[b] = softmax(q[b] @ keys[rows[b], :, s:lengths[b]].T * scale) @ values[rows[b], :, s:lengths[b]]
-
-    q [B, H, 1, D] the rows' queries; keys, values [S, Hkv, L, D] views of the cache (any strides but
-    the last); rows int64 [B] each query's slot within keys (distinct); lengths int64 [B] its valid
-    entries, 1..L; starts int64 [B] or None (all 0) its first, s = starts[b] < lengths[b] (a sliding
-    window's rows begin later) -> [B, H, 1, D], grouped-query attention when Hkv < H (enable_gqa)
+    q [B, 1, H, D], k, v [B, 1, Hkv, D] as the projections made them; cos, sin [B, 1, 1, D/2] each
+    row's rotary angles; cache [2, S, Hkv, L, D] one layer's keys and values of a block of slots (a
+    view of the slot cache); rows int64 [B] distinct; positions int64 [B] < L -> [B, 1, H * D]
 
 Backends:
-    cpp        CPU, float32: csrc/decode_attention_cpu.cpp. Each (row, head) reads only its own
-               entries, once; a row's result does not depend on the other rows of the step.
-    reference  SDPA over the whole block with a per-row mask (every row reads up to the longest
-               row's length); anywhere, any dtype.
+    cpp        CPU, float32: csrc/decode_attention_cpu.cpp, one call where PyTorch takes some forty
+               small ops; each (row, head) reads only its own entries, once; a row's result does not
+               depend on the other rows of the step.
+    reference  those PyTorch ops and SDPA over the whole block with a per-row mask; anywhere, any dtype.
 """
 
 import torch
@@ -26,51 +25,75 @@ OP = "decode_attention"
 register_op(OP, auto_order={"cpu": ("cpp", "reference"), "cuda": ("reference",), "mps": ("reference",)})
 
 
-def decode_attention(q, keys, values, rows, lengths, enable_gqa: bool = False, *, starts=None, backend=None):
+def apply_rotary_emb(x, cos, sin):
+    """Rotate channel pairs (i, i + d/2) of x (B, T, H, D) by the position's angles: the models'
+    rotary embedding, defined here beside the kernel that reproduces it."""
+    d = x.shape[3] // 2
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # fp32 tables; bf16 activations under autocast
+    x1, x2 = x[..., :d], x[..., d:]
+    y1 = x1 * cos + x2 * sin
+    y2 = x1 * (-sin) + x2 * cos
+    return torch.cat([y1, y2], 3)
+
+
+def decode_attention(
+    q, k, v, cos, sin, cache, rows, positions, *, qk_scale=1.0, window=None, enable_gqa=False, backend=None
+):
     """See the module docstring; `backend` forces one by name (default: NANOCHAT_FAST_KERNELS, else auto)."""
-    if q.dim() != 4 or q.size(2) != 1 or keys.dim() != 4 or keys.shape != values.shape:
+    if q.dim() != 4 or q.size(1) != 1 or k.dim() != 4 or k.shape != v.shape or cache.dim() != 5:
         raise ValueError(
-            f"decode_attention takes q [B, H, 1, D] and keys, values [S, Hkv, L, D], got q "
-            f"{tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}"
+            f"decode_attention takes q [B, 1, H, D], k, v [B, 1, Hkv, D] and cache [2, S, Hkv, L, D], got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(cache.shape)}"
         )
-    if keys.size(1) != q.size(1) and not enable_gqa:
-        raise ValueError(f"{q.size(1)} query heads over {keys.size(1)} key heads needs enable_gqa=True")
-    fp32 = all(t.dtype == torch.float32 for t in (q, keys, values))
+    if k.size(2) != q.size(2) and not enable_gqa:
+        raise ValueError(f"{q.size(2)} query heads over {k.size(2)} key heads needs enable_gqa=True")
     impl = registry.select_for_inputs(
         OP,
         q.device.type,
         backend,
-        lambda name: f"takes float32, got q {q.dtype}, cache {keys.dtype}" if name == "cpp" and not fp32 else None,
+        lambda name: (
+            f"takes float32, got q {q.dtype}, cache {cache.dtype}"
+            if name == "cpp" and not q.dtype == k.dtype == v.dtype == cache.dtype == torch.float32
+            else None
+        ),
     )
-    return impl.fn(q, keys, values, rows, lengths, enable_gqa, starts)
+    return impl.fn(q, k, v, cos, sin, cache, rows, positions, qk_scale, window)
 
 
 @register_backend(OP, "cpp", cpp_why_not)
-def _cpp(q, keys, values, rows, lengths, enable_gqa, starts):
+def _cpp(q, k, v, cos, sin, cache, rows, positions, qk_scale, window):
     scale = q.size(-1) ** -0.5
-    return torch.ops.nanochat_fast.decode_attention(q.squeeze(2), keys, values, rows, lengths, scale, starts).unsqueeze(
-        2
-    )
+    return torch.ops.nanochat_fast.decode_attention(q, k, v, cos, sin, qk_scale, cache, rows, positions, window, scale)
+
+
+def _rotate_and_norm(x, cos, sin, qk_scale):
+    x = F.rms_norm(apply_rotary_emb(x, cos, sin), (x.size(-1),))
+    return x * qk_scale if qk_scale != 1.0 else x
 
 
 @register_backend(OP, "reference", always)
-def _reference(q, keys, values, rows, lengths, enable_gqa, starts):
+def _reference(q, k, v, cos, sin, cache, rows, positions, qk_scale, window):
     """SDPA over the block: a slot no row uses gets an all-true mask row (its answer is computed
     and dropped) so that no softmax is over nothing; masked entries weigh exactly 0."""
+    B, _, H, D = q.shape
+    q, k = _rotate_and_norm(q, cos, sin, qk_scale), _rotate_and_norm(k, cos, sin, qk_scale)
+    keys, values = cache[0], cache[1]
+    keys[rows, :, positions] = k[:, 0]
+    values[rows, :, positions] = v[:, 0]
     S, L = keys.size(0), keys.size(2)
-    valid = torch.full((S,), L, dtype=torch.long, device=q.device).index_copy_(0, rows, lengths)
+    valid = torch.full((S,), L, dtype=torch.long, device=q.device).index_copy_(0, rows, positions + 1)
     cols = torch.arange(L, device=q.device)[None, :]
     mask = cols < valid[:, None]
-    if starts is not None:
+    if window is not None:
+        starts = (positions - window).clamp_min(0)
         mask &= cols >= torch.zeros(S, dtype=torch.long, device=q.device).index_copy_(0, rows, starts)[:, None]
-    mask = mask.view(S, 1, 1, L)
-    spread = q.new_zeros(S, *q.shape[1:]).index_copy_(0, rows, q)
-    y = F.scaled_dot_product_attention(spread, keys, values, attn_mask=mask, enable_gqa=enable_gqa)
-    return y.index_select(0, rows)
+    spread = q.new_zeros(S, H, 1, D).index_copy_(0, rows, q.transpose(1, 2))
+    y = F.scaled_dot_product_attention(spread, keys, values, attn_mask=mask.view(S, 1, 1, L), enable_gqa=H != k.size(2))
+    return y.index_select(0, rows).transpose(1, 2).reshape(B, 1, H * D)
 
 
 if registry.extension() is not None:
 
     @torch.library.register_fake("nanochat_fast::decode_attention")
-    def _(q, keys, values, rows, lengths, scale, starts=None):
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    def _(q, k, v, cos, sin, qk_scale, cache, rows, positions, window, scale):
+        return q.new_empty(q.size(0), 1, q.size(2) * q.size(3))

@@ -44,9 +44,7 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight)
-        rows = x.reshape(-1, x.size(-1))
-        y = torch.ops.nanochat_fast.packed_linear(rows, self.packed, self.weight.size(0))
-        return y.view(*x.shape[:-1], self.weight.size(0))
+        return torch.ops.nanochat_fast.packed_linear(x, self.packed, self.weight.size(0))
 
 
 def pack_linear(weight: torch.Tensor, backend: str | None = None) -> PackedLinear:
@@ -87,4 +85,4 @@ if registry.extension() is not None:
 
     @torch.library.register_fake("nanochat_fast::packed_linear")
     def _(x, packed, out_features):
-        return x.new_empty(x.size(0), out_features)
+        return x.new_empty(*x.shape[:-1], out_features)

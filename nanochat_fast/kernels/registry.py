@@ -13,6 +13,7 @@ or per-op pairs (`NANOCHAT_FAST_KERNELS=newton_schulz=triton,adamw_slice_update=
 backend that cannot run is an error that says why, never a silent fallback.
 """
 
+import functools
 import importlib.util
 import os
 import warnings
@@ -159,9 +160,14 @@ def parse_request(spec: str) -> dict[str, str]:
     return choice
 
 
+@functools.lru_cache(maxsize=16)
+def _parsed(spec: str) -> dict[str, str]:
+    return parse_request(spec)  # a decode step asks a dozen times a layer: parse each setting once
+
+
 def requested(op: str) -> str:
     """The backend NANOCHAT_FAST_KERNELS asks for `op` ('auto' when it asks for nothing)."""
-    choice = parse_request(os.environ.get(ENV_VAR, ""))
+    choice = _parsed(os.environ.get(ENV_VAR, ""))
     return choice.get(op, choice.get("*", "auto"))
 
 

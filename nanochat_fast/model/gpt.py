@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 from ..core.distributed import is_distributed, print0
 from ..kernels import softcap_cross_entropy
+from ..kernels.decode_attention import apply_rotary_emb
+from ..kernels.rms_norm import rms_norm
 from . import packed_linears
 from .generation import generate_tokens
 from .kv_cache import SlotBatch
@@ -84,18 +86,11 @@ def config_from_depth(
 
 
 def norm(x):
-    """Parameter-free RMSNorm over the last dimension."""
-    return F.rms_norm(x, (x.size(-1),))
-
-
-def apply_rotary_emb(x, cos, sin):
-    """Rotate channel pairs (i, i + d/2) of x (B, T, H, D) by the position's angles."""
-    d = x.shape[3] // 2
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # fp32 tables; bf16 activations under autocast
-    x1, x2 = x[..., :d], x[..., d:]
-    y1 = x1 * cos + x2 * sin
-    y2 = x1 * (-sin) + x2 * cos
-    return torch.cat([y1, y2], 3)
+    """Parameter-free RMSNorm over the last dimension; without autograd through kernels/rms_norm.py
+    (one op where F.rms_norm runs a dozen: a decode step's norms are that many dispatches of one row)."""
+    if x.requires_grad or torch.compiler.is_compiling():
+        return F.rms_norm(x, (x.size(-1),))
+    return rms_norm(x)
 
 
 class Linear(nn.Linear):
@@ -109,6 +104,20 @@ class Linear(nn.Linear):
         if not torch.compiler.is_compiling() and (packed := packed_linears.current(self)) is not None:
             return packed(x)
         return F.linear(x, self.weight)
+
+
+def project_qkv(attn: nn.Module, x):
+    """An attention module's queries (B, T, H, D), keys and values (B, T, Hkv, D) of x (B, T, C): in
+    a decode step or a short prefill one product through c_q, c_k and c_v packed as one weight
+    (packed_linears.py), else the three linears."""
+    B, T, _ = x.size()
+    H, Hkv, D = attn.n_head, attn.n_kv_head, attn.head_dim
+    packed = None if torch.compiler.is_compiling() else packed_linears.current(attn)
+    if packed is not None:
+        q, k, v = packed(x).split((H * D, Hkv * D, Hkv * D), dim=-1)
+    else:
+        q, k, v = attn.c_q(x), attn.c_k(x), attn.c_v(x)
+    return q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
 
 
 class CausalSelfAttention(nn.Module):
@@ -125,9 +134,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache):
         B, T, _ = x.size()
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        q, k, v = project_qkv(self, x)
+        gqa = self.n_head != self.n_kv_head
+        if isinstance(kv_cache, SlotBatch):
+            # rows at different lengths, one token each: rotary, QK-norm, the cache write and every
+            # row over its own cached entries, one kernel
+            return self.c_proj(kv_cache.attention(self.layer_idx, q, k, v, cos_sin, enable_gqa=gqa))
         cos, sin = cos_sin
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         q, k = norm(q), norm(k)  # QK-norm
@@ -135,11 +147,7 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.insert_kv(self.layer_idx, k, v)
         Tq, Tk = q.size(2), k.size(2)
-        gqa = self.n_head != self.n_kv_head
-        if isinstance(kv_cache, SlotBatch):
-            # rows at different lengths, one token each: every row masked to its own cached entries
-            y = kv_cache.attend(q, k, v, enable_gqa=gqa)
-        elif Tq == Tk:
+        if Tq == Tk:
             # training, or the first chunk into an empty cache: plain causal attention
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif Tq == 1:

@@ -144,7 +144,7 @@ class SlotBatch:
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
         self.positions = torch.tensor(positions, dtype=torch.long, device=device)
         self.rows_in_block = self.slots - self.lo  # each row's slot within the block
-        self.lengths = self.positions + 1  # each row's valid entries
+        self._block = None  # the cache's [n_layer, 2, slots lo..hi, H_kv, length, D], a view
 
     def get_pos(self) -> torch.Tensor:
         """Each row's position, (B,) int64: where its token goes and which rotary angles it gets."""
@@ -157,18 +157,14 @@ class SlotBatch:
     def logit_positions(self, x: torch.Tensor) -> torch.Tensor:
         return x  # one position per row
 
-    def insert_kv(self, layer_idx, k, v):
-        """Store each row's k, v (B, H_kv, 1, D) at its position in its slot; return the block's
-        keys and values, (slots in the block, H_kv, length, D), views of the cache."""
-        kv = self.cache.storage(k)
-        keys, values = kv[layer_idx, 0], kv[layer_idx, 1]
-        keys[self.slots, :, self.positions] = k[:, :, 0]
-        values[self.slots, :, self.positions] = v[:, :, 0]
-        block = slice(self.lo, self.hi)
-        return keys[block, :, : self.length], values[block, :, : self.length]
-
-    def attend(self, q, keys, values, enable_gqa: bool, window: int | None = None):
-        """The rows' queries q (B, H, 1, D) over the block insert_kv returned, each row to its own
-        entries -> (B, H, 1, D); with a window, to the `window` entries before its position and its own."""
-        starts = None if window is None else (self.positions - window).clamp_min(0)
-        return decode_attention(q, keys, values, self.rows_in_block, self.lengths, enable_gqa, starts=starts)
+    def attention(self, layer_idx, q, k, v, cos_sin, enable_gqa: bool, qk_scale: float = 1.0, window=None):
+        """The step's attention from the projections q (B, 1, H, D), k, v (B, 1, H_kv, D): rotary
+        (cos_sin, the rows' angles) and QK-norm times qk_scale, each row's key and value stored at its
+        position in its slot, each row's query over its own entries (with a window, the `window`
+        before its position and its own) -> (B, 1, H * D). kernels/decode_attention.py."""
+        if self._block is None:  # the block of every layer, made once a step (at its first layer)
+            self._block = self.cache.storage(k.transpose(1, 2))[:, :, self.lo : self.hi, :, : self.length]
+        return decode_attention(
+            q, k, v, *cos_sin, self._block[layer_idx], self.rows_in_block, self.positions,
+            qk_scale=qk_scale, window=window, enable_gqa=enable_gqa,
+        )  # fmt: skip

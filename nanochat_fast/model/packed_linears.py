@@ -29,28 +29,49 @@ _by_model: "weakref.WeakKeyDictionary[nn.Module, PackedLinears]" = weakref.WeakK
 
 
 def current(module: nn.Module) -> PackedLinear | None:
-    """The packed weight of `module` in the decode step running in this thread, or None."""
+    """The packed weight of `module` in the decode step running in this thread, or None; for an
+    attention module, its c_q, c_k and c_v stacked (one product gives q, k and v side by side)."""
     packs = _active.get()
     return None if packs is None else packs.get(module)
 
 
+def _qkv(module: nn.Module) -> tuple[nn.Module, ...] | None:
+    """An attention module's query, key and value projections (c_q, c_k, c_v), or None."""
+    parts = tuple(getattr(module, name, None) for name in ("c_q", "c_k", "c_v"))
+    return parts if all(isinstance(p, nn.Linear) and p.bias is None for p in parts) else None
+
+
 class PackedLinears:
-    """Packed copies of a model's nn.Linear weights, kept up to date with the weights."""
+    """Packed copies of a model's nn.Linear weights, kept up to date with the weights. An attention
+    module's c_q, c_k and c_v are packed as one weight, their rows stacked: one product for the three
+    (packed_qkv), where three cost three calls' dispatch on a decode step's few rows."""
 
     def __init__(self, model: nn.Module):
-        self.linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.bias is None]
+        self.qkv = {m: parts for m in model.modules() if (parts := _qkv(m)) is not None}
+        fused = {p for parts in self.qkv.values() for p in parts}
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.bias is None and m not in fused]
+        # what is packed: a module's own weight, or an attention module's three stacked
+        self.sources = {m: (m,) for m in linears} | self.qkv
         self.packs: dict[nn.Module, PackedLinear] = {}
-        self._packed_at: dict[nn.Module, tuple] = {}  # what each weight was when packed
+        self._packed_at: dict[nn.Module, tuple] = {}  # what each module's weights were when packed
+        self._seen = None  # what all the weights were at the last call
+        self._linears = [p for parts in self.sources.values() for p in parts]
 
     def current(self) -> dict[nn.Module, PackedLinear]:
         """module -> its PackedLinear, repacking the weights that changed since they were packed
-        (module docstring), or whose backend NANOCHAT_FAST_KERNELS changed."""
-        backend = registry.requested(OP)
-        for module in self.linears:
-            w = module.weight
-            key = (w.data_ptr(), w._version, w.dtype, w.device, backend)
+        (module docstring), or whose backend NANOCHAT_FAST_KERNELS changed. A new dtype or device
+        is new storage: the data pointer says it. Called once a decode step: when nothing changed
+        (one look at every weight) it returns at once."""
+        weights = [p._parameters["weight"] for p in self._linears]  # (nn.Module's __getattr__ costs 2x)
+        seen = (registry.requested(OP), *[(w.data_ptr(), w._version) for w in weights])
+        if seen == self._seen:
+            return self.packs
+        for module, parts in self.sources.items():
+            key = (seen[0], *((p.weight.data_ptr(), p.weight._version) for p in parts))
             if self._packed_at.get(module) != key:
+                w = parts[0].weight if len(parts) == 1 else torch.cat([p.weight for p in parts])
                 self.packs[module], self._packed_at[module] = pack_linear(w), key
+        self._seen = seen
         return self.packs
 
 

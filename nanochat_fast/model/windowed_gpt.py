@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.distributed import is_distributed, print0
-from .gpt import GPT, MLP, GPTConfig, Linear, apply_rotary_emb, norm
+from .gpt import GPT, MLP, GPTConfig, Linear, apply_rotary_emb, norm, project_qkv
 from .kv_cache import SlotBatch
 
 ARCH = "windowed"  # the family's name in --arch and meta.json
@@ -108,29 +108,27 @@ class WindowedAttention(nn.Module):
 
     def forward(self, x, ve, cos_sin, kv_cache):
         B, T, _ = x.size()
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        q, k, v = project_qkv(self, x)
         if ve is not None:  # the value embedding, gated per kv head in (0, 3)
             gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
             # in v's dtype: under bf16 autocast ve is fp32 (the residual's), and values promoted to
             # fp32 beside bf16 keys would not go into the cache the keys made bf16
             v = v + (gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)).to(v.dtype)
+        gqa = self.n_head != self.n_kv_head
+        if isinstance(kv_cache, SlotBatch):  # one token per row at its own position, one kernel
+            y = kv_cache.attention(self.layer_idx, q, k, v, cos_sin, gqa, qk_scale=QK_SCALE, window=self.window)
+            return self.c_proj(y)
         cos, sin = cos_sin
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         q, k = norm(q) * QK_SCALE, norm(k) * QK_SCALE
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         if kv_cache is not None:
             k, v = kv_cache.insert_kv(self.layer_idx, k, v)
-        y = self._attend(q, k, v, kv_cache)
+        y = self._attend(q, k, v, gqa)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
-    def _attend(self, q, k, v, kv_cache):
-        gqa = self.n_head != self.n_kv_head
+    def _attend(self, q, k, v, gqa):
         Tq, Tk = q.size(2), k.size(2)
-        if isinstance(kv_cache, SlotBatch):  # one token per row at its own position, read in place
-            window = None if self.window >= Tk - 1 else self.window  # None: no row has keys beyond it
-            return kv_cache.attend(q, k, v, enable_gqa=gqa, window=window)
         if Tq == Tk and self.window >= Tq - 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if Tq == Tk and Tq % self.window == 0:

@@ -1,4 +1,4 @@
-"""The decode step's kernels, packed_linear and decode_attention: each against float64 PyTorch, the
+"""The decode step's kernels, packed_linear, decode_attention and rms_norm: each against float64 PyTorch, the
 batch invariance they promise (a row's result bitwise the same alone as in any batch), the op
 contracts (opcheck, bad arguments), and the engine running its decode steps through them: packs
 follow weight updates, and a model's decode logits for a row do not depend on the rows beside it."""
@@ -13,6 +13,7 @@ from nanochat_fast import optim
 from nanochat_fast.kernels import registry
 from nanochat_fast.kernels.decode_attention import decode_attention
 from nanochat_fast.kernels.packed_linear import pack_linear
+from nanochat_fast.kernels.rms_norm import rms_norm
 from nanochat_fast.model import packed_linears
 from nanochat_fast.model.batch_engine import BatchEngine, Request
 from nanochat_fast.model.gpt import GPTConfig
@@ -79,82 +80,128 @@ def test_packed_linear_ops_pass_opcheck():
 # -- decode_attention -------------------------------------------------------------------------------
 
 
-def attention_case(heads=4, kv_heads=2, slots=6, max_len=40, d=16, seed=0):
-    """A cache of `slots` slots, the rows of a step in slots 1, 2 and 4 (a gap at 3) at lengths 1,
-    40 and 17: block views as SlotBatch gives them (slots 1..4, up to the longest row)."""
+def attention_case(heads=4, kv_heads=2, slots=4, max_len=40, d=16, seed=0):
+    """A block of `slots` slots; the step's rows in slots 0, 1 and 3 (a gap at 2) with their new
+    tokens at positions 0, 39 and 16: the projections q, k, v, rotary angles, the cache block."""
+    B = 3
     cache = randn(2, slots, kv_heads, max_len, d, seed=seed)
-    rows_slots, lengths = torch.tensor([1, 2, 4]), torch.tensor([1, 40, 17])
-    q = randn(len(rows_slots), heads, 1, d, seed=seed + 1)
-    keys, values = cache[0, 1:5, :, :max_len], cache[1, 1:5, :, :max_len]
-    return q, keys, values, rows_slots - 1, lengths
+    rows, positions = torch.tensor([0, 1, 3]), torch.tensor([0, 39, 16])
+    q, k, v = (randn(B, 1, h, d, seed=seed + i) for i, h in enumerate((heads, kv_heads, kv_heads), start=1))
+    angles = randn(B, 1, 1, d // 2, seed=seed + 4) * 3
+    return q, k, v, angles.cos(), angles.sin(), cache, rows, positions
 
 
-def float64_attention(q, keys, values, rows, lengths):
-    """Each row alone, by SDPA in float64 over exactly its own entries."""
+def float64_attention(q, k, v, cos, sin, cache, rows, positions, qk_scale=1.0, window=None):
+    """Each row alone in float64: rotary by hand, RMS norm, its key and value written, SDPA over
+    exactly its own entries. -> (output (B, 1, H * D), the cache after the writes)."""
+    q, k, v, cos, sin, cache = (t.double() for t in (q, k, v, cos, sin, cache.clone()))
+
+    def rotate_and_norm(x):  # (1, H, D) with the row's (1, 1, D/2) angles
+        h = x.size(-1) // 2
+        x = torch.cat([x[..., :h] * c + x[..., h:] * s_, -x[..., :h] * s_ + x[..., h:] * c], -1)
+        return qk_scale * x / (x.pow(2).mean(-1, keepdim=True) + torch.finfo(torch.float32).eps).sqrt()
+
     out = []
-    for b, (r, n) in enumerate(zip(rows.tolist(), lengths.tolist())):
-        k, v = keys[r : r + 1, :, :n].double(), values[r : r + 1, :, :n].double()
-        out.append(F.scaled_dot_product_attention(q[b : b + 1].double(), k, v, enable_gqa=True))
-    return torch.cat(out)
+    for b, (r, p) in enumerate(zip(rows.tolist(), positions.tolist())):
+        c, s_ = cos[b, 0], sin[b, 0]
+        cache[0, r, :, p], cache[1, r, :, p] = rotate_and_norm(k[b])[0], v[b, 0]
+        start = 0 if window is None else max(0, p - window)
+        keys, values = cache[0, r : r + 1, :, start : p + 1], cache[1, r : r + 1, :, start : p + 1]
+        y = F.scaled_dot_product_attention(rotate_and_norm(q[b]).transpose(0, 1)[None], keys, values, enable_gqa=True)
+        out.append(y[0].transpose(0, 1).reshape(1, 1, -1))
+    return torch.cat(out), cache
 
 
 @pytest.mark.parametrize("backend", ["cpp", "reference"])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (2, 2), (3, 1)])
-def test_decode_attention_matches_float64(backend, heads, kv_heads):
-    q, keys, values, rows, lengths = attention_case(heads, kv_heads)
-    y = decode_attention(q, keys, values, rows, lengths, enable_gqa=heads != kv_heads, backend=backend)
-    assert y.shape == q.shape
-    assert (y.double() - float64_attention(q, keys, values, rows, lengths)).abs().max() < 1e-6
+@pytest.mark.parametrize("heads,kv_heads,qk_scale,window", [(4, 2, 1.0, None), (2, 2, 1.2, None), (3, 1, 1.0, 10)])
+def test_decode_attention_matches_float64(backend, heads, kv_heads, qk_scale, window):
+    """Rotary, QK-norm (times qk_scale), the new keys and values written at each row's position, each
+    row over its own entries (with a window, from position - window: rows 1 and 2 then start at 29
+    and 6): all as float64 does it; the cache's other entries untouched."""
+    q, k, v, cos, sin, cache, rows, positions = attention_case(heads, kv_heads)
+    expected, expected_cache = float64_attention(q, k, v, cos, sin, cache, rows, positions, qk_scale, window)
+    y = decode_attention(
+        q, k, v, cos, sin, cache, rows, positions, qk_scale=qk_scale, window=window, enable_gqa=heads != kv_heads,
+        backend=backend,
+    )  # fmt: skip
+    assert y.shape == (3, 1, heads * 16) and y.dtype == torch.float32
+    assert (y.double() - expected).abs().max() < 1e-5
+    assert (cache.double() - expected_cache).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("backend", ["cpp", "reference"])
-def test_decode_attention_from_each_rows_start(backend):
-    """A sliding window's rows: row b reads entries starts[b]..lengths[b]-1 only (row 0 from its
-    first, the others from 30 and 9), as float64 SDPA over exactly those entries; rows in the
-    block's gaps see nothing of it."""
-    q, keys, values, rows, lengths = attention_case()
-    starts = torch.tensor([0, 30, 9])
-    y = decode_attention(q, keys, values, rows, lengths, enable_gqa=True, starts=starts, backend=backend)
-    expected = torch.cat(
-        [
-            float64_attention(q[b : b + 1], keys[:, :, s:], values[:, :, s:], rows[b : b + 1], lengths[b : b + 1] - s)
-            for b, s in enumerate(starts.tolist())
-        ]
-    )
-    assert (y.double() - expected).abs().max() < 1e-6
-    whole = decode_attention(q, keys, values, rows, lengths, enable_gqa=True, backend=backend)
-    assert torch.equal(y[0], whole[0]) and not torch.allclose(y[1:], whole[1:])  # the starts count
+def test_decode_attention_window_counts():
+    q, k, v, cos, sin, cache, rows, positions = attention_case()
+    args = (q, k, v, cos, sin)
+    whole = decode_attention(*args, cache.clone(), rows, positions, enable_gqa=True, backend="cpp")
+    windowed = decode_attention(*args, cache.clone(), rows, positions, window=10, enable_gqa=True, backend="cpp")
+    assert torch.equal(whole[0], windowed[0]) and not torch.allclose(whole[1:], windowed[1:])
 
 
 def test_decode_attention_rows_do_not_depend_on_the_batch():
-    q, keys, values, rows, lengths = attention_case()
-    together = decode_attention(q, keys, values, rows, lengths, enable_gqa=True, backend="cpp")
+    q, k, v, cos, sin, cache, rows, positions = attention_case()
+    together = decode_attention(q, k, v, cos, sin, cache.clone(), rows, positions, enable_gqa=True, backend="cpp")
     for b in range(len(rows)):
+        one = slice(b, b + 1)
         alone = decode_attention(
-            q[b : b + 1], keys, values, rows[b : b + 1], lengths[b : b + 1], enable_gqa=True, backend="cpp"
-        )
+            q[one], k[one], v[one], cos[one], sin[one], cache.clone(), rows[one], positions[one], enable_gqa=True,
+            backend="cpp",
+        )  # fmt: skip
         assert torch.equal(together[b], alone[0]), b
 
 
 def test_decode_attention_refuses_bad_input():
-    q, keys, values, rows, lengths = attention_case()
-    with pytest.raises(RuntimeError, match=r"lengths\[1\] = 41 is outside \[1, 40\]"):
-        ops.decode_attention(q.squeeze(2), keys, values, rows, torch.tensor([1, 41, 2]), 0.25)
+    q, k, v, cos, sin, cache, rows, positions = attention_case()
+
+    def op(rows=rows, positions=positions, window=None):
+        ops.decode_attention(q, k, v, cos, sin, 1.0, cache, rows, positions, window, 0.25)
+
+    with pytest.raises(RuntimeError, match=r"positions\[1\] = 40 is outside \[0, 40\)"):
+        op(positions=torch.tensor([0, 40, 2]))
     with pytest.raises(RuntimeError, match=r"rows\[0\] = 4 is outside \[0, 4\)"):
-        ops.decode_attention(q.squeeze(2), keys, values, torch.tensor([4, 1, 2]), lengths, 0.25)
-    with pytest.raises(RuntimeError, match=r"starts\[2\] = 17 is outside \[0, lengths\[2\] = 17\)"):
-        ops.decode_attention(q.squeeze(2), keys, values, rows, lengths, 0.25, torch.tensor([0, 0, 17]))
+        op(rows=torch.tensor([4, 1, 2]))
+    with pytest.raises(RuntimeError, match=r"rows\[0\] and rows\[2\] are both 1"):
+        op(rows=torch.tensor([1, 0, 1]))
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        op(window=-1)
     with pytest.raises(ValueError, match="enable_gqa"):
-        decode_attention(q, keys, values, rows, lengths)
+        decode_attention(q, k, v, cos, sin, cache, rows, positions)
     with pytest.raises(ValueError, match="float32"):
-        decode_attention(q.bfloat16(), keys.bfloat16(), values.bfloat16(), rows, lengths, True, backend="cpp")
+        bf16 = (t.bfloat16() for t in (q, k, v))
+        decode_attention(*bf16, cos, sin, cache.bfloat16(), rows, positions, enable_gqa=True, backend="cpp")
 
 
 def test_decode_attention_op_passes_opcheck():
-    q, keys, values, rows, lengths = attention_case()
-    torch.library.opcheck(ops.decode_attention.default, (q.squeeze(2), keys, values, rows, lengths, 0.25))
-    starts = torch.tensor([0, 30, 9])
-    torch.library.opcheck(ops.decode_attention.default, (q.squeeze(2), keys, values, rows, lengths, 0.25, starts))
+    q, k, v, cos, sin, cache, rows, positions = attention_case()
+    for window in (None, 10):
+        args = (q, k, v, cos, sin, 1.2, cache, rows, positions, window, 0.25)
+        torch.library.opcheck(ops.decode_attention.default, args)
+
+
+# -- rms_norm ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 256), (3, 5, 64), (4096, 32), (7,)])
+def test_rms_norm_matches_float64_and_f_rms_norm(shape):
+    x = randn(*shape, seed=6) * 3
+    y = rms_norm(x, backend="cpp")
+    ref = x.double() / (x.double().pow(2).mean(-1, keepdim=True) + torch.finfo(torch.float32).eps).sqrt()
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert (y.double() - ref).abs().max() < 1e-6
+    torch.testing.assert_close(y, F.rms_norm(x, (x.size(-1),)))
+    assert torch.equal(rms_norm(x, backend="reference"), F.rms_norm(x, (x.size(-1),)))
+
+
+def test_rms_norm_rows_do_not_depend_on_the_batch_and_refuses_what_it_cannot_take():
+    x = randn(4096, 64, seed=7)  # enough rows for both threads
+    together = rms_norm(x, backend="cpp")
+    assert all(torch.equal(together[i], rms_norm(x[i : i + 1], backend="cpp")[0]) for i in (0, 2047, 4095))
+    w = x[:2].clone().requires_grad_()
+    with pytest.raises(ValueError, match="requiring grad"):
+        rms_norm(w, backend="cpp")
+    assert rms_norm(w).requires_grad  # auto: the reference backend, with autograd
+    with pytest.raises(ValueError, match="float32"):
+        rms_norm(x.bfloat16(), backend="cpp")
+    torch.library.opcheck(ops.rms_norm.default, (randn(3, 5, 8), 1e-6))
 
 
 # -- the engine's decode steps ----------------------------------------------------------------------

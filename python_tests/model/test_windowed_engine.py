@@ -98,9 +98,15 @@ def test_short_windows_decode_through_the_kernel_from_their_start(model, monkeyp
     from nanochat_fast.model import kv_cache
 
     calls, real = [], kv_cache.decode_attention
-    monkeypatch.setattr(kv_cache, "decode_attention", lambda *a, **kw: calls.append(kw["starts"]) or real(*a, **kw))
+
+    def record(q, k, v, cos, sin, cache, rows, positions, **kw):  # the layer's window, the row's position
+        calls.append((kw["window"], int(positions[0])))
+        return real(q, k, v, cos, sin, cache, rows, positions, **kw)
+
+    monkeypatch.setattr(kv_cache, "decode_attention", record)
     request = REQUESTS["long prompt"][0]  # its first decode step is already past the short window
     tokens = decode_alone(model, request)
-    starts = [s for s in calls if s is not None]
-    assert len(calls) == CONFIG.n_layer * (len(tokens) - 1) and len(starts) == len(tokens) - 1
-    assert [int(s) for s in starts] == [len(request.prompt) + i - SHORT for i in range(len(tokens) - 1)]
+    assert len(calls) == CONFIG.n_layer * (len(tokens) - 1)
+    assert [w for w, _ in calls] == model.window_sizes * (len(tokens) - 1)
+    starts = [p - w for w, p in calls if w == SHORT]  # where each short-window row's entries begin
+    assert starts == [len(request.prompt) + i - SHORT for i in range(len(tokens) - 1)]

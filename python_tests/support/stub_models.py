@@ -50,8 +50,9 @@ class StubModel(torch.nn.Module):
         if kv_cache is not None:
             pos = kv_cache.get_pos()  # an int, or (B,) positions in a batched decode step
             starts = [pos] * B if isinstance(pos, int) else pos.tolist()
-            dummy = torch.zeros(B, 1, T, 1)
-            kv_cache.insert_kv(0, dummy, dummy)
+            if isinstance(pos, int):  # a prefill moves the cache's position by writing its keys
+                dummy = torch.zeros(B, 1, T, 1)
+                kv_cache.insert_kv(0, dummy, dummy)
         logits = torch.zeros(B, T, self.config.vocab_size)
         for t in range(T):
             for b in range(B):
