@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "decode_step.h"
 #include "target_clones.h"
 
 namespace nanochat_fast {
@@ -96,6 +97,73 @@ at::Tensor rows_of(const at::Tensor& t, const char* name, int64_t B, int64_t hea
   return t.contiguous();
 }
 
+}  // namespace
+
+DecodeAttention check_decode_rows(const char* op, at::Tensor& cache, const at::Tensor& rows,
+                                  const at::Tensor& positions, std::optional<int64_t> window, int64_t B, int64_t Hkv,
+                                  int64_t D) {
+  TORCH_CHECK(cache.dim() == 5 && cache.scalar_type() == at::kFloat && cache.size(0) == 2 && cache.size(2) == Hkv &&
+                  cache.size(4) == D && cache.stride(4) == 1,
+              op, ": cache must be float32 [2, S, ", Hkv, ", L, ", D, "] with a contiguous last dim, got ",
+              cache.scalar_type(), " ", cache.sizes());
+  const int64_t S = cache.size(1), L = cache.size(3);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && rows.dim() == 1 &&
+                  positions.dim() == 1 && rows.size(0) == B && positions.size(0) == B && rows.is_contiguous() &&
+                  positions.is_contiguous(),
+              op, ": rows and positions must be contiguous int64 [B] with B = ", B);
+  TORCH_CHECK(!window.has_value() || *window >= 0, op, ": window must be >= 0, got ", *window);
+  const int64_t* row = rows.const_data_ptr<int64_t>();
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(0 <= row[b] && row[b] < S, op, ": rows[", b, "] = ", row[b], " is outside [0, ", S, ")");
+    TORCH_CHECK(0 <= pos[b] && pos[b] < L, op, ": positions[", b, "] = ", pos[b], " is outside [0, ", L, ")");
+    for (int64_t a = 0; a < b; ++a) TORCH_CHECK(row[a] != row[b], op, ": rows[", a, "] and rows[", b, "] are both ", row[b]);
+  }
+  DecodeAttention a{};
+  a.cache = cache.mutable_data_ptr<float>();
+  a.value_offset = cache.stride(0);
+  a.slot_stride = cache.stride(1), a.head_stride = cache.stride(2), a.pos_stride = cache.stride(3);
+  a.rows = row, a.positions = pos, a.window = window;
+  return a;
+}
+
+void decode_attention_rows(const DecodeAttention& a) {
+  const int64_t B = a.B, H = a.H, Hkv = a.Hkv, D = a.D, L_max = [&] {
+    int64_t m = 0;
+    for (int64_t b = 0; b < B; ++b) m = std::max(m, a.positions[b] + 1);
+    return m;
+  }();
+  const Strides st{a.slot_stride, a.head_stride, a.pos_stride};
+  float* kp = a.cache;
+  float* vp = a.cache + a.value_offset;
+  // The new tokens first: a few hundred floats a row, on this thread. The rotated queries go to
+  // `out` (each row's heads side by side), where the attention reads them head by head.
+  std::vector<float> rotated(B * H * D);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* c = a.cos + b * (D / 2);
+    const float* s = a.sin + b * (D / 2);
+    for (int64_t h = 0; h < H; ++h) rotate_and_norm(a.q + b * a.q_row + h * D, c, s, D, a.qk_scale, &rotated[(b * H + h) * D]);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t at_entry = a.rows[b] * st.slot + h * st.head + a.positions[b] * st.pos;
+      rotate_and_norm(a.k + b * a.k_row + h * D, c, s, D, a.qk_scale, kp + at_entry);
+      const float* value = a.v + b * a.v_row + h * D;
+      std::copy(value, value + D, vp + at_entry);
+    }
+  }
+  const int64_t group = H / Hkv;
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(L_max);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H, kvh = h / group, pos = a.positions[b];
+      const int64_t start = a.window.has_value() ? std::max<int64_t>(0, pos - *a.window) : 0;
+      const int64_t first = a.rows[b] * st.slot + kvh * st.head + start * st.pos;
+      attend_one(&rotated[i * D], kp + first, vp + first, st, st, pos + 1 - start, D, a.scale, scores.data(), a.out + i * D);
+    }
+  });
+}
+
+namespace {
+
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                                 const at::Tensor& sin, double qk_scale, at::Tensor& cache, const at::Tensor& rows,
                                 const at::Tensor& positions, std::optional<int64_t> window, double scale) {
@@ -106,59 +174,17 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const 
   const int64_t Hkv = kc.size(2);
   const at::Tensor vc = rows_of(v, "v", B, Hkv, D);
   const at::Tensor cc = rows_of(cos, "cos", B, 1, D / 2), sc = rows_of(sin, "sin", B, 1, D / 2);
-  TORCH_CHECK(cache.dim() == 5 && cache.scalar_type() == at::kFloat && cache.size(0) == 2 && cache.size(2) == Hkv &&
-                  cache.size(4) == D && cache.stride(4) == 1,
-              "decode_attention: cache must be float32 [2, S, ", Hkv, ", L, ", D, "] with a contiguous last dim, got ",
-              cache.scalar_type(), " ", cache.sizes());
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decode_attention: ", Hkv, " key heads must divide ", H, " query heads");
-  const int64_t S = cache.size(1), L = cache.size(3);
-  TORCH_CHECK(rows.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && rows.dim() == 1 &&
-                  positions.dim() == 1 && rows.size(0) == B && positions.size(0) == B,
-              "decode_attention: rows and positions must be int64 [B] with B = ", B);
-  TORCH_CHECK(!window.has_value() || *window >= 0, "decode_attention: window must be >= 0, got ", *window);
   const at::Tensor rc = rows.contiguous(), pc = positions.contiguous();
-  const int64_t* row = rc.const_data_ptr<int64_t>();
-  const int64_t* pos = pc.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(0 <= row[b] && row[b] < S, "decode_attention: rows[", b, "] = ", row[b], " is outside [0, ", S, ")");
-    TORCH_CHECK(0 <= pos[b] && pos[b] < L, "decode_attention: positions[", b, "] = ", pos[b], " is outside [0, ", L,
-                ")");
-    for (int64_t a = 0; a < b; ++a)
-      TORCH_CHECK(row[a] != row[b], "decode_attention: rows[", a, "] and rows[", b, "] are both ", row[b]);
-  }
-  const Strides ks{cache.stride(1), cache.stride(2), cache.stride(3)};
-  const Strides& vs = ks;  // keys and values are the two halves of one tensor
-  float* kp = cache.mutable_data_ptr<float>();
-  float* vp = kp + cache.stride(0);
+  DecodeAttention a = check_decode_rows("decode_attention", cache, rc, pc, window, B, Hkv, D);
   at::Tensor out = at::empty({B, 1, H * D}, q.options());
-  float* op = out.mutable_data_ptr<float>();
-  // The new tokens first: a few hundred floats a row, on this thread.
-  at::Tensor rotated = at::empty({B, H, D}, q.options());
-  float* qr = rotated.mutable_data_ptr<float>();
-  const float qk = static_cast<float>(qk_scale);
-  for (int64_t b = 0; b < B; ++b) {
-    const float* c = cc.const_data_ptr<float>() + b * (D / 2);
-    const float* s = sc.const_data_ptr<float>() + b * (D / 2);
-    for (int64_t h = 0; h < H; ++h)
-      rotate_and_norm(qc.const_data_ptr<float>() + (b * H + h) * D, c, s, D, qk, qr + (b * H + h) * D);
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t at_entry = row[b] * ks.slot + h * ks.head + pos[b] * ks.pos;
-      rotate_and_norm(kc.const_data_ptr<float>() + (b * Hkv + h) * D, c, s, D, qk, kp + at_entry);
-      const float* value = vc.const_data_ptr<float>() + (b * Hkv + h) * D;
-      std::copy(value, value + D, vp + at_entry);
-    }
-  }
-  const int64_t group = H / Hkv;
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(L);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / H, h = i % H, kvh = h / group;
-      const int64_t start = window.has_value() ? std::max<int64_t>(0, pos[b] - *window) : 0;
-      const int64_t first = row[b] * ks.slot + kvh * ks.head + start * ks.pos;
-      attend_one(qr + i * D, kp + first, vp + first, ks, vs, pos[b] + 1 - start, D, static_cast<float>(scale),
-                 scores.data(), op + i * D);
-    }
-  });
+  a.B = B, a.H = H, a.Hkv = Hkv, a.D = D;
+  a.q = qc.const_data_ptr<float>(), a.k = kc.const_data_ptr<float>(), a.v = vc.const_data_ptr<float>();
+  a.q_row = H * D, a.k_row = Hkv * D, a.v_row = Hkv * D;
+  a.cos = cc.const_data_ptr<float>(), a.sin = sc.const_data_ptr<float>();
+  a.qk_scale = static_cast<float>(qk_scale), a.scale = static_cast<float>(scale);
+  a.out = out.mutable_data_ptr<float>();
+  decode_attention_rows(a);
   return out;
 }
 

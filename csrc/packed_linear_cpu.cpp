@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "decode_step.h"
 #include "target_clones.h"
 
 namespace nanochat_fast {
@@ -185,17 +186,19 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int6
   out_shape.back() = N;
   at::Tensor out = at::empty(out_shape, x.options());
   if (M == 0 || N == 0) return out;
-  const float* xp = xc.const_data_ptr<float>();
-  const float* wp = packed.const_data_ptr<float>();
-  float* op = out.mutable_data_ptr<float>();
-  // Panels split across threads: each output's sum is computed by one thread, in the same order.
-  // A work item of >= ~64K multiply-adds is worth a thread.
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K * kPanel));
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) { panels(xp, M, K, wp, N, op, p0, p1); });
+  packed_linear_rows(xc.const_data_ptr<float>(), M, K, packed.const_data_ptr<float>(), N, out.mutable_data_ptr<float>());
   return out;
 }
 
 }  // namespace
+
+void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* packed, int64_t N, float* out) {
+  // Panels split across threads: each output's sum is computed by one thread, in the same order.
+  // A work item of >= ~64K multiply-adds is worth a thread.
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K * kPanel));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) { panels(x, M, K, packed, N, out, p0, p1); });
+}
 
 TORCH_LIBRARY_IMPL(nanochat_fast, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight_cpu);

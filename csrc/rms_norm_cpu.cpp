@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "decode_step.h"
 #include "target_clones.h"
 
 namespace nanochat_fast {
@@ -40,16 +41,16 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, double eps) {
   at::Tensor y = at::empty_like(xc);
   const int64_t C = x.size(-1), rows = C == 0 ? 0 : xc.numel() / C;
   if (rows == 0) return y;
-  const float* xp = xc.const_data_ptr<float>();
-  float* yp = y.mutable_data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / C);  // ~32K floats a thread at least
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    norm_rows(xp + r0 * C, yp + r0 * C, r1 - r0, C, static_cast<float>(eps));
-  });
+  rms_norm_rows(xc.const_data_ptr<float>(), y.mutable_data_ptr<float>(), rows, C, static_cast<float>(eps));
   return y;
 }
 
 }  // namespace
+
+void rms_norm_rows(const float* x, float* y, int64_t rows, int64_t C, float eps) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / C);  // ~32K floats a thread at least
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) { norm_rows(x + r0 * C, y + r0 * C, r1 - r0, C, eps); });
+}
 
 TORCH_LIBRARY_IMPL(nanochat_fast, CPU, m) { m.impl("rms_norm", &rms_norm_cpu); }
 

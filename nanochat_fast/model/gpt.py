@@ -173,12 +173,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    decodes_as_one_op = True  # a decode step's block through its packs in one call (packed_linears.py)
+
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
 
     def forward(self, x, cos_sin, kv_cache):
+        if isinstance(kv_cache, SlotBatch) and (packs := packed_linears.current(self)) is not None:
+            return kv_cache.block(self.attn.layer_idx, x, packs, cos_sin, self.attn.n_head)
         x = x + self.attn(norm(x), cos_sin, kv_cache)
         x = x + self.mlp(norm(x))
         return x

@@ -16,6 +16,7 @@ ends. Two views write into it:
 import torch
 
 from ..kernels.decode_attention import decode_attention
+from ..kernels.decode_block import decode_block
 
 
 class SlotCache:
@@ -157,14 +158,30 @@ class SlotBatch:
     def logit_positions(self, x: torch.Tensor) -> torch.Tensor:
         return x  # one position per row
 
+    def block(self, layer_idx, x, packs, cos_sin, n_head: int):
+        """A whole block of the seeds' GPT for the step's rows, x (B, 1, C) -> (B, 1, C), through its
+        packs (qkv, attention proj, MLP fc and proj): kernels/decode_block.py."""
+        cache = self._layer_block(layer_idx)
+        return decode_block(x, *packs, *cos_sin, cache, self.rows_in_block, self.positions, n_head)
+
     def attention(self, layer_idx, q, k, v, cos_sin, enable_gqa: bool, qk_scale: float = 1.0, window=None):
         """The step's attention from the projections q (B, 1, H, D), k, v (B, 1, H_kv, D): rotary
         (cos_sin, the rows' angles) and QK-norm times qk_scale, each row's key and value stored at its
         position in its slot, each row's query over its own entries (with a window, the `window`
         before its position and its own) -> (B, 1, H * D). kernels/decode_attention.py."""
-        if self._block is None:  # the block of every layer, made once a step (at its first layer)
-            self._block = self.cache.storage(k.transpose(1, 2))[:, :, self.lo : self.hi, :, : self.length]
+        cache = self._layer_block(layer_idx, k.transpose(1, 2))
         return decode_attention(
-            q, k, v, *cos_sin, self._block[layer_idx], self.rows_in_block, self.positions,
+            q, k, v, *cos_sin, cache, self.rows_in_block, self.positions,
             qk_scale=qk_scale, window=window, enable_gqa=enable_gqa,
         )  # fmt: skip
+
+    def _layer_block(self, layer_idx, k=None):
+        """Layer layer_idx's keys and values of the block, [2, slots lo..hi, H_kv, length, D], a view
+        of the cache; the block of every layer is made once a step, at its first layer. k (B, H_kv, 1,
+        D): allocate the storage from it if no prefill did."""
+        if self._block is None:
+            kv = self.cache.kv if k is None else self.cache.storage(k)
+            if kv is None:
+                raise ValueError("a decode step's rows need their prompts run first (the cache holds no keys yet)")
+            self._block = kv[:, :, self.lo : self.hi, :, : self.length]
+        return self._block[layer_idx]

@@ -28,9 +28,10 @@ _active: contextvars.ContextVar = contextvars.ContextVar("packed_linears", defau
 _by_model: "weakref.WeakKeyDictionary[nn.Module, PackedLinears]" = weakref.WeakKeyDictionary()
 
 
-def current(module: nn.Module) -> PackedLinear | None:
+def current(module: nn.Module):
     """The packed weight of `module` in the decode step running in this thread, or None; for an
-    attention module, its c_q, c_k and c_v stacked (one product gives q, k and v side by side)."""
+    attention module, its c_q, c_k and c_v stacked (one product gives q, k and v side by side); for a
+    block that decodes as one op, its four packs (kernels/decode_block.py)."""
     packs = _active.get()
     return None if packs is None else packs.get(module)
 
@@ -48,6 +49,8 @@ class PackedLinears:
 
     def __init__(self, model: nn.Module):
         self.qkv = {m: parts for m in model.modules() if (parts := _qkv(m)) is not None}
+        # blocks that decode as one op (gpt.Block): their packs (qkv, attention proj, MLP fc and proj)
+        self.blocks = [m for m in model.modules() if getattr(m, "decodes_as_one_op", False) and m.attn in self.qkv]
         fused = {p for parts in self.qkv.values() for p in parts}
         linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.bias is None and m not in fused]
         # what is packed: a module's own weight, or an attention module's three stacked
@@ -71,6 +74,9 @@ class PackedLinears:
             if self._packed_at.get(module) != key:
                 w = parts[0].weight if len(parts) == 1 else torch.cat([p.weight for p in parts])
                 self.packs[module], self._packed_at[module] = pack_linear(w), key
+        for block in self.blocks:
+            parts = (block.attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
+            self.packs[block] = tuple(self.packs[m] for m in parts)
         self._seen = seen
         return self.packs
 
@@ -80,7 +86,7 @@ def nbytes(model: nn.Module) -> int:
     packs = _by_model.get(model)
     if packs is None:
         return 0
-    return sum(p.packed.nbytes for p in packs.packs.values() if p.packed is not None)
+    return sum(p.packed.nbytes for p in packs.packs.values() if isinstance(p, PackedLinear) and p.packed is not None)
 
 
 @contextlib.contextmanager

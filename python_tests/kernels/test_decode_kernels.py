@@ -12,6 +12,7 @@ from tiny_gpt import random_model
 from nanochat_fast import optim
 from nanochat_fast.kernels import registry
 from nanochat_fast.kernels.decode_attention import decode_attention
+from nanochat_fast.kernels.decode_block import decode_block
 from nanochat_fast.kernels.packed_linear import pack_linear
 from nanochat_fast.kernels.rms_norm import rms_norm
 from nanochat_fast.model import packed_linears
@@ -177,6 +178,67 @@ def test_decode_attention_op_passes_opcheck():
         torch.library.opcheck(ops.decode_attention.default, args)
 
 
+# -- decode_block -----------------------------------------------------------------------------------
+
+
+def block_case(heads=4, kv_heads=2, d=16, hidden=96, seed=10):
+    """decode_attention's case (rows in slots 0, 1, 3 at positions 0, 39, 16) with a residual stream
+    of C = heads * d and a block's four weights, packed (qkv stacked)."""
+    _, _, _, cos, sin, cache, rows, positions = attention_case(heads, kv_heads, seed=seed)
+    C = heads * d
+    x = randn(3, 1, C, seed=seed + 5)
+    shapes = [((heads + 2 * kv_heads) * d, C), (C, heads * d), (hidden, C), (C, hidden)]
+    weights = [randn(*shape, seed=seed + 6 + i) / shape[1] ** 0.5 for i, shape in enumerate(shapes)]
+    return x, weights, cos, sin, cache, rows, positions
+
+
+@pytest.mark.parametrize("heads,kv_heads,qk_scale,window", [(4, 2, 1.0, None), (2, 2, 1.2, 10)])
+def test_decode_block_is_its_ops_one_after_another(heads, kv_heads, qk_scale, window):
+    """The C++ block chains the same kernels as the ops: bitwise their result one after another
+    (the reference backend, each op on its cpp backend), the cache written the same; and within
+    float32 rounding of the same block computed from float64 ops."""
+    x, weights, cos, sin, cache, rows, positions = block_case(heads, kv_heads)
+    packed = [pack_linear(w, backend="cpp") for w in weights]
+    fused_cache, ops_cache, f64_cache = cache.clone(), cache.clone(), cache.double()
+    kw = dict(qk_scale=qk_scale, window=window)
+    fused = decode_block(x, *packed, cos, sin, fused_cache, rows, positions, heads, **kw, backend="cpp")
+    ops_one_by_one = decode_block(x, *packed, cos, sin, ops_cache, rows, positions, heads, **kw, backend="reference")
+    assert fused.shape == x.shape and torch.equal(fused, ops_one_by_one) and torch.equal(fused_cache, ops_cache)
+    f64 = decode_block(  # float64: every op's auto choice is its reference backend
+        x.double(), *[pack_linear(w.double()) for w in weights], cos.double(), sin.double(), f64_cache,
+        rows, positions, heads, qk_scale=qk_scale, window=window,
+    )  # fmt: skip
+    assert (fused.double() - f64).abs().max() < 1e-5 and (fused_cache.double() - f64_cache).abs().max() < 1e-5
+
+
+def test_decode_block_rows_do_not_depend_on_the_batch_and_refuses_bad_input():
+    x, weights, cos, sin, cache, rows, positions = block_case()
+    packed = [pack_linear(w, backend="cpp") for w in weights]
+    together = decode_block(x, *packed, cos, sin, cache.clone(), rows, positions, 4)
+    for b in range(3):
+        one = slice(b, b + 1)
+        alone = decode_block(x[one], *packed, cos[one], sin[one], cache.clone(), rows[one], positions[one], 4)
+        assert torch.equal(together[b], alone[0]), b
+    raw = [p.packed for p in packed]
+    with pytest.raises(RuntimeError, match=r"qkv must be pack_linear_weight's"):
+        ops.decode_block(x, raw[1], *raw[1:], cos, sin, cache, rows, positions, 4, None, 1.0, 0.25)
+    with pytest.raises(RuntimeError, match=r"decode_block: positions\[1\] = 40 is outside"):
+        ops.decode_block(x, *raw, cos, sin, cache, rows, torch.tensor([0, 40, 2]), 4, None, 1.0, 0.25)
+    with pytest.raises(ValueError, match="packed float32 weights"):
+        decode_block(
+            x,
+            *[pack_linear(w, backend="reference") for w in weights],
+            cos,
+            sin,
+            cache,
+            rows,
+            positions,
+            4,
+            backend="cpp",
+        )
+    torch.library.opcheck(ops.decode_block.default, (x, *raw, cos, sin, cache, rows, positions, 4, 10, 1.2, 0.25))
+
+
 # -- rms_norm ---------------------------------------------------------------------------------------
 
 
@@ -292,3 +354,37 @@ def test_a_rows_decode_logits_do_not_depend_on_the_rows_beside_it(model):
         together = step([0, 2, 5])
         for i, slot in enumerate([0, 2, 5]):
             assert torch.equal(together[i], step([slot])[0]), slot
+
+
+def test_a_decode_step_through_whole_blocks_is_bitwise_the_step_op_by_op(model, monkeypatch):
+    """The seeds' GPT decodes each block as one op (decode_block): the tokens and every step's logits
+    are bitwise those of the same engine with the block's ops one after another, and the block op
+    is what ran."""
+    prompt = tok.encode("hello there", prepend="<|bos|>")
+
+    def run(kernels):
+        monkeypatch.setenv(registry.ENV_VAR, kernels)
+        calls = []
+        monkeypatch.setattr(torch.ops.nanochat_fast, "decode_block", counting(ops.decode_block, calls))
+        engine = BatchEngine(model, tok, slots=2)
+        [row] = engine.add(Request(prompt, 6, use_tools=False))
+        logits = []
+        hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+        try:
+            while engine.active:
+                engine.step()
+        finally:
+            hook.remove()
+        return row.tokens, logits, len(calls)
+
+    fused, one_by_one = run("auto"), run("decode_block=reference")
+    assert fused[2] == 5 * CONFIG.n_layer and one_by_one[2] == 0  # 5 decode steps after the prefill
+    assert fused[0] == one_by_one[0] and all(torch.equal(a, b) for a, b in zip(fused[1], one_by_one[1]))
+
+
+def counting(op, calls):
+    def run(*args):
+        calls.append(1)
+        return op(*args)
+
+    return run

@@ -1,0 +1,88 @@
+// decode_block on CPU: one block of the seeds' GPT (model/gpt.py's Block) for a decode step's rows,
+// one new token each, from the residual stream x [B, 1, C] to the next:
+//
+//   h = rms_norm(x);  q, k, v = h @ Wqkv^T;  x = x + decode_attention(q, k, v, ...) @ Wo^T
+//   h = rms_norm(x);  x = x + relu(h @ Wfc^T)^2 @ Wproj^T
+//
+// with the same kernels as the ops rms_norm, packed_linear and decode_attention (decode_step.h),
+// chained on raw rows: bitwise what those ops give one after another. Why: at one row a block is a
+// few hundred floats per op, and the ops one after another cost ~15 dispatches a layer from Python
+// (module calls, wrappers, tensors made and viewed), more than the block's arithmetic outside its
+// weights' read. The figures: docs/measurements.md#a-one-row-decode-step-dispatch-not-bytes.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "decode_step.h"
+
+namespace nanochat_fast {
+namespace {
+
+constexpr int64_t kPanel = 32;  // packed_linear_cpu.cpp's panel width
+
+// A packed weight [ceil(N / 32), K, 32] for in_features K and out_features N.
+void check_packed(const at::Tensor& packed, const char* name, int64_t K, int64_t N) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.size(0) == (N + kPanel - 1) / kPanel && packed.size(1) == K && packed.size(2) == kPanel,
+              "decode_block: ", name, " must be pack_linear_weight's float32 [", (N + kPanel - 1) / kPanel, ", ", K,
+              ", ", kPanel, "], got ", packed.scalar_type(), " ", packed.sizes());
+}
+
+at::Tensor decode_block_cpu(const at::Tensor& x, const at::Tensor& qkv, const at::Tensor& proj, const at::Tensor& fc,
+                            const at::Tensor& mlp_proj, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& cache,
+                            const at::Tensor& rows, const at::Tensor& positions, int64_t n_head,
+                            std::optional<int64_t> window, double qk_scale, double scale) {
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat,
+              "decode_block: x must be float32 [B, 1, C], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(cache.dim() == 5, "decode_block: cache must be [2, S, Hkv, L, D], got ", cache.sizes());
+  const int64_t B = x.size(0), C = x.size(2), H = n_head, Hkv = cache.size(2), D = cache.size(4);
+  TORCH_CHECK(mlp_proj.dim() == 3, "decode_block: mlp_proj must be a packed weight [P, K, 32], got ", mlp_proj.sizes());
+  const int64_t F = mlp_proj.size(1);  // the MLP's hidden width
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && D % 2 == 0, "decode_block: ", Hkv, " key heads must divide n_head ",
+              H, ", and the head dimension ", D, " be even");
+  const int64_t Nqkv = (H + 2 * Hkv) * D;
+  check_packed(qkv, "qkv", C, Nqkv);
+  check_packed(proj, "proj", H * D, C);
+  check_packed(fc, "fc", C, F);
+  check_packed(mlp_proj, "mlp_proj", F, C);
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == B * D / 2 && t->size(0) == B,
+                "decode_block: cos and sin must be float32 [", B, ", 1, 1, ", D / 2, "], got ", t->sizes());
+  const at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  const at::Tensor rc = rows.contiguous(), pc = positions.contiguous();
+  DecodeAttention a = check_decode_rows("decode_block", cache, rc, pc, window, B, Hkv, D);
+  at::Tensor out = xc.clone();
+  float* xo = out.mutable_data_ptr<float>();
+  const float eps = std::numeric_limits<float>::epsilon();  // F.rms_norm's default
+  std::vector<float> h(B * C), q(B * Nqkv), y(B * H * D), f(B * F), delta(B * C);
+
+  rms_norm_rows(xo, h.data(), B, C, eps);
+  packed_linear_rows(h.data(), B, C, qkv.const_data_ptr<float>(), Nqkv, q.data());
+  a.B = B, a.H = H, a.Hkv = Hkv, a.D = D;
+  a.q = q.data(), a.k = q.data() + H * D, a.v = q.data() + (H + Hkv) * D;
+  a.q_row = a.k_row = a.v_row = Nqkv;
+  a.cos = cc.const_data_ptr<float>(), a.sin = sc.const_data_ptr<float>();
+  a.qk_scale = static_cast<float>(qk_scale), a.scale = static_cast<float>(scale);
+  a.out = y.data();
+  decode_attention_rows(a);
+  packed_linear_rows(y.data(), B, H * D, proj.const_data_ptr<float>(), C, delta.data());
+  for (int64_t i = 0; i < B * C; ++i) xo[i] = xo[i] + delta[i];
+
+  rms_norm_rows(xo, h.data(), B, C, eps);
+  packed_linear_rows(h.data(), B, C, fc.const_data_ptr<float>(), F, f.data());
+  for (float& v : f) v = v > 0.0f ? v * v : 0.0f;  // relu, then square (both exact, as F.relu(..).square())
+  packed_linear_rows(f.data(), B, F, mlp_proj.const_data_ptr<float>(), C, delta.data());
+  for (int64_t i = 0; i < B * C; ++i) xo[i] = xo[i] + delta[i];
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nanochat_fast, CPU, m) { m.impl("decode_block", &decode_block_cpu); }
+
+}  // namespace nanochat_fast
