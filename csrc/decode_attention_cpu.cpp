@@ -137,7 +137,7 @@ void decode_attention_rows(const DecodeAttention& a) {
   float* kp = a.cache;
   float* vp = a.cache + a.value_offset;
   // The new tokens first: a few hundred floats a row, on this thread. The rotated queries go to
-  // `out` (each row's heads side by side), where the attention reads them head by head.
+  // `rotated` (each row's heads side by side), where the attention reads them head by head.
   std::vector<float> rotated(B * H * D);
   for (int64_t b = 0; b < B; ++b) {
     const float* c = a.cos + b * (D / 2);

@@ -23,16 +23,6 @@
 namespace nanochat_fast {
 namespace {
 
-constexpr int64_t kPanel = 32;  // packed_linear_cpu.cpp's panel width
-
-// A packed weight [ceil(N / 32), K, 32] for in_features K and out_features N.
-void check_packed(const at::Tensor& packed, const char* name, int64_t K, int64_t N) {
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
-                  packed.size(0) == (N + kPanel - 1) / kPanel && packed.size(1) == K && packed.size(2) == kPanel,
-              "decode_block: ", name, " must be pack_linear_weight's float32 [", (N + kPanel - 1) / kPanel, ", ", K,
-              ", ", kPanel, "], got ", packed.scalar_type(), " ", packed.sizes());
-}
-
 at::Tensor decode_block_cpu(const at::Tensor& x, const at::Tensor& qkv, const at::Tensor& proj, const at::Tensor& fc,
                             const at::Tensor& mlp_proj, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& cache,
                             const at::Tensor& rows, const at::Tensor& positions, int64_t n_head,
@@ -46,10 +36,10 @@ at::Tensor decode_block_cpu(const at::Tensor& x, const at::Tensor& qkv, const at
   TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && D % 2 == 0, "decode_block: ", Hkv, " key heads must divide n_head ",
               H, ", and the head dimension ", D, " be even");
   const int64_t Nqkv = (H + 2 * Hkv) * D;
-  check_packed(qkv, "qkv", C, Nqkv);
-  check_packed(proj, "proj", H * D, C);
-  check_packed(fc, "fc", C, F);
-  check_packed(mlp_proj, "mlp_proj", F, C);
+  check_packed("decode_block", "qkv", qkv, C, Nqkv);
+  check_packed("decode_block", "proj", proj, H * D, C);
+  check_packed("decode_block", "fc", fc, C, F);
+  check_packed("decode_block", "mlp_proj", mlp_proj, F, C);
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == B * D / 2 && t->size(0) == B,
                 "decode_block: cos and sin must be float32 [", B, ", 1, 1, ", D / 2, "], got ", t->sizes());

@@ -10,7 +10,10 @@
 namespace nanochat_fast {
 
 // packed_linear_cpu.cpp: out[M, N] = x[M, K] @ weight^T, weight packed by pack_linear_weight into
-// [ceil(N / 32), K, 32] panels; threads over panels.
+// [ceil(N / kPanel), K, kPanel] panels; threads over panels. check_packed: TORCH_CHECK that `packed`
+// is such a weight for in_features K and out_features N (the message names `op` and `name`).
+constexpr int64_t kPanel = 32;  // output columns per panel
+void check_packed(const char* op, const char* name, const at::Tensor& packed, int64_t K, int64_t N);
 void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* packed, int64_t N, float* out);
 
 // rms_norm_cpu.cpp: y = x / sqrt(mean(x^2) + eps) for `rows` rows of C floats; threads over rows.

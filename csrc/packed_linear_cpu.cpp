@@ -37,7 +37,6 @@
 namespace nanochat_fast {
 namespace {
 
-constexpr int64_t kPanel = 32;  // output columns per panel
 constexpr int64_t kBlock = 64;  // k per partial sum
 
 // A vector of W floats, W the target's register width.
@@ -176,11 +175,8 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor& weight) {
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat,
               "packed_linear: x must be float32 [..., in_features], got ", x.scalar_type(), " of ", x.dim(), " dims");
-  const int64_t K = x.size(-1), M = K == 0 ? 0 : x.numel() / K, N = out_features, P = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.size(0) == P &&
-                  packed.size(1) == K && packed.size(2) == kPanel && packed.is_contiguous(),
-              "packed_linear: packed must be pack_linear_weight's [", P, ", ", K, ", ", kPanel,
-              "] float32 for in_features ", K, " and out_features ", N, ", got ", packed.sizes());
+  const int64_t K = x.size(-1), M = K == 0 ? 0 : x.numel() / K, N = out_features;
+  check_packed("packed_linear", "packed", packed, K, N);
   const at::Tensor xc = x.contiguous();
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
@@ -191,6 +187,14 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int6
 }
 
 }  // namespace
+
+void check_packed(const char* op, const char* name, const at::Tensor& packed, int64_t K, int64_t N) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.size(0) == P &&
+                  packed.size(1) == K && packed.size(2) == kPanel && packed.is_contiguous(),
+              op, ": ", name, " must be pack_linear_weight's [", P, ", ", K, ", ", kPanel, "] float32 for in_features ",
+              K, " and out_features ", N, ", got ", packed.scalar_type(), " ", packed.sizes());
+}
 
 void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* packed, int64_t N, float* out) {
   // Panels split across threads: each output's sum is computed by one thread, in the same order.

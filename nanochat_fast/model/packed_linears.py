@@ -45,7 +45,7 @@ def _qkv(module: nn.Module) -> tuple[nn.Module, ...] | None:
 class PackedLinears:
     """Packed copies of a model's nn.Linear weights, kept up to date with the weights. An attention
     module's c_q, c_k and c_v are packed as one weight, their rows stacked: one product for the three
-    (packed_qkv), where three cost three calls' dispatch on a decode step's few rows."""
+    (gpt.project_qkv), where three cost three calls' dispatch on a decode step's few rows."""
 
     def __init__(self, model: nn.Module):
         self.qkv = {m: parts for m in model.modules() if (parts := _qkv(m)) is not None}
