@@ -1,7 +1,8 @@
-"""The decode step's kernels, packed_linear, decode_attention and rms_norm: each against float64 PyTorch, the
-batch invariance they promise (a row's result bitwise the same alone as in any batch), the op
-contracts (opcheck, bad arguments), and the engine running its decode steps through them: packs
-follow weight updates, and a model's decode logits for a row do not depend on the rows beside it."""
+"""The decode step's kernels, packed_linear, decode_attention, rms_norm and decode_block: each against
+float64 PyTorch, the batch invariance they promise (a row's result bitwise the same alone as in any
+batch), the op contracts (opcheck, bad arguments), and the engine running its decode steps through
+them: packs follow weight updates, and a model's decode logits for a row do not depend on the rows
+beside it."""
 
 import pytest
 import torch
