@@ -20,8 +20,10 @@
 // exp(score - max). The figures: benchmarks/bench_decode_step.py.
 //
 // Batch invariance: a row reads nothing of the other rows and sums in a fixed order (its entries in
-// order; within a dot product, `omp simd`'s fixed lane split of the head dimension), so its result is
-// bitwise the same whoever shares the step. Math is fp32.
+// order; within a dot product, the vector lanes over the head dimension, then the lanes added in a
+// fixed order), so its result is bitwise the same whoever shares the step. Math is fp32. Like
+// packed_linear, the kernel is one template with a copy per target (vectors of its width, picked
+// at load time: float_vectors.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -29,13 +31,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "decode_step.h"
-#include "target_clones.h"
+#include "float_vectors.h"
 
 namespace nanochat_fast {
 namespace {
@@ -44,35 +47,140 @@ struct Strides {  // element strides of keys / values [S, Hkv, L, D] (D contiguo
   int64_t slot, head, pos;
 };
 
-// One (row, head): scores into `scores` (lengths entries), the output head into out[0:D].
-NANOCHAT_FAST_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
-void attend_one(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                Strides ks, Strides vs, int64_t length, int64_t D, float scale, float* __restrict__ scores,
-                float* __restrict__ out) {
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < length; ++l) {
-    const float* kl = k + l * ks.pos;
-    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < D; ++d) dot += q[d] * kl[d];
-    scores[l] = dot * scale;
-    top = std::max(top, scores[l]);
-  }
-  float total = 0.0f;
-  for (int64_t l = 0; l < length; ++l) {
-    scores[l] = std::exp(scores[l] - top);
-    total += scores[l];
-  }
-  for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
-  for (int64_t l = 0; l < length; ++l) {
-    const float* vl = v + l * vs.pos;
-    const float p = scores[l];
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] += p * vl[d];
-  }
-  const float inv = 1.0f / total;
-  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+// exp(x) for x <= 0 (a softmax's shifted scores), W lanes at once: x = n ln2 + r with |r| <= ln2/2,
+// exp(r) by Cephes expf's polynomial (~1 ulp), times 2^n made in the exponent bits. Below -87
+// (exp < 2^-125, a weight no float sum of ones would notice) it gives 0.
+template <int W>
+NANOCHAT_FAST_INLINE typename VecOf<W>::type exp_nonpositive(typename VecOf<W>::type x) {
+  typedef typename VecOf<W>::type Vec;
+  typedef int32_t Ints __attribute__((vector_size(W * sizeof(int32_t))));
+  const Ints underflow = x < -87.0f;
+  const Vec c = underflow ? Vec{} - 87.0f : x;
+  const Ints n = __builtin_convertvector(c * 1.44269504088896341f - 0.5f, Ints);  // round(c / ln2), c <= 0
+  const Vec nf = __builtin_convertvector(n, Vec);
+  const Vec r = c - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln2 in two parts: r exact to ~1 ulp
+  Vec p = Vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const Ints bits = (n + 127) << 23;
+  Vec two_to_n;
+  std::memcpy(&two_to_n, &bits, sizeof two_to_n);
+  return underflow ? Vec{} : p * two_to_n;
 }
+
+// q . key for one key of D floats: W lanes of partial sums over D's full vectors, the lanes added,
+// then the last D % W products. Every key's score is summed in this order.
+template <int W>
+NANOCHAT_FAST_INLINE float dot(const float* q, const float* key, int64_t D) {
+  typename VecOf<W>::type acc{};
+  int64_t d = 0;
+  for (; d + W <= D; d += W) acc += load<W>(q + d) * load<W>(key + d);
+  float sum = lane_sum<W>(acc);
+  for (; d < D; ++d) sum += q[d] * key[d];
+  return sum;
+}
+
+// out[d0 : d0 + CV * W] = sum over l of p[l] * values[l, d0 : ...], times inv: CV vectors of
+// accumulators in registers while the values stream past, each output summed over l in order.
+template <int W, int CV>
+NANOCHAT_FAST_INLINE void weigh_values(const float* p, const float* v, int64_t pos_stride, int64_t length, int64_t d0,
+                                       float inv, float* out) {
+  typename VecOf<W>::type acc[CV] = {};
+  for (int64_t l = 0; l < length; ++l) {
+    const float* vl = v + l * pos_stride + d0;
+    for (int i = 0; i < CV; ++i) acc[i] += p[l] * load<W>(vl + i * W);
+  }
+  for (int i = 0; i < CV; ++i) store<W>(out + d0 + i * W, acc[i] * inv);
+}
+
+// One (row, head): the scores of its `length` keys (into `scores`, room for length + W), softmax,
+// the output head into out[0:D]. Vectors of W floats: the scores four keys at a time (four
+// independent chains of multiply-adds, one load of q for four keys), the exponentials W at a time,
+// the values' weighted sum with the output in registers. Why: one key at a time, with std::exp and
+// the output read and written back for every key, a key cost ~60 cycles a head from cache
+// (docs/measurements.md#packed-decode-linears).
+template <int W>
+NANOCHAT_FAST_INLINE void attend(const float* __restrict__ q, const float* __restrict__ k,
+                                 const float* __restrict__ v, Strides st, int64_t length, int64_t D, float scale,
+                                 float* __restrict__ scores, float* __restrict__ out) {
+  typedef typename VecOf<W>::type Vec;
+  int64_t l = 0;
+  for (; l + 4 <= length; l += 4) {
+    const float *k0 = k + l * st.pos, *k1 = k0 + st.pos, *k2 = k1 + st.pos, *k3 = k2 + st.pos;
+    Vec a0{}, a1{}, a2{}, a3{};
+    int64_t d = 0;
+    for (; d + W <= D; d += W) {
+      const Vec qd = load<W>(q + d);
+      a0 += qd * load<W>(k0 + d), a1 += qd * load<W>(k1 + d), a2 += qd * load<W>(k2 + d), a3 += qd * load<W>(k3 + d);
+    }
+    float s[4] = {lane_sum<W>(a0), lane_sum<W>(a1), lane_sum<W>(a2), lane_sum<W>(a3)};
+    for (; d < D; ++d) s[0] += q[d] * k0[d], s[1] += q[d] * k1[d], s[2] += q[d] * k2[d], s[3] += q[d] * k3[d];
+    for (int j = 0; j < 4; ++j) scores[l + j] = s[j] * scale;
+  }
+  for (; l < length; ++l) scores[l] = dot<W>(q, k + l * st.pos, D) * scale;
+  const int64_t padded = (length + W - 1) / W * W;
+  for (l = length; l < padded; ++l) scores[l] = -std::numeric_limits<float>::infinity();  // exp: 0
+  Vec top = load<W>(scores);
+  for (l = W; l < padded; l += W) {
+    const Vec s = load<W>(scores + l);
+    top = s > top ? s : top;
+  }
+  float m = top[0];
+  for (int i = 1; i < W; ++i) m = std::max(m, top[i]);
+  Vec total{};
+  for (l = 0; l < padded; l += W) {
+    const Vec e = exp_nonpositive<W>(load<W>(scores + l) - m);
+    store<W>(scores + l, e);
+    total += e;
+  }
+  const float inv = 1.0f / lane_sum<W>(total);
+  int64_t d0 = 0;
+  for (; d0 + 4 * W <= D; d0 += 4 * W) weigh_values<W, 4>(scores, v, st.pos, length, d0, inv, out);
+  for (; d0 + W <= D; d0 += W) weigh_values<W, 1>(scores, v, st.pos, length, d0, inv, out);
+  for (; d0 < D; ++d0) {
+    float sum = 0.0f;
+    for (l = 0; l < length; ++l) sum += scores[l] * v[l * st.pos + d0];
+    out[d0] = sum * inv;
+  }
+}
+
+using Attend = void (*)(const float*, const float*, const float*, Strides, int64_t, int64_t, float, float*, float*);
+constexpr int64_t kMaxLanes = 16;  // the widest copy's vector: scores get this much room past a row's keys
+
+void attend_baseline(const float* q, const float* k, const float* v, Strides st, int64_t length, int64_t D,
+                     float scale, float* scores, float* out) {
+  attend<4>(q, k, v, st, length, D, scale, scores, out);
+}
+
+#if NANOCHAT_FAST_HAS_CLONES
+NANOCHAT_FAST_TARGET("arch=x86-64-v4")
+void attend_avx512(const float* q, const float* k, const float* v, Strides st, int64_t length, int64_t D,
+                   float scale, float* scores, float* out) {
+  attend<16>(q, k, v, st, length, D, scale, scores, out);
+}
+
+NANOCHAT_FAST_TARGET("arch=x86-64-v3")
+void attend_avx2(const float* q, const float* k, const float* v, Strides st, int64_t length, int64_t D, float scale,
+                 float* scores, float* out) {
+  attend<8>(q, k, v, st, length, D, scale, scores, out);
+}
+#endif
+
+// The copy for this CPU, as target_clones' resolver would pick it.
+Attend attend_for_this_cpu() {
+#if NANOCHAT_FAST_HAS_CLONES
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) return attend_avx512;
+  if (__builtin_cpu_supports("x86-64-v3")) return attend_avx2;
+#endif
+  return attend_baseline;
+}
+
+const Attend attend_one = attend_for_this_cpu();
 
 // One head: out = qk_scale * rms_norm(rotate(x)), D floats.
 void rotate_and_norm(const float* x, const float* cos, const float* sin, int64_t D, float qk_scale, float* out) {
@@ -152,12 +260,13 @@ void decode_attention_rows(const DecodeAttention& a) {
   }
   const int64_t group = H / Hkv;
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(L_max);
+    std::vector<float> scores(L_max + kMaxLanes);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H, kvh = h / group, pos = a.positions[b];
       const int64_t start = a.window.has_value() ? std::max<int64_t>(0, pos - *a.window) : 0;
       const int64_t first = a.rows[b] * st.slot + kvh * st.head + start * st.pos;
-      attend_one(&rotated[i * D], kp + first, vp + first, st, st, pos + 1 - start, D, a.scale, scores.data(), a.out + i * D);
+      attend_one(&rotated[i * D], kp + first, vp + first, st, pos + 1 - start, D, a.scale, scores.data(),
+                 a.out + i * D);
     }
   });
 }

@@ -32,35 +32,19 @@
 #include <vector>
 
 #include "decode_step.h"
-#include "target_clones.h"
+#include "float_vectors.h"
 
 namespace nanochat_fast {
 namespace {
 
 constexpr int64_t kBlock = 64;  // k per partial sum
 
-// A vector of W floats, W the target's register width.
-template <int W>
-struct VecOf {
-  typedef float type __attribute__((vector_size(W * sizeof(float))));
-};
-
-template <int W>
-NANOCHAT_FAST_INLINE typename VecOf<W>::type load(const float* p) {
-  typename VecOf<W>::type v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-template <int W>
-NANOCHAT_FAST_INLINE void store(float* p, typename VecOf<W>::type v) {
-  std::memcpy(p, &v, sizeof v);
-}
-
-// out[m, 0:ncols] = x[m, :] . panel columns, for MR rows of x (row stride K) and one panel.
+// out[m, 0:ncols] = x[m, :] . panel columns, for MR rows of x (row stride K) and one panel. With
+// `ahead` (the next panel), the tile also prefetches that panel's rows k with k % every == phase:
+// the panel's `every` tiles fetch it all between them (see panels_of).
 template <int W, int MR>
 NANOCHAT_FAST_INLINE void tile(const float* x, int64_t K, const float* panel, float* out, int64_t ldo,
-                               int64_t ncols) {
+                               int64_t ncols, const float* ahead, int64_t phase, int64_t every) {
   typedef typename VecOf<W>::type Vec;
   constexpr int NV = kPanel / W;  // vectors per panel row
   Vec sum[MR][NV];
@@ -70,6 +54,10 @@ NANOCHAT_FAST_INLINE void tile(const float* x, int64_t K, const float* panel, fl
     for (int m = 0; m < MR; ++m)
       for (int j = 0; j < NV; ++j) acc[m][j] = Vec{};
     for (int64_t k = k0; k < k1; ++k) {
+      if (ahead != nullptr && k % every == phase) {  // a panel row is 128 bytes: two cache lines
+        __builtin_prefetch(ahead + k * kPanel, 0, 3);
+        __builtin_prefetch(ahead + k * kPanel + 16, 0, 3);
+      }
       for (int j = 0; j < NV; ++j) {
         const Vec w = load<W>(panel + k * kPanel + j * W);
         for (int m = 0; m < MR; ++m) acc[m][j] += x[m * K + k] * w;
@@ -87,22 +75,28 @@ NANOCHAT_FAST_INLINE void tile(const float* x, int64_t K, const float* panel, fl
 
 template <int W, int MR>
 NANOCHAT_FAST_INLINE void tiles(const float* x, int64_t M, int64_t K, const float* panel, float* out, int64_t N,
-                                int64_t ncols) {
+                                int64_t ncols, const float* ahead, int64_t phase, int64_t every) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<W, MR>(x + m * K, K, panel, out + m * N, N, ncols);
+  for (; m + MR <= M; m += MR, ++phase) tile<W, MR>(x + m * K, K, panel, out + m * N, N, ncols, ahead, phase, every);
   if constexpr (MR > 1) {  // the last M % MR rows: one tile of exactly that many
-    if (m < M) tiles<W, MR - 1>(x + m * K, M - m, K, panel, out + m * N, N, ncols);
+    if (m < M) tiles<W, MR - 1>(x + m * K, M - m, K, panel, out + m * N, N, ncols, ahead, phase, every);
   }
 }
 
-// Panels p0..p1 of the output: vectors of W floats, tiles of up to MR rows.
+// Panels p0..p1 of the output: vectors of W floats, tiles of up to MR rows. Each panel's tiles
+// prefetch the next panel, spread evenly over them. Why: with weights that come from DRAM (a decode
+// step reads them all once, more than the caches keep), the first tile of a panel otherwise waits
+// on memory while the others compute from cache; spread over all tiles the fetch overlaps the
+// arithmetic. Not at one row, where the hardware prefetcher alone streams the panels faster.
+// Measured: docs/measurements.md#packed-decode-linears.
 template <int W, int MR>
 NANOCHAT_FAST_INLINE void panels_of(const float* __restrict__ x, int64_t M, int64_t K,
                                     const float* __restrict__ packed, int64_t N, float* __restrict__ out,
                                     int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t ncols = std::min(kPanel, N - p * kPanel);
-    tiles<W, MR>(x, M, K, packed + p * K * kPanel, out + p * kPanel, N, ncols);
+    const float* ahead = M > 1 && p + 1 < p1 ? packed + (p + 1) * K * kPanel : nullptr;
+    tiles<W, MR>(x, M, K, packed + p * K * kPanel, out + p * kPanel, N, ncols, ahead, 0, (M + MR - 1) / MR);
   }
 }
 
