@@ -13,7 +13,7 @@ weights, fp32, one thread (a chat_web replica's). A decode step feeds B rows one
                   real step the weights pass between two layers' reads and the keys come from DRAM.
   test_engine     whole BatchEngine.step()s of B rows: the kernels above vs the same engine on stock
                   PyTorch (NANOCHAT_FAST_KERNELS=packed_linear=reference,decode_attention=reference,
-                  rms_norm=reference,decode_block=reference), fp32 and under bf16 autocast
+                  rms_norm=reference,decode_block=reference,softcap=reference), fp32 and under bf16 autocast
 """
 
 import sys
@@ -38,7 +38,7 @@ from stub_models import one_thread  # noqa: E402, F401 (an autouse fixture: a ch
 
 pytestmark = pytest.mark.skipif(registry.extension() is None, reason="extension not built")
 CONFIG = config_from_depth(4, 4096, 512)
-STOCK = "packed_linear=reference,decode_attention=reference,rms_norm=reference,decode_block=reference"
+STOCK = "packed_linear=reference,decode_attention=reference,rms_norm=reference,decode_block=reference,softcap=reference"
 
 
 def model():
@@ -138,7 +138,7 @@ def test_engine(benchmark, rows, monkeypatch):
         baseline="stock fp32",
         shape_set="depth-4 GPT, vocab 4096, 24-token prompts, 63 decode steps",
         variants={
-            "ours (decode_block: packed_linear, decode_attention, rms_norm)": steps("auto", False),
+            "ours (decode_block: packed_linear, decode_attention, rms_norm; softcap)": steps("auto", False),
             "stock fp32": steps(STOCK, False),
             "stock bf16 autocast": steps(STOCK, True),
         },

@@ -31,13 +31,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "decode_step.h"
+#include "fast_math.h"
 #include "float_vectors.h"
 
 namespace nanochat_fast {
@@ -46,31 +46,6 @@ namespace {
 struct Strides {  // element strides of keys / values [S, Hkv, L, D] (D contiguous)
   int64_t slot, head, pos;
 };
-
-// exp(x) for x <= 0 (a softmax's shifted scores), W lanes at once: x = n ln2 + r with |r| <= ln2/2,
-// exp(r) by Cephes expf's polynomial (~1 ulp), times 2^n made in the exponent bits. Below -87
-// (exp < 2^-125, a weight no float sum of ones would notice) it gives 0.
-template <int W>
-NANOCHAT_FAST_INLINE typename VecOf<W>::type exp_nonpositive(typename VecOf<W>::type x) {
-  typedef typename VecOf<W>::type Vec;
-  typedef int32_t Ints __attribute__((vector_size(W * sizeof(int32_t))));
-  const Ints underflow = x < -87.0f;
-  const Vec c = underflow ? Vec{} - 87.0f : x;
-  const Ints n = __builtin_convertvector(c * 1.44269504088896341f - 0.5f, Ints);  // round(c / ln2), c <= 0
-  const Vec nf = __builtin_convertvector(n, Vec);
-  const Vec r = c - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln2 in two parts: r exact to ~1 ulp
-  Vec p = Vec{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const Ints bits = (n + 127) << 23;
-  Vec two_to_n;
-  std::memcpy(&two_to_n, &bits, sizeof two_to_n);
-  return underflow ? Vec{} : p * two_to_n;
-}
 
 // q . key for one key of D floats: W lanes of partial sums over D's full vectors, the lanes added,
 // then the last D % W products. Every key's score is summed in this order.
@@ -97,11 +72,11 @@ NANOCHAT_FAST_INLINE void weigh_values(const float* p, const float* v, int64_t p
   for (int i = 0; i < CV; ++i) store<W>(out + d0 + i * W, acc[i] * inv);
 }
 
-// One (row, head): the scores of its `length` keys (into `scores`, room for length + W), softmax,
-// the output head into out[0:D]. Vectors of W floats: the scores four keys at a time (four
-// independent chains of multiply-adds, one load of q for four keys), the exponentials W at a time,
-// the values' weighted sum with the output in registers. Why: one key at a time, with std::exp and
-// the output read and written back for every key, a key cost ~60 cycles a head from cache
+// One (row, head): the scores of its `length` keys (into `scores`), their softmax, the output head
+// into out[0:D]. Vectors of W floats: the scores four keys at a time (four independent chains of
+// multiply-adds, one load of q for four keys), the exponentials vectorised (fast_math.h), the
+// values' weighted sum with the output in registers. Why: one key at a time, with std::exp and the
+// output read and written back for every key, a key cost ~60 cycles a head from cache
 // (docs/measurements.md#packed-decode-linears).
 template <int W>
 NANOCHAT_FAST_INLINE void attend(const float* __restrict__ q, const float* __restrict__ k,
@@ -122,22 +97,15 @@ NANOCHAT_FAST_INLINE void attend(const float* __restrict__ q, const float* __res
     for (int j = 0; j < 4; ++j) scores[l + j] = s[j] * scale;
   }
   for (; l < length; ++l) scores[l] = dot<W>(q, k + l * st.pos, D) * scale;
-  const int64_t padded = (length + W - 1) / W * W;
-  for (l = length; l < padded; ++l) scores[l] = -std::numeric_limits<float>::infinity();  // exp: 0
-  Vec top = load<W>(scores);
-  for (l = W; l < padded; l += W) {
-    const Vec s = load<W>(scores + l);
-    top = s > top ? s : top;
+  float top = -std::numeric_limits<float>::infinity(), total = 0.0f;
+#pragma omp simd reduction(max : top)
+  for (l = 0; l < length; ++l) top = std::max(top, scores[l]);
+#pragma omp simd reduction(+ : total)
+  for (l = 0; l < length; ++l) {
+    scores[l] = exp_approx(scores[l] - top);
+    total += scores[l];
   }
-  float m = top[0];
-  for (int i = 1; i < W; ++i) m = std::max(m, top[i]);
-  Vec total{};
-  for (l = 0; l < padded; l += W) {
-    const Vec e = exp_nonpositive<W>(load<W>(scores + l) - m);
-    store<W>(scores + l, e);
-    total += e;
-  }
-  const float inv = 1.0f / lane_sum<W>(total);
+  const float inv = 1.0f / total;
   int64_t d0 = 0;
   for (; d0 + 4 * W <= D; d0 += 4 * W) weigh_values<W, 4>(scores, v, st.pos, length, d0, inv, out);
   for (; d0 + W <= D; d0 += W) weigh_values<W, 1>(scores, v, st.pos, length, d0, inv, out);
@@ -149,7 +117,6 @@ NANOCHAT_FAST_INLINE void attend(const float* __restrict__ q, const float* __res
 }
 
 using Attend = void (*)(const float*, const float*, const float*, Strides, int64_t, int64_t, float, float*, float*);
-constexpr int64_t kMaxLanes = 16;  // the widest copy's vector: scores get this much room past a row's keys
 
 void attend_baseline(const float* q, const float* k, const float* v, Strides st, int64_t length, int64_t D,
                      float scale, float* scores, float* out) {
@@ -260,7 +227,7 @@ void decode_attention_rows(const DecodeAttention& a) {
   }
   const int64_t group = H / Hkv;
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(L_max + kMaxLanes);
+    std::vector<float> scores(L_max);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H, kvh = h / group, pos = a.positions[b];
       const int64_t start = a.window.has_value() ? std::max<int64_t>(0, pos - *a.window) : 0;

@@ -46,6 +46,9 @@ TORCH_LIBRARY(nanochat_fast, m) {
   // RMSNorm where no gradient is wanted).
   m.def("rms_norm(Tensor x, float eps) -> Tensor");
 
+  // cap * tanh(x / cap), float32, no autograd (the models' logit softcap where no gradient is wanted).
+  m.def("softcap(Tensor x, float cap) -> Tensor");
+
   // One block of the seeds' GPT for a decode step's rows (one new token each), from the residual
   // stream x [B, 1, C] to the next: h = rms_norm(x); x += decode_attention(h @ qkv^T split into q, k,
   // v; cos, sin, qk_scale, cache, rows, positions, window, scale) @ proj^T; h = rms_norm(x);

@@ -8,6 +8,7 @@ The hot paths of nanochat_fast, each with several backends chosen per device (se
     packed_linear        few-row products (decode steps) through a packed copy of the weight
     pack_rows            best-fit packing of documents into BOS-aligned training rows
     rms_norm             the models' RMSNorm where no gradient is wanted (decode steps, evaluation)
+    softcap              the models' logit softcap where no gradient is wanted (decode steps, sampling)
     softcap_cross_entropy  the lm_head's softcapped cross-entropy, in row chunks (no full logits)
 
 `python -m nanochat_fast.kernels` prints which backend each op uses here and why.
@@ -20,6 +21,7 @@ from .pack_rows import pack_rows
 from .packed_linear import pack_linear
 from .registry import KernelUnavailableError, backends, ops, requested, select
 from .rms_norm import rms_norm
+from .softcap import softcap
 from .softcap_cross_entropy import softcap_cross_entropy
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "pack_linear",
     "pack_rows",
     "rms_norm",
+    "softcap",
     "softcap_cross_entropy",
     "KernelUnavailableError",
     "backends",

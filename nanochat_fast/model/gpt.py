@@ -25,6 +25,7 @@ from ..core.distributed import is_distributed, print0
 from ..kernels import softcap_cross_entropy
 from ..kernels.decode_attention import apply_rotary_emb
 from ..kernels.rms_norm import rms_norm
+from ..kernels.softcap import softcap
 from . import packed_linears
 from .generation import generate_tokens
 from .kv_cache import SlotBatch
@@ -332,7 +333,10 @@ class GPT(nn.Module):
         """The last hidden states (B, T, C) to fp32 softcapped logits; with targets, the loss through
         the fused lm_head + softcap + cross-entropy (row chunks, never all B*T x vocab logits)."""
         if targets is None:
-            return LOGIT_SOFTCAP * torch.tanh(self.lm_head(x).float() / LOGIT_SOFTCAP)
+            logits = self.lm_head(x).float()
+            if logits.requires_grad or torch.compiler.is_compiling():
+                return LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
+            return softcap(logits, LOGIT_SOFTCAP)  # kernels/softcap.py: one pass where no gradient is wanted
         B, T = targets.shape
         w, rows = self.lm_head.weight, x.reshape(B * T, -1)
         loss = softcap_cross_entropy(

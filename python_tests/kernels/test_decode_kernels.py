@@ -1,4 +1,4 @@
-"""The decode step's kernels, packed_linear, decode_attention, rms_norm and decode_block: each against
+"""The decode step's kernels, packed_linear, decode_attention, rms_norm, softcap and decode_block: each against
 float64 PyTorch, the batch invariance they promise (a row's result bitwise the same alone as in any
 batch), the op contracts (opcheck, bad arguments), and the engine running its decode steps through
 them: packs follow weight updates, and a model's decode logits for a row do not depend on the rows
@@ -16,6 +16,7 @@ from nanochat_fast.kernels.decode_attention import decode_attention
 from nanochat_fast.kernels.decode_block import decode_block
 from nanochat_fast.kernels.packed_linear import pack_linear
 from nanochat_fast.kernels.rms_norm import rms_norm
+from nanochat_fast.kernels.softcap import softcap
 from nanochat_fast.model import packed_linears
 from nanochat_fast.model.batch_engine import BatchEngine, Request
 from nanochat_fast.model.gpt import GPTConfig
@@ -270,6 +271,36 @@ def test_rms_norm_rows_do_not_depend_on_the_batch_and_refuses_what_it_cannot_tak
     with pytest.raises(ValueError, match="float32"):
         rms_norm(x.bfloat16(), backend="cpp")
     torch.library.opcheck(ops.rms_norm.default, (randn(3, 5, 8), 1e-6))
+
+
+# -- softcap ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 4096), (8, 1, 4096), (3, 77), (5,)])
+def test_softcap_matches_float64(shape):
+    """cap * tanh(x / cap) on logits from ~0 (the polynomial branch of the tanh) to far past the
+    cap (the saturated one), and +-inf; within a few float32 roundings of the cap."""
+    x = randn(*shape, seed=8) * 40
+    x.view(-1)[:3] = torch.tensor([1e-3, float("inf"), -float("inf")])[: x.numel()]
+    y = softcap(x, 15.0, backend="cpp")
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert (y.double() - 15.0 * torch.tanh(x.double() / 15.0)).abs().max() < 4e-6  # 15 x ~2^-22
+    assert torch.equal(softcap(x, 15.0, backend="reference"), 15.0 * torch.tanh(x / 15.0))
+
+
+def test_softcap_rows_do_not_depend_on_the_batch_and_refuses_what_it_cannot_take():
+    x = randn(64, 4096, seed=9) * 20  # 256K values: both threads
+    together = softcap(x, 15.0, backend="cpp")
+    assert all(torch.equal(together[i], softcap(x[i : i + 1], 15.0, backend="cpp")[0]) for i in (0, 31, 63))
+    w = x[:2].clone().requires_grad_()
+    with pytest.raises(ValueError, match="requiring grad"):
+        softcap(w, 15.0, backend="cpp")
+    assert softcap(w, 15.0).requires_grad  # auto: the reference backend, with autograd
+    with pytest.raises(ValueError, match="float32"):
+        softcap(x.bfloat16(), 15.0, backend="cpp")
+    with pytest.raises(RuntimeError, match="cap must be > 0"):
+        ops.softcap(x, 0.0)
+    torch.library.opcheck(ops.softcap.default, (randn(3, 5, 8), 15.0))
 
 
 # -- the engine's decode steps ----------------------------------------------------------------------
