@@ -49,13 +49,15 @@ TORCH_LIBRARY(nanochat_fast, m) {
   // cap * tanh(x / cap), float32, no autograd (the models' logit softcap where no gradient is wanted).
   m.def("softcap(Tensor x, float cap) -> Tensor");
 
-  // One block of the seeds' GPT for a decode step's rows (one new token each), from the residual
-  // stream x [B, 1, C] to the next: h = rms_norm(x); x += decode_attention(h @ qkv^T split into q, k,
-  // v; cos, sin, qk_scale, cache, rows, positions, window, scale) @ proj^T; h = rms_norm(x);
-  // x += relu(h @ fc^T)^2 @ mlp_proj^T. The four weights packed by pack_linear_weight (qkv: the
-  // query, key and value weights stacked); n_head query heads, the cache's key heads and head
-  // dimension. Bitwise those ops one after another.
+  // One block of the seeds' GPT or the windowed family for a decode step's rows (one new token each),
+  // from the residual stream x [B, 1, C] to the next: h = rms_norm(x); q, k, v = h @ qkv^T split, v
+  // += v_extra [B, 1, Hkv * D] if given (the windowed family's gated value embedding); x +=
+  // decode_attention(q, k, v; cos, sin, qk_scale, cache, rows, positions, window, scale) @ proj^T;
+  // h = rms_norm(x); x += relu(h @ fc^T)^2 @ mlp_proj^T. The four weights packed by
+  // pack_linear_weight (qkv: the query, key and value weights stacked); n_head query heads, the
+  // cache's key heads and head dimension. Bitwise those ops one after another.
   m.def(
       "decode_block(Tensor x, Tensor qkv, Tensor proj, Tensor fc, Tensor mlp_proj, Tensor cos, Tensor sin, "
-      "Tensor(a!) cache, Tensor rows, Tensor positions, int n_head, int? window, float qk_scale, float scale) -> Tensor");
+      "Tensor(a!) cache, Tensor rows, Tensor positions, int n_head, int? window, float qk_scale, float scale, "
+      "Tensor? v_extra=None) -> Tensor");
 }

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.distributed import is_distributed, print0
+from . import packed_linears
 from .gpt import GPT, MLP, GPTConfig, Linear, apply_rotary_emb, norm, project_qkv
 from .kv_cache import SlotBatch
 
@@ -109,11 +110,10 @@ class WindowedAttention(nn.Module):
     def forward(self, x, ve, cos_sin, kv_cache):
         B, T, _ = x.size()
         q, k, v = project_qkv(self, x)
-        if ve is not None:  # the value embedding, gated per kv head in (0, 3)
-            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
+        if ve is not None:
             # in v's dtype: under bf16 autocast ve is fp32 (the residual's), and values promoted to
             # fp32 beside bf16 keys would not go into the cache the keys made bf16
-            v = v + (gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)).to(v.dtype)
+            v = v + self.gated_value_embedding(x, ve).to(v.dtype)
         gqa = self.n_head != self.n_kv_head
         if isinstance(kv_cache, SlotBatch):  # one token per row at its own position, one kernel
             y = kv_cache.attention(self.layer_idx, q, k, v, cos_sin, gqa, qk_scale=QK_SCALE, window=self.window)
@@ -127,6 +127,13 @@ class WindowedAttention(nn.Module):
         y = self._attend(q, k, v, gqa)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
+    def gated_value_embedding(self, x, ve):
+        """The value embedding ve (B, T, Hkv * D) gated per kv head in (0, 3) by the first channels of
+        the attention's input x: (B, T, Hkv, D), added to the values."""
+        B, T, _ = x.size()
+        gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
+        return gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
+
     def _attend(self, q, k, v, gqa):
         Tq, Tk = q.size(2), k.size(2)
         if Tq == Tk and self.window >= Tq - 1:
@@ -139,12 +146,21 @@ class WindowedAttention(nn.Module):
 
 
 class WindowedBlock(nn.Module):
+    decodes_as_one_op = True  # packed_linears.py packs its four products for kernels/decode_block.py
+
     def __init__(self, config: WindowedGPTConfig, layer_idx: int, window: int):
         super().__init__()
         self.attn = WindowedAttention(config, layer_idx, window)
         self.mlp = MLP(config)
 
     def forward(self, x, ve, cos_sin, kv_cache):
+        if isinstance(kv_cache, SlotBatch) and (packs := packed_linears.current(self)) is not None:
+            # a decode step: the block as one op, its value embedding's gate made here (a few values)
+            attn = self.attn
+            v_extra = None if ve is None else attn.gated_value_embedding(norm(x), ve)
+            return kv_cache.block(
+                attn.layer_idx, x, packs, cos_sin, attn.n_head, qk_scale=QK_SCALE, window=attn.window, v_extra=v_extra
+            )
         x = x + self.attn(norm(x), ve, cos_sin, kv_cache)
         return x + self.mlp(norm(x))
 

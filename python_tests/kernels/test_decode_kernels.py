@@ -199,21 +199,28 @@ def block_case(heads=4, kv_heads=2, d=16, hidden=96, seed=10):
     return x, weights, cos, sin, cache, rows, positions
 
 
-@pytest.mark.parametrize("heads,kv_heads,qk_scale,window", [(4, 2, 1.0, None), (2, 2, 1.2, 10)])
-def test_decode_block_is_its_ops_one_after_another(heads, kv_heads, qk_scale, window):
+@pytest.mark.parametrize(
+    "heads,kv_heads,qk_scale,window,v_extra", [(4, 2, 1.0, None, False), (2, 2, 1.2, 10, False), (4, 2, 1.2, 10, True)]
+)
+def test_decode_block_is_its_ops_one_after_another(heads, kv_heads, qk_scale, window, v_extra):
     """The C++ block chains the same kernels as the ops: bitwise their result one after another
     (the reference backend, each op on its cpp backend), the cache written the same; and within
-    float32 rounding of the same block computed from float64 ops."""
+    float32 rounding of the same block computed from float64 ops. v_extra: values added to the
+    block's values (the windowed family's value embedding), so also to what the cache holds."""
     x, weights, cos, sin, cache, rows, positions = block_case(heads, kv_heads)
+    extra = randn(3, 1, kv_heads * 16, seed=30) if v_extra else None
     packed = [pack_linear(w, backend="cpp") for w in weights]
     fused_cache, ops_cache, f64_cache = cache.clone(), cache.clone(), cache.double()
-    kw = dict(qk_scale=qk_scale, window=window)
+    kw = dict(qk_scale=qk_scale, window=window, v_extra=extra)
     fused = decode_block(x, *packed, cos, sin, fused_cache, rows, positions, heads, **kw, backend="cpp")
     ops_one_by_one = decode_block(x, *packed, cos, sin, ops_cache, rows, positions, heads, **kw, backend="reference")
     assert fused.shape == x.shape and torch.equal(fused, ops_one_by_one) and torch.equal(fused_cache, ops_cache)
+    if v_extra:  # the value written at row 0's position (slot 0, position 0) is v + extra
+        without = decode_block(x, *packed, cos, sin, cache.clone(), rows, positions, heads, qk_scale=qk_scale)
+        assert not torch.equal(fused, without)
     f64 = decode_block(  # float64: every op's auto choice is its reference backend
         x.double(), *[pack_linear(w.double()) for w in weights], cos.double(), sin.double(), f64_cache,
-        rows, positions, heads, qk_scale=qk_scale, window=window,
+        rows, positions, heads, qk_scale=qk_scale, window=window, v_extra=None if extra is None else extra.double(),
     )  # fmt: skip
     assert (fused.double() - f64).abs().max() < 1e-5 and (fused_cache.double() - f64_cache).abs().max() < 1e-5
 
@@ -243,7 +250,11 @@ def test_decode_block_rows_do_not_depend_on_the_batch_and_refuses_bad_input():
             4,
             backend="cpp",
         )
+    with pytest.raises(RuntimeError, match=r"v_extra must be float32 \[3, 1, 32\]"):
+        ops.decode_block(x, *raw, cos, sin, cache, rows, positions, 4, None, 1.0, 0.25, randn(3, 1, 16))
     torch.library.opcheck(ops.decode_block.default, (x, *raw, cos, sin, cache, rows, positions, 4, 10, 1.2, 0.25))
+    args = (x, *raw, cos, sin, cache, rows, positions, 4, 10, 1.2, 0.25, randn(3, 1, 32))
+    torch.library.opcheck(ops.decode_block.default, args)
 
 
 # -- rms_norm ---------------------------------------------------------------------------------------

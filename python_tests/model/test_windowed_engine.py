@@ -6,8 +6,9 @@ import pytest
 import torch
 from stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
 
+from nanochat_fast.kernels import registry
 from nanochat_fast.model.batch_engine import BatchEngine, Request
-from nanochat_fast.model.windowed_gpt import WindowedGPT, WindowedGPTConfig
+from nanochat_fast.model.windowed_gpt import QK_SCALE, WindowedGPT, WindowedGPTConfig, has_value_embedding
 
 tok = byte_tokenizer()
 CONFIG = WindowedGPTConfig(
@@ -93,20 +94,47 @@ def test_decode_steps_under_bf16_autocast(model):
 
 
 def test_short_windows_decode_through_the_kernel_from_their_start(model, monkeypatch):
-    """Every decode step's attention goes through kernels/decode_attention.py reading the cache in
-    place: the S layer (1 of the 3) with each row's first entry inside its window, once past it."""
+    """Every decode step's block goes through kernels/decode_block.py, its attention reading the
+    cache in place: the S layer (1 of the 3) with each row's first entry inside its window, once
+    past it; QK_SCALE on every layer, the gated value embedding on the layers that have one."""
     from nanochat_fast.model import kv_cache
 
-    calls, real = [], kv_cache.decode_attention
+    calls, real = [], kv_cache.decode_block
 
-    def record(q, k, v, cos, sin, cache, rows, positions, **kw):  # the layer's window, the row's position
-        calls.append((kw["window"], int(positions[0])))
-        return real(q, k, v, cos, sin, cache, rows, positions, **kw)
+    def record(*args, **kw):  # the layer's window, the row's position, whether values were added
+        calls.append((kw["window"], int(args[9][0]), kw["v_extra"] is not None, kw["qk_scale"]))
+        return real(*args, **kw)
 
-    monkeypatch.setattr(kv_cache, "decode_attention", record)
+    monkeypatch.setattr(kv_cache, "decode_block", record)
     request = REQUESTS["long prompt"][0]  # its first decode step is already past the short window
     tokens = decode_alone(model, request)
-    assert len(calls) == CONFIG.n_layer * (len(tokens) - 1)
-    assert [w for w, _ in calls] == model.window_sizes * (len(tokens) - 1)
-    starts = [p - w for w, p in calls if w == SHORT]  # where each short-window row's entries begin
-    assert starts == [len(request.prompt) + i - SHORT for i in range(len(tokens) - 1)]
+    steps = len(tokens) - 1
+    assert len(calls) == CONFIG.n_layer * steps
+    assert [w for w, *_ in calls] == model.window_sizes * steps
+    gated = [has_value_embedding(i, CONFIG.n_layer) for i in range(CONFIG.n_layer)]
+    assert [e for _, _, e, _ in calls] == gated * steps and any(gated) and not all(gated)
+    assert {s for *_, s in calls} == {QK_SCALE}
+    starts = [p - w for w, p, *_ in calls if w == SHORT]  # where each short-window row's entries begin
+    assert starts == [len(request.prompt) + i - SHORT for i in range(steps)]
+
+
+def test_decode_steps_through_whole_blocks_are_bitwise_the_ops_one_after_another(model, monkeypatch):
+    """The windowed blocks decode as one op each (decode_block, with the gated value embedding
+    added to the values): every step's logits bitwise those of the block's ops one after another."""
+
+    def run(kernels):
+        monkeypatch.setenv(registry.ENV_VAR, kernels)
+        logits = []
+        hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+        try:
+            engine = BatchEngine(model, tok, slots=2)
+            for name in ("long decode", "late"):
+                engine.add(REQUESTS[name][0])
+            while engine.active:
+                engine.step()
+        finally:
+            hook.remove()
+        return logits
+
+    fused, one_by_one = run("auto"), run("decode_block=reference")
+    assert len(fused) == len(one_by_one) > 20 and all(torch.equal(a, b) for a, b in zip(fused, one_by_one))
