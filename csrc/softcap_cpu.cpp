@@ -21,7 +21,7 @@ namespace {
 
 NANOCHAT_FAST_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default")
 void softcap_range(const float* __restrict__ x, float* __restrict__ y, int64_t n, float cap) {
-  const float inv_cap = 1.0f / cap;  // as the fused cross-entropy: a product, where a division takes 4x
+  const float inv_cap = 1.0f / cap;  // x / cap as the fused cross-entropy makes it: a product (a division: +15%)
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] = cap * tanh_approx(x[i] * inv_cap);
 }

@@ -20,7 +20,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-import torch  # noqa: F401  (loads libtorch before the extension that links against it)
+import torch  # (also loads libtorch before the extension that links against it)
 
 BACKENDS = ("triton", "cpp", "torch", "reference")
 DEVICE_TYPES = ("cpu", "cuda", "mps")
@@ -137,6 +137,18 @@ def triton_interpreting() -> bool:
 
 def always(device_type: str) -> str | None:
     return None
+
+
+def cpp_takes_float32_without_grad(x: torch.Tensor) -> Callable[[str], str | None]:
+    """select_for_inputs' why_not_inputs for an op whose cpp backend takes float32 tensors that want
+    no gradient (rms_norm, softcap): the reason x is not one, for the cpp backend."""
+
+    def why_not(name: str) -> str | None:
+        if name == "cpp" and (x.dtype != torch.float32 or x.requires_grad):
+            return f"takes float32 without autograd, got {x.dtype}{' requiring grad' if x.requires_grad else ''}"
+        return None
+
+    return why_not
 
 
 # ---------------------------------------------------------------------------------------------

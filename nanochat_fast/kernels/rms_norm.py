@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import registry
-from .registry import always, cpp_why_not, register_backend, register_op
+from .registry import always, cpp_takes_float32_without_grad, cpp_why_not, register_backend, register_op
 
 OP = "rms_norm"
 register_op(OP, auto_order={"cpu": ("cpp", "reference"), "cuda": ("reference",), "mps": ("reference",)})
@@ -22,16 +22,7 @@ EPS = torch.finfo(torch.float32).eps
 
 def rms_norm(x: torch.Tensor, *, backend=None) -> torch.Tensor:
     """See the module docstring; `backend` forces one by name (default: NANOCHAT_FAST_KERNELS, else auto)."""
-    impl = registry.select_for_inputs(
-        OP,
-        x.device.type,
-        backend,
-        lambda name: (
-            f"takes float32 without autograd, got {x.dtype}{' requiring grad' if x.requires_grad else ''}"
-            if name == "cpp" and (x.dtype != torch.float32 or x.requires_grad)
-            else None
-        ),
-    )
+    impl = registry.select_for_inputs(OP, x.device.type, backend, cpp_takes_float32_without_grad(x))
     return impl.fn(x)
 
 

@@ -12,7 +12,7 @@ Backends:
 import torch
 
 from . import registry
-from .registry import always, cpp_why_not, register_backend, register_op
+from .registry import always, cpp_takes_float32_without_grad, cpp_why_not, register_backend, register_op
 
 OP = "softcap"
 register_op(OP, auto_order={"cpu": ("cpp", "reference"), "cuda": ("reference",), "mps": ("reference",)})
@@ -20,16 +20,7 @@ register_op(OP, auto_order={"cpu": ("cpp", "reference"), "cuda": ("reference",),
 
 def softcap(x: torch.Tensor, cap: float, *, backend=None) -> torch.Tensor:
     """See the module docstring; `backend` forces one by name (default: NANOCHAT_FAST_KERNELS, else auto)."""
-    impl = registry.select_for_inputs(
-        OP,
-        x.device.type,
-        backend,
-        lambda name: (
-            f"takes float32 without autograd, got {x.dtype}{' requiring grad' if x.requires_grad else ''}"
-            if name == "cpp" and (x.dtype != torch.float32 or x.requires_grad)
-            else None
-        ),
-    )
+    impl = registry.select_for_inputs(OP, x.device.type, backend, cpp_takes_float32_without_grad(x))
     return impl.fn(x, cap)
 
 
