@@ -3,6 +3,7 @@
 // kernels that pick a copy per target at load time (packed_linear, decode_attention): 16 floats
 // with AVX-512, 8 with AVX2, 4 elsewhere. A vector wider than the target's registers is not an
 // error, but GCC lowers it through the stack (20x slower): each copy uses its own target's width.
+// A CPU runs only its own width; csrc/tests/test_vector_widths.cpp checks every width on any CPU.
 #include <cstdint>
 #include <cstring>
 
