@@ -1,11 +1,9 @@
 """
 decode_block: one block of the seeds' GPT (model/gpt.py's Block) or of the windowed family
-(model/windowed_gpt.py's WindowedBlock) for a decode step's rows, one new token each, from the
-residual stream x [B, 1, C] to the next:
+(model/windowed_gpt.py's WindowedBlock) for a decode step's rows, one new token each, from x [B, 1, C]:
 
     h = rms_norm(x);  q, k, v = qkv(h) split;  v = v + v_extra (when given)
-    x = x + proj(decode_attention(q, k, v, ...))
-    h = rms_norm(x);  x = x + mlp_proj(relu(fc(h))^2)
+    x = x + proj(decode_attention(q, k, v, ...));  h = rms_norm(x);  x = x + mlp_proj(relu(fc(h))^2)
 
 qkv, proj, fc, mlp_proj are PackedLinear (kernels/packed_linear.py; qkv the query, key and value
 weights stacked); cos, sin, cache, rows, positions, window and qk_scale as decode_attention takes them;
