@@ -52,8 +52,9 @@ def decode_block(
             return None
         if any(p.packed is None for p in packs):
             return "takes packed float32 weights (packed_linear's cpp backend), got unpacked ones"
-        if not x.dtype == cache.dtype == torch.float32 or (v_extra is not None and v_extra.dtype != torch.float32):
-            return f"takes float32, got x {x.dtype}, cache {cache.dtype}"
+        dtypes = {"x": x.dtype, "cache": cache.dtype} | ({} if v_extra is None else {"v_extra": v_extra.dtype})
+        if any(d != torch.float32 for d in dtypes.values()):
+            return "takes float32, got " + ", ".join(f"{name} {d}" for name, d in dtypes.items())
         return None
 
     impl = registry.select_for_inputs(OP, x.device.type, backend, why_not)
