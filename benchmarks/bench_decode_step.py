@@ -13,7 +13,8 @@ weights, fp32, one thread (a chat_web replica's). A decode step feeds B rows one
                   real step the weights pass between two layers' reads and the keys come from DRAM.
   test_engine     whole BatchEngine.step()s of B rows: the kernels above vs the same engine on stock
                   PyTorch (NANOCHAT_FAST_KERNELS=packed_linear=reference,decode_attention=reference,
-                  rms_norm=reference,decode_block=reference,softcap=reference), fp32 and under bf16 autocast
+                  rms_norm=reference,decode_block=reference,softcap=reference), fp32 and under bf16
+                  autocast; for the seeds' GPT and the windowed family (SSSL) of the same size
 """
 
 import sys
@@ -29,6 +30,7 @@ from harness import compare
 from nanochat_fast.kernels import registry
 from nanochat_fast.kernels.decode_attention import decode_attention
 from nanochat_fast.kernels.packed_linear import pack_linear
+from nanochat_fast.model import loading
 from nanochat_fast.model.batch_engine import BatchEngine, Request
 from nanochat_fast.model.gpt import config_from_depth
 
@@ -38,11 +40,12 @@ from stub_models import one_thread  # noqa: E402, F401 (an autouse fixture: a ch
 
 pytestmark = pytest.mark.skipif(registry.extension() is None, reason="extension not built")
 CONFIG = config_from_depth(4, 4096, 512)
+FAMILY = {"gpt": "GPT", "windowed": "windowed GPT (SSSL)"}
 STOCK = "packed_linear=reference,decode_attention=reference,rms_norm=reference,decode_block=reference,softcap=reference"
 
 
-def model():
-    return random_model(CONFIG).eval()
+def model(arch="gpt"):
+    return random_model(loading.family_config(CONFIG, arch, "SSSL")).eval()
 
 
 @pytest.mark.parametrize("rows", [1, 8, 64])
@@ -106,9 +109,10 @@ def test_attention(benchmark):
     )
 
 
+@pytest.mark.parametrize("arch", ["gpt", "windowed"])
 @pytest.mark.parametrize("rows", [1, 8])
-def test_engine(benchmark, rows, monkeypatch):
-    m = model()
+def test_engine(benchmark, rows, arch, monkeypatch):
+    m = model(arch)
 
     class Tokens:  # no stop tokens in reach: every row decodes all its tokens
         def encode_special(self, s):
@@ -136,7 +140,7 @@ def test_engine(benchmark, rows, monkeypatch):
         benchmark,
         op=f"BatchEngine decode step, {rows} row(s)",
         baseline="stock fp32",
-        shape_set="depth-4 GPT, vocab 4096, 24-token prompts, 63 decode steps",
+        shape_set=f"depth-4 {FAMILY[arch]}, vocab 4096, 24-token prompts, 63 decode steps",
         variants={
             "ours (decode_block: packed_linear, decode_attention, rms_norm; softcap)": steps("auto", False),
             "stock fp32": steps(STOCK, False),

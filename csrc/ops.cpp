@@ -50,14 +50,17 @@ TORCH_LIBRARY(nanochat_fast, m) {
   m.def("softcap(Tensor x, float cap) -> Tensor");
 
   // One block of the seeds' GPT or the windowed family for a decode step's rows (one new token each),
-  // from the residual stream x [B, 1, C] to the next: h = rms_norm(x); q, k, v = h @ qkv^T split, v
-  // += v_extra [B, 1, Hkv * D] if given (the windowed family's gated value embedding); x +=
-  // decode_attention(q, k, v; cos, sin, qk_scale, cache, rows, positions, window, scale) @ proj^T;
-  // h = rms_norm(x); x += relu(h @ fc^T)^2 @ mlp_proj^T. The four weights packed by
-  // pack_linear_weight (qkv: the query, key and value weights stacked); n_head query heads, the
-  // cache's key heads and head dimension. Bitwise those ops one after another.
+  // from the residual stream x [B, 1, C] to the next: x = resid_lambda * x + x0_lambda * x0 if x0
+  // [B, 1, C] is given; h = rms_norm(x); q, k, v = h @ qkv^T split, v += 3 * sigmoid(h[:, :G] @
+  // ve_gate^T) * ve per key head if ve [B, 1, Hkv * D] and ve_gate [Hkv, G] are given (the windowed
+  // family's per-layer scalars and gated value embedding); x += decode_attention(q, k, v; cos, sin,
+  // qk_scale, cache, rows, positions, window, scale) @ proj^T; h = rms_norm(x); x += relu(h @
+  // fc^T)^2 @ mlp_proj^T. The four weights packed by pack_linear_weight (qkv: the query, key and
+  // value weights stacked); n_head query heads, the cache's key heads and head dimension. Bitwise
+  // those ops one after another, but for the gate's sigmoid.
   m.def(
       "decode_block(Tensor x, Tensor qkv, Tensor proj, Tensor fc, Tensor mlp_proj, Tensor cos, Tensor sin, "
       "Tensor(a!) cache, Tensor rows, Tensor positions, int n_head, int? window, float qk_scale, float scale, "
-      "Tensor? v_extra=None) -> Tensor");
+      "Tensor? x0=None, float resid_lambda=1.0, float x0_lambda=0.0, Tensor? ve=None, Tensor? ve_gate=None) "
+      "-> Tensor");
 }

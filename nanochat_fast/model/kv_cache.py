@@ -158,14 +158,14 @@ class SlotBatch:
     def logit_positions(self, x: torch.Tensor) -> torch.Tensor:
         return x  # one position per row
 
-    def block(self, layer_idx, x, packs, cos_sin, n_head: int, qk_scale=1.0, window=None, v_extra=None):
+    def block(self, layer_idx, x, packs, cos_sin, n_head: int, qk_scale=1.0, window=None, **windowed):
         """A whole block for the step's rows, x (B, 1, C) -> (B, 1, C), through its packs (qkv,
-        attention proj, MLP fc and proj); qk_scale, window and v_extra (the windowed family's gated
-        value embedding, added to the values) as kernels/decode_block.py takes them."""
+        attention proj, MLP fc and proj); qk_scale, window and the windowed family's parts (x0,
+        scales, ve, ve_gate) as kernels/decode_block.py takes them."""
         cache = self._layer_block(layer_idx)
         return decode_block(
             x, *packs, *cos_sin, cache, self.rows_in_block, self.positions, n_head,
-            qk_scale=qk_scale, window=window, v_extra=v_extra,
+            qk_scale=qk_scale, window=window, **windowed,
         )  # fmt: skip
 
     def attention(self, layer_idx, q, k, v, cos_sin, enable_gqa: bool, qk_scale: float = 1.0, window=None):

@@ -153,14 +153,16 @@ class WindowedBlock(nn.Module):
         self.attn = WindowedAttention(config, layer_idx, window)
         self.mlp = MLP(config)
 
-    def forward(self, x, ve, cos_sin, kv_cache):
+    def forward(self, x, x0, scales, ve, cos_sin, kv_cache):
+        """x blended with the block input x0 by the layer's scalars (resid, x0), then the block."""
         if isinstance(kv_cache, SlotBatch) and (packs := packed_linears.current(self)) is not None:
-            # a decode step: the block as one op, its value embedding's gate made here (a few values)
-            attn = self.attn
-            v_extra = None if ve is None else attn.gated_value_embedding(norm(x), ve)
+            # a decode step: the blend, the value embedding's gate and the block in one op
+            attn, gate = self.attn, None if ve is None else self.attn.ve_gate.weight
             return kv_cache.block(
-                attn.layer_idx, x, packs, cos_sin, attn.n_head, qk_scale=QK_SCALE, window=attn.window, v_extra=v_extra
-            )
+                attn.layer_idx, x, packs, cos_sin, attn.n_head, qk_scale=QK_SCALE, window=attn.window,
+                x0=x0, scales=scales, ve=ve, ve_gate=gate,
+            )  # fmt: skip
+        x = scales[0] * x + scales[1] * x0
         x = x + self.attn(norm(x), ve, cos_sin, kv_cache)
         return x + self.mlp(norm(x))
 
@@ -311,10 +313,13 @@ class WindowedGPT(GPT):
         x = norm(self.transformer.wte(idx))
         x = self._smear(x, kv_cache)
         x0, backout_at, x_backout = x, self.config.n_layer // 2, None
+        # a decode step's scalars as floats, read once (its blocks take them so); elsewhere tensors
+        scales = (self.resid_lambdas, self.x0_lambdas)
+        if isinstance(kv_cache, SlotBatch):
+            scales = (self.resid_lambdas.tolist(), self.x0_lambdas.tolist())
         for i, block in enumerate(self.transformer.h):
-            x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             ve = self.value_embeds[str(i)](idx).to(x.dtype) if str(i) in self.value_embeds else None
-            x = block(x, ve, cos_sin, kv_cache)
+            x = block(x, x0, (scales[0][i], scales[1][i]), ve, cos_sin, kv_cache)
             if i == backout_at:
                 x_backout = x
         x = x - self.backout_lambda.to(x.dtype) * x_backout

@@ -199,30 +199,52 @@ def block_case(heads=4, kv_heads=2, d=16, hidden=96, seed=10):
     return x, weights, cos, sin, cache, rows, positions
 
 
+def windowed_parts(x, kv_heads, d=16, gate_channels=12, seed=30):
+    """The windowed family's arguments for block_case's x: a block input x0, per-layer scalars, a
+    value embedding and its gate's weight (gate logits of a few units: sigmoids far from 0 and 1)."""
+    ve_gate = randn(kv_heads, gate_channels, seed=seed + 2) / gate_channels**0.5
+    return dict(
+        x0=randn(*x.shape, seed=seed), scales=(0.9, 0.2), ve=randn(3, 1, kv_heads * d, seed=seed + 1), ve_gate=ve_gate
+    )
+
+
 @pytest.mark.parametrize(
-    "heads,kv_heads,qk_scale,window,v_extra", [(4, 2, 1.0, None, False), (2, 2, 1.2, 10, False), (4, 2, 1.2, 10, True)]
+    "heads,kv_heads,qk_scale,window,windowed", [(4, 2, 1.0, None, False), (2, 2, 1.2, 10, False), (4, 2, 1.2, 10, True)]
 )
-def test_decode_block_is_its_ops_one_after_another(heads, kv_heads, qk_scale, window, v_extra):
+def test_decode_block_is_its_ops_one_after_another(heads, kv_heads, qk_scale, window, windowed):
     """The C++ block chains the same kernels as the ops: bitwise their result one after another
     (the reference backend, each op on its cpp backend), the cache written the same; and within
-    float32 rounding of the same block computed from float64 ops. v_extra: values added to the
-    block's values (the windowed family's value embedding), so also to what the cache holds."""
+    float32 rounding of the same block computed from float64 ops. windowed: the windowed family's
+    per-layer blend with x0 and gated value embedding, bitwise too without the gate (its sigmoid is
+    std::exp's, not torch's), within float32 rounding with it."""
     x, weights, cos, sin, cache, rows, positions = block_case(heads, kv_heads)
-    extra = randn(3, 1, kv_heads * 16, seed=30) if v_extra else None
+    parts = windowed_parts(x, kv_heads) if windowed else {}
     packed = [pack_linear(w, backend="cpp") for w in weights]
-    fused_cache, ops_cache, f64_cache = cache.clone(), cache.clone(), cache.double()
-    kw = dict(qk_scale=qk_scale, window=window, v_extra=extra)
-    fused = decode_block(x, *packed, cos, sin, fused_cache, rows, positions, heads, **kw, backend="cpp")
-    ops_one_by_one = decode_block(x, *packed, cos, sin, ops_cache, rows, positions, heads, **kw, backend="reference")
+
+    def run(cache, backend, **kw):
+        return decode_block(
+            x, *packed, cos, sin, cache, rows, positions, heads, qk_scale=qk_scale, window=window, **kw, backend=backend
+        )
+
+    blend = {k: v for k, v in parts.items() if k in ("x0", "scales")}
+    fused_cache, ops_cache = cache.clone(), cache.clone()
+    fused, ops_one_by_one = run(fused_cache, "cpp", **blend), run(ops_cache, "reference", **blend)
     assert fused.shape == x.shape and torch.equal(fused, ops_one_by_one) and torch.equal(fused_cache, ops_cache)
-    if v_extra:  # the value written at row 0's position (slot 0, position 0) is v + extra
-        without = decode_block(x, *packed, cos, sin, cache.clone(), rows, positions, heads, qk_scale=qk_scale)
-        assert not torch.equal(fused, without)
+    fused_cache, ops_cache, f64_cache = cache.clone(), cache.clone(), cache.double()
+    fused, ops_one_by_one = run(fused_cache, "cpp", **parts), run(ops_cache, "reference", **parts)
     f64 = decode_block(  # float64: every op's auto choice is its reference backend
         x.double(), *[pack_linear(w.double()) for w in weights], cos.double(), sin.double(), f64_cache,
-        rows, positions, heads, qk_scale=qk_scale, window=window, v_extra=None if extra is None else extra.double(),
+        rows, positions, heads, qk_scale=qk_scale, window=window,
+        **{k: v.double() if torch.is_tensor(v) else v for k, v in parts.items()},
     )  # fmt: skip
-    assert (fused.double() - f64).abs().max() < 1e-5 and (fused_cache.double() - f64_cache).abs().max() < 1e-5
+    for got in (fused, ops_one_by_one):
+        assert (got.double() - f64).abs().max() < 1e-5
+    for got in (fused_cache, ops_cache):
+        assert (got.double() - f64_cache).abs().max() < 1e-5
+    if windowed:  # each part changes the block (none is ignored), the gate's values those of the cache
+        for without in ("x0", "ve"):
+            less = {k: v for k, v in parts.items() if not k.startswith(without)}
+            assert (run(cache.clone(), "cpp", **less) - f64).abs().max() > 1e-3, without
 
 
 def test_decode_block_rows_do_not_depend_on_the_batch_and_refuses_bad_input():
@@ -250,11 +272,21 @@ def test_decode_block_rows_do_not_depend_on_the_batch_and_refuses_bad_input():
             4,
             backend="cpp",
         )
-    with pytest.raises(RuntimeError, match=r"v_extra must be float32 \[3, 1, 32\]"):
-        ops.decode_block(x, *raw, cos, sin, cache, rows, positions, 4, None, 1.0, 0.25, randn(3, 1, 16))
+    parts = windowed_parts(x, 2)
+    windowed = (parts["x0"], *parts["scales"], parts["ve"], parts["ve_gate"])
+    base = (x, *raw, cos, sin, cache, rows, positions, 4, None, 1.0, 0.25)
+    with pytest.raises(RuntimeError, match=r"x0 must be float32 \[3, 1, 64\], got Float \[3, 1, 32\]"):
+        ops.decode_block(*base, randn(3, 1, 32))
+    with pytest.raises(RuntimeError, match=r"ve must be float32 \[3, 1, 32\], got BFloat16"):
+        ops.decode_block(*base, *windowed[:3], parts["ve"].bfloat16(), parts["ve_gate"])
+    with pytest.raises(RuntimeError, match=r"ve_gate must be float32 \[2, G <= 64\], got Float \[3, 12\]"):
+        ops.decode_block(*base, *windowed[:4], randn(3, 12))
+    with pytest.raises(RuntimeError, match="ve and ve_gate come together"):
+        ops.decode_block(*base, *windowed[:4])
     torch.library.opcheck(ops.decode_block.default, (x, *raw, cos, sin, cache, rows, positions, 4, 10, 1.2, 0.25))
-    args = (x, *raw, cos, sin, cache, rows, positions, 4, 10, 1.2, 0.25, randn(3, 1, 32))
-    torch.library.opcheck(ops.decode_block.default, args)
+    torch.library.opcheck(
+        ops.decode_block.default, (x, *raw, cos, sin, cache, rows, positions, 4, 10, 1.2, 0.25, *windowed)
+    )
 
 
 # -- rms_norm ---------------------------------------------------------------------------------------
