@@ -241,7 +241,7 @@ def test_decode_block_is_its_ops_one_after_another(heads, kv_heads, qk_scale, wi
         assert (got.double() - f64).abs().max() < 1e-5
     for got in (fused_cache, ops_cache):
         assert (got.double() - f64_cache).abs().max() < 1e-5
-    if windowed:  # each part changes the block (none is ignored), the gate's values those of the cache
+    if windowed:  # each part changes the block: none is ignored
         for without in ("x0", "ve"):
             less = {k: v for k, v in parts.items() if not k.startswith(without)}
             assert (run(cache.clone(), "cpp", **less) - f64).abs().max() > 1e-3, without
