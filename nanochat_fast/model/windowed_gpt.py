@@ -110,10 +110,11 @@ class WindowedAttention(nn.Module):
     def forward(self, x, ve, cos_sin, kv_cache):
         B, T, _ = x.size()
         q, k, v = project_qkv(self, x)
-        if ve is not None:
+        if ve is not None:  # the value embedding, gated per kv head in (0, 3)
+            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
             # in v's dtype: under bf16 autocast ve is fp32 (the residual's), and values promoted to
             # fp32 beside bf16 keys would not go into the cache the keys made bf16
-            v = v + self.gated_value_embedding(x, ve).to(v.dtype)
+            v = v + (gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)).to(v.dtype)
         gqa = self.n_head != self.n_kv_head
         if isinstance(kv_cache, SlotBatch):  # one token per row at its own position, one kernel
             y = kv_cache.attention(self.layer_idx, q, k, v, cos_sin, gqa, qk_scale=QK_SCALE, window=self.window)
@@ -126,13 +127,6 @@ class WindowedAttention(nn.Module):
             k, v = kv_cache.insert_kv(self.layer_idx, k, v)
         y = self._attend(q, k, v, gqa)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
-
-    def gated_value_embedding(self, x, ve):
-        """The value embedding ve (B, T, Hkv * D) gated per kv head in (0, 3) by the first channels of
-        the attention's input x: (B, T, Hkv, D), added to the values."""
-        B, T, _ = x.size()
-        gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
-        return gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
 
     def _attend(self, q, k, v, gqa):
         Tq, Tk = q.size(2), k.size(2)
