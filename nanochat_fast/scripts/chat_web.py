@@ -30,7 +30,7 @@ from ..hardware import precision
 from ..model import generation, generation_dtype, loading, packed_linears
 from ..model.batch_engine import BatchEngine, Request
 from ..train.env_vars import check_environment
-from ..web.pool import Prepared, Replica, ReplicaPool
+from ..web.pool import Admission, Prepared, Replica, ReplicaPool
 
 # Replies decoded together per replica when --slots is not given. A CUDA decode step is bound by
 # reading the weights, once for all rows: 32 rows cost little more than one, so throughput grows
@@ -43,6 +43,8 @@ DEFAULT_SLOTS = {"cuda": 32, "cpu": 8, "mps": 8}
 # the slots are counted at an fp32 KV cache: under bf16 (--dtype) the cache is half that, never more than
 # --kv-memory
 KV_DTYPE = torch.float32
+# a lone request waits the admission gap before its prefill: beyond this it is a delay anyone notices
+MAX_ADMISSION_GAP_MS = 100.0
 
 
 def build_parser():
@@ -97,6 +99,14 @@ def build_parser():
         help="requests that may wait for a free slot; more get HTTP 503 with Retry-After",
     )
     p.add_argument(
+        "--admission-gap-ms",
+        type=cli.non_negative_float,
+        default=1.0,
+        help="requests that arrive less than this apart start together, their prompts in one prefill, so "
+        "a burst does not stall its first reply behind the others' prompts; a lone request waits this "
+        "long before its prefill, a burst at most 10x this (0: every request starts at the next step)",
+    )
+    p.add_argument(
         "--request-timeout",
         type=float,
         default=120.0,
@@ -143,6 +153,9 @@ def check_ranges(args):
         raise UserError(f"--request-timeout must be > 0 seconds (and finite), got {args.request_timeout}")
     if not 0 < args.body_timeout < math.inf:
         raise UserError(f"--body-timeout must be > 0 seconds (and finite), got {args.body_timeout}")
+    if args.admission_gap_ms > MAX_ADMISSION_GAP_MS:
+        limit, got = MAX_ADMISSION_GAP_MS, args.admission_gap_ms
+        raise UserError(f"--admission-gap-ms must be at most {limit} (a burst waits 10x it), got {got}")
     if args.temperature > MAX_TEMPERATURE:
         raise UserError(f"--temperature must be at most {MAX_TEMPERATURE}, got {args.temperature}")
     if args.top_k > MAX_TOP_K:
@@ -299,7 +312,8 @@ def serve(args, device, warning) -> int:
         replicas, name, slots, chosen = load_replicas(args, devices, tokenizer)
         kv_bytes = sum(r.engine.cache.kv.nbytes for r in replicas) // len(replicas)  # as allocated
         packed = sum(packed_linears.nbytes(r.engine.model) for r in replicas) // len(replicas)
-        pool = ReplicaPool(replicas, queue_limit=args.queue_size)
+        gap = args.admission_gap_ms / 1e3
+        pool = ReplicaPool(replicas, queue_limit=args.queue_size, admission=Admission(gap=gap, max_wait=10 * gap))
         settings = web_app.Settings(
             model_name=name,
             temperature=args.temperature,
@@ -317,7 +331,7 @@ def serve(args, device, warning) -> int:
             f"each ({cli.format_bytes(kv_bytes)} of KV cache"
             f"{f', {cli.format_bytes(packed)} of packed decode weights' if packed else ''}), "
             f"{torch.get_num_threads()} thread(s), {chosen.describe()}, "
-            f"queue {args.queue_size}; "
+            f"queue {args.queue_size}, admission gap {args.admission_gap_ms:g} ms; "
             f"open http://{url_host}:{port}/",
             flush=True,
         )

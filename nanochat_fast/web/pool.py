@@ -8,8 +8,9 @@ admits waiting jobs while the engine has free slots, runs one engine step, hands
 job and ends or cancels rows before the next step. A job is one reply, one row of one engine once
 admitted, through the replica's prepare(job), which chat_web provides: this package knows nothing
 of models. Admission is decided when a request arrives: at most every slot busy plus `queue_limit`
-waiting; a request beyond that is refused at once (HTTP 503). The threads, jobs and failures in
-full: docs/measurements.md#chat-server.
+waiting; a request beyond that is refused at once (HTTP 503). Requests that arrive close together
+start together (Admission): one prefill for all of them. The threads, jobs and failures in full:
+docs/measurements.md#chat-server.
 """
 
 import asyncio
@@ -44,6 +45,27 @@ class Replica:
     engine: object
     prepare: Callable
     device: str
+
+
+@dataclass(frozen=True)
+class Admission:
+    """When waiting jobs start. A step's prefill runs every prompt admitted since the last step, and
+    every row in that step waits for it: a burst of requests split over two steps makes the first
+    one's second token wait for the others' prompts (on a CPU, a dozen decode steps' worth). So a
+    waiting job starts once no other request has arrived for `gap` seconds, or it has waited
+    `max_wait` (arrivals that never pause), or the waiting jobs fill the replica's free slots. gap 0:
+    every job starts at the next step. A lone request pays `gap` in time to its first token."""
+
+    gap: float = 0.001
+    max_wait: float = 0.01
+
+    def __post_init__(self):
+        for name in ("gap", "max_wait"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"admission {name} must be >= 0 seconds (and finite), got {value}")
+        if self.max_wait < self.gap:
+            raise ValueError(f"admission max_wait ({self.max_wait} s) must be at least its gap ({self.gap} s)")
 
 
 class QueueFull(Exception):
@@ -106,11 +128,13 @@ def _put_all(items):
 
 
 class ReplicaPool:
-    def __init__(self, replicas: list[Replica], queue_limit: int):
+    def __init__(self, replicas: list[Replica], queue_limit: int, admission: Admission = Admission()):
         if not replicas:
             raise ValueError("a pool needs at least one replica")
         self.replicas = replicas
         self.queue_limit = queue_limit
+        self.admission = admission
+        self._last_arrival = -math.inf
         self.slots = [r.engine.slots for r in replicas]
         self._waiting = collections.deque()
         self._held = [set() for _ in replicas]  # per replica: the jobs holding (or about to hold) a slot
@@ -141,6 +165,7 @@ class ReplicaPool:
                     self._retry_after(),
                 )
             self._waiting.append(job)
+            self._last_arrival = time.monotonic()
             self._cond.notify_all()
 
     def cancel(self, job: Job, reason: str):
@@ -199,22 +224,33 @@ class ReplicaPool:
     # -- worker side: the only code that touches replica i's engine ------------------------------
 
     def _take(self, i: int) -> list[Job] | None:
-        """The waiting jobs replica i admits now (it has free slots and no other replica has more);
-        waits while it has no rows and nothing to admit. None once the pool is closed."""
+        """The waiting jobs replica i admits now (they are due, it has free slots and no other
+        replica has more); waits while it has no rows and nothing to admit. None once the pool is
+        closed."""
         with self._cond:
             while True:
                 if self._closed:
                     return None
                 free = [n - len(h) for n, h in zip(self.slots, self._held)]
                 others = max((f for j, f in enumerate(free) if j != i), default=0)
+                due_in = self._due_in(free[i])
                 take = []
-                while self._waiting and free[i] > 0 and free[i] >= others:
+                while due_in <= 0 and self._waiting and free[i] > 0 and free[i] >= others:
                     take.append(self._waiting.popleft())
                     self._held[i].add(take[-1])
                     free[i] -= 1
                 if take or self._held[i]:
                     return take
-                self._cond.wait()
+                self._cond.wait(due_in if 0 < due_in < math.inf else None)
+
+    def _due_in(self, free: int) -> float:
+        """Seconds until the waiting jobs start (Admission); <= 0: now, inf: none waits."""
+        if not self._waiting:
+            return math.inf
+        if len(self._waiting) >= free:
+            return 0.0
+        a = self.admission
+        return min(self._last_arrival + a.gap, self._waiting[0].created + a.max_wait) - time.monotonic()
 
     def _admit(self, i: int, job: Job):
         """Job -> a row of replica i's engine; a job that cannot start fails alone."""

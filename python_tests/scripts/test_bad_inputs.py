@@ -529,6 +529,7 @@ BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--workers": "0",
     "--max-new-tokens": "0",
     "--queue-size": "-1",
+    "--admission-gap-ms": "-1",
     "--request-timeout": "0",
     "--body-timeout": "0",
     "--slots": "0",

@@ -531,6 +531,8 @@ def test_bad_command_lines_exit_2_with_one_line(web_home, nanochat_home, monkeyp
         (["--port=x"], "expected an integer"),
         (["--temperature=2.5"], "at most 2.0"),
         (["--top-k=201"], "at most 200"),
+        (["--admission-gap-ms=-1"], "must be >= 0"),
+        (["--admission-gap-ms=101"], "must be at most 100.0 (a burst waits 10x it)"),
     ):
         code, err = run_main(argv, capsys)
         assert code == 2 and len(err) == 1 and reason in err[0], (argv, err)
