@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "decode_step.h"
+#include "fast_math.h"
 
 namespace nanochat_fast {
 namespace {
@@ -115,7 +116,12 @@ at::Tensor decode_block_cpu(const at::Tensor& x, const at::Tensor& qkv, const at
 
   rms_norm_rows(xo, h.data(), B, C, eps);
   packed_linear_rows(h.data(), B, C, fc.const_data_ptr<float>(), F, f.data());
-  for (float& v : f) v = v > 0.0f ? v * v : 0.0f;  // relu, then square (both exact, as F.relu(..).square())
+  // relu, then square, both exact as F.relu(..).square() (a NaN stays NaN). As a bit select: written
+  // as ?: the loop kept a branch on each sign, mispredicted half the time (~0.1 ms of an 8-row step)
+  for (float& v : f) {
+    const float r = select(v < 0.0f, 0.0f, v);
+    v = r * r;
+  }
   packed_linear_rows(f.data(), B, F, mlp_proj.const_data_ptr<float>(), C, delta.data());
   for (int64_t i = 0; i < B * C; ++i) xo[i] = xo[i] + delta[i];
   return out;

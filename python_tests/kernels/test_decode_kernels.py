@@ -247,6 +247,20 @@ def test_decode_block_is_its_ops_one_after_another(heads, kv_heads, qk_scale, wi
             assert (run(cache.clone(), "cpp", **less) - f64).abs().max() > 1e-3, without
 
 
+def test_decode_block_keeps_a_nan_from_the_mlp_as_its_ops_do():
+    """A NaN out of the MLP's first product stays NaN through relu-then-square (F.relu(NaN) is NaN),
+    so the block's output is NaN where the ops' is."""
+    x, weights, cos, sin, cache, rows, positions = block_case()
+    weights[2][5, 7] = float("nan")  # hidden unit 5 is NaN for every row
+    packed = [pack_linear(w, backend="cpp") for w in weights]
+    out = {
+        backend: decode_block(x, *packed, cos, sin, cache.clone(), rows, positions, 4, backend=backend)
+        for backend in ("cpp", "reference")
+    }
+    assert out["reference"].isnan().all()  # unit 5 reaches every output through the MLP's last product
+    assert torch.equal(out["cpp"].isnan(), out["reference"].isnan())
+
+
 def test_decode_block_rows_do_not_depend_on_the_batch_and_refuses_bad_input():
     x, weights, cos, sin, cache, rows, positions = block_case()
     packed = [pack_linear(w, backend="cpp") for w in weights]
