@@ -130,8 +130,10 @@ def direct_together(model, tokenizer, rows: int = 8) -> dict:
 
 def rate(stamps: list[float]) -> float | None:
     """Text pieces per second after the first (a piece is a token, or the few that end a character);
-    None for a reply of one piece, which has no time between pieces."""
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else None
+    None where no time between pieces was seen: a reply of one piece, or one whose pieces all came
+    in one chunk (each piece is stamped with its chunk's arrival)."""
+    span = stamps[-1] - stamps[0] if stamps else 0.0
+    return (len(stamps) - 1) / span if span > 0 else None
 
 
 async def one_client(c: httpx.AsyncClient, url: str, messages: list, max_tokens: int) -> tuple:
