@@ -59,13 +59,14 @@ class SlotCache:
 
     def previous_embedding(self, view, x: torch.Tensor) -> torch.Tensor:
         """(B, C): the input embedding of the position before each row's first new token in `view`
-        (SlotPrefill or SlotBatch), zero for a row starting at position 0."""
+        (SlotPrefill or SlotBatch), zero for a row starting at position 0 (only a prefill's can: a
+        slot batch's rows continue what their slots hold)."""
         if self.embeddings is None:
             self.embeddings = torch.zeros(self.slots, x.size(-1), dtype=torch.float32, device=x.device)
         if isinstance(view, SlotPrefill):
             prev = self.embeddings[view.slots]
             return prev if view.pos > 0 else torch.zeros_like(prev)
-        return torch.where((view.positions > 0)[:, None], self.embeddings[view.slots], 0.0)
+        return self.embeddings.index_select(0, view.slots)
 
     def keep_embedding(self, view, x: torch.Tensor):
         """Store each row's last input embedding of x (B, T, C) (view.last) for its next step."""
@@ -128,8 +129,8 @@ class SlotPrefill:
 
 
 class SlotBatch:
-    """One decode step of B rows: row i feeds one token at position positions[i] of slot slots[i]
-    (slots in increasing order, each once).
+    """One decode step of B rows: row i feeds one token at position positions[i] >= 1 of slot
+    slots[i] (slots in increasing order, each once), after what the slot holds.
 
     Attention reads the cache in place, with no copy of any row's keys: the block of slots from the
     rows' lowest slot to their highest, up to the longest row's length, each row to its own entries
@@ -139,6 +140,8 @@ class SlotBatch:
     def __init__(self, cache: SlotCache, slots: list[int], positions: list[int], device):
         if sorted(set(slots)) != list(slots) or len(slots) != len(positions):
             raise ValueError("a slot batch takes distinct slots in increasing order, one position each")
+        if min(positions) < 1:
+            raise ValueError("a slot batch continues its rows: every position >= 1 (a prompt runs in a SlotPrefill)")
         self.cache = cache
         self.lo, self.hi = slots[0], slots[-1] + 1
         self.length = max(positions) + 1  # keys in the block per slot: the longest row's

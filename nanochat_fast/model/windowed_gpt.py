@@ -297,9 +297,9 @@ class WindowedGPT(GPT):
         prev = x[:, :-1]
         if kv_cache is None:
             return torch.cat([x[:, :1], x[:, 1:] + gate[:, 1:] * prev], dim=1)
-        before = kv_cache.cache.previous_embedding(kv_cache, x)
+        before = kv_cache.cache.previous_embedding(kv_cache, x)[:, None].to(x.dtype)
         kv_cache.cache.keep_embedding(kv_cache, x)
-        prev = torch.cat([before[:, None].to(x.dtype), prev], dim=1)
+        prev = before if x.size(1) == 1 else torch.cat([before, prev], dim=1)  # a decode step: no cat
         return x + gate * prev
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):

@@ -231,3 +231,17 @@ def test_kv_bytes_is_the_storage_it_allocates(model):
     assert kv.shape == (CONFIG.n_layer, 2, 3, CONFIG.n_kv_head, 40, CONFIG.head_dim)
     assert BatchEngine.kv_bytes(CONFIG, 3, 40) == kv.nbytes == kv.numel() * 4
     assert BatchEngine.kv_bytes(CONFIG, 3, 40, torch.bfloat16) == kv.nbytes // 2
+
+
+def test_a_slot_batch_takes_distinct_increasing_slots_that_continue_their_rows():
+    from nanochat_fast.model.kv_cache import SlotBatch, SlotCache
+
+    cache = SlotCache(CONFIG.n_layer, slots=4, max_len=16)
+    for slots, positions, reason in (
+        ([2, 1], [3, 3], "distinct slots in increasing order"),
+        ([1, 2], [3], "one position each"),
+        ([1, 2], [3, 0], "every position >= 1"),  # position 0 has no previous token for the smear to read
+    ):
+        with pytest.raises(ValueError, match=reason):
+            SlotBatch(cache, slots, positions, "cpu")
+    assert SlotBatch(cache, [0, 3], [1, 5], "cpu").length == 6
