@@ -117,7 +117,7 @@ at::Tensor decode_block_cpu(const at::Tensor& x, const at::Tensor& qkv, const at
   rms_norm_rows(xo, h.data(), B, C, eps);
   packed_linear_rows(h.data(), B, C, fc.const_data_ptr<float>(), F, f.data());
   // relu, then square, both exact as F.relu(..).square() (a NaN stays NaN). As a bit select: written
-  // as ?: the loop kept a branch on each sign, mispredicted half the time (~0.1 ms of an 8-row step)
+  // as ?: the loop kept a branch on each sign, mispredicted half the time (docs/measurements.md)
   for (float& v : f) {
     const float r = select(v < 0.0f, 0.0f, v);
     v = r * r;

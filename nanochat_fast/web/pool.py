@@ -51,7 +51,7 @@ class Replica:
 class Admission:
     """When waiting jobs start. A step's prefill runs every prompt admitted since the last step, and
     every row in that step waits for it: a burst of requests split over two steps makes the first
-    one's second token wait for the others' prompts (on a CPU, a dozen decode steps' worth). So a
+    one's second token wait for the others' prompts (on a CPU, many decode steps' worth). So a
     waiting job starts once no other request has arrived for `gap` seconds, or it has waited
     `max_wait` (arrivals that never pause), or the waiting jobs fill the replica's free slots. gap 0:
     every job starts at the next step. A lone request pays `gap` in time to its first token."""
