@@ -54,13 +54,13 @@ def make_pool(admission: Admission, slots: int = 8):
 
 
 def submit(pool, loop, n: int, every: float) -> list[float]:
-    """n jobs, one every `every` seconds; the times they were queued."""
+    """n jobs, one every `every` seconds; for each, a time just before it was made and queued."""
     times = []
     for i in range(n):
         if i:
             time.sleep(every)
-        pool.submit(Job(messages=[], max_tokens=1, temperature=0.0, top_k=None, seed=0, loop=loop))
         times.append(time.monotonic())
+        pool.submit(Job(messages=[], max_tokens=1, temperature=0.0, top_k=None, seed=0, loop=loop))
     return times
 
 
@@ -80,12 +80,12 @@ def loop():
 
 
 def test_a_burst_starts_in_one_step_after_the_gap(loop):
-    pool, engine = make_pool(Admission(gap=0.15, max_wait=5.0))
-    queued = submit(pool, loop, 4, every=0.02)
+    pool, engine = make_pool(Admission(gap=0.2, max_wait=5.0))
+    queued = submit(pool, loop, 4, every=0.01)
     steps = steps_after(engine, 4)
     pool.close()
     assert [added for _, added in steps] == [4]  # one prefill for all four
-    assert steps[0][0] >= queued[-1] + 0.15  # once no request had arrived for the gap
+    assert steps[0][0] >= queued[-1] + 0.2  # once no request had arrived for the gap
 
 
 def test_with_gap_zero_a_request_starts_at_the_next_step(loop):
@@ -99,13 +99,13 @@ def test_with_gap_zero_a_request_starts_at_the_next_step(loop):
 
 
 def test_arrivals_that_never_pause_start_after_max_wait(loop):
-    pool, engine = make_pool(Admission(gap=0.1, max_wait=0.3))
-    queued = submit(pool, loop, 7, every=0.08)  # 0.48 s of arrivals, never 0.1 s apart
-    steps = steps_after(engine, 7)
+    pool, engine = make_pool(Admission(gap=0.2, max_wait=0.4), slots=32)  # more than arrive
+    queued = submit(pool, loop, 15, every=0.05)  # 0.7 s of arrivals, never the gap apart
+    steps = steps_after(engine, 15)
     pool.close()
     first_when, first_added = steps[0]
-    assert queued[0] + 0.3 <= first_when < queued[-1]  # the oldest waited max_wait, not for the end
-    assert 2 <= first_added < 7
+    assert queued[0] + 0.4 <= first_when < queued[-1]  # the oldest waited max_wait, not for the end
+    assert 2 <= first_added < 15
 
 
 def test_a_burst_that_fills_the_free_slots_starts_at_once(loop):
