@@ -45,6 +45,8 @@ DEFAULT_SLOTS = {"cuda": 32, "cpu": 8, "mps": 8}
 KV_DTYPE = torch.float32
 # a lone request waits the admission gap before its prefill: beyond this it is a delay anyone notices
 MAX_ADMISSION_GAP_MS = 100.0
+# a burst whose arrivals never pause for the gap starts after this many gaps (web/pool.Admission.max_wait)
+ADMISSION_MAX_WAIT_GAPS = 10
 
 
 def build_parser():
@@ -104,7 +106,8 @@ def build_parser():
         default=1.0,
         help="requests that arrive less than this apart start together, their prompts in one prefill, so "
         "a burst does not stall its first reply behind the others' prompts; a lone request waits this "
-        "long before its prefill, a burst at most 10x this (0: every request starts at the next step)",
+        f"long before its prefill, a burst at most {ADMISSION_MAX_WAIT_GAPS}x this (0: every request starts at the "
+        "next step)",
     )
     p.add_argument(
         "--request-timeout",
@@ -155,7 +158,9 @@ def check_ranges(args):
         raise UserError(f"--body-timeout must be > 0 seconds (and finite), got {args.body_timeout}")
     if args.admission_gap_ms > MAX_ADMISSION_GAP_MS:
         limit, got = MAX_ADMISSION_GAP_MS, args.admission_gap_ms
-        raise UserError(f"--admission-gap-ms must be at most {limit} (a burst waits 10x it), got {got}")
+        raise UserError(
+            f"--admission-gap-ms must be at most {limit} (a burst waits {ADMISSION_MAX_WAIT_GAPS}x it), got {got}"
+        )
     if args.temperature > MAX_TEMPERATURE:
         raise UserError(f"--temperature must be at most {MAX_TEMPERATURE}, got {args.temperature}")
     if args.top_k > MAX_TOP_K:
@@ -313,7 +318,9 @@ def serve(args, device, warning) -> int:
         kv_bytes = sum(r.engine.cache.kv.nbytes for r in replicas) // len(replicas)  # as allocated
         packed = sum(packed_linears.nbytes(r.engine.model) for r in replicas) // len(replicas)
         gap = args.admission_gap_ms / 1e3
-        pool = ReplicaPool(replicas, queue_limit=args.queue_size, admission=Admission(gap=gap, max_wait=10 * gap))
+        pool = ReplicaPool(
+            replicas, queue_limit=args.queue_size, admission=Admission(gap=gap, max_wait=ADMISSION_MAX_WAIT_GAPS * gap)
+        )
         settings = web_app.Settings(
             model_name=name,
             temperature=args.temperature,
