@@ -69,6 +69,43 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What an engine accepts (its add's checks), apart from the engine: a server can refuse a request
+    before it reaches an engine in another process (web/replica_process.py)."""
+
+    vocab_size: int
+    max_len: int
+    slots: int
+    tools: bool  # the engine has a tokenizer, so requests may use the calculator tool
+
+    def check(self, request: Request, copies: int = 1):
+        """Raise ValueError saying what is wrong with `request` for such an engine."""
+        prompt, vocab = request.prompt, self.vocab_size
+        if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
+            raise ValueError("prompt must be a non-empty list of token ids")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
+        if not _is_int(request.max_tokens) or request.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, got {request.max_tokens!r}")
+        if len(prompt) + request.max_tokens > self.max_len:
+            raise ValueError(
+                f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) exceeds the "
+                f"engine's max_len ({self.max_len})"
+            )
+        t = request.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if request.top_k is not None and (not _is_int(request.top_k) or request.top_k < 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {request.top_k!r}")
+        if not _is_int(request.seed):
+            raise ValueError(f"seed must be an int, got {request.seed!r}")
+        if request.use_tools and not self.tools:
+            raise ValueError("use_tools needs the tokenizer's tool tokens; this engine has no tokenizer")
+        if not _is_int(copies) or not 1 <= copies <= self.slots:
+            raise ValueError(f"copies must be an int in [1, {self.slots}] (the engine's slots), got {copies!r}")
+
+
 class BatchEngine:
     """Up to `slots` rows decoding together, each up to `max_len` positions (prompt + tokens).
 
@@ -91,6 +128,7 @@ class BatchEngine:
         self.cache = SlotCache(model.config.n_layer, slots, max_len)
         self.stop = stop_tokens(tokenizer) if tokenizer is not None else frozenset()
         self.tools = ToolUse(tokenizer) if tokenizer is not None else None
+        self.limits = RequestLimits(model.config.vocab_size, max_len, slots, tools=self.tools is not None)
         self._free = list(range(slots))  # a heap: the lowest free slot first keeps the rows packed
         self._rows: list[DecodeRow] = []  # rows holding a slot, in the order they joined
         self._waiting: list[list[DecodeRow]] = []  # the copies of each request added since the last step
@@ -112,7 +150,7 @@ class BatchEngine:
     def add(self, request: Request, copies: int = 1) -> list[DecodeRow]:
         """`copies` rows continuing request.prompt (its prefill runs once, at the next step, and its
         cache is copied into each copy's slot). max_tokens 0 gives rows already done."""
-        self._check(request, copies)
+        self.limits.check(request, copies)
         if request.max_tokens == 0:
             return [DecodeRow(request, None, c, done=True, reason="max_tokens") for c in range(copies)]
         if copies > len(self._free):
@@ -127,31 +165,6 @@ class BatchEngine:
         self._rows += rows
         self._waiting.append(list(rows))
         return rows
-
-    def _check(self, request: Request, copies: int):
-        prompt, vocab = request.prompt, self.model.config.vocab_size
-        if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
-            raise ValueError("prompt must be a non-empty list of token ids")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
-        if not _is_int(request.max_tokens) or request.max_tokens < 0:
-            raise ValueError(f"max_tokens must be an int >= 0, got {request.max_tokens!r}")
-        if len(prompt) + request.max_tokens > self.max_len:
-            raise ValueError(
-                f"prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) exceeds the "
-                f"engine's max_len ({self.max_len})"
-            )
-        t = request.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if request.top_k is not None and (not _is_int(request.top_k) or request.top_k < 1):
-            raise ValueError(f"top_k must be None or an int >= 1, got {request.top_k!r}")
-        if not _is_int(request.seed):
-            raise ValueError(f"seed must be an int, got {request.seed!r}")
-        if request.use_tools and self.tools is None:
-            raise ValueError("use_tools needs the tokenizer's tool tokens; this engine has no tokenizer")
-        if not _is_int(copies) or not 1 <= copies <= self.slots:
-            raise ValueError(f"copies must be an int in [1, {self.slots}] (the engine's slots), got {copies!r}")
 
     def cancel(self, row: DecodeRow):
         """End `row` now (reason "cancelled"): its slot is free at once and it yields nothing more.
