@@ -29,7 +29,13 @@ def _canonical(arg: str) -> str:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the description's layout (scripts put usage examples there) and shows defaults."""
+    """Keeps the description's layout (scripts put usage examples there) and shows defaults, unless
+    the help already says what the default is (a None that means "chosen at run time")."""
+
+    def _get_help_string(self, action):
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
