@@ -247,8 +247,11 @@ def latency_targets(one: dict, eight: dict, min_total_ratio: float | None) -> li
     return [[f, m, t, "-" if ok is None else "yes" if ok else "no"] for f, m, t, ok in rows]
 
 
-def server_thread_count(server) -> int:
-    return int(re.search(r"(\d+) thread\(s\)", server.banner).group(1))
+def server_setup(server) -> str:
+    """How the server runs its replica, read from its banner: torch threads, and which process steps it."""
+    threads = int(re.search(r"(\d+) thread\(s\)", server.banner).group(1))
+    where = "a process of its own" if "process of its own" in server.banner else "the server's process"
+    return f"{threads} torch thread(s) in the replica, stepped in {where}"
 
 
 def test_chat_web_latency(benchmark, demo_home):
@@ -279,8 +282,8 @@ def test_chat_web_latency(benchmark, demo_home):
         "notes": f"depth-{cfg.n_layer} model (n_embd {cfg.n_embd}, vocab {cfg.vocab_size}, {cfg.sequence_len} "
         f"positions), random weights; greedy replies of up to {MAX_TOKENS} tokens to a "
         f"{len(tokenizer.render_for_completion({'messages': QUESTION}))}-token prompt; {threads} torch "
-        f"thread(s) in the direct baseline, {server_thread_count(server)} in the server (its default: the "
-        f"event loop keeps a core); {ROUNDS} interleaved rounds, medians. "
+        f"thread(s) in the direct baseline; {server_setup(server)} (the server's defaults: the event loop "
+        f"keeps a core); {ROUNDS} interleaved rounds, medians. "
         "The 8 clients are decoded together, one row each of the replica's batch engine.",
     }
     print(json.dumps(benchmark.extra_info["table"], indent=1))
@@ -317,7 +320,7 @@ def test_chat_web_short_replies(benchmark):
         "targets": latency_targets(one, eight, None),
         "notes": f"run {SFT_RUN} (`make demo`: depth {cfg.n_layer}, n_embd {cfg.n_embd}, vocab {cfg.vocab_size}); "
         f"{len(SHORT_PROMPTS)} different short prompts, greedy, max_tokens {SHORT_MAX_TOKENS}; replies of "
-        f"{events[0]}-{events[-1]} token events; {server_thread_count(server)} torch thread(s) in the server; "
+        f"{events[0]}-{events[-1]} token events; {server_setup(server)}; "
         f"{ROUNDS} interleaved rounds, medians. Per-token latency: a client's time between token events after "
         "its first; 1 client's figure is the median over the 8 prompts sent one after another.",
     }

@@ -1,7 +1,8 @@
 """
 Chat with a trained model in the browser: a page served by FastAPI + uvicorn, replies streamed
-token by token (server-sent events), one model replica per GPU (one on CPU), each decoding up to --slots
-replies at once in one continuous-batching engine (model/batch_engine.py), fed from a bounded queue.
+token by token (server-sent events), one model replica per GPU (one on CPU, stepped in a process of
+its own), each decoding up to --slots replies at once in one continuous-batching engine
+(model/batch_engine.py), fed from a bounded queue.
 
     python -m nanochat_fast.scripts.chat_web                      # newest sft (else mid) run, http://127.0.0.1:8000/
     python -m nanochat_fast.scripts.chat_web --run=demo_mid --port=8080 --temperature=0.6
@@ -13,11 +14,16 @@ any other address lets everyone who can reach it use the model. Needs the web ex
 pip install -e ".[web]". API: GET /health, GET /stats, POST /chat/completions (see nanochat_fast/web/app.py).
 """
 
+import argparse
+import functools
 import ipaddress
 import logging
 import math
 import socket
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -31,6 +37,7 @@ from ..model import generation, generation_dtype, loading, packed_linears
 from ..model.batch_engine import BatchEngine, Request
 from ..train.env_vars import check_environment
 from ..web.pool import Admission, Prepared, Replica, ReplicaPool
+from ..web.replica_process import CLOSE_SECONDS, ProcessEngine
 
 # Replies decoded together per replica when --slots is not given. A CUDA decode step is bound by
 # reading the weights, once for all rows: 32 rows cost little more than one, so throughput grows
@@ -122,6 +129,14 @@ def build_parser():
         help="seconds a request's body may take to arrive in full; a slower upload gets HTTP 408",
     )
     p.add_argument("--device-type", default="", choices=["", "cpu", "cuda", "mps"], help="'' = autodetect")
+    p.add_argument(
+        "--replica-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="step each replica's engine in a process of its own, beside the server's (which parses "
+        "requests and streams every token), instead of taking turns with it on one Python lock "
+        "(default: on a CPU yes, elsewhere no)",
+    )
     p.add_argument(
         "--dtype",
         type=cli.choice(*precision.CHOICES),
@@ -225,33 +240,97 @@ class AutocastEngine:
         return getattr(self.engine, name)
 
 
-def make_replica(model, tokenizer, device: str, slots: int, chosen: precision.Precision | None = None) -> Replica:
-    """A replica for web/pool.py: an engine of `slots` rows at the model's full context, stepping in the
-    `chosen` precision (None: fp32, the model as loaded), its KV cache allocated now by a two-token
-    warm-up (a prefill and a decode step: a cache that does not fit fails before serving, and the first
-    request pays neither for the first calls nor for packing the decode weights), and how a request
-    becomes an engine request."""
+def make_engine(model, tokenizer, device: str, slots: int, chosen: precision.Precision | None = None):
+    """An engine of `slots` rows at the model's full context, stepping in the `chosen` precision (None:
+    fp32, the model as loaded), its KV cache allocated now by a two-token warm-up (a prefill and a
+    decode step: a cache that does not fit fails before serving, and the first request pays neither
+    for the first calls nor for packing the decode weights)."""
     engine = BatchEngine(model, tokenizer, slots, max_len=model.config.sequence_len)
     if chosen is not None and chosen.dtype != torch.float32:
         engine = AutocastEngine(engine, device, chosen)
     engine.add(Request([tokenizer.get_bos_token_id()], max_tokens=2, use_tools=False))
     while engine.active:
         engine.step()
+    return engine
+
+
+def make_prepare(config, tokenizer):
+    """How a job becomes an engine request: the prompt and the text exactly as
+    generation.assistant_reply makes them, for a model of `config`."""
+    context = SimpleNamespace(config=config)  # reply_prompt reads the model's config alone
 
     def prepare(job) -> Prepared:
-        # the prompt and the text exactly as generation.assistant_reply makes them
-        ids, max_tokens, truncated = generation.reply_prompt(model, tokenizer, job.messages, job.max_tokens)
+        ids, max_tokens, truncated = generation.reply_prompt(context, tokenizer, job.messages, job.max_tokens)
         stream = generation.ReplyStream(tokenizer)
         return Prepared(Request(ids, max_tokens, job.temperature, job.top_k, job.seed), stream.push, truncated)
 
-    return Replica(engine=engine, prepare=prepare, device=device)
+    return prepare
 
 
-def load_replicas(args, devices, tokenizer):
-    """(replicas, name, slots, precision): the model once per device, each with its engine, in the dtype
-    --dtype gives (auto on a CPU: timed on a replica's mix, its slots of short chat turns; the first
-    replica's choice for all). The one place chat_web finds and loads a checkpoint; the KV cache is
-    checked before any weights load."""
+def make_replica(model, tokenizer, device: str, slots: int, chosen: precision.Precision | None = None) -> Replica:
+    """A replica for web/pool.py stepped in this process: make_engine's engine and make_prepare's requests."""
+    engine = make_engine(model, tokenizer, device, slots, chosen)
+    return Replica(engine=engine, prepare=make_prepare(model.config, tokenizer), device=device)
+
+
+def engine_memory(engine) -> dict:
+    """Bytes an engine holds: its KV cache as allocated and its packed decode weights."""
+    return {"kv_bytes": engine.cache.kv.nbytes, "packed_bytes": packed_linears.nbytes(engine.model)}
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What a replica's own process needs to build it (it pickles): the checkpoint and the replica's
+    device, slots and precision (None: chosen there from --dtype, as load_replicas chooses in-process)."""
+
+    ckpt: Path
+    config: object  # the checkpoint's GPTConfig
+    device: str
+    slots: int
+    dtype: str  # --dtype
+    max_new_tokens: int
+    chosen: precision.Precision | None = None
+
+
+def build_replica(spec: ReplicaSpec):
+    """In a replica's process (web/replica_process.py): its engine, and what the server reports of it."""
+    model = loading.restore_model(spec.ckpt, spec.config, torch.device(spec.device))
+    chosen = spec.chosen
+    if chosen is None:
+        mix = generation_dtype.chat_mix(spec.config, spec.slots, spec.max_new_tokens)
+        chosen = generation_dtype.choose(spec.device, spec.dtype, model, mix)
+    engine = make_engine(model, get_tokenizer(), spec.device, spec.slots, chosen)
+    return engine, {"slots": spec.slots, "precision": chosen, **engine_memory(engine)}
+
+
+def replica_processes(args, device: torch.device) -> bool:
+    """--replica-process, else: on a CPU yes (measured faster, docs/measurements.md#chat-server), elsewhere no."""
+    return device.type == "cpu" if args.replica_process is None else args.replica_process
+
+
+@dataclass
+class Loaded:
+    """What load_replicas gives the server."""
+
+    replicas: list[Replica]
+    name: str  # the run, its step and phase
+    slots: int  # per replica
+    precision: precision.Precision
+    memory: dict  # engine_memory of the first replica
+    threads: int  # torch threads a replica steps with
+
+    def close(self):
+        """End the replicas' own processes, if they have them."""
+        for replica in self.replicas:
+            if isinstance(replica.engine, ProcessEngine):
+                replica.engine.close()
+
+
+def load_replicas(args, devices, tokenizer) -> Loaded:
+    """The model once per device, each with its engine, in the dtype --dtype gives (auto on a CPU: timed on a
+    replica's mix, its slots of short chat turns; the first replica's choice for all), each in a process of
+    its own or in this one (replica_processes). The one place chat_web finds and loads a checkpoint; the KV
+    cache is checked before any weights load."""
     run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid"))
     ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     slots = kv_slots(args, config, devices[0].type)
@@ -260,11 +339,29 @@ def load_replicas(args, devices, tokenizer):
             f"note: {ckpt} is a {meta['phase']} (not fine-tuned) checkpoint: it has not learned to chat",
             file=sys.stderr,
         )
-    models = [loading.restore_model(ckpt, config, device) for device in devices]
-    mix = generation_dtype.chat_mix(config, slots, args.max_new_tokens)
-    chosen = generation_dtype.choose(devices[0], args.dtype, models[0], mix)
-    replicas = [make_replica(m, tokenizer, str(d), slots, chosen) for m, d in zip(models, devices)]
-    return replicas, f"{run_dir.name} step {meta['step']} ({meta['phase']})", slots, chosen
+    name = f"{run_dir.name} step {meta['step']} ({meta['phase']})"
+    if not replica_processes(args, devices[0]):
+        models = [loading.restore_model(ckpt, config, device) for device in devices]
+        mix = generation_dtype.chat_mix(config, slots, args.max_new_tokens)
+        chosen = generation_dtype.choose(devices[0], args.dtype, models[0], mix)
+        replicas = [make_replica(m, tokenizer, str(d), slots, chosen) for m, d in zip(models, devices)]
+        return Loaded(replicas, name, slots, chosen, engine_memory(replicas[0].engine), torch.get_num_threads())
+    engines, chosen = [], None
+    threads = max(1, torch.get_num_threads() // len(devices))  # each process its share of this one's
+    try:
+        for device in devices:  # one at a time: the first chooses the precision, the others take it
+            spec = ReplicaSpec(ckpt, config, str(device), slots, args.dtype, args.max_new_tokens, chosen)
+            build = functools.partial(build_replica, spec)
+            engines.append(ProcessEngine(build, threads, name=f"replica {device}"))
+            chosen = engines[0].info["precision"]
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
+    prepare = make_prepare(config, tokenizer)
+    replicas = [Replica(engine=e, prepare=prepare, device=str(d)) for e, d in zip(engines, devices)]
+    memory = {k: engines[0].info[k] for k in ("kv_bytes", "packed_bytes")}
+    return Loaded(replicas, name, slots, chosen, memory, threads)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -313,16 +410,17 @@ def serve(args, device, warning) -> int:
     devices = replica_devices(device, args.workers)
     tokenizer = get_tokenizer()
     sock = listen(args.host, args.port)
+    loaded = pool = None
     try:
-        replicas, name, slots, chosen = load_replicas(args, devices, tokenizer)
-        kv_bytes = sum(r.engine.cache.kv.nbytes for r in replicas) // len(replicas)  # as allocated
-        packed = sum(packed_linears.nbytes(r.engine.model) for r in replicas) // len(replicas)
+        loaded = load_replicas(args, devices, tokenizer)
+        replicas, kv_bytes, packed = loaded.replicas, loaded.memory["kv_bytes"], loaded.memory["packed_bytes"]
+        own = ", each in a process of its own" if replica_processes(args, devices[0]) else ""
         gap = args.admission_gap_ms / 1e3
         pool = ReplicaPool(
             replicas, queue_limit=args.queue_size, admission=Admission(gap=gap, max_wait=ADMISSION_MAX_WAIT_GAPS * gap)
         )
         settings = web_app.Settings(
-            model_name=name,
+            model_name=loaded.name,
             temperature=args.temperature,
             top_k=args.top_k,
             request_timeout=args.request_timeout,
@@ -334,10 +432,10 @@ def serve(args, device, warning) -> int:
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         print(
-            f"chat_web: {name} on {len(replicas)} replica(s) ({', '.join(map(str, devices))}), {slots} slots "
-            f"each ({cli.format_bytes(kv_bytes)} of KV cache"
+            f"chat_web: {loaded.name} on {len(replicas)} replica(s) ({', '.join(map(str, devices))}{own}), "
+            f"{loaded.slots} slots each ({cli.format_bytes(kv_bytes)} of KV cache"
             f"{f', {cli.format_bytes(packed)} of packed decode weights' if packed else ''}), "
-            f"{torch.get_num_threads()} thread(s), {chosen.describe()}, "
+            f"{loaded.threads} thread(s) each, {loaded.precision.describe()}, "
             f"queue {args.queue_size}, admission gap {args.admission_gap_ms:g} ms; "
             f"open http://{url_host}:{port}/",
             flush=True,
@@ -346,6 +444,11 @@ def serve(args, device, warning) -> int:
         uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)).run(sockets=[sock])
     finally:
         sock.close()
+        if pool is not None:  # the app closed it at shutdown; its workers end their steps in hand
+            pool.close()
+            pool.join(CLOSE_SECONDS)
+        if loaded is not None:
+            loaded.close()
     return 0
 
 

@@ -215,6 +215,13 @@ class ReplicaPool:
             self._waiting.clear()
             self._cond.notify_all()
 
+    def join(self, timeout: float):
+        """Wait at most `timeout` seconds in all for the worker threads to end, after close() (each
+        finishes the step in hand): then no engine is in use, and a replica's own process can stop."""
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
     def _retry_after(self) -> int:
         """Seconds until a place is likely free: a place frees when any running reply ends, so one
         average reply's time over the slots (1 s before any reply ended)."""

@@ -209,9 +209,11 @@ def test_infer_bench_runs_the_windowed_checkpoint(home, monkeypatch, capsys):
         assert row["kv_read_bytes_per_step"] == row["batch_size"] * out["kv_bytes_per_position"] * 141
 
 
-def test_chat_web_streams_the_full_forwards_reply(home, chat_model, monkeypatch):
-    """chat_web's app over a replica loaded by chat_web itself: one streamed greedy reply to a
-    question past the short window, equal to the reply of full forwards."""
+@pytest.mark.parametrize("where", ["--replica-process", "--no-replica-process"])
+def test_chat_web_streams_the_full_forwards_reply(home, chat_model, monkeypatch, where):
+    """chat_web's app over a replica loaded by chat_web itself, in a process of its own (the CPU's
+    default) or in this one: one streamed greedy reply to a question past the short window, equal to
+    the reply of full forwards."""
     pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install -e '.[web]'")
     import httpx
     from chat_web_support import sse_events
@@ -219,17 +221,19 @@ def test_chat_web_streams_the_full_forwards_reply(home, chat_model, monkeypatch)
     from nanochat_fast.scripts import chat_web
     from nanochat_fast.web.app import Settings, create_app
     from nanochat_fast.web.pool import ReplicaPool
+    from nanochat_fast.web.replica_process import ProcessEngine
     from nanochat_fast.web.schema import Limits
 
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
     model, tokenizer = chat_model
     messages, max_tokens = long_question(model, tokenizer)
-    args = chat_web.build_parser().parse_args(["--run=r", "--dtype=fp32", "--slots=2", "--max-new-tokens=64"])
-    replicas, name, _, _ = chat_web.load_replicas(args, [torch.device("cpu")], tokenizer)
-    assert name.startswith("r step 2 (rl)")
-    pool = ReplicaPool(replicas, queue_limit=2)
+    args = chat_web.build_parser().parse_args(["--run=r", "--dtype=fp32", "--slots=2", "--max-new-tokens=64", where])
+    loaded = chat_web.load_replicas(args, [torch.device("cpu")], tokenizer)
+    assert loaded.name.startswith("r step 2 (rl)")
+    assert isinstance(loaded.replicas[0].engine, ProcessEngine) == (where == "--replica-process")
+    pool = ReplicaPool(loaded.replicas, queue_limit=2)
     settings = Settings(
-        model_name=name, temperature=0.0, top_k=0, request_timeout=60.0, body_timeout=10.0, limits=Limits(64)
+        model_name=loaded.name, temperature=0.0, top_k=0, request_timeout=60.0, body_timeout=10.0, limits=Limits(64)
     )
     app = create_app(pool, settings)
 
@@ -244,6 +248,7 @@ def test_chat_web_streams_the_full_forwards_reply(home, chat_model, monkeypatch)
         status, chunks = asyncio.run(ask())
     finally:
         pool.close()
+        loaded.close()
     assert status == 200
     events = sse_events(chunks)
     assert events[-1] == {"done": True}

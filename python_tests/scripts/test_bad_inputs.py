@@ -452,6 +452,8 @@ NO_BAD_VALUE = {
     "--normuon",
     "--no-normuon",
     "--tune",
+    "--replica-process",
+    "--no-replica-process",
     "--no-optimizer",
     "--tensorboard",
 }

@@ -130,11 +130,15 @@ class Server:
         self.process, self.url, self.banner, self.log = process, url, banner, log
 
     def rss_bytes(self) -> int:
-        """Resident memory of the server process (Linux /proc)."""
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS line")
+        """Resident memory of the server process and all its descendants (a replica's own process
+        among them), from Linux /proc."""
+        total, pids = 0, [self.process.pid]
+        while pids:
+            proc = Path(f"/proc/{pids.pop()}")
+            lines = [line for line in (proc / "status").read_text().splitlines() if line.startswith("VmRSS:")]
+            total += int(lines[0].split()[1]) * 1024
+            pids += [int(pid) for task in (proc / "task").iterdir() for pid in (task / "children").read_text().split()]
+        return total
 
 
 @contextmanager

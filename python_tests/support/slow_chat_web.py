@@ -13,6 +13,20 @@ import time
 from nanochat_fast.core import cli
 from nanochat_fast.scripts import chat_web
 
+build_replica = chat_web.build_replica  # as imported: main() replaces chat_web's with a SlowBuild
+
+
+class SlowBuild:
+    """chat_web.build_replica (a replica in a process of its own) with its engine Slowed. It pickles
+    by this module's name and its delay: the child process builds the replica."""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+
+    def __call__(self, spec):
+        engine, info = build_replica(spec)
+        return Slowed(engine, self.delay), info
+
 
 class Slowed:
     """An engine whose every step first sleeps `delay` seconds; everything else is the engine's."""
@@ -33,13 +47,16 @@ def main(argv: list[str]):
     p.add_argument("--token-delay", type=float, required=True, help="seconds before every engine step")
     p.add_argument("args", nargs=argparse.REMAINDER, help="chat_web's arguments, after --")
     a = p.parse_args(argv)
-    make_replica = chat_web.make_replica  # load_replicas looks it up in chat_web's module at each call
+    # load_replicas looks both up in chat_web's module at each call: make_replica for replicas in this
+    # process, build_replica for each in a process of its own
+    make_replica = chat_web.make_replica
 
     def slow_replica(*args, **kwargs):
         replica = make_replica(*args, **kwargs)
         return dataclasses.replace(replica, engine=Slowed(replica.engine, a.token_delay))
 
     chat_web.make_replica = slow_replica
+    chat_web.build_replica = SlowBuild(a.token_delay)
     cli.run(chat_web.main, a.args[1:] if a.args[:1] == ["--"] else a.args)  # as `python -m` runs it
 
 

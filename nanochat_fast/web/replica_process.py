@@ -1,0 +1,229 @@
+"""
+A replica's engine in a process of its own, behind the engine's interface (slots, add, cancel, step,
+active), so web/pool.py drives it as one in its own process. The child steps the engine while it has
+rows and sends each step's tokens down a pipe; the pool's worker only waits on that pipe, so the
+engine's Python never takes turns with the event loop's on one GIL, and the child computes the next
+step while the worker routes the last. Adds and cancels go over together before each wait (a burst
+admitted together reaches the child in one message: one prefill); a request is checked here against
+the engine's limits first, so add() refuses a bad one as the engine would; a cancelled row's late
+tokens are dropped here. A child that dies fails its rows, and the next add() starts a new one. The
+messages and the measurements: docs/measurements.md#chat-server.
+"""
+
+import logging
+import multiprocessing
+import pickle
+import signal
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+log = logging.getLogger("nanochat_fast.chat_web")
+
+# how long close() waits for the child to end before it is killed
+CLOSE_SECONDS = 5.0
+
+
+class ReplicaProcessError(RuntimeError):
+    """The replica's process is gone (it crashed or was killed): nothing it held can go on."""
+
+
+@dataclass(eq=False)
+class RowHandle:
+    """The server side's handle of one row of the child's engine."""
+
+    id: int
+    done: bool = False
+
+
+class StepToken(NamedTuple):
+    row: RowHandle
+    token: int
+    forced: bool
+    last: bool
+
+
+def _portable(e: BaseException) -> BaseException:
+    """`e` if it survives pickling (the parent raises it as it was raised here), else a RuntimeError
+    naming it."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _serve(conn, build: Callable, threads: int):
+    """The child: build the engine, then step it until the server says close or is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    try:
+        engine, info = build()
+    except BaseException as e:
+        conn.send(("refused", _portable(e)))
+        return
+    try:
+        conn.send(("ready", {**info, "limits": engine.limits}))
+        _step_while_rows(conn, engine)
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
+        pass
+
+
+def _step_while_rows(conn, engine):
+    """Step the engine while it has rows, applying the server's messages between steps (and waiting
+    for them when it has none); returns at ("close",)."""
+    rows, ids = {}, {}  # id -> the engine's row, and back
+    while True:
+        while not engine.active or conn.poll():
+            message = conn.recv()
+            if message[0] == "close":
+                return
+            for op, id, *request in message[1]:
+                if op == "add":
+                    try:
+                        [row] = engine.add(*request)
+                    except Exception as e:  # checked by the server: not a request's own fault
+                        conn.send(("failed", (_portable(e), [id])))
+                        continue
+                    if not row.done:
+                        rows[id], ids[row] = row, id
+                elif (row := rows.pop(id, None)) is not None:
+                    del ids[row]
+                    engine.cancel(row)
+        try:
+            tokens = engine.step()
+        except Exception as e:  # its rows end; the engine serves on
+            for row in list(engine.active):
+                engine.cancel(row)
+            conn.send(("failed", (_portable(e), list(rows))))
+            rows.clear()
+            ids.clear()
+            continue
+        sent = []
+        for t in tokens:
+            sent.append((ids[t.row], t.token, t.forced, t.last))
+            if t.last:
+                del rows[ids.pop(t.row)]
+        conn.send(("step", sent))
+
+
+class ProcessEngine:
+    """An engine built by `build()` (-> (engine, info dict)) in a spawned child process with
+    `threads` intra-op threads; `build` must pickle (a module-level function, or a partial of one).
+    Starts the child and waits until its engine is built (an exception there is raised here). A child
+    that died fails what it held (ReplicaProcessError) and the next add() starts a new one."""
+
+    def __init__(self, build: Callable, threads: int, name: str = "replica"):
+        self._build, self._threads, self._name = build, threads, name
+        self._rows: dict[int, RowHandle] = {}
+        self._ops = []  # adds and cancels not yet sent
+        self._next_id = 0
+        self._start()
+
+    def _start(self):
+        context = multiprocessing.get_context("spawn")  # a forked torch with threads running can hang
+        self._conn, child_end = context.Pipe()
+        args = (child_end, self._build, self._threads)
+        self._process = context.Process(target=_serve, args=args, name=self._name, daemon=True)
+        self._process.start()
+        child_end.close()  # the child's end lives in the child alone: its death is an EOF here
+        kind, value = self._receive()
+        if kind == "refused":
+            self.close()
+            raise value
+        self.info, self.limits, self.slots = value, value["limits"], value["slots"]
+
+    @property
+    def active(self) -> list[RowHandle]:
+        return list(self._rows.values())
+
+    def _receive(self):
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            raise self._gone() from None
+
+    def _flush(self):
+        """Send the adds and cancels not yet sent. A child that is gone raises, its rows still held:
+        the next step() ends them."""
+        if self._ops:
+            ops, self._ops = self._ops, []
+            try:
+                self._conn.send(("ops", ops))
+            except OSError:
+                raise self._ended() from None
+
+    def _ended(self) -> ReplicaProcessError:
+        self._process.join(1.0)
+        return ReplicaProcessError(f"the replica's process ended (exit code {self._process.exitcode})")
+
+    def _gone(self) -> ReplicaProcessError:
+        """The child is gone: every row it held ends."""
+        for row in self._rows.values():
+            row.done = True
+        self._rows.clear()
+        return self._ended()
+
+    def add(self, request) -> list[RowHandle]:
+        """The request's row, as the engine's add gives it (max_tokens 0: done at once); it joins
+        the child's engine at the next step(). Raises what the engine's checks raise."""
+        self.limits.check(request)
+        if not self._process.is_alive():
+            if self._rows:  # they fail first, at the next step() (the pool fails their replies)
+                raise self._ended()
+            log.warning("%s: its process ended (exit code %s); starting a new one", self._name, self._process.exitcode)
+            self._ops.clear()
+            self._conn.close()
+            self._start()
+        self._next_id += 1
+        row = RowHandle(self._next_id, done=request.max_tokens == 0)
+        if not row.done:
+            self._rows[row.id] = row
+            self._ops.append(("add", row.id, request))
+        return [row]
+
+    def cancel(self, row: RowHandle):
+        """End `row` now: nothing more of it reaches the caller, and the child frees its slot before its
+        next step."""
+        if self._rows.pop(row.id, None) is not None:
+            row.done = True
+            self._ops.append(("cancel", row.id))
+            try:
+                self._flush()
+            except ReplicaProcessError:  # the child is gone, and the row with it
+                pass
+
+    def step(self) -> list[StepToken]:
+        """Sends what was added and cancelled since the last call, then waits for the child's next step:
+        its tokens for the rows held here (rows cancelled since are left out)."""
+        self._flush()
+        while self._rows:
+            kind, value = self._receive()
+            if kind == "failed":
+                error, ended = value
+                for id in ended:
+                    if (row := self._rows.pop(id, None)) is not None:
+                        row.done = True
+                raise error
+            tokens = [StepToken(self._rows[id], *rest) for id, *rest in value if id in self._rows]
+            for t in tokens:
+                if t.last:
+                    t.row.done = True
+                    del self._rows[t.row.id]
+            if tokens:
+                return tokens
+        return []
+
+    def close(self):
+        """Stop the child (its rows end with it); kill it if it has not ended within CLOSE_SECONDS.
+        Call it once nothing else uses this engine (web/pool.ReplicaPool.join)."""
+        try:
+            self._conn.send(("close",))
+        except OSError:
+            pass
+        self._process.join(CLOSE_SECONDS)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
