@@ -49,6 +49,12 @@ TORCH_LIBRARY(nanochat_fast, m) {
   // cap * tanh(x / cap), float32, no autograd (the models' logit softcap where no gradient is wanted).
   m.def("softcap(Tensor x, float cap) -> Tensor");
 
+  // The windowed family's smear for a decode step's rows (one new token each), x [B, 1, C]: returns
+  // x + gate_lambda * sigmoid(x[..., :G] @ gate_weight^T) * previous[rows] and writes x into
+  // previous[rows] (previous [S, C]: each slot's last input embedding), G = gate_weight [1, G]'s
+  // width. float32, no autograd; a row reads and writes its own slot alone.
+  m.def("smear_decode(Tensor x, Tensor(a!) previous, Tensor rows, Tensor gate_weight, Tensor gate_lambda) -> Tensor");
+
   // One block of the seeds' GPT or the windowed family for a decode step's rows (one new token each),
   // from the residual stream x [B, 1, C] to the next: x = resid_lambda * x + x0_lambda * x0 if x0
   // [B, 1, C] is given; h = rms_norm(x); q, k, v = h @ qkv^T split, v += 3 * sigmoid(h[:, :G] @

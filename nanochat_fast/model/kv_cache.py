@@ -57,16 +57,18 @@ class SlotCache:
         if self.embeddings is not None:
             self.embeddings[dst] = self.embeddings[src]
 
-    def previous_embedding(self, view, x: torch.Tensor) -> torch.Tensor:
-        """(B, C): the input embedding of the position before each row's first new token in `view`
-        (SlotPrefill or SlotBatch), zero for a row starting at position 0 (only a prefill's can: a
-        slot batch's rows continue what their slots hold)."""
+    def embedding_store(self, x: torch.Tensor) -> torch.Tensor:
+        """(slots, C) float32: each slot's last input embedding (allocated at the first call, for x's C)."""
         if self.embeddings is None:
             self.embeddings = torch.zeros(self.slots, x.size(-1), dtype=torch.float32, device=x.device)
-        if isinstance(view, SlotPrefill):
-            prev = self.embeddings[view.slots]
-            return prev if view.pos > 0 else torch.zeros_like(prev)
-        return self.embeddings.index_select(0, view.slots)
+        return self.embeddings
+
+    def previous_embedding(self, view, x: torch.Tensor) -> torch.Tensor:
+        """(B, C): the input embedding of the position before each row's first prompt token in the
+        SlotPrefill `view`, zero for rows starting at position 0. (A decode step's smear reads and
+        keeps the embeddings in one op: kernels/smear.py.)"""
+        prev = self.embedding_store(x)[view.slots]
+        return prev if view.pos > 0 else torch.zeros_like(prev)
 
     def keep_embedding(self, view, x: torch.Tensor):
         """Store each row's last input embedding of x (B, T, C) (view.last) for its next step."""

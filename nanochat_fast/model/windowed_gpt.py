@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.distributed import is_distributed, print0
+from ..kernels.smear import smear_decode
 from . import packed_linears
 from .gpt import GPT, MLP, GPTConfig, Linear, apply_rotary_emb, norm, project_qkv
 from .kv_cache import SlotBatch
@@ -293,14 +294,16 @@ class WindowedGPT(GPT):
     def _smear(self, x, kv_cache):
         """Each position plus gate * the previous position's embedding; the first position of a
         chunk after cached ones takes the previous embedding the cache kept."""
+        if isinstance(kv_cache, SlotBatch):  # a decode step: one op (kernels/smear.py)
+            previous = kv_cache.cache.embedding_store(x)
+            return smear_decode(x, previous, kv_cache.slots, self.smear_gate.weight, self.smear_lambda)
         gate = self.smear_lambda.to(x.dtype) * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS]))
         prev = x[:, :-1]
         if kv_cache is None:
             return torch.cat([x[:, :1], x[:, 1:] + gate[:, 1:] * prev], dim=1)
         before = kv_cache.cache.previous_embedding(kv_cache, x)[:, None].to(x.dtype)
         kv_cache.cache.keep_embedding(kv_cache, x)
-        prev = before if x.size(1) == 1 else torch.cat([before, prev], dim=1)  # a decode step: no cat
-        return x + gate * prev
+        return x + gate * torch.cat([before, prev], dim=1)
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         cos_sin = self._rotary(idx.size(1), kv_cache)

@@ -1,8 +1,8 @@
-"""The decode step's kernels, packed_linear, decode_attention, rms_norm, softcap and decode_block: each against
-float64 PyTorch, the batch invariance they promise (a row's result bitwise the same alone as in any
-batch), the op contracts (opcheck, bad arguments), and the engine running its decode steps through
-them: packs follow weight updates, and a model's decode logits for a row do not depend on the rows
-beside it."""
+"""The decode step's kernels, packed_linear, decode_attention, rms_norm, softcap, smear_decode and
+decode_block: each against float64 PyTorch, the batch invariance they promise (a row's result
+bitwise the same alone as in any batch), the op contracts (opcheck, bad arguments), and the engine
+running its decode steps through them: packs follow weight updates, and a model's decode logits for
+a row do not depend on the rows beside it."""
 
 import pytest
 import torch
@@ -16,6 +16,7 @@ from nanochat_fast.kernels.decode_attention import decode_attention
 from nanochat_fast.kernels.decode_block import decode_block
 from nanochat_fast.kernels.packed_linear import pack_linear
 from nanochat_fast.kernels.rms_norm import rms_norm
+from nanochat_fast.kernels.smear import smear_decode
 from nanochat_fast.kernels.softcap import softcap
 from nanochat_fast.model import packed_linears
 from nanochat_fast.model.batch_engine import BatchEngine, Request
@@ -358,6 +359,43 @@ def test_softcap_rows_do_not_depend_on_the_batch_and_refuses_what_it_cannot_take
     with pytest.raises(RuntimeError, match="cap must be > 0"):
         ops.softcap(x, 0.0)
     torch.library.opcheck(ops.softcap.default, (randn(3, 5, 8), 15.0))
+
+
+# -- smear_decode -----------------------------------------------------------------------------------
+
+
+def smear_float64(x, previous, rows, w, lam):
+    gate = lam.double() * torch.sigmoid(x.double()[..., : w.size(1)] @ w.double().T)
+    return x.double() + gate * previous.double()[rows][:, None]
+
+
+def test_smear_decode_matches_float64_and_keeps_each_rows_embedding():
+    x, previous = randn(3, 1, 64, seed=10), randn(5, 64, seed=11)
+    rows, w, lam = torch.tensor([4, 0, 2]), randn(1, 24, seed=12) * 0.2, torch.tensor([0.7])
+    expected = smear_float64(x, previous, rows, w, lam)
+    kept = previous.clone()
+    kept[rows] = x[:, 0]  # each row's slot then holds its embedding; the other slots are untouched
+    for backend in ("cpp", "reference"):
+        p = previous.clone()
+        y = smear_decode(x, p, rows, w, lam, backend=backend)
+        assert y.shape == x.shape and (y.double() - expected).abs().max() < 2e-6, backend
+        assert torch.equal(p, kept), backend
+
+
+def test_smear_decode_rows_do_not_depend_on_the_batch_and_refuses_bad_input():
+    x, previous = randn(8, 1, 64, seed=13), randn(8, 64, seed=14)
+    rows, w, lam = torch.arange(8).flip(0), randn(1, 24, seed=15), torch.tensor([0.5])
+    together = smear_decode(x, previous.clone(), rows, w, lam, backend="cpp")
+    for i in (0, 5, 7):
+        alone = smear_decode(x[i : i + 1], previous.clone(), rows[i : i + 1], w, lam, backend="cpp")
+        assert torch.equal(together[i], alone[0])
+    with pytest.raises(RuntimeError, match=r"rows\[0\] = 8 is not a slot in \[0, 8\)"):
+        ops.smear_decode(x[:1], previous, torch.tensor([8]), w, lam)
+    with pytest.raises(RuntimeError, match="previous must be contiguous float32"):
+        ops.smear_decode(x, previous.double(), rows, w, lam)
+    with pytest.raises(ValueError, match="float32"):
+        smear_decode(x.bfloat16(), previous, rows, w, lam, backend="cpp")
+    torch.library.opcheck(ops.smear_decode.default, (x, previous.clone(), rows, w, lam))
 
 
 # -- the engine's decode steps ----------------------------------------------------------------------
