@@ -13,8 +13,9 @@ weights, fp32, one thread (a chat_web replica's). A decode step feeds B rows one
                   real step the weights pass between two layers' reads and the keys come from DRAM.
   test_engine     whole BatchEngine.step()s of B rows: the kernels above vs the same engine on stock
                   PyTorch (NANOCHAT_FAST_KERNELS=packed_linear=reference,decode_attention=reference,
-                  rms_norm=reference,decode_block=reference,softcap=reference), fp32 and under bf16
-                  autocast; for the seeds' GPT and the windowed family (SSSL) of the same size
+                  rms_norm=reference,decode_block=reference,softcap=reference,smear_decode=reference),
+                  fp32 and under bf16 autocast; for the seeds' GPT and the windowed family (SSSL) of
+                  the same size
 """
 
 import sys
@@ -41,7 +42,10 @@ from stub_models import one_thread  # noqa: E402, F401 (an autouse fixture: a ch
 pytestmark = pytest.mark.skipif(registry.extension() is None, reason="extension not built")
 CONFIG = config_from_depth(4, 4096, 512)
 FAMILY = {"gpt": "GPT", "windowed": "windowed GPT (SSSL)"}
-STOCK = "packed_linear=reference,decode_attention=reference,rms_norm=reference,decode_block=reference,softcap=reference"
+STOCK = ",".join(
+    f"{op}=reference"
+    for op in ("packed_linear", "decode_attention", "rms_norm", "decode_block", "softcap", "smear_decode")
+)
 
 
 def model(arch="gpt"):
