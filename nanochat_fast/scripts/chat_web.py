@@ -414,7 +414,7 @@ def serve(args, device, warning) -> int:
     try:
         loaded = load_replicas(args, devices, tokenizer)
         replicas, kv_bytes, packed = loaded.replicas, loaded.memory["kv_bytes"], loaded.memory["packed_bytes"]
-        own = ", each in a process of its own" if replica_processes(args, devices[0]) else ""
+        own = ", each in a process of its own" if isinstance(replicas[0].engine, ProcessEngine) else ""
         gap = args.admission_gap_ms / 1e3
         pool = ReplicaPool(
             replicas, queue_limit=args.queue_size, admission=Admission(gap=gap, max_wait=ADMISSION_MAX_WAIT_GAPS * gap)
