@@ -192,7 +192,9 @@ DecodeAttention check_decode_rows(const char* op, at::Tensor& cache, const at::T
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(0 <= row[b] && row[b] < S, op, ": rows[", b, "] = ", row[b], " is outside [0, ", S, ")");
     TORCH_CHECK(0 <= pos[b] && pos[b] < L, op, ": positions[", b, "] = ", pos[b], " is outside [0, ", L, ")");
-    for (int64_t a = 0; a < b; ++a) TORCH_CHECK(row[a] != row[b], op, ": rows[", a, "] and rows[", b, "] are both ", row[b]);
+    for (int64_t a = 0; a < b; ++a)
+      TORCH_CHECK(row[a] != row[b] || pos[a] != pos[b], op, ": rows[", a, "] and rows[", b, "] both write position ",
+                  pos[b], " of slot ", row[b]);
   }
   DecodeAttention a{};
   a.cache = cache.mutable_data_ptr<float>();
@@ -212,7 +214,9 @@ void decode_attention_rows(const DecodeAttention& a) {
   float* kp = a.cache;
   float* vp = a.cache + a.value_offset;
   // The new tokens first: a few hundred floats a row, on this thread. The rotated queries go to
-  // `rotated` (each row's heads side by side), where the attention reads them head by head.
+  // `rotated` (each row's heads side by side), where the attention reads them head by head. Every
+  // key and value is in the cache before any row attends: so a slot's several rows (a prompt's
+  // positions) see each other's entries, each its own and those before it.
   std::vector<float> rotated(B * H * D);
   for (int64_t b = 0; b < B; ++b) {
     const float* c = a.cos + b * (D / 2);

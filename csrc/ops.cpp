@@ -37,7 +37,8 @@ TORCH_LIBRARY(nanochat_fast, m) {
   // h / g, s:p+1] * scale) @ values[rows[b], h / g, s:p+1] with p = positions[b], g = H / Hkv and
   // s = max(0, p - window) (0 without window). Returns [B, 1, H * D] float32 (heads side by side,
   // what the output projection takes). A row reads nothing of the others: its result does not
-  // depend on them.
+  // depend on them. Several rows may share a slot at different positions (a prompt's tokens): every
+  // row's key and value are written before any row attends, so each sees those before it.
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, float qk_scale, Tensor(a!) cache, "
       "Tensor rows, Tensor positions, int? window, float scale) -> Tensor");
@@ -52,7 +53,8 @@ TORCH_LIBRARY(nanochat_fast, m) {
   // The windowed family's smear for a decode step's rows (one new token each), x [B, 1, C]: returns
   // x + gate_lambda * sigmoid(x[..., :G] @ gate_weight^T) * previous[rows] and writes x into
   // previous[rows] (previous [S, C]: each slot's last input embedding), G = gate_weight [1, G]'s
-  // width. float32, no autograd; a row reads and writes its own slot alone.
+  // width. float32, no autograd; a row reads and writes its own slot alone, the rows one after
+  // another (a slot's several rows, a prompt's positions in order, each mix in the one before).
   m.def("smear_decode(Tensor x, Tensor(a!) previous, Tensor rows, Tensor gate_weight, Tensor gate_lambda) -> Tensor");
 
   // One block of the seeds' GPT or the windowed family for a decode step's rows (one new token each),

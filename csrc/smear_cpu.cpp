@@ -5,7 +5,9 @@
 // Why an op: in torch this is ~10 dispatches on a few hundred floats (a slice, a 24-wide product, a
 // sigmoid, the scalar's cast, the previous embeddings gathered and cast, the new ones scattered, a
 // product and a sum), ~0.1 ms of a one-row windowed decode step (docs/measurements.md). Each row
-// reads and writes its own slot alone: its result does not depend on the other rows. The gate's
+// reads and writes its own slot alone: its result does not depend on the other rows. The rows go
+// one after another, so a slot's several rows (a prompt's positions, in order) each mix in the
+// embedding of the row before. The gate's
 // sigmoid uses std::exp, as decode_block's value-embedding gate does.
 #include <ATen/ATen.h>
 #include <torch/library.h>

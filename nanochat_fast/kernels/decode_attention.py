@@ -6,13 +6,14 @@ read in place (s = max(0, p - window), 0 without a window):
 
     q [B, 1, H, D], k, v [B, 1, Hkv, D] as the projections made them; cos, sin [B, 1, 1, D/2] each
     row's rotary angles; cache [2, S, Hkv, L, D] one layer's keys and values of a block of slots (a
-    view of the slot cache); rows int64 [B] distinct; positions int64 [B] < L -> [B, 1, H * D]
+    view of the slot cache); rows int64 [B]; positions int64 [B] < L -> [B, 1, H * D]
+Every key and value is written before any row attends: rows of one slot (a prompt's) see earlier ones.
 
 Backends:
     cpp        CPU, float32: csrc/decode_attention_cpu.cpp, one call where PyTorch takes some forty
                small ops; each (row, head) reads only its own entries, once; a row's result does not
                depend on the other rows of the step.
-    reference  those PyTorch ops and SDPA over the whole block with a per-row mask; anywhere, any dtype.
+    reference  those PyTorch ops and SDPA over each row's slot with a mask; anywhere, any dtype.
 """
 
 import torch
@@ -73,23 +74,21 @@ def _rotate_and_norm(x, cos, sin, qk_scale):
 
 @register_backend(OP, "reference", always)
 def _reference(q, k, v, cos, sin, cache, rows, positions, qk_scale, window):
-    """SDPA over the block: a slot no row uses gets an all-true mask row (its answer is computed
-    and dropped) so that no softmax is over nothing; masked entries weigh exactly 0."""
+    """SDPA of each row over its slot's entries, masked to its own s..p. Every key and value is
+    written before any row attends, as the cpp kernel does."""
     B, _, H, D = q.shape
     q, k = _rotate_and_norm(q, cos, sin, qk_scale), _rotate_and_norm(k, cos, sin, qk_scale)
     keys, values = cache[0], cache[1]
     keys[rows, :, positions] = k[:, 0]
     values[rows, :, positions] = v[:, 0]
-    S, L = keys.size(0), keys.size(2)
-    valid = torch.full((S,), L, dtype=torch.long, device=q.device).index_copy_(0, rows, positions + 1)
-    cols = torch.arange(L, device=q.device)[None, :]
-    mask = cols < valid[:, None]
+    cols = torch.arange(keys.size(2), device=q.device)[None, :]
+    mask = cols <= positions[:, None]
     if window is not None:
-        starts = (positions - window).clamp_min(0)
-        mask &= cols >= torch.zeros(S, dtype=torch.long, device=q.device).index_copy_(0, rows, starts)[:, None]
-    spread = q.new_zeros(S, H, 1, D).index_copy_(0, rows, q.transpose(1, 2))
-    y = F.scaled_dot_product_attention(spread, keys, values, attn_mask=mask.view(S, 1, 1, L), enable_gqa=H != k.size(2))
-    return y.index_select(0, rows).transpose(1, 2).reshape(B, 1, H * D)
+        mask &= cols >= (positions - window).clamp_min(0)[:, None]
+    y = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys[rows], values[rows], attn_mask=mask[:, None, None], enable_gqa=H != k.size(2)
+    )
+    return y.transpose(1, 2).reshape(B, 1, H * D)
 
 
 if registry.extension() is not None:

@@ -4,6 +4,9 @@ token each, from x [B, 1, C] and previous [slots, C], each slot's last input emb
 
     y = x + gate_lambda * sigmoid(x[..., :G] @ gate_weight^T) * previous[rows];  previous[rows] = x
 
+row after row: a slot's several rows (a prompt's positions, consecutive and in order) each mix in the
+row before it, and the slot keeps the last.
+
 Backends:
     cpp        CPU, float32, no autograd: csrc/smear_cpu.cpp, one dispatch where torch takes ~10.
     reference  those ops in torch: anywhere, any dtype (previous stays float32).
@@ -33,8 +36,12 @@ def _cpp(x, previous, rows, gate_weight, gate_lambda):
 @register_backend(OP, "reference", always)
 def _reference(x, previous, rows, gate_weight, gate_lambda):
     gate = gate_lambda.to(x.dtype) * torch.sigmoid(F.linear(x[..., : gate_weight.size(1)], gate_weight.to(x.dtype)))
-    before = previous.index_select(0, rows)[:, None].to(x.dtype)
-    previous[rows] = x[:, -1].float()
+    follows = torch.zeros_like(rows, dtype=torch.bool)  # the rows after the first of their slot
+    follows[1:] = rows[1:] == rows[:-1]
+    before = torch.where(follows[:, None, None], x.roll(1, 0), previous.index_select(0, rows)[:, None].to(x.dtype))
+    last = torch.ones_like(follows)
+    last[:-1] = ~follows[1:]
+    previous[rows[last]] = x[last, -1].float()
     return x + gate * before
 
 

@@ -2,17 +2,16 @@
 Continuous batching: many conversations decoded together, each at its own length.
 
 The engine owns a SlotCache (kv_cache.py): keys and values for `slots` sequences, preallocated
-once. A request joins between steps (add): at the next step its prompt is run into a free slot
-(the prompts of the requests that joined together in one forward) and its first token sampled.
-From then on it is one row of the decode batch: every step is one forward of B rows x 1 token,
-each row at its own position and attending only to its own cached entries. A row leaves when it
-ends (<|assistant_end|> or <|bos|>, max_tokens, or cancelled) and its slot goes back to the pool
-at once. Each row samples with its own settings, generator
-(seeded request.seed + copy) and calculator state (sampling.ToolUse), so what a request gets does
-not depend on what else is in the batch. step() runs under torch.inference_mode(); the caller's
-autocast applies, and the cache keeps the dtype of the first keys written. Whether a row decodes the
-same tokens batched as alone (bitwise on a CPU in fp32; how close elsewhere):
-docs/measurements.md#continuous-batching.
+once. A request joins between steps (add): at the next step its prompt is run into a free slot and
+its first token sampled; from then on it is one row of the decode batch: every step is one forward
+of B rows x 1 token, each row at its own position and attending only to its own cached entries.
+The step's new prompts run in that same forward, a row per token (PROMPT_AS_ROWS), or after it in
+one of their own. A row leaves when it ends (<|assistant_end|> or <|bos|>, max_tokens, or
+cancelled) and its slot goes back to the pool at once. Each row samples with its own settings,
+generator (seeded request.seed + copy) and calculator state (sampling.ToolUse), so what a request
+gets does not depend on what else is in the batch. step() runs under torch.inference_mode(); the
+caller's autocast applies. Whether a row decodes the same tokens batched as alone (bitwise on a
+CPU in fp32; how close elsewhere): docs/measurements.md#continuous-batching.
 """
 
 import heapq
@@ -36,6 +35,12 @@ class Request:
     top_k: int | None = None
     seed: int = 42  # copy c samples with a generator seeded seed + c
     use_tools: bool = True
+
+
+# The prompts a step admits run in its decode forward, a row per token, while they are at most this
+# many tokens in all; more run in a forward of their own, faster from about there
+# (docs/measurements.md#continuous-batching).
+PROMPT_AS_ROWS = 256
 
 
 class EngineFull(Exception):
@@ -186,15 +191,18 @@ class BatchEngine:
 
     def step(self) -> list[Token]:
         """One token for every active row: the requests added since the last step have their
-        prompts run (together, one forward) and sample their first token; the others feed their
-        last token in one batched forward. Returns this step's tokens in join order; rows that end
-        free their slots."""
+        prompts run and sample their first token; the others feed their last token, all in one
+        batched forward (the prompts in one of their own when they are too many tokens: module
+        docstring). Returns this step's tokens in join order; rows that end free their slots."""
         with torch.inference_mode():
             decoding = sorted((r for r in self._rows if r.length > 0), key=lambda r: r.slot)
-            parts = [(decoding, self._decode(decoding))] if decoding else []
-            if self._waiting:
-                parts += zip(self._waiting, self._prefill(self._waiting))
-            self._waiting = []
+            waiting, self._waiting = self._waiting, []
+            if waiting and self._prompts_as_rows(waiting, len(decoding)):
+                parts = self._decode(decoding, waiting)
+            else:
+                parts = self._decode(decoding) if decoding else []
+                if waiting:
+                    parts += zip(waiting, self._prefill(waiting))
             if not parts:
                 return []
             rows = [row for group, _ in parts for row in group]
@@ -202,6 +210,16 @@ class BatchEngine:
             joined = {row: i for i, row in enumerate(self._rows)}
             out = sorted(zip(rows, tokens), key=lambda pair: joined[pair[0]])
             return [self._advance(row, token) for row, token in out]
+
+    def _prompts_as_rows(self, groups: list[list[DecodeRow]], decoding: int) -> bool:
+        """Whether the prompts run as rows of the decode step (module docstring): few tokens in all,
+        a model whose forward takes them (gpt.GPT), a step through the packed CPU kernels."""
+        tokens = sum(len(group[0].request.prompt) for group in groups)
+        return (
+            tokens <= PROMPT_AS_ROWS
+            and getattr(self.model, "prompts_as_decode_rows", False)
+            and packed_linears.usable(self.model, decoding)
+        )
 
     def _prefill(self, groups: list[list[DecodeRow]]) -> list[torch.Tensor]:
         """Run the requests' prompts into their first copies' slots, together in one forward (each
@@ -218,22 +236,46 @@ class BatchEngine:
         # short prompts are a few rows too: the packed linears beat sgemm there as in a decode step
         with packed_linears.decoding(self.model, ids.numel()):
             logits = self.model(ids, kv_cache=view)[:, -1]
-        for group, prompt in zip(groups, prompts):
-            for row in group[1:]:
-                self.cache.copy_slot(group[0].slot, row.slot, len(prompt))
-            for row in group:
-                row.length = len(prompt)
+        for group in groups:
+            self._prefilled(group)
         return [logits[i : i + 1].expand(len(group), -1) for i, group in enumerate(groups)]
 
-    def _decode(self, rows: list[DecodeRow]) -> torch.Tensor:
-        """Feed every row its last token (rows in slot order) in one forward; their next-token logits."""
-        ids = torch.tensor([[row.tokens[-1]] for row in rows], dtype=torch.long, device=self.device)
-        batch = SlotBatch(self.cache, [row.slot for row in rows], [row.length for row in rows], self.device)
-        with packed_linears.decoding(self.model, len(rows)):
+    def _decode(self, rows: list[DecodeRow], groups: list[list[DecodeRow]] = ()) -> list[tuple]:
+        """Feed every row its last token (rows in slot order) and each group's prompt, a row per
+        token from position 0 in its first copy's slot, in one forward; (rows, their next-token
+        logits) and, per group, (group, its prompt's last logits, a row per copy)."""
+        entries, wanted = [(row.slot, row.length, row.tokens[-1]) for row in rows], None
+        if groups:
+            for group in groups:
+                entries += [(group[0].slot, position, t) for position, t in enumerate(group[0].request.prompt)]
+            entries.sort()
+            index = {(slot, position): i for i, (slot, position, _) in enumerate(entries)}
+            wanted = [index[row.slot, row.length] for row in rows]
+            wanted += [index[group[0].slot, len(group[0].request.prompt) - 1] for group in groups]
+            if self.cache.kv is None:  # a block's first keys are written inside its op: make the storage
+                config = self.model.config
+                dtype = next(self.model.parameters()).dtype
+                self.cache.allocate(config.n_kv_head, config.head_dim, dtype, self.device)
+        slots, positions, ids = zip(*entries)
+        batch = SlotBatch(self.cache, list(slots), list(positions), self.device, logits_of=wanted)
+        ids = torch.tensor(ids, dtype=torch.long, device=self.device)[:, None]
+        with packed_linears.decoding(self.model, len(rows)):  # the prompts' rows ride along
             logits = self.model(ids, kv_cache=batch)[:, -1, :]
         for row in rows:
             row.length += 1
-        return logits
+        parts = [(rows, logits[: len(rows)])] if rows else []
+        for i, group in enumerate(groups, start=len(rows)):
+            self._prefilled(group)
+            parts.append((group, logits[i : i + 1].expand(len(group), -1)))
+        return parts
+
+    def _prefilled(self, group: list[DecodeRow]):
+        """The request's prompt is in its first copy's slot: copy it into the others' slots."""
+        prompt = group[0].request.prompt
+        for row in group[1:]:
+            self.cache.copy_slot(group[0].slot, row.slot, len(prompt))
+        for row in group:
+            row.length = len(prompt)
 
     def _sample(self, rows: list[DecodeRow], logits: torch.Tensor) -> list[int]:
         """Each row's token from its logits row: greedy rows in one argmax, the others each with

@@ -190,6 +190,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # a SlotBatch's rows may be a prompt's tokens from position 0 (kv_cache.py): the batch engine
+    # runs short prompts in its decode steps
+    prompts_as_decode_rows = True
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config

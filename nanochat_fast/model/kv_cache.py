@@ -10,7 +10,8 @@ ends. Two views write into it:
                  model's usual causal path runs them: one prompt, or several right-padded to the
                  longest (the prompts of requests that joined together, from position 0).
     SlotBatch    one decode step of rows at different lengths: row i feeds one token at its own
-                 position in its own slot, and attends to its own valid entries only.
+                 position in its own slot, and attends to its own valid entries only. A short
+                 prompt may run in the same step as rows of its own, a token each, from position 0.
 """
 
 import torch
@@ -43,11 +44,15 @@ class SlotCache:
     def storage(self, k: torch.Tensor) -> torch.Tensor:
         """The storage, allocated on the first call from the shape, dtype and device of k (B, H, T, D)."""
         if self.kv is None:
-            _, n_kv_head, _, head_dim = k.shape
-            self.kv = torch.zeros(
-                self.n_layer, 2, self.slots, n_kv_head, self.max_len, head_dim, dtype=k.dtype, device=k.device
-            )
+            self.allocate(k.size(1), k.size(3), k.dtype, k.device)
         return self.kv
+
+    def allocate(self, n_kv_head: int, head_dim: int, dtype, device):
+        """Make the storage now, where no keys will make it (a first step that runs its prompts as
+        a slot batch's rows reads the cache before any layer's keys exist)."""
+        self.kv = torch.zeros(
+            self.n_layer, 2, self.slots, n_kv_head, self.max_len, head_dim, dtype=dtype, device=device
+        )
 
     def copy_slot(self, src: int, dst: int, length: int):
         """Slot dst continues from slot src's first `length` positions (a prompt run once, sampled
@@ -131,37 +136,46 @@ class SlotPrefill:
 
 
 class SlotBatch:
-    """One decode step of B rows: row i feeds one token at position positions[i] >= 1 of slot
-    slots[i] (slots in increasing order, each once), after what the slot holds.
+    """One decode step of B rows: row i feeds one token at position positions[i] of slot slots[i],
+    after what the slot holds. Rows are in increasing (slot, position) order. A slot has one row
+    when it continues its sequence, or several at consecutive positions from 0 when a prompt runs
+    in the step as rows of its own (batch_engine.py): every row's key is written before any row
+    attends, so each of them sees the ones before it, and a row at position 0 starts its slot
+    afresh (no previous embedding for the windowed GPT's smear).
 
     Attention reads the cache in place, with no copy of any row's keys: the block of slots from the
     rows' lowest slot to their highest, up to the longest row's length, each row to its own entries
-    0..positions[i] (kernels/decode_attention.py). Everything built here is small index tensors.
+    0..positions[i] (kernels/decode_attention.py). The model makes logits of the rows `logits_of`
+    (all when None), in that order. Everything built here is small index tensors.
     """
 
-    def __init__(self, cache: SlotCache, slots: list[int], positions: list[int], device):
-        if sorted(set(slots)) != list(slots) or len(slots) != len(positions):
-            raise ValueError("a slot batch takes distinct slots in increasing order, one position each")
-        if min(positions) < 1:
-            raise ValueError("a slot batch continues its rows: every position >= 1 (a prompt runs in a SlotPrefill)")
+    def __init__(
+        self, cache: SlotCache, slots: list[int], positions: list[int], device, logits_of: list[int] | None = None
+    ):
+        rows = list(zip(slots, positions))
+        if len(slots) != len(positions) or not rows or any(a >= b for a, b in zip(rows, rows[1:])):
+            raise ValueError("a slot batch takes rows in increasing (slot, position) order, one position each")
+        if min(positions) < 0:
+            raise ValueError(f"a slot batch's positions are >= 0, got {min(positions)}")
         self.cache = cache
         self.lo, self.hi = slots[0], slots[-1] + 1
         self.length = max(positions) + 1  # keys in the block per slot: the longest row's
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
         self.positions = torch.tensor(positions, dtype=torch.long, device=device)
         self.rows_in_block = self.slots - self.lo  # each row's slot within the block
+        self.logits_of = None if logits_of is None else torch.tensor(logits_of, dtype=torch.long, device=device)
         self._block = None  # the cache's [n_layer, 2, slots lo..hi, H_kv, length, D], a view
+        starting = [slot for slot, position in rows if position == 0]
+        if starting and cache.embeddings is not None:
+            cache.embeddings[starting] = 0.0
 
     def get_pos(self) -> torch.Tensor:
         """Each row's position, (B,) int64: where its token goes and which rotary angles it gets."""
         return self.positions
 
-    def last(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C): each row's one new position of x (B, 1, C)."""
-        return x[:, -1]
-
     def logit_positions(self, x: torch.Tensor) -> torch.Tensor:
-        return x  # one position per row
+        """x (B, 1, C) -> the rows the model makes logits of."""
+        return x if self.logits_of is None else x.index_select(0, self.logits_of)
 
     def block(self, layer_idx, x, packs, cos_sin, n_head: int, qk_scale=1.0, window=None, **windowed):
         """A whole block for the step's rows, x (B, 1, C) -> (B, 1, C), through its packs (qkv,
@@ -191,6 +205,6 @@ class SlotBatch:
         if self._block is None:
             kv = self.cache.kv if k is None else self.cache.storage(k)
             if kv is None:
-                raise ValueError("a decode step's rows need their prompts run first (the cache holds no keys yet)")
+                raise ValueError("the cache holds no keys yet: run the prompts first, or allocate() its storage")
             self._block = kv[:, :, self.lo : self.hi, :, : self.length]
         return self._block[layer_idx]

@@ -89,13 +89,23 @@ def nbytes(model: nn.Module) -> int:
     return sum(p.packed.nbytes for p in packs.packs.values() if isinstance(p, PackedLinear) and p.packed is not None)
 
 
+def usable(model: nn.Module, rows: int) -> bool:
+    """Whether products of `rows` rows run through the packed weights: a CPU, no autocast (under
+    bf16 autocast the stock bf16 matmuls run), no gradient wanted (the packed op has no backward)
+    and at most MAX_ROWS rows, where they beat sgemm."""
+    device = model.get_device()
+    return (
+        device.type == "cpu"
+        and rows <= MAX_ROWS
+        and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
 @contextlib.contextmanager
 def decoding(model: nn.Module, rows: int):
-    """Run the model's linears through their packed weights inside the block, when that helps: a
-    CPU, no autocast (under bf16 autocast the stock bf16 matmuls run), no gradient wanted (the
-    packed op has no backward) and at most MAX_ROWS rows."""
-    device = model.get_device()
-    if device.type != "cpu" or rows > MAX_ROWS or torch.is_grad_enabled() or torch.is_autocast_enabled(device.type):
+    """Run the model's linears through their packed weights inside the block, when that helps (usable)."""
+    if not usable(model, rows):
         yield
         return
     packs = _by_model.get(model)

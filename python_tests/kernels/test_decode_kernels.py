@@ -158,6 +158,29 @@ def test_decode_attention_rows_do_not_depend_on_the_batch():
         assert torch.equal(together[b], alone[0]), b
 
 
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+@pytest.mark.parametrize("window", [None, 2])
+def test_a_prompts_rows_in_one_slot_see_the_rows_before_them(backend, window):
+    """A prompt's tokens as rows of one slot (slot 2, positions 0..4) beside two decoding rows: each
+    row over its slot's entries up to its own, the earlier rows' keys written in the same call
+    included, as float64 row after row; and bitwise the rows given one call each, in order."""
+    rows, positions = torch.tensor([0, 2, 2, 2, 2, 2, 3]), torch.tensor([12, 0, 1, 2, 3, 4, 5])
+    B, cache = len(rows), randn(2, 4, 2, 40, 16, seed=40)
+    q, k, v = (randn(B, 1, h, 16, seed=41 + i) for i, h in enumerate((4, 2, 2)))
+    angles = randn(B, 1, 1, 8, seed=44) * 3
+    args = (q, k, v, angles.cos(), angles.sin())
+    expected, expected_cache = float64_attention(*args, cache, rows, positions, window=window)
+    together = cache.clone()
+    y = decode_attention(*args, together, rows, positions, window=window, enable_gqa=True, backend=backend)
+    assert (y.double() - expected).abs().max() < 1e-5 and (together.double() - expected_cache).abs().max() < 1e-5
+    one_by_one = cache.clone()
+    for b in range(B if backend == "cpp" else 0):  # the reference's SDPA blocks by shape: not bitwise
+        one = [t[b : b + 1] for t in args]
+        alone = decode_attention(*one, one_by_one, rows[b : b + 1], positions[b : b + 1], window=window,
+                                 enable_gqa=True, backend=backend)  # fmt: skip
+        assert torch.equal(y[b], alone[0]), b
+
+
 def test_decode_attention_refuses_bad_input():
     q, k, v, cos, sin, cache, rows, positions = attention_case()
 
@@ -168,8 +191,8 @@ def test_decode_attention_refuses_bad_input():
         op(positions=torch.tensor([0, 40, 2]))
     with pytest.raises(RuntimeError, match=r"rows\[0\] = 4 is outside \[0, 4\)"):
         op(rows=torch.tensor([4, 1, 2]))
-    with pytest.raises(RuntimeError, match=r"rows\[0\] and rows\[2\] are both 1"):
-        op(rows=torch.tensor([1, 0, 1]))
+    with pytest.raises(RuntimeError, match=r"rows\[0\] and rows\[2\] both write position 0 of slot 1"):
+        op(rows=torch.tensor([1, 0, 1]), positions=torch.tensor([0, 5, 0]))
     with pytest.raises(RuntimeError, match="window must be >= 0"):
         op(window=-1)
     with pytest.raises(ValueError, match="enable_gqa"):
@@ -382,6 +405,22 @@ def test_smear_decode_matches_float64_and_keeps_each_rows_embedding():
         assert torch.equal(p, kept), backend
 
 
+def test_smear_decode_rows_of_one_slot_mix_in_the_row_before():
+    """A prompt's tokens as rows of one slot (slot 3, three rows from its first position, which
+    starts from a zero embedding): each mixes in the row before it, and the slot keeps the last."""
+    x, previous = randn(5, 1, 64, seed=16), randn(5, 64, seed=17)
+    previous[3] = 0.0
+    rows, w, lam = torch.tensor([1, 3, 3, 3, 4]), randn(1, 24, seed=18) * 0.2, torch.tensor([0.7])
+    before = torch.stack([previous[1], previous[3], x[1, 0], x[2, 0], previous[4]])
+    expected = smear_float64(x, before, torch.arange(5), w, lam)
+    kept = previous.clone()
+    kept[[1, 3, 4]] = x[[0, 3, 4], 0]
+    for backend in ("cpp", "reference"):
+        p = previous.clone()
+        y = smear_decode(x, p, rows, w, lam, backend=backend)
+        assert (y.double() - expected).abs().max() < 2e-6 and torch.equal(p, kept), backend
+
+
 def test_smear_decode_rows_do_not_depend_on_the_batch_and_refuses_bad_input():
     x, previous = randn(8, 1, 64, seed=13), randn(8, 64, seed=14)
     rows, w, lam = torch.arange(8).flip(0), randn(1, 24, seed=15), torch.tensor([0.5])
@@ -510,7 +549,7 @@ def test_a_decode_step_through_whole_blocks_is_bitwise_the_step_op_by_op(model, 
         return row.tokens, logits, len(calls)
 
     fused, one_by_one = run("auto"), run("decode_block=reference")
-    assert fused[2] == 5 * CONFIG.n_layer and one_by_one[2] == 0  # 5 decode steps after the prefill
+    assert fused[2] == 6 * CONFIG.n_layer and one_by_one[2] == 0  # the prompt's rows, then 5 decode steps
     assert fused[0] == one_by_one[0] and all(torch.equal(a, b) for a, b in zip(fused[1], one_by_one[1]))
 
 

@@ -7,9 +7,10 @@ import torch
 from stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
 from tiny_gpt import random_model
 
+from nanochat_fast.model import batch_engine
 from nanochat_fast.model.batch_engine import BatchEngine, DecodeRow, EngineFull, Request
 from nanochat_fast.model.gpt import GPTConfig
-from nanochat_fast.model.kv_cache import SlotPrefill
+from nanochat_fast.model.kv_cache import SlotBatch, SlotPrefill
 
 tok = byte_tokenizer()
 SP = tok.encode_special
@@ -25,7 +26,9 @@ class CallsTheCalculator(torch.nn.Module):
     """The tiny GPT, except that a row whose prompt ends with "?" writes SCRIPT: first TOOL_CALL,
     then (the tool forcing TOOL_OUTPUT in) the GPT carries on by itself from what it was fed, until
     <|assistant_end|> 16 tokens in. Rows are told apart by their cache slots, learnt at their
-    prefill (a new prompt in a slot resets it)."""
+    prefill (a new prompt in a slot resets it): a SlotPrefill, or a slot batch's rows from position 0."""
+
+    prompts_as_decode_rows = True
 
     def __init__(self, model):
         super().__init__()
@@ -44,8 +47,16 @@ class CallsTheCalculator(torch.nn.Module):
                 self.script_at.pop(slot, None)
                 if idx[b, last] == TRIGGER:
                     self.script_at[slot] = last + 1
-        else:
-            slots, positions = kv_cache.slots.tolist(), kv_cache.get_pos().tolist()
+        else:  # rows in (slot, position) order; a prompt's from position 0, its last the slot's last
+            rows = list(zip(kv_cache.slots.tolist(), kv_cache.get_pos().tolist(), idx[:, 0].tolist()))
+            started = {slot for slot, pos, _ in rows if pos == 0}
+            prompts = {slot: (pos, token) for slot, pos, token in rows if slot in started}  # the last row wins
+            for slot, (last, token) in prompts.items():
+                self.script_at.pop(slot, None)
+                if token == TRIGGER:
+                    self.script_at[slot] = last + 1
+            picked = range(len(rows)) if kv_cache.logits_of is None else kv_cache.logits_of.tolist()
+            slots, positions = [rows[i][0] for i in picked], [rows[i][1] for i in picked]
         for b, (slot, pos) in enumerate(zip(slots, positions)):
             offset = pos + 1 - self.script_at.get(slot, 10**9)  # of the token these logits predict
             if offset in SCRIPT:
@@ -118,7 +129,11 @@ def decode_together(model):
     return rows, forced, gaps, engine
 
 
-def test_a_shared_batch_gives_each_conversation_its_tokens_alone(model):
+@pytest.mark.parametrize("as_rows", [0, 256], ids=["prompts apart", "prompts as rows"])
+def test_a_shared_batch_gives_each_conversation_its_tokens_alone(model, as_rows, monkeypatch):
+    """Prompts in forwards of their own, or as rows of the decode steps (each way against the same
+    way alone)."""
+    monkeypatch.setattr(batch_engine, "PROMPT_AS_ROWS", as_rows)
     rows, forced, gaps, engine = decode_together(model)
     assert gaps, "some steps should run rows in slots with free ones between them"
     lengths = {name: len(rs[0].tokens) for name, rs in rows.items()}
@@ -146,22 +161,33 @@ def test_a_shared_batch_gives_each_conversation_its_tokens_alone(model):
     assert engine.free_slots == engine.slots == 7 and engine.active == [] and engine.step() == []
 
 
-def test_requests_that_join_together_are_prefilled_in_one_forward(model):
-    """The prompts of the requests added since the last step run as one batch, right-padded to the
-    longest (each row's tokens equal to alone: test_a_shared_batch_gives_each_conversation_its_tokens_alone)."""
+def test_a_steps_prompts_run_as_rows_while_they_are_few_tokens(model, monkeypatch):
+    """The prompts a step admits run in its one forward, a row per token beside the decoding rows,
+    while they are at most PROMPT_AS_ROWS tokens in all; more in one forward of their own after it,
+    right-padded to the longest (each row's tokens equal to alone:
+    test_a_shared_batch_gives_each_conversation_its_tokens_alone)."""
     views = []
     hook = model.model.register_forward_pre_hook(lambda m, a, kw: views.append(kw["kv_cache"]), with_kwargs=True)
+    monkeypatch.setattr(batch_engine, "PROMPT_AS_ROWS", 30)
     try:
-        engine = BatchEngine(model, tok, slots=4)
-        prompts = [prompt("a"), prompt("a longer prompt"), prompt("mid size")]
-        for p in prompts:
-            engine.add(Request(p, 3))
+        engine = BatchEngine(model, tok, slots=5)
+        short = [prompt("a"), prompt("mid size")]
+        for p in short:
+            engine.add(Request(p, 4))
         engine.step()
         [view] = views
-        assert isinstance(view, SlotPrefill) and view.lengths == [len(p) for p in prompts]
-        engine.add(Request(prompt("late"), 3))  # joins the decoding rows: its prompt alone, then one decode step
-        engine.step()
-        assert [type(v).__name__ for v in views[1:]] == ["SlotBatch", "SlotPrefill"] and views[2].lengths is None
+        assert isinstance(view, SlotBatch) and view.slots.tolist() == [0] * len(short[0]) + [1] * len(short[1])
+        assert view.get_pos().tolist() == [*range(len(short[0])), *range(len(short[1]))]
+        assert view.logits_of.tolist() == [len(short[0]) - 1, len(short[0]) + len(short[1]) - 1]
+        engine.add(Request(prompt("late"), 3))
+        engine.step()  # beside the two decoding rows
+        assert isinstance(views[1], SlotBatch) and views[1].slots.tolist() == [0, 1] + [2] * len(prompt("late"))
+        long = [prompt("a longer prompt"), prompt("and one longer still")]  # 37 tokens
+        for p in long:
+            engine.add(Request(p, 3))
+        engine.step()  # the decode step, then the two prompts together
+        assert [type(v).__name__ for v in views[2:]] == ["SlotBatch", "SlotPrefill"]
+        assert views[3].slots == [3, 4] and views[3].lengths == [len(p) for p in long]
     finally:
         hook.remove()
 
@@ -233,15 +259,23 @@ def test_kv_bytes_is_the_storage_it_allocates(model):
     assert BatchEngine.kv_bytes(CONFIG, 3, 40, torch.bfloat16) == kv.nbytes // 2
 
 
-def test_a_slot_batch_takes_distinct_increasing_slots_that_continue_their_rows():
-    from nanochat_fast.model.kv_cache import SlotBatch, SlotCache
+def test_a_slot_batch_takes_rows_in_slot_and_position_order():
+    from nanochat_fast.model.kv_cache import SlotCache
 
     cache = SlotCache(CONFIG.n_layer, slots=4, max_len=16)
     for slots, positions, reason in (
-        ([2, 1], [3, 3], "distinct slots in increasing order"),
+        ([2, 1], [3, 3], r"increasing \(slot, position\) order"),
+        ([1, 1], [4, 3], r"increasing \(slot, position\) order"),
+        ([1, 1], [3, 3], r"increasing \(slot, position\) order"),
         ([1, 2], [3], "one position each"),
-        ([1, 2], [3, 0], "every position >= 1"),  # position 0 has no previous token for the smear to read
+        ([1, 2], [3, -1], "positions are >= 0"),
     ):
         with pytest.raises(ValueError, match=reason):
             SlotBatch(cache, slots, positions, "cpu")
     assert SlotBatch(cache, [0, 3], [1, 5], "cpu").length == 6
+    # a prompt's rows from position 0 start their slot afresh: the smear's previous embedding is zero
+    cache.embeddings = torch.ones(4, 8)
+    batch = SlotBatch(cache, [0, 2, 2, 2], [7, 0, 1, 2], "cpu", logits_of=[0, 3])
+    assert cache.embeddings[2].eq(0).all() and cache.embeddings[[0, 1, 3]].eq(1).all()
+    x = torch.arange(4.0)[:, None, None]
+    assert batch.logit_positions(x).flatten().tolist() == [0.0, 3.0]

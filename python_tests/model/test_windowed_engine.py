@@ -38,6 +38,7 @@ REQUESTS = {  # name -> (request, step it joins at)
     "long prompt": (Request(prompt(SHORT + 20, 1), max_tokens=30, use_tools=False), 0),  # prefill past the window
     "long decode": (Request(prompt(40, 2), max_tokens=SHORT, use_tools=False), 0),  # decodes past the window
     "late": (Request(prompt(10, 3), max_tokens=25, use_tools=False), 5),
+    "used slot": (Request(prompt(12, 4), max_tokens=10, use_tools=False), 40),  # slot 0, after "long prompt"
 }
 
 
@@ -57,10 +58,35 @@ def test_beside_others_as_alone_past_the_short_window(model):
             if at == step:
                 [rows[name]] = engine.add(request)
         engine.step()
+        if step == 40:
+            assert rows["used slot"].slot == rows["long prompt"].slot and rows["long prompt"].done
         step += 1
     assert len(REQUESTS["long decode"][0].prompt) + len(rows["long decode"].tokens) > SHORT + 1
     for name, (request, _) in REQUESTS.items():
         assert rows[name].tokens == decode_alone(model, request), name
+
+
+def test_a_used_slot_starts_its_prompt_afresh(model):
+    """A prompt in the slot of a conversation that ended gets bitwise the first logits it gets in a
+    fresh engine: its first position mixes in no previous embedding (the smear's), the ended
+    conversation's last one least of all."""
+
+    def first_logits(engine, request):
+        logits = []
+        hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+        try:
+            engine.add(request)
+            engine.step()
+        finally:
+            hook.remove()
+        return logits[0]
+
+    used = BatchEngine(model, tok, slots=1)
+    used.add(REQUESTS["late"][0])
+    while used.active:
+        used.step()
+    request = REQUESTS["used slot"][0]
+    assert torch.equal(first_logits(used, request), first_logits(BatchEngine(model, tok, slots=1), request))
 
 
 def test_alone_is_the_argmax_of_full_forwards(model):
@@ -94,10 +120,10 @@ def test_decode_steps_under_bf16_autocast(model):
 
 
 def test_short_windows_decode_through_the_kernel_from_their_start(model, monkeypatch):
-    """Every decode step's block goes through kernels/decode_block.py, its attention reading the
-    cache in place: the S layer (1 of the 3) with each row's first entry inside its window, once
-    past it; QK_SCALE and the per-layer scalars on every layer, the gated value embedding on the
-    layers that have one."""
+    """Every decode step's block goes through kernels/decode_block.py, the prompt's step (its
+    tokens as rows from position 0) first, its attention reading the cache in place: the S layer
+    (1 of the 3) with each row's first entry inside its window, once past it; QK_SCALE and the
+    per-layer scalars on every layer, the gated value embedding on the layers that have one."""
     from nanochat_fast.model import kv_cache
 
     calls, real = [], kv_cache.decode_block
@@ -110,6 +136,8 @@ def test_short_windows_decode_through_the_kernel_from_their_start(model, monkeyp
     monkeypatch.setattr(kv_cache, "decode_block", record)
     request = REQUESTS["long prompt"][0]  # its first decode step is already past the short window
     tokens = decode_alone(model, request)
+    prompt_step, calls = calls[: CONFIG.n_layer], calls[CONFIG.n_layer :]
+    assert [p for _, p, *_ in prompt_step] == [0] * CONFIG.n_layer
     steps = len(tokens) - 1
     assert len(calls) == CONFIG.n_layer * steps
     assert [w for w, *_ in calls] == model.window_sizes * steps
