@@ -233,9 +233,7 @@ class BatchEngine:
         lengths = [len(p) for p in prompts]
         slots = [group[0].slot for group in groups]
         view = SlotPrefill(self.cache, slots, lengths if len(groups) > 1 else None, last_logits=True)
-        # short prompts are a few rows too: the packed linears beat sgemm there as in a decode step
-        with packed_linears.decoding(self.model, ids.numel()):
-            logits = self.model(ids, kv_cache=view)[:, -1]
+        logits = self.model(ids, kv_cache=view)[:, -1]
         for group in groups:
             self._prefilled(group)
         return [logits[i : i + 1].expand(len(group), -1) for i, group in enumerate(groups)]
