@@ -6,14 +6,17 @@ engine's Python never takes turns with the event loop's on one GIL, and the chil
 step while the worker routes the last. Adds and cancels go over together before each wait (a burst
 admitted together reaches the child in one message: one prefill); a request is checked here against
 the engine's limits first, so add() refuses a bad one as the engine would; a cancelled row's late
-tokens are dropped here. A child that dies fails its rows, and the next add() starts a new one. The
-messages and the measurements: docs/measurements.md#chat-server.
+tokens are dropped here. A child that dies fails its rows, and the next add() starts a new one
+(RESTARTS at most in RESTART_SECONDS). The messages and the measurements:
+docs/measurements.md#chat-server.
 """
 
+import collections
 import logging
 import multiprocessing
 import pickle
 import signal
+import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -23,6 +26,10 @@ log = logging.getLogger("nanochat_fast.chat_web")
 
 # how long close() waits for the child to end before it is killed
 CLOSE_SECONDS = 5.0
+# A child that died is replaced at the next add(), at most RESTARTS times in RESTART_SECONDS: one that
+# dies at every request would otherwise cost a spawn and a model load per request, and requests
+# are refused at once instead until the window has room again.
+RESTARTS, RESTART_SECONDS = 3, 60.0
 
 
 class ReplicaProcessError(RuntimeError):
@@ -119,6 +126,7 @@ class ProcessEngine:
         self._rows: dict[int, RowHandle] = {}
         self._ops = []  # adds and cancels not yet sent
         self._next_id = 0
+        self._restarts = collections.deque()  # when dead children were replaced (time.monotonic)
         self._start()
 
     def _start(self):
@@ -172,16 +180,31 @@ class ProcessEngine:
         if not self._process.is_alive():
             if self._rows:  # they fail first, at the next step() (the pool fails their replies)
                 raise self._ended()
-            log.warning("%s: its process ended (exit code %s); starting a new one", self._name, self._process.exitcode)
-            self._ops.clear()
-            self._conn.close()
-            self._start()
+            self._restart()
         self._next_id += 1
         row = RowHandle(self._next_id, done=request.max_tokens == 0)
         if not row.done:
             self._rows[row.id] = row
             self._ops.append(("add", row.id, request))
         return [row]
+
+    def _restart(self):
+        """A new child in place of the dead one, unless RESTARTS were started in the last
+        RESTART_SECONDS: then ReplicaProcessError, saying when the next may start."""
+        now, code = time.monotonic(), self._process.exitcode
+        while self._restarts and now - self._restarts[0] >= RESTART_SECONDS:
+            self._restarts.popleft()
+        if len(self._restarts) >= RESTARTS:
+            wait = RESTART_SECONDS - (now - self._restarts[0])
+            raise ReplicaProcessError(
+                f"the replica's process keeps ending (exit code {code}; restarted {len(self._restarts)}x in the last "
+                f"{RESTART_SECONDS:g} s): the next restart in {wait:.0f} s"
+            )
+        log.warning("%s: its process ended (exit code %s); starting a new one", self._name, code)
+        self._restarts.append(now)
+        self._ops.clear()
+        self._conn.close()
+        self._start()
 
     def cancel(self, row: RowHandle):
         """End `row` now: nothing more of it reaches the caller, and the child frees its slot before its

@@ -13,6 +13,7 @@ import pytest
 from stand_in_engines import CRASH, FAIL_STEP, counting_engine, refuse_to_build
 
 from nanochat_fast.model.batch_engine import Request
+from nanochat_fast.web import replica_process
 from nanochat_fast.web.pool import Job, Prepared, Replica, ReplicaPool
 from nanochat_fast.web.replica_process import ProcessEngine, ReplicaProcessError
 
@@ -116,6 +117,36 @@ def test_a_dead_child_fails_its_rows_and_the_next_add_starts_a_new_one(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "replica cpu: its process ended (exit code 3); starting a new one"
     ]
+
+
+def test_a_child_that_keeps_dying_is_not_restarted_until_the_window_has_room(monkeypatch):
+    """RESTARTS replacements in RESTART_SECONDS, then add() refuses at once, saying when the next
+    may start; once the window has room, a new child again."""
+    monkeypatch.setattr(replica_process, "RESTARTS", 1)
+    engine = ProcessEngine(functools.partial(counting_engine, SLOTS), threads=1)
+
+    def crash():
+        [row] = engine.add(Request([CRASH], 5))
+        with pytest.raises(ReplicaProcessError, match=r"^the replica's process ended \(exit code 3\)$"):
+            while True:
+                engine.step()
+        assert row.done
+
+    try:
+        crash()
+        crash()  # the one restart the window allows
+        dead = engine._process
+        with pytest.raises(
+            ReplicaProcessError,
+            match=r"keeps ending \(exit code 3; restarted 1x in the last 60 s\): the next restart in (59|60) s",
+        ):
+            engine.add(Request([2], 3))
+        assert engine._process is dead and not dead.is_alive()
+        monkeypatch.setattr(replica_process, "RESTART_SECONDS", 0.0)  # as if the minute had passed
+        row = engine.add(Request([2], 3))[0]
+        assert run(engine, [row]) == {row.id: expected(2, 3)}
+    finally:
+        engine.close()
 
 
 def test_an_engine_that_cannot_be_built_raises_its_error_and_leaves_no_process():
