@@ -206,7 +206,8 @@ class BatchEngine:
             if not parts:
                 return []
             rows = [row for group, _ in parts for row in group]
-            tokens = self._sample(rows, torch.cat([logits for _, logits in parts]))
+            logits = parts[0][1] if len(parts) == 1 else torch.cat([logits for _, logits in parts])
+            tokens = self._sample(rows, logits)
             joined = {row: i for i, row in enumerate(self._rows)}
             out = sorted(zip(rows, tokens), key=lambda pair: joined[pair[0]])
             return [self._advance(row, token) for row, token in out]
@@ -256,12 +257,12 @@ class BatchEngine:
                 self.cache.allocate(config.n_kv_head, config.head_dim, dtype, self.device)
         slots, positions, ids = zip(*entries)
         batch = SlotBatch(self.cache, list(slots), list(positions), self.device, logits_of=wanted)
-        ids = torch.tensor(ids, dtype=torch.long, device=self.device)[:, None]
+        ids = torch.tensor([[t] for t in ids], dtype=torch.long, device=self.device)
         with packed_linears.decoding(self.model, len(rows)):  # the prompts' rows ride along
             logits = self.model(ids, kv_cache=batch)[:, -1, :]
         for row in rows:
             row.length += 1
-        parts = [(rows, logits[: len(rows)])] if rows else []
+        parts = [(rows, logits[: len(rows)] if groups else logits)] if rows else []
         for i, group in enumerate(groups, start=len(rows)):
             self._prefilled(group)
             parts.append((group, logits[i : i + 1].expand(len(group), -1)))
