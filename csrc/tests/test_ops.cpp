@@ -237,7 +237,8 @@ void test_decode_attention_matches_double_loop() {
   const double scale = 0.3, qk_scale = 1.2;
   const at::Tensor q = at::randn({B, 1, H, D}), k = at::randn({B, 1, Hkv, D}), v = at::randn({B, 1, Hkv, D});
   const at::Tensor angles = at::randn({B, 1, 1, D / 2}), cos = angles.cos(), sin = angles.sin();
-  const std::vector<int64_t> rows = {2, 0, 1}, positions = {0, 8, 3};
+  // rows 0 and 2 share slot 2 (a prompt's positions 0 and 3): row 2 reads the key row 0 writes
+  const std::vector<int64_t> rows = {2, 0, 2}, positions = {0, 8, 3};
   // one head of x (row b) rotated and normed, in double
   auto rotate_and_norm = [&](const at::Tensor& x, int64_t b) {
     std::vector<double> out(D);
@@ -294,9 +295,9 @@ void test_decode_attention_matches_double_loop() {
         "decode_attention rejects a position past the cache");
   check(throws([&] {
           attention.call(q, k, v, cos, sin, qk_scale, cache, at::tensor({1, 0, 1}, at::kLong),
-                         at::tensor(positions, at::kLong), std::nullopt, scale);
+                         at::tensor({3, 8, 3}, at::kLong), std::nullopt, scale);
         }),
-        "decode_attention rejects two rows in one slot");
+        "decode_attention rejects two rows writing one position of a slot");
 }
 
 }  // namespace
