@@ -12,9 +12,9 @@ import pytest
 import torch
 from bench_adamw_slice import SHAPES, ours, torch_adamw
 from harness import compare
+from triton_kernel_list import adamw_bytes_per_param
 
 from nanochat_fast.kernels import registry
-from nanochat_fast.tools.triton_kernel_list import adamw_bytes_per_param
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (make gpu-check)", allow_module_level=True)

@@ -1,6 +1,6 @@
 """
 The "compiled, not run" section of benchmarks/RESULTS.md: every Triton kernel variant
-(nanochat_fast/tools/triton_aot.py) and every CUDA C++ kernel (csrc/cuda/*.cu, by nvcc) compiled
+(benchmarks/triton_aot.py) and every CUDA C++ kernel (csrc/cuda/*.cu, by nvcc) compiled
 for A100, H100 and B200 on a machine without a GPU, with its registers, shared memory and spills,
 and a roofline on paper for one representative call (docs/measurements.md#compiled-not-run).
 
@@ -31,9 +31,8 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_targets import TARGETS, check, nvcc_usage
 from results_sections import put_section
-
-from nanochat_fast.tools.gpu_targets import TARGETS, check, nvcc_usage
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## Compiled, not run: A100, H100, B200"
@@ -66,7 +65,7 @@ def _nvcc() -> str | None:
 
 def cuda_records(archs=("sm_80", "sm_90")) -> list[dict]:
     """nvcc -Xptxas -v of every csrc/cuda/*.cu kernel per arch ([] without nvcc)."""
-    from nanochat_fast.tools.triton_kernel_list import adamw_call
+    from triton_kernel_list import adamw_call
 
     calls = {
         "adamw_slice_kernel<float>": adamw_call(torch.float32),
@@ -95,7 +94,9 @@ def cuda_records(archs=("sm_80", "sm_90")) -> list[dict]:
 def kernel_sources() -> str:
     """sha256 of what decides a variant's record besides the Triton version: the kernels' modules, the
     kernel list, the compile and its checks. Records of two versions compare only at the same sources."""
-    from nanochat_fast.tools import gpu_targets, triton_aot, triton_kernel_list
+    import gpu_targets
+    import triton_aot
+    import triton_kernel_list
 
     modules = {importlib.import_module(e.module) for e in triton_kernel_list.KERNELS}
     digest = hashlib.sha256()
@@ -108,9 +109,8 @@ def triton_run(workers=None) -> dict:
     """Every Triton variant compiled by the installed Triton, each record with its call's cost, and
     what the run was: Triton version, the ptxas that reported, time, the kernel sources."""
     import triton
-
-    from nanochat_fast.tools import triton_aot
-    from nanochat_fast.tools import triton_kernel_list as kernel_list
+    import triton_aot
+    import triton_kernel_list as kernel_list
 
     t0 = time.perf_counter()
     records = triton_aot.compile_all(triton_aot.variants(), workers=workers)
@@ -171,8 +171,9 @@ def by_variant(runs: list[dict]) -> dict[tuple, list]:
 
 
 def collect(workers=None, added=(), previous=()) -> dict:
+    import triton_kernel_list as kernel_list
+
     from nanochat_fast.kernels import newton_schulz_triton as nst
-    from nanochat_fast.tools import triton_kernel_list as kernel_list
 
     runs = merge_runs(triton_run(workers), added, previous)
     ns = []

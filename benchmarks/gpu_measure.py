@@ -32,6 +32,8 @@ if not torch.cuda.is_available():  # the rehearsal: Triton runs on CPU tensors o
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from triton_kernel_list import adamw_bytes_per_param  # noqa: E402
+
 from nanochat_fast.hardware import bandwidth as hw_bandwidth  # noqa: E402
 from nanochat_fast.hardware import precision
 from nanochat_fast.kernels import adamw_slice_update, registry, softcap_cross_entropy  # noqa: E402
@@ -40,7 +42,6 @@ from nanochat_fast.kernels.newton_schulz import (  # noqa: E402
     dtype_name,
     newton_schulz_reference,  # noqa: E402
 )
-from nanochat_fast.tools.triton_kernel_list import adamw_bytes_per_param  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

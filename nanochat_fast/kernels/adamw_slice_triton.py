@@ -34,7 +34,7 @@ CONFIGS = {
     "cuda": dict(BLOCK=2048, num_warps=8),
     "cpu": dict(BLOCK=4096, num_warps=1),
 }
-# every config a GPU may launch: compiled and resource-checked ahead of time (tools/triton_aot.py)
+# every config a GPU may launch: compiled and resource-checked ahead of time (benchmarks/triton_aot.py)
 GPU_CONFIGS = {"default": CONFIGS["cuda"]}
 
 

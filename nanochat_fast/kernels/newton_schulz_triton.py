@@ -31,7 +31,7 @@ from .triton_utils import to_bf16_rtne
 # (docs/measurements.md#gpu-kernel-configs).
 GPU_LARGE = dict(BLOCK=128, BLOCK_K=64, num_warps=8, num_stages=3, DOT_FP32=False)
 GPU_SMALL = dict(BLOCK=64, BLOCK_K=64, num_warps=4, num_stages=4, DOT_FP32=False)
-# every config a GPU may launch: compiled and resource-checked ahead of time (tools/triton_aot.py)
+# every config a GPU may launch: compiled and resource-checked ahead of time (benchmarks/triton_aot.py)
 GPU_CONFIGS = {"large": GPU_LARGE, "small": GPU_SMALL}
 # The interpreter runs one program at a time in numpy: big tiles mean few (slow) Python iterations.
 INTERPRETER = dict(BLOCK=128, BLOCK_K=128, num_warps=1, num_stages=1, DOT_FP32=True)

@@ -28,7 +28,7 @@ CONFIGS = {
     "cuda": dict(BLOCK=4096, num_warps=8),
     "cpu": dict(BLOCK=256, num_warps=1),
 }
-# Every variant a GPU may compile, for the ahead-of-time check (tools/triton_aot.py): the training pass
+# Every variant a GPU may compile, for the ahead-of-time check (benchmarks/triton_aot.py): the training pass
 # (loss and dz) and evaluation's loss-only pass, both with the CUDA block.
 GPU_CONFIGS = {"grad": dict(CONFIGS["cuda"], COMPUTE_GRAD=True), "loss": dict(CONFIGS["cuda"], COMPUTE_GRAD=False)}
 

@@ -21,7 +21,6 @@ BELOW = {  # folder -> the folders it may import (its own is always allowed)
     "train": {"core", "hardware", "kernels", "optim", "data", "model", "evals", "checkpoints"},
     "interop": {"core", "checkpoints", "data", "optim", "model"},  # nanochat's formats; scripts use it
     "web": set(),  # the browser app knows nothing of models: chat_web hands it engines and a prepare function
-    "tools": {"core", "hardware", "kernels"},  # the kernels' ahead-of-time compile: nothing of training
 }
 ENTRY_POINTS = {"scripts"}  # and every package's __main__: they may import anything
 PUBLIC_NAMES = {"common": {"core"}, "gpt": {"model"}}  # the SPEC's import paths, re-exports only
@@ -101,8 +100,6 @@ def test_the_check_fails_on_an_upward_import():
         forbidden_imports("from ..kernels import registry\nfrom ..core import errors", "nanochat_fast.train.env_vars")
         == []
     )
-    assert forbidden_imports("from ..optim import muon", "nanochat_fast.tools.triton_aot") != []
-    assert forbidden_imports("from ..tools import triton_aot", "nanochat_fast.kernels.registry") != []
     assert forbidden_imports("from ..train import model_setup", "nanochat_fast.hardware.__main__") == []
     assert forbidden_imports("from nanochat_fast import _C", "nanochat_fast.optim.zero") != []
 

@@ -2,7 +2,7 @@
 Ahead-of-time compile of every Triton kernel of the package, for GPUs that need not be present,
 with each compiled variant's resources checked against its target (gpu_targets.py):
 
-    python -m nanochat_fast.tools.triton_aot [--targets sm_80,sm_90,sm_100] [--json PATH]
+    python benchmarks/triton_aot.py [--targets sm_80,sm_90,sm_100] [--json PATH]
 
 triton_kernel_list.KERNELS lists every kernel and its runtime signature. A variant is one kernel x
 one config of its module's GPU_CONFIGS table x one dtype it accepts x one target, compiled on the
@@ -31,11 +31,11 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
+import triton_kernel_list
+from gpu_targets import GPU, TARGETS, Usage, bundled_ptxas, check, cubin_registers, parse_ptxas_v, ptxas_v
+from triton_kernel_list import KERNELS
 
-from .. import kernels
-from . import triton_kernel_list
-from .gpu_targets import GPU, TARGETS, Usage, bundled_ptxas, check, cubin_registers, parse_ptxas_v, ptxas_v
-from .triton_kernel_list import KERNELS
+from nanochat_fast import kernels
 
 TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "maxnreg")  # launch options, not constexprs
@@ -357,7 +357,7 @@ def summary(records: list[dict], seconds: float) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m nanochat_fast.tools.triton_aot",
+        prog="python benchmarks/triton_aot.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

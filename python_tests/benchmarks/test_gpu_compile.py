@@ -1,6 +1,6 @@
 """Every Triton kernel compiled ahead of time, without a GPU, for sm_80, sm_90 and sm_100 (every config
 of its GPU table x every dtype it accepts), each variant within its target's limits
-(tools/triton_aot.py, tools/triton_kernel_list.py). Marked `aot`: `pytest -m aot` runs these
+(benchmarks/triton_aot.py, benchmarks/triton_kernel_list.py). Marked `aot`: `pytest -m aot` runs these
 alone (~180 CPU-seconds of compiling in parallel processes; the fp32 variants take 3/4 of it).
 On a GPU (marked `gpu`): the kernels the runtime compiles are the variants compiled here, bit for bit."""
 
@@ -9,17 +9,20 @@ import hashlib
 import importlib
 import os
 import shutil
+import sys
 import tempfile
 import textwrap
 import time
 
 import pytest
 import torch
+from repo_paths import ROOT
 
-from nanochat_fast.tools import triton_aot
-from nanochat_fast.tools.gpu_targets import GPU, TARGETS, bundled_ptxas
-from nanochat_fast.tools.triton_aot import compile_all, coverage, discover, variants
-from nanochat_fast.tools.triton_kernel_list import KERNELS, Entry
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import triton_aot  # noqa: E402
+from gpu_targets import GPU, TARGETS, bundled_ptxas  # noqa: E402
+from triton_aot import compile_all, coverage, discover, variants  # noqa: E402
+from triton_kernel_list import KERNELS, Entry  # noqa: E402
 
 pytestmark = pytest.mark.aot
 KiB = 1024
