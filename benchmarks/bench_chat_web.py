@@ -38,9 +38,9 @@ from nanochat_fast.model import generation  # noqa: E402
 from nanochat_fast.model.batch_engine import BatchEngine, Request  # noqa: E402
 from nanochat_fast.model.gpt import config_from_depth  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests" / "support"))
-from chat_web_support import chat_web_process, load_chat_model, random_model, save_chat_checkpoint  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))  # the support package
 from harness import MIN_ROUNDS  # noqa: E402
+from support.chat_web_support import chat_web_process, load_chat_model, random_model, save_chat_checkpoint  # noqa: E402
 
 MAX_TOKENS = 128
 QUESTION = [{"role": "user", "content": "Why is the sky blue? Explain it to me in a few sentences."}]

@@ -35,9 +35,9 @@ from nanochat_fast.model import loading
 from nanochat_fast.model.batch_engine import BatchEngine, Request
 from nanochat_fast.model.gpt import config_from_depth
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests" / "support"))
-from chat_web_support import random_model  # noqa: E402
-from stub_models import one_thread  # noqa: E402, F401 (an autouse fixture: a chat_web replica's one thread)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python_tests"))  # the support package
+from support.chat_web_support import random_model  # noqa: E402
+from support.stub_models import one_thread  # noqa: E402, F401 (an autouse fixture: a chat_web replica's one thread)
 
 pytestmark = pytest.mark.skipif(registry.extension() is None, reason="extension not built")
 CONFIG = config_from_depth(4, 4096, 512)

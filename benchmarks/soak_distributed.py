@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_tests" / "support"))
+sys.path.insert(0, str(ROOT / "python_tests"))  # the support package
 
-from tiny_pipeline import FP32, TINY_MODEL, build_tiny_home  # noqa: E402
+from support.tiny_pipeline import FP32, TINY_MODEL, build_tiny_home  # noqa: E402
 
 from nanochat_fast.hardware import cpu_model  # noqa: E402
 

@@ -1,17 +1,13 @@
-"""Shared test setup: the helpers of support/ importable by name, private compile caches, an isolated
-NANOCHAT_FAST_HOME, the `gpu` marker."""
+"""Shared test setup: private compile caches, an isolated NANOCHAT_FAST_HOME, the `gpu` marker. What the
+tests share lives in the support package (support/__init__.py)."""
 
 import os
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
+import support  # noqa: F401,E402  (puts python_tests/ on PYTHONPATH for the processes the tests start)
 import torch
 
-# The helpers (tiny_pipeline, stub_models, the multi-process workers, ...) are plain modules in
-# support/, imported by name as a script run from that folder imports its siblings.
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 # Without a GPU the Triton kernels run on CPU tensors in the interpreter. TRITON_INTERPRET must be set
 # before anything imports triton.language (its own functions, tl.zeros and the like, are interpreted
 # or not from then on), so here, for the whole session, before any test module is imported.
@@ -47,7 +43,7 @@ def nanochat_home(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_home(tmp_path_factory):
     """A prepared NANOCHAT_FAST_HOME (tiny corpus + conversations, 320-token tokenizer), built once."""
-    from tiny_pipeline import build_tiny_home
+    from support.tiny_pipeline import build_tiny_home
 
     return build_tiny_home(tmp_path_factory.mktemp("tiny"))
 
@@ -55,6 +51,6 @@ def tiny_home(tmp_path_factory):
 @pytest.fixture
 def home(tiny_home, tmp_path, monkeypatch):
     """A private copy of tiny_home, set as NANOCHAT_FAST_HOME for this test."""
-    from tiny_pipeline import private_home
+    from support.tiny_pipeline import private_home
 
     return private_home(tiny_home, tmp_path / "home", monkeypatch)

@@ -5,7 +5,7 @@ chunk), never a division by zero that would stop `make bench` midway."""
 import sys
 
 import pytest
-from repo_paths import ROOT
+from support.repo_paths import ROOT
 
 pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install -e '.[web]'")
 sys.path.insert(0, str(ROOT / "benchmarks"))

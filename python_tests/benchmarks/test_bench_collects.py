@@ -5,7 +5,7 @@ longer imports would leave RESULTS.md without its figures."""
 import subprocess
 import sys
 
-from repo_paths import ROOT
+from support.repo_paths import ROOT
 
 
 def test_every_benchmark_module_is_collected():

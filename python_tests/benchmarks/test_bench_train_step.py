@@ -10,7 +10,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from repo_paths import ROOT
+from support.repo_paths import ROOT
 
 from nanochat_fast import hardware, optim
 from nanochat_fast.data.token_shards import write_token_shard

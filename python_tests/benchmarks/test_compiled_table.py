@@ -4,7 +4,7 @@ into compiled.json and shown side by side in RESULTS.md (`make aot-compat` compi
 import sys
 
 import pytest
-from repo_paths import ROOT
+from support.repo_paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import compiled_table  # noqa: E402

@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from repo_paths import ROOT
+from support.repo_paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_bundle  # noqa: E402
@@ -126,7 +126,7 @@ def test_the_plan_fits_the_budget_and_names_real_commands(monkeypatch):
     assert gpu_check.check_plan(over).startswith("the plan's caps add up to")
     missing = [gpu_check.Step("gone", "a module that is not there", 1, ["-m", "nanochat_fast.scripts.nothing"])]
     assert gpu_check.check_plan(missing) == "step gone: nanochat_fast/scripts/nothing.py is not in the tree"
-    assert "python_tests/tools/test_gpu_compile.py" in gpu_check.gpu_test_files()
+    assert "python_tests/benchmarks/test_gpu_compile.py" in gpu_check.gpu_test_files()
     assert (
         "python_tests/benchmarks/test_gpu_check.py" not in gpu_check.gpu_test_files()
     )  # collecting it needs packaging

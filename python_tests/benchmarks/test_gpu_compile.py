@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from repo_paths import ROOT
+from support.repo_paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import triton_aot  # noqa: E402

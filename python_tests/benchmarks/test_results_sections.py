@@ -3,7 +3,7 @@ CPU's section (the others, and the compiled table's, are kept line for line)."""
 
 import sys
 
-from repo_paths import ROOT
+from support.repo_paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from results_sections import CPU_PREFIX, cpu_kind, demote, merge, split_sections  # noqa: E402

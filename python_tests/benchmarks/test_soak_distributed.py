@@ -5,7 +5,7 @@ after the teardown meeting: benchmarks/RESULTS.md, "Distributed soak"."""
 
 import sys
 
-from repo_paths import ROOT
+from support.repo_paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import soak_distributed  # noqa: E402

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from tiny_pipeline import TINY_LOOP, TINY_MODEL, home_env, private_home, train_rows
+from support.tiny_pipeline import TINY_LOOP, TINY_MODEL, home_env, private_home, train_rows
 
 from nanochat_fast import checkpoints
 from nanochat_fast.checkpoints import files

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_pipeline import DEFAULT_LOOP, FP32, TINY_MODEL, home_env, run_script, train_rows
+from support.tiny_pipeline import DEFAULT_LOOP, FP32, TINY_MODEL, home_env, run_script, train_rows
 
 from nanochat_fast import checkpoints
 from nanochat_fast.core.errors import UserError

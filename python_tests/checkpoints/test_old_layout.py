@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from repo_paths import FIXTURES
-from tiny_pipeline import run_script, train_rows
+from support.repo_paths import FIXTURES
+from support.tiny_pipeline import run_script, train_rows
 
 FIXTURE = FIXTURES / "old_layout"
 _spec = importlib.util.spec_from_file_location("make_old_layout", FIXTURE / "make_old_layout.py")

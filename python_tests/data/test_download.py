@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from shard_server import ShardServer, parquet_bytes
+from support.shard_server import ShardServer, parquet_bytes
 
 from nanochat_fast.core import paths
 from nanochat_fast.core.errors import NetworkError, UserError

@@ -11,10 +11,10 @@ optimizer checkpoints reload across world sizes (1 -> 2 -> 3 -> 1, and N -> N bi
 import json
 from pathlib import Path
 
-import dist_worker as W
 import pytest
 import torch
-from dist_runs import PARITY_RTOL, rel_err, spawn, torchrun
+from support import dist_worker as W
+from support.dist_runs import PARITY_RTOL, rel_err, spawn, torchrun
 
 
 def max_elementwise_err(a: dict, b: dict) -> float:

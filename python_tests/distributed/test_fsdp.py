@@ -11,11 +11,11 @@ measure the memory. Single-process runs in this process are the reference for th
 import json
 from pathlib import Path
 
-import dist_worker as W
-import fsdp_worker as F
 import pytest
 import torch
-from dist_runs import PARITY_RTOL, rel_err, spawn, torchrun
+from support import dist_worker as W
+from support import fsdp_worker as F
+from support.dist_runs import PARITY_RTOL, rel_err, spawn, torchrun
 
 
 def read(out: Path, world_size: int) -> dict:

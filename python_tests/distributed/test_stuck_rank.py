@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import torch
-from tiny_pipeline import FP32, ROOT, SUPPORT, TINY_MODEL, TINY_STEPS, run_script, train_rows
+from support.tiny_pipeline import FP32, ROOT, SUPPORT, TINY_MODEL, TINY_STEPS, run_script, train_rows
 
 from nanochat_fast import checkpoints
 

@@ -4,7 +4,7 @@ and under --sharding=fsdp, and a run stopped and resumed ends with the weights o
 import shutil
 
 import torch
-from tiny_pipeline import FP32, TINY_MODEL, last_model_state, run_script, train_rows
+from support.tiny_pipeline import FP32, TINY_MODEL, last_model_state, run_script, train_rows
 
 ARGS = (
     TINY_MODEL

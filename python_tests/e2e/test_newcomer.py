@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from tiny_pipeline import ROOT, home_env, write_corpus
+from support.tiny_pipeline import ROOT, home_env, write_corpus
 
 from nanochat_fast import checkpoints
 from nanochat_fast.scripts import mid_train, prepare_data

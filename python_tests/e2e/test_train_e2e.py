@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
+from support.tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, home_with_base_run, run_script, train_rows
 
 from nanochat_fast import checkpoints
 from nanochat_fast.scripts import base_eval, base_train, chat_cli, mid_train

@@ -10,9 +10,9 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from eval_home import write_eval_home
-from recording_chat_eval import recording
-from tiny_pipeline import FP32, home_env, home_with_base_run, train_rows
+from support.eval_home import write_eval_home
+from support.recording_chat_eval import recording
+from support.tiny_pipeline import FP32, home_env, home_with_base_run, train_rows
 
 from nanochat_fast import checkpoints
 from nanochat_fast.data.tokenizer import get_tokenizer
@@ -216,7 +216,7 @@ def test_chat_web_streams_the_full_forwards_reply(home, chat_model, monkeypatch,
     the reply of full forwards."""
     pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install -e '.[web]'")
     import httpx
-    from chat_web_support import sse_events
+    from support.chat_web_support import sse_events
 
     from nanochat_fast.scripts import chat_web
     from nanochat_fast.web.app import Settings, create_app

@@ -11,12 +11,12 @@ import sys
 
 import pytest
 import torch
-from eval_home import write_eval_home, write_task
-from recording_chat_eval import recording
-from repo_paths import SUPPORT
-from stub_models import FavouriteTokenModel, byte_tokenizer
-from tiny_gpt import random_model
-from tiny_pipeline import ROOT, TINY_LOOP, TINY_MID, TINY_MODEL, home_env, home_with_base_run
+from support.eval_home import write_eval_home, write_task
+from support.recording_chat_eval import recording
+from support.repo_paths import SUPPORT
+from support.stub_models import FavouriteTokenModel, byte_tokenizer
+from support.tiny_gpt import random_model
+from support.tiny_pipeline import ROOT, TINY_LOOP, TINY_MID, TINY_MODEL, home_env, home_with_base_run
 
 from nanochat_fast import checkpoints
 from nanochat_fast.checkpoints import files, verification

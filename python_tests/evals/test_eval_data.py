@@ -14,8 +14,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from repo_paths import FIXTURES
-from stub_models import byte_tokenizer
+from support.repo_paths import FIXTURES
+from support.stub_models import byte_tokenizer
 
 from nanochat_fast.core.cli import UserError
 from nanochat_fast.data import corpus_sources

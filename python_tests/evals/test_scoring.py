@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from stub_models import FavouriteTokenModel, ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
-from tiny_gpt import random_model
+from support.stub_models import FavouriteTokenModel, ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
+from support.tiny_gpt import random_model
 
 from nanochat_fast.evals import scoring, tasks
 from nanochat_fast.evals.tasks.core_benchmark import MULTIPLE_CHOICE, SCHEMA, CoreTask

@@ -5,9 +5,9 @@ from the last-level cache, and the line `python -m nanochat_fast.hardware` print
 import json
 import math
 
-import measurement_files
 import pytest
 import torch
+from support import measurement_files
 
 from nanochat_fast import hardware
 from nanochat_fast.hardware import Bandwidth, bandwidth, cache, machine, peak

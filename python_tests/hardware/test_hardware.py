@@ -9,10 +9,10 @@ import subprocess
 import sys
 import textwrap
 
-import measurement_files
 import pytest
 import torch
-from repo_paths import ROOT
+from support import measurement_files
+from support.repo_paths import ROOT
 
 from nanochat_fast import hardware
 from nanochat_fast.core import threads

@@ -6,10 +6,10 @@ import json
 import subprocess
 import sys
 
-import measurement_files
 import pytest
 import torch
-from repo_paths import ROOT
+from support import measurement_files
+from support.repo_paths import ROOT
 
 from nanochat_fast.hardware import precision, tuning
 from nanochat_fast.hardware.tuning import Timing, TuningError, Work

@@ -13,8 +13,8 @@ import shutil
 
 import pytest
 import torch
-from nanochat_files import gpt_shapes, optimizer_files, random_weights, write_checkpoint, write_tokenizer
-from tiny_pipeline import TINY_LOOP, TINY_MODEL
+from support.nanochat_files import gpt_shapes, optimizer_files, random_weights, write_checkpoint, write_tokenizer
+from support.tiny_pipeline import TINY_LOOP, TINY_MODEL
 
 from nanochat_fast.core import cli
 from nanochat_fast.data.tokenizer import Tokenizer, get_tokenizer

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from nanochat_files import NANO_SPECIALS, write_tokenizer
-from tiny_pipeline import TINY_LOOP, TINY_MODEL
+from support.nanochat_files import NANO_SPECIALS, write_tokenizer
+from support.tiny_pipeline import TINY_LOOP, TINY_MODEL
 
 from nanochat_fast.core import cli
 from nanochat_fast.data.tokenizer import get_tokenizer

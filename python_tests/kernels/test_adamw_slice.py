@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from repo_paths import ROOT
+from support.repo_paths import ROOT
 
 from nanochat_fast.kernels import KernelUnavailableError, adamw_slice_update, registry
 from nanochat_fast.kernels.adamw_slice_hparams import HPARAMS, SLOT, make_hparams

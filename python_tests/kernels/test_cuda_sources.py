@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch.utils.cpp_extension as cpp_extension
-from repo_paths import ROOT
+from support.repo_paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_targets  # noqa: E402  (the GPU targets' limits, benchmarks/gpu_targets.py)

@@ -7,8 +7,8 @@ a row do not depend on the rows beside it."""
 import pytest
 import torch
 import torch.nn.functional as F
-from stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
-from tiny_gpt import random_model
+from support.stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
+from support.tiny_gpt import random_model
 
 from nanochat_fast import optim
 from nanochat_fast.kernels import registry

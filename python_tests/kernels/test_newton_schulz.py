@@ -9,8 +9,15 @@ import importlib
 
 import pytest
 import torch
-from newton_schulz_reference import POLAR_EXPRESS, QUINTIC, float64_newton_schulz, force_path, make_input, published
-from tiny_gpt import counting_batches, counting_model, train_on
+from support.newton_schulz_reference import (
+    POLAR_EXPRESS,
+    QUINTIC,
+    float64_newton_schulz,
+    force_path,
+    make_input,
+    published,
+)
+from support.tiny_gpt import counting_batches, counting_model, train_on
 
 from nanochat_fast.kernels import KernelUnavailableError, newton_schulz, registry
 

@@ -3,7 +3,7 @@ steps, its bf16 run stays within the policy's 2e-2 of its float64 run, and the m
 
 import pytest
 import torch
-from newton_schulz_reference import QUINTIC, float64_newton_schulz, make_input
+from support.newton_schulz_reference import QUINTIC, float64_newton_schulz, make_input
 
 from nanochat_fast.kernels import newton_schulz
 from nanochat_fast.kernels.newton_schulz import MINIMAX4, resolve_coefficients

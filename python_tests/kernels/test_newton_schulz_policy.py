@@ -9,7 +9,7 @@ import importlib
 
 import pytest
 import torch
-from newton_schulz_reference import float64_newton_schulz, force_path, make_input, published
+from support.newton_schulz_reference import float64_newton_schulz, force_path, make_input, published
 
 from nanochat_fast.hardware import precision
 from nanochat_fast.hardware.tuning import Timing

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     # must be set before the kernels are defined (the module is imported below, after this line)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from newton_schulz_reference import float64_newton_schulz, make_input, published  # noqa: E402
+from support.newton_schulz_reference import float64_newton_schulz, make_input, published  # noqa: E402
 
 from nanochat_fast.kernels import newton_schulz  # noqa: E402
 from nanochat_fast.kernels import newton_schulz_triton as nst  # noqa: E402

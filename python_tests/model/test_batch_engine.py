@@ -4,8 +4,8 @@ checked against full forwards without any cache; slots come back; bad requests a
 
 import pytest
 import torch
-from stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
-from tiny_gpt import random_model
+from support.stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
+from support.tiny_gpt import random_model
 
 from nanochat_fast.model import batch_engine
 from nanochat_fast.model.batch_engine import BatchEngine, DecodeRow, EngineFull, Request

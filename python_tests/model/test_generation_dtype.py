@@ -8,8 +8,8 @@ import threading
 
 import pytest
 import torch
-from chat_web_support import random_model
-from stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
+from support.chat_web_support import random_model
+from support.stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
 
 from nanochat_fast.hardware import precision, tuning
 from nanochat_fast.hardware.process_setup import ProcessSetup

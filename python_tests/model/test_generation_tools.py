@@ -3,8 +3,8 @@ output is forced in and generation goes on; batched samples equal one-at-a-time 
 temperature 0; rows that end leave the batch without disturbing the others."""
 
 import torch
-from stub_models import ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
-from tiny_gpt import generate_without_cache, random_model
+from support.stub_models import ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
+from support.tiny_gpt import generate_without_cache, random_model
 
 from nanochat_fast.model import generation
 from nanochat_fast.model.gpt import GPTConfig

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from tiny_gpt import TINY, generate_without_cache, random_model
+from support.tiny_gpt import TINY, generate_without_cache, random_model
 
 from nanochat_fast.model.gpt import GPT, GPTConfig, config_from_depth
 from nanochat_fast.model.kv_cache import SlotCache, SlotPrefill

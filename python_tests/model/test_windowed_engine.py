@@ -4,7 +4,7 @@ forwards without any cache (sliding windows, value embeddings and smear through 
 
 import pytest
 import torch
-from stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
+from support.stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
 
 from nanochat_fast.kernels import registry
 from nanochat_fast.model.batch_engine import BatchEngine, Request

@@ -9,8 +9,11 @@ import math
 
 import pytest
 import torch
-from newton_schulz_reference import float64_newton_schulz, published  # the published coefficients, not the package's
-from tiny_gpt import counting_batches, counting_model, train_on
+from support.newton_schulz_reference import (  # the published coefficients, not the package's
+    float64_newton_schulz,
+    published,
+)
+from support.tiny_gpt import counting_batches, counting_model, train_on
 
 from nanochat_fast.optim import Muon, MuonRecipe
 from nanochat_fast.optim import recipe as recipes

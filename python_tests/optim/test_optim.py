@@ -6,7 +6,10 @@ import math
 
 import pytest
 import torch
-from newton_schulz_reference import float64_newton_schulz, published  # the published coefficients, not the package's
+from support.newton_schulz_reference import (  # the published coefficients, not the package's
+    float64_newton_schulz,
+    published,
+)
 
 from nanochat_fast import optim
 from nanochat_fast.kernels import newton_schulz

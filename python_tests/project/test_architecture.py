@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-from repo_paths import ROOT
+from support.repo_paths import ROOT
 
 PACKAGE = ROOT / "nanochat_fast"
 BELOW = {  # folder -> the folders it may import (its own is always allowed)

@@ -8,7 +8,7 @@ import sys
 import zipfile
 
 import pytest
-from repo_paths import ROOT
+from support.repo_paths import ROOT
 
 
 def build_wheel(tmp_path, **env):

@@ -6,7 +6,7 @@ import sys
 
 import tomllib
 import torch
-from repo_paths import ROOT
+from support.repo_paths import ROOT
 
 from nanochat_fast.core import torch_floor
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_env, home_with_base_run, private_home
+from support.tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, home_env, home_with_base_run, private_home
 
 from nanochat_fast import checkpoints
 from nanochat_fast.core import cli

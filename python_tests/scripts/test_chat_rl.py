@@ -5,8 +5,8 @@ exactly; the report card gets an RL column."""
 import json
 
 import pytest
-from faults import preempted_and_resumed
-from tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, run_script
+from support.faults import preempted_and_resumed
+from support.tiny_pipeline import FP32, TINY_LOOP, TINY_MODEL, home_env, run_script
 
 from nanochat_fast.evals import tasks
 from nanochat_fast.scripts import base_train, chat_rl, chat_sft, report

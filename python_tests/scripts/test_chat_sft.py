@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from eval_home import gsm8k, mc, write_eval_home, write_task
-from faults import preempted_and_resumed
-from tiny_gpt import random_model
-from tiny_pipeline import FP32, TINY_LOOP, TINY_MID, TINY_MODEL, home_env, home_with_base_run, run_script
+from support.eval_home import gsm8k, mc, write_eval_home, write_task
+from support.faults import preempted_and_resumed
+from support.tiny_gpt import random_model
+from support.tiny_pipeline import FP32, TINY_LOOP, TINY_MID, TINY_MODEL, home_env, home_with_base_run, run_script
 
 from nanochat_fast import checkpoints
 from nanochat_fast.data.padded_conversations import ConversationMixture, PaddedConversationLoader

@@ -6,8 +6,8 @@ import json
 import math
 
 import pytest
-from chat_web_support import random_model, save_chat_checkpoint
-from stub_models import StubModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
+from support.chat_web_support import random_model, save_chat_checkpoint
+from support.stub_models import StubModel, byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
 
 from nanochat_fast.core import cli
 from nanochat_fast.model.batch_engine import Request

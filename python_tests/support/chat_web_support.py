@@ -17,7 +17,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from repo_paths import ROOT, SUPPORT
+
+from support.repo_paths import ROOT, SUPPORT
 
 
 def random_model(config, seed: int = 0):

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from repo_paths import ROOT, SUPPORT
 
 from nanochat_fast.core.distributed import compute_cleanup
+from support.repo_paths import ROOT, SUPPORT
 
 PARITY_RTOL = 1e-5
 

@@ -21,12 +21,12 @@ on a CPU with native bf16 "auto" would pick bf16.
 from pathlib import Path
 
 import torch
-from dist_runs import finish, worker_parser
 
 from nanochat_fast import optim
 from nanochat_fast.core.distributed import all_reduce_sum, compute_init, get_dist_info
 from nanochat_fast.model.gpt import GPT, GPTConfig
 from nanochat_fast.optim import MuonRecipe
+from support.dist_runs import finish, worker_parser
 
 CONFIG = GPTConfig(sequence_len=16, vocab_size=4099, n_layer=2, n_head=2, n_kv_head=1, n_embd=64)
 GLOBAL_ROWS = 6  # divisible by 1, 2 and 3: every world size sees the same global batch

@@ -23,10 +23,10 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-from tiny_pipeline import last_model_state, train_rows
 
 from nanochat_fast.core import cli
 from nanochat_fast.train import training_loop
+from support.tiny_pipeline import last_model_state, train_rows
 
 
 @contextmanager

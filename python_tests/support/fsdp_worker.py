@@ -18,14 +18,14 @@ by the test:
 
 from pathlib import Path
 
-import dist_worker as W
 import torch
 import torch.distributed as dist
-from dist_runs import finish, worker_parser
 
 from nanochat_fast.core.distributed import compute_init
 from nanochat_fast.model import sharding
 from nanochat_fast.optim import AdamW, Muon, MuonRecipe
+from support import dist_worker as W
+from support.dist_runs import finish, worker_parser
 
 RECIPES = {"quintic": W.RECIPE, "polar-normuon": MuonRecipe.preset("polar-normuon", ns_dtype="fp32", weight_decay=0.5)}
 

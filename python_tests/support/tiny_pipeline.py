@@ -11,7 +11,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from repo_paths import ROOT, SUPPORT
+from support.repo_paths import ROOT, SUPPORT
 
 # depth 2 -> n_embd 64 (aspect 32, head_dim 32 -> 2 heads); 4 rows of 64 tokens per micro-step
 TINY_MODEL = ["--depth=2", "--aspect-ratio=32", "--head-dim=32", "--max-seq-len=64"]

@@ -10,9 +10,18 @@ import time
 from pathlib import Path
 
 import pytest
-from faults import nan_loss_at_step, preempted_and_resumed
-from repo_paths import SUPPORT
-from tiny_pipeline import ROOT, TINY_LOOP, TINY_MODEL, disk_full_at, last_model_state, run_script, torchrun, train_rows
+from support.faults import nan_loss_at_step, preempted_and_resumed
+from support.repo_paths import SUPPORT
+from support.tiny_pipeline import (
+    ROOT,
+    TINY_LOOP,
+    TINY_MODEL,
+    disk_full_at,
+    last_model_state,
+    run_script,
+    torchrun,
+    train_rows,
+)
 
 from nanochat_fast import checkpoints
 from nanochat_fast.core.cli import UserError

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from stub_models import ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (fixture)
-from tiny_gpt import random_model
+from support.stub_models import ScriptedModel, byte_tokenizer, one_thread  # noqa: F401 (fixture)
+from support.tiny_gpt import random_model
 
 from nanochat_fast.core.errors import UserError
 from nanochat_fast.evals import scoring, task_runner, tasks

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_pipeline import TINY_LOOP, TINY_MODEL
+from support.tiny_pipeline import TINY_LOOP, TINY_MODEL
 
 from nanochat_fast import checkpoints
 from nanochat_fast.core.errors import UserError

@@ -5,7 +5,7 @@ extra, and without the flags nothing is made."""
 import json
 
 import pytest
-from tiny_pipeline import TINY_LOOP, TINY_MODEL
+from support.tiny_pipeline import TINY_LOOP, TINY_MODEL
 
 from nanochat_fast.core import cli
 from nanochat_fast.scripts import base_train

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from tiny_pipeline import DEFAULT_LOOP, TINY_LOOP, TINY_MODEL, run_script, train_rows
+from support.tiny_pipeline import DEFAULT_LOOP, TINY_LOOP, TINY_MODEL, run_script, train_rows
 
 from nanochat_fast import hardware
 from nanochat_fast.hardware import precision

@@ -18,8 +18,8 @@ import torch
 
 pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install -e '.[web]'")
 import httpx  # noqa: E402
-from chat_web_support import chat_home, load_chat_model, sse_events  # noqa: E402
-from slow_chat_web import Slowed  # noqa: E402
+from support.chat_web_support import chat_home, load_chat_model, sse_events  # noqa: E402
+from support.slow_chat_web import Slowed  # noqa: E402
 
 from nanochat_fast.core import cli  # noqa: E402
 from nanochat_fast.model import generation, sampling  # noqa: E402

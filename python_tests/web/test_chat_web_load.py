@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="chat_web needs the web extra: pip install -e '.[web]'")
 import httpx  # noqa: E402
-from chat_web_support import chat_home, chat_web_process, load_chat_model, sse_events  # noqa: E402
+from support.chat_web_support import chat_home, chat_web_process, load_chat_model, sse_events  # noqa: E402
 
 from nanochat_fast.model import generation  # noqa: E402
 

@@ -10,7 +10,7 @@ import functools
 import threading
 
 import pytest
-from stand_in_engines import CRASH, FAIL_STEP, counting_engine, refuse_to_build
+from support.stand_in_engines import CRASH, FAIL_STEP, counting_engine, refuse_to_build
 
 from nanochat_fast.model.batch_engine import Request
 from nanochat_fast.web import replica_process
