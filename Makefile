@@ -99,7 +99,7 @@ bench-prepare: install
 	$(PY) benchmarks/prep_scale.py --gb=$(PREP_GB) --out=benchmarks/prep_scale.json
 
 # The GPU verdict on the GPU node users have: one GPU, its own python3 with torch and triton, no network
-# (README, "GPU"). Here, with the package registries, `make gpu-bundle` writes what the node lacks into
+# (docs/gpu.md). Here, with the package registries, `make gpu-bundle` writes what the node lacks into
 # $(BUNDLE) (wheels for its Python, a prepared home, a manifest); copy it there with the source tree and run
 # `make gpu-check OUT=DIR` on the node: every step under its own time cap, the report in DIR. Without a GPU,
 # nvcc, a supported torch, a bundle for that Python or OUT, it stops before any work with one line.

@@ -12,7 +12,7 @@ check     The preflight says in one line (exit 2), before any work, what this ma
           step. Exit 1 if any step failed.
 rehearse  Every part that needs no GPU, here, offline (python_tests/benchmarks/test_gpu_check.py, on every CI run).
 
-What each step and the rehearsal do: README.md ("The GPU verdict") and docs/measurements.md#gpu-check.
+What each step and the rehearsal do: docs/gpu.md ("The GPU verdict") and docs/measurements.md#gpu-check.
 """
 
 import argparse

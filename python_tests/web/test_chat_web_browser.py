@@ -3,7 +3,7 @@ chat_web process on 127.0.0.1: streamed text appears, turns complete with the mo
 multi-turn history reaches the server, edit, regenerate, stop (which stops the server), a
 validation error shown in the page, new chat, and nothing loaded from anywhere but the server.
 
-The screenshot in the README comes from here:
+The screenshot in docs/guide.md comes from here:
     NANOCHAT_FAST_SCREENSHOT=docs/chat_web.png pytest python_tests/web/test_chat_web_browser.py
 """
 
