@@ -1,15 +1,9 @@
 """
-The published pretraining sets, downloaded: ClimbMix-400B and FineWeb-Edu-100B as parquet shards
-(a "text" column each), the files nanochat's users fetch before a GPT-2-grade run.
-
-    data/<dataset>/train/shard_00000.parquet ...   the first N shards of the set
-    data/<dataset>/val/shard_06542.parquet         its last shard: the validation split
-
-A shard is written to <name>.partial, checked (it opens as parquet with a "text" column), then
-renamed into place: a file under its final name is complete. A .partial left by a failed or killed
-run is resumed with an HTTP Range request (after the host's redirect to its CDN too). Connection
-errors, cut-off bodies and 5xx answers are retried with a doubling wait; a 4xx answer or a full
-disk stops the run with one line, keeping the shards already complete.
+The published pretraining sets downloaded: ClimbMix-400B and FineWeb-Edu-100B parquet shards (a
+"text" column each) into data/<dataset>/train/, the set's last shard into val/. A shard goes to
+<name>.partial, is checked, then renamed: a file under its final name is complete. A .partial is
+resumed with an HTTP Range request; connection errors, cut-off bodies and 5xx answers are retried
+with a doubling wait; a 4xx answer or a full disk stops the run with one line, complete shards kept.
 """
 
 import errno
@@ -32,10 +26,6 @@ class PublishedSet:
     name: str
     base_url: str
     last_shard: int  # the validation shard; 0..last_shard-1 are the training shards
-
-    @property
-    def train_shards(self) -> int:
-        return self.last_shard
 
 
 DATASETS = {
@@ -72,10 +62,10 @@ class DownloadConfig:
         published = DATASETS[self.dataset]
         if not isinstance(self.shards, int) or self.shards < 1:
             raise UserError(f"--shards must be at least 1 (training shards to download), got {self.shards}")
-        if self.shards > published.train_shards:
+        if self.shards > published.last_shard:
             raise UserError(
-                f"--shards={self.shards}: {self.dataset} has {published.train_shards} training shards "
-                f"(and shard {published.last_shard} for validation); ask for at most {published.train_shards}"
+                f"--shards={self.shards}: {self.dataset} has {published.last_shard} training shards "
+                f"(and shard {published.last_shard} for validation); ask for at most {published.last_shard}"
             )
         self.base_url = (self.base_url or published.base_url).rstrip("/")
         if not self.base_url.lower().startswith(("http://", "https://")):
@@ -133,12 +123,12 @@ def verify_shard(path: Path) -> str | None:
 
 
 def free_bytes(folder: Path) -> int:
-    """Free space on the file system holding `folder` (a function of its own, so a test can fake it)."""
+    """Free space on the file system holding `folder` (its own function: a test fakes it)."""
     return shutil.disk_usage(folder).free
 
 
 def _append(f, data: bytes):
-    """Write one chunk (its own function, so a test can inject a full disk)."""
+    """Write one chunk (its own function: a test injects a full disk)."""
     f.write(data)
 
 
@@ -284,8 +274,8 @@ def _check_space(todo, sizes, root: Path):
 
 
 def download(cfg: DownloadConfig, root: Path) -> dict:
-    """Fetch the shards of `cfg` under root/{train,val}/; the complete ones are skipped. Prints one
-    summary line and returns {"shards", "bytes", "seconds", "retries", "skipped", "train", "val"}."""
+    """Fetch the shards of `cfg` under root/{train,val}/, skipping complete ones; prints one summary
+    line and returns {"shards", "bytes", "seconds", "retries", "skipped", "train", "val"}."""
     root = Path(root)
     jobs = cfg.jobs(root)
     for split in ("train", "val"):
