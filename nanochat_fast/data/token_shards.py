@@ -36,12 +36,7 @@ def token_dtype(vocab_size: int):
 
 
 def tokenize_dataset(
-    name: str,
-    tokenizer,
-    *,
-    overwrite: bool = False,
-    num_threads: int = 8,
-    memory_mb: int = DEFAULT_MEMORY_MB,
+    name: str, tokenizer, *, overwrite: bool = False, num_threads: int = 8, memory_mb: int = DEFAULT_MEMORY_MB
 ) -> dict:
     """Pre-tokenize data/<name>/ into tokens/<name>/ (each document starts with <|bos|>; conversations
     get their loss mask), skipping complete shards of this tokenizer and the current text. Prose is
