@@ -161,24 +161,37 @@ def _http_failure(e: urllib.error.HTTPError, url: str) -> Exception:
     )
 
 
+def _with_retries(attempt, url: str, cfg: DownloadConfig, retried, failed: str, advice: str):
+    """attempt() until it returns: _Retry and connection errors are tried again after a doubling wait
+    (retried(url, why) tells), the last raises NetworkError("<failed> after N tries (<why>); <advice>")."""
+    for n in range(cfg.retries + 1):
+        try:
+            return attempt()
+        except _Retry as e:
+            why = str(e)
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+            why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+        if n == cfg.retries:
+            raise NetworkError(f"{failed} after {cfg.retries + 1} tries ({why}); {advice}")
+        retried(url, why)
+        time.sleep(cfg.retry_wait_s * 2**n)
+
+
 def head_size(url: str, cfg: DownloadConfig, retried) -> int | None:
     """The shard's size from a HEAD request (None when the server does not say), retried like a GET."""
-    for attempt in range(cfg.retries + 1):
+
+    def attempt():
         try:
             with _open(url, cfg, method="HEAD") as resp:
                 length = resp.headers.get("Content-Length")
                 return int(length) if length and length.isdigit() else None
         except urllib.error.HTTPError as e:
-            failure = _http_failure(e, url)
-            if not isinstance(failure, _Retry):
-                raise failure from None
-            why = str(failure)
-        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
-            why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        if attempt < cfg.retries:
-            retried(url, f"HEAD: {why}")
-            time.sleep(cfg.retry_wait_s * 2**attempt)
-    raise NetworkError(f"no answer to HEAD {url} after {cfg.retries + 1} tries ({why}); check the network and re-run")
+            raise _http_failure(e, url) from None
+
+    def head_retried(url, why):
+        retried(url, f"HEAD: {why}")
+
+    return _with_retries(attempt, url, cfg, head_retried, f"no answer to HEAD {url}", "check the network and re-run")
 
 
 def _fetch_once(url: str, tmp: Path, cfg: DownloadConfig, counters: _Counters):
@@ -228,35 +241,27 @@ class _DiskFull(Exception):
 def fetch_shard(url: str, dest: Path, cfg: DownloadConfig, counters: _Counters):
     """Download one shard to dest (via its .partial), retrying; raises UserError/NetworkError."""
     tmp = partial_path(dest)
-    for attempt in range(cfg.retries + 1):
-        try:
-            _fetch_once(url, tmp, cfg, counters)
-            problem = verify_shard(tmp)
-            if problem is None:
-                tmp.replace(dest)
-                counters.shard_done()
-                return
+
+    def attempt():
+        _fetch_once(url, tmp, cfg, counters)
+        problem = verify_shard(tmp)
+        if problem is not None:  # complete by its length, yet not a shard: a truncated body, fetched again whole
             counters.add_bytes(-tmp.stat().st_size)
-            tmp.unlink()  # complete by its length, yet not a shard: a truncated body, fetched again whole
-            why = f"the file received is {problem}"
-        except _Retry as e:
-            why = str(e)
-        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
-            why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        except _DiskFull as e:
-            tmp.unlink(missing_ok=True)
-            what = "the disk is full" if e.error.errno == errno.ENOSPC else f"cannot write ({e.error})"
-            raise UserError(
-                f"{what} while writing {dest}: its partial file was removed, the complete shards are kept; "
-                "free some space (or ask for fewer --shards) and re-run"
-            ) from None
-        if attempt == cfg.retries:
-            raise NetworkError(
-                f"{url}: still failing after {cfg.retries + 1} tries ({why}); the complete shards are kept and "
-                "a re-run resumes"
-            )
-        counters.retried(url, why)
-        time.sleep(cfg.retry_wait_s * 2**attempt)
+            tmp.unlink()
+            raise _Retry(f"the file received is {problem}")
+        tmp.replace(dest)
+        counters.shard_done()
+
+    try:
+        kept = "the complete shards are kept and a re-run resumes"
+        _with_retries(attempt, url, cfg, counters.retried, f"{url}: still failing", kept)
+    except _DiskFull as e:
+        tmp.unlink(missing_ok=True)
+        what = "the disk is full" if e.error.errno == errno.ENOSPC else f"cannot write ({e.error})"
+        raise UserError(
+            f"{what} while writing {dest}: its partial file was removed, the complete shards are kept; "
+            "free some space (or ask for fewer --shards) and re-run"
+        ) from None
 
 
 def _check_space(todo, sizes, root: Path):

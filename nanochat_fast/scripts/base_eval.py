@@ -1,17 +1,18 @@
 """
-Evaluate a trained checkpoint: validation bits per byte, the CORE subset, and a few completions.
+Evaluate a trained checkpoint: validation bits per byte, a subset of the CORE benchmark, and a few
+sample completions.
 
     python -m nanochat_fast.scripts.base_eval                      # newest base run, newest checkpoint
     python -m nanochat_fast.scripts.base_eval --run=base_d4 --step=200 --eval-tokens=65536 --max-examples=500
     torchrun --nproc_per_node=8 -m nanochat_fast.scripts.base_eval -- --run=base_d20
 
-Bits per byte (bpb) is the next-token loss in bits over the UTF-8 bytes of the predicted tokens, so
-it compares models with different tokenizers; measured on the val split of the run's dataset (a
-mid-trained checkpoint: the conversations, assistant tokens only), the same rows on any number of
-processes. The CORE subset is the 10 of CORE's 22 tasks we have offline (prepare_data
---datasets=eval; without it CORE is skipped with a note), not comparable with published CORE scores
-(docs/measurements.md#core-subset); --max-examples N scores a fixed random sample of N items per
-task. Results go to the run's evals.json for the report card.
+Bits per byte (bpb) is the next-token loss in bits divided by the UTF-8 bytes of the predicted
+tokens, so it compares models with different tokenizers; it is measured on the val split of the
+run's dataset (a mid-trained checkpoint on the conversations, assistant tokens only), the same rows
+on any number of processes. The CORE subset is the 10 of CORE's 22 tasks we have offline
+(prepare_data --datasets=eval; without it, CORE is skipped with a note), not comparable with
+published CORE scores (docs/measurements.md#core-subset); --max-examples N scores a fixed random
+sample of N items per task. Results go to the run's evals.json for the report card.
 """
 
 import torch
