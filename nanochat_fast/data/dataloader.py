@@ -133,15 +133,8 @@ class TokenRowLoader:
         self.docs = DocStream(self.shards, self.with_mask, _extra)
         # (a buffer larger than the split would only hold several copies of its documents)
         buffer_docs = min(buffer_docs, self.docs.n_docs)
-        self._stream_args = (
-            self.docs,
-            self.rows,
-            seq_len + 1,
-            self.shards.bos_id,
-            buffer_docs,
-            MASK_SHIFT if self.with_mask else -1,
-            backend,
-        )
+        mask_shift = MASK_SHIFT if self.with_mask else -1
+        self._stream_args = (self.docs, self.rows, seq_len + 1, self.shards.bos_id, buffer_docs, mask_shift, backend)
         self._depth = 2 if prefetch is True else max(0, int(prefetch or 0))
         self._cuda = self.device.type == "cuda"
         if self._cuda:
