@@ -13,6 +13,7 @@ from pathlib import Path
 from ..core import paths
 from ..core.errors import UserError
 from ..core.progress import progress_bar
+from .corpus_sources import split_document
 
 TEXT, CHAT = "text", "chat"
 SPLITS = ("train", "val")
@@ -59,8 +60,6 @@ def iter_input_folder(folder: Path, max_doc_chars: int):
     {"text"} or {"messages"} objects, a .parquet a "text" or "messages" column. Empty files are
     skipped with a warning; one that cannot be read stops the run with a UserError naming it
     (dropping part of someone's data silently is worse than asking them to fix one file)."""
-    from .corpus_sources import split_document
-
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"--input {folder} is not a directory")
@@ -128,8 +127,6 @@ def _parquet_docs(path: Path, rel: str, max_doc_chars: int):
 
 
 def _object_docs(obj, where, source, max_doc_chars):
-    from .corpus_sources import split_document
-
     if isinstance(obj, dict) and "messages" in obj:
         yield check_conversation(obj, where), source
     elif isinstance(obj, dict) and isinstance(obj.get("text"), str):

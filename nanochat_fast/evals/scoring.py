@@ -147,15 +147,9 @@ def categorical_counts(
             at = 0 if projected_last else int(last[row])
             letter_logits = logits[row, at, _letter_ids(tokenizer, letters)]
             predicted = letters[int(letter_logits.argmax())]
-            outcomes[i] = (
-                task.check(ex, predicted),
-                dict(
-                    id=ex["id"],
-                    prediction=predicted,
-                    answer=letters[ex["answer"]],
-                    letter_logits=[round(x, 4) for x in letter_logits.tolist()],
-                ),
-            )
+            rounded = [round(x, 4) for x in letter_logits.tolist()]
+            record = dict(id=ex["id"], prediction=predicted, answer=letters[ex["answer"]], letter_logits=rounded)
+            outcomes[i] = (task.check(ex, predicted), record)
         if on_batch is not None:
             on_batch(len(batch))
     counts = Counts(truncated=sum(len(p) < len(w) for p, w in zip(prompts, whole)))
