@@ -218,15 +218,21 @@ class TokenRowLoader:
         used, cropped = self._state[3:5]
         return cropped / (used + cropped) if used + cropped else 0.0
 
-    def state_dict(self) -> dict:
-        next_pos, buffer, batches, used, cropped = self._state
+    def _identity(self) -> dict:
+        """What a saved state is valid for."""
         return {
-            "version": STATE_VERSION,
             "dataset": self.dataset,
             "split": self.split,
             "n_docs": self.docs.n_docs,
             "tokenizer": self.shards.fingerprint,
             "extra": self._extra_digest,
+        }
+
+    def state_dict(self) -> dict:
+        next_pos, buffer, batches, used, cropped = self._state
+        return {
+            "version": STATE_VERSION,
+            **self._identity(),
             "seq_len": self.seq_len,
             "rows": self.rows,
             "next_pos": int(next_pos),
@@ -240,13 +246,7 @@ class TokenRowLoader:
         """Continue from `state` (from state_dict(), possibly saved by a run with another world size)."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"state: not a loader state of version {STATE_VERSION}")
-        for key, mine in (
-            ("dataset", self.dataset),
-            ("split", self.split),
-            ("n_docs", self.docs.n_docs),
-            ("tokenizer", self.shards.fingerprint),
-            ("extra", self._extra_digest),
-        ):
+        for key, mine in self._identity().items():
             if state.get(key) != mine:
                 raise ValueError(
                     f"state: saved for {key}={state.get(key)!r} but this loader has {key}={mine!r} "
