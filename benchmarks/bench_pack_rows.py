@@ -22,7 +22,7 @@ import torch
 from harness import compare
 
 from nanochat_fast.core import paths
-from nanochat_fast.data.packed_loaders import DocStream, TokenRowLoader, make_row_stream
+from nanochat_fast.data.dataloader import DocStream, TokenRowLoader, make_row_stream
 from nanochat_fast.data.token_shards import TokenShards, write_token_shard
 from nanochat_fast.kernels import pack_rows
 

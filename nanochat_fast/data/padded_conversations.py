@@ -1,18 +1,9 @@
 """
-What chat_sft reads: one conversation per row, padded, not packed (nanochat's SFT).
-
-Mid-training packs conversations back to back into full rows; supervised fine-tuning instead gives
-every conversation a row of its own, so each one starts at position 0 as it will when the model
-chats, and batches are counted in conversations ("examples"), not tokens:
-
-    row i of a batch  = conversation c: inputs ids[:-1], targets ids[1:] where the assistant speaks
-    padding           = <|assistant_end|> after the conversation, its targets -1 (never trained on)
-    row length        = the longest conversation of this rank's batch, at most --max-seq-len + 1
-                        tokens (a longer conversation loses its end)
-
-The conversations come from a ConversationMixture (token shards and conversations rendered in
-memory, one index, a seeded order per epoch), read as one global stream with a global cursor, as
-the packed loaders are. How: docs/measurements.md#padded-conversations.
+What chat_sft reads: one conversation per row, padded, not packed (nanochat's SFT), so each starts at
+position 0 as when the model chats, and batches count conversations. A row: inputs ids[:-1], targets
+ids[1:] where the assistant speaks, padded with <|assistant_end|> (targets -1) to the longest of the
+rank's batch, at most --max-seq-len + 1 tokens. One global stream over a ConversationMixture with a
+global cursor, as the packed loaders: docs/measurements.md#padded-conversations.
 """
 
 import hashlib
@@ -21,11 +12,12 @@ import numpy as np
 import torch
 
 STATE_VERSION = 1
+KIND = "padded_conversations"  # the state's kind
 
 
 class ConversationMixture:
-    """Several sources of rendered conversations (objects shaped like token_shards.TokenShards of a
-    conversation dataset: tokens, masks, offsets per shard, locate(i), n_docs) behind one index."""
+    """Sources of rendered conversations (shaped like token_shards.TokenShards: tokens, masks and
+    offsets per shard, locate(i), n_docs) behind one index, in a seeded order per epoch."""
 
     def __init__(self, parts: list[tuple[str, object]], seed: int = 42, shuffle: bool = True):
         self.parts = [(name, shards) for name, shards in parts if shards.n_docs > 0]
@@ -68,9 +60,8 @@ class ConversationMixture:
 
 
 class PaddedConversationLoader:
-    """next(loader) -> (inputs, targets), int64 [device_batch_size, L] on `device`, L the longest
-    row of this rank's batch (at most seq_len). Iterates forever, epoch after epoch (module
-    docstring); the interface of packed_loaders.TokenRowLoader that the training loop uses."""
+    """next(loader) -> (inputs, targets), int64 [device_batch_size, L] on `device`, forever; the
+    interface of dataloader.TokenRowLoader that the training loop uses."""
 
     def __init__(
         self,
@@ -126,7 +117,7 @@ class PaddedConversationLoader:
     def state_dict(self) -> dict:
         return {
             "version": STATE_VERSION,
-            "kind": "padded_conversations",
+            "kind": KIND,
             "mixture": self.mixture.digest(),
             "n_docs": self.mixture.n_docs,
             "cursor": self.cursor,
@@ -135,11 +126,7 @@ class PaddedConversationLoader:
 
     def load_state_dict(self, state: dict):
         """Continue from `state`, saved by a run with any number of processes."""
-        if (
-            not isinstance(state, dict)
-            or state.get("version") != STATE_VERSION
-            or state.get("kind") != "padded_conversations"
-        ):
+        if not isinstance(state, dict) or (state.get("version"), state.get("kind")) != (STATE_VERSION, KIND):
             raise ValueError("state: not a padded-conversation loader state")
         if state["mixture"] != self.mixture.digest():
             raise ValueError(

@@ -1,15 +1,9 @@
 """
-The published pretraining sets, downloaded: ClimbMix-400B and FineWeb-Edu-100B as parquet shards
-(a "text" column each), the files nanochat's users fetch before a GPT-2-grade run.
-
-    data/<dataset>/train/shard_00000.parquet ...   the first N shards of the set
-    data/<dataset>/val/shard_06542.parquet         its last shard: the validation split
-
-A shard is written to <name>.partial, checked (it opens as parquet with a "text" column), then
-renamed into place: a file under its final name is complete. A .partial left by a failed or killed
-run is resumed with an HTTP Range request (after the host's redirect to its CDN too). Connection
-errors, cut-off bodies and 5xx answers are retried with a doubling wait; a 4xx answer or a full
-disk stops the run with one line, keeping the shards already complete.
+The published pretraining sets downloaded: ClimbMix-400B and FineWeb-Edu-100B parquet shards (a
+"text" column each) into data/<dataset>/train/, the set's last shard into val/. A shard goes to
+<name>.partial, is checked, then renamed: a file under its final name is complete. A .partial is
+resumed with an HTTP Range request; connection errors, cut-off bodies and 5xx answers are retried
+with a doubling wait; a 4xx answer or a full disk stops the run with one line, complete shards kept.
 """
 
 import errno
@@ -32,10 +26,6 @@ class PublishedSet:
     name: str
     base_url: str
     last_shard: int  # the validation shard; 0..last_shard-1 are the training shards
-
-    @property
-    def train_shards(self) -> int:
-        return self.last_shard
 
 
 DATASETS = {
@@ -72,10 +62,10 @@ class DownloadConfig:
         published = DATASETS[self.dataset]
         if not isinstance(self.shards, int) or self.shards < 1:
             raise UserError(f"--shards must be at least 1 (training shards to download), got {self.shards}")
-        if self.shards > published.train_shards:
+        if self.shards > published.last_shard:
             raise UserError(
-                f"--shards={self.shards}: {self.dataset} has {published.train_shards} training shards "
-                f"(and shard {published.last_shard} for validation); ask for at most {published.train_shards}"
+                f"--shards={self.shards}: {self.dataset} has {published.last_shard} training shards "
+                f"(and shard {published.last_shard} for validation); ask for at most {published.last_shard}"
             )
         self.base_url = (self.base_url or published.base_url).rstrip("/")
         if not self.base_url.lower().startswith(("http://", "https://")):
@@ -133,12 +123,12 @@ def verify_shard(path: Path) -> str | None:
 
 
 def free_bytes(folder: Path) -> int:
-    """Free space on the file system holding `folder` (a function of its own, so a test can fake it)."""
+    """Free space on the file system holding `folder` (its own function: a test fakes it)."""
     return shutil.disk_usage(folder).free
 
 
 def _append(f, data: bytes):
-    """Write one chunk (its own function, so a test can inject a full disk)."""
+    """Write one chunk (its own function: a test injects a full disk)."""
     f.write(data)
 
 
@@ -171,24 +161,37 @@ def _http_failure(e: urllib.error.HTTPError, url: str) -> Exception:
     )
 
 
+def _with_retries(attempt, url: str, cfg: DownloadConfig, retried, failed: str, advice: str):
+    """attempt() until it returns: _Retry and connection errors are tried again after a doubling wait
+    (retried(url, why) tells), the last raises NetworkError("<failed> after N tries (<why>); <advice>")."""
+    for n in range(cfg.retries + 1):
+        try:
+            return attempt()
+        except _Retry as e:
+            why = str(e)
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+            why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+        if n == cfg.retries:
+            raise NetworkError(f"{failed} after {cfg.retries + 1} tries ({why}); {advice}")
+        retried(url, why)
+        time.sleep(cfg.retry_wait_s * 2**n)
+
+
 def head_size(url: str, cfg: DownloadConfig, retried) -> int | None:
     """The shard's size from a HEAD request (None when the server does not say), retried like a GET."""
-    for attempt in range(cfg.retries + 1):
+
+    def attempt():
         try:
             with _open(url, cfg, method="HEAD") as resp:
                 length = resp.headers.get("Content-Length")
                 return int(length) if length and length.isdigit() else None
         except urllib.error.HTTPError as e:
-            failure = _http_failure(e, url)
-            if not isinstance(failure, _Retry):
-                raise failure from None
-            why = str(failure)
-        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
-            why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        if attempt < cfg.retries:
-            retried(url, f"HEAD: {why}")
-            time.sleep(cfg.retry_wait_s * 2**attempt)
-    raise NetworkError(f"no answer to HEAD {url} after {cfg.retries + 1} tries ({why}); check the network and re-run")
+            raise _http_failure(e, url) from None
+
+    def head_retried(url, why):
+        retried(url, f"HEAD: {why}")
+
+    return _with_retries(attempt, url, cfg, head_retried, f"no answer to HEAD {url}", "check the network and re-run")
 
 
 def _fetch_once(url: str, tmp: Path, cfg: DownloadConfig, counters: _Counters):
@@ -238,35 +241,27 @@ class _DiskFull(Exception):
 def fetch_shard(url: str, dest: Path, cfg: DownloadConfig, counters: _Counters):
     """Download one shard to dest (via its .partial), retrying; raises UserError/NetworkError."""
     tmp = partial_path(dest)
-    for attempt in range(cfg.retries + 1):
-        try:
-            _fetch_once(url, tmp, cfg, counters)
-            problem = verify_shard(tmp)
-            if problem is None:
-                tmp.replace(dest)
-                counters.shard_done()
-                return
+
+    def attempt():
+        _fetch_once(url, tmp, cfg, counters)
+        problem = verify_shard(tmp)
+        if problem is not None:  # complete by its length, yet not a shard: a truncated body, fetched again whole
             counters.add_bytes(-tmp.stat().st_size)
-            tmp.unlink()  # complete by its length, yet not a shard: a truncated body, fetched again whole
-            why = f"the file received is {problem}"
-        except _Retry as e:
-            why = str(e)
-        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
-            why = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        except _DiskFull as e:
-            tmp.unlink(missing_ok=True)
-            what = "the disk is full" if e.error.errno == errno.ENOSPC else f"cannot write ({e.error})"
-            raise UserError(
-                f"{what} while writing {dest}: its partial file was removed, the complete shards are kept; "
-                "free some space (or ask for fewer --shards) and re-run"
-            ) from None
-        if attempt == cfg.retries:
-            raise NetworkError(
-                f"{url}: still failing after {cfg.retries + 1} tries ({why}); the complete shards are kept and "
-                "a re-run resumes"
-            )
-        counters.retried(url, why)
-        time.sleep(cfg.retry_wait_s * 2**attempt)
+            tmp.unlink()
+            raise _Retry(f"the file received is {problem}")
+        tmp.replace(dest)
+        counters.shard_done()
+
+    try:
+        kept = "the complete shards are kept and a re-run resumes"
+        _with_retries(attempt, url, cfg, counters.retried, f"{url}: still failing", kept)
+    except _DiskFull as e:
+        tmp.unlink(missing_ok=True)
+        what = "the disk is full" if e.error.errno == errno.ENOSPC else f"cannot write ({e.error})"
+        raise UserError(
+            f"{what} while writing {dest}: its partial file was removed, the complete shards are kept; "
+            "free some space (or ask for fewer --shards) and re-run"
+        ) from None
 
 
 def _check_space(todo, sizes, root: Path):
@@ -284,8 +279,8 @@ def _check_space(todo, sizes, root: Path):
 
 
 def download(cfg: DownloadConfig, root: Path) -> dict:
-    """Fetch the shards of `cfg` under root/{train,val}/; the complete ones are skipped. Prints one
-    summary line and returns {"shards", "bytes", "seconds", "retries", "skipped", "train", "val"}."""
+    """Fetch the shards of `cfg` under root/{train,val}/, skipping complete ones; prints one summary
+    line and returns {"shards", "bytes", "seconds", "retries", "skipped", "train", "val"}."""
     root = Path(root)
     jobs = cfg.jobs(root)
     for split in ("train", "val"):

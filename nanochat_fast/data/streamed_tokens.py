@@ -1,13 +1,9 @@
 """
 Prose tokenized as a stream: a text shard read a few row groups at a time, each batch of documents
-tokenized on every core by a pool of worker processes, its tokens appended to the shard's .npy file
-as they come. Resident memory is set by the batch, not by the shard (a published set's shard holds
-~250M characters): batch_chars_within(memory_mb, workers) sizes the batch from measured costs.
-
-Worker processes (the texts pickled over, one numpy array a document back through encode_to_numpy,
-no list of Python ints): they beat tiktoken's own encode_ordinary_batch at the same count; against
-threads the verdict flipped with the load of the shared machine it was measured on.
-The figures and the other choices: docs/measurements.md#preparing-published-sets.
+encoded on every core by worker processes and appended to the shard's .npy file. Resident memory is
+set by the batch, not the shard (a published set's shard holds ~250M characters):
+batch_chars_within(memory_mb, workers) sizes it. Why processes, and the costs behind the sizes:
+docs/measurements.md#preparing-published-sets.
 """
 
 import multiprocessing
@@ -29,9 +25,8 @@ ROWS_PER_READ = 256  # rows read from parquet at a time; a batch gathers reads u
 
 
 def batch_chars_within(memory_mb: int, workers: int = 0) -> int:
-    """Characters per batch so that what tokenizing adds (the `workers` and the text in flight) stays
-    within memory_mb, beyond what the calling process already holds: a fresh `prepare_data` holds
-    ~270 MB, a notebook or a test session anything, and neither is the tokenizer's to bound. A
+    """Characters per batch so that what tokenizing adds (the workers and the text in flight) stays
+    within memory_mb; what the calling process already holds is not the tokenizer's to bound. A
     UserError when the workers alone take nearly all of it."""
     held = workers * WORKER_MB
     chars = int((memory_mb - held) * 2**20 / BYTES_PER_CHAR)
@@ -77,8 +72,8 @@ def _encode_part(texts):
 
 @contextmanager
 def encoder_pool(tokenizer, workers: int):
-    """`workers` processes holding the tokenizer, started fresh (spawn: none of the parent's threads
-    or locks are forked into them)."""
+    """`workers` processes holding the tokenizer, spawned (none of the parent's threads or locks
+    are forked into them)."""
     args = (tokenizer.pattern, tokenizer.enc._mergeable_ranks, tokenizer.special_tokens)
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=args) as pool:
@@ -94,8 +89,8 @@ def encode_batch(texts, pool, parts: int) -> list:
 
 
 class NpyAppender:
-    """A 1-D .npy file written in pieces: its header (fixed in size: numpy leaves room for the shape
-    to grow) is rewritten with the final length on close. Written to `.partial`, renamed last."""
+    """A 1-D .npy file written in pieces to a `.partial`: its header (numpy leaves room for the shape
+    to grow) is rewritten with the final length on close, then the file is renamed."""
 
     def __init__(self, path: Path, dtype):
         self.path, self.dtype, self.length = Path(path), np.dtype(dtype), 0
@@ -126,9 +121,8 @@ class NpyAppender:
 
 
 def tokenize_text_shard(source: Path, tokenizer, out_dir: Path, stem: str, dtype, pool, workers: int, batch_chars: int):
-    """tokens/<...>/<stem>.{tokens,offsets}.npy from one text shard, a batch at a time on `pool`
-    (encoder_pool): the same files write_token_shard makes from the whole shard at once. Returns
-    the counts."""
+    """<stem>.{tokens,offsets}.npy from one text shard, a batch at a time on `pool` (encoder_pool):
+    the files write_token_shard makes from the whole shard at once. Returns the counts."""
     bos = tokenizer.get_bos_token_id()
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens = NpyAppender(out_dir / f"{stem}.tokens.npy", dtype)

@@ -36,18 +36,11 @@ def token_dtype(vocab_size: int):
 
 
 def tokenize_dataset(
-    name: str,
-    tokenizer,
-    *,
-    overwrite: bool = False,
-    num_threads: int = 8,
-    memory_mb: int = DEFAULT_MEMORY_MB,
+    name: str, tokenizer, *, overwrite: bool = False, num_threads: int = 8, memory_mb: int = DEFAULT_MEMORY_MB
 ) -> dict:
-    """Pre-tokenize data/<name>/ into tokens/<name>/ (every document starts with <|bos|>;
-    conversations also get their loss mask). Complete shards made by this tokenizer from the
-    current text shards are skipped: a killed run resumes at the shard it stopped in. Prose is
-    streamed (streamed_tokens.py) on `num_threads` worker processes within `memory_mb` of resident
-    memory. Returns {"tokens": n, "docs": n, "skipped_shards": n} over all splits."""
+    """Pre-tokenize data/<name>/ into tokens/<name>/ (each document starts with <|bos|>; conversations
+    get their loss mask), skipping complete shards of this tokenizer and the current text. Prose is
+    streamed on `num_threads` workers within `memory_mb`. Returns {"tokens", "docs", "skipped_shards"}."""
     manifest = read_dataset_manifest(name)
     kind, out_root = manifest["kind"], paths.tokens_dir(name)
     batch_chars = streamed_tokens.batch_chars_within(memory_mb, num_threads) if kind == TEXT else 0
@@ -107,8 +100,7 @@ def tokenize_dataset(
 
 
 def _current_shard_meta(meta_path: Path, fingerprint: str, signature: dict) -> dict | None:
-    """The token shard's metadata if it is complete and was made by this tokenizer from the
-    current text shard, else None."""
+    """The token shard's metadata if complete and made by this tokenizer from the current text."""
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -133,8 +125,8 @@ def _tokenize_chat_shard(source: Path, tokenizer, out_dir: Path, stem: str, dtyp
 
 
 def write_token_shard(out_dir: Path, stem: str, docs, masks=None, dtype=np.uint16, meta: dict | None = None) -> dict:
-    """Write one token shard's arrays (documents back to back + offsets [+ masks]); with `meta`,
-    also its .json (counts + meta), last. Returns the counts."""
+    """One token shard's arrays (documents back to back, offsets, masks if any); with `meta`, its
+    .json (counts and meta) last. Returns the counts."""
     lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

@@ -1,18 +1,9 @@
 """
-The BPE tokenizer, the nanochat way: trained with rustbpe (fast, parallel, GPT-4-style pre-split),
-used for encoding through tiktoken (fast, batched, multi-threaded).
-
-rustbpe tokenizers do not pickle, so a trained tokenizer is saved as plain files:
-
-    tokenizer/tokenizer.tiktoken   mergeable ranks, one "base64(token bytes) rank" per line
-                                   (tiktoken's own file format)
-    tokenizer/tokenizer.json       split pattern, special tokens and their ids
-    tokenizer/token_bytes.pt       int32[vocab]: bytes per token id (0 for special tokens), written by
-                                   scripts/tok_train, used to report loss in bits per byte
-
-Conversations are {"messages": [{"role": "user"|"assistant"|"system", "content": str}, ...]}. They
-are rendered with the special tokens below; only what the assistant says (and its <|assistant_end|>)
-is supervised.
+The BPE tokenizer, the nanochat way: trained with rustbpe (GPT-4-style pre-split), encoding through
+tiktoken. Saved as plain files under tokenizer/: tokenizer.tiktoken (tiktoken's "base64(token) rank"
+lines), tokenizer.json (split pattern, special tokens and their ids) and token_bytes.pt (int32 bytes
+per token id, 0 for the special tokens: loss in bits per byte). Conversations are rendered with the
+special tokens below; only what the assistant says (and its <|assistant_end|>) is supervised.
 """
 
 import base64
@@ -24,6 +15,7 @@ from pathlib import Path
 import tiktoken
 
 from ..core import paths
+from ..core.errors import UserError
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # every document begins with it
@@ -71,8 +63,8 @@ class Tokenizer:
 
     @classmethod
     def train(cls, texts, vocab_size: int, pattern: str = SPLIT_PATTERN) -> "Tokenizer":
-        """Train BPE on an iterator of strings; vocab_size counts the special tokens too. A text too
-        small or too repetitive to supply that many merges gives a smaller vocabulary."""
+        """BPE trained on an iterator of strings; vocab_size counts the special tokens (a text too
+        small or repetitive for that many merges gives a smaller vocabulary)."""
         if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(
                 f"vocab_size must be an int >= {MIN_VOCAB_SIZE} (256 bytes + "
@@ -125,9 +117,9 @@ class Tokenizer:
             raise ValueError(f"{meta_path}: special token ids do not follow the ranks; retrain the tokenizer")
         return tok
 
-    @functools.cached_property  # the ranks never change; hashing them is read per checkpoint and loader
+    @functools.cached_property  # the ranks never change; every checkpoint and loader reads it
     def fingerprint(self) -> str:
-        """A short hash of ranks + pattern + special tokens: token shards record which tokenizer made them."""
+        """A hash of ranks, pattern and special tokens: token shards record which tokenizer made them."""
         h = hashlib.sha256(self.pattern.encode())
         for token, rank in sorted(self.enc._mergeable_ranks.items(), key=lambda kv: kv[1]):
             h.update(token + b"\0")
@@ -176,21 +168,11 @@ class Tokenizer:
         """str -> list[int]; list[str] -> list[list[int]] (tiktoken's thread pool). Special-token
         strings inside the text are encoded as ordinary text, never as the special tokens."""
         pre, post = self._special_id(prepend, "prepend"), self._special_id(append, "append")
+        pre, post = [] if pre is None else [pre], [] if post is None else [post]
         if isinstance(text, str):
-            ids = self.enc.encode_ordinary(text)
-            if pre is not None:
-                ids.insert(0, pre)
-            if post is not None:
-                ids.append(post)
-            return ids
+            return pre + self.enc.encode_ordinary(text) + post
         if isinstance(text, (list, tuple)):
-            batch = self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)
-            for ids in batch:
-                if pre is not None:
-                    ids.insert(0, pre)
-                if post is not None:
-                    ids.append(post)
-            return batch
+            return [pre + ids + post for ids in self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)]
         raise ValueError(f"text must be a str or a list of str, got {type(text).__name__}")
 
     __call__ = encode
@@ -222,8 +204,8 @@ class Tokenizer:
         return messages
 
     def render_conversation(self, conversation, max_tokens: int | None = None):
-        """Token ids and a mask (1 on the tokens the model learns to say: the assistant's text and
-        its <|assistant_end|>; 0 elsewhere), both lists of ints. max_tokens truncates both."""
+        """Token ids and a mask (1 on what the model learns to say: the assistant's text and its
+        <|assistant_end|>), both lists of ints, truncated to max_tokens."""
         messages = self.turns(conversation)
         sp = self.special_tokens
         ids, mask = [sp["<|bos|>"]], [0]
@@ -262,8 +244,7 @@ class Tokenizer:
         return ids, mask
 
     def render_for_completion(self, conversation) -> list[int]:
-        """Ids that prime the model to answer: the conversation without a trailing assistant
-        message, then <|assistant_start|>."""
+        """The conversation without a trailing assistant message, then <|assistant_start|>."""
         messages = conversation.get("messages") if isinstance(conversation, dict) else None
         if isinstance(messages, list) and messages and messages[-1].get("role") == "assistant":
             conversation = dict(conversation, messages=messages[:-1])
@@ -276,8 +257,6 @@ class Tokenizer:
 
 def get_tokenizer(directory=None) -> Tokenizer:
     """The trained tokenizer under NANOCHAT_FAST_HOME (or `directory`); a UserError when missing."""
-    from ..core.errors import UserError
-
     directory = Path(directory) if directory is not None else paths.tokenizer_dir()
     if not (directory / RANKS_FILE).is_file():
         raise UserError(
@@ -301,8 +280,7 @@ def save_token_bytes(tokenizer: Tokenizer, directory) -> Path:
     """Write directory/token_bytes.pt (token_bytes_tensor), replaced atomically."""
     import torch
 
-    token_bytes = token_bytes_tensor(tokenizer)
-    path = Path(directory) / TOKEN_BYTES_FILE
+    token_bytes, path = token_bytes_tensor(tokenizer), Path(directory) / TOKEN_BYTES_FILE
     paths.replace_atomically(path, lambda tmp: torch.save(token_bytes, tmp))
     return path
 
@@ -310,8 +288,6 @@ def save_token_bytes(tokenizer: Tokenizer, directory) -> Path:
 def get_token_bytes(device="cpu", directory=None):
     """int32[vocab] bytes per token (0 for special tokens), for bits-per-byte."""
     import torch
-
-    from ..core.errors import UserError
 
     directory = Path(directory) if directory is not None else paths.tokenizer_dir()
     path = directory / TOKEN_BYTES_FILE

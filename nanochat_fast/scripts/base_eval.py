@@ -20,7 +20,7 @@ import torch
 from .. import checkpoints
 from ..core import cli
 from ..core.distributed import print0
-from ..data.packed_loaders import ConversationRowLoader, TokenRowLoader
+from ..data.dataloader import ConversationRowLoader, TokenRowLoader
 from ..data.tokenizer import get_token_bytes, get_tokenizer
 from ..evals import prepared_benchmarks, task_runner, tasks
 from ..evals.bits_per_byte import evaluate_bpb_each
@@ -65,16 +65,7 @@ def main(argv=None) -> int:
         Loader, extra = (ConversationRowLoader, {"tokenizer": tokenizer}) if chat else (TokenRowLoader, {})
 
         def make_loader(split, rank, world_size):
-            return Loader(
-                dataset=dataset,
-                split=split,
-                device_batch_size=args.device_batch_size,
-                seq_len=seq_len,
-                rank=rank,
-                world_size=world_size,
-                device=dev.device,
-                **extra,
-            )
+            return Loader(dataset, split, args.device_batch_size, seq_len, rank, world_size, dev.device, **extra)
 
         batches = val_batches(make_loader, args.eval_tokens, args.device_batch_size, seq_len, dev.rank, dev.world_size)
         tables = [get_token_bytes(device=dev.device)]
@@ -113,10 +104,11 @@ def core_subset_if_prepared(model, tokenizer, args, dev) -> dict | None:
         print0(f"{tasks.SUBSET_NAME}: skipped, no evaluation data ({prepared_benchmarks.PREPARE_HINT})")
         return None
 
-    def show(label, correct, total, accuracy, centred, seconds, truncated):
-        cut = f" | {task_runner.truncated_note(truncated, total)}" if truncated else ""
+    def show(label, c):
+        cut = f" | {task_runner.truncated_note(c['truncated'], c['total'])}" if c["truncated"] else ""
         print0(
-            f"  {label:<20} {100 * accuracy:6.2f}% ({correct}/{total}) | centred {centred:+.4f} | {seconds:.1f} s{cut}",
+            f"  {label:<20} {100 * c['accuracy']:6.2f}% ({c['correct']}/{c['total']}) | centred {c['centred']:+.4f} "
+            f"| {c['seconds']:.1f} s{cut}",
             flush=True,
         )
 
@@ -124,15 +116,7 @@ def core_subset_if_prepared(model, tokenizer, args, dev) -> dict | None:
     print0(f"CORE subset ({len(available)} of the {len(tasks.CORE_SUBSET)} tasks we have offline, {sample}):")
     with dev.autocast():
         summary = task_runner.core_subset(
-            model,
-            tokenizer,
-            available,
-            args.max_examples,
-            dev.rank,
-            dev.world_size,
-            batch_size=args.device_batch_size,
-            progress=True,
-            on_task=show,
+            model, tokenizer, available, args.max_examples, dev.rank, dev.world_size, args.device_batch_size, True, show
         )
     print0(f"{summary['name']}: {summary['core_subset']:.4f} (mean centred accuracy; not comparable with full CORE)")
     return {**summary, "max_examples": args.max_examples}

@@ -101,9 +101,8 @@ def main(argv=None) -> int:
         mix = generation_dtype.chat_mix(model.config, args.num_samples, args.max_new_tokens)
         dev = generation_dtype.for_generation(dev, args.dtype, model, mix)
         print0(f"generation dtype: {dev.precision.describe()}")
-        settings = {
-            k: getattr(args, k) for k in ("max_examples", "num_samples", "temperature", "top_k", "max_new_tokens")
-        }
+        sampling = {k: getattr(args, k) for k in ("num_samples", "temperature", "top_k", "max_new_tokens")}
+        settings = {"max_examples": args.max_examples, **sampling, "world_size": dev.world_size}
         results, start = {}, time.time()
         for task, examples in loaded:
             with dev.autocast():
@@ -115,12 +114,9 @@ def main(argv=None) -> int:
                     dev.rank,
                     dev.world_size,
                     batch_size=args.batch_size,
-                    num_samples=args.num_samples,
-                    max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature,
-                    top_k=args.top_k,
                     progress=True,
-                    settings={**settings, "world_size": dev.world_size},
+                    settings=settings,
+                    **sampling,
                 )
             print0(result.line(), flush=True)
             results[task.name] = result

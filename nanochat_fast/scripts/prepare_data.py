@@ -16,6 +16,7 @@ tokenizer and tokenizes every dataset. Re-running skips what is complete; the la
 the next command to run.
 """
 
+import itertools
 import random
 from pathlib import Path
 
@@ -104,25 +105,39 @@ def build_parser():
     return p
 
 
-def _shuffled(docs, seed):
-    docs = list(docs)
-    random.Random(seed).shuffle(docs)
-    return docs
+def prepare_builtin(name, args):
+    """data/base or data/chat from the default corpus (downloads on first use)."""
+    if name == "base":
+        choice = args.extras.strip()
+        if choice in ("all", "none"):
+            wanted = list(EXTRAS) if choice == "all" else []
+        else:
+            wanted = [e.strip() for e in choice.split(",") if e.strip()]
+        unknown = [e for e in wanted if e not in EXTRAS]
+        if unknown:
+            raise UserError(f"--extras: unknown source {unknown[0]!r}; choose none, all or some of {', '.join(EXTRAS)}")
+        srcs = [s for s in corpus_sources.PIP_SOURCES if s.dataset == "base"] + [EXTRAS[e] for e in wanted]
+        kind, listed, more = documents.TEXT, srcs, {}
+    else:
+        srcs = [s for s in corpus_sources.PIP_SOURCES if s.dataset == "chat"]
+        kind, listed, more = documents.CHAT, srcs + [corpus_sources.SYNTHETIC], {"synthetic": args.synthetic}
 
+    def docs():  # called only when the dataset is not up to date
+        cache, pairs = paths.home() / "downloads", []
+        with progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
+            for source in srcs:
+                read = list(source.read(corpus_sources.download(source, cache), args.doc_chars))
+                pairs += [(doc, source.name) for doc in read[: args.limit_per_source or None]]
+                bar.update()
+        if kind == documents.CHAT:
+            words = corpus_sources.words_of([c for c, _ in pairs])
+            pairs += [
+                (c, "synthetic") for c in corpus_sources.synthetic_conversations(args.synthetic, words, args.seed)
+            ]
+        random.Random(args.seed).shuffle(pairs)
+        return pairs
 
-def _read(source, cache, args, bar):
-    archive = corpus_sources.download(source, cache)
-    docs = list(source.read(archive, args.doc_chars))
-    bar.update()
-    return docs[: args.limit_per_source] if args.limit_per_source else docs
-
-
-def _source_info(s):
-    return {"name": s.name, "spec": s.spec, "client": s.client, "licence": s.licence, "url": s.url, "about": s.about}
-
-
-def _config(args, srcs, **more):
-    return {
+    config = {
         "sources": [s.spec for s in srcs],
         "readers": corpus_sources.READERS_VERSION,
         "doc_chars": args.doc_chars,
@@ -130,56 +145,11 @@ def _config(args, srcs, **more):
         "limit_per_source": args.limit_per_source,
         **more,
     }
-
-
-def prepare_builtin(name, args):
-    """data/base or data/chat from the default corpus (downloads on first use)."""
-    cache = paths.home() / "downloads"
-    if name == "base":
-        choice = args.extras.strip()
-        wanted = (
-            list(EXTRAS)
-            if choice == "all"
-            else []
-            if choice == "none"
-            else [e.strip() for e in choice.split(",") if e.strip()]
-        )
-        unknown = [e for e in wanted if e not in EXTRAS]
-        if unknown:
-            raise UserError(f"--extras: unknown source {unknown[0]!r}; choose none, all or some of {', '.join(EXTRAS)}")
-        srcs = [s for s in corpus_sources.PIP_SOURCES if s.dataset == "base"] + [EXTRAS[e] for e in wanted]
-        config = _config(args, srcs)
-
-        def docs():
-            with progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
-                pairs = [(d, s.name) for s in srcs for d in _read(s, cache, args, bar)]
-            return _shuffled(pairs, args.seed)
-
-        kind, infos = documents.TEXT, [_source_info(s) for s in srcs]
-    else:
-        srcs = [s for s in corpus_sources.PIP_SOURCES if s.dataset == "chat"]
-        config = _config(args, srcs, synthetic=args.synthetic)
-
-        def docs():
-            with progress_bar(desc="reading sources", unit="source", total=len(srcs)) as bar:
-                pairs = [(c, s.name) for s in srcs for c in _read(s, cache, args, bar)]
-            words = corpus_sources.words_of([c for c, _ in pairs])
-            pairs += [
-                (c, "synthetic") for c in corpus_sources.synthetic_conversations(args.synthetic, words, args.seed)
-            ]
-            return _shuffled(pairs, args.seed)
-
-        kind, infos = documents.CHAT, [_source_info(s) for s in srcs + [corpus_sources.SYNTHETIC]]
-    return documents.write_dataset(
-        name,
-        kind,
-        docs,
-        config=config,
-        sources=infos,
-        val_every=args.val_every,
-        shard_chars=args.shard_chars,
-        overwrite=args.overwrite,
-    )
+    infos = [
+        {"name": s.name, "spec": s.spec, "client": s.client, "licence": s.licence, "url": s.url, "about": s.about}
+        for s in listed
+    ]
+    return write(name, kind, docs, config, infos, args)
 
 
 def prepare_folder(name, folder, args):
@@ -189,27 +159,20 @@ def prepare_folder(name, folder, args):
         "doc_chars": args.doc_chars,
         "files": [[str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
     }
-    state = {}
-
-    def docs():  # the kind is known once the first document is read; every file must agree
-        for doc, source in documents.iter_input_folder(folder, args.doc_chars):
-            kind = documents.TEXT if isinstance(doc, str) else documents.CHAT
-            if state.setdefault("kind", kind) != kind:
-                what = "prose" if kind == documents.TEXT else "conversations"
-                raise UserError(
-                    f"input file {folder / source} holds {what} but earlier files hold the other kind; "
-                    "prepare them as two datasets"
-                )
-            yield doc, source
-
-    stream = docs()
+    stream = documents.iter_input_folder(folder, args.doc_chars)
     first = next(stream, None)
     if first is None:
         raise UserError(f"--input {folder}: no documents found (all files empty?)")
+    kind = documents.TEXT if isinstance(first[0], str) else documents.CHAT
 
-    def all_docs():
-        yield first
-        yield from stream
+    def docs():  # every file must hold the kind of the first document
+        for doc, source in itertools.chain([first], stream):
+            if (documents.TEXT if isinstance(doc, str) else documents.CHAT) != kind:
+                raise UserError(
+                    f"input file {folder / source} holds {'conversations' if kind == documents.TEXT else 'prose'} "
+                    "but earlier files hold the other kind; prepare them as two datasets"
+                )
+            yield doc, source
 
     infos = [
         {
@@ -220,12 +183,16 @@ def prepare_folder(name, folder, args):
         }
         for p in files
     ]
+    return write(name, kind, docs(), config, infos, args)
+
+
+def write(name, kind, docs, config, sources, args):
     return documents.write_dataset(
         name,
-        state["kind"],
-        all_docs(),
+        kind,
+        docs,
         config=config,
-        sources=infos,
+        sources=sources,
         val_every=args.val_every,
         shard_chars=args.shard_chars,
         overwrite=args.overwrite,

@@ -53,17 +53,10 @@ def build_parser():
 VAL_CHARS = 20_000_000  # the compression printed after training is measured on at most this much val text
 
 
-def capped_texts_of(name: str, split: str, max_chars: int):
-    chars = 0
-    for text in documents.iter_texts(name, split):
-        if chars >= max_chars:
-            return
-        chars += len(text)
-        yield text
-
-
-def capped_texts(name: str, max_chars: int, doc_cap: int, counter: dict):
-    for text in documents.iter_texts(name, "train", doc_cap):
+def capped_texts(name: str, split: str, max_chars: int, doc_cap: int = 0, counter: dict | None = None):
+    """The texts of a split, each cut to doc_cap, until max_chars in all (counted in counter["chars"])."""
+    counter = counter if counter is not None else {"chars": 0}
+    for text in documents.iter_texts(name, split, doc_cap):
         text = text[: max_chars - counter["chars"]]
         counter["chars"] += len(text)
         yield text
@@ -95,7 +88,9 @@ def main(argv=None) -> int:
     manifest = documents.read_dataset_manifest(args.dataset)  # a clear error when the text is not prepared yet
     counter = {"chars": 0}
     t0 = time.time()
-    tokenizer = Tokenizer.train(capped_texts(args.dataset, args.max_chars, args.doc_cap, counter), args.vocab_size)
+    tokenizer = Tokenizer.train(
+        capped_texts(args.dataset, "train", args.max_chars, args.doc_cap, counter), args.vocab_size
+    )
     train_s = time.time() - t0
     out = tokenizer.save(paths.tokenizer_dir())
     save_token_bytes(tokenizer, out)
@@ -109,7 +104,7 @@ def main(argv=None) -> int:
             "the vocabulary is smaller"
         )
 
-    val = list(capped_texts_of(args.dataset, "val", VAL_CHARS))  # a published set's val shard is ~250M characters
+    val = list(capped_texts(args.dataset, "val", VAL_CHARS))  # a published set's val shard is ~250M characters
     n_chars = sum(map(len, val))
     n_tokens = sum(map(len, tokenizer.encode(val, num_threads=args.num_threads)))
     if n_tokens:

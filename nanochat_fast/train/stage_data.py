@@ -27,8 +27,8 @@ import numpy as np
 
 from ..core.errors import UserError
 from ..core.paths import tokens_dir
+from ..data.dataloader import ConversationRowLoader, TokenRowLoader
 from ..data.documents import CHAT, check_conversation
-from ..data.packed_loaders import ConversationRowLoader, TokenRowLoader
 from ..data.padded_conversations import ConversationMixture, PaddedConversationLoader
 from ..data.token_shards import TokenShards, token_dtype
 from ..evals import prepared_benchmarks, tasks

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanochat_fast.core.cli import UserError
-from nanochat_fast.data.packed_loaders import (
+from nanochat_fast.data.dataloader import (
     MASK_SHIFT,
     ConversationRowLoader,
     DocStream,
@@ -364,7 +364,7 @@ def test_close_stops_the_prefetch_thread(tokens_root, backend):
 @pytest.mark.parametrize("backend", [pytest.param("cpp", marks=needs_cpp), "reference"])
 def test_prefetch_thread_does_not_block_process_exit(tokens_root, backend):
     code = textwrap.dedent(f"""
-        from nanochat_fast.data.packed_loaders import TokenRowLoader
+        from nanochat_fast.data.dataloader import TokenRowLoader
         dl = TokenRowLoader(dataset="toy", tokens_root={str(tokens_root)!r}, device_batch_size=2, seq_len=15,
                             buffer_docs=8, backend={backend!r})
         next(dl)

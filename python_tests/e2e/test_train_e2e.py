@@ -123,7 +123,7 @@ def test_mid_train_loss_is_only_on_assistant_tokens(home):
 
     import torch.nn.functional as F
 
-    from nanochat_fast.data.packed_loaders import ConversationRowLoader
+    from nanochat_fast.data.dataloader import ConversationRowLoader
     from nanochat_fast.data.tokenizer import get_tokenizer
     from nanochat_fast.model.gpt import GPT, config_from_depth
     from nanochat_fast.optim import MuonRecipe

@@ -22,7 +22,7 @@ from nanochat_fast import checkpoints
 from nanochat_fast.checkpoints import files, verification
 from nanochat_fast.data.tokenizer import get_tokenizer
 from nanochat_fast.evals import scoring, task_runner, tasks
-from nanochat_fast.evals.tasks.core_benchmark import MULTIPLE_CHOICE, CoreTask
+from nanochat_fast.evals.tasks import MULTIPLE_CHOICE, CoreTask
 from nanochat_fast.model import loading
 from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.scripts import base_eval, chat_eval, mid_train

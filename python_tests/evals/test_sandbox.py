@@ -8,7 +8,7 @@ import time
 import pytest
 
 from nanochat_fast.evals.sandbox import isolation, run_program
-from nanochat_fast.evals.tasks.humaneval import check_program, extract_program
+from nanochat_fast.evals.tasks import check_program, extract_program
 
 # a HumanEval-style problem (prompt, canonical solution, tests), written here
 PROBLEM = {

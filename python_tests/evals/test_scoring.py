@@ -10,7 +10,7 @@ from support.stub_models import FavouriteTokenModel, ScriptedModel, byte_tokeniz
 from support.tiny_gpt import random_model
 
 from nanochat_fast.evals import scoring, tasks
-from nanochat_fast.evals.tasks.core_benchmark import MULTIPLE_CHOICE, SCHEMA, CoreTask
+from nanochat_fast.evals.tasks import MULTIPLE_CHOICE, SCHEMA, CoreTask
 from nanochat_fast.model.gpt import GPTConfig
 
 tok = byte_tokenizer()

@@ -1,14 +1,9 @@
 """
-Training data loaders: (inputs, targets) rows packed from the pre-tokenized shards (token_shards.py).
-
-One global, deterministic row stream per dataset and split: the documents are read in a fixed order
-(shard by shard, epoch after epoch) into a buffer, and every micro-step packs a global batch of
-device_batch_size * world_size rows of T+1 tokens from it, best fit (kernels/pack_rows.py); rank r
-takes rows r*B ... (r+1)*B-1. So a run on N processes sees exactly the rows of a 1-process run with
-N times the batch. The state is the global cursor, plain JSON in meta.json: a resume continues with
-the exact next batch, on any number of processes. A background thread packs the next batches while
-the step runs (in C++ with the compiled packer); on CUDA rows are packed into pinned memory. The
-stream, the state and the prefetch in full: docs/measurements.md#packed-loaders.
+The training loaders: (inputs, targets) rows packed best-fit (kernels.pack_rows_stream) from the
+token shards. One global, deterministic row stream per dataset and split: every micro-step packs
+device_batch_size * world_size rows and rank r takes rows r*B ... (r+1)*B-1, so N processes see the
+rows of one process with N times the batch, and the state (a global cursor, plain JSON) resumes on
+any number of processes. A background thread packs ahead: docs/measurements.md#packed-loaders.
 """
 
 import atexit
@@ -30,10 +25,8 @@ STATE_VERSION = 1
 
 class DocStream:
     """The documents of one split as an endless stream: position p is document p % n_docs of the
-    epoch order: the token shards in order, with any extra documents interleaved evenly.
-
-    The epoch order is kept as `runs`: (tokens, offsets, mask or None) of consecutive documents,
-    tokens[offsets[j]:offsets[j+1]], straight on the memory-mapped shards. Both RowStreams read it."""
+    epoch order (the shards in order, extra documents interleaved evenly), kept as `runs` of
+    consecutive documents (tokens, offsets, mask or None) straight on the memory-mapped shards."""
 
     def __init__(self, shards: TokenShards, with_mask: bool, extra=None):
         self.shards, self.with_mask = shards, with_mask
@@ -92,16 +85,10 @@ def _stop_all():
 
 
 class TokenRowLoader:
-    """Pretraining batches: next(loader) -> (inputs, targets), contiguous int64 [device_batch_size,
-    seq_len] on `device`, each target the token after its input. Iterates forever, epoch after epoch.
-
-    dataset, split   token shards under tokens_root/<dataset>/<split>/ (tokens_root defaults to
-                     NANOCHAT_FAST_HOME/tokens; prepare_data + tok_train make them)
-    rank, world_size this process's share of the global batch (rows rank*B ... (rank+1)*B-1)
-    buffer_docs      documents kept to choose from (more: a little less cropping; capped at the split)
-    prefetch         True (2 batches ahead), a queue depth, or False (pack in next() itself)
-    backend          the packer: None (NANOCHAT_FAST_KERNELS / best available), "cpp" or "reference"
-    """
+    """Pretraining batches, forever: next(loader) -> (inputs, targets), contiguous int64
+    [device_batch_size, seq_len] on `device`. The shards: tokens_root/<dataset>/<split>/
+    (default NANOCHAT_FAST_HOME/tokens); buffer_docs: documents to choose from (capped at the split);
+    prefetch: True (2 batches ahead), a queue depth or False; backend: the packer's (None: the registry's)."""
 
     with_mask = False
 
@@ -146,15 +133,8 @@ class TokenRowLoader:
         self.docs = DocStream(self.shards, self.with_mask, _extra)
         # (a buffer larger than the split would only hold several copies of its documents)
         buffer_docs = min(buffer_docs, self.docs.n_docs)
-        self._stream_args = (
-            self.docs,
-            self.rows,
-            seq_len + 1,
-            self.shards.bos_id,
-            buffer_docs,
-            MASK_SHIFT if self.with_mask else -1,
-            backend,
-        )
+        mask_shift = MASK_SHIFT if self.with_mask else -1
+        self._stream_args = (self.docs, self.rows, seq_len + 1, self.shards.bos_id, buffer_docs, mask_shift, backend)
         self._depth = 2 if prefetch is True else max(0, int(prefetch or 0))
         self._cuda = self.device.type == "cuda"
         if self._cuda:
@@ -238,15 +218,21 @@ class TokenRowLoader:
         used, cropped = self._state[3:5]
         return cropped / (used + cropped) if used + cropped else 0.0
 
-    def state_dict(self) -> dict:
-        next_pos, buffer, batches, used, cropped = self._state
+    def _identity(self) -> dict:
+        """What a saved state is valid for."""
         return {
-            "version": STATE_VERSION,
             "dataset": self.dataset,
             "split": self.split,
             "n_docs": self.docs.n_docs,
             "tokenizer": self.shards.fingerprint,
             "extra": self._extra_digest,
+        }
+
+    def state_dict(self) -> dict:
+        next_pos, buffer, batches, used, cropped = self._state
+        return {
+            "version": STATE_VERSION,
+            **self._identity(),
             "seq_len": self.seq_len,
             "rows": self.rows,
             "next_pos": int(next_pos),
@@ -260,13 +246,7 @@ class TokenRowLoader:
         """Continue from `state` (from state_dict(), possibly saved by a run with another world size)."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"state: not a loader state of version {STATE_VERSION}")
-        for key, mine in (
-            ("dataset", self.dataset),
-            ("split", self.split),
-            ("n_docs", self.docs.n_docs),
-            ("tokenizer", self.shards.fingerprint),
-            ("extra", self._extra_digest),
-        ):
+        for key, mine in self._identity().items():
             if state.get(key) != mine:
                 raise ValueError(
                     f"state: saved for {key}={state.get(key)!r} but this loader has {key}={mine!r} "
@@ -313,31 +293,15 @@ class TokenRowLoader:
 
 
 class ConversationRowLoader(TokenRowLoader):
-    """Mid-training batches from a conversation dataset: like TokenRowLoader, with targets -1 where
-    the token is not the assistant's (the loss ignores them). `extra_conversations` (a list of
-    {"messages": [...]}) are rendered with `tokenizer` (default: the trained one) and interleaved
-    evenly into the epoch. `last_step` turns True after one full epoch of the mixture. `shards`
-    replaces the dataset's token shards with any object shaped like token_shards.TokenShards (e.g.
-    conversations held in memory, train/stage_data.ConversationShards)."""
+    """Mid-training batches: TokenRowLoader's, with targets -1 where the token is not the
+    assistant's. `extra_conversations` are rendered with `tokenizer` (default: the trained one) and
+    interleaved evenly into the epoch; `shards` replaces the dataset's token shards with any object
+    shaped like TokenShards (e.g. conversations in memory, train/stage_data.ConversationShards)."""
 
     with_mask = True
 
     def __init__(
-        self,
-        dataset: str = "chat",
-        split: str = "train",
-        device_batch_size: int = 32,
-        seq_len: int = 2048,
-        rank: int = 0,
-        world_size: int = 1,
-        device="cpu",
-        tokens_root=None,
-        buffer_docs: int = 1000,
-        prefetch=True,
-        backend: str | None = None,
-        extra_conversations: list[dict] | None = None,
-        tokenizer=None,
-        shards=None,
+        self, dataset="chat", split="train", *args, extra_conversations=None, tokenizer=None, shards=None, **kw
     ):
         extra = None
         if extra_conversations:
@@ -345,7 +309,7 @@ class ConversationRowLoader(TokenRowLoader):
                 from .tokenizer import get_tokenizer
 
                 tokenizer = get_tokenizer()
-            shards = shards if shards is not None else TokenShards(dataset, split, tokens_root)
+            shards = shards if shards is not None else TokenShards(dataset, split, kw.get("tokens_root"))
             if tokenizer.fingerprint != shards.fingerprint:
                 raise UserError(
                     f"the token shards of {dataset!r} were made with another tokenizer; re-run "
@@ -357,21 +321,7 @@ class ConversationRowLoader(TokenRowLoader):
                     extra.append(tokenizer.render_conversation(conv))
                 except ValueError as e:
                     raise ValueError(f"extra_conversations[{i}]: {e}") from None
-        super().__init__(
-            dataset,
-            split,
-            device_batch_size,
-            seq_len,
-            rank,
-            world_size,
-            device,
-            tokens_root,
-            buffer_docs,
-            prefetch,
-            backend,
-            _extra=extra,
-            _shards=shards,
-        )
+        super().__init__(dataset, split, _extra=extra, _shards=shards, **kw)
 
 
 def _split(rows: torch.Tensor, with_mask: bool):
