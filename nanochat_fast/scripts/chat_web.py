@@ -33,7 +33,7 @@ from ..core.distributed import compute_init, torn_down
 from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
 from ..hardware import precision
-from ..model import generation, generation_dtype, loading, packed_linears
+from ..model import decode, generation, generation_dtype, loading
 from ..model.batch_engine import BatchEngine, Request
 from ..train.env_vars import check_environment
 from ..web.pool import Admission, Prepared, Replica, ReplicaPool
@@ -275,7 +275,7 @@ def make_replica(model, tokenizer, device: str, slots: int, chosen: precision.Pr
 
 def engine_memory(engine) -> dict:
     """Bytes an engine holds: its KV cache as allocated and its packed decode weights."""
-    return {"kv_bytes": engine.cache.kv.nbytes, "packed_bytes": packed_linears.nbytes(engine.model)}
+    return {"kv_bytes": engine.cache.kv.nbytes, "packed_bytes": decode.nbytes(engine.model)}
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ..data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, get_tokenizer
 from ..hardware import bandwidth as hw_bandwidth
 from ..hardware import peak as hw_peak
 from ..hardware.machine import synchronize
-from ..model import generation_dtype, loading, packed_linears
+from ..model import decode, generation_dtype, loading
 from ..model.batch_engine import BatchEngine, Request
 from ..model.gpt import config_from_depth
 from ..train.training_config import ARCHES, DeviceConfig, evaluation_process, window_pattern
@@ -290,7 +290,7 @@ def measure(model, tokenizer, dev, args, batch: int) -> dict:
     peak = (
         torch.cuda.max_memory_allocated(device)
         if device.type == "cuda"
-        else weights + packed_linears.nbytes(model) + engine.cache.kv.nbytes
+        else weights + decode.nbytes(model) + engine.cache.kv.nbytes
     )
     return {
         "prefill_s": run["first"] - run["t0"],

@@ -18,7 +18,7 @@ from nanochat_fast import checkpoints
 from nanochat_fast.data.tokenizer import get_tokenizer
 from nanochat_fast.evals import scoring, tasks
 from nanochat_fast.model import generation, loading
-from nanochat_fast.model.sampling import stop_tokens
+from nanochat_fast.model.batch_engine import stop_tokens
 from nanochat_fast.model.windowed_gpt import WindowedGPTConfig
 from nanochat_fast.scripts import base_eval, chat_cli, chat_eval, chat_rl, chat_sft, infer_bench, mid_train
 

@@ -22,7 +22,7 @@ from support.chat_web_support import chat_home, load_chat_model, sse_events  # n
 from support.slow_chat_web import Slowed  # noqa: E402
 
 from nanochat_fast.core import cli  # noqa: E402
-from nanochat_fast.model import generation, sampling  # noqa: E402
+from nanochat_fast.model import batch_engine, generation  # noqa: E402
 from nanochat_fast.scripts import chat_web  # noqa: E402
 from nanochat_fast.web import schema  # noqa: E402
 from nanochat_fast.web.app import Settings, create_app  # noqa: E402
@@ -590,12 +590,12 @@ def test_the_temperature_floor_is_where_softmax_still_works():
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.softmax(logits.to(dtype) / schema.MIN_TEMPERATURE, dim=-1).isfinite().all()
         assert torch.softmax(logits.to(dtype) / schema.MAX_TEMPERATURE, dim=-1).isfinite().all()
-    assert sampling.MIN_TEMPERATURE == schema.MIN_TEMPERATURE  # the library and the server agree
+    assert batch_engine.MIN_TEMPERATURE == schema.MIN_TEMPERATURE  # the library and the server agree
     rng = torch.Generator().manual_seed(0)
     for t in TINY_TEMPERATURES:  # a library caller of sample_next gets greedy too, not nan
-        assert sampling.sample_next(logits, t, None, rng).tolist() == [[0]], t
-        assert sampling.sample_next(logits, t, 2, rng).tolist() == [[0]], t
-    assert sampling.sample_next(logits, schema.MIN_TEMPERATURE, None, rng).tolist() == [[0]]
+        assert batch_engine.sample_next(logits, t, None, rng).tolist() == [[0]], t
+        assert batch_engine.sample_next(logits, t, 2, rng).tolist() == [[0]], t
+    assert batch_engine.sample_next(logits, schema.MIN_TEMPERATURE, None, rng).tolist() == [[0]]
 
 
 def test_tiny_temperatures_are_greedy_and_no_accepted_temperature_fails(model_and_tokenizer, reference, caplog):
