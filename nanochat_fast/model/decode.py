@@ -1,12 +1,8 @@
 """
-The batch engine's side of the model (batch_engine.py): its slot cache, the two views a forward writes
-into it, and the decode step of both families through the kernels.
-
-    SlotCache     keys and values of `slots` sequences, [n_layer, 2, slots, n_kv_head, max_len, head_dim]
-    SlotPrefill   prompts run into their slots by the model's own forward, every row from one position
-    SlotBatch     one decode step: row i feeds one token at its own position in its own slot
-    decode_step   a SlotBatch's forward: each block one decode_block call, through packed weights
-                  (PackedLinears) where they beat sgemm
+The batch engine's side of the model (batch_engine.py): SlotCache, the keys and values of its sequences;
+its two views, SlotPrefill (prompts run into their slots by the model's own forward) and SlotBatch (one
+decode step, each row a token at its own position in its own slot); and decode_step, a SlotBatch's
+forward for both families, each block one decode_block call through packed weights where they help.
 """
 
 import weakref

@@ -1,19 +1,9 @@
 """
-How a GPT's weights are spread over the ranks of a multi-process run (--sharding):
-
-    zero2   every rank holds the whole model and the whole gradient; the optimizer state is
-            sharded (optim/zero.py: DistAdamW, DistMuon). The seeds' design, the default.
-    fsdp    FSDP2 (torch.distributed.fsdp.fully_shard) on every transformer block and on the root:
-            parameters, gradients and optimizer state are all sharded by rows; a block's weights
-            are gathered for its forward and backward and freed after. The optimizers are
-            optim/fsdp.py's (GPT.setup_optimizers picks them for DTensor parameters).
-
-Under fsdp, mixed precision follows the run's compute dtype: blocks are gathered and run in it,
-the sharded master weights stay fp32 and gradients are reduced in fp32.
-
-A forward on some ranks only (samples on rank 0, evaluations whose work differs between ranks)
-would wait forever for the other ranks' share of the gather: `whole_weights` gathers the weights
-once into a plain GPT, whose forwards need no collective.
+How a GPT's weights are spread over the ranks (--sharding): zero2 (the default) keeps the whole model on
+every rank and shards the optimizer state (optim/zero.py); fsdp runs FSDP2's fully_shard on every block
+and the root, parameters, gradients and state sharded by rows, blocks gathered in the run's compute dtype
+and gradients reduced in fp32 (optim/fsdp.py's optimizers). A forward on some ranks only would wait for
+the others' share of a gather: `whole_weights` gathers the weights once into a plain GPT.
 """
 
 from contextlib import contextmanager

@@ -20,8 +20,8 @@ from nanochat_fast.kernels.smear import smear_decode
 from nanochat_fast.kernels.softcap import softcap
 from nanochat_fast.model import decode
 from nanochat_fast.model.batch_engine import BatchEngine, Request
-from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.model.decode import SlotBatch, SlotCache, SlotPrefill
+from nanochat_fast.model.gpt import GPTConfig
 
 pytestmark = pytest.mark.skipif(registry.extension() is None, reason="extension not built")
 ops = torch.ops.nanochat_fast

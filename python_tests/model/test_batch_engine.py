@@ -9,8 +9,8 @@ from support.tiny_gpt import random_model
 
 from nanochat_fast.model import batch_engine
 from nanochat_fast.model.batch_engine import BatchEngine, DecodeRow, EngineFull, Request
-from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.model.decode import SlotBatch, SlotPrefill
+from nanochat_fast.model.gpt import GPTConfig
 
 tok = byte_tokenizer()
 SP = tok.encode_special
