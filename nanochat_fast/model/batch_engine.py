@@ -155,13 +155,10 @@ class RequestLimits:
 
 
 class BatchEngine:
-    """Up to `slots` rows decoding together, each up to `max_len` positions (prompt + tokens).
-
-    One thread drives it: add() and cancel() between steps, step() to advance every row by one token,
-    under torch.inference_mode() and, for a `dtype` other than fp32, autocast to it (set here: autocast
-    is per thread); else the caller's. The model needs config, get_device() and forward(idx, kv_cache=...)
-    with decode.py's views: GPT is such a model. Without a tokenizer (GPT.generate) no token ends a row
-    and no request may use tools."""
+    """Up to `slots` rows decoding together, each up to `max_len` positions (prompt + tokens). One thread
+    drives it: add() and cancel() between steps, step() to advance every row by one token, under autocast
+    to `dtype` unless fp32 (then the caller's). The model needs config, get_device() and forward(idx,
+    kv_cache=...) with decode.py's views, as GPT has. Without a tokenizer no token ends a row, no tool runs."""
 
     def __init__(self, model, tokenizer, slots: int, max_len: int | None = None, dtype=torch.float32):
         max_len = model.config.sequence_len if max_len is None else max_len
@@ -185,7 +182,7 @@ class BatchEngine:
     @staticmethod
     def kv_bytes(config, slots: int, max_len: int, dtype=torch.float32) -> int:
         """Bytes of the cache an engine of `slots` x `max_len` holds for a model of `config`."""
-        return SlotCache.nbytes(config.n_layer, slots, config.n_kv_head, max_len, config.head_dim, dtype)
+        return config.n_layer * 2 * slots * config.n_kv_head * max_len * config.head_dim * dtype.itemsize
 
     @property
     def free_slots(self) -> int:
@@ -193,12 +190,12 @@ class BatchEngine:
 
     @property
     def active(self) -> list[DecodeRow]:
-        """The rows holding a slot (waiting for their prefill or decoding), in the order they joined."""
+        """The rows holding a slot, in the order they joined."""
         return list(self._rows)
 
     def add(self, request: Request, copies: int = 1) -> list[DecodeRow]:
-        """`copies` rows continuing request.prompt (its prefill runs once, at the next step, and its cache
-        is copied into each copy's slot). max_tokens 0 gives rows already done."""
+        """`copies` rows continuing request.prompt, run once at the next step and copied into each copy's
+        slot. max_tokens 0 gives rows already done."""
         self.limits.check(request, copies)
         if request.max_tokens == 0:
             return [DecodeRow(request, None, c, done=True, reason="max_tokens") for c in range(copies)]
@@ -213,8 +210,7 @@ class BatchEngine:
         return rows
 
     def cancel(self, row: DecodeRow):
-        """End `row` now (reason "cancelled"): its slot is free at once and it yields nothing more. A row
-        already done is left as it is."""
+        """End `row` now (reason "cancelled"), its slot free at once; a row already done is left as it is."""
         if row.done:
             return
         if row not in self._rows:
@@ -231,10 +227,8 @@ class BatchEngine:
         heapq.heappush(self._free, row.slot)
 
     def step(self) -> list[Token]:
-        """One token for every active row: the requests added since the last step have their prompts run
-        and sample their first token, the others feed their last token, in one batched forward (the
-        prompts in one of their own when they are too many tokens for rows). Returns the step's tokens
-        in join order; rows that end free their slots."""
+        """One token for every active row, in join order: new requests' prompts run and sample their first
+        token, the others feed their last, in one forward (the prompts in one of their own when too many)."""
         with torch.inference_mode(), autocast(self.device, self.dtype):
             decoding = sorted((r for r in self._rows if r.length > 0), key=lambda r: r.slot)
             waiting, self._waiting = self._waiting, []
@@ -254,9 +248,8 @@ class BatchEngine:
             return [self._advance(row, token) for row, token in out]
 
     def _prompts_as_rows(self, groups: list[list[DecodeRow]], decoding: int) -> bool:
-        """Whether the prompts run as rows of the decode step: few tokens in all, a model whose forward
-        takes them (GPT.prompts_as_decode_rows), a step through the packed CPU kernels (decode.usable, for
-        the rows it makes logits of)."""
+        """Whether the prompts run as rows of the decode step: few tokens in all, a model that takes them,
+        a step through the packed CPU kernels (decode.usable, for the rows it makes logits of)."""
         tokens = sum(len(group[0].request.prompt) for group in groups)
         return (
             tokens <= PROMPT_AS_ROWS
@@ -265,9 +258,8 @@ class BatchEngine:
         )
 
     def _prefill(self, groups: list[list[DecodeRow]]) -> list[torch.Tensor]:
-        """The requests' prompts into their first copies' slots, in one forward (each row right-padded to
-        the longest prompt: a step that admits several spends one model call on them, most of a short
-        prompt's cost); per request, the next-token logits, one row per copy."""
+        """The requests' prompts into their first copies' slots, in one forward (right-padded: one model call,
+        most of a short prompt's cost); per request, the next-token logits, one row per copy."""
         prompts = [group[0].request.prompt for group in groups]
         width = max(map(len, prompts))
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
@@ -279,9 +271,8 @@ class BatchEngine:
         return [logits[i : i + 1].expand(len(group), -1) for i, group in enumerate(groups)]
 
     def _decode(self, rows: list[DecodeRow], groups: list[list[DecodeRow]] = ()) -> list[tuple]:
-        """Feed every row its last token (rows in slot order) and each group's prompt, a row per token
-        from position 0 in its first copy's slot, in one forward; (rows, their next-token logits) and,
-        per group, (group, its prompt's last logits, a row per copy)."""
+        """Every row's last token (rows in slot order) and each group's prompt, a row per token from position
+        0 in its first copy's slot, in one forward: (rows, their logits) and per group (group, its logits)."""
         entries, wanted = [(row.slot, row.length, row.tokens[-1]) for row in rows], None
         if groups:
             for group in groups:
@@ -314,9 +305,8 @@ class BatchEngine:
             row.length = len(prompt)
 
     def _sample(self, rows: list[DecodeRow], logits: torch.Tensor) -> list[int]:
-        """Each row's token from its logits row: greedy rows in one argmax, the others each with their own
-        settings and generator; one transfer to the host. Every row samples, even one whose next token
-        the tool will force: its generator moves the same way in any batch."""
+        """Each row's token: greedy rows in one argmax, the others with their own settings and generator
+        (even where the tool will force the token: a generator moves the same way in any batch)."""
         chosen = torch.argmax(logits, dim=-1)
         for i, row in enumerate(rows):
             if row.request.temperature > 0:
@@ -325,7 +315,7 @@ class BatchEngine:
         return chosen.tolist()
 
     def _advance(self, row: DecodeRow, token: int) -> Token:
-        """The row's next token (the tool's, when it has one queued), its tool state, whether it ended."""
+        """The row's next token (the tool's, when queued), its tool state, whether it ended."""
         forced = bool(row.state.forced)
         if forced:
             token = row.state.forced.popleft()

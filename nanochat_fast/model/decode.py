@@ -15,36 +15,28 @@ from ..kernels.packed_linear import MAX_ROWS
 
 
 class SlotCache:
-    """Keys and values for `slots` sequences of up to `max_len` positions each, made at the first keys
-    written (their heads, head_dim, dtype and device: bf16 under bf16 autocast). Zero-filled: the
-    reference decode attention reads whole blocks and masks what a row may not see, and a masked
-    entry must be finite (0 * NaN is NaN); a slot's previous conversation leaves finite entries, so
-    a slot is reused without clearing."""
+    """Keys and values for `slots` sequences of up to `max_len` positions, made at the first keys written
+    (their dtype: bf16 under bf16 autocast). Zero-filled: the reference decode attention masks what a row
+    may not see, and a masked entry must be finite (0 * NaN is NaN); a used slot is reused as it is."""
 
     def __init__(self, n_layer: int, slots: int, max_len: int):
         self.n_layer, self.slots, self.max_len = n_layer, slots, max_len
         self.kv = None
         self.embeddings = None  # each slot's last input embedding (the windowed GPT's smear reads it)
 
-    @staticmethod
-    def nbytes(n_layer: int, slots: int, n_kv_head: int, max_len: int, head_dim: int, dtype) -> int:
-        return n_layer * 2 * slots * n_kv_head * max_len * head_dim * dtype.itemsize
-
     def storage(self, k: torch.Tensor) -> torch.Tensor:
-        """The storage, allocated at the first call from the shape, dtype and device of k (B, H, T, D)."""
+        """The storage, allocated at the first call as k (B, H, T, D)'s heads, head_dim, dtype and device."""
         if self.kv is None:
             self.allocate(k.size(1), k.size(3), k.dtype, k.device)
         return self.kv
 
     def allocate(self, n_kv_head: int, head_dim: int, dtype, device):
-        """Make the storage now: a first step whose prompts run as a slot batch's rows writes its keys inside the op."""
         self.kv = torch.zeros(
             self.n_layer, 2, self.slots, n_kv_head, self.max_len, head_dim, dtype=dtype, device=device
         )
 
     def copy_slot(self, src: int, dst: int, length: int):
-        """Slot dst continues from slot src's first `length` positions, all src holds (a prompt run
-        once, sampled in several slots)."""
+        """Slot dst continues from slot src's first `length` positions, all src holds."""
         if self.kv is not None:
             self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
         if self.embeddings is not None:
@@ -58,10 +50,9 @@ class SlotCache:
 
 
 class SlotPrefill:
-    """Prompts run into their slots, row b into slot slots[b], every row from the same position, so the
-    model's causal forward runs them. Several rows are prompts into empty slots, right-padded to the
-    longest: row b's first lengths[b] positions are its own, the padding's keys land after them where
-    nothing reads them. One row may also continue from where its previous chunk stopped."""
+    """Prompts run into their slots by the model's causal forward, row b into slots[b], all from one
+    position: several into empty slots, right-padded to the longest (row b's first lengths[b] positions
+    are its own; the padding's keys land after them, where nothing reads them), or one continuing a chunk."""
 
     def __init__(
         self, cache: SlotCache, slots: int | list[int], lengths: list[int] | None = None, last_logits: bool = False
@@ -118,12 +109,9 @@ class SlotPrefill:
 
 
 class SlotBatch:
-    """One decode step of B rows, in increasing (slot, position) order: row i feeds one token at position
-    positions[i] of slot slots[i]. A slot has one row when it continues its sequence, or several at
-    consecutive positions from 0 when a prompt runs in the step as rows of its own: every row's key is
-    written before any row attends, and a row at position 0 starts its slot afresh. Attention reads the
-    cache in place, the block of slots lo..hi up to the longest row. The model makes logits of the rows
-    `logits_of` (all when None), in that order."""
+    """One decode step, rows in increasing (slot, position) order: row i feeds one token at positions[i] of
+    slot slots[i]. A slot has one row continuing its sequence, or a prompt's rows from position 0 (each sees
+    the ones before it; position 0 starts the slot afresh). Logits of the rows `logits_of` (None: all)."""
 
     def __init__(
         self, cache: SlotCache, slots: list[int], positions: list[int], device, logits_of: list[int] | None = None
@@ -135,7 +123,7 @@ class SlotBatch:
             raise ValueError(f"a slot batch's positions are >= 0, got {min(positions)}")
         self.cache = cache
         self.lo, self.hi = slots[0], slots[-1] + 1
-        self.length = max(positions) + 1  # keys in the block per slot: the longest row's
+        self.length = max(positions) + 1  # the block attention reads in place: slots lo..hi, the longest row
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
         self.positions = torch.tensor(positions, dtype=torch.long, device=device)
         self.rows_in_block = self.slots - self.lo
@@ -146,7 +134,6 @@ class SlotBatch:
             cache.embeddings[starting] = 0.0
 
     def get_pos(self) -> torch.Tensor:
-        """Each row's position, (B,) int64."""
         return self.positions
 
     def logit_positions(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,8 +150,7 @@ class SlotBatch:
 
 
 def linears_of(model) -> dict:
-    """The products of a decode step, module -> the linears it multiplies by (their weights' rows
-    stacked): each block's attention (q, k and v), its projections and MLP, and the lm_head."""
+    """A decode step's products, module -> the linears it multiplies by (weights' rows stacked: q, k, v)."""
     out = {model.lm_head: (model.lm_head,)}
     for block in model.transformer.h:
         attn, mlp = block.attn, block.mlp
@@ -174,10 +160,10 @@ def linears_of(model) -> dict:
 
 
 class PackedLinears:
-    """A model's decode-step products (linears_of) as packed copies (kernels.pack_linear), kept with the model so
-    the engines that come and go share them, and remade when a weight's version counter moves (any
-    in-place change: an optimizer step, load_state_dict; a write through p.data outside an optimizer is
-    not seen) or its storage does. They cost one more copy of those weights."""
+    """A model's decode-step products (linears_of) as packed copies (kernels.pack_linear), one more copy of
+    those weights, kept with the model so the engines that come and go share them, and remade when a
+    weight's version counter moves (any in-place change: an optimizer step, load_state_dict; not a write
+    through p.data outside an optimizer) or its storage does."""
 
     def __init__(self, model):
         self.sources = linears_of(model)

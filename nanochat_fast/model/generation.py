@@ -96,39 +96,26 @@ def reply_request(model, tokenizer, job):
 
 
 @torch.inference_mode()
-def generate_steps(
-    model,
-    tokenizer,
-    prompt: list[int],
-    num_samples: int = 1,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    seed: int = 42,
-    use_tools: bool = True,
-    should_stop=None,
-):
+def generate_steps(model, tokenizer, request: Request, num_samples: int = 1, should_stop=None):
     """Yield, once per step, {row: (token, forced)} for the rows still going (forced: the tool's token). A
-    row ends after <|assistant_end|> or <|bos|> (which it yields); all end after max_tokens steps, or when
-    should_stop() (asked before each step) says so. Row r samples with a generator seeded seed + r."""
+    row ends after <|assistant_end|> or <|bos|> (which it yields); all end after request.max_tokens steps,
+    or when should_stop() (asked before each step) says so. Row r samples with a generator seeded seed + r."""
+    prompt, max_tokens = request.prompt, request.max_tokens
     if not isinstance(prompt, list) or not prompt:
         raise ValueError("prompt must be a non-empty list of token ids")
     if num_samples < 1 or max_tokens < 0:
         raise ValueError(f"num_samples must be >= 1 and max_tokens >= 0, got {num_samples} and {max_tokens}")
     engine = BatchEngine(model, tokenizer, slots=num_samples, max_len=len(prompt) + max_tokens)
-    engine.add(Request(prompt, max_tokens, temperature, top_k, seed, use_tools), copies=num_samples)
+    engine.add(request, copies=num_samples)
     while engine.active:
         if should_stop is not None and should_stop():
             return
         yield {t.row.copy: (t.token, t.forced) for t in engine.step()}
 
 
-def generate_tokens(
-    model, tokens: list[int], max_tokens: int, temperature: float = 1.0, top_k: int | None = None, seed: int = 42
-):
-    """GPT.generate's tokens: yield `max_tokens` ids continuing `tokens`, one engine row without a
-    tokenizer (no stop token, no tool), sampled with a generator seeded `seed`."""
-    for column in generate_steps(model, None, tokens, 1, max_tokens, temperature, top_k, seed, use_tools=False):
+def generate_tokens(model, tokens: list[int], max_tokens: int, temperature=1.0, top_k=None, seed=42):
+    """GPT.generate's tokens: one engine row without a tokenizer (no stop token, no tool)."""
+    for column in generate_steps(model, None, Request(tokens, max_tokens, temperature, top_k, seed, use_tools=False)):
         yield column[0][0]
 
 
@@ -141,22 +128,13 @@ class Sample:
 
 
 def generate_batch(
-    model,
-    tokenizer,
-    prompt: list[int],
-    num_samples: int = 1,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    seed: int = 42,
-    use_tools: bool = True,
+    model, tokenizer, prompt, num_samples=1, max_tokens=256, temperature=0.0, top_k=None, seed=42, use_tools=True
 ) -> list[Sample]:
     """num_samples completions of `prompt` (e.g. render_for_completion of a conversation)."""
     ids, forced = [[] for _ in range(num_samples)], [[] for _ in range(num_samples)]
     finished, stop = [False] * num_samples, stop_tokens(tokenizer)
-    for column in generate_steps(
-        model, tokenizer, prompt, num_samples, max_tokens, temperature, top_k, seed, use_tools
-    ):
+    request = Request(prompt, max_tokens, temperature, top_k, seed, use_tools)
+    for column in generate_steps(model, tokenizer, request, num_samples):
         for r, (token, was_forced) in column.items():
             if token in stop:
                 finished[r] = True
@@ -167,24 +145,14 @@ def generate_batch(
 
 
 def assistant_reply(
-    model,
-    tokenizer,
-    messages: list[dict],
-    max_tokens: int,
-    temperature=0.0,
-    top_k=None,
-    seed=42,
-    on_text=None,
-    should_stop=None,
+    model, tokenizer, messages, max_tokens, temperature=0.0, top_k=None, seed=42, on_text=None, should_stop=None
 ) -> str:
     """The assistant's next message after `messages` (reply_prompt: within the model's context), up to
     <|assistant_end|>, the calculator available. on_text(piece) sees its text as it comes; should_stop(),
     asked before every new token, ends it early when True (a stop button, a client gone)."""
     ids, max_tokens, _ = reply_prompt(model, tokenizer, messages, max_tokens)
     stream = ReplyStream(tokenizer)
-    for column in generate_steps(
-        model, tokenizer, ids, 1, max_tokens, temperature, top_k, seed, should_stop=should_stop
-    ):
+    for column in generate_steps(model, tokenizer, Request(ids, max_tokens, temperature, top_k, seed), 1, should_stop):
         token, _ = column[0]
         if token in stream.stop:
             break

@@ -53,14 +53,7 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
-def config_from_depth(
-    depth: int,
-    vocab_size: int,
-    sequence_len: int,
-    aspect_ratio: int = 64,
-    head_dim: int = 128,
-    n_kv_head: int | None = None,
-) -> GPTConfig:
+def config_from_depth(depth, vocab_size, sequence_len, aspect_ratio=64, head_dim=128, n_kv_head=None) -> GPTConfig:
     """The depth dial: n_embd = ceil(aspect_ratio*depth / head_dim) * head_dim, n_head = n_embd / head_dim."""
     for name, value in (("depth", depth), ("aspect_ratio", aspect_ratio), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -68,7 +61,14 @@ def config_from_depth(
     n_embd = math.ceil(aspect_ratio * depth / head_dim) * head_dim
     n_head = n_embd // head_dim
     n_kv_head = n_head if n_kv_head is None else n_kv_head
-    return GPTConfig(sequence_len, vocab_size, depth, n_head, n_kv_head, n_embd)
+    return GPTConfig(
+        sequence_len=sequence_len,
+        vocab_size=vocab_size,
+        n_layer=depth,
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        n_embd=n_embd,
+    )
 
 
 def norm(x):
@@ -151,8 +151,8 @@ class GPT(nn.Module):
         self._rotary_buffers()
 
     def _rotary_buffers(self, base=10000):
-        """Rotary tables for 10x the training length, so generation can run past it: fp32 (1, T, 1, D/2),
-        not persistent (init_weights recomputes them, checkpoints do not hold them)."""
+        """Rotary tables for 10x the training length (generation can run past it), fp32 (1, T, 1, D/2),
+        not persistent: init_weights recomputes them, checkpoints do not hold them."""
         self.rotary_seq_len = self.config.sequence_len * 10
         head_dim, device = self.config.head_dim, self.transformer.wte.weight.device
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -205,27 +205,25 @@ class GPT(nn.Module):
         scalar_lr=None,
     ):
         """[AdamW for lm_head and wte, Muon for every matrix in the blocks]. `weight_decay` is AdamW's;
-        Muon follows `muon_recipe` (a MuonRecipe or a preset name, optim/recipe.py; ns_coefficients, if
-        given, overrides the recipe's); scalar_lr is the windowed GPT's (this model has no scalars)."""
+        Muon follows `muon_recipe` (a MuonRecipe or a preset name, optim/recipe.py), its coefficients
+        ns_coefficients when given; scalar_lr is the windowed GPT's (this model has no scalars)."""
         model_dim = self.config.n_embd
         # AdamW LRs were tuned at width 768; scale them by 1/sqrt(width/768)
         dmodel_lr_scale = (model_dim / 768) ** -0.5
         print0(f"Scaling the LR for the AdamW parameters ∝1/√({model_dim}/768) = {dmodel_lr_scale:.6f}")
+        head = list(self.lm_head.named_parameters(prefix="lm_head"))
+        wte = list(self.transformer.wte.named_parameters(prefix="transformer.wte"))
         adam_groups = [
-            dict(params=list(self.lm_head.named_parameters(prefix="lm_head")), lr=unembedding_lr * dmodel_lr_scale),
-            dict(
-                params=list(self.transformer.wte.named_parameters(prefix="transformer.wte")),
-                lr=embedding_lr * dmodel_lr_scale,
-            ),
+            dict(params=head, lr=unembedding_lr * dmodel_lr_scale),
+            dict(params=wte, lr=embedding_lr * dmodel_lr_scale),
         ]
         adamw_kwargs = dict(betas=tuple(adam_betas), eps=1e-10, weight_decay=weight_decay)
         return self._optimizers(adam_groups, adamw_kwargs, matrix_lr, muon_recipe, ns_coefficients)
 
     def _optimizers(self, adam_groups, adamw_kwargs, matrix_lr, muon_recipe, ns_coefficients):
-        """[AdamW over adam_groups, Muon over every matrix in the blocks]: the ZeRO-2 versions when
-        torch.distributed runs more than one process, the FSDP ones (optim/fsdp.py) once fully_shard made
-        the parameters DTensors. Muon keeps its recipe as `.recipe` for the momentum schedule; every group
-        records `initial_lr` for the LR schedule."""
+        """[AdamW over adam_groups, Muon over the blocks' matrices], distributed (ZeRO-2) under several
+        processes, FSDP's once fully_shard made the parameters DTensors; Muon's `.recipe` is for the
+        momentum schedule, every group's `initial_lr` for the LR schedule."""
         from ..optim import AdamW, DistAdamW, DistMuon, FsdpAdamW, FsdpMuon, Muon, MuonRecipe
 
         recipe = MuonRecipe.of(muon_recipe)
@@ -248,9 +246,8 @@ class GPT(nn.Module):
         return optimizers
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
-        """idx (B, T) token ids -> logits (B, T, vocab) in fp32; with targets (B, T) the cross-entropy
-        instead (targets -1 are ignored): a scalar for "mean"/"sum", (B, T) for "none". kv_cache: None, or
-        the batch engine's view of its slot cache (decode.py), a SlotBatch's decode step run there."""
+        """idx (B, T) -> fp32 logits (B, T, vocab); with targets (B, T; -1 ignored) the cross-entropy: a scalar
+        for "mean"/"sum", (B, T) for "none". kv_cache: the batch engine's view (decode.py) or None."""
         if isinstance(kv_cache, SlotBatch):
             return self._softcap(decode_step(self, idx, kv_cache))
         T0 = 0 if kv_cache is None else kv_cache.get_pos()
@@ -265,14 +262,13 @@ class GPT(nn.Module):
             return self._softcap(self.lm_head(x).float())
         # the fused lm_head + softcap + cross-entropy, in row chunks: never all B*T x vocab logits
         B, T = targets.shape
+        rows, w = x.reshape(B * T, -1), self.lm_head.weight
         loss = softcap_cross_entropy(
-            x.reshape(B * T, -1), self.lm_head.weight, targets.reshape(-1), LOGIT_SOFTCAP, ignore_index=-1,
-            reduction=loss_reduction,
-        )  # fmt: skip
+            rows, w, targets.reshape(-1), LOGIT_SOFTCAP, ignore_index=-1, reduction=loss_reduction
+        )
         return loss.view(B, T) if loss_reduction == "none" else loss
 
     def _trunk(self, idx, cos_sin, kv_cache):
-        """The last hidden states (B, T, C) of idx."""
         x = norm(self.transformer.wte(idx))
         for block in self.transformer.h:
             x = block(x, cos_sin, kv_cache)
@@ -285,9 +281,8 @@ class GPT(nn.Module):
         return softcap(logits, LOGIT_SOFTCAP)  # one pass where no gradient is wanted
 
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42, use_kv_cache=None):
-        """Yield `max_tokens` sampled token ids continuing `tokens` (a list of ints); no token ends it
-        early. temperature 0 (or below MIN_TEMPERATURE) is greedy; top_k keeps the k most likely tokens.
-        One row of the batch engine, the path of chat, evaluation and serving (generation.py)."""
+        """Yield `max_tokens` sampled ids continuing `tokens` (a list of ints), no token ending it early;
+        temperature 0 (or below MIN_TEMPERATURE) is greedy. One row of the batch engine (generation.py)."""
         if use_kv_cache is not None:
             warnings.warn(
                 "GPT.generate(use_kv_cache=...) is deprecated and ignored (generation always uses the "

@@ -239,15 +239,10 @@ def make_replica(model, tokenizer, device: str, slots: int, chosen: precision.Pr
     return Replica(make_engine(model, tokenizer, slots, chosen), prepare_for(model.config, tokenizer), device)
 
 
-def engine_memory(engine) -> dict:
-    """Bytes an engine holds: its KV cache as allocated and its packed decode weights."""
-    return {"kv_bytes": engine.cache.kv.nbytes, "packed_bytes": decode.nbytes(engine.model)}
-
-
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """What a replica's own process needs to build it (it pickles): the checkpoint and the replica's
-    device, slots and precision (None: chosen there from --dtype, as load_replicas chooses in-process)."""
+    """What builds a replica, in this process or its own (it pickles): the checkpoint and the replica's
+    device, slots and precision (None: chosen from --dtype, on the replica's mix of short chat turns)."""
 
     ckpt: Path
     config: object  # the checkpoint's GPTConfig
@@ -259,14 +254,15 @@ class ReplicaSpec:
 
 
 def build_replica(spec: ReplicaSpec):
-    """In a replica's process (web/replica_process.py): its engine, and what the server reports of it."""
+    """A replica's engine, and what the server reports of it."""
     model = loading.restore_model(spec.ckpt, spec.config, torch.device(spec.device))
     chosen = spec.chosen
     if chosen is None:
         mix = generation_dtype.chat_mix(spec.config, spec.slots, spec.max_new_tokens)
         chosen = generation_dtype.choose(spec.device, spec.dtype, model, mix)
     engine = make_engine(model, get_tokenizer(), spec.slots, chosen)
-    return engine, {"slots": spec.slots, "precision": chosen, **engine_memory(engine)}
+    memory = {"kv_bytes": engine.cache.kv.nbytes, "packed_bytes": decode.nbytes(engine.model)}
+    return engine, {"slots": spec.slots, "precision": chosen, **memory}
 
 
 @dataclass
@@ -277,7 +273,7 @@ class Loaded:
     name: str  # the run, its step and phase
     slots: int  # per replica
     precision: precision.Precision
-    memory: dict  # engine_memory of the first replica
+    memory: dict  # the first replica's KV cache and packed decode weights, in bytes
     threads: int  # torch threads a replica steps with
 
     def close(self):
@@ -288,10 +284,9 @@ class Loaded:
 
 
 def load_replicas(args, devices, tokenizer) -> Loaded:
-    """The model once per device, each with its engine, in the dtype --dtype gives (auto on a CPU: timed on a
-    replica's mix, its slots of short chat turns; the first replica's choice for all), each in a process of
-    its own (--replica-process, else on a CPU: docs/measurements.md#chat-server) or in this one. The one
-    place chat_web finds and loads a checkpoint; the KV cache is checked before any weights load."""
+    """The model once per device, each with its engine, in a process of its own (--replica-process, else on
+    a CPU: docs/measurements.md#chat-server) or in this one; the first replica chooses the precision for
+    all. The one place chat_web finds and loads a checkpoint; the KV cache is checked before any weights."""
     run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid"))
     ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     slots = kv_slots(args, config, devices[0].type)
@@ -300,30 +295,30 @@ def load_replicas(args, devices, tokenizer) -> Loaded:
             f"note: {ckpt} is a {meta['phase']} (not fine-tuned) checkpoint: it has not learned to chat",
             file=sys.stderr,
         )
-    name = f"{run_dir.name} step {meta['step']} ({meta['phase']})"
     own_process = devices[0].type == "cpu" if args.replica_process is None else args.replica_process
-    if not own_process:
-        models = [loading.restore_model(ckpt, config, device) for device in devices]
-        mix = generation_dtype.chat_mix(config, slots, args.max_new_tokens)
-        chosen = generation_dtype.choose(devices[0], args.dtype, models[0], mix)
-        replicas = [make_replica(m, tokenizer, str(d), slots, chosen) for m, d in zip(models, devices)]
-        return Loaded(replicas, name, slots, chosen, engine_memory(replicas[0].engine), torch.get_num_threads())
-    engines, chosen = [], None
-    threads = max(1, torch.get_num_threads() // len(devices))  # each process its share of this one's
+    threads = max(1, torch.get_num_threads() // len(devices)) if own_process else torch.get_num_threads()
+    engines, infos = [], []
     try:
         for device in devices:  # one at a time: the first chooses the precision, the others take it
+            chosen = infos[0]["precision"] if infos else None
             spec = ReplicaSpec(ckpt, config, str(device), slots, args.dtype, args.max_new_tokens, chosen)
-            build = functools.partial(build_replica, spec)
-            engines.append(ProcessEngine(build, threads, name=f"replica {device}"))
-            chosen = engines[0].info["precision"]
+            if own_process:
+                engines.append(ProcessEngine(functools.partial(build_replica, spec), threads, f"replica {device}"))
+                infos.append(engines[-1].info)
+            else:
+                engine, info = build_replica(spec)
+                engines.append(engine)
+                infos.append(info)
     except BaseException:
         for engine in engines:
-            engine.close()
+            if isinstance(engine, ProcessEngine):
+                engine.close()
         raise
     prepare = prepare_for(config, tokenizer)
     replicas = [Replica(engine=e, prepare=prepare, device=str(d)) for e, d in zip(engines, devices)]
-    memory = {k: engines[0].info[k] for k in ("kv_bytes", "packed_bytes")}
-    return Loaded(replicas, name, slots, chosen, memory, threads)
+    name = f"{run_dir.name} step {meta['step']} ({meta['phase']})"
+    memory = {k: infos[0][k] for k in ("kv_bytes", "packed_bytes")}
+    return Loaded(replicas, name, slots, infos[0]["precision"], memory, threads)
 
 
 def listen(host: str, port: int) -> socket.socket:

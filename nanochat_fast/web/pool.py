@@ -42,10 +42,8 @@ class Replica:
 
 @dataclass(frozen=True)
 class Admission:
-    """When waiting jobs start. A step runs the prompts of every job admitted since the last one and all
-    its rows wait for them, so a burst split over two steps makes the first reply wait for the others'
-    prompts. A waiting job starts once no request has arrived for `gap` seconds, or it has waited
-    `max_wait`, or the waiting jobs fill the replica's free slots (gap 0: at the next step)."""
+    """When waiting jobs start, so that a burst's prompts run in one step: once no request has arrived for
+    `gap` seconds, or after `max_wait`, or when they fill the replica's free slots (gap 0: at the next step)."""
 
     gap: float = 0.001
     max_wait: float = 0.01
@@ -67,8 +65,7 @@ class QueueFull(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """One reply to generate. Created on the event loop; its events are ("token", str), ("error", str)
-    and finally ("done", None)."""
+    """One reply, created on the event loop; its events: ("token", str), ("error", str), then ("done", None)."""
 
     messages: list
     max_tokens: int
@@ -92,8 +89,7 @@ class Job:
 
 
 def deliver(events: list):
-    """Hand (job, kind, value) events to their event loops, one wake-up per loop: a step's tokens for many
-    replies reach the loop (which shares the GIL with the worker) together."""
+    """Hand (job, kind, value) events to their event loops, one wake-up a loop (which shares the GIL)."""
     by_loop = collections.defaultdict(list)
     for job, kind, value in events:
         by_loop[job.loop].append((job.events, (kind, value)))
@@ -120,11 +116,9 @@ def percentile(values: list[float], p: float) -> float:
 
 
 class ServerStats:
-    """What /stats reports beyond slots and queue (the pool calls it under its lock). tokens_generated:
-    every token the engines made (end and forced tokens included); decode_seconds: wall time with at least
-    one reply admitted (prefill, steps and streaming count, idle time not); tokens_per_s: their ratio, per
-    replica over its own busy time; ttft_s: time to first token, from a request's arrival in the queue to
-    the end of the step that sampled its first token, over the last TTFT_WINDOW replies."""
+    """/stats' counts, under the pool's lock: tokens_generated (end and forced tokens included) over
+    decode_seconds (wall time with at least one reply admitted; a replica's own busy time for its rate);
+    ttft_s from a request's arrival to the end of the step that sampled its first token."""
 
     def __init__(self, replicas: int):
         self.outcomes = collections.Counter()  # OUTCOMES and "rejected"
@@ -138,7 +132,6 @@ class ServerStats:
         self.decode_seconds = 0.0
 
     def started(self, replica: int, now: float, truncated: bool):
-        """A reply was admitted to `replica`."""
         self.truncated += bool(truncated)
         if self.busy_since[replica] is None:
             if self.any_busy_since is None:
@@ -150,7 +143,7 @@ class ServerStats:
         self.ttft.extend(ttfts)
 
     def ended(self, replica: int, outcome: str, seconds: float | None, now: float, busy: bool):
-        """A reply ended (seconds: since its admission; None if it never was); busy: the replica holds others."""
+        """seconds: since its admission (None if it never was); busy: the replica holds other replies."""
         self.outcomes[outcome] += 1
         if seconds is not None:
             self.replies += 1
@@ -187,9 +180,8 @@ class ServerStats:
 
 
 class ReplicaPool:
-    """Admission is decided when a request arrives: at most every slot busy plus `queue_limit` waiting, a
-    request beyond that refused at once (HTTP 503); a waiting job goes to the replica with the most free
-    slots when Admission says it starts."""
+    """At most every slot busy plus `queue_limit` waiting: a request beyond that is refused as it arrives
+    (HTTP 503). A waiting job goes to the replica with the most free slots when Admission says it starts."""
 
     def __init__(self, replicas: list[Replica], queue_limit: int, admission: Admission = Admission()):
         if not replicas:
@@ -230,8 +222,7 @@ class ReplicaPool:
             self._cond.notify_all()
 
     def cancel(self, job: Job, reason: str):
-        """Stop `job`: dropped if it is still waiting, else its row is cancelled before the next step. Does
-        nothing to a job that has finished."""
+        """Stop `job` (not one finished): dropped if waiting, else its row cancelled before the next step."""
         with self._cond:
             if job.stop.is_set():
                 return
@@ -275,23 +266,21 @@ class ReplicaPool:
             self._cond.notify_all()
 
     def join(self, timeout: float):
-        """Wait at most `timeout` seconds in all for the worker threads to end after close(): then no engine
-        is in use, and a replica's own process can stop."""
+        """Wait at most `timeout` seconds in all for the workers to end after close(): no engine in use."""
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def _retry_after(self) -> int:
-        """Seconds until a place is likely free: one average reply's time over the slots (1 s before any
-        reply ended)."""
+        """Seconds until a place is likely free: an average reply's time over the slots (1 before any)."""
         mean = self.counts.mean_reply_seconds()
         return max(1, min(60, math.ceil(mean / sum(self.slots)))) if mean else 1
 
     # -- worker side: the only code that touches replica i's engine ------------------------------
 
     def _take(self, i: int) -> list[Job] | None:
-        """The waiting jobs replica i admits now (they are due, it has free slots and no other replica has
-        more); waits while it has no rows and nothing to admit. None once the pool is closed."""
+        """The waiting jobs replica i admits now (due, in free slots, no replica with more); waits while it
+        has no rows and nothing to admit. None once the pool is closed."""
         with self._cond:
             while True:
                 if self._closed:
@@ -337,8 +326,7 @@ class ReplicaPool:
             self._rows[i][row] = job
 
     def _finish(self, i: int, job: Job, outcome: str, emit=True):
-        """End a job: its slot no longer counted, its outcome counted, its stream given "done" (unless the
-        caller delivers that itself)."""
+        """End a job: its slot free, its outcome counted, its stream given "done" (unless the caller does)."""
         now = time.monotonic()
         with self._cond:
             if job.stop.is_set() and outcome in ("completed", "cancelled"):  # stopped before it ended
@@ -385,18 +373,12 @@ class ReplicaPool:
         deliver(events)
 
     def _fail(self, i: int, e: Exception):
-        """A step (or the routing of its tokens) failed: every reply the replica holds ends with an error
-        event and the engine's rows are cancelled, so it starts clean and serves on. One log line for the
-        step (the traceback at DEBUG level)."""
+        """A step (or the routing of its tokens) failed: the replica's replies end with an error, its rows
+        are cancelled and it serves on. One log line for the step (the traceback at DEBUG level)."""
         replica, jobs = self.replicas[i], list(self._rows[i].values())
         self._rows[i].clear()
-        log.error(
-            "a decode step failed on %s (%s: %s); %d repl(ies) ended with an error",
-            replica.device,
-            type(e).__name__,
-            e,
-            len(jobs),
-        )
+        what = (replica.device, type(e).__name__, e, len(jobs))
+        log.error("a decode step failed on %s (%s: %s); %d repl(ies) ended with an error", *what)
         log.debug("the failed step", exc_info=e)
         for job in jobs:
             job.emit("error", failure(e))
