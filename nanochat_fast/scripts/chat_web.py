@@ -59,10 +59,7 @@ def build_parser():
     )
     p.add_argument("--port", type=cli.non_negative_int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument(
-        "--workers",
-        type=cli.positive_int,
-        default=None,
-        help="model replicas (default: one per visible GPU, one on CPU or MPS)",
+        "--workers", type=cli.positive_int, help="model replicas (default: one per visible GPU, one on CPU or MPS)"
     )
     p.add_argument(
         "--max-new-tokens",

@@ -70,12 +70,9 @@ def at_least_two(value) -> int:
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.infer_bench", description=__doc__)
     model = p.add_argument_group("model (one of --run and --depth)")
-    model.add_argument("--run", type=cli.run_ref, default=None, help="a run's checkpoint: run name or directory")
+    model.add_argument("--run", type=cli.run_ref, help="a run's checkpoint: run name or directory")
     model.add_argument(
-        "--step",
-        type=cli.non_negative_int,
-        default=None,
-        help="checkpoint step of --run (None: the newest complete one)",
+        "--step", type=cli.non_negative_int, help="checkpoint step of --run (None: the newest complete one)"
     )
     model.add_argument(
         "--depth",
