@@ -102,8 +102,7 @@ def check_compatible(meta: dict, ckpt: Path, config: GPTConfig, tokenizer):
 
 
 def open_checkpoint(run_dir: Path, step: int | None, tokenizer):
-    """(checkpoint path, meta, GPTConfig) of run_dir's checkpoint at `step` (None: the newest
-    complete one), made with `tokenizer`."""
+    """(checkpoint path, meta, GPTConfig) of run_dir's checkpoint at `step` (None: the newest complete one)."""
     ckpt = checkpoints.resolve_checkpoint(run_dir, step)
     meta = checkpoints.load_meta(ckpt)
     check_tokenizer(meta, ckpt, tokenizer)
@@ -112,9 +111,7 @@ def open_checkpoint(run_dir: Path, step: int | None, tokenizer):
 
 def restore_model(ckpt: Path, config: GPTConfig, device) -> GPT:
     """The weights of an opened checkpoint (open_checkpoint) in a GPT on `device`, in eval mode."""
-    model = new_model(config, device, checkpoints.load_model_state(ckpt, device))
-    model.eval()
-    return model
+    return new_model(config, device, checkpoints.load_model_state(ckpt, device)).eval()
 
 
 def load_model(run_dir: Path, step: int | None, device, tokenizer):

@@ -13,8 +13,7 @@ import torch.distributed as dist
 
 
 def shard(model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn.Module:
-    """fully_shard every block of `model` (a GPT) and then the root (wte, lm_head) over all ranks,
-    in place; returns the model. Its optimizers must be built afterwards (setup_optimizers)."""
+    """fully_shard every block of `model` (a GPT), then the root, in place; its optimizers come after."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -37,10 +36,9 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 @contextmanager
 def whole_weights(model: torch.nn.Module):
-    """A plain GPT with the whole weights of `model` (every rank enters together: the weights are
-    gathered), for forwards that need no collective; `model` itself when it is not sharded. The
-    copy is not the FSDP module: forwards through FSDP's hooks on one rank alone would also leave
-    that rank's record of the forward order (its backward prefetch) out of step with the others."""
+    """A plain GPT with the whole weights of `model`, gathered on every rank, for forwards that need no
+    collective (`model` itself when not sharded): FSDP's hooks run on one rank alone would also put its
+    record of the forward order (its backward prefetch) out of step with the others'."""
     if not is_sharded(model):
         yield model
         return
