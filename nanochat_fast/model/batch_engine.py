@@ -43,14 +43,6 @@ class EngineFull(Exception):
     """Fewer free slots than the copies asked for: wait for rows to end (step) or cancel some."""
 
 
-@dataclass
-class RowState:
-    """One sequence's tool state: the expression being written and the tokens to force next."""
-
-    forced: deque = field(default_factory=deque)
-    expr: list | None = None  # token ids since <|python_start|>, None outside a call
-
-
 @dataclass(eq=False)
 class DecodeRow:
     """One sequence of a request (one per copy): the caller's handle, filled in by the engine."""
@@ -62,7 +54,8 @@ class DecodeRow:
     done: bool = False
     reason: str | None = None  # once done: "stop" | "max_tokens" | "cancelled"
     length: int = field(default=0, repr=False)  # positions of the slot in use (0 until prefilled)
-    state: RowState = field(default_factory=RowState, repr=False)
+    forced: deque = field(default_factory=deque, repr=False)  # the tool's tokens to write next
+    expr: list | None = field(default=None, repr=False)  # token ids since <|python_start|>, None outside a call
     rng: torch.Generator | None = field(default=None, repr=False)  # None at temperature 0
 
 
@@ -101,16 +94,16 @@ class ToolUse:
         self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
         self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
 
-    def observe(self, state: RowState, token: int):
+    def observe(self, row: DecodeRow, token: int):
         if token == self.python_start:
-            state.expr = []
-        elif token == self.python_end and state.expr is not None:
-            result = self.calculator(self.tokenizer.decode(state.expr))
+            row.expr = []
+        elif token == self.python_end and row.expr is not None:
+            result = self.calculator(self.tokenizer.decode(row.expr))
             if result is not None:
-                state.forced.extend([self.output_start, *self.tokenizer.encode(result), self.output_end])
-            state.expr = None
-        elif state.expr is not None:
-            state.expr.append(token)
+                row.forced.extend([self.output_start, *self.tokenizer.encode(result), self.output_end])
+            row.expr = None
+        elif row.expr is not None:
+            row.expr.append(token)
 
 
 def _is_int(value) -> bool:
@@ -316,12 +309,12 @@ class BatchEngine:
 
     def _advance(self, row: DecodeRow, token: int) -> Token:
         """The row's next token (the tool's, when queued), its tool state, whether it ended."""
-        forced = bool(row.state.forced)
+        forced = bool(row.forced)
         if forced:
-            token = row.state.forced.popleft()
+            token = row.forced.popleft()
         row.tokens.append(token)
         if row.request.use_tools:
-            self.tools.observe(row.state, token)
+            self.tools.observe(row, token)
         reason = "stop" if token in self.stop else "max_tokens" if len(row.tokens) >= row.request.max_tokens else None
         if reason is not None:
             self._end(row, reason)

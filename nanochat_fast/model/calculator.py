@@ -103,12 +103,8 @@ def _binary(op, a, b):
     if _is_number(a) and _is_number(b):
         if isinstance(op, ast.Pow):
             return _power(a, b)
-        if (
-            isinstance(op, ast.Mult)
-            and isinstance(a, int)
-            and isinstance(b, int)
-            and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1
-        ):
+        big = isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1
+        if isinstance(op, ast.Mult) and big:
             _refuse(f"product larger than {MAX_INT_BITS} bits")
         return BINARY[type(op)](a, b)
     if isinstance(op, ast.Add) and isinstance(a, str) and isinstance(b, str):

@@ -140,8 +140,11 @@ class ProcessEngine:
     def _receive(self):
         try:
             return self._conn.recv()
-        except (EOFError, OSError):
-            raise self._gone() from None
+        except (EOFError, OSError):  # the child is gone: every row it held ends
+            for row in self._rows.values():
+                row.done = True
+            self._rows.clear()
+            raise self._ended() from None
 
     def _flush(self):
         """Send the adds and cancels not yet sent. A child that is gone raises, its rows still held: the
@@ -156,13 +159,6 @@ class ProcessEngine:
     def _ended(self) -> ReplicaProcessError:
         self._process.join(1.0)
         return ReplicaProcessError(f"the replica's process ended (exit code {self._process.exitcode})")
-
-    def _gone(self) -> ReplicaProcessError:
-        """The child is gone: every row it held ends."""
-        for row in self._rows.values():
-            row.done = True
-        self._rows.clear()
-        return self._ended()
 
     def add(self, request) -> list[RowHandle]:
         """The request's row, as the engine's add gives it (max_tokens 0: done at once); it joins the
