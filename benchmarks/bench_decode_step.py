@@ -14,7 +14,7 @@ weights, fp32, one thread (a chat_web replica's). A decode step feeds B rows one
   test_engine     whole BatchEngine.step()s of B rows: the kernels above vs the same engine on stock
                   PyTorch (NANOCHAT_FAST_KERNELS=packed_linear=reference,decode_attention=reference,
                   rms_norm=reference,decode_block=reference,softcap=reference,smear_decode=reference),
-                  fp32 and under bf16 autocast; for the seeds' GPT and the windowed family (SSSL) of
+                  fp32 and under bf16 autocast; for the gpt family and the windowed family (SSSL) of
                   the same size
 """
 

@@ -1,28 +1,30 @@
 """
-Continuous batching: many conversations decoded together, each at its own length.
-
-The engine owns a SlotCache (kv_cache.py): keys and values for `slots` sequences, preallocated
-once. A request joins between steps (add): at the next step its prompt is run into a free slot and
-its first token sampled; from then on it is one row of the decode batch: every step is one forward
-of B rows x 1 token, each row at its own position and attending only to its own cached entries.
-The step's new prompts run in that same forward, a row per token (PROMPT_AS_ROWS), or after it in
-one of their own. A row leaves when it ends (<|assistant_end|> or <|bos|>, max_tokens, or
-cancelled) and its slot goes back to the pool at once. Each row samples with its own settings,
-generator (seeded request.seed + copy) and calculator state (sampling.ToolUse), so what a request
-gets does not depend on what else is in the batch. step() runs under torch.inference_mode(); the
-caller's autocast applies. Whether a row decodes the same tokens batched as alone (bitwise on a
-CPU in fp32; how close elsewhere): docs/measurements.md#continuous-batching.
+Continuous batching: many conversations decoded together, each at its own length. A request joins
+between steps (add); at the next step its prompt runs into a free slot of the SlotCache (decode.py) and
+its first token is sampled; then it is one row of every decode step, until it ends (a stop token,
+max_tokens, cancel) and its slot is free at once. Each row samples with its own settings, generator and
+calculator state, so what it gets does not depend on the batch (docs/measurements.md#continuous-batching).
 """
 
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
-from . import packed_linears
-from .kv_cache import SlotBatch, SlotCache, SlotPrefill
-from .sampling import RowState, ToolUse, sample_next, stop_tokens
+from ..hardware.precision import autocast
+from .calculator import calculate
+from .decode import SlotBatch, SlotCache, SlotPrefill, usable
+
+# The prompts a step admits run in its decode forward, a row per token, while they are at most this
+# many tokens in all; more run in a forward of their own, faster from about there
+# (docs/measurements.md#continuous-batching).
+PROMPT_AS_ROWS = 256
+# below this, temperature is greedy: logits / T overflows fp32 for T < 15 / 3.4e38 (logits are
+# softcapped to +-15) and softmax turns inf into nan; the reasoning is at web/app.MIN_TEMPERATURE
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass
@@ -35,12 +37,6 @@ class Request:
     top_k: int | None = None
     seed: int = 42  # copy c samples with a generator seeded seed + c
     use_tools: bool = True
-
-
-# The prompts a step admits run in its decode forward, a row per token, while they are at most this
-# many tokens in all; more run in a forward of their own, faster from about there
-# (docs/measurements.md#continuous-batching).
-PROMPT_AS_ROWS = 256
 
 
 class EngineFull(Exception):
@@ -58,7 +54,8 @@ class DecodeRow:
     done: bool = False
     reason: str | None = None  # once done: "stop" | "max_tokens" | "cancelled"
     length: int = field(default=0, repr=False)  # positions of the slot in use (0 until prefilled)
-    state: RowState = field(default_factory=RowState, repr=False)
+    forced: deque = field(default_factory=deque, repr=False)  # the tool's tokens to write next
+    expr: list | None = field(default=None, repr=False)  # token ids since <|python_start|>, None outside a call
     rng: torch.Generator | None = field(default=None, repr=False)  # None at temperature 0
 
 
@@ -68,6 +65,45 @@ class Token:
     token: int
     forced: bool  # written by the calculator tool, not sampled
     last: bool  # the row ended with this token (its slot is free again)
+
+
+def stop_tokens(tokenizer) -> frozenset:
+    """The tokens that end a reply: <|assistant_end|>, and <|bos|> (a new document begins)."""
+    return frozenset({tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()})
+
+
+def sample_next(logits, temperature: float, top_k: int | None, rng) -> torch.Tensor:
+    """(B, V) logits -> (B, 1) token ids: greedy at temperature 0 (or below MIN_TEMPERATURE), else
+    softmax sampling among the top_k most likely (all when None)."""
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
+    if temperature >= MIN_TEMPERATURE:
+        return torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1, generator=rng)
+    return torch.argmax(logits, dim=-1, keepdim=True)
+
+
+class ToolUse:
+    """The calculator tool, a row at a time: after `<|python_start|>expr<|python_end|>` it queues the
+    calculator's answer as `<|output_start|>result<|output_end|>`, forced in token by token. A refused
+    expression gets no output (the model carries on without one)."""
+
+    def __init__(self, tokenizer, calculator=calculate):
+        special = tokenizer.encode_special
+        self.tokenizer, self.calculator = tokenizer, calculator
+        self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
+        self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
+
+    def observe(self, row: DecodeRow, token: int):
+        if token == self.python_start:
+            row.expr = []
+        elif token == self.python_end and row.expr is not None:
+            result = self.calculator(self.tokenizer.decode(row.expr))
+            if result is not None:
+                row.forced.extend([self.output_start, *self.tokenizer.encode(result), self.output_end])
+            row.expr = None
+        elif row.expr is not None:
+            row.expr.append(token)
 
 
 def _is_int(value) -> bool:
@@ -112,14 +148,12 @@ class RequestLimits:
 
 
 class BatchEngine:
-    """Up to `slots` rows decoding together, each up to `max_len` positions (prompt + tokens).
+    """Up to `slots` rows decoding together, each up to `max_len` positions (prompt + tokens). One thread
+    drives it: add() and cancel() between steps, step() to advance every row by one token, under autocast
+    to `dtype` unless fp32 (then the caller's). The model needs config, get_device() and forward(idx,
+    kv_cache=...) with decode.py's views, as GPT has. Without a tokenizer no token ends a row, no tool runs."""
 
-    One thread drives it: add() and cancel() between steps, step() to advance every row by one
-    token. The model needs config (n_layer, vocab_size, sequence_len), get_device() and
-    forward(idx, kv_cache=...) with the kv_cache.py views; GPT is such a model. Without a tokenizer
-    (GPT.generate: token ids in, token ids out) no token ends a row and no request may use tools."""
-
-    def __init__(self, model, tokenizer, slots: int, max_len: int | None = None):
+    def __init__(self, model, tokenizer, slots: int, max_len: int | None = None, dtype=torch.float32):
         max_len = model.config.sequence_len if max_len is None else max_len
         for name, value in (("slots", slots), ("max_len", max_len)):
             if not _is_int(value) or value < 1:
@@ -127,7 +161,7 @@ class BatchEngine:
         rotary_len = getattr(model, "rotary_seq_len", None)
         if rotary_len is not None and max_len > rotary_len:
             raise ValueError(f"max_len ({max_len}) exceeds the model's {rotary_len} positions")
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
         self.slots, self.max_len = slots, max_len
         self.device = model.get_device()
         self.cache = SlotCache(model.config.n_layer, slots, max_len)
@@ -141,7 +175,7 @@ class BatchEngine:
     @staticmethod
     def kv_bytes(config, slots: int, max_len: int, dtype=torch.float32) -> int:
         """Bytes of the cache an engine of `slots` x `max_len` holds for a model of `config`."""
-        return SlotCache.nbytes(config.n_layer, slots, config.n_kv_head, max_len, config.head_dim, dtype)
+        return config.n_layer * 2 * slots * config.n_kv_head * max_len * config.head_dim * dtype.itemsize
 
     @property
     def free_slots(self) -> int:
@@ -149,31 +183,27 @@ class BatchEngine:
 
     @property
     def active(self) -> list[DecodeRow]:
-        """The rows holding a slot (waiting for their prefill or decoding), in the order they joined."""
+        """The rows holding a slot, in the order they joined."""
         return list(self._rows)
 
     def add(self, request: Request, copies: int = 1) -> list[DecodeRow]:
-        """`copies` rows continuing request.prompt (its prefill runs once, at the next step, and its
-        cache is copied into each copy's slot). max_tokens 0 gives rows already done."""
+        """`copies` rows continuing request.prompt, run once at the next step and copied into each copy's
+        slot. max_tokens 0 gives rows already done."""
         self.limits.check(request, copies)
         if request.max_tokens == 0:
             return [DecodeRow(request, None, c, done=True, reason="max_tokens") for c in range(copies)]
         if copies > len(self._free):
             raise EngineFull(f"{copies} slots asked for, {len(self._free)} of {self.slots} free")
-        rows = []
-        for c in range(copies):
-            row = DecodeRow(request, heapq.heappop(self._free), c)
-            if request.temperature > 0:
-                row.rng = torch.Generator(device=self.device)
-                row.rng.manual_seed(request.seed + c)
-            rows.append(row)
+        rows = [DecodeRow(request, heapq.heappop(self._free), c) for c in range(copies)]
+        if request.temperature > 0:
+            for row in rows:
+                row.rng = torch.Generator(device=self.device).manual_seed(request.seed + row.copy)
         self._rows += rows
         self._waiting.append(list(rows))
         return rows
 
     def cancel(self, row: DecodeRow):
-        """End `row` now (reason "cancelled"): its slot is free at once and it yields nothing more.
-        A row already done is left as it is."""
+        """End `row` now (reason "cancelled"), its slot free at once; a row already done is left as it is."""
         if row.done:
             return
         if row not in self._rows:
@@ -190,11 +220,9 @@ class BatchEngine:
         heapq.heappush(self._free, row.slot)
 
     def step(self) -> list[Token]:
-        """One token for every active row: the requests added since the last step have their
-        prompts run and sample their first token; the others feed their last token, all in one
-        batched forward (the prompts in one of their own when they are too many tokens: module
-        docstring). Returns this step's tokens in join order; rows that end free their slots."""
-        with torch.inference_mode():
+        """One token for every active row, in join order: new requests' prompts run and sample their first
+        token, the others feed their last, in one forward (the prompts in one of their own when too many)."""
+        with torch.inference_mode(), autocast(self.device, self.dtype):
             decoding = sorted((r for r in self._rows if r.length > 0), key=lambda r: r.slot)
             waiting, self._waiting = self._waiting, []
             if waiting and self._prompts_as_rows(waiting, len(decoding)):
@@ -213,36 +241,31 @@ class BatchEngine:
             return [self._advance(row, token) for row, token in out]
 
     def _prompts_as_rows(self, groups: list[list[DecodeRow]], decoding: int) -> bool:
-        """Whether the prompts run as rows of the decode step (module docstring): few tokens in all,
-        a model whose forward takes them (gpt.GPT), a step through the packed CPU kernels."""
+        """Whether the prompts run as rows of the decode step: few tokens in all, a model that takes them,
+        a step through the packed CPU kernels (decode.usable, for the rows it makes logits of)."""
         tokens = sum(len(group[0].request.prompt) for group in groups)
         return (
             tokens <= PROMPT_AS_ROWS
             and getattr(self.model, "prompts_as_decode_rows", False)
-            and packed_linears.usable(self.model, decoding)
+            and usable(self.model, decoding + len(groups))
         )
 
     def _prefill(self, groups: list[list[DecodeRow]]) -> list[torch.Tensor]:
-        """Run the requests' prompts into their first copies' slots, together in one forward (each
-        row right-padded to the longest prompt), and copy each into its other copies' slots; per
-        request, the next-token logits, one row per copy. One forward for the requests that joined
-        together: a step that admits several spends one model call on them, not one each (the
-        per-call cost is most of a short prompt's)."""
+        """The requests' prompts into their first copies' slots, in one forward (right-padded: one model call,
+        most of a short prompt's cost); per request, the next-token logits, one row per copy."""
         prompts = [group[0].request.prompt for group in groups]
         width = max(map(len, prompts))
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
-        lengths = [len(p) for p in prompts]
-        slots = [group[0].slot for group in groups]
-        view = SlotPrefill(self.cache, slots, lengths if len(groups) > 1 else None, last_logits=True)
+        lengths = [len(p) for p in prompts] if len(groups) > 1 else None
+        view = SlotPrefill(self.cache, [group[0].slot for group in groups], lengths, last_logits=True)
         logits = self.model(ids, kv_cache=view)[:, -1]
         for group in groups:
             self._prefilled(group)
         return [logits[i : i + 1].expand(len(group), -1) for i, group in enumerate(groups)]
 
     def _decode(self, rows: list[DecodeRow], groups: list[list[DecodeRow]] = ()) -> list[tuple]:
-        """Feed every row its last token (rows in slot order) and each group's prompt, a row per
-        token from position 0 in its first copy's slot, in one forward; (rows, their next-token
-        logits) and, per group, (group, its prompt's last logits, a row per copy)."""
+        """Every row's last token (rows in slot order) and each group's prompt, a row per token from position
+        0 in its first copy's slot, in one forward: (rows, their logits) and per group (group, its logits)."""
         entries, wanted = [(row.slot, row.length, row.tokens[-1]) for row in rows], None
         if groups:
             for group in groups:
@@ -252,14 +275,12 @@ class BatchEngine:
             wanted = [index[row.slot, row.length] for row in rows]
             wanted += [index[group[0].slot, len(group[0].request.prompt) - 1] for group in groups]
             if self.cache.kv is None:  # a block's first keys are written inside its op: make the storage
-                config = self.model.config
-                dtype = next(self.model.parameters()).dtype
+                config, dtype = self.model.config, next(self.model.parameters()).dtype
                 self.cache.allocate(config.n_kv_head, config.head_dim, dtype, self.device)
         slots, positions, ids = zip(*entries)
         batch = SlotBatch(self.cache, list(slots), list(positions), self.device, logits_of=wanted)
         ids = torch.tensor([[t] for t in ids], dtype=torch.long, device=self.device)
-        with packed_linears.decoding(self.model, len(rows)):  # the prompts' rows ride along
-            logits = self.model(ids, kv_cache=batch)[:, -1, :]
+        logits = self.model(ids, kv_cache=batch)[:, -1, :]
         for row in rows:
             row.length += 1
         parts = [(rows, logits[: len(rows)] if groups else logits)] if rows else []
@@ -277,9 +298,8 @@ class BatchEngine:
             row.length = len(prompt)
 
     def _sample(self, rows: list[DecodeRow], logits: torch.Tensor) -> list[int]:
-        """Each row's token from its logits row: greedy rows in one argmax, the others each with
-        their own settings and generator; one transfer to the host. Every row samples, even one
-        whose next token the tool will force: its generator moves the same way in any batch."""
+        """Each row's token: greedy rows in one argmax, the others with their own settings and generator
+        (even where the tool will force the token: a generator moves the same way in any batch)."""
         chosen = torch.argmax(logits, dim=-1)
         for i, row in enumerate(rows):
             if row.request.temperature > 0:
@@ -288,13 +308,13 @@ class BatchEngine:
         return chosen.tolist()
 
     def _advance(self, row: DecodeRow, token: int) -> Token:
-        """The row's next token (the tool's, when it has one queued), its tool state, whether it ended."""
-        forced = bool(row.state.forced)
+        """The row's next token (the tool's, when queued), its tool state, whether it ended."""
+        forced = bool(row.forced)
         if forced:
-            token = row.state.forced.popleft()
+            token = row.forced.popleft()
         row.tokens.append(token)
         if row.request.use_tools:
-            self.tools.observe(row.state, token)
+            self.tools.observe(row, token)
         reason = "stop" if token in self.stop else "max_tokens" if len(row.tokens) >= row.request.max_tokens else None
         if reason is not None:
             self._end(row, reason)

@@ -1,22 +1,14 @@
 """
-The calculator tool the model calls in generation (`<|python_start|>expr<|python_end|>`):
-arithmetic and a few string operations, so it can check its sums and count letters.
-
-    calculate("12/60")                    -> "0.2"
-    calculate("1,250 * 3")                -> "3750"      (digit-group commas are dropped)
-    calculate("'strawberry'.count('r')")  -> "3"
-    calculate("__import__('os')")         -> None        (refused)
-
-The expression is parsed with `ast` and evaluated by walking the tree with an allow-list (int/float/
-str constants; + - * / // % ** and unary + -; len abs round min max int float str; subscripts and
-slices of strings and lists; the str methods in STR_METHODS, called directly); nothing is passed to
-eval/exec and no name is looked up. Every value is bounded as it is made (MAX_INT_BITS, MAX_LEN: a
-result past the bound is refused before it is computed), the input by MAX_EXPR_CHARS and the tree by
-MAX_DEPTH, so any input is answered in bounded time and memory.
+The calculator tool the model calls in generation (`<|python_start|>expr<|python_end|>`): arithmetic and a
+few string methods, e.g. calculate("1,250 * 3") -> "3750", calculate("'strawberry'.count('r')") -> "3",
+calculate("__import__('os')") -> None (refused). The expression is parsed with `ast` and walked with an
+allow-list, never passed to eval/exec, no name looked up; every value is bounded as it is made (MAX_INT_BITS,
+MAX_LEN), the input by MAX_EXPR_CHARS and the tree by MAX_DEPTH: any input is answered in bounded time.
 """
 
 import ast
 import math
+import operator
 import re
 
 MAX_EXPR_CHARS = 1000
@@ -42,6 +34,14 @@ STR_METHODS = {
     "join",
 }
 ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)
+BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
 DIGIT_GROUP_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
 
@@ -103,21 +103,10 @@ def _binary(op, a, b):
     if _is_number(a) and _is_number(b):
         if isinstance(op, ast.Pow):
             return _power(a, b)
-        if (
-            isinstance(op, ast.Mult)
-            and isinstance(a, int)
-            and isinstance(b, int)
-            and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1
-        ):
+        big = isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1
+        if isinstance(op, ast.Mult) and big:
             _refuse(f"product larger than {MAX_INT_BITS} bits")
-        return {
-            ast.Add: lambda: a + b,
-            ast.Sub: lambda: a - b,
-            ast.Mult: lambda: a * b,
-            ast.Div: lambda: a / b,
-            ast.FloorDiv: lambda: a // b,
-            ast.Mod: lambda: a % b,
-        }[type(op)]()
+        return BINARY[type(op)](a, b)
     if isinstance(op, ast.Add) and isinstance(a, str) and isinstance(b, str):
         if len(a) + len(b) > MAX_LEN:
             _refuse(f"string longer than {MAX_LEN:,} characters")

@@ -1,25 +1,15 @@
 """
-Text generation, all of it through the batch engine (batch_engine.py): a plain continuation for
-base models, the assistant's next message for chat models (streamed piece by piece for chat_cli and
-the web chat), and batches of samples for evaluation.
-
-Tool use (sampling.py): when the assistant writes `<|python_start|>expr<|python_end|>`, the
-calculator's answer is forced in as `<|output_start|>result<|output_end|>` and generation goes on.
-In text, the tool tokens read the way GSM8K writes its calculator notes: `<<expr=result>>`.
-
-Batched samples (generate_batch): the prompt is run once, its KV cache copied into num_samples
-rows, and every row decodes one token per step with its own tool state and its own generator
-(seeded seed + row); a row leaves the batch when it ends (<|assistant_end|> or <|bos|>).
-GPT.generate (nanochat's token-in, token-out loop) is one such row without a tokenizer
-(generate_tokens).
+Text generation, all of it through the batch engine (batch_engine.py): a base model's continuation, the
+assistant's next message (streamed piece by piece for chat_cli and chat_web's requests), batches of
+samples for evaluation, and GPT.generate's tokens. The calculator's calls read in text as GSM8K writes
+them, `<<expr=result>>`.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from .batch_engine import BatchEngine, Request
-from .sampling import stop_tokens
+from .batch_engine import BatchEngine, Request, stop_tokens
 
 # How tool tokens read in text: a call and its output look like GSM8K's "<<12/60=0.2>>".
 TOOL_TEXT = {"<|python_start|>": "<<", "<|python_end|>": "=", "<|output_start|>": "", "<|output_end|>": ">>"}
@@ -48,31 +38,24 @@ def decode_reply(tokenizer, ids) -> str:
 
 
 class TextStream:
-    """Token ids in, text pieces out. A character can span several tokens (UTF-8 bytes split by
-    BPE); a piece is released only once the text decoded so far no longer ends in a partial
-    character, so a streamed reply never shows a replacement character that the final text lacks.
-
-    Only the ids since the last released piece are decoded at each push: a piece ends on a whole
-    character, so the bytes after it decode on their own to what the whole text would add (decoding
-    the whole reply at every token costs O(n) per token, and a server streams many replies at once)."""
+    """Token ids in, text pieces out. A piece is released only once the text no longer ends in a partial
+    UTF-8 character (BPE splits them), so a streamed reply never shows a replacement character its final
+    text lacks. Only the ids since the last piece are decoded at each push: a piece ends on a whole
+    character (decoding the whole reply at every token would cost O(n) a token)."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.released = ""  # the text of ids[:self.sent_ids], every piece released so far
-        self.sent_ids = 0
+        self.tokenizer, self.released, self.pending = tokenizer, "", []
 
     def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        piece = decode_reply(self.tokenizer, self.ids[self.sent_ids :])
+        self.pending.append(token_id)
+        piece = decode_reply(self.tokenizer, self.pending)
         if piece.endswith("\ufffd"):
             return ""
-        self.released += piece
-        self.sent_ids = len(self.ids)
+        self.released, self.pending = self.released + piece, []
         return piece
 
     def text(self) -> str:
-        return self.released + decode_reply(self.tokenizer, self.ids[self.sent_ids :])
+        return self.released + decode_reply(self.tokenizer, self.pending)
 
 
 class ReplyStream(TextStream):
@@ -97,48 +80,42 @@ def fit_context(ids: list[int], max_tokens: int, sequence_len: int, bos_id: int)
 
 
 def reply_prompt(model, tokenizer, messages: list[dict], max_tokens: int):
-    """(ids, max_tokens, truncated): the prompt of the assistant's next message after `messages`,
-    fit to the model's context (fit_context); truncated says whether the conversation lost its start."""
+    """(ids, max_tokens, truncated): the prompt of the assistant's next message after `messages`, fit to
+    the context of `model` (anything with its config); truncated: the conversation lost its start."""
     ids = tokenizer.render_for_completion({"messages": messages})
     fitted, max_tokens = fit_context(ids, max_tokens, model.config.sequence_len, tokenizer.get_bos_token_id())
     return fitted, max_tokens, len(fitted) < len(ids)
 
 
+def reply_request(model, tokenizer, job):
+    """(engine request, the reply's text decoder, truncated) of a chat server's job (messages,
+    max_tokens, temperature, top_k, seed): the prompt and text exactly as assistant_reply makes them."""
+    ids, max_tokens, truncated = reply_prompt(model, tokenizer, job.messages, job.max_tokens)
+    request = Request(ids, max_tokens, job.temperature, job.top_k, job.seed)
+    return request, ReplyStream(tokenizer).push, truncated
+
+
 @torch.inference_mode()
-def generate_steps(
-    model,
-    tokenizer,
-    prompt: list[int],
-    num_samples: int = 1,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    seed: int = 42,
-    use_tools: bool = True,
-    should_stop=None,
-):
-    """Yield, once per step, {row: (token, forced)} for the rows still going (forced: the token
-    came from the tool, not from sampling). A row ends after <|assistant_end|> or <|bos|> (which it
-    yields); all end after max_tokens steps, or when should_stop() (asked before each step) says so.
-    Row r samples with a generator seeded seed + r."""
+def generate_steps(model, tokenizer, request: Request, num_samples: int = 1, should_stop=None):
+    """Yield, once per step, {row: (token, forced)} for the rows still going (forced: the tool's token). A
+    row ends after <|assistant_end|> or <|bos|> (which it yields); all end after request.max_tokens steps,
+    or when should_stop() (asked before each step) says so. Row r samples with a generator seeded seed + r."""
+    prompt, max_tokens = request.prompt, request.max_tokens
     if not isinstance(prompt, list) or not prompt:
         raise ValueError("prompt must be a non-empty list of token ids")
     if num_samples < 1 or max_tokens < 0:
         raise ValueError(f"num_samples must be >= 1 and max_tokens >= 0, got {num_samples} and {max_tokens}")
     engine = BatchEngine(model, tokenizer, slots=num_samples, max_len=len(prompt) + max_tokens)
-    engine.add(Request(prompt, max_tokens, temperature, top_k, seed, use_tools), copies=num_samples)
+    engine.add(request, copies=num_samples)
     while engine.active:
         if should_stop is not None and should_stop():
             return
         yield {t.row.copy: (t.token, t.forced) for t in engine.step()}
 
 
-def generate_tokens(
-    model, tokens: list[int], max_tokens: int, temperature: float = 1.0, top_k: int | None = None, seed: int = 42
-):
-    """GPT.generate's tokens: yield `max_tokens` ids continuing `tokens`, one engine row without a
-    tokenizer (no stop token, no tool), sampled with a generator seeded `seed`."""
-    for column in generate_steps(model, None, tokens, 1, max_tokens, temperature, top_k, seed, use_tools=False):
+def generate_tokens(model, tokens: list[int], max_tokens: int, temperature=1.0, top_k=None, seed=42):
+    """GPT.generate's tokens: one engine row without a tokenizer (no stop token, no tool)."""
+    for column in generate_steps(model, None, Request(tokens, max_tokens, temperature, top_k, seed, use_tools=False)):
         yield column[0][0]
 
 
@@ -151,24 +128,13 @@ class Sample:
 
 
 def generate_batch(
-    model,
-    tokenizer,
-    prompt: list[int],
-    num_samples: int = 1,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    seed: int = 42,
-    use_tools: bool = True,
+    model, tokenizer, prompt, num_samples=1, max_tokens=256, temperature=0.0, top_k=None, seed=42, use_tools=True
 ) -> list[Sample]:
     """num_samples completions of `prompt` (e.g. render_for_completion of a conversation)."""
-    ids = [[] for _ in range(num_samples)]
-    forced = [[] for _ in range(num_samples)]
-    finished = [False] * num_samples
-    stop = stop_tokens(tokenizer)
-    for column in generate_steps(
-        model, tokenizer, prompt, num_samples, max_tokens, temperature, top_k, seed, use_tools
-    ):
+    ids, forced = [[] for _ in range(num_samples)], [[] for _ in range(num_samples)]
+    finished, stop = [False] * num_samples, stop_tokens(tokenizer)
+    request = Request(prompt, max_tokens, temperature, top_k, seed, use_tools)
+    for column in generate_steps(model, tokenizer, request, num_samples):
         for r, (token, was_forced) in column.items():
             if token in stop:
                 finished[r] = True
@@ -179,28 +145,14 @@ def generate_batch(
 
 
 def assistant_reply(
-    model,
-    tokenizer,
-    messages: list[dict],
-    max_tokens: int,
-    temperature=0.0,
-    top_k=None,
-    seed=42,
-    on_text=None,
-    should_stop=None,
+    model, tokenizer, messages, max_tokens, temperature=0.0, top_k=None, seed=42, on_text=None, should_stop=None
 ) -> str:
-    """The assistant's next message after `messages`, up to <|assistant_end|>, with the calculator
-    tool available (its calls read <<expr=result>> in the text).
-
-    on_text(piece) sees the reply's text as it comes (for streaming); should_stop() is asked before
-    every new token and ends the reply early when it returns True (a stop button, a client gone).
-    Prompt + reply stay within the context the model was trained on: the reply gets at most half
-    of it, a long conversation keeps its end."""
+    """The assistant's next message after `messages` (reply_prompt: within the model's context), up to
+    <|assistant_end|>, the calculator available. on_text(piece) sees its text as it comes; should_stop(),
+    asked before every new token, ends it early when True (a stop button, a client gone)."""
     ids, max_tokens, _ = reply_prompt(model, tokenizer, messages, max_tokens)
     stream = ReplyStream(tokenizer)
-    for column in generate_steps(
-        model, tokenizer, ids, 1, max_tokens, temperature, top_k, seed, should_stop=should_stop
-    ):
+    for column in generate_steps(model, tokenizer, Request(ids, max_tokens, temperature, top_k, seed), 1, should_stop):
         token, _ = column[0]
         if token in stream.stop:
             break

@@ -1,19 +1,8 @@
 """
-Making a GPT and loading a trained one.
-
-    new_model(config, device, state)        a GPT on `device`, initialised (and loaded with `state`)
-    meta_model(config)                      a GPT of config's family on the meta device (shapes, FLOPs)
-    family_config(config, arch, pattern)    a depth's config as a family's (--arch, --window-pattern)
-    config_from_fields(fields)              a config of its family back from its fields (a cache key's)
-    open_checkpoint(run_dir, step, tok)     (checkpoint, meta, GPTConfig), checked against the tokenizer
-    restore_model(ckpt, config, device)     an opened checkpoint's weights in a GPT, in eval mode
-    load_model(run_dir, step, device, tok)  a trained model in eval mode, for evaluation and chat
-
-Every script that needs a model goes through here, so the rules live once: models are built on
-the meta device and materialised where they run, a checkpoint's family (meta.json's "arch": the
-seeds' GPT, or the windowed GPT of model/windowed_gpt.py) picks the class, and checkpoints must
-match the model config and the tokenizer. Setting a model up for a training run (optimizers, dtypes, compile) is
-train/model_setup.py.
+Making a GPT of either family and loading a trained one: every script that needs a model comes here, so
+the rules live once. Models are built on the meta device and materialised where they run; a checkpoint's
+family (meta.json's "arch") picks the class; checkpoints must match the model config and the tokenizer.
+Setting a model up for a training run (optimizers, dtypes, compile) is train/model_setup.py.
 """
 
 from dataclasses import asdict
@@ -29,7 +18,7 @@ from .windowed_gpt import WindowedGPT, WindowedGPTConfig
 
 # the model families: --arch's values and meta.json's "arch" -> (config class, model class)
 FAMILIES = {"gpt": (GPTConfig, GPT), "windowed": (WindowedGPTConfig, WindowedGPT)}
-DEFAULT_ARCH = "gpt"  # the seeds' GPT; runs saved before families existed have no "arch"
+DEFAULT_ARCH = "gpt"  # runs saved before families existed have no "arch"
 
 
 def arch_of(config: GPTConfig) -> str:
@@ -52,14 +41,12 @@ def config_of(meta: dict, ckpt: Path) -> GPTConfig:
 
 
 def family_config(config: GPTConfig, arch: str, window_pattern: str) -> GPTConfig:
-    """The seeds' GPT's `config` (a depth's shape) as family `arch`'s: the windowed GPT adds its
-    window pattern (ignored for the seeds' GPT)."""
+    """A depth's `config` as family `arch`'s: the windowed GPT adds its window pattern (else ignored)."""
     return WindowedGPTConfig(**asdict(config), window_pattern=window_pattern) if arch == "windowed" else config
 
 
 def config_from_fields(fields: dict) -> GPTConfig:
-    """A config back from its fields (dataclasses.asdict, as the dtype timings' cache keys hold
-    them): the windowed family's when they have a window_pattern, the seeds' GPT's otherwise."""
+    """A config back from its fields (as the dtype timings' cache keys hold them), of its family."""
     return (WindowedGPTConfig if "window_pattern" in fields else GPTConfig)(**fields)
 
 
@@ -79,8 +66,8 @@ def check_arch(wanted: str, config: GPTConfig, ckpt: Path):
 
 
 def new_model(config: GPTConfig, device, state: dict | None = None) -> GPT:
-    """The model of config's family built on the meta device and materialised on `device` with its
-    init (which also fills the rotary buffers, not saved in checkpoints), then loaded with `state`."""
+    """The model of config's family built on the meta device, materialised on `device` with its init
+    (which also fills the rotary buffers, not saved in checkpoints), then loaded with `state`."""
     model = meta_model(config)
     model.to_empty(device=device)
     model.init_weights()
@@ -115,8 +102,7 @@ def check_compatible(meta: dict, ckpt: Path, config: GPTConfig, tokenizer):
 
 
 def open_checkpoint(run_dir: Path, step: int | None, tokenizer):
-    """(checkpoint path, meta, GPTConfig) of run_dir's checkpoint at `step` (None: the newest
-    complete one), made with `tokenizer`."""
+    """(checkpoint path, meta, GPTConfig) of run_dir's checkpoint at `step` (None: the newest complete one)."""
     ckpt = checkpoints.resolve_checkpoint(run_dir, step)
     meta = checkpoints.load_meta(ckpt)
     check_tokenizer(meta, ckpt, tokenizer)
@@ -125,9 +111,7 @@ def open_checkpoint(run_dir: Path, step: int | None, tokenizer):
 
 def restore_model(ckpt: Path, config: GPTConfig, device) -> GPT:
     """The weights of an opened checkpoint (open_checkpoint) in a GPT on `device`, in eval mode."""
-    model = new_model(config, device, checkpoints.load_model_state(ckpt, device))
-    model.eval()
-    return model
+    return new_model(config, device, checkpoints.load_model_state(ckpt, device)).eval()
 
 
 def load_model(run_dir: Path, step: int | None, device, tokenizer):

@@ -1,19 +1,9 @@
 """
-How a GPT's weights are spread over the ranks of a multi-process run (--sharding):
-
-    zero2   every rank holds the whole model and the whole gradient; the optimizer state is
-            sharded (optim/zero.py: DistAdamW, DistMuon). The seeds' design, the default.
-    fsdp    FSDP2 (torch.distributed.fsdp.fully_shard) on every transformer block and on the root:
-            parameters, gradients and optimizer state are all sharded by rows; a block's weights
-            are gathered for its forward and backward and freed after. The optimizers are
-            optim/fsdp.py's (GPT.setup_optimizers picks them for DTensor parameters).
-
-Under fsdp, mixed precision follows the run's compute dtype: blocks are gathered and run in it,
-the sharded master weights stay fp32 and gradients are reduced in fp32.
-
-A forward on some ranks only (samples on rank 0, evaluations whose work differs between ranks)
-would wait forever for the other ranks' share of the gather: `whole_weights` gathers the weights
-once into a plain GPT, whose forwards need no collective.
+How a GPT's weights are spread over the ranks (--sharding): zero2 (the default) keeps the whole model on
+every rank and shards the optimizer state (optim/zero.py); fsdp runs FSDP2's fully_shard on every block
+and the root, parameters, gradients and state sharded by rows, blocks gathered in the run's compute dtype
+and gradients reduced in fp32 (optim/fsdp.py's optimizers). A forward on some ranks only would wait for
+the others' share of a gather: `whole_weights` gathers the weights once into a plain GPT.
 """
 
 from contextlib import contextmanager
@@ -23,8 +13,7 @@ import torch.distributed as dist
 
 
 def shard(model: torch.nn.Module, compute_dtype: torch.dtype) -> torch.nn.Module:
-    """fully_shard every block of `model` (a GPT) and then the root (wte, lm_head) over all ranks,
-    in place; returns the model. Its optimizers must be built afterwards (setup_optimizers)."""
+    """fully_shard every block of `model` (a GPT), then the root, in place; its optimizers come after."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -47,10 +36,9 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 @contextmanager
 def whole_weights(model: torch.nn.Module):
-    """A plain GPT with the whole weights of `model` (every rank enters together: the weights are
-    gathered), for forwards that need no collective; `model` itself when it is not sharded. The
-    copy is not the FSDP module: forwards through FSDP's hooks on one rank alone would also leave
-    that rank's record of the forward order (its backward prefetch) out of step with the others."""
+    """A plain GPT with the whole weights of `model`, gathered on every rank, for forwards that need no
+    collective (`model` itself when not sharded): FSDP's hooks run on one rank alone would also put its
+    record of the forward order (its backward prefetch) out of step with the others'."""
     if not is_sharded(model):
         yield model
         return

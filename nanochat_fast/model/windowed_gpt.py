@@ -1,17 +1,9 @@
 """
-The windowed GPT: the model nanochat trains today (its gpt.py at 92d63d4), beside the seeds' GPT.
-What it adds to the seeds' network:
-- sliding-window attention: a pattern of S (short: a quarter of the context, rounded up to a
-  multiple of 128) and L (the full context) tiled over the layers, the last layer always L
-- value embeddings (ResFormer) on alternating layers, the last included, added to attention's
-  values through a gate: 3 * sigmoid of a linear map of 12 input channels per kv head
-- per-layer scalars: resid_lambdas scale the residual stream, x0_lambdas blend the input back in
-- smear (the previous token's embedding mixed in through a gate of 24 channels) and backout (the
-  residual after layer n_layer // 2, scaled and subtracted before the final norm)
-- queries and keys scaled by 1.2 after QK-norm, rotary base 100,000, its own init and optimizer groups
-Parameter names and shapes are nanochat's (interop/ reads and writes them, but for the vocabulary
-padding). Attention runs through SDPA: a short window in training chunk by chunk, elsewhere under a
-window mask; a batch engine's decode step through its kernel, each row from its window's start.
+The windowed GPT (`--arch=windowed`): the model nanochat trains today (its gpt.py at 92d63d4) on the GPT's
+interface. To the gpt family's network it adds sliding-window attention (S and L layers, the last L), gated
+value embeddings on alternating layers, per-layer residual scalars, smear and backout, queries and keys
+scaled by 1.2 after QK-norm, rotary base 100,000, its own init and optimizer groups. Parameter names and
+shapes are nanochat's. Decode steps run in decode.py, each row from its window's start.
 """
 
 import math
@@ -21,11 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core.distributed import is_distributed, print0
-from ..kernels.smear import smear_decode
-from . import packed_linears
-from .gpt import GPT, MLP, GPTConfig, Linear, apply_rotary_emb, norm, project_qkv
-from .kv_cache import SlotBatch
+from ..core.distributed import print0
+from .gpt import GPT, MLP, CausalSelfAttention, GPTConfig, apply_rotary_emb, linear, norm
 
 ARCH = "windowed"  # the family's name in --arch and meta.json
 VE_GATE_CHANNELS = 12
@@ -96,37 +85,32 @@ def window_chunked_attention(q, k, v, window: int, gqa: bool):
     return torch.cat([first, rest], dim=2)
 
 
-class WindowedAttention(nn.Module):
+class WindowedAttention(CausalSelfAttention):
+    qk_scale = QK_SCALE
+
     def __init__(self, config: WindowedGPTConfig, layer_idx: int, window: int):
-        super().__init__()
-        self.layer_idx, self.window = layer_idx, window
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.c_q = Linear(config.n_embd, self.n_head * self.head_dim)
-        self.c_k = Linear(config.n_embd, self.n_kv_head * self.head_dim)
-        self.c_v = Linear(config.n_embd, self.n_kv_head * self.head_dim)
-        self.c_proj = Linear(config.n_embd, config.n_embd)
+        super().__init__(config, layer_idx)
+        self.window = window
         gated = has_value_embedding(layer_idx, config.n_layer)
-        self.ve_gate = Linear(VE_GATE_CHANNELS, self.n_kv_head) if gated else None
+        self.ve_gate = linear(VE_GATE_CHANNELS, self.n_kv_head) if gated else None
 
     def forward(self, x, ve, cos_sin, kv_cache):
         B, T, _ = x.size()
-        q, k, v = project_qkv(self, x)
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:  # the value embedding, gated per kv head in (0, 3)
             gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
             # in v's dtype: under bf16 autocast ve is fp32 (the residual's), and values promoted to
             # fp32 beside bf16 keys would not go into the cache the keys made bf16
             v = v + (gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)).to(v.dtype)
-        gqa = self.n_head != self.n_kv_head
-        if isinstance(kv_cache, SlotBatch):  # one token per row at its own position, one kernel
-            y = kv_cache.attention(self.layer_idx, q, k, v, cos_sin, gqa, qk_scale=QK_SCALE, window=self.window)
-            return self.c_proj(y)
         cos, sin = cos_sin
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-        q, k = norm(q) * QK_SCALE, norm(k) * QK_SCALE
+        q = norm(apply_rotary_emb(q, cos, sin)) * self.qk_scale
+        k = norm(apply_rotary_emb(k, cos, sin)) * self.qk_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         if kv_cache is not None:
             k, v = kv_cache.insert_kv(self.layer_idx, k, v)
-        y = self._attend(q, k, v, gqa)
+        y = self._attend(q, k, v, gqa=self.n_head != self.n_kv_head)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
 
     def _attend(self, q, k, v, gqa):
@@ -141,8 +125,6 @@ class WindowedAttention(nn.Module):
 
 
 class WindowedBlock(nn.Module):
-    decodes_as_one_op = True  # packed_linears.py packs its four products for kernels/decode_block.py
-
     def __init__(self, config: WindowedGPTConfig, layer_idx: int, window: int):
         super().__init__()
         self.attn = WindowedAttention(config, layer_idx, window)
@@ -150,21 +132,13 @@ class WindowedBlock(nn.Module):
 
     def forward(self, x, x0, scales, ve, cos_sin, kv_cache):
         """x blended with the block input x0 by the layer's scalars (resid, x0), then the block."""
-        if isinstance(kv_cache, SlotBatch) and (packs := packed_linears.current(self)) is not None:
-            # a decode step: the blend, the value embedding's gate and the block in one op
-            attn, gate = self.attn, None if ve is None else self.attn.ve_gate.weight
-            return kv_cache.block(
-                attn.layer_idx, x, packs, cos_sin, attn.n_head, qk_scale=QK_SCALE, window=attn.window,
-                x0=x0, scales=scales, ve=ve, ve_gate=gate,
-            )  # fmt: skip
         x = scales[0] * x + scales[1] * x0
         x = x + self.attn(norm(x), ve, cos_sin, kv_cache)
         return x + self.mlp(norm(x))
 
 
 class WindowedGPT(GPT):
-    """The seeds' GPT's interface (forward, generate, the batch engine's cache) over nanochat's
-    current network. GPT.__init__ is not run: the modules differ; the shared methods are reused."""
+    """GPT.__init__ is not run (the modules differ); the shared methods are reused."""
 
     arch = ARCH
 
@@ -175,29 +149,26 @@ class WindowedGPT(GPT):
         V, d, n = config.vocab_size, config.n_embd, config.n_layer
         blocks = [WindowedBlock(config, i, w) for i, w in enumerate(self.window_sizes)]
         self.transformer = nn.ModuleDict({"wte": nn.Embedding(V, d), "h": nn.ModuleList(blocks)})
-        self.lm_head = Linear(d, V)
+        self.lm_head = linear(d, V)
         self.resid_lambdas = nn.Parameter(torch.ones(n))
         self.x0_lambdas = nn.Parameter(torch.zeros(n))
-        self.smear_gate = Linear(SMEAR_CHANNELS, 1)
+        self.smear_gate = linear(SMEAR_CHANNELS, 1)
         self.smear_lambda = nn.Parameter(torch.zeros(1))
         self.backout_lambda = nn.Parameter(torch.zeros(1))
         kv_dim = config.n_kv_head * config.head_dim
         self.value_embeds = nn.ModuleDict(
             {str(i): nn.Embedding(V, kv_dim) for i in range(n) if has_value_embedding(i, n)}
         )
-        self.rotary_seq_len = config.sequence_len * 10
-        cos, sin = self._precompute_rotary_embeddings(self.rotary_seq_len, config.head_dim)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self._rotary_buffers()
 
-    def _precompute_rotary_embeddings(self, seq_len, head_dim, base=ROTARY_BASE):
-        return super()._precompute_rotary_embeddings(seq_len, head_dim, base)
+    def _rotary_buffers(self, base=ROTARY_BASE):
+        super()._rotary_buffers(base)
 
     @torch.no_grad()
     def init_weights(self):
-        """nanochat's init of this model: uniform block matrices of std 1/sqrt(n_embd) (c_fc at
-        0.4x), zero output projections, embedding std 0.8, lm_head std 0.001, small positive gates,
-        residual scalars decaying with depth; and the rotary tables."""
+        """nanochat's init of this model: uniform block matrices of std 1/sqrt(n_embd) (c_fc at 0.4x), zero
+        output projections, embedding std 0.8, lm_head std 0.001, small positive gates, residual scalars
+        decaying with depth; and the rotary tables."""
         n, d = self.config.n_layer, self.config.n_embd
         s = math.sqrt(3) / math.sqrt(d)  # a uniform of this bound has std 1/sqrt(d)
         nn.init.normal_(self.transformer.wte.weight, std=0.8)
@@ -218,16 +189,13 @@ class WindowedGPT(GPT):
         nn.init.uniform_(self.smear_gate.weight, 0.0, 0.02)
         for ve in self.value_embeds.values():
             nn.init.uniform_(ve.weight, -s, s)
-        self.cos, self.sin = self._precompute_rotary_embeddings(self.rotary_seq_len, self.config.head_dim)
-
-    def num_scaling_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        self._rotary_buffers()
 
     def estimate_flops(self) -> int:
-        """Training FLOPs per token: 6 per matmul weight (every Linear, the value-embedding gates
-        and the smear gate included; embeddings and value embeddings are lookups) plus attention,
-        12 * n_head * head_dim * the keys each layer's window lets a query see."""
-        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, Linear))
+        """Training FLOPs per token: 6 per matmul weight (every Linear, the value-embedding gates and the
+        smear gate included; embeddings and value embeddings are lookups) plus attention, 12 * n_head *
+        head_dim * the keys each layer's window lets a query see."""
+        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         cfg = self.config
         attn = sum(12 * cfg.n_head * cfg.head_dim * min(w, cfg.sequence_len) for w in self.window_sizes)
         return 6 * matmul + attn
@@ -262,64 +230,31 @@ class WindowedGPT(GPT):
         muon_recipe="polar-normuon",
         scalar_lr=0.5,
     ):
-        """[AdamW over nanochat's six groups, Muon over every matrix in the blocks (the value
-        embedding gates included)], as GPT.setup_optimizers builds them (ZeRO-2, FSDP or one
-        process). adam_betas and weight_decay are not used: the groups carry their own."""
-        import dataclasses
-
-        from ..optim import AdamW, DistAdamW, DistMuon, FsdpAdamW, FsdpMuon, Muon, MuonRecipe
-
-        recipe = MuonRecipe.of(muon_recipe)
-        if ns_coefficients is not None:
-            recipe = dataclasses.replace(recipe, ns_coefficients=ns_coefficients)
+        """[AdamW over nanochat's six groups, Muon over every matrix in the blocks (the value embedding
+        gates included)], built as GPT's are. adam_betas and weight_decay are not used: the groups carry
+        their own."""
         print0(f"Scaling the LR for the AdamW parameters ∝1/√({self.config.n_embd}/768)")
         groups = self.optimizer_groups(unembedding_lr, embedding_lr, scalar_lr)
         adam_groups = [dict(params=params, lr=lr, betas=betas, weight_decay=wd) for _, params, lr, betas, wd in groups]
-        matrix_params = list(self.transformer.h.named_parameters(prefix="transformer.h"))
-        assert sum(len(g["params"]) for g in adam_groups) + len(matrix_params) == len(list(self.parameters()))
-        sharded = hasattr(self.lm_head.weight, "placements")
-        adamw_cls, muon_cls = (
-            (FsdpAdamW, FsdpMuon) if sharded else (DistAdamW, DistMuon) if is_distributed() else (AdamW, Muon)
-        )
-        optimizers = [
-            adamw_cls(adam_groups, eps=1e-10),
-            muon_cls(matrix_params, lr=matrix_lr, **recipe.muon_kwargs()),
-        ]
-        optimizers[1].recipe = recipe
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["initial_lr"] = group["lr"]
-        return optimizers
+        return self._optimizers(adam_groups, dict(eps=1e-10), matrix_lr, muon_recipe, ns_coefficients)
 
     def _smear(self, x, kv_cache):
-        """Each position plus gate * the previous position's embedding; the first position of a
-        chunk after cached ones takes the previous embedding the cache kept."""
-        if isinstance(kv_cache, SlotBatch):  # a decode step: one op (kernels/smear.py)
-            previous = kv_cache.cache.embedding_store(x)
-            return smear_decode(x, previous, kv_cache.slots, self.smear_gate.weight, self.smear_lambda)
+        """Each position plus gate * the previous position's embedding; the first position of a chunk
+        after cached ones takes the previous embedding the cache kept."""
         gate = self.smear_lambda.to(x.dtype) * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS]))
         prev = x[:, :-1]
         if kv_cache is None:
             return torch.cat([x[:, :1], x[:, 1:] + gate[:, 1:] * prev], dim=1)
-        before = kv_cache.cache.previous_embedding(kv_cache, x)[:, None].to(x.dtype)
-        kv_cache.cache.keep_embedding(kv_cache, x)
+        before = kv_cache.previous_embedding(x)[:, None].to(x.dtype)
+        kv_cache.keep_embedding(x)
         return x + gate * torch.cat([before, prev], dim=1)
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
-        cos_sin = self._rotary(idx.size(1), kv_cache)
-        x = norm(self.transformer.wte(idx))
-        x = self._smear(x, kv_cache)
-        x0, backout_at, x_backout = x, self.config.n_layer // 2, None
-        # a decode step's scalars as floats, read once (its blocks take them so); elsewhere tensors
-        scales = (self.resid_lambdas, self.x0_lambdas)
-        if isinstance(kv_cache, SlotBatch):
-            scales = (self.resid_lambdas.tolist(), self.x0_lambdas.tolist())
+    def _trunk(self, idx, cos_sin, kv_cache):
+        x = self._smear(norm(self.transformer.wte(idx)), kv_cache)
+        x0, x_backout = x, None
         for i, block in enumerate(self.transformer.h):
             ve = self.value_embeds[str(i)](idx).to(x.dtype) if str(i) in self.value_embeds else None
-            x = block(x, x0, (scales[0][i], scales[1][i]), ve, cos_sin, kv_cache)
-            if i == backout_at:
+            x = block(x, x0, (self.resid_lambdas[i], self.x0_lambdas[i]), ve, cos_sin, kv_cache)
+            if i == self.config.n_layer // 2:
                 x_backout = x
-        x = x - self.backout_lambda.to(x.dtype) * x_backout
-        if kv_cache is not None:
-            x = kv_cache.logit_positions(x)
-        return self._head(norm(x), targets, loss_reduction)
+        return x - self.backout_lambda.to(x.dtype) * x_backout

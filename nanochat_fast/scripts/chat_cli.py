@@ -37,16 +37,16 @@ def build_parser():
 
 
 def reply(model, tokenizer, messages, args, dev) -> str:
-    """Generate the assistant's next message (in the run's compute dtype), streaming it to stdout."""
+    """The assistant's next message (in the run's compute dtype), streamed to stdout."""
     with dev.autocast():
         text = generation.assistant_reply(
             model,
             tokenizer,
             messages,
             args.max_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            seed=args.seed,
+            args.temperature,
+            args.top_k,
+            args.seed,
             on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
         )
     print()

@@ -1,8 +1,7 @@
 """
-Chat with a trained model in the browser: a page served by FastAPI + uvicorn, replies streamed
-token by token (server-sent events), one model replica per GPU (one on CPU, stepped in a process of
-its own), each decoding up to --slots replies at once in one continuous-batching engine
-(model/batch_engine.py), fed from a bounded queue.
+Chat with a trained model in the browser: a page served by FastAPI + uvicorn, replies streamed token by
+token (server-sent events), one model replica per GPU (one on CPU, stepped in a process of its own), each
+decoding up to --slots replies at once in one continuous-batching engine, fed from a bounded queue.
 
     python -m nanochat_fast.scripts.chat_web                      # newest sft (else mid) run, http://127.0.0.1:8000/
     python -m nanochat_fast.scripts.chat_web --run=demo_mid --port=8080 --temperature=0.6
@@ -33,19 +32,13 @@ from ..core.distributed import compute_init, torn_down
 from ..core.errors import UserError
 from ..data.tokenizer import get_tokenizer
 from ..hardware import precision
-from ..model import generation, generation_dtype, loading, packed_linears
+from ..model import decode, generation, generation_dtype, loading
 from ..model.batch_engine import BatchEngine, Request
 from ..train.env_vars import check_environment
-from ..web.pool import Admission, Prepared, Replica, ReplicaPool
+from ..web.pool import Admission, Replica, ReplicaPool
 from ..web.replica_process import CLOSE_SECONDS, ProcessEngine
 
-# Replies decoded together per replica when --slots is not given. A CUDA decode step is bound by
-# reading the weights, once for all rows: 32 rows cost little more than one, so throughput grows
-# almost 32-fold while each reply keeps its speed. On a CPU each row adds its own matmul work on a
-# few cores and its own keys to read: a step of 8 rows costs about 1.5x one row's on a 2-core machine
-# (benchmarks/bench_decode_step.py), and past that the step grows almost as fast as the rows,
-# slowing every reply for little more throughput; requests beyond the slots wait in the queue.
-# MPS (a laptop's GPU, its memory shared with the system) gets the CPU's 8.
+# replies decoded together per replica when --slots is not given (docs/measurements.md#chat-server)
 DEFAULT_SLOTS = {"cuda": 32, "cpu": 8, "mps": 8}
 # the slots are counted at an fp32 KV cache: under bf16 (--dtype) the cache is half that, never more than
 # --kv-memory
@@ -66,10 +59,7 @@ def build_parser():
     )
     p.add_argument("--port", type=cli.non_negative_int, default=8000, help="port to listen on (0: any free port)")
     p.add_argument(
-        "--workers",
-        type=cli.positive_int,
-        default=None,
-        help="model replicas (default: one per visible GPU, one on CPU or MPS)",
+        "--workers", type=cli.positive_int, help="model replicas (default: one per visible GPU, one on CPU or MPS)"
     )
     p.add_argument(
         "--max-new-tokens",
@@ -163,9 +153,21 @@ def remote_host_warning(host: str) -> str | None:
     )
 
 
+def check_web_dependencies():
+    """A UserError saying how to install FastAPI and uvicorn when either is missing."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise UserError(
+            f"chat_web needs FastAPI and uvicorn ({e.name} is not installed): "
+            'pip install -e ".[web]" (or pip install fastapi uvicorn)'
+        ) from None
+
+
 def check_ranges(args):
     """Flags whose range the request validation also enforces (the page sends these defaults back)."""
-    from ..web.schema import MAX_TEMPERATURE, MAX_TOP_K
+    from ..web.app import MAX_TEMPERATURE, MAX_TOP_K
 
     if not 0 < args.request_timeout < math.inf:
         raise UserError(f"--request-timeout must be > 0 seconds (and finite), got {args.request_timeout}")
@@ -182,32 +184,20 @@ def check_ranges(args):
         raise UserError(f"--top-k must be at most {MAX_TOP_K} (0: the whole vocabulary), got {args.top_k}")
 
 
-def check_web_dependencies():
-    """A UserError saying how to install FastAPI and uvicorn when either is missing."""
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise UserError(
-            f"chat_web needs FastAPI and uvicorn ({e.name} is not installed): "
-            'pip install -e ".[web]" (or pip install fastapi uvicorn)'
-        ) from None
-
-
 def replica_devices(device: torch.device, workers: int | None) -> list[torch.device]:
     """One device per replica: a GPU each on CUDA, the one device otherwise."""
-    if device.type == "cuda":
-        count = torch.cuda.device_count()
-        workers = workers or count
-        if workers > count:
-            raise UserError(f"--workers {workers}: only {count} GPU(s) are visible (one replica per GPU)")
-        return [torch.device("cuda", i) for i in range(workers)]
-    return [device] * (workers or 1)
+    if device.type != "cuda":
+        return [device] * (workers or 1)
+    count = torch.cuda.device_count()
+    workers = workers or count
+    if workers > count:
+        raise UserError(f"--workers {workers}: only {count} GPU(s) are visible (one replica per GPU)")
+    return [torch.device("cuda", i) for i in range(workers)]
 
 
 def kv_slots(args, config, device_type: str) -> int:
-    """Slots per replica: --slots (else the device's default) at the model's full context (the
-    engine's max_len), checked against --kv-memory; a default shrinks to what the memory holds."""
+    """Slots per replica: --slots (else the device's default) at the model's full context (the engine's
+    max_len), checked against --kv-memory; a default shrinks to what the memory holds."""
     per_slot = BatchEngine.kv_bytes(config, 1, config.sequence_len, KV_DTYPE)
     slots = args.slots or DEFAULT_SLOTS[device_type]
     if args.kv_memory is not None:
@@ -215,73 +205,41 @@ def kv_slots(args, config, device_type: str) -> int:
         each = f"{cli.format_bytes(per_slot)} per reply at the model's {config.sequence_len} positions"
         if fits < 1:
             raise UserError(f"--kv-memory {memory} cannot hold one slot: the KV cache needs {each}")
-        if slots > fits:
-            if args.slots:
-                raise UserError(
-                    f"--slots {slots} need {cli.format_bytes(slots * per_slot)} of KV cache ({each}), "
-                    f"more than --kv-memory {memory}: use --slots={fits} or a larger --kv-memory"
-                )
-            slots = fits
+        if slots > fits and args.slots:
+            raise UserError(
+                f"--slots {slots} need {cli.format_bytes(slots * per_slot)} of KV cache ({each}), "
+                f"more than --kv-memory {memory}: use --slots={fits} or a larger --kv-memory"
+            )
+        slots = min(slots, fits)
     return slots
 
 
-class AutocastEngine:
-    """A BatchEngine whose steps run under the replica's autocast: the pool's worker thread steps it, and
-    autocast is set per thread. Everything else is the engine's."""
-
-    def __init__(self, engine: BatchEngine, device, chosen: precision.Precision):
-        self.engine, self.device, self.precision = engine, device, chosen
-
-    def step(self):
-        with precision.autocast(self.device, self.precision):
-            return self.engine.step()
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-
-def make_engine(model, tokenizer, device: str, slots: int, chosen: precision.Precision | None = None):
+def make_engine(model, tokenizer, slots: int, chosen: precision.Precision | None = None) -> BatchEngine:
     """An engine of `slots` rows at the model's full context, stepping in the `chosen` precision (None:
-    fp32, the model as loaded), its KV cache allocated now by a two-token warm-up (a prefill and a
-    decode step: a cache that does not fit fails before serving, and the first request pays neither
-    for the first calls nor for packing the decode weights)."""
-    engine = BatchEngine(model, tokenizer, slots, max_len=model.config.sequence_len)
-    if chosen is not None and chosen.dtype != torch.float32:
-        engine = AutocastEngine(engine, device, chosen)
+    fp32, the model as loaded), its KV cache allocated now by a two-token warm-up (a cache that does not
+    fit fails before serving; the first request pays neither for the first calls nor for packing)."""
+    dtype = torch.float32 if chosen is None else chosen.dtype
+    engine = BatchEngine(model, tokenizer, slots, max_len=model.config.sequence_len, dtype=dtype)
     engine.add(Request([tokenizer.get_bos_token_id()], max_tokens=2, use_tools=False))
     while engine.active:
         engine.step()
     return engine
 
 
-def make_prepare(config, tokenizer):
-    """How a job becomes an engine request: the prompt and the text exactly as
-    generation.assistant_reply makes them, for a model of `config`."""
-    context = SimpleNamespace(config=config)  # reply_prompt reads the model's config alone
-
-    def prepare(job) -> Prepared:
-        ids, max_tokens, truncated = generation.reply_prompt(context, tokenizer, job.messages, job.max_tokens)
-        stream = generation.ReplyStream(tokenizer)
-        return Prepared(Request(ids, max_tokens, job.temperature, job.top_k, job.seed), stream.push, truncated)
-
-    return prepare
+def prepare_for(config, tokenizer):
+    """How a job becomes an engine request, for a model of `config` (generation.reply_request)."""
+    return functools.partial(generation.reply_request, SimpleNamespace(config=config), tokenizer)
 
 
 def make_replica(model, tokenizer, device: str, slots: int, chosen: precision.Precision | None = None) -> Replica:
-    """A replica for web/pool.py stepped in this process: make_engine's engine and make_prepare's requests."""
-    engine = make_engine(model, tokenizer, device, slots, chosen)
-    return Replica(engine=engine, prepare=make_prepare(model.config, tokenizer), device=device)
-
-
-def engine_memory(engine) -> dict:
-    """Bytes an engine holds: its KV cache as allocated and its packed decode weights."""
-    return {"kv_bytes": engine.cache.kv.nbytes, "packed_bytes": packed_linears.nbytes(engine.model)}
+    """A replica for web/pool.py stepped in this process."""
+    return Replica(make_engine(model, tokenizer, slots, chosen), prepare_for(model.config, tokenizer), device)
 
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """What a replica's own process needs to build it (it pickles): the checkpoint and the replica's
-    device, slots and precision (None: chosen there from --dtype, as load_replicas chooses in-process)."""
+    """What builds a replica, in this process or its own (it pickles): the checkpoint and the replica's
+    device, slots and precision (None: chosen from --dtype, on the replica's mix of short chat turns)."""
 
     ckpt: Path
     config: object  # the checkpoint's GPTConfig
@@ -293,19 +251,15 @@ class ReplicaSpec:
 
 
 def build_replica(spec: ReplicaSpec):
-    """In a replica's process (web/replica_process.py): its engine, and what the server reports of it."""
+    """A replica's engine, and what the server reports of it."""
     model = loading.restore_model(spec.ckpt, spec.config, torch.device(spec.device))
     chosen = spec.chosen
     if chosen is None:
         mix = generation_dtype.chat_mix(spec.config, spec.slots, spec.max_new_tokens)
         chosen = generation_dtype.choose(spec.device, spec.dtype, model, mix)
-    engine = make_engine(model, get_tokenizer(), spec.device, spec.slots, chosen)
-    return engine, {"slots": spec.slots, "precision": chosen, **engine_memory(engine)}
-
-
-def replica_processes(args, device: torch.device) -> bool:
-    """--replica-process, else: on a CPU yes (measured faster, docs/measurements.md#chat-server), elsewhere no."""
-    return device.type == "cpu" if args.replica_process is None else args.replica_process
+    engine = make_engine(model, get_tokenizer(), spec.slots, chosen)
+    memory = {"kv_bytes": engine.cache.kv.nbytes, "packed_bytes": decode.nbytes(engine.model)}
+    return engine, {"slots": spec.slots, "precision": chosen, **memory}
 
 
 @dataclass
@@ -316,7 +270,7 @@ class Loaded:
     name: str  # the run, its step and phase
     slots: int  # per replica
     precision: precision.Precision
-    memory: dict  # engine_memory of the first replica
+    memory: dict  # the first replica's KV cache and packed decode weights, in bytes
     threads: int  # torch threads a replica steps with
 
     def close(self):
@@ -327,10 +281,9 @@ class Loaded:
 
 
 def load_replicas(args, devices, tokenizer) -> Loaded:
-    """The model once per device, each with its engine, in the dtype --dtype gives (auto on a CPU: timed on a
-    replica's mix, its slots of short chat turns; the first replica's choice for all), each in a process of
-    its own or in this one (replica_processes). The one place chat_web finds and loads a checkpoint; the KV
-    cache is checked before any weights load."""
+    """The model once per device, each with its engine, in a process of its own (--replica-process, else on
+    a CPU: docs/measurements.md#chat-server) or in this one; the first replica chooses the precision for
+    all. The one place chat_web finds and loads a checkpoint; the KV cache is checked before any weights."""
     run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid"))
     ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     slots = kv_slots(args, config, devices[0].type)
@@ -339,29 +292,30 @@ def load_replicas(args, devices, tokenizer) -> Loaded:
             f"note: {ckpt} is a {meta['phase']} (not fine-tuned) checkpoint: it has not learned to chat",
             file=sys.stderr,
         )
-    name = f"{run_dir.name} step {meta['step']} ({meta['phase']})"
-    if not replica_processes(args, devices[0]):
-        models = [loading.restore_model(ckpt, config, device) for device in devices]
-        mix = generation_dtype.chat_mix(config, slots, args.max_new_tokens)
-        chosen = generation_dtype.choose(devices[0], args.dtype, models[0], mix)
-        replicas = [make_replica(m, tokenizer, str(d), slots, chosen) for m, d in zip(models, devices)]
-        return Loaded(replicas, name, slots, chosen, engine_memory(replicas[0].engine), torch.get_num_threads())
-    engines, chosen = [], None
-    threads = max(1, torch.get_num_threads() // len(devices))  # each process its share of this one's
+    own_process = devices[0].type == "cpu" if args.replica_process is None else args.replica_process
+    threads = max(1, torch.get_num_threads() // len(devices)) if own_process else torch.get_num_threads()
+    engines, infos = [], []
     try:
         for device in devices:  # one at a time: the first chooses the precision, the others take it
+            chosen = infos[0]["precision"] if infos else None
             spec = ReplicaSpec(ckpt, config, str(device), slots, args.dtype, args.max_new_tokens, chosen)
-            build = functools.partial(build_replica, spec)
-            engines.append(ProcessEngine(build, threads, name=f"replica {device}"))
-            chosen = engines[0].info["precision"]
+            if own_process:
+                engines.append(ProcessEngine(functools.partial(build_replica, spec), threads, f"replica {device}"))
+                infos.append(engines[-1].info)
+            else:
+                engine, info = build_replica(spec)
+                engines.append(engine)
+                infos.append(info)
     except BaseException:
         for engine in engines:
-            engine.close()
+            if isinstance(engine, ProcessEngine):
+                engine.close()
         raise
-    prepare = make_prepare(config, tokenizer)
+    prepare = prepare_for(config, tokenizer)
     replicas = [Replica(engine=e, prepare=prepare, device=str(d)) for e, d in zip(engines, devices)]
-    memory = {k: engines[0].info[k] for k in ("kv_bytes", "packed_bytes")}
-    return Loaded(replicas, name, slots, chosen, memory, threads)
+    name = f"{run_dir.name} step {meta['step']} ({meta['phase']})"
+    memory = {k: infos[0][k] for k in ("kv_bytes", "packed_bytes")}
+    return Loaded(replicas, name, slots, infos[0]["precision"], memory, threads)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -377,13 +331,10 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def server_threads(choice) -> int:
-    """Intra-op threads of the CPU replicas: one core fewer than a training process would take,
-    unless the user set OMP_NUM_THREADS. The event loop that parses requests and streams every
-    token needs a core of its own; on a 2-core machine a replica at 1 thread served 1 and 8
-    clients faster than at 2 (benchmarks/RESULTS.md, chat_web)."""
-    if choice.by_user:
-        return choice.threads
-    return max(1, choice.threads - 1)
+    """Intra-op threads of the CPU replicas: one core fewer than a training process would take (the event
+    loop that parses requests and streams every token needs one: docs/measurements.md#chat-server), unless
+    the user set OMP_NUM_THREADS."""
+    return choice.threads if choice.by_user else max(1, choice.threads - 1)
 
 
 def main(argv=None) -> int:
@@ -403,7 +354,6 @@ def serve(args, device, warning) -> int:
     import uvicorn
 
     from ..web import app as web_app
-    from ..web import schema as web_schema
 
     if device.type == "cpu":
         torch.set_num_threads(server_threads(threads.thread_choice()))
@@ -416,16 +366,15 @@ def serve(args, device, warning) -> int:
         replicas, kv_bytes, packed = loaded.replicas, loaded.memory["kv_bytes"], loaded.memory["packed_bytes"]
         own = ", each in a process of its own" if isinstance(replicas[0].engine, ProcessEngine) else ""
         gap = args.admission_gap_ms / 1e3
-        pool = ReplicaPool(
-            replicas, queue_limit=args.queue_size, admission=Admission(gap=gap, max_wait=ADMISSION_MAX_WAIT_GAPS * gap)
-        )
+        admission = Admission(gap=gap, max_wait=ADMISSION_MAX_WAIT_GAPS * gap)
+        pool = ReplicaPool(replicas, queue_limit=args.queue_size, admission=admission)
         settings = web_app.Settings(
             model_name=loaded.name,
             temperature=args.temperature,
             top_k=args.top_k,
             request_timeout=args.request_timeout,
             body_timeout=args.body_timeout,
-            limits=web_schema.Limits(max_tokens=args.max_new_tokens),
+            limits=web_app.Limits(max_tokens=args.max_new_tokens),
             allowed_hosts=("*",) if warning else (*web_app.LOOPBACK_HOSTS, args.host),
         )
         app = web_app.create_app(pool, settings)

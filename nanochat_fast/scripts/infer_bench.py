@@ -9,7 +9,7 @@ For each batch size B, B requests of --prompt-tokens random tokens go through on
 server runs them, each decoding exactly --decode-tokens tokens greedily; printed per B: prefill and
 decode tok/s, TTFT, ms/token, peak memory, MBU and MFU. On a CPU, --dtype auto times each batch size's own
 mix (its prefills and decode steps) in fp32 and bf16 and runs the faster (model/generation_dtype.py; cached
-for later runs). --depth runs nanochat's init of that depth (of the seeds' GPT, or --arch=windowed)
+for later runs). --depth runs nanochat's init of that depth (of the gpt family, or --arch=windowed)
 with a byte-level stand-in tokenizer (no trained tokenizer needed). The last line of stdout is one
 JSON document with every figure. How each figure is measured and computed:
 docs/measurements.md#inference-benchmark.
@@ -33,7 +33,7 @@ from ..data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, get_tokenizer
 from ..hardware import bandwidth as hw_bandwidth
 from ..hardware import peak as hw_peak
 from ..hardware.machine import synchronize
-from ..model import generation_dtype, loading, packed_linears
+from ..model import decode, generation_dtype, loading
 from ..model.batch_engine import BatchEngine, Request
 from ..model.gpt import config_from_depth
 from ..train.training_config import ARCHES, DeviceConfig, evaluation_process, window_pattern
@@ -58,11 +58,6 @@ def batch_sizes(value: str) -> list[int] | None:
     return sizes
 
 
-def memory_size(value: str) -> int | None:
-    """'2G', '512M' (cli.byte_size) -> bytes; 'auto' -> None."""
-    return None if value == "auto" else cli.byte_size(value)
-
-
 def at_least_two(value) -> int:
     n = cli.positive_int(value)
     if n < 2:
@@ -75,12 +70,9 @@ def at_least_two(value) -> int:
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.infer_bench", description=__doc__)
     model = p.add_argument_group("model (one of --run and --depth)")
-    model.add_argument("--run", type=cli.run_ref, default=None, help="a run's checkpoint: run name or directory")
+    model.add_argument("--run", type=cli.run_ref, help="a run's checkpoint: run name or directory")
     model.add_argument(
-        "--step",
-        type=cli.non_negative_int,
-        default=None,
-        help="checkpoint step of --run (None: the newest complete one)",
+        "--step", type=cli.non_negative_int, help="checkpoint step of --run (None: the newest complete one)"
     )
     model.add_argument(
         "--depth",
@@ -113,7 +105,7 @@ def build_parser():
     bench.add_argument("--decode-tokens", type=at_least_two, default=128, help="tokens every row generates")
     bench.add_argument(
         "--kv-memory",
-        type=memory_size,
+        type=lambda value: None if value == "auto" else cli.byte_size(value),
         default="auto",
         help="most memory the KV cache may take: 2G, 512M, 1.5G or a number of bytes (auto: "
         "80%% of the GPU's free memory after the weights; half the available RAM elsewhere)",
@@ -145,46 +137,33 @@ def check_model_flags(args):
         )
 
 
-def stand_in_tokenizer() -> Tokenizer:
-    """Bytes 0-255 and the special tokens after them: all the engine asks a tokenizer for here."""
-    return Tokenizer({bytes([i]): i for i in range(256)})
-
-
 def open_model(args, device):
-    """(model in eval mode, tokenizer, what it is for the JSON); the context checked before the weights load."""
+    """(model in eval mode, tokenizer, what it is for the JSON); the context checked before the weights load.
+    A --depth model gets bytes 0-255 and the special tokens as its tokenizer: all the engine asks for."""
     if args.depth is not None:
-        config = loading.family_config(
-            config_from_depth(args.depth, args.vocab_size, args.max_seq_len), args.arch, args.window_pattern
-        )
+        config = config_from_depth(args.depth, args.vocab_size, args.max_seq_len)
+        config = loading.family_config(config, args.arch, args.window_pattern)
         check_context(args, config)
         torch.manual_seed(args.seed)
-        model = loading.new_model(config, device).eval()
-        return (
-            model,
-            stand_in_tokenizer(),
-            {
-                "depth": args.depth,
-                "arch": args.arch,
-                "init": f"random (nanochat's init, seed {args.seed})",
-                "tokenizer": "byte-level stand-in (the engine looks up special tokens only)",
-            },
-        )
+        info = {
+            "depth": args.depth,
+            "arch": args.arch,
+            "init": f"random (nanochat's init, seed {args.seed})",
+            "tokenizer": "byte-level stand-in (the engine looks up special tokens only)",
+        }
+        return loading.new_model(config, device).eval(), Tokenizer({bytes([i]): i for i in range(256)}), info
     tokenizer = get_tokenizer()
     run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid", "base"))
     ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     check_context(args, config)
-    model = loading.restore_model(ckpt, config, device)
-    return (
-        model,
-        tokenizer,
-        {
-            "run": str(run_dir),
-            "checkpoint": str(ckpt),
-            "step": meta.get("step"),
-            "phase": meta.get("phase"),
-            "tokenizer": "the run's (NANOCHAT_FAST_HOME/tokenizer)",
-        },
-    )
+    info = {
+        "run": str(run_dir),
+        "checkpoint": str(ckpt),
+        "step": meta.get("step"),
+        "phase": meta.get("phase"),
+        "tokenizer": "the run's (NANOCHAT_FAST_HOME/tokenizer)",
+    }
+    return loading.restore_model(ckpt, config, device), tokenizer, info
 
 
 def check_context(args, config):
@@ -197,8 +176,8 @@ def check_context(args, config):
 
 
 def engine_for(model, tokenizer, slots: int, max_len: int) -> BatchEngine:
-    """An engine whose rows always run to max_tokens: no token ends a row (its stop set emptied;
-    requests are made with use_tools=False, so no tool writes into them either)."""
+    """An engine whose rows always run to max_tokens: no token ends a row (its stop set emptied; requests
+    are made with use_tools=False, so no tool writes into them either)."""
     engine = BatchEngine(model, tokenizer, slots, max_len)
     engine.stop = frozenset()
     return engine
@@ -213,20 +192,19 @@ def kv_dtype(model, tokenizer, dev) -> torch.dtype:
     return engine.cache.kv.dtype
 
 
-def auto_kv_memory(device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0] * AUTO_KV_FRACTION["cuda"])
-    try:
-        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
-        available = int(meminfo["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return int(available * AUTO_KV_FRACTION_ELSE)
-
-
 def plan_sweep(args, config, dtype, device) -> tuple[list[int], int]:
-    """(the batch sizes, the KV limit in bytes): each batch's cache within the limit, or a UserError."""
-    limit = args.kv_memory if args.kv_memory is not None else auto_kv_memory(device)
+    """(the batch sizes, the KV limit in bytes): each batch's cache within the limit, or a UserError. The
+    auto limit: a fraction of the GPU's free memory, or of the available RAM."""
+    limit = args.kv_memory
+    if limit is None and device.type == "cuda":
+        limit = int(torch.cuda.mem_get_info(device)[0] * AUTO_KV_FRACTION["cuda"])
+    elif limit is None:
+        try:
+            meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+            available = int(meminfo["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        limit = int(available * AUTO_KV_FRACTION_ELSE)
     max_len = args.prompt_tokens + args.decode_tokens
     per_row = BatchEngine.kv_bytes(config, 1, max_len, dtype)
     fits = limit // per_row
@@ -245,11 +223,6 @@ def plan_sweep(args, config, dtype, device) -> tuple[list[int], int]:
                 f"{max_len} positions), above --kv-memory {cli.format_bytes(limit)}; at most {fits} rows fit"
             )
     return args.batch_sizes, limit
-
-
-def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
 
 
 def run_requests(engine, requests, device, bar=None) -> dict:
@@ -271,55 +244,14 @@ def run_requests(engine, requests, device, bar=None) -> dict:
     return {"t0": t0, "first": first, "end": time.perf_counter(), "rows": rows, "ttft": list(ttft.values())}
 
 
-def measure(model, tokenizer, dev, args, batch: int) -> dict:
-    """One batch size: warm-up, then the timed run; times, tokens per row, peak memory."""
-    device = dev.device
-    engine = engine_for(model, tokenizer, batch, args.prompt_tokens + args.decode_tokens)
-    ids = prompts(batch, args.prompt_tokens, model.config.vocab_size, args.seed)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    with dev.autocast():
-        run_requests(engine, [Request(p, min(WARMUP_TOKENS, args.decode_tokens), use_tools=False) for p in ids], device)
-        bar = progress_bar(total=args.decode_tokens - 1, desc=f"batch {batch}", leave=False, file=sys.stderr)
-        with bar:
-            run = run_requests(engine, [Request(p, args.decode_tokens, use_tools=False) for p in ids], device, bar)
-    counts = {len(row.tokens) for row in run["rows"]}
-    if counts != {args.decode_tokens} or any(row.reason != "max_tokens" for row in run["rows"]):
-        raise RuntimeError(f"rows ended early: {sorted(counts)} tokens, asked for {args.decode_tokens}")
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    peak = (
-        torch.cuda.max_memory_allocated(device)
-        if device.type == "cuda"
-        else weights + packed_linears.nbytes(model) + engine.cache.kv.nbytes
-    )
-    return {
-        "prefill_s": run["first"] - run["t0"],
-        "decode_s": run["end"] - run["first"],
-        "decode_steps": args.decode_tokens - 1,
-        "tokens_per_row": counts.pop(),
-        "ttft": run["ttft"],
-        "peak_memory_bytes": peak,
-        "kv_cache_bytes": engine.cache.kv.nbytes,
-    }
-
-
-def mean_keys_read(args, windows: list[int]) -> float:
-    """Cached entries a row's query reads per layer, averaged over the layers and the decode steps:
-    prompt + i at step i, or the window's keys and its own where a layer's window is shorter."""
-    steps = range(1, args.decode_tokens)
-    return statistics.fmean(min(args.prompt_tokens + i, w + 1) for w in windows for i in steps)
-
-
 def costs(model, dtype, kv_dtype_, args) -> dict:
-    """What a decode step reads and computes, from the model's shapes (the formulas:
-    docs/measurements.md#inference-benchmark)."""
+    """What a decode step reads and computes, from the model's shapes (docs/measurements.md#inference-benchmark).
+    Embeddings (the windowed GPT's value embeddings too) are lookups: a step reads every weight of the
+    products once and one row of each embedding per row; a windowed model's short layers read fewer keys."""
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
-    context = args.prompt_tokens + args.decode_tokens / 2  # mean over the decode steps of prompt + i
-    # the windowed family's short layers read fewer keys; every layer of the seeds' GPT reads them all
-    keys = mean_keys_read(args, getattr(model, "window_sizes", [cfg.sequence_len] * cfg.n_layer))
-    # embeddings (the windowed GPT's value embeddings too) are lookups, not products: a step reads
-    # every weight of the products once, and one row of each embedding per row
+    windows = getattr(model, "window_sizes", [cfg.sequence_len] * cfg.n_layer)
+    keys = statistics.fmean(min(args.prompt_tokens + i, w + 1) for w in windows for i in range(1, args.decode_tokens))
     embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     products = params - sum(m.weight.numel() for m in embeddings)
     looked_up = sum(m.embedding_dim for m in embeddings)
@@ -330,34 +262,53 @@ def costs(model, dtype, kv_dtype_, args) -> dict:
         "weight_bytes_per_step": products * dtype.itemsize,
         "lookup_bytes_per_row": looked_up * dtype.itemsize,
         "kv_bytes_per_position": BatchEngine.kv_bytes(cfg, 1, 1, kv_dtype_),
-        "mean_context": context,
+        "mean_context": args.prompt_tokens + args.decode_tokens / 2,  # mean over the decode steps of prompt + i
         "mean_keys_read": keys,
         "decode_flops_per_token": 2 * products + 4 * cfg.n_layer * cfg.n_head * cfg.head_dim * keys,
     }
 
 
-def figures(batch: int, m: dict, cost: dict, args, bandwidth, peak) -> dict:
+def measure(model, tokenizer, dev, args, batch: int, cost: dict, bandwidth, peak) -> dict:
+    """One batch size's row: a warm-up run, then the timed one, B requests of random prompts."""
+    device, steps = dev.device, args.decode_tokens - 1
+    engine = engine_for(model, tokenizer, batch, args.prompt_tokens + args.decode_tokens)
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, args.prompt_tokens), generator=g).tolist()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with dev.autocast():
+        run_requests(engine, [Request(p, min(WARMUP_TOKENS, args.decode_tokens), use_tools=False) for p in ids], device)
+        with progress_bar(total=steps, desc=f"batch {batch}", leave=False, file=sys.stderr) as bar:
+            run = run_requests(engine, [Request(p, args.decode_tokens, use_tools=False) for p in ids], device, bar)
+    counts = {len(row.tokens) for row in run["rows"]}
+    if counts != {args.decode_tokens} or any(row.reason != "max_tokens" for row in run["rows"]):
+        raise RuntimeError(f"rows ended early: {sorted(counts)} tokens, asked for {args.decode_tokens}")
+    kv_cache = engine.cache.kv.nbytes
+    if device.type == "cuda":
+        peak_memory = torch.cuda.max_memory_allocated(device)
+    else:
+        peak_memory = sum(p.numel() * p.element_size() for p in model.parameters()) + decode.nbytes(model) + kv_cache
+    prefill_s, decode_s = run["first"] - run["t0"], run["end"] - run["first"]
     kv_read = batch * cost["kv_bytes_per_position"] * cost["mean_keys_read"]
     bytes_per_step = cost["weight_bytes_per_step"] + batch * cost["lookup_bytes_per_row"] + kv_read
-    steps_per_s = m["decode_steps"] / m["decode_s"]
-    decode_tok_s = batch * steps_per_s
+    steps_per_s = steps / decode_s
     return {
         "batch_size": batch,
-        "prefill_tok_per_s": batch * args.prompt_tokens / m["prefill_s"],
-        "decode_tok_per_s": decode_tok_s,
-        "per_token_latency_s": m["decode_s"] / m["decode_steps"],
-        "ttft_median_s": statistics.median(m["ttft"]),
-        "prefill_s": m["prefill_s"],
-        "decode_s": m["decode_s"],
-        "decode_steps": m["decode_steps"],
-        "tokens_per_row": m["tokens_per_row"],
-        "peak_memory_bytes": m["peak_memory_bytes"],
-        "kv_cache_bytes": m["kv_cache_bytes"],
+        "prefill_tok_per_s": batch * args.prompt_tokens / prefill_s,
+        "decode_tok_per_s": batch * steps_per_s,
+        "per_token_latency_s": decode_s / steps,
+        "ttft_median_s": statistics.median(run["ttft"]),
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "decode_steps": steps,
+        "tokens_per_row": counts.pop(),
+        "peak_memory_bytes": peak_memory,
+        "kv_cache_bytes": kv_cache,
         "kv_read_bytes_per_step": kv_read,
         "bytes_per_step": bytes_per_step,
         "steps_per_s": steps_per_s,
         "mbu_percent": hw_bandwidth.mbu(bytes_per_step, steps_per_s, bandwidth),
-        "mfu_percent": hw_peak.mfu(cost["decode_flops_per_token"], decode_tok_s, peak),
+        "mfu_percent": hw_peak.mfu(cost["decode_flops_per_token"], batch * steps_per_s, peak),
     }
 
 
@@ -447,7 +398,7 @@ def main(argv=None) -> int:
             mix = generation_dtype.GenerationMix(batch, args.prompt_tokens, args.decode_tokens)
             run_dev = generation_dtype.for_generation(dev, args.dtype, model, mix)
             row_cost = costs(model, run_dev.precision.dtype, kv_dtype(model, tokenizer, run_dev), args)
-            row = figures(batch, measure(model, tokenizer, run_dev, args, batch), row_cost, args, bandwidth, peak)
+            row = measure(model, tokenizer, run_dev, args, batch, row_cost, bandwidth, peak)
             row.update(dtype=run_dev.precision.name, dtype_reason=run_dev.precision.reason)
             payload["sweep"].append(row)
             print(table_row(row), flush=True)

@@ -20,9 +20,8 @@ import torch
 from ..core.distributed import all_reduce_sum
 from ..core.errors import UserError
 from ..data.padded_conversations import ConversationMixture, PaddedConversationLoader
-from ..model.batch_engine import BatchEngine, Request
+from ..model.batch_engine import BatchEngine, Request, stop_tokens
 from ..model.generation import decode_reply, fit_context
-from ..model.sampling import stop_tokens
 from . import rl_objective
 from .run_state import Horizon
 from .stage_data import ConversationShards, Data, stage_val_batches

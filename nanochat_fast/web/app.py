@@ -1,19 +1,9 @@
 """
-The chat web server's routes (FastAPI):
-
-    GET  /                    the chat page (static/index.html)
-    GET  /static/<file>       the page's own CSS, JS and icon; nothing else on disk is reachable
-    GET  /health              {"status": "ok", model, replicas, device, defaults, limits}
-    GET  /stats               slots (total, in use, per replica), queue length, request counts,
-                              tokens/s, time to first token, truncated prompts (web/stats.py)
-    POST /chat/completions    the assistant's reply as server-sent events:
-                              data: {"token": str} ... then data: {"done": true}
-
-Safe by default: the body is read with a size cap (413) and a time limit (408, Settings.body_timeout:
-a client that stalls mid-upload does not hold a connection) before it is parsed, validated strictly
-(400 with a one-line reason), JSON only (415: a cross-site form cannot post it without a CORS
-preflight, and no CORS headers are ever sent), and the Host header must name the loopback
-when the server listens there (a DNS-rebinding page cannot talk to it).
+The chat web server's routes (FastAPI) and what a request may contain: GET / (the page, static/), GET
+/health, GET /stats (pool.py), POST /chat/completions -> the reply as server-sent events, data: {"token":
+str} ... then data: {"done": true}. Safe by default: the body is read with a size cap (413) and a time
+limit (408), JSON only (415: a cross-site form cannot post it), validated strictly (400, one line), no CORS
+headers ever, and the Host header must name the loopback when the server listens there (DNS rebinding).
 """
 
 import asyncio
@@ -24,15 +14,16 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import ClientDisconnect
 
 from .pool import Job, QueueFull, ReplicaPool
-from .schema import Limits, greedy_below_min, parse_request
 
 log = logging.getLogger("nanochat_fast.chat_web")
 
@@ -52,6 +43,25 @@ PAGE_HEADERS = {
     "Cache-Control": "no-cache",
 }
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
+MAX_TEMPERATURE = 2.0  # only flattens: logits / 2 lie in [-7.5, 7.5]
+# Temperatures below this are greedy (accepted, served as 0). Sampling divides the fp32 logits, softcapped
+# to +-15, by T: finite only for T >= 15 / 3.4e38, below which softmax makes nan. 1e-6 is far clear of that
+# and greedy in all but name (a logit 1e-4 below the top keeps under exp(-100) of its odds). The library's
+# copy is model/batch_engine.MIN_TEMPERATURE (web/ imports nothing of the package; a test checks they agree).
+MIN_TEMPERATURE = 1e-6
+MAX_TOP_K = 200  # 0 means no top-k filtering (the whole vocabulary)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on one request. max_tokens is the server's --max-new-tokens."""
+
+    max_tokens: int = 512
+    max_messages: int = 500
+    max_message_chars: int = 8000
+    max_total_chars: int = 32000
+    # JSON of max_total_chars characters: up to 4 bytes each in UTF-8, plus the keys around them
+    max_body_bytes: int = 160 * 1024
 
 
 @dataclass(frozen=True)
@@ -65,13 +75,74 @@ class Settings:
     allowed_hosts: tuple = tuple(LOOPBACK_HOSTS)  # ("*",) when listening beyond the loopback
 
 
-def static_files() -> dict:
-    """URL path -> (bytes, media type), read once: requests never touch the file system."""
-    files = {"/": ((STATIC_DIR / "index.html").read_bytes(), MEDIA_TYPES[".html"])}
-    for path in sorted(STATIC_DIR.iterdir()):
-        if path.suffix in MEDIA_TYPES and path.name != "index.html":
-            files[f"/static/{path.name}"] = (path.read_bytes(), MEDIA_TYPES[path.suffix])
-    return files
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["user", "assistant"]
+    content: str
+
+
+class ChatRequest(BaseModel):
+    """{"messages": [{"role", "content"}, ...], "temperature"?, "top_k"?, "max_tokens"?}: strict types (a
+    number in quotes is not a number), unknown keys refused (a misspelt "top-k" would be ignored)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    messages: list[Message] = Field(min_length=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_TOP_K)
+    max_tokens: int | None = Field(default=None, ge=1)
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_is_greedy(cls, t: float | None) -> float | None:
+        return None if t is None else greedy_below_min(t)
+
+    @model_validator(mode="after")
+    def _conversation(self, info: ValidationInfo):
+        limits: Limits = (info.context or {}).get("limits", Limits())
+        messages = self.messages
+        if len(messages) > limits.max_messages:
+            raise ValueError(f"messages: at most {limits.max_messages} per request, got {len(messages)}")
+        for i, m in enumerate(messages):
+            want = "user" if i % 2 == 0 else "assistant"
+            if m.role != want:
+                raise ValueError(
+                    f"messages.{i}.role: roles must alternate, starting with user (message {i} must be from the {want})"
+                )
+            if len(m.content) > limits.max_message_chars:
+                raise ValueError(
+                    f"messages.{i}.content: at most {limits.max_message_chars} characters, got {len(m.content)}"
+                )
+            if m.role == "user" and not m.content.strip():
+                raise ValueError(f"messages.{i}.content: a user message must not be empty")
+        if messages[-1].role != "user":
+            raise ValueError("messages: the last message must be from the user (the reply is the assistant's)")
+        total = sum(len(m.content) for m in messages)
+        if total > limits.max_total_chars:
+            raise ValueError(f"messages: at most {limits.max_total_chars} characters in all, got {total}")
+        if self.max_tokens is not None and self.max_tokens > limits.max_tokens:
+            raise ValueError(
+                f"max_tokens: at most {limits.max_tokens} on this server (its --max-new-tokens), got {self.max_tokens}"
+            )
+        return self
+
+
+def greedy_below_min(temperature: float) -> float:
+    """The temperature a replica samples at: 0 (greedy) below MIN_TEMPERATURE, else itself."""
+    return 0.0 if temperature < MIN_TEMPERATURE else temperature
+
+
+def parse_request(body: bytes, limits: Limits) -> ChatRequest:
+    """The request in `body`, or ValueError with one line saying what is wrong: the first problem pydantic
+    found, as 'where: what' (our own checks name the field themselves)."""
+    try:
+        return ChatRequest.model_validate_json(body, context={"limits": limits})
+    except ValidationError as e:
+        errors = e.errors(include_url=False, include_input=False)
+        where, what = ".".join(str(part) for part in errors[0]["loc"]), errors[0]["msg"].removeprefix("Value error, ")
+        text = what if errors[0]["type"] == "value_error" else f"{where or 'body'}: {what}"
+        if len(errors) > 1:
+            text += f" (and {len(errors) - 1} more problem(s))"
+        raise ValueError(" ".join(text.split())) from None
 
 
 def error(status: int, message: str, headers=None) -> JSONResponse:
@@ -82,65 +153,45 @@ def sse(event: dict) -> str:
     return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
-class Upload:
-    """How much of a request body has arrived, for the log line when it stops short."""
-
-    def __init__(self, request: Request):
-        self.declared = request.headers.get("content-length")
-        self.received = 0
-
-    def __str__(self):
-        of = f"of {self.declared} " if self.declared is not None else ""
-        return f"{self.received} {of}bytes"
-
-
-async def read_body(request: Request, max_bytes: int, upload: Upload) -> bytes:
-    """The request body, refused (413) as soon as it is known to exceed max_bytes: from
-    Content-Length before reading anything, else while it streams in (chunked uploads).
-    Raises ClientDisconnect when the client goes away before the body's end."""
+async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes | Response:
+    """The body, refused (413) as soon as it is known to exceed max_bytes (from Content-Length before
+    reading anything, else while it streams in); or the response when it does not arrive: a 408 after
+    `timeout` seconds, or nothing anyone will read when the client left. One log line each."""
+    declared, received, chunks = request.headers.get("content-length"), 0, []
     too_large = HTTPException(413, f"request body larger than {max_bytes} bytes")
-    declared = upload.declared
+
+    def arrived() -> str:  # for the log line when the body stops short
+        return f"{received} {f'of {declared} ' if declared is not None else ''}bytes"
+
     if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
         raise too_large
-    chunks = []
-    async for chunk in request.stream():
-        upload.received += len(chunk)
-        if upload.received > max_bytes:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def read_body_in_time(request: Request, max_bytes: int, timeout: float) -> bytes | Response:
-    """The body (read_body), or the response to give when it does not arrive: a 408 after
-    `timeout` seconds, or nothing anyone will read when the client left. One log line each."""
-    upload = Upload(request)
     try:
         async with asyncio.timeout(timeout):
-            return await read_body(request, max_bytes, upload)
+            async for chunk in request.stream():
+                received += len(chunk)
+                if received > max_bytes:
+                    raise too_large
+                chunks.append(chunk)
+        return b"".join(chunks)
     except TimeoutError:
-        log.warning("request body not received within %g s (%s arrived): answered 408", timeout, upload)
+        log.warning("request body not received within %g s (%s arrived): answered 408", timeout, arrived())
         return error(408, f"the request body did not arrive within {timeout:g} s", headers={"Connection": "close"})
     except ClientDisconnect:
-        log.warning("client went away during its upload (%s)", upload)
+        log.warning("client went away during its upload (%s)", arrived())
         return Response(status_code=400)  # the connection is gone: nobody reads this
 
 
 async def reply_events(job: Job, pool: ReplicaPool, arrived: float, timeout: float):
-    """The SSE stream of one job. Ending it early (client gone, server stopping) stops the job.
-
-    The request timeout is one timer per request that drops a "timeout" event into the job's
-    queue, rather than a wait_for around every event (a task and a timer per token: with many
-    replies streaming, the event loop's own work per token is what competes with the replicas
-    for the GIL)."""
+    """The SSE stream of one job; ending it early (client gone, server stopping) stops the job. The request
+    timeout is one timer dropping a "timeout" event into the job's queue, not a wait_for around every
+    event (a task and a timer per token: the event loop's work per token competes with the replicas)."""
     loop = asyncio.get_running_loop()
     timer = loop.call_at(loop.time() + arrived + timeout - time.monotonic(), job.events.put_nowait, ("timeout", None))
     kind = None
     try:
         while kind != "done":
             kind, value = await job.events.get()
-            # pieces that arrived together go out in one write
-            batch = [(kind, value)]
+            batch = [(kind, value)]  # pieces that arrived together go out in one write
             while kind not in ("done", "timeout") and not job.events.empty():
                 kind, value = job.events.get_nowait()
                 batch.append((kind, value))
@@ -159,7 +210,6 @@ async def reply_events(job: Job, pool: ReplicaPool, arrived: float, timeout: flo
 
 def create_app(pool: ReplicaPool, settings: Settings) -> FastAPI:
     limits = settings.limits
-    files = static_files()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -181,9 +231,15 @@ def create_app(pool: ReplicaPool, settings: Settings) -> FastAPI:
 
         return handler
 
-    # one route per file: any other path, every /../ or %2e%2e spelling included, is a 404
-    for url, (body, media_type) in files.items():
-        app.add_api_route(url, serve_file(body, media_type), methods=["GET"], include_in_schema=False)
+    # one route per file, read once: any other path, every /../ or %2e%2e spelling included, is a 404
+    files = {"/": STATIC_DIR / "index.html"} | {
+        f"/static/{p.name}": p
+        for p in sorted(STATIC_DIR.iterdir())
+        if p.suffix in MEDIA_TYPES and p.name != "index.html"
+    }
+    for url, path in files.items():
+        handler = serve_file(path.read_bytes(), MEDIA_TYPES[path.suffix])
+        app.add_api_route(url, handler, methods=["GET"], include_in_schema=False)
 
     @app.get("/health")
     async def health():
@@ -206,7 +262,7 @@ def create_app(pool: ReplicaPool, settings: Settings) -> FastAPI:
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if content_type != "application/json":
             return error(415, "the body must be JSON: send the header Content-Type: application/json")
-        body = await read_body_in_time(request, limits.max_body_bytes, settings.body_timeout)
+        body = await read_body(request, limits.max_body_bytes, settings.body_timeout)
         if isinstance(body, Response):
             return body
         try:

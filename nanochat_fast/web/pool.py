@@ -1,16 +1,9 @@
 """
-A pool of model replicas serving chat requests from one bounded queue, each replica decoding many
-replies at once in one continuous-batching engine.
-
-The event loop (FastAPI) creates jobs, queues them (submit) and stops them (cancel); it never
-touches an engine. Each replica has one worker thread, the only one that drives its engine: it
-admits waiting jobs while the engine has free slots, runs one engine step, hands each token to its
-job and ends or cancels rows before the next step. A job is one reply, one row of one engine once
-admitted, through the replica's prepare(job), which chat_web provides: this package knows nothing
-of models. Admission is decided when a request arrives: at most every slot busy plus `queue_limit`
-waiting; a request beyond that is refused at once (HTTP 503). Requests that arrive close together
-start together (Admission): one prefill for all of them. The threads, jobs and failures in full:
-docs/measurements.md#chat-server.
+The replicas behind the chat server: one bounded queue of jobs (replies to write), and per replica one
+worker thread, the only one that drives its engine: it admits waiting jobs into free slots, steps the
+engine, hands each token to its job and ends or cancels rows between steps. A job becomes a row through
+the replica's prepare(job), which chat_web provides (web/ knows nothing of models). /stats counts come
+from here (ServerStats). The threads, jobs and failures in full: docs/measurements.md#chat-server.
 """
 
 import asyncio
@@ -20,16 +13,16 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
-
-from .stats import ServerStats
+from typing import Callable, NamedTuple
 
 log = logging.getLogger("nanochat_fast.chat_web")
 
+OUTCOMES = ("completed", "cancelled", "timed_out", "failed")  # how a request that got in ended
+TTFT_WINDOW = 1000  # /stats' time to first token: its percentiles over the last this many replies
 
-@dataclass
-class Prepared:
-    """What a replica's prepare(job) gives: the engine request for the job and its reply's text."""
+
+class Prepared(NamedTuple):
+    """What a replica's prepare(job) gives: the engine's request and the reply's text decoder."""
 
     request: object  # what engine.add takes (model/batch_engine.Request)
     decode: Callable[[int], str]  # a token id -> the text it completes ("" for the end token, a partial character)
@@ -39,8 +32,8 @@ class Prepared:
 @dataclass
 class Replica:
     """One model on one device. engine: model/batch_engine.BatchEngine or a stand-in with `slots`,
-    add(request) -> [row], cancel(row), step() -> tokens (.row, .token, .last), `active`.
-    prepare(job) -> Prepared."""
+    add(request) -> [row], cancel(row), step() -> tokens (.row, .token, .last), `active`; prepare(job) ->
+    Prepared (or the same three values)."""
 
     engine: object
     prepare: Callable
@@ -49,12 +42,8 @@ class Replica:
 
 @dataclass(frozen=True)
 class Admission:
-    """When waiting jobs start. A step's prefill runs every prompt admitted since the last step, and
-    every row in that step waits for it: a burst of requests split over two steps makes the first
-    one's second token wait for the others' prompts (on a CPU, many decode steps' worth). So a
-    waiting job starts once no other request has arrived for `gap` seconds, or it has waited
-    `max_wait` (arrivals that never pause), or the waiting jobs fill the replica's free slots. gap 0:
-    every job starts at the next step. A lone request pays `gap` in time to its first token."""
+    """When waiting jobs start, so that a burst's prompts run in one step: once no request has arrived for
+    `gap` seconds, or after `max_wait`, or when they fill the replica's free slots (gap 0: at the next step)."""
 
     gap: float = 0.001
     max_wait: float = 0.01
@@ -76,8 +65,7 @@ class QueueFull(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """One reply to generate. Created on the event loop; its events are ("token", str),
-    ("error", str) and finally ("done", None)."""
+    """One reply, created on the event loop; its events: ("token", str), ("error", str), then ("done", None)."""
 
     messages: list
     max_tokens: int
@@ -88,7 +76,6 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     stop: threading.Event = field(default_factory=threading.Event)
     stop_reason: str = ""  # "client" (stop button, disconnect) or "timeout"
-    tokens: int = 0
     created: float = field(default_factory=time.monotonic)
     # set by the worker that admits it
     row: object = None
@@ -98,20 +85,11 @@ class Job:
 
     def emit(self, kind: str, value=None):
         """Hand an event to the event loop (called from a worker thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the loop is closed: the server is shutting down, nobody listens
-            pass
-
-
-def failure(e: Exception) -> str:
-    return f"generation failed ({type(e).__name__}); see the server log"
+        deliver([(self, kind, value)])
 
 
 def deliver(events: list):
-    """Hand (job, kind, value) events to their event loops with one wake-up per loop, not one per
-    event: a step's tokens for many replies reach the loop together, and the loop (which shares
-    the GIL with the worker) is woken once per step instead of once per reply."""
+    """Hand (job, kind, value) events to their event loops, one wake-up a loop (which shares the GIL)."""
     by_loop = collections.defaultdict(list)
     for job, kind, value in events:
         by_loop[job.loop].append((job.events, (kind, value)))
@@ -127,13 +105,88 @@ def _put_all(items):
         queue.put_nowait(event)
 
 
+def failure(e: Exception) -> str:
+    return f"generation failed ({type(e).__name__}); see the server log"
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+class ServerStats:
+    """/stats' counts, under the pool's lock: tokens_generated (end and forced tokens included) over
+    decode_seconds (wall time with at least one reply admitted; a replica's own busy time for its rate);
+    ttft_s from a request's arrival to the end of the step that sampled its first token."""
+
+    def __init__(self, replicas: int):
+        self.outcomes = collections.Counter()  # OUTCOMES and "rejected"
+        self.tokens = [0] * replicas
+        self.ttft = collections.deque(maxlen=TTFT_WINDOW)
+        self.truncated = 0
+        self.replies, self.reply_seconds = 0, 0.0  # admitted replies that ended, their time from admission
+        self.busy_since = [None] * replicas  # when each replica last went from no reply to one
+        self.busy_seconds = [0.0] * replicas
+        self.any_busy_since = None  # the same for the server: at least one replica busy
+        self.decode_seconds = 0.0
+
+    def started(self, replica: int, now: float, truncated: bool):
+        self.truncated += bool(truncated)
+        if self.busy_since[replica] is None:
+            if self.any_busy_since is None:
+                self.any_busy_since = now
+            self.busy_since[replica] = now
+
+    def stepped(self, replica: int, tokens: int, ttfts: list[float]):
+        self.tokens[replica] += tokens
+        self.ttft.extend(ttfts)
+
+    def ended(self, replica: int, outcome: str, seconds: float | None, now: float, busy: bool):
+        """seconds: since its admission (None if it never was); busy: the replica holds other replies."""
+        self.outcomes[outcome] += 1
+        if seconds is not None:
+            self.replies += 1
+            self.reply_seconds += seconds
+        if not busy and self.busy_since[replica] is not None:
+            self.busy_seconds[replica] += now - self.busy_since[replica]
+            self.busy_since[replica] = None
+            if all(since is None for since in self.busy_since):
+                self.decode_seconds += now - self.any_busy_since
+                self.any_busy_since = None
+
+    def mean_reply_seconds(self) -> float | None:
+        return self.reply_seconds / self.replies if self.replies else None
+
+    def snapshot(self, now: float) -> dict:
+        def rate(tokens, seconds):
+            return round(tokens / seconds, 2) if seconds > 0 else None
+
+        def busy(seconds, since):
+            return seconds + (now - since if since is not None else 0.0)
+
+        decode, ttft = busy(self.decode_seconds, self.any_busy_since), list(self.ttft)
+        own = [busy(seconds, since) for seconds, since in zip(self.busy_seconds, self.busy_since)]
+        ttft_s = {f"p{p}": round(percentile(ttft, p), 4) if ttft else None for p in (50, 90, 99)}
+        return {
+            "requests": {k: self.outcomes[k] for k in OUTCOMES + ("rejected",)},
+            "tokens_generated": sum(self.tokens),
+            "decode_seconds": round(decode, 3),
+            "tokens_per_s": rate(sum(self.tokens), decode),
+            "ttft_s": ttft_s | {"requests": len(ttft)},
+            "prompts_truncated": self.truncated,
+            "per_replica": [{"tokens_generated": t, "tokens_per_s": rate(t, s)} for t, s in zip(self.tokens, own)],
+        }
+
+
 class ReplicaPool:
+    """At most every slot busy plus `queue_limit` waiting: a request beyond that is refused as it arrives
+    (HTTP 503). A waiting job goes to the replica with the most free slots when Admission says it starts."""
+
     def __init__(self, replicas: list[Replica], queue_limit: int, admission: Admission = Admission()):
         if not replicas:
             raise ValueError("a pool needs at least one replica")
-        self.replicas = replicas
-        self.queue_limit = queue_limit
-        self.admission = admission
+        self.replicas, self.queue_limit, self.admission = replicas, queue_limit, admission
         self._last_arrival = -math.inf
         self.slots = [r.engine.slots for r in replicas]
         self._waiting = collections.deque()
@@ -169,8 +222,7 @@ class ReplicaPool:
             self._cond.notify_all()
 
     def cancel(self, job: Job, reason: str):
-        """Stop `job`: dropped if it is still waiting, else its row is cancelled before the next step.
-        Does nothing to a job that has finished."""
+        """Stop `job` (not one finished): dropped if waiting, else its row cancelled before the next step."""
         with self._cond:
             if job.stop.is_set():
                 return
@@ -205,35 +257,30 @@ class ReplicaPool:
         """Stop every job and let the worker threads end (they finish the step in hand)."""
         with self._cond:
             self._closed = True
-            for held in self._held:
-                for job in held:
-                    job.stop.set()
+            for job in (job for held in self._held for job in held):
+                job.stop.set()
             for job in self._waiting:
                 job.stop.set()
-                job.emit("error", "the server is shutting down")
-                job.emit("done")
+                deliver([(job, "error", "the server is shutting down"), (job, "done", None)])
             self._waiting.clear()
             self._cond.notify_all()
 
     def join(self, timeout: float):
-        """Wait at most `timeout` seconds in all for the worker threads to end, after close() (each
-        finishes the step in hand): then no engine is in use, and a replica's own process can stop."""
+        """Wait at most `timeout` seconds in all for the workers to end after close(): no engine in use."""
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def _retry_after(self) -> int:
-        """Seconds until a place is likely free: a place frees when any running reply ends, so one
-        average reply's time over the slots (1 s before any reply ended)."""
+        """Seconds until a place is likely free: an average reply's time over the slots (1 before any)."""
         mean = self.counts.mean_reply_seconds()
         return max(1, min(60, math.ceil(mean / sum(self.slots)))) if mean else 1
 
     # -- worker side: the only code that touches replica i's engine ------------------------------
 
     def _take(self, i: int) -> list[Job] | None:
-        """The waiting jobs replica i admits now (they are due, it has free slots and no other
-        replica has more); waits while it has no rows and nothing to admit. None once the pool is
-        closed."""
+        """The waiting jobs replica i admits now (due, in free slots, no replica with more); waits while it
+        has no rows and nothing to admit. None once the pool is closed."""
         with self._cond:
             while True:
                 if self._closed:
@@ -263,24 +310,23 @@ class ReplicaPool:
         """Job -> a row of replica i's engine; a job that cannot start fails alone."""
         replica = self.replicas[i]
         try:
-            prepared = replica.prepare(job)
-            [row] = replica.engine.add(prepared.request)
+            request, decode, truncated = replica.prepare(job)
+            [row] = replica.engine.add(request)
         except Exception as e:
             log.error("a request could not start on %s (%s: %s)", replica.device, type(e).__name__, e)
             job.emit("error", failure(e))
             self._finish(i, job, "failed")
             return
-        job.row, job.decode, job.admitted = row, prepared.decode, time.monotonic()
-        self._rows[i][row] = job
+        job.row, job.decode, job.admitted = row, decode, time.monotonic()
         with self._cond:
-            self.counts.started(i, job.admitted, prepared.truncated)
+            self.counts.started(i, job.admitted, truncated)
         if row.done:  # max_tokens 0: nothing to generate
-            del self._rows[i][row]
             self._finish(i, job, "completed")
+        else:
+            self._rows[i][row] = job
 
     def _finish(self, i: int, job: Job, outcome: str, emit=True):
-        """End a job: its slot is no longer counted, its outcome is, its stream gets "done" (unless
-        the caller delivers that itself)."""
+        """End a job: its slot free, its outcome counted, its stream given "done" (unless the caller does)."""
         now = time.monotonic()
         with self._cond:
             if job.stop.is_set() and outcome in ("completed", "cancelled"):  # stopped before it ended
@@ -310,7 +356,6 @@ class ReplicaPool:
             job = rows.get(t.row)
             if job is None:  # a row of no job (none today): nothing to route
                 continue
-            job.tokens += 1
             if job.first_token is None:
                 job.first_token = now
                 ttfts.append(now - job.created)
@@ -328,18 +373,12 @@ class ReplicaPool:
         deliver(events)
 
     def _fail(self, i: int, e: Exception):
-        """A step (or the routing of its tokens) failed: every reply the replica holds ends with an
-        error event and the engine's rows are cancelled, so the replica starts clean and serves on.
-        One log line for the step, not one per reply (the traceback at DEBUG level)."""
+        """A step (or the routing of its tokens) failed: the replica's replies end with an error, its rows
+        are cancelled and it serves on. One log line for the step (the traceback at DEBUG level)."""
         replica, jobs = self.replicas[i], list(self._rows[i].values())
         self._rows[i].clear()
-        log.error(
-            "a decode step failed on %s (%s: %s); %d repl(ies) ended with an error",
-            replica.device,
-            type(e).__name__,
-            e,
-            len(jobs),
-        )
+        what = (replica.device, type(e).__name__, e, len(jobs))
+        log.error("a decode step failed on %s (%s: %s); %d repl(ies) ended with an error", *what)
         log.debug("the failed step", exc_info=e)
         for job in jobs:
             job.emit("error", failure(e))

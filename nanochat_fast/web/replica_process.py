@@ -1,14 +1,9 @@
 """
 A replica's engine in a process of its own, behind the engine's interface (slots, add, cancel, step,
-active), so web/pool.py drives it as one in its own process. The child steps the engine while it has
-rows and sends each step's tokens down a pipe; the pool's worker only waits on that pipe, so the
-engine's Python never takes turns with the event loop's on one GIL, and the child computes the next
-step while the worker routes the last. Adds and cancels go over together before each wait (a burst
-admitted together reaches the child in one message: one prefill); a request is checked here against
-the engine's limits first, so add() refuses a bad one as the engine would; a cancelled row's late
-tokens are dropped here. A child that dies fails its rows, and the next add() starts a new one
-(RESTARTS at most in RESTART_SECONDS). The messages and the measurements:
-docs/measurements.md#chat-server.
+active), so web/pool.py's worker drives it as one and only waits on a pipe: the engine's Python never
+takes turns with the event loop's on one GIL. Adds and cancels go over together before each wait; a
+request is checked here against the engine's limits first; a child that dies fails its rows and the next
+add() starts a new one (RESTARTS in RESTART_SECONDS at most). Messages: docs/measurements.md#chat-server.
 """
 
 import collections
@@ -24,11 +19,9 @@ import torch
 
 log = logging.getLogger("nanochat_fast.chat_web")
 
-# how long close() waits for the child to end before it is killed
-CLOSE_SECONDS = 5.0
-# A child that died is replaced at the next add(), at most RESTARTS times in RESTART_SECONDS: one that
-# dies at every request would otherwise cost a spawn and a model load per request, and requests
-# are refused at once instead until the window has room again.
+CLOSE_SECONDS = 5.0  # how long close() waits for the child to end before it is killed
+# A dead child is replaced at the next add(), at most RESTARTS times in RESTART_SECONDS: one that dies at
+# every request would cost each a spawn and a model load; beyond that requests are refused at once.
 RESTARTS, RESTART_SECONDS = 3, 60.0
 
 
@@ -52,8 +45,7 @@ class StepToken(NamedTuple):
 
 
 def _portable(e: BaseException) -> BaseException:
-    """`e` if it survives pickling (the parent raises it as it was raised here), else a RuntimeError
-    naming it."""
+    """`e` if it survives pickling (the parent raises it as raised here), else a RuntimeError naming it."""
     try:
         pickle.loads(pickle.dumps(e))
         return e
@@ -78,8 +70,8 @@ def _serve(conn, build: Callable, threads: int):
 
 
 def _step_while_rows(conn, engine):
-    """Step the engine while it has rows, applying the server's messages between steps (and waiting
-    for them when it has none); returns at ("close",)."""
+    """Step the engine while it has rows, applying the server's messages between steps (waiting for them
+    when it has none); returns at ("close",)."""
     rows, ids = {}, {}  # id -> the engine's row, and back
     while True:
         while not engine.active or conn.poll():
@@ -116,10 +108,9 @@ def _step_while_rows(conn, engine):
 
 
 class ProcessEngine:
-    """An engine built by `build()` (-> (engine, info dict)) in a spawned child process with
-    `threads` intra-op threads; `build` must pickle (a module-level function, or a partial of one).
-    Starts the child and waits until its engine is built (an exception there is raised here). A child
-    that died fails what it held (ReplicaProcessError) and the next add() starts a new one."""
+    """An engine built by `build()` (-> (engine, info dict); it must pickle) in a spawned child process
+    with `threads` intra-op threads. Waits until the engine is built (an exception there is raised here).
+    A child that died fails what it held (ReplicaProcessError) and the next add() starts a new one."""
 
     def __init__(self, build: Callable, threads: int, name: str = "replica"):
         self._build, self._threads, self._name = build, threads, name
@@ -149,12 +140,15 @@ class ProcessEngine:
     def _receive(self):
         try:
             return self._conn.recv()
-        except (EOFError, OSError):
-            raise self._gone() from None
+        except (EOFError, OSError):  # the child is gone: every row it held ends
+            for row in self._rows.values():
+                row.done = True
+            self._rows.clear()
+            raise self._ended() from None
 
     def _flush(self):
-        """Send the adds and cancels not yet sent. A child that is gone raises, its rows still held:
-        the next step() ends them."""
+        """Send the adds and cancels not yet sent. A child that is gone raises, its rows still held: the
+        next step() ends them."""
         if self._ops:
             ops, self._ops = self._ops, []
             try:
@@ -166,16 +160,9 @@ class ProcessEngine:
         self._process.join(1.0)
         return ReplicaProcessError(f"the replica's process ended (exit code {self._process.exitcode})")
 
-    def _gone(self) -> ReplicaProcessError:
-        """The child is gone: every row it held ends."""
-        for row in self._rows.values():
-            row.done = True
-        self._rows.clear()
-        return self._ended()
-
     def add(self, request) -> list[RowHandle]:
-        """The request's row, as the engine's add gives it (max_tokens 0: done at once); it joins
-        the child's engine at the next step(). Raises what the engine's checks raise."""
+        """The request's row, as the engine's add gives it (max_tokens 0: done at once); it joins the
+        child's engine at the next step(). Raises what the engine's checks raise."""
         self.limits.check(request)
         if not self._process.is_alive():
             if self._rows:  # they fail first, at the next step() (the pool fails their replies)
@@ -189,8 +176,8 @@ class ProcessEngine:
         return [row]
 
     def _restart(self):
-        """A new child in place of the dead one, unless RESTARTS were started in the last
-        RESTART_SECONDS: then ReplicaProcessError, saying when the next may start."""
+        """A new child in place of the dead one, unless RESTARTS were started in the last RESTART_SECONDS:
+        then ReplicaProcessError, saying when the next may start."""
         now, code = time.monotonic(), self._process.exitcode
         while self._restarts and now - self._restarts[0] >= RESTART_SECONDS:
             self._restarts.popleft()
@@ -207,8 +194,7 @@ class ProcessEngine:
         self._start()
 
     def cancel(self, row: RowHandle):
-        """End `row` now: nothing more of it reaches the caller, and the child frees its slot before its
-        next step."""
+        """End `row` now: nothing more of it reaches the caller; the child frees its slot before its next step."""
         if self._rows.pop(row.id, None) is not None:
             row.done = True
             self._ops.append(("cancel", row.id))
@@ -218,8 +204,8 @@ class ProcessEngine:
                 pass
 
     def step(self) -> list[StepToken]:
-        """Sends what was added and cancelled since the last call, then waits for the child's next step:
-        its tokens for the rows held here (rows cancelled since are left out)."""
+        """Send what was added and cancelled since the last call, then wait for the child's next step: its
+        tokens for the rows held here (rows cancelled since are left out)."""
         self._flush()
         while self._rows:
             kind, value = self._receive()
@@ -239,8 +225,8 @@ class ProcessEngine:
         return []
 
     def close(self):
-        """Stop the child (its rows end with it); kill it if it has not ended within CLOSE_SECONDS.
-        Call it once nothing else uses this engine (web/pool.ReplicaPool.join)."""
+        """Stop the child (its rows end with it), killed if not ended within CLOSE_SECONDS; once nothing
+        else uses this engine (web/pool.ReplicaPool.join)."""
         try:
             self._conn.send(("close",))
         except OSError:

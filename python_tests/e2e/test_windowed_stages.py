@@ -18,7 +18,7 @@ from nanochat_fast import checkpoints
 from nanochat_fast.data.tokenizer import get_tokenizer
 from nanochat_fast.evals import scoring, tasks
 from nanochat_fast.model import generation, loading
-from nanochat_fast.model.sampling import stop_tokens
+from nanochat_fast.model.batch_engine import stop_tokens
 from nanochat_fast.model.windowed_gpt import WindowedGPTConfig
 from nanochat_fast.scripts import base_eval, chat_cli, chat_eval, chat_rl, chat_sft, infer_bench, mid_train
 
@@ -219,10 +219,9 @@ def test_chat_web_streams_the_full_forwards_reply(home, chat_model, monkeypatch,
     from support.chat_web_support import sse_events
 
     from nanochat_fast.scripts import chat_web
-    from nanochat_fast.web.app import Settings, create_app
+    from nanochat_fast.web.app import Limits, Settings, create_app
     from nanochat_fast.web.pool import ReplicaPool
     from nanochat_fast.web.replica_process import ProcessEngine
-    from nanochat_fast.web.schema import Limits
 
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
     model, tokenizer = chat_model

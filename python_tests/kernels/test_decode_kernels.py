@@ -18,10 +18,10 @@ from nanochat_fast.kernels.packed_linear import pack_linear
 from nanochat_fast.kernels.rms_norm import rms_norm
 from nanochat_fast.kernels.smear import smear_decode
 from nanochat_fast.kernels.softcap import softcap
-from nanochat_fast.model import packed_linears
+from nanochat_fast.model import decode
 from nanochat_fast.model.batch_engine import BatchEngine, Request
+from nanochat_fast.model.decode import SlotBatch, SlotCache, SlotPrefill
 from nanochat_fast.model.gpt import GPTConfig
-from nanochat_fast.model.kv_cache import SlotBatch, SlotCache, SlotPrefill
 
 pytestmark = pytest.mark.skipif(registry.extension() is None, reason="extension not built")
 ops = torch.ops.nanochat_fast
@@ -449,16 +449,21 @@ def model():
 
 
 def packs_seen(model, run) -> list[bool]:
-    """Per lm_head call inside run(): whether it ran through a packed weight."""
-    seen = []
-    hook = model.lm_head.register_forward_pre_hook(
-        lambda module, args: seen.append(packed_linears.current(module) is not None)
-    )
+    """Per forward inside run(): whether its products (the lm_head's among them) ran through packed weights."""
+    seen, real = [], decode.packed_linears
+
+    def recorded(model, rows):
+        packs = seen[-1] = real(model, rows)
+        return packs
+
+    hook = model.register_forward_pre_hook(lambda module, args: seen.append(None))
+    decode.packed_linears = recorded
     try:
         run()
     finally:
         hook.remove()
-    return seen
+        decode.packed_linears = real
+    return [packs is not None for packs in seen]
 
 
 def generate(model, prompt, n=6) -> list[int]:
@@ -519,8 +524,7 @@ def test_a_rows_decode_logits_do_not_depend_on_the_rows_beside_it(model):
 
         def step(slots):
             batch = SlotBatch(cache, slots, [len(prompts[s]) for s in slots], model.get_device())
-            with packed_linears.decoding(model, len(slots)):
-                return model(torch.tensor([[7] for _ in slots]), kv_cache=batch)[:, -1]
+            return model(torch.tensor([[7] for _ in slots]), kv_cache=batch)[:, -1]  # through the packs
 
         together = step([0, 2, 5])
         for i, slot in enumerate([0, 2, 5]):
@@ -540,7 +544,7 @@ def test_a_decode_step_through_whole_blocks_is_bitwise_the_step_op_by_op(model, 
         engine = BatchEngine(model, tok, slots=2)
         [row] = engine.add(Request(prompt, 6, use_tools=False))
         logits = []
-        hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+        hook = model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
         try:
             while engine.active:
                 engine.step()

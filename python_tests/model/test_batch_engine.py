@@ -9,8 +9,8 @@ from support.tiny_gpt import random_model
 
 from nanochat_fast.model import batch_engine
 from nanochat_fast.model.batch_engine import BatchEngine, DecodeRow, EngineFull, Request
+from nanochat_fast.model.decode import SlotBatch, SlotPrefill
 from nanochat_fast.model.gpt import GPTConfig
-from nanochat_fast.model.kv_cache import SlotBatch, SlotPrefill
 
 tok = byte_tokenizer()
 SP = tok.encode_special
@@ -260,7 +260,7 @@ def test_kv_bytes_is_the_storage_it_allocates(model):
 
 
 def test_a_slot_batch_takes_rows_in_slot_and_position_order():
-    from nanochat_fast.model.kv_cache import SlotCache
+    from nanochat_fast.model.decode import SlotCache
 
     cache = SlotCache(CONFIG.n_layer, slots=4, max_len=16)
     for slots, positions, reason in (

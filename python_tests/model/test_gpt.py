@@ -7,8 +7,8 @@ import pytest
 import torch
 from support.tiny_gpt import TINY, generate_without_cache, random_model
 
+from nanochat_fast.model.decode import SlotCache, SlotPrefill
 from nanochat_fast.model.gpt import GPT, GPTConfig, config_from_depth
-from nanochat_fast.model.kv_cache import SlotCache, SlotPrefill
 from nanochat_fast.optim import AdamW, Muon
 
 

@@ -73,7 +73,7 @@ def test_a_used_slot_starts_its_prompt_afresh(model):
 
     def first_logits(engine, request):
         logits = []
-        hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+        hook = model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
         try:
             engine.add(request)
             engine.step()
@@ -106,7 +106,7 @@ def test_decode_steps_under_bf16_autocast(model):
     """Under bf16 autocast (what `--dtype auto` picks on CPUs with native bf16) the gated value
     embedding keeps the values in the keys' dtype, so decode steps write into the bf16 cache; each
     step's logits are those of a full forward under the same autocast, within bf16 rounding."""
-    from nanochat_fast.model.kv_cache import SlotBatch, SlotCache, SlotPrefill
+    from nanochat_fast.model.decode import SlotBatch, SlotCache, SlotPrefill
 
     ids = prompt(SHORT + 20, 4)  # past the short window: the S layer's decode steps mask
     cache = SlotCache(CONFIG.n_layer, slots=2, max_len=len(ids) + 4)
@@ -124,16 +124,16 @@ def test_short_windows_decode_through_the_kernel_from_their_start(model, monkeyp
     tokens as rows from position 0) first, its attention reading the cache in place: the S layer
     (1 of the 3) with each row's first entry inside its window, once past it; QK_SCALE and the
     per-layer scalars on every layer, the gated value embedding on the layers that have one."""
-    from nanochat_fast.model import kv_cache
+    from nanochat_fast.model import decode
 
-    calls, real = [], kv_cache.decode_block
+    calls, real = [], decode.decode_block
 
     def record(*args, **kw):  # the layer's window, the row's position, whether values were added
         calls.append((kw["window"], int(args[9][0]), kw["ve"] is not None, kw["qk_scale"]))
         assert kw["x0"].shape == args[0].shape and all(isinstance(s, float) for s in kw["scales"])
         return real(*args, **kw)
 
-    monkeypatch.setattr(kv_cache, "decode_block", record)
+    monkeypatch.setattr(decode, "decode_block", record)
     request = REQUESTS["long prompt"][0]  # its first decode step is already past the short window
     tokens = decode_alone(model, request)
     prompt_step, calls = calls[: CONFIG.n_layer], calls[CONFIG.n_layer :]
@@ -156,7 +156,7 @@ def test_decode_steps_through_whole_blocks_are_the_ops_one_after_another(model, 
     def run(kernels):
         monkeypatch.setenv(registry.ENV_VAR, kernels)
         logits = []
-        hook = model.lm_head.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
+        hook = model.register_forward_hook(lambda module, args, out: logits.append(out.clone()))
         try:
             engine = BatchEngine(model, tok, slots=2)
             rows = [engine.add(REQUESTS[name][0])[0] for name in ("long decode", "late")]

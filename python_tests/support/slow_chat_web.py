@@ -6,7 +6,6 @@ engine in Slowed; as a process (chat_web_support.chat_web_process's token_delay)
 """
 
 import argparse
-import dataclasses
 import sys
 import time
 
@@ -17,8 +16,8 @@ build_replica = chat_web.build_replica  # as imported: main() replaces chat_web'
 
 
 class SlowBuild:
-    """chat_web.build_replica (a replica in a process of its own) with its engine Slowed. It pickles
-    by this module's name and its delay: the child process builds the replica."""
+    """chat_web.build_replica with its engine Slowed. It pickles by this module's name and its delay: a
+    replica's own process builds the replica."""
 
     def __init__(self, delay: float):
         self.delay = delay
@@ -47,15 +46,8 @@ def main(argv: list[str]):
     p.add_argument("--token-delay", type=float, required=True, help="seconds before every engine step")
     p.add_argument("args", nargs=argparse.REMAINDER, help="chat_web's arguments, after --")
     a = p.parse_args(argv)
-    # load_replicas looks both up in chat_web's module at each call: make_replica for replicas in this
-    # process, build_replica for each in a process of its own
-    make_replica = chat_web.make_replica
-
-    def slow_replica(*args, **kwargs):
-        replica = make_replica(*args, **kwargs)
-        return dataclasses.replace(replica, engine=Slowed(replica.engine, a.token_delay))
-
-    chat_web.make_replica = slow_replica
+    # load_replicas looks build_replica up in chat_web's module at each call, for a replica in this
+    # process or in one of its own
     chat_web.build_replica = SlowBuild(a.token_delay)
     cli.run(chat_web.main, a.args[1:] if a.args[:1] == ["--"] else a.args)  # as `python -m` runs it
 

@@ -4,8 +4,8 @@ slow way, and a 2-layer GPT trained a few optimizer steps on counting sequences 
 import torch
 
 from nanochat_fast import optim
+from nanochat_fast.model.batch_engine import sample_next
 from nanochat_fast.model.gpt import GPT, GPTConfig
-from nanochat_fast.model.sampling import sample_next
 
 TINY = GPTConfig(sequence_len=16, vocab_size=101, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 

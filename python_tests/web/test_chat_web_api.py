@@ -22,12 +22,11 @@ from support.chat_web_support import chat_home, load_chat_model, sse_events  # n
 from support.slow_chat_web import Slowed  # noqa: E402
 
 from nanochat_fast.core import cli  # noqa: E402
-from nanochat_fast.model import generation, sampling  # noqa: E402
+from nanochat_fast.model import batch_engine, generation  # noqa: E402
 from nanochat_fast.scripts import chat_web  # noqa: E402
-from nanochat_fast.web import schema  # noqa: E402
-from nanochat_fast.web.app import Settings, create_app  # noqa: E402
+from nanochat_fast.web import app as web_app  # noqa: E402
+from nanochat_fast.web.app import Limits, Settings, create_app  # noqa: E402
 from nanochat_fast.web.pool import ReplicaPool  # noqa: E402
-from nanochat_fast.web.schema import Limits  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "what is 2 plus 3?"}]
 LIMITS = Limits(max_tokens=64)
@@ -227,7 +226,7 @@ def test_body_size_content_type_paths_hosts_and_no_cors(model_and_tokenizer):
         "/../pool.py",
         "/static/..%2fapp.py",
         "/%2e%2e/%2e%2e/etc/passwd",
-        "/static/%2e%2e/schema.py",
+        "/static/%2e%2e/replica_process.py",
         "/static//chat.js",
         "/static/./chat.js",
     ):
@@ -389,7 +388,7 @@ def test_eight_streams_are_decoded_together_in_one_engine(model_and_tokenizer):
 
 
 def test_stats_decode_time_is_the_union_of_busy_replicas_and_ttft_is_nearest_rank():
-    from nanochat_fast.web.stats import ServerStats, percentile
+    from nanochat_fast.web.pool import ServerStats, percentile
 
     stats = ServerStats(2)
     stats.started(0, 10.0, truncated=False)  # replica 0 busy 10..14, replica 1 busy 12..17:
@@ -588,25 +587,25 @@ def test_the_temperature_floor_is_where_softmax_still_works():
     logits = torch.tensor([[15.0, -15.0, 3.0, -math.inf]])  # -inf: a token top-k left out
     assert torch.softmax(logits / 4.4e-38, dim=-1).isnan().all()
     for dtype in (torch.float32, torch.bfloat16):
-        assert torch.softmax(logits.to(dtype) / schema.MIN_TEMPERATURE, dim=-1).isfinite().all()
-        assert torch.softmax(logits.to(dtype) / schema.MAX_TEMPERATURE, dim=-1).isfinite().all()
-    assert sampling.MIN_TEMPERATURE == schema.MIN_TEMPERATURE  # the library and the server agree
+        assert torch.softmax(logits.to(dtype) / web_app.MIN_TEMPERATURE, dim=-1).isfinite().all()
+        assert torch.softmax(logits.to(dtype) / web_app.MAX_TEMPERATURE, dim=-1).isfinite().all()
+    assert batch_engine.MIN_TEMPERATURE == web_app.MIN_TEMPERATURE  # the library and the server agree
     rng = torch.Generator().manual_seed(0)
     for t in TINY_TEMPERATURES:  # a library caller of sample_next gets greedy too, not nan
-        assert sampling.sample_next(logits, t, None, rng).tolist() == [[0]], t
-        assert sampling.sample_next(logits, t, 2, rng).tolist() == [[0]], t
-    assert sampling.sample_next(logits, schema.MIN_TEMPERATURE, None, rng).tolist() == [[0]]
+        assert batch_engine.sample_next(logits, t, None, rng).tolist() == [[0]], t
+        assert batch_engine.sample_next(logits, t, 2, rng).tolist() == [[0]], t
+    assert batch_engine.sample_next(logits, web_app.MIN_TEMPERATURE, None, rng).tolist() == [[0]]
 
 
 def test_tiny_temperatures_are_greedy_and_no_accepted_temperature_fails(model_and_tokenizer, reference, caplog):
     caplog.set_level(logging.INFO)
     for t in TINY_TEMPERATURES:
         assert (
-            schema.parse_request(json.dumps({"messages": QUESTION, "temperature": t}).encode(), LIMITS).temperature
+            web_app.parse_request(json.dumps({"messages": QUESTION, "temperature": t}).encode(), LIMITS).temperature
             == 0.0
         ), t
     app, pool = make_app(model_and_tokenizer)
-    accepted = TINY_TEMPERATURES + (schema.MIN_TEMPERATURE, 1e-3, 0.7, schema.MAX_TEMPERATURE)
+    accepted = TINY_TEMPERATURES + (web_app.MIN_TEMPERATURE, 1e-3, 0.7, web_app.MAX_TEMPERATURE)
 
     async def go():
         async with client(app) as c:
@@ -623,7 +622,7 @@ def test_tiny_temperatures_are_greedy_and_no_accepted_temperature_fails(model_an
         events = sse_events(chunks)
         assert status == 200 and events[-1] == {"done": True}, (t, events)
         assert all(set(e) == {"token"} for e in events[:-1]), (t, events)  # no error event
-        if t < schema.MIN_TEMPERATURE:
+        if t < web_app.MIN_TEMPERATURE:
             assert "".join(e["token"] for e in events[:-1]) == reference, t
     assert [r.status_code for r in refused] == [400, 400, 400]
     assert pool.stats()["requests"]["failed"] == 0 and pool.stats()["requests"]["completed"] == len(accepted)
