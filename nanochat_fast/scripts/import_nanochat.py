@@ -114,7 +114,6 @@ def write_run(run_dir: Path, ckpt, model_state: dict, shards: list, meta: dict, 
             ckpt.step,
             model_state=model_state,
             meta=meta,
-            rank=0,
             rank_state={"optimizers": shards, "rng": {"cpu": torch.get_rng_state()}},
         )
         if tokenizer is not None:
