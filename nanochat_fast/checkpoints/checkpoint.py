@@ -207,13 +207,14 @@ def _attempt(write, *args) -> OSError | None:
 
 def _write_rank_files(tmp: Path, written: dict, model_state: dict, rank_state: dict):
     """This rank's files, their digests into `written`: DTensors go to DCP shards (every rank takes
-    part), whole tensors to model.pt (rank 0, fp32); then its optim_rank<R>.pt."""
-    rank = get_dist_info()[1]
-    tmp.mkdir(parents=True, exist_ok=True)  # (open_run_dir removed what saves that did not finish left)
-    if any(hasattr(v, "to_local") for v in model_state.values()):
+    part, first: a failure reaches every rank), whole tensors to model.pt (rank 0, fp32); then its
+    optim_rank<R>.pt. (open_run_dir removed the folders of saves that did not finish.)"""
+    rank, sharded = get_dist_info()[1], any(hasattr(v, "to_local") for v in model_state.values())
+    if sharded:
         shards = write_shards(tmp / MODEL_SHARDS, model_state)
         written.update({f"{MODEL_SHARDS}/{name}": digest for name, digest in shards.items()})
-    elif rank == 0:
+    tmp.mkdir(parents=True, exist_ok=True)
+    if rank == 0 and not sharded:
         model = {k: v.detach().float().cpu() for k, v in model_state.items()}
         written[MODEL_FILE] = write_tensors(tmp / MODEL_FILE, model)
     written[f"optim_rank{rank}.pt"] = write_tensors(tmp / f"optim_rank{rank}.pt", rank_state)
@@ -355,15 +356,6 @@ def load_meta(ckpt) -> dict:
     return meta
 
 
-def _file_digest(path: Path) -> dict:
-    sha, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-            size += len(chunk)
-    return {"sha256": sha.hexdigest(), "bytes": size}
-
-
 def verify_checkpoint(ckpt):
     """Every file meta.json lists against the digest recorded when it was saved (DamagedCheckpoint
     naming the first that differs), once per checkpoint and process; without digests, a notice."""
@@ -379,7 +371,12 @@ def verify_checkpoint(ckpt):
         path = ckpt / name
         if not path.is_file():
             raise _damaged(path, "is missing")
-        _check_digest(path, want, _file_digest(path))
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                sha.update(chunk)
+            got = {"sha256": sha.hexdigest(), "bytes": f.tell()}
+        _check_digest(path, want, got)
     _verified.add(key)
 
 

@@ -64,12 +64,9 @@ def _muon_entry(momentum: torch.Tensor, second: torch.Tensor | None, shape, name
     return entry
 
 
-def _steps(entries: list) -> set:
-    return {int(torch.as_tensor(e.get("step", 0)).item()) for e in entries}
-
-
-def _updates(steps: set) -> int:
-    """AdamW's number of updates: nanochat counts them per parameter, we per optimizer."""
+def _updates(entries: list) -> int:
+    """AdamW's number of updates, from its state `entries`: nanochat counts per parameter, we per optimizer."""
+    steps = {int(torch.as_tensor(e.get("step", 0)).item()) for e in entries}
     if len(steps) > 1:
         _fail(f"its AdamW parameters were updated different numbers of times ({sorted(steps)})")
     return steps.pop() if steps else 0
@@ -116,7 +113,7 @@ def pair_shards(files: list, optim_files: list, shapes: dict) -> list[dict]:
         for which in (0, 1):
             for index, entry in data[which]["state"].items():
                 merged[which].setdefault(int(index), []).append(entry)
-    groups, state, steps = {kind: [] for kind in KINDS}, {kind: {} for kind in KINDS}, set()
+    groups, state, counted = {kind: [] for kind in KINDS}, {kind: {} for kind in KINDS}, []
     adamw_groups = files[0][0]["param_groups"]
     if [len(g.get("params", [])) for g in adamw_groups] != [1, 1]:
         _fail("its AdamW does not have nanochat's two groups (lm_head, wte)")
@@ -124,8 +121,8 @@ def pair_shards(files: list, optim_files: list, shapes: dict) -> list[dict]:
         groups["adamw"].append({"param_names": [name], **_hparams(g)})
         if entries := merged[0].get(int(g["params"][0])):  # DistAdamW's row slices, in rank order
             state["adamw"][name] = _adamw_entry(entries, shapes[name], name)
-            steps |= _steps(entries)
-    updates = _updates(steps)
+            counted += entries
+    updates = _updates(counted)
     if state["adamw"] and len(state["adamw"]) != len(ADAMW_NAMES):
         _fail(f"AdamW state for only {sorted(state['adamw'])} (load every optim_NNNNNN_rank*.pt of the checkpoint)")
     matrices = [(n, s) for n, s in shapes.items() if n not in ADAMW_NAMES]
@@ -176,7 +173,7 @@ def combined_shards(files: list, shapes: dict, config) -> list[dict]:
         got = [(g["kind"], len(g.get("params", []))) for g in data["param_groups"]]
         if got != [(kind, len(names)) for kind, names in layout]:
             _fail(f"its MuonAdamW groups {got} are not the ones this model's setup_optimizer builds")
-    groups, state, steps = {kind: [] for kind in KINDS}, {kind: {} for kind in KINDS}, set()
+    groups, state, counted = {kind: [] for kind in KINDS}, {kind: {} for kind in KINDS}, []
     for g, (kind, names) in enumerate(layout):
         group = files[0]["param_groups"][g]
         groups[kind].append({"param_names": names, **_hparams(group)})
@@ -188,13 +185,13 @@ def combined_shards(files: list, shapes: dict, config) -> list[dict]:
                     rows = padded_vocab(shape[0]) if vocab_sized(name) else shape[0]
                     split = len(files) > 1 and rows * math.prod(shape[1:]) >= 1024
                     state[kind][name] = _adamw_entry(entries, shape, name, split)
-                    steps |= _steps(entries)
+                    counted += entries
         elif all(stacks := entries_of[0]):
             momentum = torch.cat([_tensor(e, "momentum_buffer", names[0]) for e in stacks])
             second = torch.cat([_tensor(e, "second_momentum_buffer", names[0]) for e in stacks])
             for i, name in enumerate(names):
                 state[kind][name] = _muon_entry(momentum[i], second[i], shapes[name], name)
-    return _shards(groups, state, _updates(steps))
+    return _shards(groups, state, _updates(counted))
 
 
 def optimizer_shards(ckpt: NanochatCheckpoint, shapes: dict, skip: bool) -> tuple[list, str]:

@@ -72,12 +72,8 @@ def read_encoding_state(path) -> dict:
     state = getattr(obj, "state", None) if isinstance(obj, _EncodingState) else None
     if isinstance(state, str):
         raise UserError(f"{path} names tiktoken's built-in encoding {state!r}, not a trained nanochat tokenizer")
-    ok = (
-        isinstance(state, dict)
-        and isinstance(state.get("pat_str"), str)
-        and isinstance(state.get("mergeable_ranks"), dict)
-        and isinstance(state.get("special_tokens"), dict)
-    )
+    fields = {"pat_str": str, "mergeable_ranks": dict, "special_tokens": dict}
+    ok = isinstance(state, dict) and all(isinstance(state.get(k), t) for k, t in fields.items())
     ok = ok and all(isinstance(k, bytes) and type(v) is int for k, v in state["mergeable_ranks"].items())
     ok = ok and all(isinstance(k, str) and type(v) is int for k, v in state["special_tokens"].items())
     if not ok:

@@ -138,25 +138,15 @@ def main(argv=None) -> int:
         f"imported as {phase} run {run_dir} (checkpoint step {ckpt.step}); tokenizer "
         f"{'written to' if write_tokenizer else 'already in'} {paths.tokenizer_dir()}"
     )
-    steps = []
+    cmd, run = "python -m nanochat_fast.scripts.", args.run
     if phase == "base":
-        steps += [
-            f"evaluate: python -m nanochat_fast.scripts.base_eval --run={args.run}",
-            f"mid-train: python -m nanochat_fast.scripts.mid_train --base-run={args.run}",
-        ]
-        flags = base_train_flags(ckpt.config)
-        if flags:
-            steps.append(
-                f"keep pretraining: python -m nanochat_fast.scripts.base_train --run={args.run} --resume=auto "
-                f"{flags} --num-iterations=N"
-            )
+        steps = [f"evaluate: {cmd}base_eval --run={run}", f"mid-train: {cmd}mid_train --base-run={run}"]
+        if flags := base_train_flags(ckpt.config):
+            steps.append(f"keep pretraining: {cmd}base_train --run={run} --resume=auto {flags} --num-iterations=N")
     else:
-        steps += [
-            f"chat: python -m nanochat_fast.scripts.chat_cli --run={args.run}",
-            f"evaluate: python -m nanochat_fast.scripts.chat_eval --run={args.run}",
-        ]
+        steps = [f"chat: {cmd}chat_cli --run={run}", f"evaluate: {cmd}chat_eval --run={run}"]
     if phase in ("base", "mid"):
-        steps.append(f"fine-tune: python -m nanochat_fast.scripts.chat_sft --source-run={args.run}")
+        steps.append(f"fine-tune: {cmd}chat_sft --source-run={run}")
     print("what you can run on it now:")
     for line in steps:
         print(f"  {line}")
