@@ -101,8 +101,7 @@ def _fsync_dir(path: Path):
 
 
 def _write(path: Path, write, kept=frozenset()) -> dict:
-    """write(file) into `path` through a HashingFile, under a temporary name fsynced and renamed into
-    place (a reader sees the old file or the whole new one); the digest of what it wrote."""
+    """write(file) into `path`, hashed: a temporary name fsynced and renamed over it. Its digest."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -126,8 +125,7 @@ def write_tensors(path: Path, obj) -> dict:
 
 
 def read_tensors(path: Path, map_location="cpu"):
-    """What torch.save wrote at `path`, as plain tensors and containers; raises what torch.load
-    raises (a missing, truncated or non-tensor file): callers turn that into their own message."""
+    """What torch.save wrote at `path`, plain tensors only; raises what torch.load raises (callers word it)."""
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
@@ -264,7 +262,8 @@ def save_checkpoint(run_dir, step: int, *, model_state, rank_state, meta, device
 
 
 def is_complete(ckpt) -> bool:
-    return (Path(ckpt) / COMPLETE).exists()
+    """COMPLETE is in it, and it is not a save's folder before its rename."""
+    return Path(ckpt).suffix != PARTIAL and (Path(ckpt) / COMPLETE).exists()
 
 
 def _step_folders(run_dir) -> list[Path]:
@@ -274,13 +273,12 @@ def _step_folders(run_dir) -> list[Path]:
 
 def complete_checkpoints(run_dir) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
-    return [p for p in _step_folders(run_dir) if not p.suffix and is_complete(p)]
+    return [p for p in _step_folders(run_dir) if is_complete(p)]
 
 
 def incomplete_checkpoints(run_dir) -> list[Path]:
-    """What saves that did not finish left, oldest first: partial folders, and step folders without
-    COMPLETE (older versions saved in place)."""
-    return [p for p in _step_folders(run_dir) if p.suffix or not is_complete(p)]
+    """Folders of saves that did not finish (partial, or without COMPLETE as older versions left them)."""
+    return [p for p in _step_folders(run_dir) if not is_complete(p)]
 
 
 def resolve_checkpoint(run_dir, step: int | None = None) -> Path:
@@ -312,8 +310,7 @@ def _check_digest(path: Path, want: dict, got: dict):
 
 
 def _meta_digest(ckpt: Path) -> dict | None:
-    """meta.json's digest as COMPLETE records it; None where nothing is recorded (no COMPLETE, or
-    an old checkpoint's "ok")."""
+    """meta.json's digest as COMPLETE records it (None: no COMPLETE, or an old checkpoint's "ok")."""
     complete = ckpt / COMPLETE
     if not complete.exists():
         return None
@@ -332,8 +329,7 @@ def _meta_digest(ckpt: Path) -> dict | None:
 
 
 def load_meta(ckpt) -> dict:
-    """meta.json of a checkpoint, checked against COMPLETE's record and to be of the format this
-    version reads."""
+    """meta.json of a checkpoint, checked against COMPLETE's record and for its format version."""
     ckpt = Path(ckpt)
     path = ckpt / META_FILE
     try:
@@ -396,8 +392,7 @@ def _read(path: Path, device):
 
 
 def _read_shards(directory: Path) -> dict:
-    """The whole tensors of a DCP folder, read by this process alone (no collectives), whatever
-    number of processes wrote it."""
+    """The whole tensors of a DCP folder, read by this process alone, whatever number of processes wrote it."""
     import torch.distributed.checkpoint as dcp
 
     try:

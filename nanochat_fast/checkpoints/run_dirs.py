@@ -89,8 +89,7 @@ def open_run_dir(run, run_name: str, rank: int, phase: str, device):
 
 
 def newest_intact(found: list[Path]) -> Path | None:
-    """The newest of the complete checkpoints `found` whose files match their recorded digests;
-    each damaged one newer than it is named (one line) and skipped."""
+    """The newest of `found` whose files match their digests; each damaged one newer is named and skipped."""
     skipped = []
     for ckpt in reversed(found):
         try:
@@ -140,8 +139,7 @@ def run_dir_of(name: str, phases) -> Path:
 
 @contextmanager
 def new_run_dir(run_dir: Path):
-    """Yields a temporary folder beside `run_dir` to build a whole run in; when the block ends
-    without error it replaces `run_dir`, so a failed or killed build leaves no half run behind."""
+    """A folder beside `run_dir` to build a run in, which replaces `run_dir` if the block ends without error."""
     tmp = run_dir.with_name(f".{run_dir.name}.new{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -53,8 +53,7 @@ def load_pt(path: Path):
 
 
 def open_checkpoint(folder, step: int | None) -> NanochatCheckpoint:
-    """The checkpoint at `step` (None: the newest) of a nanochat checkpoint folder, its meta read and
-    model_config checked (the tensors are read later)."""
+    """The checkpoint at `step` (None: the newest) of a nanochat folder, meta read and model_config checked."""
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise UserError(
@@ -119,8 +118,7 @@ def padded_vocab(vocab_size: int) -> int:
 
 
 def model_state(ckpt: NanochatCheckpoint) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights as our GPT's fp32 state_dict; UserError for any tensor that does
-    not match its model_config (names, shapes, non-tensors)."""
+    """The checkpoint's weights as our GPT's fp32 state_dict, each checked against the model_config."""
     path = ckpt.folder / MODEL_FILE.format(ckpt.step)
     raw = load_pt(path)
     if not isinstance(raw, dict):

@@ -46,8 +46,7 @@ def _rows_fitted(t: torch.Tensor, shape, name):
 
 
 def _adamw_entry(entries: list, shape, name: str, split: bool = True) -> dict:
-    """One AdamW parameter's moments: rank r's rows in rank r's entry, concatenated (`split`), else
-    whole in each entry."""
+    """One AdamW parameter's moments: rank r's rows from rank r's entry (`split`), else whole in each."""
     entry = {"shape": list(shape), "offset": 0}
     for key in ("exp_avg", "exp_avg_sq"):
         pieces = [_tensor(e, key, name) for e in entries]
@@ -103,8 +102,7 @@ def _muon_members(count: int, entries: dict, indices: list, matrices: list) -> l
 
 
 def pair_shards(files: list, optim_files: list, shapes: dict) -> list[dict]:
-    """nanochat's [AdamW, Muon] pairs (one per rank file, rank order) -> our shards. `shapes`: our
-    GPT's {parameter name: shape}."""
+    """nanochat's [AdamW, Muon] pairs (rank order) -> our shards; `shapes`: our GPT's {name: shape}."""
     for data, path in zip(files, optim_files):
         if not (isinstance(data, (list, tuple)) and len(data) == 2 and all(_is_state_dict(d) for d in data)):
             _fail(f"{path} is not nanochat's [AdamW, Muon] pair of optimizer state_dicts")
@@ -195,8 +193,7 @@ def combined_shards(files: list, shapes: dict, config) -> list[dict]:
 
 
 def optimizer_shards(ckpt: NanochatCheckpoint, shapes: dict, skip: bool) -> tuple[list, str]:
-    """Our optimizer shards for a nanochat checkpoint (its optimizer files converted, else fresh
-    state), and the line saying what became of nanochat's optimizer state."""
+    """Our shards for a nanochat checkpoint (its files converted, else fresh state) and the line saying which."""
     if ckpt.optim_files and not skip:
         files = [load_pt(p) for p in ckpt.optim_files]
         if all(_is_combined(d) for d in files):

@@ -57,8 +57,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def read_encoding_state(path) -> dict:
-    """{name, pat_str, mergeable_ranks, special_tokens} of a nanochat tokenizer.pkl, read safely and
-    each of the type tiktoken requires."""
+    """{name, pat_str, mergeable_ranks, special_tokens} of a tokenizer.pkl, read safely, each field checked."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path} is missing: --tokenizer must be the folder holding nanochat's tokenizer.pkl")
@@ -105,8 +104,7 @@ def tokenizer_from_state(state: dict, path) -> Tokenizer:
 
 
 def check_same_ids(tokenizer: Tokenizer, state: dict, text: str = SAMPLE_TEXT) -> int:
-    """Our encoding of `text` (special tokens included) equals the encoding nanochat builds from
-    `state`; returns the number of tokens compared. UserError when they differ."""
+    """How many tokens of `text` our tokenizer and nanochat's encoding of `state` both give (else UserError)."""
     reference = tiktoken.Encoding(
         name=ENCODING_NAME,
         pat_str=state["pat_str"],
@@ -167,8 +165,7 @@ def old_token_bytes_notice(directory: Path, differ: dict[int, int], vocab_size: 
 
 
 def check_out_tokenizer(folder: Path, tokenizer: Tokenizer, overwrite: bool):
-    """A tokenizer already in an export's folder must be this one (its other checkpoints were
-    made with it), unless `overwrite`."""
+    """A tokenizer already in an export's folder (its checkpoints' own) must be this one, unless `overwrite`."""
     pkl = folder / PICKLE_FILE
     if not pkl.exists() or overwrite:
         return
