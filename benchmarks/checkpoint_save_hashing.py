@@ -2,7 +2,7 @@
 What recording a checkpoint's digests costs a save: checkpoints.save_checkpoint of a depth-12 GPT
 (nanochat's vocabulary, 2^16) timed with the digests hashed as the bytes are written (as shipped)
 and with the hashing replaced by a pass-through, in interleaved rounds (ABAB...: a busy neighbour
-lands on both), medians of --rounds saves each. Every save is fsynced (files.py); each checkpoint is
+lands on both), medians of --rounds saves each. Every save is fsynced (checkpoints/checkpoint.py); each checkpoint is
 deleted before the next save. The optimizer state stands in as one fp32 copy of every parameter per
 kind (Muon's momentum for matrices, AdamW's two moments for the rest), the size a real one has.
 
@@ -23,19 +23,17 @@ from pathlib import Path
 import torch
 
 from nanochat_fast import checkpoints
-from nanochat_fast.checkpoints import files
+from nanochat_fast.checkpoints import checkpoint
 from nanochat_fast.hardware import cpu_model
 from nanochat_fast.model.gpt import config_from_depth
 from nanochat_fast.model.loading import new_model
 
 
-class PassThrough(files.HashingFile):
+class PassThrough(checkpoint.HashingFile):
     """The same writes, no hashing: the baseline."""
 
-    def write(self, data):
-        view = memoryview(data).cast("B")
-        self.size += view.nbytes
-        return self._f.write(view) if view.nbytes < files.OVERLAP_BYTES else self.write_large(view)
+    def _queue(self, data, copied: int):
+        pass
 
 
 def states(depth: int):
@@ -49,15 +47,15 @@ def states(depth: int):
 
 
 def save_once(run_dir: Path, model_state, rank_state, hashing: bool) -> float:
-    files.HashingFile, real = (files.HashingFile if hashing else PassThrough), files.HashingFile
+    checkpoint.HashingFile, real = (checkpoint.HashingFile if hashing else PassThrough), checkpoint.HashingFile
     try:
         t0 = time.perf_counter()
         path = checkpoints.save_checkpoint(
-            run_dir, 1, model_state=model_state, rank_state=rank_state, meta={"phase": "bench"}, rank=0
+            run_dir, 1, model_state=model_state, rank_state=rank_state, meta={"phase": "bench"}
         )
         seconds = time.perf_counter() - t0
     finally:
-        files.HashingFile = real
+        checkpoint.HashingFile = real
     shutil.rmtree(path)
     return seconds
 

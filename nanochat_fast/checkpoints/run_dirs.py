@@ -1,12 +1,7 @@
 """
-Run directories: where a run writes, whether it resumes or starts over, and finding the runs a
-later stage or an evaluation starts from.
-
-    NANOCHAT_FAST_HOME/runs/<run>/checkpoints/step_NNNNNN/   (step_dirs.py)
-    NANOCHAT_FAST_HOME/runs/<run>/{metrics.jsonl, loss.png, report.md}
-
-A run name is a plain name (core/cli.run_name): one folder under runs/. --out-dir puts a run anywhere.
-A run directory that exists is continued only with --resume and replaced only with --overwrite.
+A run's directory, NANOCHAT_FAST_HOME/runs/<run>/ (or --out-dir): continued only with --resume,
+replaced only with --overwrite; the checkpoint a resume starts from, and the runs a later stage or an
+evaluation starts from.
 """
 
 import os
@@ -17,8 +12,14 @@ from pathlib import Path
 from ..core import paths
 from ..core.distributed import all_ranks_ok, print0
 from ..core.errors import UserError
-from . import step_dirs
-from .step_dirs import complete_checkpoints, incomplete_checkpoints, is_complete, load_meta
+from .checkpoint import (
+    COMPLETE,
+    complete_checkpoints,
+    incomplete_checkpoints,
+    is_complete,
+    load_meta,
+    verify_checkpoint,
+)
 
 
 def _check_writable(run_dir: Path):
@@ -35,10 +36,9 @@ def _check_writable(run_dir: Path):
 
 
 def open_run_dir(run, run_name: str, rank: int, phase: str, device):
-    """Decide the run directory and the checkpoint to resume from: (run_dir, ckpt or None, meta or None).
-    `run` is the RunConfig (run, out_dir, resume, overwrite).
-    Every rank reads the directory before rank 0 changes it (clears it for --overwrite, removes
-    incomplete checkpoints), so all ranks take the same decision."""
+    """(run_dir, checkpoint to resume or None, its meta or None) for the RunConfig `run`. Every rank
+    reads the directory before rank 0 changes it (cleared for --overwrite, the leftovers of saves that
+    did not finish removed), so all ranks take the same decision."""
     resume = run.resume
     if resume not in ("", "auto") and not (run.run or run.out_dir):
         run_dir = Path(resume).resolve().parent.parent  # runs/<run>/checkpoints/step_N -> runs/<run>
@@ -62,7 +62,7 @@ def open_run_dir(run, run_name: str, rank: int, phase: str, device):
                 f"--resume {resume}: not a complete checkpoint directory (expected "
                 "runs/<run>/checkpoints/step_NNNNNN containing COMPLETE)"
             )
-        step_dirs.verify_checkpoint(ckpt)  # a damaged file: one line naming it, exit 2
+        verify_checkpoint(ckpt)  # a damaged file: one line naming it, exit 2
     start_over = ckpt is None and resume != "auto" and run_dir.exists() and any(run_dir.iterdir())
     if start_over and not run.overwrite:
         raise UserError(
@@ -76,7 +76,8 @@ def open_run_dir(run, run_name: str, rank: int, phase: str, device):
             if start_over:
                 shutil.rmtree(run_dir)
             _check_writable(run_dir)
-            step_dirs.remove_incomplete(run_dir)
+            for half in incomplete_checkpoints(run_dir):
+                shutil.rmtree(half, ignore_errors=True)
         except UserError as e:
             error = e
     if not all_ranks_ok(error is None, device):  # and no rank goes on before rank 0 is done
@@ -88,12 +89,11 @@ def open_run_dir(run, run_name: str, rank: int, phase: str, device):
 
 
 def newest_intact(found: list[Path]) -> Path | None:
-    """The newest of the complete checkpoints `found` whose files match their recorded digests;
-    each damaged one newer than it is named (one line) and skipped."""
+    """The newest of `found` whose files match their digests; each damaged one newer is named and skipped."""
     skipped = []
     for ckpt in reversed(found):
         try:
-            step_dirs.verify_checkpoint(ckpt)
+            verify_checkpoint(ckpt)
         except UserError as e:
             print0(f"--resume auto: skipping {ckpt.name}: {e}")
             skipped.append(ckpt.name)
@@ -108,19 +108,17 @@ def newest_run(phases) -> Path:
     """The run directory, of the first of `phases` ("base", "mid", ...) that has one, whose newest
     complete checkpoint is newest: newest_run(("mid", "base")) is the newest mid run, else base."""
     phases = (phases,) if isinstance(phases, str) else tuple(phases)
-    candidates = {phase: [] for phase in phases}
+    runs = []  # (-which of phases, when its newest checkpoint was completed, run_dir)
     for run_dir in paths.runs_dir().glob("*") if paths.runs_dir().is_dir() else []:
         found = complete_checkpoints(run_dir)
-        if found:
-            try:
-                phase = load_meta(found[-1]).get("phase")
-                if phase in candidates:
-                    candidates[phase].append((step_dirs.completed_at(found[-1]), run_dir))
-            except UserError:
-                continue
-    for phase in phases:
-        if candidates[phase]:
-            return max(candidates[phase])[1]
+        try:
+            phase = load_meta(found[-1]).get("phase") if found else None
+        except UserError:
+            continue
+        if phase in phases:
+            runs.append((-phases.index(phase), (found[-1] / COMPLETE).stat().st_mtime, run_dir))
+    if runs:
+        return max(runs)[2]
     command = {"base": "base_train", "mid": "mid_train"}.get(phases[-1], f"{phases[-1]}_train")
     raise UserError(
         f"no {' or '.join(phases)} run with a complete checkpoint in {paths.runs_dir()}; train one with "
@@ -141,8 +139,7 @@ def run_dir_of(name: str, phases) -> Path:
 
 @contextmanager
 def new_run_dir(run_dir: Path):
-    """Yields a temporary folder beside `run_dir` to build a whole run in; when the block ends
-    without error it replaces `run_dir`, so a failed or killed build leaves no half run behind."""
+    """A folder beside `run_dir` to build a run in, which replaces `run_dir` if the block ends without error."""
     tmp = run_dir.with_name(f".{run_dir.name}.new{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -1,18 +1,9 @@
 """
-nanochat's checkpoint folder, read and written. nanochat saves a training step as
-
-    model_NNNNNN.pt          the model's state_dict (torch.save; wte in bf16 when trained on CUDA)
-    meta_NNNNNN.json         {"step", "val_bpb", "model_config": {sequence_len, vocab_size, n_layer,
-                              n_head, n_kv_head, n_embd}, "user_config", "loop_state", ...}
-    optim_NNNNNN_rankR.pt    each rank's optimizer state (optional; nanochat_optimizer.py)
-
-in a folder <phase>_checkpoints/d<n_layer> of its base directory (NANOCHAT_BASE_DIR).
-
-Its GPTs and ours (the seeds' GPT; the windowed GPT, whose model_config has a window_pattern) are the
-same networks with the same parameter names: converting is a matter of files. Keys lose torch.compile's
-"_orig_mod." prefix, tensors become fp32, and the vocabulary padding of its later versions (to a
-multiple of 64) is dropped on import and added back as zeros on export. Anything else that differs
-from the model_config stops the import with one line; every .pt file loads with weights_only=True.
+nanochat's checkpoint folder (<phase>_checkpoints/d<n_layer>: model_NNNNNN.pt, meta_NNNNNN.json,
+optim_NNNNNN_rankR.pt), read and written. Its GPTs and ours have the same parameter names, so
+converting is a matter of files: torch.compile's "_orig_mod." prefix dropped, fp32 tensors, the
+vocabulary padding of its later versions (to a multiple of 64) cut on import and added back as zeros
+on export. Anything else that differs from the model_config stops the import with one line.
 """
 
 import json
@@ -49,13 +40,7 @@ class NanochatCheckpoint:
     meta: dict
     config: GPTConfig
     optim_files: list[Path]  # optim_NNNNNN_rank0.pt, rank1, ... (empty: none saved)
-
-
-def steps_in(folder: Path) -> list[int]:
-    """Steps that have a meta_NNNNNN.json in `folder`, ascending."""
-    return sorted(
-        int(m.group(1)) for p in folder.glob("meta_*.json") if (m := re.fullmatch(r"meta_(\d+)\.json", p.name))
-    )
+    phase: str  # ours, from the name of its stage's folder (default: base)
 
 
 def load_pt(path: Path):
@@ -68,15 +53,14 @@ def load_pt(path: Path):
 
 
 def open_checkpoint(folder, step: int | None) -> NanochatCheckpoint:
-    """The checkpoint at `step` (None: the newest) of a nanochat checkpoint folder: meta read and
-    its model_config checked; the tensors are read by model_state/optimizer files later."""
+    """The checkpoint at `step` (None: the newest) of a nanochat folder, meta read and model_config checked."""
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise UserError(
             f"--from {folder}: no such folder (give nanochat's checkpoint folder, e.g. "
             "~/.cache/nanochat/base_checkpoints/d20)"
         )
-    steps = steps_in(folder)
+    steps = sorted(int(m[1]) for p in folder.glob("meta_*.json") if (m := re.fullmatch(r"meta_(\d+)\.json", p.name)))
     if not steps:
         raise UserError(
             f"--from {folder}: no meta_*.json there; this is not a nanochat checkpoint folder "
@@ -97,13 +81,12 @@ def open_checkpoint(folder, step: int | None) -> NanochatCheckpoint:
     optim_files = []
     while (folder / OPTIM_FILE.format(step, len(optim_files))).is_file():
         optim_files.append(folder / OPTIM_FILE.format(step, len(optim_files)))
-    return NanochatCheckpoint(folder, step, meta, config, optim_files)
+    return NanochatCheckpoint(folder, step, meta, config, optim_files, PHASE_OF_FOLDER.get(folder.parent.name, "base"))
 
 
 def config_of(meta: dict, meta_path: Path) -> GPTConfig:
-    """The model config of a meta's model_config: the windowed GPT's when it has a window_pattern
-    with short windows; one of only long windows is taken as the seeds' GPT until the weights say
-    otherwise (model_state)."""
+    """The model config of a meta's model_config: the windowed GPT's when its window_pattern has
+    short windows; one of only long windows is the gpt family's until the weights say otherwise."""
     mc = meta.get("model_config") if isinstance(meta, dict) else None
     if not isinstance(mc, dict):
         raise UserError(f"{meta_path} has no model_config; it was not written by nanochat's training scripts")
@@ -112,7 +95,7 @@ def config_of(meta: dict, meta_path: Path) -> GPTConfig:
     if isinstance(window, str) and set(window) == {"L"}:
         mc.pop("window_pattern", None)
     cls = WindowedGPTConfig if "window_pattern" in mc else GPTConfig
-    names = {f for f in asdict(cls())}
+    names = set(asdict(cls()))
     if set(mc) != names:
         extra, missing = sorted(set(mc) - names), sorted(names - set(mc))
         raise UserError(
@@ -125,25 +108,17 @@ def config_of(meta: dict, meta_path: Path) -> GPTConfig:
         raise UserError(f"{meta_path}: model_config is not a valid GPT ({e})") from None
 
 
-def expected_shapes(config: GPTConfig) -> dict[str, tuple]:
-    with torch.device("meta"):
-        model = loading.model_class(config)(config)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
 def vocab_sized(name: str) -> bool:
     """The tensors with a row per token, which nanochat pads."""
     return name in ("transformer.wte.weight", "lm_head.weight") or name.startswith("value_embeds.")
 
 
-def padded_rows(rows: int, vocab_size: int) -> bool:
-    """Rows of a vocab-sized tensor as nanochat's padding leaves them (vocab rounded up to 64)."""
-    return rows == -(-vocab_size // VOCAB_PAD) * VOCAB_PAD
+def padded_vocab(vocab_size: int) -> int:
+    return -(-vocab_size // VOCAB_PAD) * VOCAB_PAD
 
 
 def model_state(ckpt: NanochatCheckpoint) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights as our GPT's fp32 state_dict; UserError for any tensor that does
-    not match its model_config (names, shapes, non-tensors)."""
+    """The checkpoint's weights as our GPT's fp32 state_dict, each checked against the model_config."""
     path = ckpt.folder / MODEL_FILE.format(ckpt.step)
     raw = load_pt(path)
     if not isinstance(raw, dict):
@@ -151,7 +126,7 @@ def model_state(ckpt: NanochatCheckpoint) -> dict[str, torch.Tensor]:
     raw = {str(k).removeprefix("_orig_mod."): v for k, v in raw.items()}
     if type(ckpt.config) is GPTConfig and "resid_lambdas" in raw:  # the windowed GPT, all windows long
         ckpt.config = WindowedGPTConfig(**asdict(ckpt.config), window_pattern="L")
-    want = expected_shapes(ckpt.config)
+    want = {k: tuple(v.shape) for k, v in loading.meta_model(ckpt.config).state_dict().items()}
     missing, extra = sorted(set(want) - set(raw)), sorted(set(raw) - set(want))
     if missing or extra:
         raise UserError(
@@ -164,7 +139,7 @@ def model_state(ckpt: NanochatCheckpoint) -> dict[str, torch.Tensor]:
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise UserError(f"{path}: {name} is not a floating-point tensor")
         got = tuple(t.shape)
-        if got != shape and vocab_sized(name) and got[1:] == shape[1:] and padded_rows(got[0], shape[0]):
+        if got != shape and vocab_sized(name) and got[1:] == shape[1:] and got[0] == padded_vocab(shape[0]):
             t = t[: shape[0]]  # nanochat's vocab padding
         elif got != shape:
             raise UserError(
@@ -183,78 +158,57 @@ def meta_summary(ckpt: NanochatCheckpoint) -> str:
     return f"nanochat checkpoint {ckpt.folder} step {ckpt.step}: {cfg}; val bpb {bpb_text}"
 
 
-def export_state(state: dict, config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Our state_dict as nanochat's model_NNNNNN.pt: the same names, fp32 tensors (what nanochat
-    writes from a CPU run; its loader casts as it needs); the windowed GPT's vocabulary rows padded
-    with zeros to a multiple of 64, as its loader (strict) expects, the seeds' GPT's left unpadded."""
-    out = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
-    if isinstance(config, WindowedGPTConfig):
-        rows = -(-config.vocab_size // VOCAB_PAD) * VOCAB_PAD
-        for k in [k for k in out if vocab_sized(k)]:
-            out[k] = torch.cat([out[k], out[k].new_zeros(rows - out[k].size(0), out[k].size(1))])
-    return out
-
-
-def phase_of(ckpt: NanochatCheckpoint) -> str:
-    """Our phase for a nanochat checkpoint, from the name of its stage's folder (default: base)."""
-    return PHASE_OF_FOLDER.get(ckpt.folder.parent.name, "base")
-
-
-def carried_loop_state(ckpt: NanochatCheckpoint) -> dict:
-    """What nanochat's meta says of the loop, as fields of our LoopState (train/run_state.py)."""
-    nano, bpb = ckpt.meta, ckpt.meta.get("val_bpb")
-    loop = nano.get("loop_state") if isinstance(nano.get("loop_state"), dict) else {}
+def carried_meta(ckpt: NanochatCheckpoint, optimizer: bool) -> tuple[dict, dict]:
+    """What nanochat's meta says of the loop, as fields of our LoopState (train/run_state.py), and
+    where the run came from (our meta.json's "imported_from")."""
+    loop = ckpt.meta.get("loop_state") if isinstance(ckpt.meta.get("loop_state"), dict) else {}
+    bpb = ckpt.meta.get("val_bpb")
     bpb = float(bpb) if isinstance(bpb, (int, float)) else None
-    return {
+    loop_state = {
         "step": ckpt.step,
         "smooth_loss": float(loop.get("smooth_train_loss", 0.0) or 0.0),
         "train_time": float(loop.get("total_training_time", 0.0) or 0.0),
         "first_val_bpb": bpb,
         "last_val_bpb": bpb,
     }
-
-
-def origin(ckpt: NanochatCheckpoint, optimizer: bool) -> dict:
-    """Where an imported run came from: its meta.json's "imported_from"."""
-    return {
+    origin = {
         "nanochat_checkpoint": str(ckpt.folder),
         "step": ckpt.step,
         "optimizer": optimizer,
         "user_config": ckpt.meta.get("user_config"),
     }
+    return loop_state, origin
 
 
-def export_folder(base_dir: Path, phase: str, n_layer: int) -> Path:
-    """The folder nanochat's loaders look in for a model of `phase` and depth `n_layer`."""
-    return Path(base_dir) / FOLDER_OF_PHASE[phase] / f"d{n_layer}"
+def export_paths(base_dir: Path, phase: str, n_layer: int, step: int) -> tuple[Path, Path]:
+    """(model file, meta file) where nanochat's loaders look for a model of `phase` and depth `n_layer`."""
+    folder = Path(base_dir) / FOLDER_OF_PHASE[phase] / f"d{n_layer}"
+    return folder / MODEL_FILE.format(step), folder / META_FILE.format(step)
 
 
-def model_path(folder: Path, step: int) -> Path:
-    return Path(folder) / MODEL_FILE.format(step)
-
-
-def meta_path(folder: Path, step: int) -> Path:
-    return Path(folder) / META_FILE.format(step)
-
-
-def export_meta(step: int, config: GPTConfig, meta: dict, ckpt: Path) -> dict:
-    """nanochat's meta_NNNNNN.json for our checkpoint `ckpt` with meta.json `meta`."""
+def write_checkpoint(model_path: Path, meta_path: Path, state: dict, config: GPTConfig, meta: dict, ckpt: Path):
+    """Our checkpoint `ckpt` (meta.json `meta`) as nanochat's model and meta files, each replaced
+    atomically: the same names, fp32 tensors (what nanochat writes from a CPU run); the windowed
+    GPT's vocabulary rows padded with zeros as its strict loader expects, the gpt family's not."""
+    out = {k: v.detach().float().cpu().contiguous() for k, v in state.items()}
+    if isinstance(config, WindowedGPTConfig):
+        for k in [k for k in out if vocab_sized(k)]:
+            pad = out[k].new_zeros(padded_vocab(config.vocab_size) - out[k].size(0), out[k].size(1))
+            out[k] = torch.cat([out[k], pad])
     loop = meta.get("loop_state", {})
-    return {
-        "step": step,
-        "val_bpb": loop.get("last_val_bpb"),
-        "model_config": asdict(config),
-        "user_config": {**meta.get("args", {}), "exported_from": str(ckpt)},
-        "loop_state": {
-            "min_val_bpb": loop.get("last_val_bpb"),
-            "smooth_train_loss": loop.get("smooth_loss"),
-            "total_training_time": loop.get("train_time"),
+    model_path.parent.mkdir(parents=True, exist_ok=True)
+    checkpoints.write_tensors(model_path, out)
+    paths.write_json(
+        meta_path,
+        {
+            "step": meta["step"],
+            "val_bpb": loop.get("last_val_bpb"),
+            "model_config": asdict(config),
+            "user_config": {**meta.get("args", {}), "exported_from": str(ckpt)},
+            "loop_state": {
+                "min_val_bpb": loop.get("last_val_bpb"),
+                "smooth_train_loss": loop.get("smooth_loss"),
+                "total_training_time": loop.get("train_time"),
+            },
         },
-    }
-
-
-def write_checkpoint(folder: Path, step: int, state: dict, meta: dict):
-    """model_NNNNNN.pt and meta_NNNNNN.json into `folder`, each replaced atomically."""
-    folder.mkdir(parents=True, exist_ok=True)
-    checkpoints.write_tensors(model_path(folder, step), state)
-    paths.write_json(meta_path(folder, step), meta)
+    )

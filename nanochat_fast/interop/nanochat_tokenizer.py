@@ -1,17 +1,9 @@
 """
-nanochat's tokenizer files, read and written without trusting them:
-
-    tokenizer.pkl    a pickled tiktoken.Encoding (name, split pattern, mergeable ranks, special tokens)
-    token_bytes.pt   int32[vocab]: UTF-8 bytes per token id, 0 for the special tokens
-
-A pickle can run any code while it loads, so tokenizer.pkl is read by an unpickler whose
-find_class admits only the one class a tiktoken encoding pickles as (tiktoken.core.Encoding). Even
-that class is not built: a stand-in records the state the pickle hands to Encoding.__setstate__ (a
-dict of str, bytes and int), which is then checked field by field. Anything else is refused with
-one line. token_bytes.pt loads with weights_only=True.
-
-Our Tokenizer (data/tokenizer.py) is made from the same ranks, pattern and special tokens, so its ids
-are nanochat's by construction; check_same_ids confirms it on a sample at import.
+nanochat's tokenizer folder: tokenizer.pkl (a pickled tiktoken.Encoding) and token_bytes.pt (int32
+UTF-8 bytes per token, 0 for the special tokens). A pickle can run code as it loads, so an unpickler
+admits only tiktoken.core.Encoding, and not even that is built: a stand-in keeps the state handed to
+its __setstate__, checked field by field. Our Tokenizer is made of the same ranks, pattern and
+special tokens, so its ids are nanochat's by construction; check_same_ids confirms it at import.
 """
 
 import pickle
@@ -26,6 +18,7 @@ from ..core.errors import UserError
 from ..data.tokenizer import SPECIAL_TOKENS, TOKEN_BYTES_FILE, Tokenizer, save_token_bytes, token_bytes_tensor
 
 PICKLE_FILE = "tokenizer.pkl"
+FOLDER = "tokenizer"  # the tokenizer's folder in a nanochat base directory (NANOCHAT_BASE_DIR)
 FOLDER_FILES = "tokenizer.pkl, token_bytes.pt"  # what a tokenizer folder holds, for the import's --help
 ENCODING_NAME = "rustbpe"  # the name nanochat's RustBPETokenizer gives its tiktoken encoding
 
@@ -63,29 +56,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return _EncodingState
 
 
-def _checked_state(obj, path: Path) -> dict:
-    """The encoding's fields from the unpickled stand-in, each of the type tiktoken requires."""
-    state = getattr(obj, "state", None) if isinstance(obj, _EncodingState) else None
-    if isinstance(state, str):
-        raise UserError(f"{path} names tiktoken's built-in encoding {state!r}, not a trained nanochat tokenizer")
-    ok = (
-        isinstance(state, dict)
-        and isinstance(state.get("pat_str"), str)
-        and isinstance(state.get("mergeable_ranks"), dict)
-        and isinstance(state.get("special_tokens"), dict)
-    )
-    ok = ok and all(isinstance(k, bytes) and type(v) is int for k, v in state["mergeable_ranks"].items())
-    ok = ok and all(isinstance(k, str) and type(v) is int for k, v in state["special_tokens"].items())
-    if not ok:
-        raise UserError(
-            f"{path} holds a {type(obj).__name__}, not a tiktoken encoding (name, pat_str, "
-            "mergeable_ranks, special_tokens)"
-        )
-    return state
-
-
 def read_encoding_state(path) -> dict:
-    """{name, pat_str, mergeable_ranks, special_tokens} of a nanochat tokenizer.pkl, read safely."""
+    """{name, pat_str, mergeable_ranks, special_tokens} of a tokenizer.pkl, read safely, each field checked."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path} is missing: --tokenizer must be the folder holding nanochat's tokenizer.pkl")
@@ -96,7 +68,19 @@ def read_encoding_state(path) -> dict:
         raise
     except Exception as e:
         raise UserError(f"{path} is not a readable pickle ({type(e).__name__}: {e})") from None
-    return _checked_state(obj, path)
+    state = getattr(obj, "state", None) if isinstance(obj, _EncodingState) else None
+    if isinstance(state, str):
+        raise UserError(f"{path} names tiktoken's built-in encoding {state!r}, not a trained nanochat tokenizer")
+    fields = {"pat_str": str, "mergeable_ranks": dict, "special_tokens": dict}
+    ok = isinstance(state, dict) and all(isinstance(state.get(k), t) for k, t in fields.items())
+    ok = ok and all(isinstance(k, bytes) and type(v) is int for k, v in state["mergeable_ranks"].items())
+    ok = ok and all(isinstance(k, str) and type(v) is int for k, v in state["special_tokens"].items())
+    if not ok:
+        raise UserError(
+            f"{path} holds a {type(obj).__name__}, not a tiktoken encoding (name, pat_str, "
+            "mergeable_ranks, special_tokens)"
+        )
+    return state
 
 
 def tokenizer_from_state(state: dict, path) -> Tokenizer:
@@ -120,8 +104,7 @@ def tokenizer_from_state(state: dict, path) -> Tokenizer:
 
 
 def check_same_ids(tokenizer: Tokenizer, state: dict, text: str = SAMPLE_TEXT) -> int:
-    """Our encoding of `text` (special tokens included) equals the encoding nanochat builds from
-    `state`; returns the number of tokens compared. UserError when they differ."""
+    """How many tokens of `text` our tokenizer and nanochat's encoding of `state` both give (else UserError)."""
     reference = tiktoken.Encoding(
         name=ENCODING_NAME,
         pat_str=state["pat_str"],
@@ -138,40 +121,11 @@ def check_same_ids(tokenizer: Tokenizer, state: dict, text: str = SAMPLE_TEXT) -
     return len(ours)
 
 
-def read_token_bytes(directory, vocab_size: int):
-    """nanochat's token_bytes.pt (None if the folder has none), checked to be int[vocab_size]."""
-    path = Path(directory) / TOKEN_BYTES_FILE
-    if not path.is_file():
-        return None
-    try:
-        tb = checkpoints.read_tensors(path)
-    except Exception as e:
-        raise UserError(
-            f"{path} cannot be read as tensors ({type(e).__name__}); remove it or re-run nanochat's tok_train"
-        ) from None
-    if not isinstance(tb, torch.Tensor) or tb.shape != (vocab_size,) or tb.is_floating_point():
-        raise UserError(f"{path} is not an integer tensor of the tokenizer's {vocab_size} tokens")
-    return tb
-
-
-def old_style_byte_lengths(tokenizer: Tokenizer) -> torch.Tensor:
-    """token_bytes.pt as nanochat's tok_train wrote it before its 2026-07-03 fix: each token decoded
-    to str first, so bytes that are not valid UTF-8 on their own count 3 (U+FFFD) instead of 1."""
-    specials = set(tokenizer.special_tokens.values())
-    return torch.tensor(
-        [
-            0 if i in specials else len(tokenizer.enc.decode([i], errors="replace").encode("utf-8"))
-            for i in range(tokenizer.get_vocab_size())
-        ],
-        dtype=torch.int32,
-    )
-
-
 def read_tokenizer(directory: Path, vocab_size: int) -> tuple[Tokenizer, int, dict[int, int]]:
     """nanochat's tokenizer folder as our Tokenizer, checked: same ids on the sample, the model's
-    vocab size, and (when present) the bytes per token of its token_bytes.pt. Also returns the
-    number of sample tokens compared and, for a token_bytes.pt computed the old way (through str),
-    {token id: nanochat's byte count} where it differs from tokenizer.pkl's true lengths."""
+    vocab size, and the bytes per token of its token_bytes.pt (if any). Also returns the number of
+    sample tokens compared and, for a token_bytes.pt computed the old way (through str, before
+    nanochat's 2026-07-03 fix), {token id: its byte count} where it differs from the true lengths."""
     state = read_encoding_state(directory / PICKLE_FILE)
     tokenizer = tokenizer_from_state(state, directory / PICKLE_FILE)
     n = check_same_ids(tokenizer, state)
@@ -180,17 +134,25 @@ def read_tokenizer(directory: Path, vocab_size: int) -> tuple[Tokenizer, int, di
             f"the tokenizer in {directory} has {tokenizer.get_vocab_size()} tokens but the model's vocab_size "
             f"is {vocab_size}: give the tokenizer this model was trained with"
         )
-    theirs = read_token_bytes(directory, vocab_size)
-    true = token_bytes_tensor(tokenizer)
-    if theirs is None or torch.equal(theirs.to(torch.int32), true):
+    path = directory / TOKEN_BYTES_FILE
+    if not path.is_file():
         return tokenizer, n, {}
-    theirs = theirs.to(torch.int32)
-    if not torch.equal(theirs, old_style_byte_lengths(tokenizer)):
+    try:
+        theirs = checkpoints.read_tensors(path)
+    except Exception as e:
         raise UserError(
-            f"{directory / TOKEN_BYTES_FILE} does not match tokenizer.pkl's tokens; re-run nanochat's tok_train"
-        )
-    differ = (theirs != true).nonzero().flatten().tolist()
-    return tokenizer, n, {i: int(theirs[i]) for i in differ}
+            f"{path} cannot be read as tensors ({type(e).__name__}); remove it or re-run nanochat's tok_train"
+        ) from None
+    if not isinstance(theirs, torch.Tensor) or theirs.shape != (vocab_size,) or theirs.is_floating_point():
+        raise UserError(f"{path} is not an integer tensor of the tokenizer's {vocab_size} tokens")
+    theirs, true = theirs.to(torch.int32), token_bytes_tensor(tokenizer)
+    if torch.equal(theirs, true):
+        return tokenizer, n, {}
+    specials = set(tokenizer.special_tokens.values())  # the old way: bytes not UTF-8 alone count 3 (U+FFFD)
+    old = [0 if i in specials else len(tokenizer.enc.decode([i], errors="replace").encode()) for i in range(vocab_size)]
+    if not torch.equal(theirs, torch.tensor(old, dtype=torch.int32)):
+        raise UserError(f"{path} does not match tokenizer.pkl's tokens; re-run nanochat's tok_train")
+    return tokenizer, n, {i: int(theirs[i]) for i in (theirs != true).nonzero().flatten().tolist()}
 
 
 def old_token_bytes_notice(directory: Path, differ: dict[int, int], vocab_size: int) -> str:
@@ -202,14 +164,8 @@ def old_token_bytes_notice(directory: Path, differ: dict[int, int], vocab_size: 
     )
 
 
-def folder_in(base_dir: Path) -> Path:
-    """The tokenizer folder of a nanochat base directory (NANOCHAT_BASE_DIR)."""
-    return Path(base_dir) / "tokenizer"
-
-
 def check_out_tokenizer(folder: Path, tokenizer: Tokenizer, overwrite: bool):
-    """A tokenizer already in an export's folder must be this one (its other checkpoints were
-    made with it), unless `overwrite`."""
+    """A tokenizer already in an export's folder (its checkpoints' own) must be this one, unless `overwrite`."""
     pkl = folder / PICKLE_FILE
     if not pkl.exists() or overwrite:
         return
@@ -231,10 +187,5 @@ def write_tokenizer_files(tokenizer: Tokenizer, directory):
         mergeable_ranks=ranks,
         special_tokens={name: offset + i for i, name in enumerate(specials)},
     )
-
-    def dump(tmp: Path):
-        with open(tmp, "wb") as f:
-            pickle.dump(enc, f)
-
-    paths.replace_atomically(directory / PICKLE_FILE, dump)
+    paths.replace_atomically(directory / PICKLE_FILE, lambda tmp: tmp.write_bytes(pickle.dumps(enc)))
     save_token_bytes(tokenizer, directory)

@@ -18,22 +18,18 @@ from ..core import cli
 from ..core.errors import UserError
 from ..train.env_vars import check_environment
 
-PHASES = ("sft", "mid", "base")
-
 
 def build_parser():
     p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.export_checkpoint", description=__doc__)
     cli.add_checkpoint_flags(p)
-    p.add_argument(
-        "--output", type=str, default="", help="file to write (default: model.pt inside the checkpoint directory)"
-    )
+    p.add_argument("--output", default="", help="file to write (default: model.pt inside the checkpoint directory)")
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
-    run_dir = checkpoints.run_dir_of(args.run, PHASES)
+    run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid", "base"))
     ckpt = checkpoints.resolve_checkpoint(run_dir, args.step)
     output = Path(args.output).expanduser() if args.output else None
     if output is not None and (output.is_dir() or not output.parent.is_dir()):

@@ -47,18 +47,17 @@ def main(argv=None) -> int:
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a folder")
-    folder, step = nanochat_checkpoint.export_folder(out, phase, config.n_layer), meta["step"]
-    model_path = nanochat_checkpoint.model_path(folder, step)
+    step = meta["step"]
+    model_path, meta_path = nanochat_checkpoint.export_paths(out, phase, config.n_layer, step)
     if model_path.exists() and not args.overwrite:
         raise UserError(f"{model_path} exists; pass --overwrite to replace it")
-    tokenizer_dir = nanochat_tokenizer.folder_in(out)
+    tokenizer_dir = out / nanochat_tokenizer.FOLDER
     nanochat_tokenizer.check_out_tokenizer(tokenizer_dir, tokenizer, args.overwrite)
-    state = nanochat_checkpoint.export_state(checkpoints.load_model_state(ckpt), config)
-    nanochat_checkpoint.write_checkpoint(folder, step, state, nanochat_checkpoint.export_meta(step, config, meta, ckpt))
+    nanochat_checkpoint.write_checkpoint(model_path, meta_path, checkpoints.load_model_state(ckpt), config, meta, ckpt)
     nanochat_tokenizer.write_tokenizer_files(tokenizer, tokenizer_dir)
     print(
-        f"exported {ckpt} ({phase}, step {step}) to {folder}: {model_path.name}, "
-        f"{nanochat_checkpoint.meta_path(folder, step).name}; tokenizer to {tokenizer_dir}"
+        f"exported {ckpt} ({phase}, step {step}) to {model_path.parent}: {model_path.name}, "
+        f"{meta_path.name}; tokenizer to {tokenizer_dir}"
     )
     print(
         f"in a nanochat checkout: NANOCHAT_BASE_DIR={out} and load_model('{phase}', device, phase='eval', "

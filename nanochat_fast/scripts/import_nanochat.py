@@ -90,43 +90,12 @@ def base_train_flags(config: GPTConfig) -> str | None:
     return None
 
 
-def run_meta(ckpt, phase: str, tokenizer: Tokenizer, optimizer: bool) -> dict:
-    state = LoopState(**nanochat_checkpoint.carried_loop_state(ckpt))
-    return {
-        "phase": phase,
-        "arch": loading.arch_of(ckpt.config),
-        "model_config": asdict(ckpt.config),
-        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
-        "args": {},
-        "device": None,
-        "world_size": 1,
-        "loader_state": None,
-        "loop_state": asdict(state),
-        "imported_from": nanochat_checkpoint.origin(ckpt, optimizer),
-    }
-
-
-def write_run(run_dir: Path, ckpt, model_state: dict, shards: list, meta: dict, tokenizer: Tokenizer | None):
-    """The run folder (built under a temporary name, then renamed) and, if given, the home's tokenizer."""
-    with checkpoints.new_run_dir(run_dir) as tmp:
-        checkpoints.save_checkpoint(
-            tmp,
-            ckpt.step,
-            model_state=model_state,
-            meta=meta,
-            rank=0,
-            rank_state={"optimizers": shards, "rng": {"cpu": torch.get_rng_state()}},
-        )
-        if tokenizer is not None:
-            save_token_bytes(tokenizer, tokenizer.save(paths.tokenizer_dir()))
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
     ckpt = nanochat_checkpoint.open_checkpoint(args.source, args.step)
     print(nanochat_checkpoint.meta_summary(ckpt))
-    phase = args.phase or nanochat_checkpoint.phase_of(ckpt)
+    phase = args.phase or ckpt.phase
     run_dir = paths.runs_dir() / args.run
     if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
         raise UserError(f"run directory {run_dir} already exists: pick another --run or pass --overwrite")
@@ -144,34 +113,40 @@ def main(argv=None) -> int:
         ckpt, {k: tuple(v.shape) for k, v in model_state.items()}, args.no_optimizer
     )
     print(optim_line)
-    meta = run_meta(ckpt, phase, tokenizer, optimizer=bool(shards[0]["num_updates"] or shards[1]["state"]))
+    loop_state, origin = nanochat_checkpoint.carried_meta(ckpt, bool(shards[0]["num_updates"] or shards[1]["state"]))
     if old_bytes:  # base_eval reports the bpb nanochat's own file gives beside the true one
-        meta["imported_from"]["nanochat_token_bytes"] = {str(i): b for i, b in old_bytes.items()}
+        origin["nanochat_token_bytes"] = {str(i): b for i, b in old_bytes.items()}
+    meta = {
+        "phase": phase,
+        "arch": loading.arch_of(ckpt.config),
+        "model_config": asdict(ckpt.config),
+        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
+        "args": {},
+        "device": None,
+        "world_size": 1,
+        "loader_state": None,
+        "loop_state": asdict(LoopState(**loop_state)),
+        "imported_from": origin,
+    }
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    write_run(run_dir, ckpt, model_state, shards, meta, tokenizer if write_tokenizer else None)
+    with checkpoints.new_run_dir(run_dir) as tmp:  # built under a temporary name, then renamed
+        rank_state = {"optimizers": shards, "rng": {"cpu": torch.get_rng_state()}}
+        checkpoints.save_checkpoint(tmp, ckpt.step, model_state=model_state, rank_state=rank_state, meta=meta)
+        if write_tokenizer:
+            save_token_bytes(tokenizer, tokenizer.save(paths.tokenizer_dir()))
     print(
         f"imported as {phase} run {run_dir} (checkpoint step {ckpt.step}); tokenizer "
         f"{'written to' if write_tokenizer else 'already in'} {paths.tokenizer_dir()}"
     )
-    steps = []
+    cmd, run = "python -m nanochat_fast.scripts.", args.run
     if phase == "base":
-        steps += [
-            f"evaluate: python -m nanochat_fast.scripts.base_eval --run={args.run}",
-            f"mid-train: python -m nanochat_fast.scripts.mid_train --base-run={args.run}",
-        ]
-        flags = base_train_flags(ckpt.config)
-        if flags:
-            steps.append(
-                f"keep pretraining: python -m nanochat_fast.scripts.base_train --run={args.run} --resume=auto "
-                f"{flags} --num-iterations=N"
-            )
+        steps = [f"evaluate: {cmd}base_eval --run={run}", f"mid-train: {cmd}mid_train --base-run={run}"]
+        if flags := base_train_flags(ckpt.config):
+            steps.append(f"keep pretraining: {cmd}base_train --run={run} --resume=auto {flags} --num-iterations=N")
     else:
-        steps += [
-            f"chat: python -m nanochat_fast.scripts.chat_cli --run={args.run}",
-            f"evaluate: python -m nanochat_fast.scripts.chat_eval --run={args.run}",
-        ]
+        steps = [f"chat: {cmd}chat_cli --run={run}", f"evaluate: {cmd}chat_eval --run={run}"]
     if phase in ("base", "mid"):
-        steps.append(f"fine-tune: python -m nanochat_fast.scripts.chat_sft --source-run={args.run}")
+        steps.append(f"fine-tune: {cmd}chat_sft --source-run={run}")
     print("what you can run on it now:")
     for line in steps:
         print(f"  {line}")

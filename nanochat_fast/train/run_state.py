@@ -1,9 +1,8 @@
 """
-A run as the training loop sees it and as its checkpoints keep it: Run (model, optimizers, data,
-configs, device; stage.run_stage builds one), LoopState (the loop's own counters), Horizon (how
-long it trains); save hands this run's state dicts (model, each rank's optimizer shards and RNG,
-meta) to the checkpoint home, restore puts a checkpoint's back for an exact resume (any saved
-number of processes). Files are the home's business (nanochat_fast.checkpoints).
+A run as the training loop sees it and as its checkpoints keep it: Run (stage.run_stage builds
+one), LoopState (the loop's own counters), Horizon (how long it trains). save hands the run's state
+dicts to the checkpoint home; restore puts a checkpoint's back for an exact resume, from any number
+of processes.
 """
 
 from dataclasses import asdict, dataclass, field
@@ -13,7 +12,7 @@ from typing import Callable
 import torch
 
 from .. import checkpoints, hardware
-from ..core.distributed import all_ranks_ok, gather_objects, print0
+from ..core.distributed import print0
 from ..hardware.process_setup import ProcessSetup
 from ..model import sharding
 from .stage_data import Data
@@ -78,36 +77,26 @@ class Run:
 
 
 def save(run: Run) -> Path:
-    meta = {
-        **run.meta(),
-        "world_size": run.world_size,
-        "loader_state": run.data.train.state_dict(),
-        "loop_state": asdict(run.state),
-    }
-    sharded = sharding.is_sharded(run.orig_model)  # its weights go to DCP shards, one file per rank
-    path = checkpoints.save_checkpoint(
-        run.run_dir,
-        run.state.step,
-        model_state=sharding.model_state_dict(run.orig_model),
-        rank_state=rank_state(run),
-        meta=meta,
-        rank=run.rank,
-        all_ranks_ok=lambda ok: all_ranks_ok(ok, run.device),
-        gather=gather_objects,
-        keep_last=run.loop.keep_last,
-        previous=run.last_checkpoint,
-        sharded=sharded,
-    )
-    run.last_checkpoint = path
-    return path
-
-
-def rank_state(run: Run) -> dict:
-    """This rank's share of the training state: optimizer shards and RNG."""
+    """Checkpoint the run at its step: the model, this rank's optimizer shards and RNG, and meta."""
     rng = {"cpu": torch.get_rng_state()}
     if run.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(run.device)
-    return {"optimizers": [opt.shard_state_dict() for opt in run.optimizers], "rng": rng}
+    run.last_checkpoint = checkpoints.save_checkpoint(
+        run.run_dir,
+        run.state.step,
+        model_state=sharding.model_state_dict(run.orig_model),  # DTensors with FSDP: DCP shards
+        rank_state={"optimizers": [opt.shard_state_dict() for opt in run.optimizers], "rng": rng},
+        meta={
+            **run.meta(),
+            "world_size": run.world_size,
+            "loader_state": run.data.train.state_dict(),
+            "loop_state": asdict(run.state),
+        },
+        device=run.device,
+        keep_last=run.loop.keep_last,
+        previous=run.last_checkpoint,
+    )
+    return run.last_checkpoint
 
 
 def restore(run: Run, ckpt: Path, meta: dict):

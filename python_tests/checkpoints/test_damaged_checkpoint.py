@@ -15,7 +15,7 @@ import torch
 from support.tiny_pipeline import TINY_LOOP, TINY_MODEL, home_env, private_home, train_rows
 
 from nanochat_fast import checkpoints
-from nanochat_fast.checkpoints import files
+from nanochat_fast.checkpoints import checkpoint
 from nanochat_fast.core import cli
 from nanochat_fast.scripts import base_eval, base_train, chat_cli, export_nanochat
 
@@ -67,7 +67,7 @@ def test_digests_are_those_of_the_files_on_disk(trained):
 
 def test_dcp_shards_are_hashed_as_written(tmp_path):
     state = {"w": torch.randn(64, 32), "b": torch.randn(7)}
-    digests = files.write_shards(tmp_path / "model", state)
+    digests = checkpoint.write_shards(tmp_path / "model", state)
     on_disk = sorted(p.name for p in (tmp_path / "model").iterdir())
     assert sorted(digests) == on_disk and ".metadata" in on_disk
     for name, digest in digests.items():
@@ -128,14 +128,14 @@ def test_large_writes_hashed_behind_the_disk_give_the_files_digest(tmp_path, mon
     """Writes of 1 MiB and more are hashed on another thread after they are handed to the file: a
     saved tensor's storage in place, anything else (a large pickle, DCP's buffers) from a copy, with
     few copies in flight; every way gives the sha256 of the bytes on disk."""
-    monkeypatch.setattr(files, "IN_FLIGHT_BYTES", 3 << 20)  # the writer waits for the hashing often
+    monkeypatch.setattr(checkpoint, "IN_FLIGHT_BYTES", 3 << 20)  # the writer waits for the hashing often
     big = torch.randn(1024, 1024)
     obj = {"big": big, "view": torch.randn(2048, 512)[100:], "bf16": big.bfloat16(), "pickled": list(range(400_000))}
-    digest = files.write_tensors(tmp_path / "t.pt", obj)
+    digest = checkpoint.write_tensors(tmp_path / "t.pt", obj)
     data = (tmp_path / "t.pt").read_bytes()
     assert digest == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)} and len(data) > 10 << 20
-    assert torch.equal(files.read_tensors(tmp_path / "t.pt")["view"], obj["view"])
-    shards = files.write_shards(tmp_path / "model", {"w": torch.randn(1024, 768), "b": torch.randn(7)})
+    assert torch.equal(checkpoint.read_tensors(tmp_path / "t.pt")["view"], obj["view"])
+    shards = checkpoint.write_shards(tmp_path / "model", {"w": torch.randn(1024, 768), "b": torch.randn(7)})
     for name, digest in shards.items():
         data = (tmp_path / "model" / name).read_bytes()
         assert digest == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}

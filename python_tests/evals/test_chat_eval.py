@@ -19,7 +19,6 @@ from support.tiny_gpt import random_model
 from support.tiny_pipeline import ROOT, TINY_LOOP, TINY_MID, TINY_MODEL, home_env, home_with_base_run
 
 from nanochat_fast import checkpoints
-from nanochat_fast.checkpoints import files, verification
 from nanochat_fast.data.tokenizer import get_tokenizer
 from nanochat_fast.evals import scoring, task_runner, tasks
 from nanochat_fast.evals.tasks import MULTIPLE_CHOICE, CoreTask
@@ -66,10 +65,8 @@ def spread_run(home):
     assert weights.keys() == trained.keys()
     # written as the checkpoint home writes a file, and recorded in meta.json and COMPLETE as export_model does
     meta = checkpoints.load_meta(ckpt)
-    meta["files"]["model.pt"] = files.write_tensors(ckpt / "model.pt", weights)
-    files.write_marker(
-        ckpt / checkpoints.COMPLETE, verification.complete_record(files.write_json(ckpt / "meta.json", meta))
-    )
+    meta["files"]["model.pt"] = checkpoints.write_tensors(ckpt / "model.pt", weights)
+    checkpoints.write_meta(ckpt, meta)
 
 
 def recorded(home, run, script):

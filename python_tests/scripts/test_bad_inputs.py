@@ -715,6 +715,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(trained_home, tmp_
     run_dir = home / "runs" / "full"
     assert [p.name for p in checkpoints.complete_checkpoints(run_dir)] == ["step_000002"]
     assert not (run_dir / "checkpoints" / "step_000004").exists()
+    assert not (run_dir / "checkpoints" / "step_000004.partial").exists()
     checkpoints.load_model_state(run_dir / "checkpoints" / "step_000002")
 
 

@@ -89,7 +89,7 @@ def save_chat_checkpoint(home: Path, run: str, model, step: int = 1) -> Path:
         "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
     }
     return checkpoints.save_checkpoint(
-        home / "runs" / run, step, model_state=model.state_dict(), rank_state={}, meta=meta, rank=0
+        home / "runs" / run, step, model_state=model.state_dict(), rank_state={}, meta=meta
     )
 
 

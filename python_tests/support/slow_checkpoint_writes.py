@@ -4,14 +4,14 @@ save midway:
 
     python python_tests/support/slow_checkpoint_writes.py SECONDS MODULE [ARGS...]
 
-The delay comes after the file is in place, as a slow disk would leave things: the step directory
-holds some files and no COMPLETE. The package itself has no such switch."""
+The delay comes after the file is in place, as a slow disk would leave things: the save's partial
+folder holds some files and no COMPLETE. The package itself has no such switch."""
 
 import runpy
 import sys
 import time
 
-from nanochat_fast.checkpoints import files
+from nanochat_fast.checkpoints import checkpoint
 
 
 def slowed(write, seconds: float):
@@ -25,8 +25,8 @@ def slowed(write, seconds: float):
 
 def main():
     seconds, module, args = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    files.write_tensors = slowed(files.write_tensors, seconds)
-    files.write_shards = slowed(files.write_shards, seconds)
+    checkpoint.write_tensors = slowed(checkpoint.write_tensors, seconds)
+    checkpoint.write_shards = slowed(checkpoint.write_shards, seconds)
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

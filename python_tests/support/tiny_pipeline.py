@@ -89,20 +89,20 @@ def home_env(home: Path):
 def disk_full_at(checkpoint_name: str):
     """While active, saving any file of checkpoint `checkpoint_name` (e.g. "step_000008") fails
     with ENOSPC, as on a full disk."""
-    from nanochat_fast.checkpoints import files
+    from nanochat_fast.checkpoints import checkpoint
 
-    real_write = files.write_tensors
+    real_write = checkpoint.write_tensors
 
     def write_tensors(path, obj):
         if checkpoint_name in str(path):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(path, obj)
 
-    files.write_tensors = write_tensors
+    checkpoint.write_tensors = write_tensors
     try:
         yield
     finally:
-        files.write_tensors = real_write
+        checkpoint.write_tensors = real_write
 
 
 def build_tiny_home(root: Path) -> Path:

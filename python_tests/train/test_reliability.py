@@ -84,11 +84,12 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(home):
     proc = popen(
         "base_train", TINY + ["--num-iterations=30", "--save-every=5", "--run=k"], home, slow_writes=1.5
     )  # each checkpoint file takes >= 1.5 s
-    wait_until(lambda: (run_dir / "checkpoints" / "step_000010").exists(), proc)
+    wait_until(lambda: (run_dir / "checkpoints" / "step_000010.partial").exists(), proc)
     proc.send_signal(signal.SIGKILL)  # in the middle of writing step 10
     proc.wait()
     assert [p.name for p in checkpoints.complete_checkpoints(run_dir)] == ["step_000005"]
     assert not (run_dir / "checkpoints" / "step_000010" / checkpoints.COMPLETE).exists()
+    assert not (run_dir / "checkpoints" / "step_000010.partial" / checkpoints.COMPLETE).exists()
     checkpoints.load_model_state(run_dir / "checkpoints" / "step_000005")  # intact
 
     resumed = run_script(
@@ -96,6 +97,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(home):
     )
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout and "step_000005" in resumed.stdout
+    assert "ignoring " + str(run_dir / "checkpoints" / "step_000010.partial") in resumed.stdout
     assert [p.name for p in checkpoints.complete_checkpoints(run_dir)] == ["step_000005", "step_000010", "step_000012"]
 
 
