@@ -104,18 +104,15 @@ def describe(e: BaseException) -> str:
     """One line: which collective, where, at which step, who did not arrive, what to do."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     step = f" at step {_state['step']}" if _state["step"] is not None else ""
-    timed_out = "timed out" in str(e).lower()
-    how = f"timed out after {_state['now']:g} s" if timed_out else f"failed ({_first_line(e)})"
+    if "timed out" in str(e).lower():
+        how = f"timed out after {_state['now']:g} s"
+    else:  # the error's first line, without the source position gloo prefixes
+        how = f"failed ({(str(e).strip() or type(e).__name__).splitlines()[0].split('] ', 1)[-1][:160]})"
     return (
         f"rank {rank}: {_collective_name(e)} in {_state['what']}{step} {how}; {missing_ranks()}. "
         "Resume with --resume auto (torchrun --max-restarts=N does it by itself); "
         "--collective-timeout sets the wait"
     )
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text.split("] ", 1)[-1][:160]  # gloo prefixes its source position
 
 
 def _store():

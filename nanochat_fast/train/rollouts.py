@@ -219,16 +219,9 @@ class RolloutLoader:
         for question, (prompt, _), rows in zip(questions, prompts, samples):
             texts = [decode_reply(self.tokenizer, [t for t in ids if t not in self.stop]) for ids, _ in rows]
             rewards = torch.tensor([float(self.task.check(question, text)) for text in texts])
-            self.stats += torch.tensor(
-                [
-                    rewards.sum(),
-                    (rewards >= 1).sum(),
-                    len(rows),
-                    float((rewards >= 1).any()),
-                    sum(len(ids) for ids, _ in rows),
-                ],
-                dtype=torch.float64,
-            )
+            right, tokens = rewards >= 1, sum(len(ids) for ids, _ in rows)
+            stats = [rewards.sum(), right.sum(), len(rows), float(right.any()), tokens]
+            self.stats += torch.tensor(stats, dtype=torch.float64)
             batches.append(rollout_batch(prompt, rows, advantages(rewards), self.pad, self.dev.device))
         return batches
 

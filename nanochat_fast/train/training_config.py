@@ -64,12 +64,12 @@ class Config:
             meta = dict(f.metadata)
             check, default = meta.pop("check"), defaults.pop(f.name, f.default)
             if check is boolean:
-                group.add_argument(cli.flag_name(f.name), action="store_true", default=default, **meta)
+                meta["action"] = "store_true"
             elif meta.pop("optional_bool", False):
-                action = argparse.BooleanOptionalAction
-                group.add_argument(cli.flag_name(f.name), action=action, default=default, **meta)
+                meta["action"] = argparse.BooleanOptionalAction
             else:
-                group.add_argument(cli.flag_name(f.name), type=check, default=default, **meta)
+                meta["type"] = check
+            group.add_argument(cli.flag_name(f.name), default=default, **meta)
         if defaults:
             raise TypeError(f"{cls.__name__} has no fields {sorted(defaults)}")
         return group
