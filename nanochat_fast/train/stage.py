@@ -151,14 +151,10 @@ def complete_prompts(prompts, max_tokens=16):
 
 def answer_questions(questions, max_tokens=32):
     """Samples of a chat model: each question and the assistant's greedy reply."""
-
-    def sample(model, tokenizer):
-        return [
-            f"{q} -> {generation.assistant_reply(model, tokenizer, [{'role': 'user', 'content': q}], max_tokens)}"
-            for q in questions
-        ]
-
-    return sample
+    return lambda model, tokenizer: [
+        f"{q} -> {generation.assistant_reply(model, tokenizer, [{'role': 'user', 'content': q}], max_tokens)}"
+        for q in questions
+    ]
 
 
 @dataclass(frozen=True)

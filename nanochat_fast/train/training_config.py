@@ -260,16 +260,10 @@ class OptimConfig(Config):
     def recipe(self) -> MuonRecipe:
         """The --muon-recipe preset with the flags given on top; polar-normuon's momentum warmdown
         runs over this run's lr warmdown."""
-        overrides = dict(ns_dtype=self.ns_dtype)
+        given = dict(ns_coefficients=self.ns_coefficients, normuon=self.normuon, weight_decay=self.muon_weight_decay)
+        overrides = dict(ns_dtype=self.ns_dtype, **{name: value for name, value in given.items() if value is not None})
         if self.muon_recipe == "polar-normuon":
             overrides["momentum_warmdown_ratio"] = self.warmdown_ratio
-        for name, value in (
-            ("ns_coefficients", self.ns_coefficients),
-            ("normuon", self.normuon),
-            ("weight_decay", self.muon_weight_decay),
-        ):
-            if value is not None:
-                overrides[name] = value
         return MuonRecipe.preset(self.muon_recipe, **overrides)
 
     def optimizer_kwargs(self) -> dict:
