@@ -1,7 +1,7 @@
-"""The public name of process setup (`from nanochat_fast.common import compute_init`): the code
-lives in core/distributed.py."""
+"""SPEC's public name for process setup (`from nanochat_fast.common import compute_init`): a
+re-export, nothing more; the code lives in core/distributed.py."""
 
-from .core.distributed import (
+from .core.distributed import (  # noqa: F401  (re-exported)
     autodetect_device_type,
     compute_cleanup,
     compute_init,
@@ -9,12 +9,3 @@ from .core.distributed import (
     is_distributed,
     print0,
 )
-
-__all__ = [
-    "autodetect_device_type",
-    "compute_cleanup",
-    "compute_init",
-    "get_dist_info",
-    "is_distributed",
-    "print0",
-]

@@ -1,10 +1,4 @@
-"""The public name of the model (`from nanochat_fast.gpt import GPT, GPTConfig`): the code lives in
-model/gpt.py."""
+"""SPEC's public name for the model (`from nanochat_fast.gpt import GPT, GPTConfig`): a re-export,
+nothing more; the code lives in model/gpt.py."""
 
-from .model.gpt import GPT, GPTConfig, config_from_depth
-
-__all__ = [
-    "GPT",
-    "GPTConfig",
-    "config_from_depth",
-]
+from .model.gpt import GPT, GPTConfig, config_from_depth  # noqa: F401

@@ -1,14 +1,9 @@
 """
-Command-line plumbing shared by every script in nanochat_fast.scripts.
-
-- Flags are `--key=value` or `--key value`; hyphens are canonical (`--max-seq-len`) and the
-  nanochat spelling with underscores (`--max_seq_len`) is accepted as an alias.
-- A user mistake is one line on stderr and exit code 2: argparse errors, and any UserError raised
-  by a script (`raise UserError("--depth must be > 0, got -1")`). No traceback for those.
-- The value checks below are argparse types (they convert the command-line text) and also
-  validate values set in code: train/training_config.py runs the same function on every field it
-  is built with, so each rule is written once.
-- Exit codes and UserError live in errors.py (re-exported here).
+Command-line plumbing of every script: flags are `--key=value` or `--key value`, hyphens canonical
+(`--max-seq-len`) and nanochat's underscores (`--max_seq_len`) accepted; a user mistake (argparse's
+or a UserError) is one line on stderr and exit code 2. The value checks are argparse types that
+also validate values set in code (train/training_config.py runs them on every field), so each rule
+is written once.
 """
 
 import argparse
@@ -18,14 +13,6 @@ import sys
 from pathlib import Path
 
 from .errors import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OK, CollectiveFailed, UserError  # noqa: F401  (re-exported)
-
-
-def _canonical(arg: str) -> str:
-    """'--max_seq_len=512' -> '--max-seq-len=512'; anything that is not a long flag is unchanged."""
-    if not arg.startswith("--") or arg == "--":
-        return arg
-    name, eq, value = arg.partition("=")
-    return name.replace("_", "-") + eq + value
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -39,8 +26,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that accepts underscore spellings of hyphenated flags and fails in one line. The
-    parsed namespace remembers which flags were given on the command line (`explicit_flags`)."""
+    """argparse with underscore spellings of flags, failing in one line; the parsed namespace keeps
+    which flags were given (`explicit_flags`) and the command line (for the resume command)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
@@ -58,11 +45,19 @@ class ArgumentParser(argparse.ArgumentParser):
         namespace._explicit = frozenset(
             action.dest for action in self._actions if given.intersection(action.option_strings)
         )
-        namespace._argv = args  # as given (canonical spelling), for the printed resume command
+        namespace._argv = args
         return namespace, extras
 
     def error(self, message):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _canonical(arg: str) -> str:
+    """'--max_seq_len=512' -> '--max-seq-len=512'; anything that is not a long flag is unchanged."""
+    if not arg.startswith("--") or arg == "--":
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
 
 
 def explicit_flags(args) -> frozenset:
@@ -80,27 +75,23 @@ def flag_name(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-# ---------------------------------------------------------------------------------------------
 # value checks: text (from argparse) or a value (from code) in, the value out, or
-# argparse.ArgumentTypeError with what is wrong
+# argparse.ArgumentTypeError saying what is wrong
 
 
 def _number(value, kind):
+    """`value` as an int or a finite float (kind), from text or from a number (never a bool)."""
+    what = "an integer" if kind is int else "a number"
     if isinstance(value, str):
         try:
-            return kind(value)
+            x = kind(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected {'an integer' if kind is int else 'a number'}, got {value!r}"
-            ) from None
-    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
-        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {value!r}")
-    return kind(value)
-
-
-def _real(value) -> float:
-    x = _number(value, float)
-    if not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}") from None
+    elif isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
+    else:
+        x = kind(value)
+    if kind is float and not math.isfinite(x):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
     return x
 
@@ -109,61 +100,57 @@ def integer(value) -> int:
     return _number(value, int)
 
 
-def positive_int(value) -> int:
-    n = _number(value, int)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return n
+def _bounded(kind, ok, must: str):
+    """The check of a number of `kind` that `ok` accepts; otherwise "<must>, got <value>"."""
+
+    def check(value):
+        x = _number(value, kind)
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"{must}, got {value}")
+        return x
+
+    return check
 
 
-def non_negative_int(value) -> int:
-    n = _number(value, int)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return n
+positive_int = _bounded(int, lambda n: n > 0, "must be a positive integer")
+non_negative_int = _bounded(int, lambda n: n >= 0, "must be >= 0")
+random_seed = _bounded(int, lambda n: 0 <= n < 2**63, "must be an integer in [0, 2^63)")
+# -1: not set (the next option decides)
+positive_or_unset_int = _bounded(int, lambda n: n == -1 or n > 0, "must be > 0 (or -1: not set)")
+positive_or_unset_float = _bounded(float, lambda x: x == -1 or x > 0, "must be > 0 (or -1: not set)")
+positive_float = _bounded(float, lambda x: x > 0, "must be > 0")
+non_negative_float = _bounded(float, lambda x: x >= 0, "must be >= 0")
+fraction = _bounded(float, lambda x: 0.0 <= x <= 1.0, "must be in [0, 1]")
 
 
-def positive_or_unset_int(value) -> int:
-    """-1 means "not set" (the next option decides); otherwise > 0."""
-    n = _number(value, int)
-    if n != -1 and n <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (or -1: not set), got {value}")
-    return n
+def choice(*values):
+    """A check that the value is one of `values` (for fields set in code; argparse has choices=)."""
+
+    def check(value):
+        if value not in values:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(map(repr, values))}, got {value!r}")
+        return value
+
+    return check
 
 
-def positive_or_unset_float(value) -> float:
-    x = _real(value)
-    if x != -1 and x <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (or -1: not set), got {value}")
-    return x
+def boolean(value) -> bool:
+    if not isinstance(value, bool):
+        raise argparse.ArgumentTypeError(f"must be True or False, got {value!r}")
+    return value
 
 
-def positive_float(value) -> float:
-    x = _real(value)
-    if x <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return x
+def optional(check):
+    """`check`, or None (a flag whose default is decided later, e.g. from a checkpoint)."""
+    return lambda value: None if value is None else check(value)
 
 
-def non_negative_float(value) -> float:
-    x = _real(value)
-    if x < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return x
-
-
-def fraction(value) -> float:
-    x = _real(value)
-    if not 0.0 <= x <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return x
-
-
-def random_seed(value) -> int:
-    n = _number(value, int)
-    if not 0 <= n < 2**63:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2^63), got {value}")
-    return n
+def check_value(dest: str, check, value):
+    """check(value), with a failure as the UserError argparse would have printed for the flag."""
+    try:
+        return check(value)
+    except argparse.ArgumentTypeError as e:
+        raise UserError(f"argument {flag_name(dest)}: {e}") from None
 
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
@@ -171,8 +158,8 @@ _SIZE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def byte_size(value) -> int:
-    """A memory size in bytes: a number, optionally with K, M, G or T (powers of 1024, as memory is
-    counted; KB, KiB, kb... mean the same), e.g. 512M or 1.5G."""
+    """A memory size in bytes: a number, optionally with K, M, G or T (powers of 1024; KB, KiB, kb...
+    mean the same), e.g. 512M or 1.5G."""
     if isinstance(value, str):
         match = _SIZE.fullmatch(value.strip())
         if not match:
@@ -198,8 +185,8 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 
 
 def plain_name(value) -> str:
-    """A name that is one path component under NANOCHAT_FAST_HOME: letters, digits, . _ + -, no
-    '/' and not '..' (so a name can never write or read outside its folder). '' means the default."""
+    """One path component under NANOCHAT_FAST_HOME (no '/', not '..': a name never reaches outside
+    its folder). '' means the default."""
     if not isinstance(value, str):
         raise argparse.ArgumentTypeError(f"expected a name, got {value!r}")
     if value and (not _PLAIN_NAME.fullmatch(value) or value.strip(".") == ""):
@@ -244,42 +231,6 @@ def add_checkpoint_flags(parser, newest: str = "the newest run", required: bool 
     parser.add_argument(
         "--step", type=non_negative_int, default=None, help="checkpoint step (default: the newest complete one)"
     )
-
-
-def choice(*values):
-    """A check that the value is one of `values` (for fields set in code; argparse has choices=)."""
-
-    def check(value):
-        if value not in values:
-            raise argparse.ArgumentTypeError(f"must be one of {', '.join(map(repr, values))}, got {value!r}")
-        return value
-
-    check.__name__ = "choice"
-    return check
-
-
-def boolean(value) -> bool:
-    if not isinstance(value, bool):
-        raise argparse.ArgumentTypeError(f"must be True or False, got {value!r}")
-    return value
-
-
-def optional(check):
-    """`check`, or None (a flag whose default is decided later, e.g. from a checkpoint)."""
-
-    def check_or_none(value):
-        return None if value is None else check(value)
-
-    check_or_none.__name__ = check.__name__
-    return check_or_none
-
-
-def check_value(dest: str, check, value):
-    """check(value), with a failure as the UserError argparse would have printed for the flag."""
-    try:
-        return check(value)
-    except argparse.ArgumentTypeError as e:
-        raise UserError(f"argument {flag_name(dest)}: {e}") from None
 
 
 def run(main, argv=None):

@@ -1,17 +1,8 @@
 """
-torch.compile for training: whether to compile by default, and a context that says what was
-compiled inside it and what that cost.
-
-The default (default_compile): compile on CUDA and CPU unless the run is too short to win back the
-one-time compile; MPS stays eager. Rule: compile when the run's compute at the device's peak (FLOPs
-per token x tokens x steps / peak) is at least MIN_RUN_SECONDS_AT_PEAK, which keeps smoke runs and
-the test suite's tiny models eager. Evaluation and sampling go through the plain module
-(orig_model), never the compiled one, so they cause no recompiles. The measurements behind the
-rule, and what recompiles would cost: docs/measurements.md#compile-policy.
-
-    with CompileWatch() as watch:
-        loss = compiled_model(x, y)
-    print(watch.describe())   # "1 graph(s) compiled in 23.4 s"
+torch.compile for training: whether to compile by default (default_compile: CUDA and CPU, unless the
+run is too short to win back the one-time compile; MPS stays eager), and CompileWatch, which says
+what was compiled inside a block and what it cost. Evaluation and sampling use the plain module, so
+they never recompile: docs/measurements.md#compile-policy.
 """
 
 import time
@@ -23,9 +14,8 @@ MIN_RUN_SECONDS_AT_PEAK = 100.0
 def default_compile(
     device_type: str, run_flops: float | None = None, peak_flops: float | None = None
 ) -> tuple[bool, str]:
-    """--compile's default and the reason (for the log and the run report). run_flops: the run's
-    training FLOPs (estimate_flops() x tokens per step x steps; None when the horizon is unknown);
-    peak_flops: the peak of all processes (hardware.peak_flops x world size)."""
+    """--compile's default and its reason. run_flops: the run's training FLOPs (None: the horizon is
+    unknown); peak_flops: the peak of all processes."""
     if device_type not in ("cuda", "cpu"):
         return False, f"eager on {device_type} (compiling was not measured faster there)"
     if run_flops is not None and peak_flops:
@@ -38,14 +28,8 @@ def default_compile(
     return True, f"compiled on {device_type}: measured faster per step; the one-time compile is timed apart"
 
 
-def _counters():
-    from torch._dynamo.utils import counters
-
-    return counters
-
-
 def _dynamo_compile_seconds() -> float | None:
-    """Seconds dynamo has spent compiling in this process (its own timer), if it exposes one."""
+    """Seconds dynamo has spent compiling in this process, if its timer is there."""
     try:
         from torch._dynamo.utils import calculate_time_spent
 
@@ -55,25 +39,27 @@ def _dynamo_compile_seconds() -> float | None:
 
 
 class CompileWatch:
-    """Counts the graphs torch.compile builds inside the block (each recompile is one more) and
-    the time spent: dynamo's own compile timer where it has one, and the block's wall time."""
+    """The graphs torch.compile builds inside the block (a recompile is one more) and the seconds:
+    dynamo's own timer, else the block's wall time."""
 
     def __enter__(self):
-        self._graphs0 = _counters()["stats"]["unique_graphs"]
+        from torch._dynamo.utils import counters
+
+        self._counters = counters
+        self._graphs0 = counters["stats"]["unique_graphs"]
         self._compile0 = _dynamo_compile_seconds()
         self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         self.wall_seconds = time.perf_counter() - self._t0
-        self.graphs = _counters()["stats"]["unique_graphs"] - self._graphs0
+        self.graphs = self._counters["stats"]["unique_graphs"] - self._graphs0
         end = _dynamo_compile_seconds()
         self.compile_seconds = end - self._compile0 if end is not None and self._compile0 is not None else None
         return False
 
     @property
     def seconds(self) -> float:
-        """Compile seconds: dynamo's timer, or (where torch has none) the block's wall time."""
         return self.compile_seconds if self.compile_seconds is not None else self.wall_seconds
 
     def describe(self) -> str:

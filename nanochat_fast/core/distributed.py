@@ -1,12 +1,8 @@
 """
-Process setup shared by every script: which device, which rank, seeding, and the few collectives
-the run layer needs beyond the optimizers' own (sums for logging, agreement between ranks).
-
-Launched by torchrun, every process trains on its own share of the data:
-    CUDA  -> NCCL, one GPU per process (cuda:LOCAL_RANK)
-    CPU   -> gloo, so multi-process CPU training really is data-parallel (the optimizers
-             synchronise through it; nothing trains unsynchronised copies)
-    MPS   -> single process only (there is no MPS collective backend)
+A process set up (device, rank, seeds, the process group) and torn down, and the few collectives
+the run layer needs beyond the optimizers' own. Under torchrun every process trains its share of
+the data: CUDA through NCCL (cuda:LOCAL_RANK), a CPU through gloo (really data-parallel), MPS
+alone (it has no collective backend). `nanochat_fast.common` re-exports the public names.
 """
 
 import os
@@ -29,8 +25,7 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 
 def get_dist_info():
-    """(ddp, rank, local_rank, world_size): from the process group once it exists, else from the
-    environment torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE); (False, 0, 0, 1) in a plain process."""
+    """(ddp, rank, local_rank, world_size): from the process group, else torchrun's environment."""
     if dist.is_available() and dist.is_initialized():
         rank = dist.get_rank()
         return True, rank, int(os.environ.get("LOCAL_RANK", rank)), dist.get_world_size()
@@ -40,18 +35,15 @@ def get_dist_info():
 
 
 def is_distributed() -> bool:
-    """True when a process group with more than one process is running."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def print0(*args, **kwargs):
-    """print() on rank 0 only."""
     if get_dist_info()[1] == 0:
         print(*args, **kwargs)
 
 
 def autodetect_device_type() -> str:
-    """cuda if a GPU is present, else mps (Apple silicon), else cpu."""
     if torch.cuda.is_available():
         return "cuda"
     if torch.backends.mps.is_available():
@@ -85,11 +77,9 @@ def _check_device_type(device_type: str, world_size: int, local_rank: int):
 
 
 def set_deterministic(enabled: bool, warn_only: bool = False):
-    """Bitwise reproducible runs (same device, same process count, same thread count): fixed
-    algorithms, no cuDNN autotuning. warn_only: ops without a deterministic implementation warn
-    instead of failing (on GPUs some attention backward kernels have none)."""
-    if enabled:
-        # must be set before cuBLAS starts; harmless on CPU
+    """Bitwise reproducible runs (same device, process and thread counts). warn_only: ops without a
+    deterministic implementation warn instead of failing (some GPU attention backward kernels)."""
+    if enabled:  # before cuBLAS starts; harmless on CPU
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
     torch.backends.cudnn.deterministic = enabled
@@ -97,14 +87,9 @@ def set_deterministic(enabled: bool, warn_only: bool = False):
 
 
 def compute_init(device_type: str = "", seed: int = 42, deterministic: bool = False, collective_timeout=None):
-    """Set up this process: device, process group (under torchrun), seeds.
-
-    Returns (ddp, ddp_rank, ddp_local_rank, ddp_world_size, device). Every rank is seeded the
-    same, so models initialised on every rank start identical. Mistakes the user can make (a device
-    that is not there, MPS under torchrun) raise UserError with one line saying what to do.
-    collective_timeout: seconds a collective waits once rank_watch.settle() is called (the first
-    step is done); until then the generous allowance (core/rank_watch.py).
-    """
+    """(ddp, rank, local_rank, world_size, device) of this process, set up: every rank seeded the
+    same (models start identical), the process group started under torchrun with rank_watch's
+    first timeout (collective_timeout applies once rank_watch.settle() is called)."""
     device_type = device_type or autodetect_device_type()
     ddp, rank, local_rank, world_size = get_dist_info()
     _check_device_type(device_type, world_size, local_rank)
@@ -119,19 +104,13 @@ def compute_init(device_type: str = "", seed: int = 42, deterministic: bool = Fa
         torch.set_float32_matmul_precision("highest" if deterministic else "high")
 
     timeout = rank_watch.init_timeout(collective_timeout)
-    if ddp and device_type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        if not dist.is_initialized():
-            dist.init_process_group(backend="nccl", device_id=device, timeout=timeout, **_attempt_store())
-    elif ddp:
-        # CPU (and a lone MPS process under torchrun): gloo carries the collectives
-        device = torch.device(device_type)
-        if not dist.is_initialized():
-            dist.init_process_group(backend="gloo", timeout=timeout, **_attempt_store())
-    else:
-        device = torch.device(device_type)
+    device = torch.device("cuda", local_rank) if ddp and device_type == "cuda" else torch.device(device_type)
     if ddp:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():  # NCCL on GPUs; gloo on a CPU (and for a lone MPS process)
+            backend = dict(backend="nccl", device_id=device) if device.type == "cuda" else dict(backend="gloo")
+            dist.init_process_group(**backend, timeout=timeout, **_attempt_store())
         with rank_watch.phase("process setup"):
             dist.barrier()
         rank_watch.start_heartbeat()
@@ -139,9 +118,8 @@ def compute_init(device_type: str = "", seed: int = 42, deterministic: bool = Fa
 
 
 def _attempt_store() -> dict:
-    """Under torchrun --max-restarts, a store of this attempt's own: the restarted ranks share the
-    launcher's store with the attempt before, whose keys (the dead ranks' addresses) would
-    otherwise be read back as theirs. Empty (env:// as usual) outside torchrun."""
+    """Under torchrun --max-restarts, a store of this attempt's own: otherwise the restarted ranks
+    read the attempt before's keys (the dead ranks' addresses) as theirs."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         return {}
@@ -156,12 +134,10 @@ TEARDOWN_ABANDON_S = 10.0  # after a failure, how long destroying the group may 
 
 
 def compute_cleanup(ok: bool = True):
-    """Tear down the process group, if one was started. ok (the command succeeded on this rank):
-    every rank meets the others (TEARDOWN_BARRIER_S at most, through the store: rank_watch.meet_at_end)
-    before the group is destroyed, so no rank closes its connections while another is still in a
-    collective (that aborted the other at exit: "terminate called without an active exception").
-    Not ok: no waiting for a rank that may be dead; the group is destroyed on a side thread given
-    TEARDOWN_ABANDON_S, then left behind."""
+    """Tear down the process group, if any. ok (this rank succeeded): the ranks first meet through
+    the store (rank_watch.meet_at_end), so none closes its connections while another is still in a
+    collective (which aborts it: "terminate called without an active exception"). Not ok: no wait
+    for a rank that may be dead; the group is destroyed on a side thread, then left behind."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     if ok and dist.get_world_size() > 1:
@@ -193,8 +169,8 @@ def _destroy_quietly():
 
 @contextmanager
 def torn_down():
-    """compute_cleanup() when the block ends: ok if it ended without an exception (or with
-    SystemExit(0)), so a failed rank never waits at the teardown barrier for the others."""
+    """compute_cleanup() when the block ends, ok unless it raised (SystemExit(0) aside): a failed
+    rank never waits for the others at the teardown barrier."""
     try:
         yield
     except SystemExit as e:
@@ -207,10 +183,8 @@ def torn_down():
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over all ranks (a copy of `t` when not distributed), e.g. supervised-token counts: added
-    in rank order on every rank, so the same bits everywhere and from run to run (an all-reduce may
-    sum in a different order on different ranks). For the small tensors the training loop logs or
-    counts."""
+    """Sum over all ranks of a small tensor, added in rank order: the same bits on every rank and
+    from run to run (an all-reduce may sum in another order on each rank)."""
     if not is_distributed():
         return t.detach().clone()
     t = t.detach()
@@ -222,8 +196,7 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def any_rank(flag: bool, device) -> bool:
-    """True on every rank if `flag` is True on any rank (one all-reduce; `flag` when not
-    distributed). Ranks use it to take the same decision: stop, save, give up."""
+    """True on every rank if `flag` is on any rank (one all-reduce): the ranks decide together."""
     if not (dist.is_available() and dist.is_initialized()):
         return flag
     t = torch.tensor(int(flag), device=device)
@@ -237,7 +210,7 @@ def all_ranks_ok(ok: bool, device) -> bool:
 
 
 def gather_objects(obj) -> list:
-    """Every rank's `obj` (picklable), in rank order, on every rank; [obj] when not distributed."""
+    """Every rank's `obj` (picklable), in rank order, on every rank."""
     if not is_distributed():
         return [obj]
     out = [None] * dist.get_world_size()
@@ -246,8 +219,8 @@ def gather_objects(obj) -> list:
 
 
 def rank0_decides(decide):
-    """decide() run on rank 0 alone and its result (any picklable object) returned on every rank:
-    one decision for the whole run where each rank measuring for itself could disagree."""
+    """decide() run on rank 0 alone, its result on every rank: one decision where each rank
+    measuring for itself could disagree."""
     if not is_distributed():
         return decide()
     box = [decide() if dist.get_rank() == 0 else None]

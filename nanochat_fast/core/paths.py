@@ -1,12 +1,7 @@
 """
-Where nanochat_fast keeps its files: everything lives under NANOCHAT_FAST_HOME
-(default ~/.cache/nanochat_fast):
-
-    data/<dataset>/{train,val}/*.parquet     prepared text / conversations
-    tokens/<dataset>/...                     pre-tokenized shards
-    tokenizer/                               BPE ranks, pattern, special tokens, token_bytes.pt
-    runs/<run>/checkpoints/step_NNNNNN/      model.pt (or model/: DCP shards), optim_rank<R>.pt, meta.json, COMPLETE
-    runs/<run>/{metrics.jsonl, loss.png, report.md}
+Where files live, all under NANOCHAT_FAST_HOME (default ~/.cache/nanochat_fast): data/<dataset>/
+(prepared parquet), tokens/<dataset>/ (token shards), tokenizer/, runs/<run>/ (checkpoints/step_N/,
+metrics.jsonl, loss.png, report.md); and files written atomically.
 """
 
 import json
@@ -35,8 +30,8 @@ def runs_dir() -> Path:
 
 
 def replace_atomically(path: Path, write):
-    """write(tmp_path) then rename onto path: readers see the old file, the new one, or none;
-    a write that fails leaves no temporary file behind. (Checkpoints also fsync: write_durably.)"""
+    """write(tmp_path) then rename onto path: readers see the old file, the new one, or none; a
+    failed write leaves no temporary file behind."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)
@@ -47,8 +42,7 @@ def replace_atomically(path: Path, write):
 
 def write_durably(path: Path, write):
     """write(file object) to a temporary name, fsync it, rename it over `path`, fsync the folder:
-    after a crash or a kill the file is the old one or the complete new one (checkpoints, metrics,
-    reports)."""
+    after a crash the file is the old one or the complete new one."""
 
     def write_synced(tmp: Path):
         with open(tmp, "wb") as f:

@@ -1,17 +1,9 @@
 """
-A stuck or dead rank, noticed: how long a collective waits for the other ranks (--collective-timeout),
-and the one line each surviving rank prints when they do not come.
-
-The process group starts with a generous timeout (the first step compiles, tunes and loads a
-checkpoint) and `settle()` tightens it to --collective-timeout once the first step is done, as
-torchtitan does. Phases where one rank may work alone or a file write dominates (a save, an
-evaluation with rank 0's samples) run under `phase(..., generous=True)` and end with a barrier, so
-no rank leaves them early and waits for the others under the tight timeout.
-
-A collective that fails inside a phase becomes CollectiveFailed: the collective, the phase, the step
-and, where the store can tell, the ranks that did not arrive. Every rank beats a heartbeat into the
-process group's store (a counter and where it is, once a second); a rank whose counter stopped
-(SIGSTOP, a frozen node, a dead process) or that is behind in the phases is named.
+A stuck or dead rank, noticed: collectives wait generously until the first step is done, then
+--collective-timeout (settle()); saves and evaluations stay generous and end in a barrier. A
+collective failing inside a phase() is CollectiveFailed: one line naming the collective, phase and
+step, and the ranks that did not arrive (heartbeat stopped, or behind). Why and how:
+docs/measurements.md#distributed-teardown-collective-timeouts-and-checkpoint-digests.
 """
 
 import json
@@ -39,7 +31,7 @@ def generous_s() -> float:
 
 
 def init_timeout(timeout_s: float | None) -> timedelta:
-    """The process group's first timeout (generous); remembers --collective-timeout for settle()."""
+    """The process group's first timeout (generous); --collective-timeout is kept for settle()."""
     _state["timeout"] = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
     _state["now"] = generous_s()
     return timedelta(seconds=_state["now"])
@@ -62,9 +54,8 @@ def timeout_s() -> float:
 
 @contextmanager
 def phase(what: str, step: int | None = None, generous: bool = False, sync: bool = False, seconds=None):
-    """Collectives inside are `what` at `step` in a failure's line; generous: under the generous
-    allowance (seconds: under that one); sync: a barrier at the end, under the same allowance (no
-    rank leaves early)."""
+    """Collectives inside are `what` at `step` in a failure's line; generous (or seconds): a longer
+    allowance; sync: a barrier at the end, under the same allowance (no rank leaves early)."""
     saved = (_state["what"], _state["step"], _state["now"])
     _state.update(what=what, step=step, entered=_state["entered"] + 1)
     if seconds is not None:
@@ -85,8 +76,7 @@ def phase(what: str, step: int | None = None, generous: bool = False, sync: bool
 
 
 def is_collective_failure(e: BaseException) -> bool:
-    """Raised by a collective (gloo/NCCL: a timeout, a peer's closed connection) of a group of
-    several processes."""
+    """Raised by a collective (gloo/NCCL: a timeout, a peer's closed connection) of several processes."""
     if isinstance(e, CollectiveFailed) or not (dist.is_initialized() and dist.get_world_size() > 1):
         return False
     dist_error = getattr(dist, "DistError", None)
@@ -114,22 +104,15 @@ def describe(e: BaseException) -> str:
     """One line: which collective, where, at which step, who did not arrive, what to do."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     step = f" at step {_state['step']}" if _state["step"] is not None else ""
-    timed_out = "timed out" in str(e).lower()
-    how = f"timed out after {_state['now']:g} s" if timed_out else f"failed ({_first_line(e)})"
+    if "timed out" in str(e).lower():
+        how = f"timed out after {_state['now']:g} s"
+    else:  # the error's first line, without the source position gloo prefixes
+        how = f"failed ({(str(e).strip() or type(e).__name__).splitlines()[0].split('] ', 1)[-1][:160]})"
     return (
         f"rank {rank}: {_collective_name(e)} in {_state['what']}{step} {how}; {missing_ranks()}. "
         "Resume with --resume auto (torchrun --max-restarts=N does it by itself); "
         "--collective-timeout sets the wait"
     )
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text.split("] ", 1)[-1][:160]  # gloo prefixes its source position
-
-
-# ------------------------------------------------------------------------------------------------
-# heartbeats through the process group's store
 
 
 def _store():
@@ -201,10 +184,9 @@ def missing_ranks() -> str:
 
 
 def meet_at_end(timeout_s: float) -> list[int]:
-    """Every rank marks in the store that it has left its last collective, then waits (timeout_s at
-    most) for the others' marks; the ranks that did not come. A barrier outside the backend's
-    connections: once it returns, no rank is still inside a collective, so closing them aborts
-    nobody (a barrier of the backend itself ends with a message that may still be in flight)."""
+    """A barrier through the store (the ranks that did not come within timeout_s): once it returns,
+    no rank is inside a collective, so closing the backend's connections aborts nobody (the
+    backend's own barrier ends with a message that may still be in flight)."""
     store = _store()
     if store is None:
         return []

@@ -1,18 +1,8 @@
 """
-How many intra-op threads each process runs (configure_threads). A process uses the cores it is
-given: those in its CPU affinity, capped by a cgroup CPU quota (containers). Under torchrun the
-local ranks share them: 2 processes on 2 cores run 1 thread each, not 2 each (oversubscribed
-threads wait on each other at every parallel region). An OMP_NUM_THREADS the user set wins.
-
-Telling the user's OMP_NUM_THREADS from torchrun's: torchrun sets OMP_NUM_THREADS=1 in its own
-environment when the user did not set it and it starts more than one process per node, and its
-workers inherit that. So a worker cannot tell the two apart from its own environment; it reads
-the environment its launcher was started with instead (/proc/<parent pid>/environ on Linux: the
-environment at exec time, which torchrun's later os.environ change does not touch). The parent is
-taken as the launcher when the worker runs under torchrun (TORCHELASTIC_RUN_ID is set) and the
-parent itself does not (a worker's own subprocesses are not launchers). Where the launcher's
-environment cannot be read (not Linux), OMP_NUM_THREADS=1 under torchrun with several local ranks
-is taken to be torchrun's default, since that is the value torchrun sets.
+How many intra-op threads each process runs (configure_threads): the cores it may use (its CPU
+affinity, capped by a cgroup quota), split among torchrun's local ranks; an OMP_NUM_THREADS the user
+set wins, told apart from torchrun's own default through the launcher's environment
+(docs/measurements.md#threads-per-process).
 """
 
 import math
@@ -34,17 +24,15 @@ class ThreadChoice:
 
 
 class _Unknown:
-    """The launcher's environment could not be read."""
+    pass
 
 
-UNKNOWN = _Unknown()
+UNKNOWN = _Unknown()  # the launcher's environment could not be read
 
 
 def decide_threads(env, cores: int, launcher_env=UNKNOWN, bound_per_rank: bool = False) -> ThreadChoice:
-    """The pure rule. env: this process's environment; cores: how many cores it may use;
-    launcher_env: the environment torchrun was started with (a mapping, None when this process was
-    not started by torchrun, or UNKNOWN); bound_per_rank: the launcher pinned this rank to a subset
-    of its own cores (then those are all this rank's)."""
+    """The rule. launcher_env: the environment torchrun was started with (None: not under torchrun;
+    UNKNOWN: unreadable); bound_per_rank: the launcher pinned this rank to a subset of its cores."""
     omp = env.get("OMP_NUM_THREADS")
     under_torchrun = "TORCHELASTIC_RUN_ID" in env
     local_ranks = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
@@ -77,8 +65,8 @@ def _omp_threads(value: str) -> int:
 
 
 def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
-    """The CPU quota of this process's cgroup in cores (docker --cpus, Kubernetes limits), or None.
-    cgroup v2 (cpu.max: "quota period" or "max period") or v1 (cpu.cfs_quota_us, -1 = none)."""
+    """The CPU quota of this process's cgroup in cores (docker --cpus, Kubernetes limits), or None:
+    cgroup v2's cpu.max ("quota period" or "max period"), else v1's cpu.cfs_quota_us (-1: none)."""
     try:
         quota, period = (root / "cpu.max").read_text().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
@@ -102,7 +90,8 @@ def usable_cores() -> int:
 
 
 def _launcher_facts() -> tuple[object, bool]:
-    """(launcher_env, bound_per_rank) for decide_threads, read from the parent process."""
+    """(launcher_env, bound_per_rank) for decide_threads, read from the parent process (torchrun's
+    later change of its os.environ does not touch /proc/<pid>/environ)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None, False
     ppid = os.getppid()
@@ -124,8 +113,7 @@ _chosen: ThreadChoice | None = None
 
 
 def configure_threads() -> ThreadChoice:
-    """Set torch's intra-op thread count by decide_threads for this process; returns the choice
-    (also kept for thread_choice(), for the run's log and report)."""
+    """Set torch's intra-op threads by decide_threads; the choice (kept for thread_choice())."""
     global _chosen
     launcher_env, bound = _launcher_facts()
     _chosen = decide_threads(os.environ, usable_cores(), launcher_env, bound)

@@ -1,15 +1,8 @@
 """
-The oldest torch this package supports, read from the one place it is written: the `torch>=X`
-requirement in pyproject.toml (in an installed copy without the source tree, the same requirement
-in the installed metadata). `make test-torch-floor` runs the CPU test suite on exactly that torch,
-so the floor is a version that was tested, not a hope.
-
-Standard library only, so it can be read before torch is installed (a preflight, the Makefile):
-
-    python3 nanochat_fast/core/torch_floor.py          # prints the floor, e.g. 2.11.0
-
-    from nanochat_fast.core.torch_floor import torch_floor, why_not
-    why_not("2.9.1+cu128")  # -> one line saying it is too old; "" for a supported version
+The oldest torch this package supports: the `torch>=X` requirement of pyproject.toml (or of the
+installed metadata), which `make test-torch-floor` tests. Standard library only, so it can be read
+before torch is installed: `python3 nanochat_fast/core/torch_floor.py` prints it; why_not(version)
+says in one line why a torch is too old ("" when it is not).
 """
 
 import re
@@ -42,7 +35,7 @@ def torch_floor() -> str:
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
-    """(2, 11, 0) for '2.11.0', '2.11.0+cu130' or '2.11.0a0+git1234' (a local build of 2.11.0 counts as 2.11.0)."""
+    """(2, 11, 0) for '2.11.0', '2.11.0+cu130' or '2.11.0a0+git1234' (a local build counts as its release)."""
     found = re.match(r"\d+(?:\.\d+)*", version.strip())
     if found is None:
         raise ValueError(f"not a torch version: {version!r}")

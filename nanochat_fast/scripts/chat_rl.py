@@ -12,7 +12,7 @@ model is pushed toward the replies that did better than its other replies to the
 Tasks (--task): GSM8K (the prepared data has no train split: it trains on the test questions that
 are not held out, and says so), SpellingBee, and last-digit (synthetic). --examples-per-step must be
 a multiple of the number of processes. The method (nanochat's "GRPO", close to REINFORCE) and what
-the log shows: README.md, "Reinforcement learning: chat_rl"; the objective: train/rl_objective.py.
+the log shows: README.md, "Reinforcement learning: chat_rl"; the objective: train/rollouts.py.
 """
 
 import argparse
@@ -50,10 +50,6 @@ def positive_float(value) -> float:
     return x
 
 
-def sampling_of(args) -> Sampling:
-    return Sampling(args.num_samples, args.max_new_tokens, args.temperature, args.top_k, args.device_batch_size)
-
-
 def pass_at_k_eval(args):
     """The stage's evaluation: pass@1..num_samples on the held-out questions, sampled as in training."""
 
@@ -61,33 +57,21 @@ def pass_at_k_eval(args):
         if args.eval_examples == 0:
             return lambda model: {}
         _, held_out, _ = split_examples(args.task, args.eval_examples)
-
-        def evaluate(model):
-            return task_runner.evaluate_pass_at_k(
-                model,
-                tokenizer,
-                args.task,
-                held_out,
-                dev.rank,
-                dev.world_size,
-                args.num_samples,
-                args.max_new_tokens,
-                args.temperature,
-                args.top_k,
-                seed=cfg.run.seed,
-            )
-
-        return evaluate
+        sampling = (args.num_samples, args.max_new_tokens, args.temperature, args.top_k)
+        return lambda model: task_runner.evaluate_pass_at_k(
+            model, tokenizer, args.task, held_out, dev.rank, dev.world_size, *sampling, seed=cfg.run.seed
+        )
 
     return make
 
 
 def stage(args) -> Stage:
+    sampling = Sampling(args.num_samples, args.max_new_tokens, args.temperature, args.top_k, args.device_batch_size)
     return Stage(
         phase="rl",
         title="reinforcement learning",
         start=START,
-        data=Rollouts(args.task, args.examples_per_step, sampling_of(args), args.eval_examples, args.num_epochs),
+        data=Rollouts(args.task, args.examples_per_step, sampling, args.eval_examples, args.num_epochs),
         horizon=rl_horizon,
         sample=lambda model, tokenizer: answer_questions(
             [ex["question"] for ex in args.task.load(max_examples=3)], args.max_new_tokens

@@ -44,22 +44,13 @@ def chat_evals(max_examples: int):
                 )
             return lambda model: {}
         loaded = [(task, task.load(max_examples=max_examples)) for task in chosen]
-
-        def evaluate(model):
-            return {
-                f"{task.name.lower().replace('-', '_')}_acc": task_runner.chat_task(
-                    model,
-                    tokenizer,
-                    task,
-                    examples,
-                    dev.rank,
-                    dev.world_size,
-                    batch_size=2 * cfg.data.device_batch_size,
-                ).accuracy
-                for task, examples in loaded
-            }
-
-        return evaluate
+        batch_size = 2 * cfg.data.device_batch_size
+        return lambda model: {
+            f"{task.name.lower().replace('-', '_')}_acc": task_runner.chat_task(
+                model, tokenizer, task, examples, dev.rank, dev.world_size, batch_size=batch_size
+            ).accuracy
+            for task, examples in loaded
+        }
 
     return make
 

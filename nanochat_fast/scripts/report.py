@@ -50,10 +50,6 @@ def build_parser():
     return p
 
 
-# ---------------------------------------------------------------------------------------------
-# what a run holds
-
-
 def source_run(meta: dict) -> Path | None:
     """The run directory of the checkpoint a run started from, if it is still there."""
     source = meta.get("base_checkpoint")
@@ -79,13 +75,6 @@ def ancestor(run_dir: Path, phase: str) -> Path | None:
 def pick_runs(args) -> dict:
     """{phase: run directory or None}: the flags, else the sft run's lineage, else the newest runs."""
     chosen = {}
-
-    def newest(phase):
-        try:
-            return checkpoints.newest_run((phase,))
-        except UserError:
-            return None
-
     for phase, _ in reversed(STAGES):  # rl first: the earlier stages follow its lineage
         flag = getattr(args, f"{phase}_run")
         if flag == NONE:
@@ -96,7 +85,10 @@ def pick_runs(args) -> dict:
             continue
         later = [d for d in chosen.values() if d is not None]
         if not later:
-            chosen[phase] = newest(phase)
+            try:
+                chosen[phase] = checkpoints.newest_run((phase,))
+            except UserError:
+                chosen[phase] = None
             continue
         lineage = [a for a in (ancestor(d, phase) for d in later) if a is not None]
         chosen[phase] = lineage[0] if lineage else None
@@ -130,8 +122,8 @@ def cost(meta: dict) -> str:
 
 
 def stage_facts(run_dir: Path) -> dict:
-    """Everything the card shows about one run: its newest checkpoint's meta and its evaluations there
-    (or at the newest step that was evaluated)."""
+    """What the card shows of a run: its newest checkpoint's meta and its evaluations there (or at the
+    newest step evaluated)."""
     ckpt = checkpoints.resolve_checkpoint(run_dir)
     meta = checkpoints.load_meta(ckpt)
     recorded = task_runner.read_records(run_dir)["steps"]
@@ -145,10 +137,6 @@ def stage_facts(run_dir: Path) -> dict:
     }
 
 
-# ---------------------------------------------------------------------------------------------
-# the card
-
-
 def percent(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -159,7 +147,7 @@ def chat_cell(r: dict) -> str:
 
 
 def summary_rows(facts: dict) -> list[tuple[str, dict]]:
-    """(metric, {phase: text}) rows of the summary table: one metric per row, one stage per column."""
+    """(metric, {phase: text}): one metric per row, one stage per column."""
 
     def cell(fn):
         return {phase: fn(f) for phase, f in facts.items() if f is not None and fn(f) is not None}

@@ -1,19 +1,9 @@
 """
-The command to run next, printed at the end of each step of the pipeline.
-
-Every printed command works exactly as printed (python_tests/test_newcomer.py runs them): it names
-the dataset or run just made, and a training command is sized for this machine (on a machine
-without a GPU: a depth-4 model for about one pass over the data, as `make demo` trains; with a GPU:
-nanochat's defaults).
-
-    prepare_data -> tok_train --dataset=NAME (no tokenizer yet), else base_train / mid_train ...
-    tok_train -> base_train --dataset=NAME ...      base_train -> base_eval --run=RUN
-    mid_train -> chat_sft --source-run=RUN [--extra-conversations=FILE: the mid run's own]
-    chat_sft -> chat_eval --run=RUN (evaluation data prepared; on a CPU a sample), else chat_cli
-    chat_rl -> chat_eval --run=RUN --task=TASK (the task it learned; on a CPU a sample)
-    chat_eval -> report (the report card of the pipeline)
-
-resume_command is the other command a run prints: the one that continues it after a stop.
+The command to run next, printed at the end of each step of the pipeline (prepare_data -> tok_train
+-> base_train -> base_eval; mid_train -> chat_sft -> chat_eval or chat_cli; chat_rl -> chat_eval ->
+report), and resume_command, the one that continues a stopped run. Each works as printed
+(test_newcomer.py runs them), naming the dataset or run just made, sized for this machine (without
+a GPU: a depth-4 model for about one pass over the data, as `make demo` trains).
 """
 
 import math
@@ -53,8 +43,8 @@ def run_flag(run_dir: Path, flag: str = "--run") -> str:
 
 
 def resume_command(argv, run_dir: Path) -> str:
-    """The command line that, with --resume auto appended, resumes this run: this one's flags
-    without --resume/--overwrite, plus --out-dir when only a --resume PATH named the run."""
+    """The command that, with --resume auto appended, resumes this run: this one's flags without
+    --resume/--overwrite, plus --out-dir when only a --resume PATH named the run."""
     args = list(sys.argv[1:] if argv is None else argv)
     kept, skip = [], False
     for a in args:
@@ -81,7 +71,6 @@ def train_tokenizer(name: str) -> str:
 
 
 def pretrain(name: str, n_tokens: int) -> str:
-    """base_train on dataset `name` of about n_tokens tokens, sized for this machine."""
     if torch.cuda.is_available():
         return command("base_train", *dataset_flag(name))
     steps = min(CPU_MAX_STEPS, max(1, math.ceil(n_tokens / CPU_BATCH_TOKENS)))
@@ -94,15 +83,14 @@ def midtrain(name: str) -> str:
 
 
 def after_tokens(name: str, kind: str, n_tokens: int):
-    """What to do with a dataset once it is tokenized."""
     from ..data.documents import TEXT
 
     show(pretrain(name, n_tokens) if kind == TEXT else midtrain(name))
 
 
 def after_midtraining(run_dir: Path) -> str:
-    """chat_sft from this mid run, with the mid run's own conversations (--extra-conversations)
-    mixed in again: without a conversation dataset they are what it trains on."""
+    """chat_sft from this mid run, its --extra-conversations mixed in again (without a conversation
+    dataset they are what it trains on)."""
     from ..checkpoints import complete_checkpoints, load_meta
 
     found = complete_checkpoints(run_dir)
@@ -113,8 +101,8 @@ def after_midtraining(run_dir: Path) -> str:
 
 
 def after_sft(run_dir: Path) -> str:
-    """chat_eval of this run where evaluation data is prepared (on a machine without a GPU, a sample
-    of CPU_EVAL_EXAMPLES per task: the full set takes a while there), else a chat with it."""
+    """chat_eval of this run where evaluation data is prepared (a sample per task without a GPU),
+    else a chat with it."""
     from ..evals.prepared_benchmarks import read_task_manifest
     from ..evals.tasks import CHAT_TASKS
 
@@ -125,7 +113,6 @@ def after_sft(run_dir: Path) -> str:
 
 
 def after_rl(run_dir: Path, task: str) -> str:
-    """chat_eval of this run on the task it learned (on a machine without a GPU, a sample)."""
     sizing = [] if torch.cuda.is_available() else [f"--max-examples={CPU_EVAL_EXAMPLES}"]
     return command("chat_eval", run_flag(run_dir), f"--task={task}", *sizing)
 

@@ -1,15 +1,9 @@
 """
-chat_rl's data: batches sampled from the model being trained (on-policy), not read from files.
-
-Rollouts is a stage's data object (stage_data.py describes the two methods): its loader,
-RolloutLoader, yields one micro-batch per question, rl_objective.rollout_batch of the question's
---num-samples samples with their advantages. Each optimizer step takes --examples-per-step
-questions, all ranks together; rank r samples questions r*E/W ... (r+1)*E/W - 1 of the step.
-Sampling goes through the batch engine (a question's samples share its prompt's prefill; the
-calculator is on and its forced tokens are marked). A sample's seed depends only on its place in
-the global stream of questions, so 1 and N processes draw the same samples and take the same step,
-and the loader's state (the place of the next step's first question) resumes on any number of
-processes. The seeds, groups and stream in full: docs/measurements.md#rl-rollouts.
+chat_rl's data and objective. Rollouts, a stage's data object, samples each step's questions from
+the model being trained, through the batch engine, and yields one micro-batch (inputs, targets,
+advantages) per question; the same samples on 1 and N processes. The objective (nanochat's "GRPO",
+close to REINFORCE): -sum A * log p over the sampled tokens of the step, divided by their count.
+The stream, seeds and objective in full: docs/measurements.md#rl-rollouts.
 """
 
 import random
@@ -22,9 +16,36 @@ from ..core.errors import UserError
 from ..data.padded_conversations import ConversationMixture, PaddedConversationLoader
 from ..model.batch_engine import BatchEngine, Request, stop_tokens
 from ..model.generation import decode_reply, fit_context
-from . import rl_objective
 from .run_state import Horizon
 from .stage_data import ConversationShards, Data, stage_val_batches
+
+
+def advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """(..., num_samples) rewards of each question's samples -> reward minus its question's mean."""
+    return rewards - rewards.mean(dim=-1, keepdim=True)
+
+
+def rollout_batch(
+    prompt: list[int], samples: list[tuple[list[int], list[bool]]], advantage: torch.Tensor, pad_id: int, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One question's samples as a micro-batch (inputs, targets, advantages): row i is prompt +
+    sample i's tokens (ids, forced flags), right-padded; a target is -1 where the next token is the
+    prompt's, forced by the calculator, or padding: only sampled tokens carry loss."""
+    rows = [(prompt + ids, [False] * len(prompt) + [not f for f in forced]) for ids, forced in samples]
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    sampled = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, (row, mask) in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        sampled[i, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
+    targets = ids[:, 1:].masked_fill(~sampled[:, 1:], -1)
+    return ids[:, :-1].to(device), targets.to(device), advantage.to(device=device, dtype=torch.float32)
+
+
+def weighted_loss_sum(token_losses: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+    """sum over rows and tokens of weight_row * loss_token: with the sampled tokens' cross-entropies
+    (0 where the target is -1) and the advantages, -sum A * log p."""
+    return (token_losses.float() * row_weights.unsqueeze(1)).sum()
 
 
 @dataclass(frozen=True)
@@ -43,7 +64,7 @@ class Sampling:
 
 
 def split_examples(task, eval_examples: int) -> tuple[list, list, str]:
-    """(train questions, held-out questions, note). The held-out ones are the first eval_examples of
+    """(train questions, held-out questions, note): the held-out ones are the first eval_examples of
     the task's evaluated split; a task without a train split trains on the rest of that split."""
     evaluated = task.load()
     held_out = evaluated[:eval_examples]
@@ -66,7 +87,8 @@ def split_examples(task, eval_examples: int) -> tuple[list, list, str]:
 
 
 class Rollouts:
-    """The data object of chat_rl (module docstring)."""
+    """chat_rl's data object: --examples-per-step questions per step, rank r sampling its share of
+    them, one micro-step per question."""
 
     varying_shapes = True  # rows as long as the question's longest sample
 
@@ -75,7 +97,6 @@ class Rollouts:
         self.sampling, self.eval_examples = sampling, eval_examples
 
     def grad_accum_steps(self, data_config, world_size: int) -> int:
-        """One micro-step per question of this rank: examples_per_step / world_size."""
         if self.examples_per_step % world_size:
             below = self.examples_per_step // world_size * world_size
             options = " or ".join(str(v) for v in (below, below + world_size) if v > 0)
@@ -87,53 +108,28 @@ class Rollouts:
 
     def open(self, args, cfg, tokenizer, dev, model=None) -> Data:
         train, held_out, note = split_examples(self.task, self.eval_examples)
-        loader = RolloutLoader(
-            model,
-            tokenizer,
-            self.task,
-            train,
-            self.examples_per_step,
-            self.sampling,
-            cfg.data.max_seq_len,
-            cfg.run.seed,
-            dev,
-            self.num_epochs,
-        )
+        loader = RolloutLoader(self, model, tokenizer, train, cfg.data.max_seq_len, cfg.run.seed, dev)
         pad = tokenizer.encode_special("<|assistant_end|>")
-        val = (
-            ConversationMixture(
-                [
-                    (
-                        self.task.name,
-                        ConversationShards(
-                            [self.task.conversation(ex) for ex in held_out], tokenizer, f"{self.task.name} held out"
-                        ),
-                    )
-                ],
-                shuffle=False,
+        name, conversations = self.task.name, [self.task.conversation(ex) for ex in held_out]
+        if held_out:
+            shards = ConversationShards(conversations, tokenizer, f"{name} held out")
+            val = ConversationMixture([(name, shards)], shuffle=False)
+
+        def make_loader(split, rank, world_size):
+            return PaddedConversationLoader(
+                val, cfg.data.device_batch_size, cfg.data.max_seq_len, pad, rank, world_size, dev.device
             )
-            if held_out
-            else None
-        )
 
-        def batches():
-            if val is None:  # --eval-examples=0: nothing held out (val bpb n/a)
-                return iter(())
-
-            def make_loader(split, rank, world_size):
-                return PaddedConversationLoader(
-                    val, cfg.data.device_batch_size, cfg.data.max_seq_len, pad, rank, world_size, dev.device
-                )
-
-            return stage_val_batches(make_loader, cfg, dev)
+        def batches():  # --eval-examples=0: nothing held out (val bpb n/a)
+            return stage_val_batches(make_loader, cfg, dev) if held_out else iter(())
 
         s = self.sampling
         describe = (
-            f"{len(train):,} {self.task.name} questions, {self.examples_per_step} per step x {s.num_samples} "
+            f"{len(train):,} {name} questions, {self.examples_per_step} per step x {s.num_samples} "
             f"samples (temperature {s.temperature:g}, top-k {s.top_k}, at most {s.max_new_tokens} new tokens); "
             f"{len(held_out):,} held out" + (f"; {note}" if note else "")
         )
-        return Data(loader, batches, f"rl:{self.task.name}", describe)
+        return Data(loader, batches, f"rl:{name}", describe)
 
 
 def rl_horizon(cfg, model, data) -> Horizon:
@@ -150,24 +146,14 @@ def rl_horizon(cfg, model, data) -> Horizon:
 
 
 class RolloutLoader:
-    """This rank's micro-batches of the stream of questions (docs/measurements.md#rl-rollouts)."""
+    """This rank's micro-batches of the stream of questions; its state is the place in the stream
+    of the next step's first question."""
 
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        task,
-        examples: list,
-        examples_per_step: int,
-        sampling: Sampling,
-        seq_len: int,
-        seed: int,
-        dev,
-        num_epochs: int = 1,
-    ):
-        self.model, self.tokenizer, self.task, self.examples = model, tokenizer, task, examples
-        self.examples_per_step, self.sampling, self.seed, self.dev = examples_per_step, sampling, seed, dev
-        self.device_batch_size, self.seq_len, self.num_epochs = sampling.num_samples, seq_len, num_epochs
+    def __init__(self, rollouts: Rollouts, model, tokenizer, examples: list, seq_len: int, seed: int, dev):
+        self.task, self.sampling, self.num_epochs = rollouts.task, rollouts.sampling, rollouts.num_epochs
+        self.examples_per_step, self.examples = rollouts.examples_per_step, examples
+        self.model, self.tokenizer, self.seq_len, self.seed, self.dev = model, tokenizer, seq_len, seed, dev
+        self.device_batch_size = self.sampling.num_samples
         self.position = 0  # place in the stream of the next step's first question
         self._order = (None, None)  # (epoch, its order of the questions)
         self.pending = []  # this step's micro-batches not handed out yet
@@ -204,7 +190,7 @@ class RolloutLoader:
         return self.pending.pop(0)
 
     def sample_step(self) -> list:
-        """Sample this rank's questions of the next step, group by group; their micro-batches."""
+        """This rank's questions of the next step, sampled group by group, as micro-batches."""
         per_rank = self.examples_per_step // self.dev.world_size
         first = self.position + self.dev.rank * per_rank
         self.position += self.examples_per_step
@@ -232,19 +218,10 @@ class RolloutLoader:
         for question, (prompt, _), rows in zip(questions, prompts, samples):
             texts = [decode_reply(self.tokenizer, [t for t in ids if t not in self.stop]) for ids, _ in rows]
             rewards = torch.tensor([float(self.task.check(question, text)) for text in texts])
-            self.stats += torch.tensor(
-                [
-                    rewards.sum(),
-                    (rewards >= 1).sum(),
-                    len(rows),
-                    float((rewards >= 1).any()),
-                    sum(len(ids) for ids, _ in rows),
-                ],
-                dtype=torch.float64,
-            )
-            batches.append(
-                rl_objective.rollout_batch(prompt, rows, rl_objective.advantages(rewards), self.pad, self.dev.device)
-            )
+            right, tokens = rewards >= 1, sum(len(ids) for ids, _ in rows)
+            stats = [rewards.sum(), right.sum(), len(rows), float(right.any()), tokens]
+            self.stats += torch.tensor(stats, dtype=torch.float64)
+            batches.append(rollout_batch(prompt, rows, advantages(rewards), self.pad, self.dev.device))
         return batches
 
     def step_metrics(self) -> dict:

@@ -1,28 +1,113 @@
 """
-What a run leaves behind besides checkpoints: metrics.jsonl (one JSON object per logged event),
-loss.png (train/val loss and tokens/s) and report.md (results, timing, hardware, device and
-precision with the reason for each choice, kernels, model, every setting). Only rank 0 writes
-these. Also the summary a run prints before its first step.
+What a run prints and leaves behind besides checkpoints: the step's log line (on a tqdm bar when
+attached to a terminal), metrics.jsonl (one JSON object per logged event), loss.png (train and val
+loss, tokens/s) and report.md (results, timing, hardware, device and precision with the reason for
+each choice, kernels, model, every setting), all written by rank 0; and the summary a run prints
+before its first step.
 """
 
 import json
 import os
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .. import hardware as hw
 from ..core import paths
-from ..hardware import cpu_model
+from ..core.progress import progress_bar
+from .tracking import tracked_metrics
+
+
+class Progress:
+    """A tqdm bar when attached to a terminal, plain lines otherwise (logs, CI, torchrun); only the
+    enabled process (rank 0) prints."""
+
+    def __init__(self, total: int | None, initial: int, enabled: bool):
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            self.bar = progress_bar(total=total, initial=initial, unit="step")
+        self.enabled = enabled
+
+    def step(self, line: str, postfix: str):
+        if self.bar is not None:
+            self.bar.set_postfix_str(postfix, refresh=False)
+            self.bar.update(1)
+        else:
+            self.write(line)
+
+    def write(self, line: str):
+        if self.bar is not None:
+            self.bar.write(line)
+        elif self.enabled:
+            print(line, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+@dataclass
+class StepRecord:
+    """What one finished step measured."""
+
+    step: int  # steps done, this one included
+    num_iterations: int | None  # the horizon in steps (None: until the data's epoch is done)
+    loss: float
+    grad_norm: float
+    lrm: float  # the learning-rate multiplier of the schedule
+    dt: float  # seconds, a compile inside the step left out
+    tokens: int  # input tokens of the step on all ranks
+    smooth_loss: float  # the debiased EMA of the loss
+    eta_seconds: float | None
+    tokens_seen: int
+    extra: dict = field(default_factory=dict)  # the loader's own figures of the step (chat_rl: reward, ...)
+
+
+def describe_step(m: StepRecord, flops_per_token: float, peak: hw.Peak | None, world_size: int):
+    """The step's log line, progress-bar postfix and metrics row. `peak`: one process's (None: MFU
+    n/a), named once in the run's summary, not on every line."""
+    tok_per_sec = m.tokens / m.dt
+    mfu = hw.mfu(flops_per_token, tok_per_sec, peak, world_size) if peak is not None else None
+    mfu_text = hw.mfu_text(flops_per_token, tok_per_sec, peak, world_size, against=False)
+    total = f"/{m.num_iterations}" if m.num_iterations else ""
+    eta = ""
+    if m.eta_seconds is not None:
+        s = int(m.eta_seconds)
+        eta = f" | eta {s // 3600}h{(s % 3600) // 60:02d}m" if s >= 3600 else f" | eta {s // 60}m{s % 60:02d}s"
+    extra = "".join(f" | {k.replace('_', ' ')} {v:.4g}" for k, v in m.extra.items())
+    line = (
+        f"step {m.step:05d}{total} | loss {m.loss:.4f}{extra} | lrm {m.lrm:.3f} | dt {m.dt * 1000:.0f}ms | "
+        f"tok/s {tok_per_sec:,.0f} | {mfu_text}{eta}"
+    )
+    postfix = f"loss {m.loss:.3f}{extra.replace(' | ', ' ')} tok/s {tok_per_sec:,.0f}"
+    row = dict(
+        kind="train",
+        step=m.step,
+        loss=m.loss,
+        smooth_loss=m.smooth_loss,
+        lrm=m.lrm,
+        grad_norm=m.grad_norm,
+        dt=m.dt,
+        tok_per_sec=tok_per_sec,
+        mfu=mfu,
+        tokens_seen=m.tokens_seen,
+        **m.extra,
+    )
+    if torch.cuda.is_initialized():  # this process's GPU: what a larger batch or model has left to grow into
+        row["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    return line, postfix, row
 
 
 class MetricsLog:
-    """Append-only JSONL log. On resume from step k, rows logged after step k by the run that was
-    interrupted are dropped, so the file describes exactly one history."""
+    """Append-only JSONL log; on resume from step k, the rows the interrupted run logged after step k
+    are dropped: the file describes exactly one history."""
 
-    def __init__(self, path: Path, resume_step: int | None = None, trackers=None):
+    def __init__(self, path: Path, resume_step: int | None = None, trackers=()):
         self.path = Path(path)
-        self.trackers = trackers  # tracking.Trackers (wandb, TensorBoard): each row goes there too
+        self.trackers = list(trackers)  # tracking.open_trackers' (wandb, TensorBoard): each row goes there too
         if resume_step is not None and self.path.exists():
             kept = [
                 line
@@ -37,8 +122,15 @@ class MetricsLog:
         row.setdefault("time", round(time.time(), 3))
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.trackers is not None:
-            self.trackers.log(row)
+        metrics = tracked_metrics(row) if self.trackers else {}
+        if metrics:
+            for tracker in self.trackers:
+                tracker.log(int(row.get("step", 0)), metrics)
+
+    def close(self):
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
     def rows(self) -> list[dict]:
         if not self.path.exists():
@@ -76,7 +168,7 @@ def plot(rows: list[dict], out_png: Path, title: str):
 
 
 def hardware() -> str:
-    desc = f"{cpu_model()}, {os.cpu_count()} CPU cores"
+    desc = f"{hw.cpu_model()}, {os.cpu_count()} CPU cores"
     if torch.cuda.is_available():
         desc += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     elif torch.backends.mps.is_available():
@@ -94,13 +186,8 @@ def device_summary(dev) -> dict:
     }
 
 
-def _table(d: dict) -> list[str]:
-    return ["| key | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in d.items()]
-
-
 def write_report(path: Path, title: str, sections: dict):
-    """report.md: a title, then one section per entry of `sections` (name -> a dict shown as a
-    table, or text)."""
+    """report.md: a title, then a section per entry of `sections` (name -> a dict shown as a table, or text)."""
     lines = [
         f"# {title}",
         "",
@@ -108,13 +195,15 @@ def write_report(path: Path, title: str, sections: dict):
         "",
     ]
     for name, body in sections.items():
-        lines += [f"## {name}", "", *(_table(body) if isinstance(body, dict) else [str(body)]), ""]
+        if isinstance(body, dict):
+            body = "\n".join(["| key | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in body.items()])
+        lines += [f"## {name}", "", str(body), ""]
     paths.write_durably(Path(path), lambda f: f.write("\n".join(lines).encode()))
 
 
 def summary(run, config, extra: dict) -> str:
-    """What a run prints before its first step (after the device line): where it writes, the model,
-    the batch, and the stage's own lines (horizon, starting point, data)."""
+    """What a run prints before its first step: where it writes, the model, the batch, and the
+    stage's own lines (horizon, starting point, data)."""
     per_rank = run.data.train.device_batch_size * run.data.train.seq_len
     lines = [
         f"run dir: {run.run_dir}",
@@ -129,8 +218,8 @@ def summary(run, config, extra: dict) -> str:
 
 
 def finish_report(run, metrics: MetricsLog, title: str, wall_start: float, sections: dict):
-    """loss.png and report.md at the end of a run (rank 0), and the closing lines of its log.
-    `sections`: the stage's own (settings, starting point, ...), after the common ones."""
+    """loss.png and report.md at the end of a run (rank 0), and its closing lines; `sections`: the
+    stage's own (settings, starting point, ...), after the common ones."""
     rows = metrics.rows()
     train_rows = [r for r in rows if r.get("kind") == "train"]
     speeds = sorted(r["tok_per_sec"] for r in train_rows)

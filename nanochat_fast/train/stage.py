@@ -1,18 +1,13 @@
 """
-A training stage, described once, and run_stage: the one function that runs any stage.
-
-A Stage says what differs between base_train, mid_train and the stages after them (its fields:
-the class's docstring). run_stage(args, stage) does the rest the same way for every stage: it
-checks the environment and every flag (training_config.py) before any work and sets up the
-process; set_up finds the starting point, opens (or resumes) the run directory and builds model
-and optimizers; then the stage's data is opened, make_run measures the compute dtypes, picks the
-compile and builds the Run (run_state.py), and train_and_report runs the loop (training_loop.py)
-and writes the report. How a later stage (chat_sft, chat_rl) plugs in without changing run_stage,
-and the resume rule for learning rates: ARCHITECTURE.md, "A training stage" and "The learning
-rate, from flag to kernel".
+A training stage, described once (Stage: what differs between base_train, mid_train, chat_sft and
+chat_rl), and run_stage, which runs any of them the same way: every flag and the environment
+checked before any work, the process set up, the starting point found, the run directory opened
+(or resumed), model and optimizers built, the stage's data opened, dtypes measured and the compile
+chosen; then the loop (training_loop.py) and the report. ARCHITECTURE.md, "A training stage".
 """
 
 import time
+from contextlib import closing
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -57,8 +52,8 @@ class NewModel:
 
 
 class FromRun:
-    """The weights of another run's checkpoint: flag `run_flag` names the run (default: the newest
-    run of the first of `phases` that has one), `step_flag` its step (default: the newest)."""
+    """The weights of another run's checkpoint: flag `run_flag` names the run (default: the newest of
+    the first of `phases` that has one), `step_flag` its step (default: the newest)."""
 
     with_model_flags = False
 
@@ -66,8 +61,6 @@ class FromRun:
         self.run_flag, self.step_flag, self.phases = run_flag, step_flag, phases
 
     def add_flags(self, parser):
-        """The two flags, in a "starting point" group: `--source-run` (a run of one of `phases`, by
-        default the newest) and `--source-step`, named after `run_flag` and `step_flag`."""
         g = parser.add_argument_group("starting point")
         newest = ", else ".join(f"the newest {phase} run" for phase in self.phases)
         g.add_argument(
@@ -133,19 +126,19 @@ def fixed_horizon(cfg, model, data) -> Horizon:
 
 def one_epoch(cfg, model, data) -> Horizon:
     """--num-iterations if set, else until the training data has been read once."""
-    steps = cfg.horizon.num_iterations if cfg.horizon.num_iterations > 0 else None
-    if steps:
+    steps = cfg.horizon.num_iterations
+
+    def epoch_done():
+        return data.train.epochs_done >= 1
+
+    if steps > 0:
         return Horizon(
-            steps,
-            lambda step: step / steps,
-            lambda: data.train.epochs_done >= 1,
-            f"{steps} steps",
-            steps * cfg.data.total_batch_size,
+            steps, lambda step: step / steps, epoch_done, f"{steps} steps", steps * cfg.data.total_batch_size
         )
     return Horizon(
         None,
         lambda step: data.train.epoch_progress,
-        lambda: data.train.epochs_done >= 1,
+        epoch_done,
         "one epoch of the training data",
         getattr(data.train, "epoch_tokens", None),
     )
@@ -158,42 +151,27 @@ def complete_prompts(prompts, max_tokens=16):
 
 def answer_questions(questions, max_tokens=32):
     """Samples of a chat model: each question and the assistant's greedy reply."""
-
-    def sample(model, tokenizer):
-        return [
-            f"{q} -> {generation.assistant_reply(model, tokenizer, [{'role': 'user', 'content': q}], max_tokens)}"
-            for q in questions
-        ]
-
-    return sample
+    return lambda model, tokenizer: [
+        f"{q} -> {generation.assistant_reply(model, tokenizer, [{'role': 'user', 'content': q}], max_tokens)}"
+        for q in questions
+    ]
 
 
 @dataclass(frozen=True)
 class Stage:
-    """What differs between base_train, mid_train and the stages after them:
+    """What differs between base_train, mid_train and the stages after them."""
 
-    phase     "base", "mid", ...: written into every checkpoint; later stages find runs by it
-    title     the report's title
-    start     where the weights come from: NewModel() (the depth dial) or FromRun(...) (another
-              run's checkpoint, e.g. --base-run for mid_train)
-    data      what it trains and validates on (stage_data.py: grad_accum_steps, open, and
-              varying_shapes: whether row lengths change between batches, which keeps it eager;
-              chat_rl's samples its batches from the model being trained: rollouts.py)
-    horizon   how long: fixed_horizon (steps, FLOPs budget or tokens per parameter) or one_epoch
-    sample    what to print every --sample-every steps: completions or chat replies
-    run_name  the default --run
-    evals     more evaluations, run with every val bpb eval; their latest values go into the report
-    """
-
-    phase: str
-    title: str
-    start: NewModel | FromRun
-    data: object  # stage_data.PackedRows(...) or anything with its two methods
-    horizon: Callable  # (cfg, model, data) -> Horizon
-    sample: Callable  # (model, tokenizer) -> list of texts to print
+    phase: str  # "base", "mid", ...: written into every checkpoint; later stages find runs by it
+    title: str  # the report's
+    start: NewModel | FromRun  # where the weights come from
+    data: object  # stage_data.py's: grad_accum_steps, open, varying_shapes (rollouts.Rollouts too)
+    horizon: Callable  # (cfg, model, data) -> Horizon: fixed_horizon, one_epoch, ...
+    sample: Callable  # (model, tokenizer) -> texts to print every --sample-every steps
     run_name: Callable  # (cfg, StartPoint) -> the default --run
     next_step: Callable | None = None  # run_dir -> the command to print once the run is done
-    evals: tuple = ()  # (name, fn(cfg, tokenizer, dev) -> fn(model) -> {metric: value})
+    # more evaluations, with every val bpb eval (latest values in the report):
+    # (name, fn(cfg, tokenizer, dev) -> fn(model) -> {metric: value})
+    evals: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -214,30 +192,25 @@ class RunSetup:
 
 
 def run_stage(args, stage: Stage) -> int:
-    """Run `stage` with the parsed flags `args`; the process exit code (0, or 3: the NaN guard)."""
+    """Run `stage` with the parsed flags; the process exit code (0, or 3: the NaN guard)."""
     check_environment()
     cfg = TrainingConfig.from_args(args, with_model=stage.start.with_model_flags)
     with torn_down():  # every rank meets before the group goes; a failed rank leaves at once
         dev = cfg.device.init(seed=cfg.run.seed, deterministic=cfg.run.deterministic)
         model_setup.check_sharding(cfg.optim.sharding, dev)
-        data = None
-        try:
-            print0(dev.describe(precision=False))
-            setup = set_up(args, stage, cfg, dev)
-            data = stage.data.open(args, setup.cfg, setup.tokenizer, dev, setup.orig_model)
+        print0(dev.describe(precision=False))
+        setup = set_up(args, stage, cfg, dev)
+        with closing(stage.data.open(args, setup.cfg, setup.tokenizer, dev, setup.orig_model)) as data:
             run, sections = make_run(args, stage, setup, data)
             print0(run_report.summary(run, setup.point.config, sections["Stage"]))
             if setup.ckpt is not None:
                 resume(run, setup.ckpt, setup.meta, setup.cfg)
             return train_and_report(run, stage, setup, sections)
-        finally:
-            if data is not None:
-                data.close()
 
 
 def set_up(args, stage: Stage, cfg: TrainingConfig, dev: ProcessSetup) -> RunSetup:
-    """The starting point, the run directory (and the checkpoint to resume, if any), then the model
-    and its optimizers: the weights of that checkpoint, else of the starting point, else fresh."""
+    """The starting point, the run directory (and the checkpoint to resume), then the model and its
+    optimizers: the weights of that checkpoint, else of the starting point, else fresh."""
     tokenizer = get_tokenizer()
     point = stage.start.resolve(args, cfg, tokenizer)
     cfg = replace(cfg, data=replace(cfg.data, max_seq_len=point.seq_len))
@@ -258,7 +231,7 @@ def set_up(args, stage: Stage, cfg: TrainingConfig, dev: ProcessSetup) -> RunSet
 
 def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict]:
     """The horizon, the dtypes measured at this model's shapes, the peak and the compile choice
-    (which needs the horizon); the Run, and the stage's sections of the report."""
+    (which needs the horizon): the Run, and the stage's sections of the report."""
     cfg, orig_model, tokenizer = setup.cfg, setup.orig_model, setup.tokenizer
     horizon = stage.horizon(cfg, orig_model, data)
     dev, ns = model_setup.tune_for_training(
@@ -313,8 +286,7 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
 
 
 def meta_of_run(stage: Stage, setup: RunSetup, dev: ProcessSetup, settings: dict) -> Callable[[], dict]:
-    """What every checkpoint's meta.json says of the run, read when it is saved (the loop adds its
-    own state)."""
+    """What every checkpoint's meta.json says of the run (the loop adds its own state)."""
     point, tokenizer = setup.point, setup.tokenizer
     return lambda: {
         "phase": stage.phase,
@@ -342,7 +314,7 @@ def train_and_report(run: Run, stage: Stage, setup: RunSetup, sections: dict) ->
         code = training_loop.train(run, metrics)
     finally:
         if metrics is not None:
-            metrics.trackers.close()
+            metrics.close()
     if run.rank == 0:
         run_report.finish_report(run, metrics, f"{stage.title}: {setup.run_name}", wall, sections)
         if run.finished and stage.next_step is not None:
@@ -351,7 +323,7 @@ def train_and_report(run: Run, stage: Stage, setup: RunSetup, sections: dict) ->
 
 
 def resume(run: Run, ckpt: Path, meta: dict, cfg: TrainingConfig):
-    """Restore the training state of `ckpt`, then apply the learning-rate rule (ARCHITECTURE.md, "Resume rule")."""
+    """Restore the training state of `ckpt`; then the learning-rate rule (ARCHITECTURE.md, "Resume rule")."""
 
     def groups_of(prefix):
         return [g for opt in run.optimizers for g in opt.param_groups if g["param_names"][0].startswith(prefix)]

@@ -1,19 +1,9 @@
 """
-What each training stage reads: its training loader and its validation batches.
-
-A stage's data is an object with two methods (stage.py calls them): grad_accum_steps(data_config,
-world_size), the micro-steps per optimizer step, checked before any work (UserError if the batch
-does not divide), and open(args, cfg, tokenizer, dev, model) -> Data, this rank's training loader
-and a factory of its validation batches (model: the one being trained, which chat_rl's rollouts
-sample from). A loader yields this rank's (inputs, targets) forever (targets -1 are not trained on)
-and has state_dict()/load_state_dict() (the global cursor), epoch_progress and close().
-
-    PackedRows(ConversationRowLoader)  packed rows of conversations, assistant tokens supervised (mid)
-    PackedRows(TokenRowLoader)         packed rows of prose, every token supervised (base)
-    PaddedConversations(sft_sources)   one conversation per row, padded (chat_sft)
-
-Validation reads the same rows on any number of processes (val_batches). What mid_train's own
-conversations and chat_sft's mixture add: docs/measurements.md#training-data-mixtures.
+What each training stage reads. A stage's data object has grad_accum_steps(data_config,
+world_size), checked before any work, and open(args, cfg, tokenizer, dev, model) -> Data: this
+rank's training loader (batches forever; state_dict, epoch_progress, close) and its validation
+batches, the same rows on any number of processes. PackedRows: prose (base) or conversations (mid);
+PaddedConversations: chat_sft's mixture (docs/measurements.md#training-data-mixtures).
 """
 
 import argparse
@@ -26,7 +16,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..core.errors import UserError
-from ..core.paths import tokens_dir
+from ..core.paths import tokenizer_dir, tokens_dir
 from ..data.dataloader import ConversationRowLoader, TokenRowLoader
 from ..data.documents import CHAT, check_conversation
 from ..data.padded_conversations import ConversationMixture, PaddedConversationLoader
@@ -36,13 +26,14 @@ from .training_config import micro_steps
 
 VAL_EVERY = 50  # of conversations brought alone, every 50th is held out (prepare_data's default too)
 TASK_LIMITS = {"SpellingBee": 600}  # SFT: examples taken from a task's train split (None: all)
+RETOKENIZE = "re-tokenize with `python -m nanochat_fast.scripts.prepare_data --stage=tokens`"
 
 
 @dataclass
 class Data:
     """A stage's data for this rank."""
 
-    train: Iterator  # the training loader (see the module docstring)
+    train: Iterator  # the training loader: this rank's (inputs, targets) forever, targets -1 not trained on
     val_batches: Callable[[], Iterator]  # a fresh pass over this rank's validation batches
     dataset: str  # what it is, for meta.json and the report
     describe: str  # one line for the run's summary
@@ -52,11 +43,9 @@ class Data:
 
 
 def val_batches(make_loader, eval_tokens: int, device_batch_size: int, seq_len: int, rank: int, world_size: int):
-    """This rank's share of up to eval_tokens of the val split: the batches a single process would
-    evaluate (device_batch_size rows each, packed from the start of the split, at most one pass),
-    batch i going to rank i mod world_size. So every process count sees the same rows, and val bpb
-    (all ranks' sums added) is the same on 1 or N processes. make_loader(split, rank, world_size)
-    opens a loader."""
+    """This rank's share of up to eval_tokens of the val split: the batches one process would
+    evaluate (packed from the start of the split, at most one pass), batch i to rank i mod
+    world_size, so val bpb is the same on 1 or N processes. make_loader(split, rank, world_size)."""
     steps = max(1, eval_tokens // (device_batch_size * seq_len))
     with make_loader("val", rank=0, world_size=1) as val:  # every rank packs every batch, as in training
         for i in range(steps):
@@ -68,15 +57,15 @@ def val_batches(make_loader, eval_tokens: int, device_batch_size: int, seq_len: 
 
 
 def stage_val_batches(make_loader, cfg, dev):
-    """val_batches with a stage's settings (its eval tokens, batch and context) on this process."""
+    """val_batches with a stage's settings, on this process."""
     return val_batches(
         make_loader, cfg.loop.eval_tokens, cfg.data.device_batch_size, cfg.data.max_seq_len, dev.rank, dev.world_size
     )
 
 
 class Conversations(list):
-    """The conversations of a JSONL file ({"messages": [...]} per line), checked line by line;
-    str() is the file's name. Used as the argparse type of --extra-conversations."""
+    """--extra-conversations' type: the conversations of a JSONL file ({"messages": [...]} per line),
+    checked line by line; str() is the file's name."""
 
     def __init__(self, path: str):
         file = Path(path).expanduser()
@@ -104,9 +93,21 @@ class Conversations(list):
         return self.path
 
 
+def held_out(conversations: list) -> tuple[list, list]:
+    """(train, val) of conversations brought alone: every VAL_EVERY-th, from the first, is val."""
+    return [c for i, c in enumerate(conversations) if i % VAL_EVERY], conversations[::VAL_EVERY]
+
+
+def too_few_conversations(extra) -> UserError:
+    return UserError(
+        f"--extra-conversations {extra} holds one conversation; training on it alone needs at least "
+        f"2 (every {VAL_EVERY}th, from the first, is held out for validation)"
+    )
+
+
 class ConversationShards:
-    """Rendered conversations held in memory, shaped like data/token_shards.TokenShards (one shard), so the
-    loaders read them as they read a prepared conversation dataset."""
+    """Rendered conversations held in memory, shaped like data/token_shards.TokenShards (one shard),
+    so the loaders read them as they read a prepared conversation dataset."""
 
     kind = CHAT
 
@@ -126,7 +127,8 @@ class ConversationShards:
 
 class PackedRows:
     """Rows packed best-fit from a tokenized dataset (base: prose; mid: conversations, plus the
-    user's own with --extra-conversations); the batch is --total-batch-size tokens per step."""
+    user's own with --extra-conversations, alone when no conversation dataset is prepared); the
+    batch is --total-batch-size tokens per step."""
 
     varying_shapes = False  # every row is max_seq_len long: one compiled graph
 
@@ -137,27 +139,33 @@ class PackedRows:
         return data_config.grad_accum_steps(world_size)
 
     def open(self, args, cfg, tokenizer, dev, model=None) -> Data:
-        data = cfg.data
         extra = getattr(args, "extra_conversations", None) or None
-        dataset, options, note = data.dataset or self.default_dataset, {}, ""
+        dataset, options, alone = cfg.data.dataset or self.default_dataset, {}, None
         if self.loader_class is ConversationRowLoader:
             options = dict(tokenizer=tokenizer)
-            if not data.dataset and not tokens_dir(dataset).is_dir():
+            if not cfg.data.dataset and not tokens_dir(dataset).is_dir():
                 if extra is None:
                     raise UserError(
                         f"no conversation dataset is prepared ({tokens_dir(dataset)}): prepare one with "
                         "`python -m nanochat_fast.scripts.prepare_data --datasets=chat`, or train on your "
                         "own conversations with --extra-conversations=FILE.jsonl"
                     )
-                return self._conversations_alone(extra, cfg, tokenizer, dev)
-            note = f" + {len(extra):,} conversations of {extra}" if extra else ""
+                if len(extra) < 2:
+                    raise too_few_conversations(extra)
+                alone = {
+                    split: ConversationShards(convs, tokenizer, f"{extra} ({split})")
+                    for split, convs in zip(("train", "val"), held_out(extra))
+                }
+                dataset = f"conversations:{Path(str(extra)).name}"
 
         def make_loader(split, rank, world_size, **more):
+            if alone is not None:
+                more["shards"] = alone[split]
             return self.loader_class(
                 dataset=dataset,
                 split=split,
-                device_batch_size=data.device_batch_size,
-                seq_len=data.max_seq_len,
+                device_batch_size=cfg.data.device_batch_size,
+                seq_len=cfg.data.max_seq_len,
                 rank=rank,
                 world_size=world_size,
                 device=dev.device,
@@ -165,64 +173,21 @@ class PackedRows:
                 **more,
             )
 
+        batches = functools.partial(stage_val_batches, make_loader, cfg, dev)
+        if alone is not None:
+            describe = (
+                f"data: {alone['train'].n_docs:,} conversations of {extra} alone (no conversation dataset "
+                f"prepared; {alone['val'].n_docs} held out for val bpb)"
+            )
+            return Data(make_loader("train", dev.rank, dev.world_size), batches, dataset, describe)
         train = make_loader("train", dev.rank, dev.world_size, **({"extra_conversations": extra} if extra else {}))
-        check_shards(train, tokenizer)
-        return Data(
-            train,
-            self._val(make_loader, cfg, dev),
-            dataset,
-            f"data: tokens/{dataset}{note} ({train.n_docs:,} documents per epoch)",
-        )
-
-    def _conversations_alone(self, extra, cfg, tokenizer, dev) -> Data:
-        """No conversation dataset is prepared: train on the user's conversations alone."""
-        if len(extra) < 2:
+        if train.shards.fingerprint != tokenizer.fingerprint:  # prompts are encoded with this run's tokenizer
             raise UserError(
-                f"--extra-conversations {extra} holds one conversation; training on it alone needs at "
-                f"least 2 (every {VAL_EVERY}th, from the first, is held out for validation)"
+                f"the token shards in {train.shards.directory} were made with another tokenizer than the "
+                f"one in {tokenizer_dir()}; {RETOKENIZE}"
             )
-        held_out = {"val": extra[::VAL_EVERY], "train": [c for i, c in enumerate(extra) if i % VAL_EVERY]}
-        shards = {
-            split: ConversationShards(convs, tokenizer, f"{extra} ({split})") for split, convs in held_out.items()
-        }
-        data, name = cfg.data, f"conversations:{Path(str(extra)).name}"
-
-        def make_loader(split, rank, world_size):
-            return ConversationRowLoader(
-                dataset=name,
-                split=split,
-                device_batch_size=data.device_batch_size,
-                seq_len=data.max_seq_len,
-                rank=rank,
-                world_size=world_size,
-                device=dev.device,
-                tokenizer=tokenizer,
-                shards=shards[split],
-            )
-
-        return Data(
-            make_loader("train", dev.rank, dev.world_size),
-            self._val(make_loader, cfg, dev),
-            name,
-            f"data: {len(held_out['train']):,} conversations of {extra} alone (no conversation dataset "
-            f"prepared; {len(held_out['val'])} held out for val bpb)",
-        )
-
-    @staticmethod
-    def _val(make_loader, cfg, dev):
-        return functools.partial(stage_val_batches, make_loader, cfg, dev)
-
-
-def check_shards(loader, tokenizer):
-    """The token shards must have been made with the tokenizer this run encodes prompts with."""
-    from ..core.paths import tokenizer_dir
-
-    if loader.shards.fingerprint != tokenizer.fingerprint:
-        raise UserError(
-            f"the token shards in {loader.shards.directory} were made with another tokenizer than the "
-            f"one in {tokenizer_dir()}; re-tokenize with "
-            "`python -m nanochat_fast.scripts.prepare_data --stage=tokens`"
-        )
+        note = f" + {len(extra):,} conversations of {extra}" if extra else ""
+        return Data(train, batches, dataset, f"data: tokens/{dataset}{note} ({train.n_docs:,} documents per epoch)")
 
 
 TOKEN_ROWS = PackedRows(TokenRowLoader, "base")
@@ -230,9 +195,9 @@ CONVERSATION_ROWS = PackedRows(ConversationRowLoader, "chat")
 
 
 class PaddedConversations:
-    """The data object of chat_sft (the module docstring describes the two methods): padded rows of the
-    mixture that `sources(args, cfg, tokenizer)` returns as (train parts, val parts, dataset name,
-    notes); examples_per_step conversations per optimizer step."""
+    """chat_sft's data: one conversation per row, padded, from the mixture `sources(args, cfg,
+    tokenizer)` returns as (train parts, val parts, dataset name, notes); examples_per_step
+    conversations per optimizer step."""
 
     varying_shapes = True  # rows as long as the batch's longest conversation
 
@@ -240,7 +205,6 @@ class PaddedConversations:
         self.examples_per_step, self.sources = examples_per_step, sources
 
     def grad_accum_steps(self, data_config, world_size: int) -> int:
-        """Micro-steps per optimizer step: examples_per_step / (device_batch_size x world_size)."""
         return micro_steps(
             "--target-examples-per-step",
             self.examples_per_step,
@@ -261,17 +225,15 @@ class PaddedConversations:
                 mixtures[split], data.device_batch_size, data.max_seq_len, pad, rank, world_size, dev.device
             )
 
-        batches = functools.partial(stage_val_batches, make_loader, cfg, dev)
-
         train = mixtures["train"]
         cut = int((train.lengths() > data.max_seq_len + 1).sum())
-        notes = notes + (
-            [f"{cut:,} conversations longer than {data.max_seq_len + 1} tokens lose their end"] if cut else []
-        )
+        if cut:
+            notes = notes + [f"{cut:,} conversations longer than {data.max_seq_len + 1} tokens lose their end"]
         describe = (
             f"{train.n_docs:,} conversations, one per row ({train.describe()}); val "
             f"{mixtures['val'].describe()}" + "".join(f"; {n}" for n in notes)
         )
+        batches = functools.partial(stage_val_batches, make_loader, cfg, dev)
         return Data(make_loader("train", dev.rank, dev.world_size), batches, dataset, describe)
 
 
@@ -282,16 +244,13 @@ def prepared_conversation_shards(dataset: str, split: str, tokenizer) -> TokenSh
             f"dataset {dataset!r} holds prose, not conversations: pass a conversation dataset (e.g. --dataset=chat)"
         )
     if shards.fingerprint != tokenizer.fingerprint:
-        raise UserError(
-            f"the token shards in {shards.directory} were made with another tokenizer; re-tokenize with "
-            "`python -m nanochat_fast.scripts.prepare_data --stage=tokens`"
-        )
+        raise UserError(f"the token shards in {shards.directory} were made with another tokenizer; {RETOKENIZE}")
     return shards
 
 
 def task_conversations() -> tuple[list[tuple[str, list]], list[str]]:
-    """[(name, conversations)] of every chat task's train splits that are prepared, and the names of
-    the tasks left out because their data is not."""
+    """[(name, conversations)] of every chat task's prepared train splits, and the names of the
+    tasks left out because their data is not prepared."""
     found, missing = [], []
     for task in tasks.CHAT_TASKS:
         if not task.train_splits:
@@ -306,7 +265,7 @@ def task_conversations() -> tuple[list[tuple[str, list]], list[str]]:
 
 
 def sft_sources(args, cfg, tokenizer):
-    """(train parts, val parts, dataset name, notes) of the mixture (docs/measurements.md#training-data-mixtures)."""
+    """(train parts, val parts, dataset name, notes) of the SFT mixture."""
     dataset = cfg.data.dataset or "chat"
     use_dataset = bool(cfg.data.dataset) or tokens_dir(dataset).is_dir()
     in_memory, notes = task_conversations()
@@ -329,17 +288,13 @@ def sft_sources(args, cfg, tokenizer):
         val = [(dataset, prepared_conversation_shards(dataset, "val", tokenizer))]
         train += [(name, ConversationShards(convs, tokenizer, name)) for name, convs in in_memory]
         return train, val, dataset, notes
-    # no conversation dataset: every VAL_EVERY-th conversation of each source is held out for val bpb
-    train, val = [], []
+    train, val = [], []  # no conversation dataset: each source's held-out conversations are val
     for name, convs in in_memory:
-        kept = [c for i, c in enumerate(convs) if i % VAL_EVERY]
+        kept, val_convs = held_out(convs)
         if kept:
             train.append((name, ConversationShards(kept, tokenizer, name)))
-        val.append((name, ConversationShards(convs[::VAL_EVERY], tokenizer, f"{name} (val)")))
+        val.append((name, ConversationShards(val_convs, tokenizer, f"{name} (val)")))
     if not train:
-        raise UserError(
-            f"--extra-conversations {extra} holds one conversation; training on it alone needs at least "
-            f"2 (every {VAL_EVERY}th, from the first, is held out for validation)"
-        )
+        raise too_few_conversations(extra)
     notes.append(f"no conversation dataset prepared: every {VAL_EVERY}th conversation is held out for val bpb")
     return train, val, "conversations:" + "+".join(name.split()[0] for name, _ in in_memory), notes

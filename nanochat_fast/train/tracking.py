@@ -1,19 +1,8 @@
 """
-Experiment tracking, optional: every row the run logs to metrics.jsonl also goes to wandb
-(--wandb=PROJECT, `pip install "nanochat_fast[wandb]"`) and/or TensorBoard event files in the run
-folder (--tensorboard, `pip install "nanochat_fast[tensorboard]"`), under nanochat's metric names:
-
-    train rows   smooth_loss -> train/loss (nanochat logs the debiased smoothed loss under it),
-                 loss -> train/raw_loss, lrm, dt, tok_per_sec, mfu (percent, as nanochat's) and
-                 grad_norm -> train/<same name>, tokens_seen -> total_training_tokens; chat_rl's
-                 reward -> reward, seq_len -> sequence_length
-    eval rows    val_bpb -> val/bpb; a stage's own evaluations under their own names (chat_rl's
-                 pass@k as nanochat's)
-
-Off by default: with neither flag no tracker is made and neither package imported. Only rank 0 logs
-(the trackers hang on MetricsLog, which only rank 0 has). A missing package is a one-line UserError
-naming the extra, raised while the flags are checked. wandb's run name is --run, its config the
-run's settings; WANDB_MODE=offline keeps it on this machine (the run folder's wandb/).
+Optional experiment tracking: every row rank 0 logs to metrics.jsonl also goes to wandb (--wandb=
+PROJECT; WANDB_MODE=offline keeps it local) and/or TensorBoard event files in the run folder
+(--tensorboard), under nanochat's metric names. Without either flag nothing is made or imported; a
+missing package is a one-line UserError naming the extra, raised while the flags are checked.
 """
 
 import importlib.util
@@ -23,19 +12,22 @@ from pathlib import Path
 from ..core.errors import UserError
 
 TRAIN_NAMES = {
-    "smooth_loss": "train/loss",
+    "smooth_loss": "train/loss",  # nanochat logs the debiased smoothed loss under it
     "loss": "train/raw_loss",
     "lrm": "train/lrm",
     "dt": "train/dt",
     "tok_per_sec": "train/tok_per_sec",
-    "mfu": "train/mfu",
+    "mfu": "train/mfu",  # percent, as nanochat's
     "grad_norm": "train/grad_norm",
     "tokens_seen": "total_training_tokens",
     "reward": "reward",
     "seq_len": "sequence_length",
 }
-EVAL_NAMES = {"val_bpb": "val/bpb"}
-PACKAGES = {"wandb": ("wandb", "wandb", "--wandb"), "tensorboard": ("tensorboard", "tensorboard", "--tensorboard")}
+EVAL_NAMES = {"val_bpb": "val/bpb"}  # a stage's own evaluations (chat_rl's pass@k) keep their names
+PACKAGES = {  # what: (module, pip extra, flag)
+    "wandb": ("wandb", "wandb", "--wandb"),
+    "tensorboard": ("tensorboard", "tensorboard", "--tensorboard"),
+}
 
 
 def require(what: str):
@@ -46,7 +38,7 @@ def require(what: str):
 
 
 def tracked_metrics(row: dict) -> dict:
-    """A metrics.jsonl row's numbers under nanochat's names ({} for rows nanochat has no name for)."""
+    """A metrics.jsonl row's numbers under nanochat's names ({} for other kinds of rows)."""
     kind = row.get("kind")
     if kind == "train":
         names = TRAIN_NAMES
@@ -95,25 +87,8 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-class Trackers:
-    """The trackers a run asked for (possibly none): log(row) hands each a row's metrics."""
-
-    def __init__(self, trackers: list):
-        self.trackers = trackers
-
-    def log(self, row: dict):
-        metrics = tracked_metrics(row) if self.trackers else {}
-        if metrics:
-            for tracker in self.trackers:
-                tracker.log(int(row.get("step", 0)), metrics)
-
-    def close(self):
-        for tracker in self.trackers:
-            tracker.close()
-        self.trackers = []
-
-
-def open_trackers(wandb_project: str, tensorboard: bool, run_name: str, run_dir: Path, config: dict) -> Trackers:
+def open_trackers(wandb_project: str, tensorboard: bool, run_name: str, run_dir: Path, config: dict) -> list:
+    """The trackers a run asked for (possibly none); MetricsLog hands each every row's metrics."""
     trackers = []
     if wandb_project:
         require("wandb")
@@ -121,4 +96,4 @@ def open_trackers(wandb_project: str, tensorboard: bool, run_name: str, run_dir:
     if tensorboard:
         require("tensorboard")
         trackers.append(TensorBoardTracker(run_dir))
-    return Trackers(trackers)
+    return trackers

@@ -1,18 +1,9 @@
 """
-A training run's configuration: one small object per component, each validated when it is built.
-
-    ModelConfig    the depth dial (base_train; later stages take the checkpoint's model)
-    DataConfig     which dataset, row length, rows per micro-step, tokens per optimizer step
-    HorizonConfig  how long: steps, a FLOPs budget or tokens per parameter
-    OptimConfig    learning rates, weight decay, clipping, the lr schedule, Muon's options
-    LoopConfig     evaluation, sampling, checkpoints, the NaN guard
-    DeviceConfig   device type and compute dtype (also the eval and chat scripts: evaluation_process)
-    RunConfig      run name or folder, resume/overwrite, compile, seed, determinism
-
-Each field is declared once, with its default, its check and its help: `add_flags` makes it an
-argparse flag whose type is the check, `from_args` builds the object, `__post_init__` checks again
-for a config built in code. A bad value is a UserError in argparse's words ("argument --depth: must
-be a positive integer, got 0"), exit code 2; optimizers and kernels keep their own ValueError checks.
+A training run's configuration: one small frozen object per component (model, data, horizon,
+optimization, loop, device, run), each validated when it is built. A field is declared once, with
+its default, check and help: add_flags makes it a flag whose argparse type is the check, and
+__post_init__ runs the check again on a config built in code. A bad value is a UserError in
+argparse's words ("argument --depth: must be a positive integer, got 0"), exit code 2.
 """
 
 import argparse
@@ -43,19 +34,13 @@ from ..hardware.process_setup import ProcessSetup
 from ..optim.recipe import PRESET_NAMES, MuonRecipe, preset_name
 
 
-def muon_recipe_name(value) -> str:
-    """--muon-recipe's check: a preset's name; a former name (seeds, current) becomes the new one,
-    with its notice line."""
-    return choice(*PRESET_NAMES)(preset_name(value))
-
-
 def flag(default, check, help, **argparse_kwargs):
     """A config field that is also a command-line flag (--field-name)."""
     return field(default=default, metadata=dict(check=check, help=help, **argparse_kwargs))
 
 
 class Config:
-    """Base of the component configs (frozen dataclasses): flags, construction, validation."""
+    """Base of the component configs: their flags, built from parsed flags, validated."""
 
     GROUP = ""  # the --help section of its flags
 
@@ -70,8 +55,8 @@ class Config:
 
     @classmethod
     def add_flags(cls, parser, only=None, **defaults):
-        """Add the flags of `cls` (or of the fields in `only`) to `parser`; `defaults` overrides
-        field defaults for this script (e.g. mid_train evaluates more often)."""
+        """The flags of `cls` (or of the fields in `only`), with this script's `defaults` (e.g.
+        mid_train evaluates more often); their argument group."""
         group = parser.add_argument_group(cls.GROUP)
         for f in fields(cls):
             if only is not None and f.name not in only:
@@ -79,13 +64,12 @@ class Config:
             meta = dict(f.metadata)
             check, default = meta.pop("check"), defaults.pop(f.name, f.default)
             if check is boolean:
-                group.add_argument(cli.flag_name(f.name), action="store_true", default=default, **meta)
+                meta["action"] = "store_true"
             elif meta.pop("optional_bool", False):
-                group.add_argument(
-                    cli.flag_name(f.name), action=argparse.BooleanOptionalAction, default=default, **meta
-                )
+                meta["action"] = argparse.BooleanOptionalAction
             else:
-                group.add_argument(cli.flag_name(f.name), type=check, default=default, **meta)
+                meta["type"] = check
+            group.add_argument(cli.flag_name(f.name), default=default, **meta)
         if defaults:
             raise TypeError(f"{cls.__name__} has no fields {sorted(defaults)}")
         return group
@@ -94,6 +78,11 @@ class Config:
     def from_args(cls, args):
         """The config of the parsed flags; fields without a flag in this script keep their default."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def muon_recipe_name(value) -> str:
+    """--muon-recipe's check: a preset's name (a former name becomes the new one, with a notice)."""
+    return choice(*PRESET_NAMES)(preset_name(value))
 
 
 def window_pattern(value) -> str:
@@ -123,22 +112,14 @@ ARCH_PRESETS = {
 }
 
 
-def apply_arch_preset(args):
-    """The flags of --arch's preset that were not given on the command line, set in `args`."""
-    explicit = cli.explicit_flags(args)
-    for name, value in ARCH_PRESETS.get(getattr(args, "arch", ""), {}).items():
-        if hasattr(args, name) and name not in explicit:
-            setattr(args, name, value)
-
-
 @dataclass(frozen=True)
 class ModelConfig(Config):
     GROUP = "model"
     arch: str = flag(
         "gpt",
         choice(*ARCHES),
-        "model family: gpt (the seeds' GPT) or windowed (nanochat's today: sliding windows, value "
-        "embeddings, per-layer scalars, smear and backout; also sets its recipe's defaults)",
+        "model family: gpt or windowed (nanochat's today: sliding windows, value embeddings, per-layer scalars, "
+        "smear and backout; also sets its recipe's defaults)",
         choices=list(ARCHES),
     )
     depth: int = flag(20, positive_int, "transformer layers; sets width and heads")
@@ -173,7 +154,6 @@ class DataConfig(Config):
     total_batch_size: int = flag(524288, positive_int, "tokens per optimizer step, all processes")
 
     def grad_accum_steps(self, world_size: int) -> int:
-        """Micro-steps per optimizer step: total_batch_size / (device_batch_size x max_seq_len x world_size)."""
         return micro_steps(
             "--total-batch-size",
             self.total_batch_size,
@@ -220,19 +200,17 @@ class OptimConfig(Config):
     muon_recipe: str = flag(
         "quintic",
         muon_recipe_name,
-        "Muon's recipe "
-        "(optim/recipe.py): quintic (the seeds' Muon: quintic Newton-Schulz, momentum warmup), "
-        "minimax4 (the same with 4 tuned Newton-Schulz steps instead of 5, for the same singular-value band) "
-        "or polar-normuon (nanochat's today: Polar Express, MuonEq, Muon+, NorMuon, cautious "
-        "weight decay, momentum warmdown); the flags below override parts of it. The former "
-        "names seeds and current still work, with a notice",
+        "Muon's recipe (optim/recipe.py): quintic (quintic Newton-Schulz, momentum warmup), minimax4 (the same "
+        "with 4 tuned Newton-Schulz steps instead of 5, for the same singular-value band) or polar-normuon "
+        "(nanochat's today: Polar Express, MuonEq, Muon+, NorMuon, cautious weight decay, momentum warmdown); "
+        "the flags below override parts of it. The former names seeds and current still work, with a notice",
         choices=list(PRESET_NAMES),
     )
     ns_dtype: str = flag(
         "auto",
         choice(*precision.CHOICES),
-        "dtype Newton-Schulz computes in (auto: bf16 on CUDA "
-        "sm80+; on a CPU the faster one, timed at Muon's matrices and cached)",
+        "dtype Newton-Schulz computes in (auto: bf16 on CUDA sm80+; on a CPU the faster one, timed at Muon's "
+        "matrices and cached)",
         choices=list(precision.CHOICES),
     )
     ns_coefficients: str | None = flag(
@@ -250,16 +228,15 @@ class OptimConfig(Config):
     muon_weight_decay: float | None = flag(
         None,
         optional(non_negative_float),
-        "Muon's weight decay (default: the "
-        "recipe's: 0 for quintic, 0.28 cautious and cosine-scheduled for polar-normuon)",
+        "Muon's weight decay (default: the recipe's: 0 for quintic, 0.28 cautious and cosine-scheduled for "
+        "polar-normuon)",
     )
     sharding: str = flag(
         "zero2",
         choice("zero2", "fsdp"),
-        "how several processes share the model: zero2 (each "
-        "holds the whole model and gradient, the optimizer state is sharded) or fsdp (parameters, "
-        "gradients and optimizer state all sharded by FSDP2; for models that do not fit one device; "
-        "needs >= 2 processes)",
+        "how several processes share the model: zero2 (each holds the whole model and gradient, the optimizer "
+        "state is sharded) or fsdp (parameters, gradients and optimizer state all sharded by FSDP2; for models "
+        "that do not fit one device; needs >= 2 processes)",
         choices=["zero2", "fsdp"],
     )
 
@@ -269,7 +246,7 @@ class OptimConfig(Config):
 
     @classmethod
     def scaled_lrs(cls, fraction: float) -> dict:
-        """The learning-rate flags' defaults at `fraction` of pretraining's (fine-tuning stages start lower)."""
+        """The learning-rate flags' defaults at `fraction` of pretraining's (fine-tuning starts lower)."""
         defaults = {f.name: f.default for f in fields(cls)}
         return {name: defaults[name] * fraction for name, _ in cls.LR_FLAGS}
 
@@ -281,18 +258,12 @@ class OptimConfig(Config):
             )
 
     def recipe(self) -> MuonRecipe:
-        """The Muon recipe: the --muon-recipe preset with the flags given on top. The polar-normuon
-        recipe's momentum warmdown runs over this run's lr warmdown (--warmdown-ratio)."""
-        overrides = dict(ns_dtype=self.ns_dtype)
+        """The --muon-recipe preset with the flags given on top; polar-normuon's momentum warmdown
+        runs over this run's lr warmdown."""
+        given = dict(ns_coefficients=self.ns_coefficients, normuon=self.normuon, weight_decay=self.muon_weight_decay)
+        overrides = dict(ns_dtype=self.ns_dtype, **{name: value for name, value in given.items() if value is not None})
         if self.muon_recipe == "polar-normuon":
             overrides["momentum_warmdown_ratio"] = self.warmdown_ratio
-        for name, value in (
-            ("ns_coefficients", self.ns_coefficients),
-            ("normuon", self.normuon),
-            ("weight_decay", self.muon_weight_decay),
-        ):
-            if value is not None:
-                overrides[name] = value
         return MuonRecipe.preset(self.muon_recipe, **overrides)
 
     def optimizer_kwargs(self) -> dict:
@@ -329,8 +300,8 @@ class DeviceConfig(Config):
     dtype: str = flag(
         "auto",
         choice(*precision.CHOICES),
-        "compute dtype of the model's matmuls (auto: bf16 on "
-        "CUDA sm80+; on a CPU the faster one, timed at the run's shapes and cached; fp32 on MPS)",
+        "compute dtype of the model's matmuls (auto: bf16 on CUDA sm80+; on a CPU the faster one, timed at the "
+        "run's shapes and cached; fp32 on MPS)",
         choices=list(precision.CHOICES),
     )
     collective_timeout: float = flag(
@@ -340,13 +311,10 @@ class DeviceConfig(Config):
         f"evaluations, gets at least {rank_watch.GENEROUS_S:g} s); a stuck rank is then named in one line "
         "and the run exits non-zero, for torchrun --max-restarts and --resume auto",
     )
-    # threads per process (core/threads.py) is decided in compute_init from the environment
 
     def init(self, seed: int = 42, deterministic: bool = False) -> ProcessSetup:
-        """Set this process up (compute_init), then choose the compute dtype and check that the
-        kernels asked for can run here. UserError for a device, dtype or backend that cannot. A
-        CPU's auto dtype comes from this machine's matmul probe here (rank 0's, for every rank);
-        a training stage then times its own model (model_setup.tune_for_training)."""
+        """This process set up (compute_init; its threads too), its compute dtype (a CPU's auto: the
+        machine's matmul probe, rank 0's for every rank) and the kernels, checked against the device."""
         from ..core.distributed import compute_init, rank0_decides
         from .env_vars import check_kernels
 
@@ -360,9 +328,7 @@ class DeviceConfig(Config):
 @contextmanager
 def evaluation_process(args):
     """For a command that evaluates a checkpoint (base_eval, chat_eval): the environment checked,
-    this process set up from the parsed device flags (DeviceConfig.init) and described on rank 0,
-    and the process group torn down when the command ends, however it ends (core/distributed.torn_down).
-    Yields the ProcessSetup."""
+    the ProcessSetup of the device flags (described on rank 0), the process group torn down at the end."""
     from ..core.distributed import print0, torn_down
     from .env_vars import check_environment
 
@@ -381,17 +347,16 @@ class RunConfig(Config):
     resume: str = flag(
         "",
         str,
-        "auto: continue from the newest complete checkpoint of the run (start fresh if "
-        "none); PATH: from that checkpoint directory",
+        "auto: continue from the newest complete checkpoint of the run (start fresh if none); PATH: from that "
+        "checkpoint directory",
         metavar="auto|PATH",
     )
     overwrite: bool = flag(False, boolean, "delete an existing run directory and start over")
     compile: bool | None = flag(
         None,
         optional(boolean),
-        "torch.compile the training step (default: on for CUDA "
-        "and CPU unless the run is too short to win back the one-time compile, or its row "
-        "lengths vary; off on MPS; the log says which and why)",
+        "torch.compile the training step (default: on for CUDA and CPU unless the run is too short to win back "
+        "the one-time compile, or its row lengths vary; off on MPS; the log says which and why)",
         optional_bool=True,
     )
     seed: int = flag(42, random_seed, "random seed")
@@ -399,8 +364,8 @@ class RunConfig(Config):
     wandb: str = flag(
         "",
         cli.plain_name,
-        "log to wandb under this project, with nanochat's metric names (needs "
-        'pip install "nanochat_fast[wandb]"; WANDB_MODE=offline keeps it local)',
+        'log to wandb under this project, with nanochat\'s metric names (needs pip install "nanochat_fast[wandb]"; '
+        "WANDB_MODE=offline keeps it local)",
         metavar="PROJECT",
     )
     tensorboard: bool = flag(
@@ -441,7 +406,11 @@ class TrainingConfig:
 
     @classmethod
     def from_args(cls, args, with_model: bool):
-        apply_arch_preset(args)
+        explicit = cli.explicit_flags(args)
+        # --arch's preset sets the flags not given on the command line
+        for name, value in ARCH_PRESETS.get(getattr(args, "arch", ""), {}).items():
+            if hasattr(args, name) and name not in explicit:
+                setattr(args, name, value)
         return cls(
             model=ModelConfig.from_args(args) if with_model else None,
             data=DataConfig.from_args(args),
@@ -450,7 +419,7 @@ class TrainingConfig:
             loop=LoopConfig.from_args(args),
             device=DeviceConfig.from_args(args),
             run=RunConfig.from_args(args),
-            explicit=cli.explicit_flags(args),
+            explicit=explicit,
         )
 
     def as_dict(self) -> dict:
@@ -463,8 +432,8 @@ class TrainingConfig:
 
 
 def add_training_flags(parser, **defaults):
-    """The flags every training stage shares: optimization, loop, device and run. `defaults`
-    overrides field defaults by name (eval_every=150, ...)."""
+    """The flags every training stage shares (optimization, loop, device, run), with this script's
+    `defaults` by name (eval_every=150, ...)."""
     for cls in (OptimConfig, LoopConfig, DeviceConfig, RunConfig):
         mine = {k: defaults.pop(k) for k in list(defaults) if k in {f.name for f in fields(cls)}}
         cls.add_flags(parser, **mine)

@@ -1,18 +1,9 @@
 """
-The training loop every stage shares (stage.py builds a Run of run_state.py and calls train): the
-two loops of the seeds (optimizer steps; gradient-accumulation micro-steps inside each) plus what a
-long run on rented machines needs: evaluation, sampling, atomic checkpoints, exact resume,
-preemption and the NaN guard. `train` reads as one iteration does. One step:
-
-    set lr and Muon momentum from the progress at the start of the step
-    fetch the grad_accum_steps micro-batches of this rank
-    count the supervised targets of the whole step on all ranks (one all-reduce)
-    for each micro-batch: loss_sum = model(x, y, "sum"); (loss_sum / count).backward()
-    the logged loss is the global mean: all-reduced loss sums / count
-    optim.step(): reduce-scatter, global grad norm, clip, update
-Dividing by the global count of supervised tokens (not per-rank means) makes the gradient the same
-on 1 and N processes, also for masked targets. A micro-batch (x, y, row weights) weighs each row's
-token losses (chat_rl's advantages); a loader's step_metrics() adds to the step's log line.
+The training loop every stage shares (stage.py builds the Run): optimizer steps of grad_accum_steps
+micro-steps, and what a long run on rented machines needs: evaluation, sampling, checkpoints, exact
+resume, preemption and the NaN guard. A step's loss is the summed token losses of all ranks over the
+global count of supervised targets, so its gradient is the same on 1 and N processes, masked targets
+included; a micro-batch (x, y, row weights) weighs each row's token losses (chat_rl's advantages).
 """
 
 import contextlib
@@ -31,10 +22,9 @@ from ..core.distributed import all_reduce_sum, any_rank, get_dist_info, print0
 from ..core.errors import EXIT_NONFINITE
 from ..evals.bits_per_byte import evaluate_bpb
 from ..model import sharding
-from .rl_objective import weighted_loss_sum
-from .run_report import MetricsLog
+from .rollouts import weighted_loss_sum
+from .run_report import MetricsLog, Progress, StepRecord, describe_step
 from .run_state import Horizon, Run, save
-from .step_log import Progress, StepRecord, describe_step
 
 
 @dataclass
@@ -47,7 +37,7 @@ class Boundary:
 
 
 class Session:
-    """What one call of train keeps between iterations; unlike LoopState, it is not saved."""
+    """What one call of train keeps between iterations (unlike run.state, it is not saved)."""
 
     def __init__(self, run: Run, metrics: MetricsLog | None):
         self.run, self.metrics = run, metrics
@@ -71,27 +61,32 @@ class Session:
 
 
 def train(run: Run, metrics: MetricsLog | None) -> int:
-    """The outer loop. Returns the process exit code (0, or 3 when the NaN guard stops the run)."""
+    """The outer loop; the process exit code (0, or 3 when the NaN guard stops the run)."""
     s = Session(run, metrics)
     try:
         while True:
             at = s.arrive()
-            if at.fresh and evaluation_due(s, at):  # rank 0 may sample alone: all leave together
-                with rank_watch.phase("evaluation", at.step, generous=True, sync=True):
-                    evaluate_and_sample(s, at)
+            if at.fresh:
+                evaluate_and_sample(s, at)
             with rank_watch.phase("the step boundary", at.step):
                 preempted = preemption_agreed(s)
             if checkpoint_due(s, at, preempted):
                 with rank_watch.phase("the checkpoint save", at.step, generous=True, sync=True):
                     s.bar.write(f"step {at.step:05d} | saved checkpoint {save(run)}")
             if preempted:
-                return stop_preempted(s, at.step)
+                name = s.preemption.signal_name or "a signal on another rank"
+                print0(
+                    f"stopped by {name} at step {at.step}; checkpoint {run.last_checkpoint}. "
+                    f"Resume with: {run.resume_command} --resume auto",
+                    flush=True,
+                )
+                return 0
             if at.last:
                 run.finished = True
                 return 0
 
             t0 = time.perf_counter()
-            lrm = schedule(run, at.step)
+            lrm = set_schedule(run, at.step)
             with rank_watch.phase("the training step", at.step + 1):
                 result, watch = optimizer_step(s)
             if at.step == s.start_step:
@@ -103,57 +98,46 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
                 return stop_nonfinite(run, at.step, result)
             with rank_watch.phase("the training step", at.step + 1):
                 record = count_step(s, result, lrm, dt)  # loop state, smoothed loss and ETA (RL: all-reduced)
-            recheck_peak(s, record)
             log_step(s, record)
     finally:
         s.close()
 
 
-def evaluation_due(s: Session, at: Boundary) -> bool:
-    loop = s.run.loop
-    evaluating = loop.eval_every > 0 and (at.step % loop.eval_every == 0 or at.last)
-    sampling = loop.sample_every > 0 and (at.step % loop.sample_every == 0 or at.last) and at.step > 0
-    return evaluating or sampling
-
-
 def evaluate_and_sample(s: Session, at: Boundary):
-    loop, run = s.run.loop, s.run
+    """Val bits per byte and the stage's own evaluations, logged; samples printed (rank 0)."""
+    run, loop = s.run, s.run.loop
     evaluating = loop.eval_every > 0 and (at.step % loop.eval_every == 0 or at.last)
     sampling = loop.sample_every > 0 and (at.step % loop.sample_every == 0 or at.last) and at.step > 0
     if not (evaluating or sampling):
         return
-    # through the plain module (a sharded model's weights gathered into one: model/sharding.py): the
-    # compiled training graph is neither reused nor recompiled for evaluation's other grad mode, loss
-    # reduction and shapes (core/compiling.py), and rank 0 samples alone
-    with sharding.whole_weights(run.orig_model) as model:
+    # through the plain module (a sharded model's weights gathered into one): the compiled training
+    # graph is neither reused nor recompiled for evaluation's grad mode, loss reduction and shapes;
+    # rank 0 samples alone, so every rank leaves the phase together
+    with (
+        rank_watch.phase("evaluation", at.step, generous=True, sync=True),
+        sharding.whole_weights(run.orig_model) as model,
+    ):
         model.eval()
         if evaluating:
-            evaluate(run, model, at.step, s.bar, s.metrics)
+            state = run.state
+            bpb = evaluate_bpb(model, run.data.val_batches(), run.token_bytes, run.autocast_ctx)
+            state.first_val_bpb = bpb if state.first_val_bpb is None else state.first_val_bpb
+            state.last_val_bpb = bpb
+            results = {"val_bpb": bpb}
+            with run.autocast_ctx:
+                for _, fn in run.evals:
+                    results.update(fn(model))
+            state.last_evals = {k: v for k, v in results.items() if k != "val_bpb"}
+            s.bar.write(
+                f"step {at.step:05d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items())
+            )
+            if s.metrics:
+                s.metrics.log(kind="eval", step=at.step, **results)
         if sampling and run.rank == 0:
-            print_samples(run, model, s.bar)
+            with run.autocast_ctx:
+                for text in run.sample(model):
+                    s.bar.write(f"  sample: {text!r}")
         model.train()
-
-
-def evaluate(run: Run, model, step: int, bar: Progress, metrics: MetricsLog | None):
-    """Val bits per byte, then the stage's own evaluations, logged at `step`."""
-    state = run.state
-    bpb = evaluate_bpb(model, run.data.val_batches(), run.token_bytes, run.autocast_ctx)
-    state.first_val_bpb = bpb if state.first_val_bpb is None else state.first_val_bpb
-    state.last_val_bpb = bpb
-    results = {"val_bpb": bpb}
-    with run.autocast_ctx:
-        for _, fn in run.evals:
-            results.update(fn(model))
-    state.last_evals = {k: v for k, v in results.items() if k != "val_bpb"}
-    bar.write(f"step {step:05d} | " + " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in results.items()))
-    if metrics:
-        metrics.log(kind="eval", step=step, **results)
-
-
-def print_samples(run: Run, model, bar: Progress):
-    with run.autocast_ctx:
-        for text in run.sample(model):
-            bar.write(f"  sample: {text!r}")
 
 
 def preemption_agreed(s: Session) -> bool:
@@ -169,32 +153,26 @@ def checkpoint_due(s: Session, at: Boundary, preempted: bool) -> bool:
     return (at.last or preempted or periodic) and (at.step > s.start_step or s.run.last_checkpoint is None)
 
 
-def stop_preempted(s: Session, step: int) -> int:
-    name = s.preemption.signal_name or "a signal on another rank"
-    print0(
-        f"stopped by {name} at step {step}; checkpoint {s.run.last_checkpoint}. "
-        f"Resume with: {s.run.resume_command} --resume auto",
-        flush=True,
-    )
-    return 0
-
-
-def schedule(run: Run, step: int) -> float:
-    """Set the learning rates and Muon momentum of `step`; the lr multiplier. The schedule's clock
-    is the progress at the start of the step, before its batches are read."""
+def set_schedule(run: Run, step: int) -> float:
+    """Set the learning rates and Muon momentum of `step` from the progress at its start, before its
+    batches are read; the lr multiplier."""
     lrm = lr_multiplier(
         run.horizon.progress(step), run.optim.warmup_ratio, run.optim.warmdown_ratio, run.optim.final_lr_frac
     )
     if step < run.optim.warmup_steps:  # a warmup counted in steps (nanochat's: the first step at 1/N)
         lrm = (step + 1) / run.optim.warmup_steps
-    set_schedule(run.optimizers, lrm, muon_momentum(run.optimizers, step, run.horizon.num_iterations))
+    momentum = muon_momentum(run.optimizers, step, run.horizon.num_iterations)
+    for opt in run.optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * lrm
+            if "momentum" in group:
+                group["momentum"] = momentum
     return lrm
 
 
 def lr_multiplier(progress: float, warmup_ratio: float, warmdown_ratio: float, final_lr_frac: float) -> float:
     """Linear warmup over the first warmup_ratio of training, flat, then linear warmdown to
-    final_lr_frac over the last warmdown_ratio. Progress past 1 (an epoch-bound stage whose last
-    step reads past the end of its epoch) counts as 1: the lr never goes below the final one."""
+    final_lr_frac; progress past 1 (an epoch-bound stage's last step) counts as 1."""
     progress = min(max(progress, 0.0), 1.0)
     if warmup_ratio > 0 and progress < warmup_ratio:
         return (progress + 1e-8) / warmup_ratio
@@ -205,17 +183,8 @@ def lr_multiplier(progress: float, warmup_ratio: float, warmdown_ratio: float, f
 
 
 def muon_momentum(optimizers, step: int, num_iterations: int | None) -> float:
-    """Muon momentum at this step from the Muon optimizer's recipe (MuonRecipe.momentum_at; the
-    seeds: 0.85 -> 0.95 over the first 300 steps), which also sets its scheduled weight decay."""
+    """Muon's momentum at this step, from its recipe (which also schedules its weight decay)."""
     return next(opt for opt in optimizers if isinstance(opt, optim.Muon)).schedule(step, num_iterations)
-
-
-def set_schedule(optimizers, lrm: float, momentum: float):
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * lrm
-            if "momentum" in group:
-                group["momentum"] = momentum
 
 
 def optimizer_step(s: Session) -> tuple["StepResult", CompileWatch | None]:
@@ -243,7 +212,7 @@ class StepResult:
 
 
 def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx) -> StepResult:
-    """One optimizer step over this rank's micro-batches (see the module docstring)."""
+    """One optimizer step over this rank's micro-batches (the module docstring)."""
     local = (
         torch.stack(
             [torch.stack([(y >= 0).sum(), torch.tensor(x.numel(), device=x.device)]) for x, y, *_ in micro_batches]
@@ -352,19 +321,16 @@ def eta_seconds(horizon: Horizon, step: int, dt_ema: float) -> float | None:
     return dt_ema * step / done * (1 - done) if done > 0 else None
 
 
-def recheck_peak(s: Session, m: StepRecord):
-    """A step faster than the peak shows the peak was probed under load: rank 0 measures it again."""
-    run = s.run
-    if run.rank != 0:
-        return
-    peak = hardware.revise_peak(run.peak, run.flops_per_token * m.tokens / m.dt / run.world_size, run.device)
-    if peak is not run.peak:
-        s.bar.write(f"step {m.step:05d} ran above the {run.peak.describe()}: measured again, {peak.describe()}")
-        run.peak = peak
-
-
 def log_step(s: Session, m: StepRecord):
-    line, postfix, row = describe_step(m, s.run.flops_per_token, s.run.peak, s.run.world_size)
+    """The step's line and metrics row; on rank 0, a step faster than the peak shows the peak was
+    probed under load, so it is measured again."""
+    run = s.run
+    if run.rank == 0:
+        peak = hardware.revise_peak(run.peak, run.flops_per_token * m.tokens / m.dt / run.world_size, run.device)
+        if peak is not run.peak:
+            s.bar.write(f"step {m.step:05d} ran above the {run.peak.describe()}: measured again, {peak.describe()}")
+            run.peak = peak
+    line, postfix, row = describe_step(m, run.flops_per_token, run.peak, run.world_size)
     s.bar.step(line, postfix)
     if s.metrics:
         s.metrics.log(**row)
@@ -372,13 +338,11 @@ def log_step(s: Session, m: StepRecord):
 
 class Preemption:
     """SIGTERM or SIGINT asks the run to stop after the current step and save; a second SIGINT
-    aborts at once. Ranks agree through an all-reduce each step, so any rank's signal stops all."""
+    aborts at once. Ranks agree each step (preemption_agreed), so any rank's signal stops all."""
 
     def __init__(self):
         self.signal_name = None
-        self._previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
         if self.signal_name is not None and signum == signal.SIGINT:

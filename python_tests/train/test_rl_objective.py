@@ -13,8 +13,7 @@ from support.tiny_gpt import random_model
 
 from nanochat_fast.core.errors import UserError
 from nanochat_fast.evals import scoring, task_runner, tasks
-from nanochat_fast.train import rl_objective
-from nanochat_fast.train.rollouts import Rollouts, Sampling, sample_rows
+from nanochat_fast.train.rollouts import Rollouts, Sampling, advantages, rollout_batch, sample_rows
 from nanochat_fast.train.training_loop import micro_batch_loss, train_step
 
 PAD = 99
@@ -30,13 +29,13 @@ def hand_example():
 
 def test_advantage_and_token_level_loss_by_hand():
     prompt, samples, rewards = hand_example()
-    adv = rl_objective.advantages(rewards)
+    adv = advantages(rewards)
     assert adv.tolist() == [0.5, -0.5]
-    assert rl_objective.advantages(torch.tensor([[1.0, 1, 0, 0], [0, 0, 0, 0]])).tolist() == [
+    assert advantages(torch.tensor([[1.0, 1, 0, 0], [0, 0, 0, 0]])).tolist() == [
         [0.5, 0.5, -0.5, -0.5],
         [0, 0, 0, 0],
     ]
-    x, y, a = rl_objective.rollout_batch(prompt, samples, adv, PAD, "cpu")
+    x, y, a = rollout_batch(prompt, samples, adv, PAD, "cpu")
     assert x.tolist() == [[1, 2, 5, 6], [1, 2, 5, 8]]
     # targets: the prompt's, the forced 6 and the padding are -1; the sampled 5, 7 and 5, 8 are kept
     assert y.tolist() == [[-1, 5, -1, 7], [-1, 5, 8, -1]]
@@ -55,11 +54,11 @@ def test_train_step_normalises_by_the_sampled_tokens_of_the_whole_step(monkeypat
     """Two questions as two micro-batches: the step's loss and gradient are those of one sum over
     all their sampled tokens divided by the count of all of them (not a mean of per-question means)."""
     prompt, samples, rewards = hand_example()
-    first = rl_objective.rollout_batch(prompt, samples, rl_objective.advantages(rewards), PAD, "cpu")
-    second = rl_objective.rollout_batch(
+    first = rollout_batch(prompt, samples, advantages(rewards), PAD, "cpu")
+    second = rollout_batch(
         [3],
         [([4, 4, 4, 4], [False] * 4), ([9], [False])],
-        rl_objective.advantages(torch.tensor([0.0, 1.0])),
+        advantages(torch.tensor([0.0, 1.0])),
         PAD,
         "cpu",
     )
@@ -109,7 +108,7 @@ def test_tool_forced_tokens_are_marked_and_carry_no_loss():
     for ids, forced in rows:
         assert ids == script[:5] + forced_output + script[8:]
         assert forced == [False] * 5 + [True] * 3 + [False] * 7
-    x, y, _ = rl_objective.rollout_batch(prompt, rows, torch.zeros(2), sp("<|assistant_end|>"), "cpu")
+    x, y, _ = rollout_batch(prompt, rows, torch.zeros(2), sp("<|assistant_end|>"), "cpu")
     n = len(prompt)
     assert y[0, : n - 1].eq(-1).all()
     assert y[0, n - 1 :].tolist() == script[:5] + [-1, -1, -1] + script[8:]
