@@ -23,8 +23,8 @@ from .peak import DTYPES, measured_peaks
 
 CHOICES = ("auto", "fp32", "bf16")
 BF16_MIN_SPEEDUP = 1.1
-# bf16 this many times slower than fp32 by the probe (emulated, AVX2: ~80x) cannot win at any shape: the
-# choice is made, and timing fp32 alone is enough to record it
+# bf16 this many times slower than fp32 by the probe (emulated) cannot win at any shape: the choice is
+# made, and timing fp32 alone is enough to record it
 DECIDED_SLOWDOWN = 10.0
 MAX_SECONDS = 30.0
 RUN_FRACTION = 0.05
@@ -140,8 +140,10 @@ def choose(
     machine's matmul probe. bf16 where it is emulated is allowed (slow, not wrong): one warning line."""
     device = torch.device(device)
     timing = None
-    if device.type == "cpu" and requested == "auto":
-        timing = probe_timing(device) if work is None else measure_everywhere(work, device, max_seconds=max_seconds)
+    if device.type == "cpu" and requested == "auto" and work is None:
+        timing = probe_timing(device)
+    elif device.type == "cpu" and requested == "auto":  # rank 0 times it: one decision for every rank
+        timing = rank0_decides(lambda: measure(work, device, max_seconds=max_seconds))
     choice = decide(
         device.type,
         requested,
@@ -216,11 +218,6 @@ def measure(
     if not machine_busy():
         CACHE.put(key, {**asdict(timing), "level": level, "kind": work.kind, "spec": work.spec})
     return timing
-
-
-def measure_everywhere(work: Work, device, **kwargs) -> Timing:
-    """measure() on rank 0, the same Timing on every rank: one decision for the whole run."""
-    return rank0_decides(lambda: measure(work, device, **kwargs))
 
 
 def budgets(work: Work, rates: dict, max_seconds: float) -> tuple[float, float]:

@@ -17,9 +17,9 @@ from .loading import config_from_fields, meta_model, new_model
 # the generation commands' budget for timing their mix: they start in front of a user, so less than a
 # training run's MAX_SECONDS; later runs read the cache
 MAX_SECONDS = 10.0
-# a chat turn where the command cannot know it in advance (chat_cli, chat_eval, chat_web): a prompt of the
-# chat template's special tokens and a short conversation, and a reply of at most this many tokens (a
-# reply's cap, --max-tokens, is no length: the demo's replies run 6-13 tokens)
+# a chat turn, which a command cannot know in advance (chat_cli, chat_eval, chat_web): a prompt of the
+# chat template's special tokens and a short conversation, a reply of at most this many tokens (a
+# reply's cap, --max-tokens, is no length: docs/measurements.md#generation-dtype)
 CHAT_PROMPT_TOKENS = 64
 CHAT_REPLY_TOKENS = 64
 

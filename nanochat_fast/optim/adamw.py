@@ -58,21 +58,8 @@ class AdamW(ZeroOptimizer):
                     exp_avg_sqs.append(state["exp_avg_sq"])
                     lr_muls.append(getattr(p, "lr_mul", 1.0))
                     wd_muls.append(getattr(p, "wd_mul", 1.0))
-            beta1, beta2 = group["betas"]
-            adamw_slice_update(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                step,
-                group["lr"],
-                beta1,
-                beta2,
-                group["eps"],
-                group["weight_decay"],
-                lr_muls,
-                wd_muls,
-            )
+            hparams = (group["lr"], *group["betas"], group["eps"], group["weight_decay"])  # the kernel's order
+            adamw_slice_update(params, grads, exp_avgs, exp_avg_sqs, step, *hparams, lr_muls, wd_muls)
             for p in group["params"]:
                 self.gather(chunk_of[p][0])
         self.num_updates = step

@@ -251,8 +251,8 @@ class Muon(ZeroOptimizer):
             coefficients=group["ns_coefficients"],
             dtype=dtype,
             out_dtype=torch.float32,
-            safety=group.get("ns_safety", 1.0),
-            eps=group.get("ns_eps", 1e-7),
+            safety=group["ns_safety"],
+            eps=group["ns_eps"],
         )
         if group["renormalize"]:
             renormalize_(U)

@@ -103,7 +103,7 @@ def normalize_param_groups(params) -> list[dict]:
         given = group.get("param_names")
         group["params"], group["param_names"] = [], []
         for i, item in enumerate(items):
-            name, p = item if isinstance(item, tuple) else ((given[i] if given else f"param{index}"), item)
+            name, p = item if isinstance(item, tuple) else ((given[i] if given is not None else f"param{index}"), item)
             group["params"].append(p)
             group["param_names"].append(str(name))
             index += 1

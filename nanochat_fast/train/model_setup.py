@@ -7,6 +7,7 @@ and the module the training step calls, compiled or not (compile_for_training).
 
 from collections import Counter
 from dataclasses import asdict, replace
+from functools import partial
 
 import torch
 
@@ -36,16 +37,13 @@ def step_work(model: GPT, rows: int, seq_len: int, device, run_micro_steps: int 
         gen = torch.Generator().manual_seed(0)
         x, y = (torch.randint(config.vocab_size, (rows, seq_len), generator=gen).to(device) for _ in range(2))
 
-        def call(dtype):
-            def forward_backward():
-                with precision.autocast(device, dtype):
-                    loss = net(x, y)
-                loss.backward()
-                net.zero_grad(set_to_none=True)
+        def forward_backward(dtype):
+            with precision.autocast(device, dtype):
+                loss = net(x, y)
+            loss.backward()
+            net.zero_grad(set_to_none=True)
 
-            return forward_backward
-
-        return {name: call(dtype) for name, dtype in precision.DTYPES.items()}
+        return {name: partial(forward_backward, dtype) for name, dtype in precision.DTYPES.items()}
 
     tokens, d = rows * seq_len, config.n_embd
     return precision.Work(
