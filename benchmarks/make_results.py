@@ -23,7 +23,7 @@ BF16_FLAGS = {"x86_64": ("avx512_bf16", "amx_bf16", "amx_tile"), "aarch64": ("bf
 def cpu_line() -> str:
     """Which kind of CPU the numbers come from: model (family/model: a name like "AMD EPYC" covers
     several generations), its bf16 flags, and bf16's measured matmul rate against fp32's, the
-    fact that decides the dtypes here (hardware/tuning.py): flags alone do not."""
+    fact that decides the dtypes here (hardware/precision.py): flags alone do not."""
     info = cpuinfo()
     name = cpu_model()
     ident = f" (family {info['cpu family']}, model {info['model']})" if "cpu family" in info else ""

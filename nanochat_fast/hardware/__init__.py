@@ -1,23 +1,14 @@
 """
-What this machine gives a training process, measured once and cached:
-
-    machine.py   what a device is called and reports (CPU model, ISA, bf16 feature): cache keys
-    peak.py      the peak matmul rate MFU is quoted against: a GPU's datasheet, or measured here
-    bandwidth.py the memory bandwidth MBU is quoted against: a GPU's datasheet, or measured here
-    tuning.py    fp32 or bf16, by timing both at the shapes that will run
-    cache.py     the measurement files under NANOCHAT_FAST_HOME/hardware/, and the probes' rules
-    precision.py the compute-dtype rule: CUDA sm80+ bf16, MPS fp32, a CPU what tuning.py measured
-    process_setup.py  a process once set up: device, rank, compute dtype, the kernels that run there
-
-    python -m nanochat_fast.hardware            threads, peaks, bandwidth, dtype timings cached here
-    python -m nanochat_fast.hardware --tune     measure them again
+What this machine gives a training process, measured once and cached: what a device is (machine.py),
+the peak matmul rate MFU is quoted against (peak.py) and the memory bandwidth of MBU (bandwidth.py),
+the dtypes the arithmetic runs in (precision.py), the measurement files (cache.py), and a process
+once set up (process_setup.py). `python -m nanochat_fast.hardware [--tune]` lists (or re-measures) them.
 """
 
 from .bandwidth import (
     DATASHEET_BANDWIDTH,
     Bandwidth,
     datasheet_bandwidth,
-    format_bandwidth,
     mbu,
     mbu_text,
     measure_read_bandwidth,
@@ -56,7 +47,6 @@ __all__ = [
     "DATASHEET_BANDWIDTH",
     "Bandwidth",
     "datasheet_bandwidth",
-    "format_bandwidth",
     "mbu",
     "mbu_text",
     "measure_read_bandwidth",

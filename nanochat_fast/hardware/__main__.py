@@ -1,13 +1,5 @@
-"""
-python -m nanochat_fast.hardware [--tune] [--budget S] [--depth N ...]
-
-What this machine gives a training process: threads per process, the peak matmul rates (MFU is
-quoted against the best of them), the memory bandwidth (MBU is quoted against it), and the
-fp32-vs-bf16 timings cached for the shapes runs have used here. --tune measures the peaks, the
-bandwidth and every cached timing again; with --depth (and the batch flags) it also times that
-model (the vocabulary of the tokenizer trained here, else 65,536) and its Muon matrices, as
-base_train would.
-"""
+"""`python -m nanochat_fast.hardware [--tune] [--budget S] [--depth N ...]`: the measurements a training
+process takes from this machine, listed from their caches or, with --tune, taken again (DESCRIPTION)."""
 
 import torch
 
@@ -16,12 +8,20 @@ from ..model import generation_dtype  # noqa: F401  (these register how --tune r
 from ..optim import muon  # noqa: F401
 from ..train import model_setup
 from ..train.env_vars import check_environment
-from . import bandwidth, peak, tuning
+from . import bandwidth, peak, precision
 from .cache import age_days
+
+DESCRIPTION = """What this machine gives a training process: threads per process, the peak matmul rates (MFU is
+quoted against the best of them), the memory bandwidth (MBU is quoted against it), and the
+fp32-vs-bf16 timings cached for the shapes runs have used here. --tune measures the peaks, the
+bandwidth and every cached timing again; with --depth (and the batch flags) it also times that
+model (the vocabulary of the tokenizer trained here, else 65,536) and its Muon matrices, as
+base_train would.
+"""
 
 
 def build_parser():
-    p = cli.ArgumentParser(prog="python -m nanochat_fast.hardware", description=__doc__.split("\n\n")[1])
+    p = cli.ArgumentParser(prog="python -m nanochat_fast.hardware", description=DESCRIPTION)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda", "mps"])
     p.add_argument(
         "--tune", action="store_true", help="measure the peaks, the bandwidth and the cached dtype timings again"
@@ -29,7 +29,7 @@ def build_parser():
     p.add_argument(
         "--budget",
         type=cli.non_negative_float,
-        default=tuning.MAX_SECONDS,
+        default=precision.MAX_SECONDS,
         help="seconds each timing may take (--tune)",
     )
     p.add_argument("--depth", type=cli.positive_int, default=None, help="also time this model (--tune)")
@@ -49,9 +49,9 @@ def main(argv=None) -> int:
             works += model_setup.tuning_works(
                 args.depth, vocab_size(), args.max_seq_len, args.device_batch_size, args.device
             )
-        works += tuning.cached_works(args.device)
+        works += precision.cached_works(args.device)
         for work in works:
-            tuning.check_fits(work, rates, args.budget)
+            precision.check_fits(work, rates, args.budget)
         peak.store_peaks(args.device, rates)
     print(f"device: {peak.device_name(args.device)}")
     print(
@@ -60,14 +60,14 @@ def main(argv=None) -> int:
     )
     print(f"bandwidth: {bandwidth_line(args.device, args.tune)}")
     for work in works:
-        show("timed", tuning.measure(work, args.device, args.budget, remeasure=True, strict=True))
-    cached = tuning.cached_entries(args.device)
+        show("timed", precision.measure(work, args.device, args.budget, remeasure=True, strict=True))
+    cached = precision.cached_entries(args.device)
     if not args.tune:
         for e in cached:
-            show(f"cached {age_days(e):.0f} days ago", tuning.Timing(e["seconds"], e["what"], e["rounds"]))
+            show(f"cached {age_days(e):.0f} days ago", precision.Timing(e["seconds"], e["what"], e["rounds"]))
     if not works and not cached:
         print("no dtype timings cached here yet: a training run times its own shapes (or --tune --depth N)")
-    print(f"dtype timings: {tuning.CACHE.path}")
+    print(f"dtype timings: {precision.CACHE.path}")
     return 0
 
 
@@ -90,7 +90,7 @@ def bandwidth_line(device, remeasure: bool) -> str:
     )
 
 
-def show(how: str, timing: tuning.Timing):
+def show(how: str, timing: precision.Timing):
     print(f"{how}: {timing.describe()} -> {timing.winner}")
 
 

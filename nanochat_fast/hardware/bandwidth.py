@@ -1,14 +1,9 @@
 """
-The memory bandwidth MBU (model bandwidth utilisation) is quoted against: a decode step reads every
-weight and the KV cache once, so MBU = bytes read per step * steps/s over what the memory delivers.
-That is the datasheet HBM/GDDR bandwidth of a known CUDA GPU, otherwise this machine's own read
-bandwidth, measured by a short probe and cached under NANOCHAT_FAST_HOME/hardware/
-memory_bandwidth.json (keyed by machine.machine_key: on a CPU, the threads per process are in it).
-
-The probe: `x.sum()` over a float32 buffer several times the last-level cache, with the process's
-own threads, best of PROBE_ROUNDS rounds, cached by the peak probe's rules (cache.ProbeCache). How
-it reads, why one thread is timed too, and what MBU means on a shared CPU:
-docs/measurements.md#memory-bandwidth-probe.
+The memory bandwidth MBU (model bandwidth utilisation: bytes a decode step reads * steps/s over what
+the memory delivers) is quoted against: a known CUDA GPU's datasheet bandwidth, otherwise this
+machine's read bandwidth, from a probe (`x.sum()` over a buffer several times the last-level cache)
+cached under NANOCHAT_FAST_HOME/hardware/memory_bandwidth.json by the peak probe's rules
+(cache.ProbeCache). How it reads: docs/measurements.md#memory-bandwidth-probe.
 """
 
 import math
@@ -19,29 +14,10 @@ import torch
 
 from .cache import ProbeCache
 from .machine import device_name, last_level_cache_bytes, machine_key, synchronize
-from .peak import format_rate, utilisation
+from .peak import DATASHEET, format_rate, utilisation
 
-# Memory bandwidth in bytes/s from the vendors' datasheets (decimal units, as they are quoted), by
-# the exact name torch.cuda.get_device_name() reports: the rows of peak.DATASHEET_BF16.
-DATASHEET_BANDWIDTH = {
-    "NVIDIA B200": 8.0e12,  # HBM3e, 8 TB/s
-    "NVIDIA H200": 4.8e12,  # SXM, HBM3e 141 GB, 4.8 TB/s
-    "NVIDIA H200 NVL": 4.8e12,  # PCIe, HBM3e 141 GB, 4.8 TB/s
-    "NVIDIA GH200 480GB": 4.0e12,  # the 96 GB HBM3 superchip, 4 TB/s (144 GB HBM3e: 4.9)
-    "NVIDIA H100 80GB HBM3": 3.35e12,  # SXM5, HBM3, 3.35 TB/s
-    "NVIDIA H100 NVL": 3.9e12,  # HBM3 94 GB, 3.9 TB/s
-    "NVIDIA H100 PCIe": 2.0e12,  # HBM2e 80 GB, 2 TB/s
-    "NVIDIA A100-SXM4-80GB": 2.039e12,  # HBM2e, 2,039 GB/s
-    "NVIDIA A100-SXM4-40GB": 1.555e12,  # HBM2, 1,555 GB/s
-    "NVIDIA A100 80GB PCIe": 1.935e12,  # HBM2e, 1,935 GB/s
-    "NVIDIA A100-PCIE-40GB": 1.555e12,  # HBM2, 1,555 GB/s
-    "NVIDIA L40S": 864e9,  # GDDR6 48 GB, 864 GB/s
-    "NVIDIA L40": 864e9,  # GDDR6 48 GB, 864 GB/s
-    "NVIDIA L4": 300e9,  # GDDR6 24 GB, 300 GB/s
-    "NVIDIA A10": 600e9,  # GDDR6 24 GB, 600 GB/s
-    "NVIDIA GeForce RTX 4090": 1.008e12,  # GDDR6X 24 GB, 1,008 GB/s
-    "NVIDIA GeForce RTX 3090": 936e9,  # GDDR6X 24 GB, 936 GB/s
-}
+# the datasheet's memory bandwidth of the GPUs peak.py knows, bytes/s (decimal units, as quoted)
+DATASHEET_BANDWIDTH = {name: rate for name, (_, rate) in DATASHEET.items()}
 PROBE_ROUNDS = 5
 MIN_BUFFER = 256 << 20  # bytes the probe reads per pass, at least ...
 LLC_MULTIPLE = 4  # ... and this many times the last-level cache (a streaming pass then misses it)
@@ -65,12 +41,8 @@ class Bandwidth:
 
     def describe(self) -> str:
         """'memory bandwidth 31.2 GB/s, measured here' / 'memory bandwidth 3.35 TB/s (... datasheet)'."""
-        text = f"memory bandwidth {format_bandwidth(self.bytes_per_s)}"
+        text = f"memory bandwidth {format_rate(self.bytes_per_s, 'B/s')}"
         return f"{text} ({self.device} datasheet)" if self.source == "datasheet" else f"{text}, measured here"
-
-
-def format_bandwidth(rate: float) -> str:
-    return format_rate(rate, "B/s")
 
 
 def buffer_bytes(device) -> int:

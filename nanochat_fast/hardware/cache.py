@@ -1,14 +1,9 @@
 """
-A file of measurements under NANOCHAT_FAST_HOME/hardware/: entries by key, a format version,
-written atomically, re-read before each write (another process may have added its own entry).
-A file this version did not write (corrupt, truncated, foreign, an older format) reads as empty,
-says so in one line, and is replaced by the next measurement: a cache can cost a measurement,
-never a run.
-
-ProbeCache is such a file for a probe of the machine (peak.py's matmul rate, bandwidth.py's memory
-bandwidth): taken once per process and key, reused from the file until STALE_AFTER_DAYS, and not
-written while the machine is busy (a probe taken under load reads low, and a low figure cached
-would inflate every later run's utilisation).
+The measurement files under NANOCHAT_FAST_HOME/hardware/: entries by key and a format version,
+written atomically and re-read before each write (another process may have added its own). A file
+this version did not write reads as empty, says so in one line, and is replaced: a cache can cost a
+measurement, never a run. ProbeCache adds a probe's rules: once per process and key, stale after
+STALE_AFTER_DAYS, not written while the machine is busy (a probe under load reads low).
 """
 
 import json

@@ -1,9 +1,8 @@
 """
-What this machine is, in the words the caches and the logs use: a device's name, and for a CPU the
-instruction set and the bf16 feature it reports (and its last-level cache, which sizes the
-bandwidth probe's buffer). None of this decides a dtype: a CPU's flags do
-not say whether its bf16 is fast (tuning.py measures that); they key the caches, so that a
-measurement is never reused on another kind of machine, and they word a warning.
+What this machine is, in the words the caches and the logs use: a device's name, a CPU's instruction
+set and bf16 feature, its last-level cache (the bandwidth probe's buffer). None of this decides a
+dtype (a CPU's flags do not say whether its bf16 is fast: precision.py times it); it keys the
+caches, so a measurement is never reused on another kind of machine, and words a warning.
 """
 
 import functools

@@ -1,14 +1,9 @@
 """
-The matmul rate MFU is quoted against: the datasheet dense bf16 rate of a known CUDA GPU,
-otherwise this machine's own best rate over the dtypes it has, measured by a short matmul probe
-and cached under NANOCHAT_FAST_HOME/hardware/peak_flops.json (keyed by machine.machine_key).
-
-A probe taken while the machine is busy reads low, and a low peak inflates every later run's MFU.
-So the probe keeps the best of several interleaved rounds (a neighbour rarely stalls every round),
-is not cached when the load average says the machine is busy, is redone when its entry is older
-than STALE_AFTER_DAYS (those two rules: cache.ProbeCache, as for bandwidth.py's probe), and is
-redone during a run whose own measured rate beats it (a run cannot legitimately beat its peak):
-revise_peak.
+The matmul rate MFU is quoted against: a known CUDA GPU's datasheet dense bf16 rate, otherwise this
+machine's best rate over the dtypes it has, from a short matmul probe cached under
+NANOCHAT_FAST_HOME/hardware/peak_flops.json. A probe taken under load reads low and would inflate
+every later run's MFU: it keeps the best of interleaved rounds, follows cache.ProbeCache's rules
+(busy, stale), and is redone when a run beats it (revise_peak).
 """
 
 import math
@@ -20,27 +15,28 @@ import torch
 from .cache import ProbeCache
 from .machine import device_name, machine_key, synchronize
 
-# Dense bf16 tensor-core FLOP/s from the vendors' datasheets, by the exact name
-# torch.cuda.get_device_name() reports (the same family's PCIe and SXM parts differ).
-DATASHEET_BF16 = {
-    "NVIDIA B200": 2250e12,
-    "NVIDIA H200": 989e12,
-    "NVIDIA H200 NVL": 835e12,
-    "NVIDIA GH200 480GB": 989e12,
-    "NVIDIA H100 80GB HBM3": 989e12,  # SXM5
-    "NVIDIA H100 NVL": 835e12,
-    "NVIDIA H100 PCIe": 756e12,
-    "NVIDIA A100-SXM4-80GB": 312e12,
-    "NVIDIA A100-SXM4-40GB": 312e12,
-    "NVIDIA A100 80GB PCIe": 312e12,
-    "NVIDIA A100-PCIE-40GB": 312e12,
-    "NVIDIA L40S": 362e12,
-    "NVIDIA L40": 181e12,
-    "NVIDIA L4": 121e12,
-    "NVIDIA A10": 125e12,
-    "NVIDIA GeForce RTX 4090": 165e12,
-    "NVIDIA GeForce RTX 3090": 71e12,
+# Datasheet (dense bf16 tensor-core FLOP/s, memory bytes/s) by the exact name torch.cuda.get_device_name()
+# reports (the same family's PCIe and SXM parts differ); bandwidth.py quotes MBU against the second.
+DATASHEET = {
+    "NVIDIA B200": (2250e12, 8.0e12),
+    "NVIDIA H200": (989e12, 4.8e12),
+    "NVIDIA H200 NVL": (835e12, 4.8e12),
+    "NVIDIA GH200 480GB": (989e12, 4.0e12),
+    "NVIDIA H100 80GB HBM3": (989e12, 3.35e12),  # SXM5
+    "NVIDIA H100 NVL": (835e12, 3.9e12),
+    "NVIDIA H100 PCIe": (756e12, 2.0e12),
+    "NVIDIA A100-SXM4-80GB": (312e12, 2.039e12),
+    "NVIDIA A100-SXM4-40GB": (312e12, 1.555e12),
+    "NVIDIA A100 80GB PCIe": (312e12, 1.935e12),
+    "NVIDIA A100-PCIE-40GB": (312e12, 1.555e12),
+    "NVIDIA L40S": (362e12, 864e9),
+    "NVIDIA L40": (181e12, 864e9),
+    "NVIDIA L4": (121e12, 300e9),
+    "NVIDIA A10": (125e12, 600e9),
+    "NVIDIA GeForce RTX 4090": (165e12, 1.008e12),
+    "NVIDIA GeForce RTX 3090": (71e12, 936e9),
 }
+DATASHEET_BF16 = {name: flops for name, (flops, _) in DATASHEET.items()}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROBE_ROUNDS = 3
 PROBE_SECONDS = 0.15  # per dtype and round
@@ -65,7 +61,7 @@ class Peak:
         text = f"{self.dtype} peak {format_flops(self.flops)}"
         if self.source == "datasheet":
             return f"{text} ({self.device} datasheet)"
-        unit, scale = _unit(self.flops)
+        _, scale = _unit(self.flops)
         others = ", ".join(f"{d} {rate / scale:.3g}" for d, rate in self.others)
         return f"{text}{f' ({others})' if others else ''}, measured here"
 
@@ -88,10 +84,9 @@ def format_flops(rate: float) -> str:
 def measure_matmul_rate(
     device, dtype: torch.dtype, seconds: float = PROBE_SECONDS, max_size: int | None = None
 ) -> float:
-    """The best FLOP/s of square matmuls of growing size (64, 128, ...) within about `seconds`.
-    Small matmuls underuse a fast unit and large ones take long where it is slow (emulated bf16,
-    far below fp32), so past 256 the size grows only while the next one, 8x the work, still fits
-    4 times (warm-up + 3) in the time left, judged by the fastest run of the current size."""
+    """The best FLOP/s of square matmuls of growing size (64, 128, ...) within about `seconds`. Past
+    256 the size grows only while the next one (8x the work) still fits 4 times in the time left:
+    where a dtype is slow (emulated bf16) large sizes would take long."""
     device = torch.device(device)
     max_size = max_size or (8192 if device.type == "cuda" else 4096)
     deadline = time.perf_counter() + seconds
@@ -117,9 +112,8 @@ def measure_matmul_rate(
 
 
 def _probe(device: torch.device) -> dict:
-    """Both dtypes' best rates over PROBE_ROUNDS interleaved rounds. On a CPU running several
-    threads, the rate of one thread is a floor: busy neighbours stall a multi-threaded matmul at
-    every OpenMP barrier, and N threads never peak below one."""
+    """Both dtypes' best rates over PROBE_ROUNDS interleaved rounds; on a CPU running several
+    threads, one thread's rate too, as a floor (busy neighbours stall every OpenMP barrier)."""
     rates = dict.fromkeys(DTYPES, 0.0)
     for _ in range(PROBE_ROUNDS):
         for name, dtype in DTYPES.items():
@@ -135,9 +129,8 @@ def _probe(device: torch.device) -> dict:
 
 
 def measured_peaks(device, remeasure: bool = False, store: bool = True) -> dict:
-    """{"fp32": FLOP/s, "bf16": FLOP/s, ...} of this device at the current thread count: from the
-    cache unless stale, else measured (about a second) and cached unless the machine is busy or
-    `store` is False (then store_peaks writes it later; this process keeps it either way)."""
+    """{"fp32": FLOP/s, "bf16": FLOP/s, ...} of this device at the current thread count: cached, else
+    probed (about a second) and cached unless the machine is busy or `store` is False (store_peaks)."""
     return CACHE.measured(machine_key(device), torch.device(device), remeasure, store)
 
 
@@ -150,9 +143,8 @@ def datasheet_peak(name: str) -> float | None:
 
 
 def peak_flops(device) -> Peak:
-    """The peak MFU is quoted against, for one process: a known GPU's datasheet bf16 rate,
-    otherwise the best measured rate over the dtypes (a run in the slower dtype leaves the rest
-    of the machine unused, and its MFU says so)."""
+    """The peak MFU is quoted against, for one process: a known GPU's datasheet bf16 rate, otherwise
+    the best measured rate over the dtypes (a run in the slower one leaves the machine underused)."""
     device = torch.device(device)
     name = device_name(device)
     if device.type == "cuda" and datasheet_peak(name):
@@ -166,9 +158,8 @@ def _measured_peak(rates: dict, name: str) -> Peak:
 
 
 def revise_peak(peak: Peak, achieved_flops: float, device) -> Peak:
-    """`peak`, or, when one process just ran at more than its measured peak (a probe taken under
-    load reads low), the peak measured again: cached in place of the low one, and never below
-    what was achieved."""
+    """`peak`, or, when one process just ran faster than its measured peak (a probe taken under load
+    reads low), the peak probed again and cached in its place, never below what was achieved."""
     if peak is None or peak.source != "measured" or achieved_flops <= peak.flops:
         return peak
     fresh = _measured_peak(measured_peaks(device, remeasure=True), peak.device)

@@ -1,29 +1,25 @@
 """
-Which dtype generation runs in, on a CPU, measured on the command's own mix: as training's choice is.
-
-A generating command (infer_bench, chat_cli, chat_eval, chat_web) runs prefills of its prompts and decode
-steps at its batch. Their best dtype is not the training step's: a one-row decode step is bound by reading
-the weights and runs our packed fp32 kernels (model/packed_linears.py), while under bf16 autocast the stock
-matmuls run, and a prefill is a matmul like training's. So `--dtype auto` times that mix, a prefill of
-`prompt_tokens` per row and `decode_tokens` decode steps at `batch` rows, in fp32 and under bf16 autocast,
-through hardware/tuning.py (its budget, its fallbacks, its cache: kind "generation"). An explicit --dtype
-stands. Off the CPU the precision policy's rule applies unchanged (hardware/precision.py).
+What a generating command (infer_bench, chat_cli, chat_eval, chat_web) times for its --dtype auto:
+its own mix of prefills and decode steps at its batch, in fp32 and under bf16 autocast, as the work
+hardware/precision.choose decides on (kind "generation" in its cache). Not the training step's
+choice: a one-row decode step reads the weights through our packed fp32 kernels, while under bf16
+autocast the stock matmuls run (docs/measurements.md#generation-dtype).
 """
 
 from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..hardware import precision, tuning
+from ..hardware import precision
 from .batch_engine import BatchEngine, Request
 from .loading import config_from_fields, meta_model, new_model
 
 # the generation commands' budget for timing their mix: they start in front of a user, so less than a
 # training run's MAX_SECONDS; later runs read the cache
 MAX_SECONDS = 10.0
-# a chat turn where the command cannot know it in advance (chat_cli, chat_eval, chat_web): a prompt of the
-# chat template's special tokens and a short conversation, and a reply of at most this many tokens (a
-# reply's cap, --max-tokens, is no length: the demo's replies run 6-13 tokens)
+# a chat turn, which a command cannot know in advance (chat_cli, chat_eval, chat_web): a prompt of the
+# chat template's special tokens and a short conversation, a reply of at most this many tokens (a
+# reply's cap, --max-tokens, is no length: docs/measurements.md#generation-dtype)
 CHAT_PROMPT_TOKENS = 64
 CHAT_REPLY_TOKENS = 64
 
@@ -53,10 +49,9 @@ def chat_mix(config, batch: int, max_tokens: int) -> GenerationMix:
     return GenerationMix(batch, prompt, max(1, min(max_tokens, CHAT_REPLY_TOKENS, config.sequence_len - prompt)))
 
 
-def generation_work(model, mix: GenerationMix, device) -> tuning.Work:
-    """The mix in fp32 and under bf16 autocast, each with its own engine (the cache takes the dtype of the
-    first keys written), greedy, on random prompts; for hardware/tuning.py to time. A model on the meta
-    device (--tune's) is materialised only if the timing fits its budget."""
+def generation_work(model, mix: GenerationMix, device) -> precision.Work:
+    """The mix, greedy on random prompts, each dtype with its own engine (a cache takes the dtype of
+    the first keys written). A model on the meta device (--tune's) is built only if the timing fits."""
     config, device = model.config, torch.device(device)
 
     def make():
@@ -81,7 +76,7 @@ def generation_work(model, mix: GenerationMix, device) -> tuning.Work:
 
     d, rows = config.n_embd, mix.batch * mix.prompt_tokens
     params = sum(p.numel() for p in model.parameters())
-    return tuning.Work(
+    return precision.Work(
         "generation",
         dict(config=asdict(config), **asdict(mix)),
         what=f"this model's generation ({mix.describe()})",
@@ -91,29 +86,24 @@ def generation_work(model, mix: GenerationMix, device) -> tuning.Work:
     )
 
 
-def _meta_work(spec: dict, device) -> tuning.Work:
+def _meta_work(spec: dict, device) -> precision.Work:
     """How --tune re-times a cached generation timing: its model's shapes, random weights."""
     model = meta_model(config_from_fields(spec["config"]))  # of its own family (window_pattern: windowed)
     mix = GenerationMix(spec["batch"], spec["prompt_tokens"], spec["decode_tokens"])
     return generation_work(model, mix, device)
 
 
-tuning.register("generation", _meta_work)
+precision.register("generation", _meta_work)
 
 
 def choose(device, requested: str, model, mix: GenerationMix, max_seconds: float = MAX_SECONDS):
-    """The Precision generation runs in: an explicit --dtype as it is (hardware/precision.py warns where bf16
-    is emulated); auto on a CPU the faster of fp32 and bf16 on `mix`, timed (or read from the cache) on rank
-    0 for every rank; elsewhere the precision policy's rule."""
-    device = torch.device(device)
-    timing = None
-    if device.type == "cpu" and requested == "auto":
-        timing = tuning.measure_everywhere(generation_work(model, mix, device), device, max_seconds=max_seconds)
-    return precision.choose(device, requested, what="--dtype", timing=timing)
+    """The Precision generation runs in: precision.choose, with `mix` as the work to time."""
+    work = generation_work(model, mix, device)
+    return precision.choose(device, requested, work=work, max_seconds=max_seconds)
 
 
 def for_generation(dev, requested: str, model, mix: GenerationMix, max_seconds: float = MAX_SECONDS):
-    """`dev` (a ProcessSetup) with the precision generation runs in (choose): an explicit --dtype, or auto off
+    """`dev` (a ProcessSetup) with the precision generation runs in: an explicit --dtype, or auto off
     the CPU, leaves it as DeviceConfig.init set it."""
     if dev.device.type != "cpu" or requested != "auto":
         return dev

@@ -1,18 +1,9 @@
 """
-AdamW and Muon on parameters sharded by FSDP2 (torch.distributed.fsdp.fully_shard): DTensors split
-by rows over the ranks, each rank holding rows [r*c, min((r+1)*c, rows)) of every parameter, c =
-ceil(rows / W) (torch.chunk's split: the last ranks may hold fewer rows, or none). FSDP's backward
-leaves each rank the same rows of the gradient, already averaged over ranks.
-
-    FsdpAdamW   AdamW is elementwise: each rank updates its own rows with the fused slice kernel.
-                No collective at all.
-    FsdpMuon    Newton-Schulz needs the whole matrix: every matrix has an owner rank (balanced by
-                Newton-Schulz's cost); one all-to-all sends each owner its gradients' rows, the owner
-                runs muon.py's Muon on them, one all-to-all sends every rank its rows of the updates.
-
-Both keep the state format and the step protocol of zero.py, so a checkpoint loads with any
-sharding and world size, and optim.step (step.py) clips them unchanged. The step in full:
-docs/measurements.md#fsdp-optimizers.
+AdamW and Muon on parameters sharded by FSDP2's fully_shard: DTensors split by rows, rank r holding
+rows [r*c, min((r+1)*c, rows)), c = ceil(rows / W) (torch.chunk's split: the last ranks may hold
+fewer, or none), and gradients that FSDP's backward leaves averaged over ranks. FsdpAdamW updates
+each rank's own rows (no collective); FsdpMuon orthogonalises every matrix whole on an owner rank
+between two all-to-alls. Same state format and step as zero.py (docs/measurements.md#fsdp-optimizers).
 """
 
 import math
@@ -22,7 +13,7 @@ import torch.distributed as dist
 
 from .adamw import AdamW
 from .muon import Muon, apply_updates
-from .zero import sum_of_squares
+from .zero import Bucket, sum_of_squares
 
 
 def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -33,9 +24,8 @@ def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 def assign_owners_by_cost(shapes: list[tuple[int, int]], sizes: list[int], world_size: int) -> list[list[int]]:
-    """For each group (sizes[g] matrices of shape shapes[g]), the owner rank of each matrix:
-    largest Newton-Schulz cost (m*n*min(m, n)) first, each to the least loaded rank so far.
-    Deterministic, so every rank computes the same table."""
+    """For each group (sizes[g] matrices of shape shapes[g]), the owner rank of each matrix: largest
+    Newton-Schulz cost (m*n*min(m, n)) first, each to the least loaded rank so far. Deterministic."""
     cost = [m * n * min(m, n) for m, n in shapes]
     items = sorted(((g, i) for g, k in enumerate(sizes) for i in range(k)), key=lambda gi: (-cost[gi[0]], gi))
     load = [0] * world_size
@@ -52,18 +42,6 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def check_row_sharded(optimizer, world_size: int, rank: int):
-    """Every parameter must be split by rows as shard_rows says (what fully_shard does)."""
-    for p, name in optimizer.names.items():
-        placements = tuple(getattr(p, "placements", ()))
-        lo, hi = shard_rows(p.shape[0], world_size, rank)
-        if len(placements) != 1 or getattr(placements[0], "dim", None) != 0 or local_tensor(p).shape[0] != hi - lo:
-            raise ValueError(
-                f"{type(optimizer).__name__} needs parameters sharded by rows by fully_shard on a "
-                f"1-D mesh; {name!r} is {type(p).__name__} with placements {placements}"
-            )
-
-
 def exchange(send_pieces: list[list[torch.Tensor]], recv_sizes: list[int], dtype, device):
     """Async all-to-all: send_pieces[d] (flattened, concatenated) to rank d; receives recv_sizes[s]
     elements from each rank s. Returns (work, the receive buffer)."""
@@ -75,141 +53,114 @@ def exchange(send_pieces: list[list[torch.Tensor]], recv_sizes: list[int], dtype
 
 
 class RowSharded:
-    """What both optimizers below add to theirs: distributed, gradients already averaged by FSDP's
-    backward, and parameters checked to be split by rows as shard_rows says."""
+    """What both optimizers add: distributed, gradients already averaged by FSDP's backward, and
+    parameters checked to be split by rows as shard_rows says (what fully_shard does)."""
 
     distributed = True
     grads_are_sums = False
 
     def __init__(self, params, **hyperparameters):
         super().__init__(params, **hyperparameters)
-        check_row_sharded(self, self.world_size, self.rank)
+        for p, name in self.names.items():
+            placements = tuple(getattr(p, "placements", ()))
+            lo, hi = shard_rows(p.shape[0], self.world_size, self.rank)
+            if len(placements) != 1 or getattr(placements[0], "dim", None) != 0 or local_tensor(p).shape[0] != hi - lo:
+                raise ValueError(
+                    f"{type(self).__name__} needs parameters sharded by rows by fully_shard on a "
+                    f"1-D mesh; {name!r} is {type(p).__name__} with placements {placements}"
+                )
 
 
 class FsdpAdamW(RowSharded, AdamW):
-    """AdamW on FSDP2's row shards: the owned range of a parameter is the rows this rank holds.
-    AdamW's arguments."""
+    """AdamW on FSDP2's row shards: a rank owns the rows it holds. AdamW's arguments."""
 
-    def _owned_range(self, p):
+    def _bucket(self, p):
         row = math.prod(p.shape[1:])  # from the shape: indexing a DTensor would be a collective
-        lo, hi = shard_rows(p.shape[0], self.world_size, self.rank)
-        return lo * row, hi * row
+        ranges = [shard_rows(p.shape[0], self.world_size, r) for r in range(self.world_size)]
+        return Bucket(0, [[(p, lo * row, hi * row)] if hi > lo else [] for lo, hi in ranges])
 
-    def _owned_param(self, p):
+    def _owned_param(self, p, lo, hi):
         return local_tensor(p.data).view(-1)
 
-    def launch_reduce(self):
-        # FSDP's backward has reduce-scattered (and averaged) the gradient already
-        self._pending = dict(
-            slots={p: dict(grad=local_tensor(self._grad(p)).reshape(-1), work=None) for p in self._params()},
-            works=[],
-            gathers=[],
-        )
+    def reduce_grads(self):
+        chunks = [local_tensor(self._grad(p)).reshape(-1) for p in self.params]
+        return lambda: chunks
 
-    def gather_params(self):
-        self._pending = None
+    def gather(self, b):
+        pass  # each rank keeps its rows
 
 
 class FsdpMuon(RowSharded, Muon):
-    """Muon on FSDP2's row shards, each matrix orthogonalised once, by its owner (docs/measurements.md#fsdp-optimizers).
-    Muon's arguments."""
+    """Muon on FSDP2's row shards, each matrix orthogonalised once, by its owner: one all-to-all
+    sends each owner its gradients' rows, one sends every rank its rows of the updates. Muon's
+    arguments."""
 
-    def __init__(self, params, **hyperparameters):
-        super().__init__(params, **hyperparameters)
-        W = self.world_size
-        # the matrices each rank owns, in the one order both all-to-alls use: (group, index in group)
-        self._owned_by = [
-            [(g, i) for g, layout in enumerate(self._layout) for i in layout["slots"][r]] for r in range(W)
-        ]
+    owner_rule = staticmethod(assign_owners_by_cost)
 
-    def _assign_owners(self, shapes, sizes):
-        return assign_owners_by_cost(shapes, sizes, self.world_size)
+    def _matrices(self, rank: int) -> list:
+        """(group, matrix) of each matrix `rank` owns, in the one order both all-to-alls use."""
+        return [(g, p) for g, b in enumerate(self.buckets) for p, _, _ in b.slots[rank]]
 
-    def _rows_of(self, g, rank):
-        return shard_rows(self.param_groups[g]["params"][0].shape[0], self.world_size, rank)
+    def _rows(self, p, rank: int) -> slice:
+        return slice(*shard_rows(p.shape[0], self.world_size, rank))
 
-    def _piece_size(self, g, rank):
-        """Elements of a matrix of group g that `rank` holds."""
-        lo, hi = self._rows_of(g, rank)
-        return (hi - lo) * self.param_groups[g]["params"][0].shape[1]
+    def _piece(self, p, rank: int) -> int:
+        """Elements of matrix p that `rank` holds."""
+        rows = self._rows(p, rank)
+        return (rows.stop - rows.start) * p.shape[1]
 
-    # -- the step protocol (zero.py) -------------------------------------------------------------
-
-    def launch_reduce(self):
-        """Step 1: send each owner this rank's rows of its matrices' gradients."""
+    def reduce_grads(self):
         W, me = self.world_size, self.rank
-        local = [[local_tensor(self._grad(p)) for p in group["params"]] for group in self.param_groups]
-        send = [[local[g][i] for g, i in self._owned_by[d]] for d in range(W)]
-        recv_sizes = [sum(self._piece_size(g, s) for g, _ in self._owned_by[me]) for s in range(W)]
-        first = local[0][0]
-        work, recv = exchange(send, recv_sizes, first.dtype, first.device)
-        self._pending = dict(works=[work], local=local, recv=recv, waited=False)
+        grads = {p: local_tensor(self._grad(p)) for p in self.params}
+        send = [[grads[p] for _, p in self._matrices(d)] for d in range(W)]
+        recv_sizes = [sum(self._piece(p, s) for _, p in self._matrices(me)) for s in range(W)]
+        work, recv = exchange(send, recv_sizes, grads[self.params[0]].dtype, self.params[0].device)
 
-    def owned_grad_sq(self):
-        total = sum_of_squares([t for grads in self._pending["local"] for t in grads])
-        return torch.zeros((), dtype=torch.float32, device=self._device()) if total is None else total
+        def wait():
+            """Per group, the (k, rows, cols) fp32 stack of the whole gradients of the owned matrices."""
+            work.wait()
+            stacks = [torch.empty((len(b.slots[me]), *b.first.shape), device=recv.device) for b in self.buckets]
+            index = {p: j for b in self.buckets for j, p in enumerate(self.owned(b))}
+            offset = 0
+            for s in range(W):
+                for g, p in self._matrices(me):
+                    rows = stacks[g][index[p], self._rows(p, s)]
+                    rows.copy_(recv[offset : offset + rows.numel()].view(rows.shape))
+                    offset += rows.numel()
+            return stacks
 
-    def _owned_grads(self):
-        """Per group, the (k, rows, cols) fp32 stack of the whole gradients of the owned matrices."""
-        W, me = self.world_size, self.rank
-        if not self._pending["waited"]:
-            self._pending["works"][0].wait()
-            self._pending["waited"] = True
-        stacks = []
-        for g, group in enumerate(self.param_groups):
-            k = len(self._owned(g))
-            stacks.append(torch.empty((k, *group["params"][0].shape), dtype=torch.float32, device=self._device()))
-        index = {(g, i): j for g in range(len(self.param_groups)) for j, i in enumerate(self._owned(g))}
-        offset = 0
-        for s in range(W):
-            for g, i in self._owned_by[me]:
-                lo, hi = self._rows_of(g, s)
-                n = self._piece_size(g, s)
-                rows = stacks[g][index[(g, i)], lo:hi]
-                rows.copy_(self._pending["recv"][offset : offset + n].view(rows.shape))
-                offset += n
-        return stacks
+        return wait
 
-    def apply_update(self, clip_coef):
-        """Step 2 on the owned matrices, then step 3's all-to-all is started."""
-        self.ns_precision  # noqa: B018  (resolved on every rank together, before any rank's update)
+    def grad_sq(self, stacks):
+        """Of the rows this rank holds (each row is held by one rank), as FSDP left them."""
+        return sum_of_squares([local_tensor(self._grad(p)) for p in self.params], self.params[0].device)
+
+    def update(self, stacks, scale):
+        if self.ns_precision is None:  # resolved on every rank together, before any rank's update
+            self.resolve_ns_precision()
         W, me = self.world_size, self.rank
         updates = {}
-        for g, (group, G) in enumerate(zip(self.param_groups, self._owned_grads())):
-            if not len(G):
-                continue
-            if clip_coef is not None:
-                G.mul_(clip_coef)
-            U, _ = self._direction(g, group, G)
-            for j, i in enumerate(self._owned(g)):
-                updates[(g, i)] = U[j]
-        send = [[updates[(g, i)][slice(*self._rows_of(g, d))] for g, i in self._owned_by[me]] for d in range(W)]
-        recv_sizes = [sum(self._piece_size(g, me) for g, _ in self._owned_by[s]) for s in range(W)]
-        work, recv = exchange(send, recv_sizes, torch.float32, self._device())
-        self._pending = dict(works=[work], recv=recv)
+        for g, (group, G) in enumerate(zip(self.param_groups, stacks)):
+            if len(G):
+                if scale != 1.0:
+                    G.mul_(scale)
+                updates.update(zip(self.owned(self.buckets[g]), self._direction(g, group, G)))
+        send = [[updates[p][self._rows(p, d)] for _, p in self._matrices(me)] for d in range(W)]
+        recv_sizes = [sum(self._piece(p, me) for _, p in self._matrices(s)) for s in range(W)]
+        self._gathers = exchange(send, recv_sizes, torch.float32, self.params[0].device)
         self.num_updates += 1
 
-    def gather_params(self):
-        """Step 3: apply this rank's rows of every update, each matrix with its group's lr."""
-        W, me = self.world_size, self.rank
-        self._pending["works"][0].wait()
-        recv, offset = self._pending["recv"], 0
-        lrs = self._lr_of_groups()
-        for s in range(W):
-            for g, i in self._owned_by[s]:
-                group, p = self.param_groups[g], self.param_groups[g]["params"][i]
-                n = self._piece_size(g, me)
-                u = recv[offset : offset + n]
-                offset += n
+    def finish_gathers(self):
+        """Apply this rank's rows of every update, each matrix with its group's lr."""
+        work, recv = self._gathers
+        work.wait()
+        offset = 0
+        for s in range(self.world_size):
+            for g, p in self._matrices(s):
+                n = self._piece(p, self.rank)
                 if n:
                     local = local_tensor(p.data)
-                    apply_updates(group, [p], [local], [u.view(local.shape)], lrs[g])
-        self._pending = None
-
-    def _lr_of_groups(self):
-        """Every group's lr for its matrices' shape, as _direction computes it on the owner."""
-        out = []
-        for group in self.param_groups:
-            rows, cols = group["params"][0].shape
-            out.append(group["lr"] * max(1.0, rows / cols) ** 0.5)
-        return out
+                    group = self.param_groups[g]
+                    apply_updates(group, [p], [local], [recv[offset : offset + n].view(local.shape)])
+                offset += n
+        self._gathers = []

@@ -1,28 +1,20 @@
 """
-MuonRecipe: everything about how Muon updates the matrices, as one validated value with three
-presets named for what they are, so a run names its recipe in one word and can override any part:
-
-    quintic         the seeds' Muon (the default): 5 quintic Newton-Schulz steps, Nesterov
-                    momentum warmed up 0.85 -> 0.95 over 300 steps, no weight decay
-    minimax4        quintic's Muon with 4 tuned Newton-Schulz steps (kernels/newton_schulz.py,
-                    MINIMAX4): the same singular-value band, 4/5 of the products
-    polar-normuon   nanochat's recipe today: Polar Express coefficients, MuonEq, Muon+, NorMuon,
-                    cautious weight decay, momentum warmup and warmdown (PRESETS says each part)
-
-Their former names, seeds and current, work for one more release with a notice (preset_name).
-The dtype Newton-Schulz computes in (ns_dtype) is "auto" in both: it follows the hardware
-(nanochat_fast.hardware.precision), not the recipe.
+MuonRecipe: how Muon updates the matrices, one validated value, with presets a run names in one word
+(and overrides any part of): quintic (the default: 5 quintic Newton-Schulz steps, momentum warmed up
+0.85 -> 0.95 over 300 steps, no weight decay), minimax4 (quintic with 4 tuned steps: the same band,
+4/5 of the products) and polar-normuon (nanochat's recipe today: PRESETS says each part). Their former
+names, seeds and current, work for one more release with a notice. ns_dtype follows the hardware.
 """
 
 import dataclasses
 import math
-import numbers
 import sys
 from dataclasses import dataclass
 
 from ..core.distributed import print0
 from ..hardware.precision import CHOICES
 from ..kernels.newton_schulz import resolve_coefficients
+from .zero import check_hparam
 
 PRESET_NAMES = ("quintic", "polar-normuon", "minimax4")
 # the presets' names before they were named for what they are: accepted until the next release
@@ -90,12 +82,12 @@ class MuonRecipe:
         for field in ("normuon", "cautious_weight_decay", "equilibrate_rows", "renormalize"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
-        _check_real("weight_decay", self.weight_decay, 0.0, None)
-        _check_real("ns_safety", self.ns_safety, 1.0, None)
-        _check_real("ns_eps", self.ns_eps, 0.0, None)
+        check_hparam("weight_decay", self.weight_decay, 0.0, None)
+        check_hparam("ns_safety", self.ns_safety, 1.0, None)
+        check_hparam("ns_eps", self.ns_eps, 0.0, None)
         for field in ("normuon_beta", "momentum_start", "momentum", "momentum_end"):
-            _check_real(field, getattr(self, field), 0.0, 1.0)
-        _check_real("momentum_warmdown_ratio", self.momentum_warmdown_ratio, 0.0, 1.0, high_inclusive=True)
+            check_hparam(field, getattr(self, field), 0.0, 1.0)
+        check_hparam("momentum_warmdown_ratio", self.momentum_warmdown_ratio, 0.0, 1.0, high_inclusive=True)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "MuonRecipe":
@@ -135,17 +127,16 @@ class MuonRecipe:
     def scaled_weight_decay(
         self, total_batch_size: int, tokens: int, reference_tokens: int, reference_batch_size: int = 2**19
     ) -> "MuonRecipe":
-        """nanochat's scaling of the weight decay (tuned at its d12 reference) to another batch size
-        and horizon, keeping B / (lr * wd * D) constant with lr ~ sqrt(B): wd * sqrt(B / B_ref) *
-        (D_ref / D). reference_tokens is nanochat's D_ref: its data:param ratio times the d12
-        model's transformer-matrix plus lm_head parameters."""
+        """nanochat's scaling of the weight decay (tuned at d12, D_ref = reference_tokens) to another
+        batch size and horizon: B / (lr * wd * D) kept constant with lr ~ sqrt(B), so
+        wd * sqrt(B / B_ref) * (D_ref / D)."""
         for field, value in (
             ("total_batch_size", total_batch_size),
             ("tokens", tokens),
             ("reference_tokens", reference_tokens),
             ("reference_batch_size", reference_batch_size),
         ):
-            _check_real(field, value, 1.0, None)
+            check_hparam(field, value, 1.0, None)
         wd = self.weight_decay * math.sqrt(total_batch_size / reference_batch_size) * (reference_tokens / tokens)
         return dataclasses.replace(self, weight_decay=wd)
 
@@ -187,38 +178,19 @@ class MuonRecipe:
         return f"muon recipe {self.name}: " + ", ".join(parts + [momentum])
 
 
-def _check_real(field, value, low, high, high_inclusive=False):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-        raise ValueError(f"{field} must be a real number, got {value!r}")
-    above = high is not None and (value > high if high_inclusive else value >= high)
-    if value < low or above:
-        bound = "]" if high_inclusive else ")"
-        raise ValueError(f"{field} must be in [{low}, {high if high is not None else 'inf'}{bound}, got {value!r}")
-
-
 def _check_int(field, value, low):
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{field} must be an int >= {low}, got {value!r}")
 
 
-# The presets. polar-normuon is the recipe nanochat trains with (its optim.py and base_train.py):
-#   - Polar Express coefficients (5 steps), the input divided by 1.01 times its norm plus 1e-6
-#   - MuonEq: each row of the momentum rescaled to the mean row norm before the orthogonalisation
-#     (better conditioned input)
-#   - Muon+: the orthogonalised update rescaled to Frobenius norm sqrt(min(rows, cols)), that of an
-#     exactly semi-orthogonal matrix
-#   - NorMuon (arXiv:2510.05491): per-row second moment of the orthogonalised update (per column
-#     for wide matrices: one statistic per index of the longer side), an EMA with beta 0.9; the
-#     update is divided by its square root and rescaled to keep its Frobenius norm
-#   - cautious weight decay: p <- p - lr*wd*p only where the update and p have the same sign (where
-#     the step already moves p towards zero), decoupled and scaled by the matrix's learning rate
-#     (the lr times max(1, rows/cols)^0.5), wd 0.28 cosine-scheduled to zero over the run;
-#     `scaled_weight_decay` applies nanochat's scaling of wd with batch size and horizon
-#   - momentum 0.85 -> 0.97 over the first 400 steps, then 0.97 -> 0.90 over the LR warmdown (the
-#     last momentum_warmdown_ratio of the run: nanochat's default 0.65; pass the run's own ratio)
+# The presets. polar-normuon is the recipe nanochat trains with (its optim.py and base_train.py; each
+# part is defined in muon.py): Polar Express coefficients with the input divided by 1.01 times its norm
+# plus 1e-6, MuonEq, Muon+, NorMuon (arXiv:2510.05491) with beta 0.9, cautious weight decay 0.28 cosine-
+# scheduled to zero over the run (scaled_weight_decay: nanochat's scaling with batch size and horizon),
+# momentum 0.85 -> 0.97 over 400 steps, then -> 0.90 over the LR warmdown (nanochat's 0.65 of the run).
+# minimax4: quintic's Newton-Schulz in 4 steps for the same band of singular values (down to 2.5e-3 of
+# ||G||_F instead of 1.5e-3); not the default.
 PRESETS = {"quintic": MuonRecipe()}
-# minimax4: the seeds' Muon with Newton-Schulz in 4 steps instead of 5, for the same band of singular values
-# (down to 2.5e-3 of ||G||_F instead of 1.5e-3): not the default, which stays the seeds' recipe
 PRESETS["minimax4"] = MuonRecipe(name="minimax4", ns_coefficients="minimax4", ns_steps=4)
 PRESETS["polar-normuon"] = MuonRecipe(
     name="polar-normuon",

@@ -1,15 +1,14 @@
 """
-What AdamW and Muon share: ZeRO-2 sharding over the ranks of torch.distributed, the step protocol
-(ZeroOptimizer: the phases step.py drives so several optimizers clip by one global norm), and a
-state format that does not depend on the number of processes (FORMAT, shard_state_dict).
-
-Gloo constraints this code respects (and NCCL is happy with): no Work.get_future() (waits use
-work.wait()), no PREMUL_SUM/AVG (the sum is scaled afterwards), collective inputs sized exactly
-world_size x output (padded where a tensor does not split evenly).
+The optimizer step of nanochat_fast: `step(optimizers, grad_clip)` updates several optimizers as one
+(reduce, global norm, clip, update, gather), ZeRO-2 sharding over the ranks of torch.distributed, and
+the state format that does not depend on the number of processes (FORMAT). Gloo's limits hold (NCCL
+is happy with them): waits use work.wait() (no get_future), sums are scaled afterwards (no
+PREMUL_SUM/AVG), a collective's input is exactly world_size x its output (padded where needed).
 """
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,115 +26,132 @@ from ..core.distributed import all_gather_single, reduce_scatter_single
 FORMAT = "nanochat_fast.optim/1"
 
 
-def reduce_scatter_sum(output, input):
-    """Async: output <- this rank's chunk of the sum of `input` over ranks. Returns the Work."""
-    return reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, async_op=True)
+@torch.no_grad()
+def step(optimizers, grad_clip: float | None = None) -> torch.Tensor:
+    """Update with every optimizer in `optimizers` (e.g. [adamw, muon]), clipped together by the norm
+    of their gradient averaged over ranks; returns that norm before clipping (0-D fp32). grad_clip
+    None or 0: no clipping. A non-finite norm applies nothing: the caller decides (the NaN guard)."""
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip >= 0):
+        raise ValueError(f"grad_clip must be a number >= 0 (0 or None: no clipping), got {grad_clip!r}")
+    # 1. reduce: every reduction in flight at once; then each rank holds, summed over ranks, the parts
+    #    of the gradient it owns (each element of every gradient is owned by exactly one rank)
+    waits = [opt.reduce_grads() for opt in optimizers]
+    grads = [wait() for wait in waits]
+    # 2. the global norm, with no extra pass over full gradients: each rank's sum of squares of its
+    #    parts, gathered and added in rank order, so every rank gets the same bits
+    local = torch.stack([opt.grad_sq(g) for opt, g in zip(optimizers, grads)]).sum()
+    world_size = max(opt.world_size for opt in optimizers)
+    if world_size > 1:
+        gathered = torch.empty(world_size, dtype=local.dtype, device=local.device)
+        all_gather_single(gathered, local.reshape(1), async_op=True).wait()
+        local = gathered.sum()
+    norm = local.sqrt()
+    value = norm.item()  # the host waits for the reductions here, once per step
+    if not math.isfinite(value):
+        return norm  # no parameter, state or step count changed
+    # 3. clip, as torch.nn.utils.clip_grad_norm_ does
+    clip = min(1.0, grad_clip / (value + 1e-6)) if grad_clip else 1.0
+    # 4. update the owned parts; each bucket's all-gather starts once it is updated, so the gathers
+    #    of one bucket overlap the updates of the next
+    for opt, g in zip(optimizers, grads):
+        opt.update(g, clip / opt.grad_divisor)
+    # 5. gather: every rank holds the same parameters again
+    for opt in optimizers:
+        opt.finish_gathers()
+        opt.mark_updated()
+    return norm
 
 
-def all_gather(output, input):
-    """Async: output <- concatenation of every rank's `input`. Returns the Work."""
-    return all_gather_single(output, input, async_op=True)
-
-
-def sum_of_squares(tensors) -> torch.Tensor:
-    """Sum of squares of all elements of `tensors` as a 0-D fp32 tensor, accurate to ~1e-7
-    (None when they hold no elements).
-
-    On CUDA torch's norm reductions are trees and accurate. On CPU torch.norm / _foreach_norm lose
-    precision with size (how much: docs/measurements.md#cpu-norm-precision), which would make
-    the clipping norm depend on how the gradient is split over ranks. There, each tensor is cut
-    into rows of 256 whose dot products (bmm) are summed by torch's cascaded sum."""
+def sum_of_squares(tensors, device) -> torch.Tensor:
+    """Sum of squares of all elements of `tensors` as a 0-D fp32 tensor, accurate to ~1e-7. On CPU,
+    torch.norm loses precision with size (docs/measurements.md#cpu-norm-precision), which would make
+    the norm depend on how the gradient is split over ranks: rows of 256 are summed by bmm instead."""
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
-        return None
+        return torch.zeros((), dtype=torch.float32, device=device)
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors)).float().square().sum()
     total = []
     for t in tensors:
         flat = t.reshape(-1).float()
         m = flat.numel() // 256 * 256
-        rows = flat[:m].view(-1, 1, 256)
-        tail = flat[m:]
+        rows, tail = flat[:m].view(-1, 1, 256), flat[m:]
         total.append(torch.bmm(rows, rows.mT).sum() + tail.dot(tail))
     return torch.stack(total).sum()
 
 
-def check_hparam(name, value, low=0.0, high=None):
+def check_hparam(name, value, low=0.0, high=None, high_inclusive=False):
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
         raise ValueError(f"{name} must be a real number, got {value!r}")
-    if value < low or (high is not None and value >= high):
-        raise ValueError(f"{name} must be in [{low}, {high if high is not None else 'inf'}), got {value!r}")
+    if value < low or (high is not None and (value > high if high_inclusive else value >= high)):
+        bound = "]" if high_inclusive else ")"
+        raise ValueError(f"{name} must be in [{low}, {high if high is not None else 'inf'}{bound}, got {value!r}")
 
 
 def normalize_param_groups(params) -> list[dict]:
-    """params (tensors, (name, tensor) pairs, or group dicts of either) -> group dicts whose
-    "params" are tensors and "param_names" their names. Unnamed parameters are called param<i>
-    (their position over all groups): state is keyed by these names."""
+    """params (tensors, (name, tensor) pairs, or group dicts of either) -> group dicts with the tensors
+    in "params" and their names in "param_names" (state is keyed by name; unnamed: param<i>)."""
     params = list(params)
     if not params:
         raise ValueError("params is empty: the optimizer needs at least one parameter")
-    groups = params if isinstance(params[0], dict) else [{"params": params}]
     out, index = [], 0
-    for group in groups:
+    for group in params if isinstance(params[0], dict) else [{"params": params}]:
         group = dict(group)
-        items = group["params"]
-        items = [items] if isinstance(items, torch.Tensor) else list(items)
-        tensors, names = [], []
+        items = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
         given = group.get("param_names")
+        group["params"], group["param_names"] = [], []
         for i, item in enumerate(items):
-            if isinstance(item, tuple):
-                name, p = item
-            else:
-                name, p = (given[i] if given is not None else f"param{index}"), item
-            tensors.append(p)
-            names.append(str(name))
+            name, p = item if isinstance(item, tuple) else ((given[i] if given is not None else f"param{index}"), item)
+            group["params"].append(p)
+            group["param_names"].append(str(name))
             index += 1
-        group["params"], group["param_names"] = tensors, names
         out.append(group)
     return out
 
 
 def jsonable_hparams(group: dict) -> dict:
-    """The group's hyperparameters as plain Python values (tensors become floats)."""
+    """The group's hyperparameters as plain Python values (tensors become floats, tuples lists)."""
     out = {}
     for key, value in group.items():
-        if key == "params":
-            continue
-        if isinstance(value, torch.Tensor):
-            value = value.item()
-        if isinstance(value, tuple):
-            value = list(value)
-        out[key] = value
+        if key != "params":
+            out[key] = value.item() if torch.is_tensor(value) else list(value) if isinstance(value, tuple) else value
     return out
 
 
+class Bucket(NamedTuple):
+    """Parameters reduced and gathered as one flat buffer of world_size chunks of `chunk` elements:
+    rank r's chunk holds slots[r], the (param, lo, hi) flat ranges r owns, zero-padded. `whole`: a
+    parameter that splits exactly into the chunks, reduced and gathered in place."""
+
+    chunk: int
+    slots: list
+    whole: torch.Tensor | None = None
+
+    def pieces(self, r: int, tensor_of) -> list:
+        """Rank r's chunk of tensor_of(param) for each param, as pieces to concatenate."""
+        out = [tensor_of(p).reshape(-1)[lo:hi] for p, lo, hi in self.slots[r]]
+        pad = self.chunk - sum(hi - lo for _, lo, hi in self.slots[r])
+        if pad:
+            out.append(torch.zeros(pad, dtype=self.first.dtype, device=self.first.device))
+        return out
+
+    @property
+    def first(self) -> torch.Tensor:
+        return next(p for slots in self.slots for p, _, _ in slots)
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
-    """Base of AdamW and Muon (and their Dist*, Fsdp* forms): world size, rank, parameter names,
-    the state format, and the step protocol: a step in phases, so that optim.step (step.py) can
-    run several optimizers as one, clipped by the norm of all their gradients together.
-
-        launch_reduce()        start the async gradient reductions; each rank will receive the
-                               SUM over ranks of the gradient parts it owns (each element of every
-                               gradient is owned by exactly one rank)
-        owned_grad_sq()        wait for them; the sum of squares (0-D fp32) of the owned part of
-                               the gradient *averaged* over ranks
-        apply_update(clip)     scale the owned gradients by clip (None: 1) and average them,
-                               update the owned parameters and optimizer state, count the step,
-                               start the all-gathers of the updated parameters
-        gather_params()        wait for the all-gathers: every rank holds identical parameters
-        mark_updated()         move the parameters' version counters, as an in-place update would
-        discard()              instead of apply_update/gather_params/mark_updated: drop the step
-                               (the NaN guard), change nothing
-
-    Every rank calls the same phases in the same order (they hold collectives). step() runs them
-    for this optimizer alone, without clipping. Subclasses implement launch_reduce, _owned_grads,
-    apply_update, gather_params, _state_entries and _load_entries."""
+    """Base of AdamW and Muon (and their Dist*, Fsdp* forms): parameter names, ranks, the ZeRO-2
+    collectives of `step` over the subclass's `buckets`, and the state format. A subclass builds
+    `buckets` and implements `update(chunks, scale)`: the math on the parts this rank owns."""
 
     kind = ""
+    state_keys = ()  # the state tensors saved flat by offset (stitched from any ranks' ranges)
     # the Dist*/Fsdp* forms set it: rank and world size come from the default process group
     distributed = False
-    # ZeRO-2 receives each gradient summed over ranks (divided by the world size at the update);
-    # under FSDP (optim/fsdp.py) the gradients arrive averaged already
+    # ZeRO-2 receives each gradient summed over ranks; FSDP's backward averages them already
     grads_are_sums = True
 
     def __init__(self, params, defaults):
@@ -157,8 +173,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.names = {p: name for g in self.param_groups for p, name in zip(g["params"], g["param_names"])}
         if len(set(self.names.values())) != len(self.names):
             raise ValueError("parameter names must be unique")
+        self.params = list(self.names)
+        self.buckets: list[Bucket] = []
         self.num_updates = 0  # completed steps (AdamW's bias correction counts them)
-        self._pending = None
+        self._gathers = []
         self._initialized = True
 
     @property
@@ -182,80 +200,107 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         return p.grad
 
-    def _device(self):
-        return self.param_groups[0]["params"][0].device
-
-    # -- one optimizer on its own: no clipping ------------------------------------------------
+    def owned(self, b: Bucket) -> list:
+        """The params of bucket b this rank owns (some of their elements, or all)."""
+        return [p for p, _, _ in b.slots[self.rank]]
 
     @torch.no_grad()
     def step(self, closure=None):
+        """This optimizer alone, without clipping (the module's step clips several together)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.launch_reduce()
-        self.apply_update(None)
-        self.gather_params()
+        self.update(self.reduce_grads()(), 1.0 / self.grad_divisor)
+        self.finish_gathers()
         self.mark_updated()
         return loss
 
-    # -- the step protocol (the class docstring) -------------------------------------------------
+    # -- what step() calls, in order ----------------------------------------------------------------
 
-    def launch_reduce(self):
+    def reduce_grads(self):
+        """Start reduce-scattering every bucket's gradient; returns the wait, which gives this rank's
+        chunk of each bucket, summed over ranks."""
+        chunks, works = [], []
+        for b in self.buckets:
+            if b.whole is not None:
+                send = self._grad(b.whole).reshape(-1)
+            else:
+                send = torch.cat([x for r in range(self.world_size) for x in b.pieces(r, self._grad)])
+            if self.world_size == 1:
+                chunks.append(send)
+                continue
+            chunks.append(send.new_empty(b.chunk))
+            works.append(reduce_scatter_single(chunks[-1], send, op=dist.ReduceOp.SUM, async_op=True))
+
+        def wait():
+            for work in works:
+                work.wait()
+            return chunks
+
+        return wait
+
+    def grad_sq(self, chunks) -> torch.Tensor:
+        """The sum of squares of this rank's part of the gradient averaged over ranks."""
+        return sum_of_squares(chunks, self.params[0].device) / self.grad_divisor**2
+
+    def update(self, chunks: list, scale: float):
+        """Scale this rank's chunks by `scale` (clip / grad_divisor: the average over ranks), update
+        the parameters and state it owns, count the step and start each bucket's gather."""
         raise NotImplementedError
 
-    def _owned_grads(self) -> list[torch.Tensor]:
-        """Wait for the reductions; this rank's owned gradients, summed over ranks."""
-        raise NotImplementedError
+    def gather(self, b: Bucket):
+        """Start all-gathering bucket b's parameters, once this rank has updated its part of them."""
+        if self.world_size == 1:
+            return
+        if b.whole is not None:
+            flat = b.whole.data.view(-1)
+            own = flat[self.rank * b.chunk : (self.rank + 1) * b.chunk]
+            self._gathers.append((all_gather_single(flat, own, async_op=True), None, b))
+            return
+        out = torch.empty(self.world_size * b.chunk, dtype=b.first.dtype, device=b.first.device)
+        own = torch.cat(b.pieces(self.rank, lambda p: p.data))
+        self._gathers.append((all_gather_single(out, own, async_op=True), out, b))
 
-    def owned_grad_sq(self) -> torch.Tensor:
-        total = sum_of_squares(self._owned_grads())
-        if total is None:
-            return torch.zeros((), dtype=torch.float32, device=self._device())
-        return total / (self.grad_divisor**2)  # of the average over ranks
-
-    def apply_update(self, clip_coef: float | None):
-        raise NotImplementedError
-
-    def gather_params(self):
-        raise NotImplementedError
+    def finish_gathers(self):
+        """Wait for the gathers and copy the other ranks' parts into the parameters."""
+        for work, out, b in self._gathers:
+            work.wait()
+            if out is None:
+                continue  # gathered in place
+            params, sources = [], []
+            for r, slots in enumerate(b.slots):
+                offset = r * b.chunk
+                for p, lo, hi in slots:
+                    if r != self.rank:
+                        params.append(p.data.view(-1)[lo:hi])
+                        sources.append(out[offset : offset + hi - lo])
+                    offset += hi - lo
+            if params:
+                torch._foreach_copy_(params, sources)
+        self._gathers = []
 
     def mark_updated(self):
-        """After gather_params: tell autograd the parameters changed in place. The updates write
-        through p.data and the kernels, which leave a parameter's version counter where it was
-        (torch.optim's in-place updates move it); what caches a function of the weights reads that
+        """Move the parameters' version counters, as an in-place update would: the updates write
+        through p.data and the kernels, and what caches a function of the weights reads that
         counter (model/packed_linears.py)."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                torch.autograd.graph.increment_version(p)
+        for p in self.params:
+            torch.autograd.graph.increment_version(p)
 
-    def discard(self):
-        """Drop a step whose gradient was not finite: wait for the collectives in flight (every
-        rank must take part in them), change nothing."""
-        if self._pending is not None:
-            for work in self._pending.get("works", []):
-                work.wait()
-        self._pending = None
-
-    # -- state -----------------------------------------------------------------------------------
+    # -- state ------------------------------------------------------------------------------------
 
     def state_nbytes(self) -> int:
         """Bytes of optimizer state held by this rank."""
-        return sum(
-            t.numel() * t.element_size() for s in self.state.values() for t in s.values() if isinstance(t, torch.Tensor)
-        )
-
-    def _state_entries(self) -> dict:
-        """{name: {"shape", "offset", "numel", <tensors>}} for the state this rank owns."""
-        raise NotImplementedError
-
-    def _load_entries(self, pieces: dict, saved_ranks: list):
-        """pieces: {name: [entries from every shard]}; fill the state this rank owns (saved_ranks
-        only goes into error messages)."""
-        raise NotImplementedError
+        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values() if torch.is_tensor(t))
 
     def shard_state_dict(self) -> dict:
         """This rank's optimizer state in the world-size independent format (FORMAT)."""
+        state = {}
+        for b in self.buckets:
+            for p, lo, hi in b.slots[self.rank]:
+                if self.state.get(p):
+                    tensors = {k: v.detach().clone() for k, v in self.state[p].items()}
+                    state[self.names[p]] = dict(shape=list(p.shape), offset=lo, numel=hi - lo, **tensors)
         return {
             "format": FORMAT,
             "kind": self.kind,
@@ -263,18 +308,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "rank": self.rank,
             "num_updates": self.num_updates,
             "param_groups": [jsonable_hparams(g) for g in self.param_groups],
-            "state": {
-                name: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
-                for name, entry in self._state_entries().items()
-            },
+            "state": state,
         }
 
     def load_shard_state_dicts(self, shards):
         """Load the state saved by every rank of a run (any number of ranks, in any order): each
         rank keeps what it owns under its own sharding."""
-        if isinstance(shards, dict):
-            shards = [shards]
-        shards = list(shards)
+        shards = [shards] if isinstance(shards, dict) else list(shards)
         if not shards:
             raise ValueError("shards is empty: pass the state dicts saved by every rank")
         for s in shards:
@@ -291,13 +331,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"optimizer shards come from different steps (num_updates {sorted(counts)}): "
                 "load the files of one checkpoint"
             )
-        saved_ranks = sorted(s["rank"] for s in shards)
-        num_updates = counts.pop()
         # hyperparameters (lr, momentum, ...) follow the saved groups, matched by parameter name
-        saved_groups = {}
-        for g in shards[0]["param_groups"]:
-            for name in g["param_names"]:
-                saved_groups[name] = g
+        saved_groups = {name: g for g in shards[0]["param_groups"] for name in g["param_names"]}
         for group in self.param_groups:
             saved = saved_groups.get(group["param_names"][0])
             if saved is None:
@@ -317,15 +352,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"optimizer shards hold state for parameters this optimizer does not have: {sorted(unknown)[:3]}"
             )
-        if num_updates > 0:
-            self._load_entries(pieces, saved_ranks)
-        else:
-            self.state.clear()
-            self._reset_state()
-        self.num_updates = num_updates
+        self.num_updates = counts.pop()
+        self.state.clear()
+        if self.num_updates > 0:
+            self._load_state(pieces, sorted(s["rank"] for s in shards))
 
-    def _reset_state(self):
-        pass
+    def _load_state(self, pieces: dict, saved_ranks: list):
+        """Each owned range's state_keys, stitched from the saved pieces (saved_ranks: for errors)."""
+        for b in self.buckets:
+            for p, lo, hi in b.slots[self.rank]:
+                for key in self.state_keys:
+                    self.state[p][key] = torch.zeros(hi - lo, dtype=torch.float32, device=p.device)
+                    name, entries = self.names[p], pieces.get(self.names[p], [])
+                    copy_flat_pieces(self.state[p][key], lo, entries, key, name, p.shape, saved_ranks)
 
     # torch.optim.Optimizer's names: this rank's shard, and loading one shard or a list of them
     def state_dict(self):
@@ -350,8 +389,7 @@ def copy_flat_pieces(dst: torch.Tensor, lo: int, entries: list, key: str, name: 
             dst[s - lo : e - lo].copy_(entry[key].reshape(-1)[s - a : e - a])
             covered[s - lo : e - lo] = True
     if not bool(covered.all()):
-        missing = int((~covered).sum())
         raise ValueError(
-            f"optimizer state {key!r} of {name!r} misses {missing} of elements [{lo}, {hi}) in the "
+            f"optimizer state {key!r} of {name!r} misses {int((~covered).sum())} of elements [{lo}, {hi}) in the "
             f"shards given (ranks {saved_ranks}): load every optim_rank*.pt file of the checkpoint"
         )

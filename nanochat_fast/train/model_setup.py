@@ -1,21 +1,19 @@
 """
-A GPT set up for a training run: its optimizers, its compute dtypes and whether it is compiled.
-
-    build_for_training(...)                 the model (model/loading.new_model) and its optimizers
-    tune_for_training(model, ...)           the compute dtypes (model, Newton-Schulz) measured at the run's shapes
-    shard_for_training(model, ...)          --sharding=fsdp: the model sharded by FSDP2, and its optimizers
-    compile_for_training(model, ...)        the module the training step calls: compiled or not, and why
-    tuning_works(depth, ...)                what `python -m nanochat_fast.hardware --tune --depth N` times
+A GPT set up for a training run, in the order run_stage calls them: the model and its optimizers
+(build_for_training), the compute dtypes of the model and of Newton-Schulz, timed at the run's own
+shapes (tune_for_training), the model sharded by FSDP2 under --sharding=fsdp (shard_for_training)
+and the module the training step calls, compiled or not (compile_for_training).
 """
 
 from collections import Counter
 from dataclasses import asdict, replace
+from functools import partial
 
 import torch
 
 from ..core.compiling import default_compile
 from ..core.errors import UserError
-from ..hardware import precision, tuning
+from ..hardware import precision
 from ..model import sharding
 from ..model.gpt import GPT, GPTConfig, config_from_depth
 from ..model.loading import config_from_fields, meta_model, new_model
@@ -28,11 +26,10 @@ def build_for_training(config: GPTConfig, device, optimizer_kwargs: dict, state:
     return model, model.setup_optimizers(**optimizer_kwargs)
 
 
-def step_work(model: GPT, rows: int, seq_len: int, device, run_micro_steps: int | None = None) -> tuning.Work:
-    """One micro-batch's forward and backward of `model` (rows x seq_len tokens) in fp32 and under
-    bf16 autocast, for hardware/tuning.py to time. The actual model runs (a model on the meta
-    device is materialised only if the timing fits its budget); its gradients are dropped after
-    each call and its weights are not changed."""
+def step_work(model: GPT, rows: int, seq_len: int, device, run_micro_steps: int | None = None) -> precision.Work:
+    """One micro-batch's forward and backward of `model` (rows x seq_len tokens), what --dtype auto
+    times: the model itself (one on the meta device is built only if the timing fits its budget),
+    its gradients dropped after each call, its weights unchanged."""
     config, device = model.config, torch.device(device)
 
     def make():
@@ -40,19 +37,16 @@ def step_work(model: GPT, rows: int, seq_len: int, device, run_micro_steps: int 
         gen = torch.Generator().manual_seed(0)
         x, y = (torch.randint(config.vocab_size, (rows, seq_len), generator=gen).to(device) for _ in range(2))
 
-        def call(dtype):
-            def forward_backward():
-                with precision.autocast(device, dtype):
-                    loss = net(x, y)
-                loss.backward()
-                net.zero_grad(set_to_none=True)
+        def forward_backward(dtype):
+            with precision.autocast(device, dtype):
+                loss = net(x, y)
+            loss.backward()
+            net.zero_grad(set_to_none=True)
 
-            return forward_backward
-
-        return {name: call(dtype) for name, dtype in precision.DTYPES.items()}
+        return {name: partial(forward_backward, dtype) for name, dtype in precision.DTYPES.items()}
 
     tokens, d = rows * seq_len, config.n_embd
-    return tuning.Work(
+    return precision.Work(
         "model",
         dict(config=asdict(config), rows=rows, seq_len=seq_len),
         what=f"this model's forward+backward ({rows}x{seq_len} tokens)",
@@ -64,7 +58,7 @@ def step_work(model: GPT, rows: int, seq_len: int, device, run_micro_steps: int 
 
 
 # a cached entry's model is of its own family (the windowed GPT's config has a window_pattern)
-tuning.register(
+precision.register(
     "model",
     lambda spec, device: step_work(
         meta_model(config_from_fields(spec["config"])), spec["rows"], spec["seq_len"], device
@@ -72,17 +66,13 @@ tuning.register(
 )
 
 
-def muon_shapes(model: GPT) -> list[tuple[int, int, int]]:
-    """(count, rows, cols) of the block matrices Muon stacks by shape, as one process holds them."""
-    counts = Counter(tuple(p.shape) for p in model.transformer.h.parameters() if p.dim() == 2)
-    return [(k, *shape) for shape, k in counts.items()]
-
-
-def tuning_works(depth: int, vocab_size: int, seq_len: int, rows: int, device) -> list[tuning.Work]:
+def tuning_works(depth: int, vocab_size: int, seq_len: int, rows: int, device) -> list[precision.Work]:
     """What `python -m nanochat_fast.hardware --tune --depth N` times: the depth-N model's training
-    micro-step and its Muon matrices (the quintic recipe's Newton-Schulz)."""
+    micro-step and Newton-Schulz (the quintic recipe's) on its Muon stacks, as one process holds them."""
     model = meta_model(config_from_depth(depth, vocab_size, seq_len))
-    return [step_work(model, rows, seq_len, device), newton_schulz_work(muon_shapes(model), 5, "quintic", device)]
+    counts = Counter(tuple(p.shape) for p in model.transformer.h.parameters() if p.dim() == 2)
+    muon_stacks = [(k, *shape) for shape, k in counts.items()]
+    return [step_work(model, rows, seq_len, device), newton_schulz_work(muon_stacks, 5, "quintic", device)]
 
 
 def tune_for_training(
@@ -95,21 +85,14 @@ def tune_for_training(
     grad_accum_steps: int,
     run_tokens: int | None,
 ):
-    """(dev with the model's compute dtype, Newton-Schulz's precision) for this run. An explicit
-    --dtype/--ns-dtype stands; on a CPU, auto is timed at the run's own shapes: one micro-batch of
-    this model, and Muon on its own matrices (hardware/tuning.py), within a budget of a few percent
-    of the run (run_tokens, all processes; None: unknown)."""
-    per_micro_step = rows * seq_len * dev.world_size
-    micro_steps = run_tokens // per_micro_step if run_tokens else None
-    timing = None
-    if dev.device.type == "cpu" and requested_dtype == "auto":
-        timing = tuning.measure_everywhere(step_work(model, rows, seq_len, dev.device, micro_steps), dev.device)
-    dev = replace(
-        dev, precision=precision.choose(dev.device, requested_dtype, what="--dtype", warn=False, timing=timing)
-    )
+    """(dev with the model's compute dtype, Newton-Schulz's precision) for this run: on a CPU, auto
+    times one micro-batch of this model and Muon on its own matrices, within a budget of a few
+    percent of the run (run_tokens, all processes; None: unknown). An explicit flag stands."""
+    micro_steps = run_tokens // (rows * seq_len * dev.world_size) if run_tokens else None
+    work = step_work(model, rows, seq_len, dev.device, micro_steps)
+    dev = replace(dev, precision=precision.choose(dev.device, requested_dtype, warn=False, work=work))
     muon = next(opt for opt in optimizers if opt.kind == "muon")
-    ns = muon.resolve_ns_precision(micro_steps // grad_accum_steps if micro_steps else None, warn=False)
-    return dev, ns
+    return dev, muon.resolve_ns_precision(micro_steps // grad_accum_steps if micro_steps else None, warn=False)
 
 
 def check_sharding(mode: str, dev):
@@ -139,7 +122,7 @@ def shard_for_training(model: GPT, optimizers: list, optim_config, dev) -> list:
     sharded = model.setup_optimizers(**optim_config.optimizer_kwargs())
     for old, new in zip(optimizers, sharded):
         if old.kind == "muon":
-            new._ns_precision = old.ns_precision
+            new.ns_precision = old.ns_precision
     return sharded
 
 
@@ -151,11 +134,9 @@ def compile_for_training(
     peak_flops: float | None,
     varying_shapes: bool = False,
 ):
-    """(the module the training step calls, why): torch.compile'd or `model` itself.
-    --compile/--no-compile as given; by default core/compiling.default_compile's rule (CUDA and CPU
-    unless the run's FLOPs, model.estimate_flops() x run_tokens, are too few at peak_flops: the
-    peak of all processes), and eager where the rows' length varies from batch to batch (padded
-    conversations), which would compile a new graph for every length."""
+    """(the module the training step calls, why): --compile/--no-compile as given, else eager where the
+    rows' length varies (a graph per length), else core/compiling.default_compile's rule on the run's
+    FLOPs (estimate_flops() x run_tokens) at peak_flops (of all processes)."""
     if requested is not None:
         on, why = requested, f"{'compiled' if requested else 'eager'}: {'--compile' if requested else '--no-compile'}"
     elif varying_shapes:

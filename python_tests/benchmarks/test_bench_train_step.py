@@ -14,8 +14,8 @@ from support.repo_paths import ROOT
 
 from nanochat_fast import hardware, optim
 from nanochat_fast.data.token_shards import write_token_shard
-from nanochat_fast.hardware import precision, tuning
-from nanochat_fast.hardware.tuning import Timing
+from nanochat_fast.hardware import precision
+from nanochat_fast.hardware.precision import Timing
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_train_step as steps  # noqa: E402
@@ -55,14 +55,14 @@ def close_all(variants):
 
 
 def measured(model: float, newton_schulz: float):
-    """hardware/tuning.py's measure, injected: bf16's speed over fp32's per kind of work (this
+    """hardware/precision.py's measure, injected: bf16's speed over fp32's per kind of work (this
     machine's own timings would make the chosen dtypes depend on where the test runs)."""
     speedup = {"model": model, "newton_schulz": newton_schulz}
 
     def measure(work, device, **kwargs):
         return Timing({"fp32": 1.0, "bf16": 1.0 / speedup[work.kind]}, work.what, 5)
 
-    return mock.patch.object(tuning, "measure", side_effect=measure)
+    return mock.patch.object(precision, "measure", side_effect=measure)
 
 
 # (the CPU's bf16 feature, bf16's measured speed-up for the model and for Newton-Schulz) -> the

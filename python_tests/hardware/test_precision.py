@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from nanochat_fast.hardware import machine, precision
-from nanochat_fast.hardware.precision import decide
-from nanochat_fast.hardware.tuning import Timing
+from nanochat_fast.hardware.precision import Timing, decide
 
 F32, BF16 = torch.float32, torch.bfloat16
 

@@ -1,4 +1,4 @@
-"""hardware/tuning.py and the precision policy on CPUs this machine is not: the measurements of
+"""hardware/precision.py's timings and choice on CPUs this machine is not: the measurements of
 three kinds of CPU injected (a fake clock that advances by what each call would cost there), and
 the choice checked to be the faster dtype; the budget, the fallbacks, the cache and --tune."""
 
@@ -11,8 +11,8 @@ import torch
 from support import measurement_files
 from support.repo_paths import ROOT
 
-from nanochat_fast.hardware import precision, tuning
-from nanochat_fast.hardware.tuning import Timing, TuningError, Work
+from nanochat_fast.hardware import precision
+from nanochat_fast.hardware.precision import Timing, TuningError, Work
 from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.train import model_setup
 
@@ -81,10 +81,10 @@ def machine(monkeypatch, nanochat_home):
 
     def install(cpu: str) -> FakeMachine:
         fake = FakeMachine(CPUS[cpu]["probe"])
-        monkeypatch.setattr(tuning, "clock", fake.clock)
-        monkeypatch.setattr(tuning, "measured_peaks", lambda device: dict(fake.probe))
-        monkeypatch.setattr(tuning, "_matmul_call", fake.matmul_call)
-        monkeypatch.setattr(tuning, "machine_busy", lambda: False)
+        monkeypatch.setattr(precision, "clock", fake.clock)
+        monkeypatch.setattr(precision, "measured_peaks", lambda device: dict(fake.probe))
+        monkeypatch.setattr(precision, "_matmul_call", fake.matmul_call)
+        monkeypatch.setattr(precision, "machine_busy", lambda: False)
         return fake
 
     return install
@@ -101,7 +101,7 @@ def test_the_faster_dtype_wins_on_every_kind_of_cpu(machine, cpu):
     fake = machine(cpu)
     for part in ("model", "ns"):
         work = fake.work(part, CPUS[cpu][part], work_flops(cpu, part), matmuls=[(4096, 256, 1024)], run_calls=1000)
-        timing = tuning.measure(work, "cpu")
+        timing = precision.measure(work, "cpu")
         choice = precision.decide("cpu", "auto", timing=timing)
         assert choice.name == CPUS[cpu]["faster"], (part, timing)
         assert choice.reason.startswith("measured here: bf16 ")
@@ -119,10 +119,10 @@ def test_emulated_bf16_is_never_run_on_the_full_work(machine):
         matmuls=[(4096, 256, 8192), (4096, 256, 1024)],
         run_calls=10_000,
     )
-    timing = tuning.measure(work, "cpu")
+    timing = precision.measure(work, "cpu")
     assert ("model", "bf16") not in fake.calls and ("model", "fp32") not in fake.calls
     assert timing.winner == "fp32" and timing.what.startswith("the matmuls of the model (")
-    assert fake.now <= tuning.MAX_SECONDS
+    assert fake.now <= precision.MAX_SECONDS
 
 
 def test_rounds_are_interleaved_and_a_busy_moment_is_ignored(machine):
@@ -143,17 +143,17 @@ def test_rounds_are_interleaved_and_a_busy_moment_is_ignored(machine):
         return {"fp32": busy, "bf16": calls["bf16"]}
 
     work.make = make
-    timing = tuning.measure(work, "cpu", max_seconds=100)
+    timing = precision.measure(work, "cpu", max_seconds=100)
     assert [name for _, name in fake.calls][:6] == ["fp32", "bf16"] * 3
-    assert timing.seconds == pytest.approx({"fp32": 1.0, "bf16": 0.27}) and timing.rounds == tuning.ROUNDS
+    assert timing.seconds == pytest.approx({"fp32": 1.0, "bf16": 0.27}) and timing.rounds == precision.ROUNDS
 
 
 def test_bf16_must_be_clearly_faster(machine):
     fake = machine("bf16 fast")
     work = fake.work("model", {"fp32": 1.0, "bf16": 1.0 / 1.05}, 200e9)
-    assert precision.decide("cpu", "auto", timing=tuning.measure(work, "cpu")).name == "fp32"  # 1.05x: noise
+    assert precision.decide("cpu", "auto", timing=precision.measure(work, "cpu")).name == "fp32"  # 1.05x: noise
     work = fake.work("other", {"fp32": 1.0, "bf16": 1.0 / 1.2}, 200e9)
-    assert precision.decide("cpu", "auto", timing=tuning.measure(work, "cpu")).name == "bf16"
+    assert precision.decide("cpu", "auto", timing=precision.measure(work, "cpu")).name == "bf16"
 
 
 def test_budget_is_a_few_percent_of_the_run(machine):
@@ -163,42 +163,42 @@ def test_budget_is_a_few_percent_of_the_run(machine):
     short = fake.work(
         "model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model"), matmuls=[(8192, 512, 2048)], run_calls=20
     )
-    assert tuning.measure(short, "cpu").what.startswith("the matmuls of the model (")
+    assert precision.measure(short, "cpu").what.startswith("the matmuls of the model (")
     assert not any(kind == "model" for kind, _ in fake.calls)
-    assert fake.now <= max(0.05 * 20 * 1.0, tuning.MATMUL_MIN_SECONDS)
+    assert fake.now <= max(0.05 * 20 * 1.0, precision.MATMUL_MIN_SECONDS)
     fake.calls.clear()
     long = fake.work("model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model"), run_calls=2000)
-    assert tuning.measure(long, "cpu").what == "the model"
+    assert precision.measure(long, "cpu").what == "the model"
 
 
 def test_nothing_fits_the_probe_decides_a_run_and_tune_refuses(machine):
     fake = machine("bf16 emulated")
     work = fake.work("model", {"fp32": 5000.0, "bf16": 400000.0}, 7e14, matmuls=[(65536, 65536, 65536)])
-    timing = tuning.measure(work, "cpu", max_seconds=1.0)
+    timing = precision.measure(work, "cpu", max_seconds=1.0)
     assert (timing.source, timing.winner, fake.calls) == ("probe", "fp32", [])
     with pytest.raises(TuningError, match=r"^no timing of the model fits the budget of 1 s .* give a larger --budget$"):
-        tuning.measure(work, "cpu", max_seconds=1.0, strict=True)
-    assert not tuning.CACHE.path.exists()  # nothing measured, nothing written
+        precision.measure(work, "cpu", max_seconds=1.0, strict=True)
+    assert not precision.CACHE.path.exists()  # nothing measured, nothing written
 
 
 def test_cached_for_later_runs_and_keyed_by_the_machine(machine, monkeypatch):
     fake = machine("bf16 fast")
     work = fake.work("model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model"))
-    first = tuning.measure(work, "cpu")
+    first = precision.measure(work, "cpu")
     calls = len(fake.calls)
-    again = tuning.measure(work, "cpu")
+    again = precision.measure(work, "cpu")
     assert (again.source, again.seconds, len(fake.calls)) == ("cached", first.seconds, calls)
     assert again.describe().endswith(", cached")
     threads = torch.get_num_threads()
     try:  # another thread count is another machine
         torch.set_num_threads(threads + 1)
-        assert tuning.measure(work, "cpu").source == "measured"
+        assert precision.measure(work, "cpu").source == "measured"
     finally:
         torch.set_num_threads(threads)
     other_shapes = fake.work("model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model"))
     other_shapes.spec = dict(shapes="wider")
-    assert tuning.measure(other_shapes, "cpu").source == "measured"
-    assert len(json.loads(tuning.CACHE.path.read_text())["entries"]) == 3
+    assert precision.measure(other_shapes, "cpu").source == "measured"
+    assert len(json.loads(precision.CACHE.path.read_text())["entries"]) == 3
 
 
 @pytest.mark.parametrize(
@@ -206,12 +206,12 @@ def test_cached_for_later_runs_and_keyed_by_the_machine(machine, monkeypatch):
 )
 def test_a_corrupt_or_foreign_cache_is_measured_again_with_one_notice(machine, capsys, content):
     fake = machine("bf16 fast")
-    measurement_files.write_foreign_file(tuning.CACHE, content)
-    timing = tuning.measure(fake.work("model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model")), "cpu")
+    measurement_files.write_foreign_file(precision.CACHE, content)
+    timing = precision.measure(fake.work("model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model")), "cpu")
     assert timing.source == "measured"
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("note: ") and "measuring again" in err
-    assert json.loads(tuning.CACHE.path.read_text())["version"] == 1
+    assert json.loads(precision.CACHE.path.read_text())["version"] == 1
 
 
 @pytest.mark.parametrize("cpu", list(CPUS))
@@ -225,7 +225,7 @@ def test_a_training_run_takes_the_measured_dtypes(cpu, monkeypatch):
         measured.append((work.kind, work.run_calls))
         return Timing(times[work.kind], work.what, 5)
 
-    monkeypatch.setattr(tuning, "measure", fake_measure)
+    monkeypatch.setattr(precision, "measure", fake_measure)
     config = GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32)
     dev = fake_device()
     for requested, expected in (("auto", CPUS[cpu]["faster"]), ("fp32", "fp32"), ("bf16", "bf16")):
@@ -268,7 +268,7 @@ def test_tune_times_a_model_and_later_runs_reuse_it(nanochat_home, monkeypatch, 
     from nanochat_fast.hardware import cache
 
     monkeypatch.setattr(cache, "machine_busy", lambda: False)
-    monkeypatch.setattr(tuning, "machine_busy", lambda: False)
+    monkeypatch.setattr(precision, "machine_busy", lambda: False)
     small = ["--depth=1", "--max-seq-len=32", "--device-batch-size=2", "--budget=5"]
     assert hardware_cli.main(["--tune", *small]) == 0
     timed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("timed: ")]
@@ -290,7 +290,7 @@ def test_muon_alone_times_its_own_matrices_at_its_first_step(cpu, monkeypatch):
         seen.append(work.spec["shapes"])
         return Timing(CPUS[cpu]["ns"], work.what, 5)
 
-    monkeypatch.setattr(tuning, "measure", fake_measure)
+    monkeypatch.setattr(precision, "measure", fake_measure)
     params = [torch.nn.Parameter(torch.randn(s)) for s in ((8, 16), (8, 16), (16, 8))]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -305,13 +305,13 @@ def test_muon_alone_times_its_own_matrices_at_its_first_step(cpu, monkeypatch):
 def test_a_busy_machine_is_not_cached_and_old_timings_are_taken_again(machine, monkeypatch):
     fake = machine("bf16 fast")
     work = fake.work("model", CPUS["bf16 fast"]["model"], work_flops("bf16 fast", "model"))
-    monkeypatch.setattr(tuning, "machine_busy", lambda: True)
-    assert tuning.measure(work, "cpu").winner == "bf16"  # used for this run
-    assert not tuning.CACHE.path.exists()
-    monkeypatch.setattr(tuning, "machine_busy", lambda: False)
-    tuning.measure(work, "cpu")
-    measurement_files.backdate(tuning.CACHE)
-    assert tuning.measure(work, "cpu").source == "measured"
+    monkeypatch.setattr(precision, "machine_busy", lambda: True)
+    assert precision.measure(work, "cpu").winner == "bf16"  # used for this run
+    assert not precision.CACHE.path.exists()
+    monkeypatch.setattr(precision, "machine_busy", lambda: False)
+    precision.measure(work, "cpu")
+    measurement_files.backdate(precision.CACHE)
+    assert precision.measure(work, "cpu").source == "measured"
 
 
 def test_measuring_leaves_the_runs_random_stream_alone(machine):
@@ -326,7 +326,7 @@ def test_measuring_leaves_the_runs_random_stream_alone(machine):
     torch.manual_seed(0)
     expected = torch.randn(8)
     torch.manual_seed(0)
-    assert tuning.measure(work, "cpu").source == "measured"
+    assert precision.measure(work, "cpu").source == "measured"
     peak.measure_matmul_rate("cpu", torch.float32, seconds=0.0, max_size=64)
     assert torch.equal(torch.randn(8), expected)
 
@@ -340,7 +340,7 @@ ZEN3_SMALL = dict(probe={"fp32": 140e9, "bf16": 1.1e9}, flops=1.6e9, overhead=4.
 def zen3_small_machine(machine, monkeypatch) -> FakeMachine:
     fake = machine("bf16 emulated")
     fake.probe = dict(ZEN3_SMALL["probe"])
-    monkeypatch.setattr(tuning, "measured_peaks", lambda device: dict(fake.probe))
+    monkeypatch.setattr(precision, "measured_peaks", lambda device: dict(fake.probe))
     plain = fake.matmul_call
 
     def slow_matmul_call(matmuls, rows, device, dtype):
@@ -353,7 +353,7 @@ def zen3_small_machine(machine, monkeypatch) -> FakeMachine:
 
         return run
 
-    monkeypatch.setattr(tuning, "_matmul_call", slow_matmul_call)
+    monkeypatch.setattr(precision, "_matmul_call", slow_matmul_call)
     return fake
 
 
@@ -365,16 +365,16 @@ def test_tune_does_not_refuse_where_emulated_bf16_has_already_lost(machine, monk
     predicted = {d: ZEN3_SMALL["flops"] / r for d, r in ZEN3_SMALL["probe"].items()}
     seconds = {d: ZEN3_SMALL["overhead"] * p for d, p in predicted.items()}
     work = fake.work("model", seconds, ZEN3_SMALL["flops"], matmuls=[(64, 64, 65536), (64, 64, 256), (64, 256, 64)])
-    rates = tuning.measured_peaks("cpu")
-    tuning.check_fits(work, rates, 5.0)  # what --tune checks before it measures anything: no TuningError
-    timing = tuning.measure(work, "cpu", max_seconds=5.0, remeasure=True, strict=True)
+    rates = precision.measured_peaks("cpu")
+    precision.check_fits(work, rates, 5.0)  # what --tune checks before it measures anything: no TuningError
+    timing = precision.measure(work, "cpu", max_seconds=5.0, remeasure=True, strict=True)
     assert ("model", "bf16") not in fake.calls and ("model", "fp32") in fake.calls
     assert timing.winner == "fp32" and timing.source == "measured"
     assert timing.seconds["fp32"] == pytest.approx(seconds["fp32"])
     assert timing.seconds["bf16"] == pytest.approx(seconds["fp32"] * 140e9 / 1.1e9)
     assert timing.what.startswith("the model; bf16 not timed: 127x slower by this machine's probe")
     assert fake.now <= 5.0
-    again = tuning.measure(work, "cpu", max_seconds=5.0)
+    again = precision.measure(work, "cpu", max_seconds=5.0)
     assert (again.source, again.seconds) == ("cached", timing.seconds)
 
 
@@ -386,16 +386,16 @@ def test_tune_refuses_only_where_bf16_is_still_in_question(machine, cpu):
     fake = machine(cpu)
     work = fake.work("model", {"fp32": 1.0, "bf16": 1e3}, 1.0 * CPUS[cpu]["probe"]["fp32"])
     work.matmuls = [(4096, 4096 * 64, 65536)]
-    rates = tuning.measured_peaks("cpu")
+    rates = precision.measured_peaks("cpu")
     if cpu == "bf16 emulated":
-        tuning.check_fits(work, rates, 5.0)
-        assert tuning.measure(work, "cpu", max_seconds=5.0, strict=True).winner == "fp32"
+        precision.check_fits(work, rates, 5.0)
+        assert precision.measure(work, "cpu", max_seconds=5.0, strict=True).winner == "fp32"
         assert {name for _, name in fake.calls} == {"fp32"}
     else:
         with pytest.raises(TuningError, match="give a larger --budget$"):
-            tuning.check_fits(work, rates, 5.0)
+            precision.check_fits(work, rates, 5.0)
         with pytest.raises(TuningError):
-            tuning.measure(work, "cpu", max_seconds=5.0, strict=True)
+            precision.measure(work, "cpu", max_seconds=5.0, strict=True)
         assert fake.calls == []
 
 
@@ -416,6 +416,6 @@ def test_tune_retimes_a_windowed_runs_entries_as_the_windowed_model():
         (model_setup.step_work(model, 2, 256, "cpu"), model_setup.step_work(seeds, 2, 256, "cpu")),
         (generation_dtype.generation_work(model, mix, "cpu"), generation_dtype.generation_work(seeds, mix, "cpu")),
     ):
-        again = tuning._MEASURERS[work.kind](json.loads(json.dumps(work.spec)), "cpu")  # as the cache holds it
-        assert tuning.cache_key(again, "cpu") == tuning.cache_key(work, "cpu")
+        again = precision._MEASURERS[work.kind](json.loads(json.dumps(work.spec)), "cpu")  # as the cache holds it
+        assert precision.cache_key(again, "cpu") == precision.cache_key(work, "cpu")
         assert again.flops == work.flops != plain.flops, work.kind

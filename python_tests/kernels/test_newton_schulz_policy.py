@@ -12,7 +12,7 @@ import torch
 from support.newton_schulz_reference import float64_newton_schulz, force_path, make_input, published
 
 from nanochat_fast.hardware import precision
-from nanochat_fast.hardware.tuning import Timing
+from nanochat_fast.hardware.precision import Timing
 from nanochat_fast.kernels import newton_schulz, registry
 from nanochat_fast.optim import Muon
 

@@ -11,9 +11,9 @@ import torch
 from support.chat_web_support import random_model
 from support.stub_models import byte_tokenizer, one_thread  # noqa: F401 (an autouse fixture)
 
-from nanochat_fast.hardware import precision, tuning
+from nanochat_fast.hardware import precision
+from nanochat_fast.hardware.precision import Timing
 from nanochat_fast.hardware.process_setup import ProcessSetup
-from nanochat_fast.hardware.tuning import Timing
 from nanochat_fast.model import generation_dtype
 from nanochat_fast.model.batch_engine import BatchEngine, Request
 from nanochat_fast.model.generation_dtype import GenerationMix, chat_mix, for_generation, generation_work
@@ -41,7 +41,7 @@ def cpu_setup() -> ProcessSetup:
 
 @pytest.fixture
 def inject(monkeypatch):
-    """tuning.measure replaced by the injected seconds of `cpu`, by the mix's batch; the works it got."""
+    """precision.measure replaced by the injected seconds of `cpu`, by the mix's batch; the works it got."""
     seen = []
 
     def install(cpu: str):
@@ -49,7 +49,7 @@ def inject(monkeypatch):
             seen.append(work)
             return Timing(CPUS[cpu][work.spec["batch"]], work.what, 5)
 
-        monkeypatch.setattr(tuning, "measure", fake_measure)
+        monkeypatch.setattr(precision, "measure", fake_measure)
         return seen
 
     return install
@@ -96,7 +96,7 @@ def test_chat_mix_keeps_within_the_context():
 def test_the_mix_is_timed_for_real_generating_every_token_and_cached(monkeypatch, nanochat_home):
     """Each timed call runs the whole mix in its dtype: `batch` prefills and every decode step, the cache
     of its engine in that dtype; the timing is cached under kind "generation" and read back."""
-    monkeypatch.setattr(tuning, "machine_busy", lambda: False)
+    monkeypatch.setattr(precision, "machine_busy", lambda: False)
     emitted = {}
 
     class Counting(BatchEngine):
@@ -110,7 +110,7 @@ def test_the_mix_is_timed_for_real_generating_every_token_and_cached(monkeypatch
     model = random_model(CONFIG)
     before = [p.detach().clone() for p in model.parameters()]
     mix = GenerationMix(2, 8, 4)
-    timing = tuning.measure(generation_work(model, mix, "cpu"), "cpu", max_seconds=60.0)
+    timing = precision.measure(generation_work(model, mix, "cpu"), "cpu", max_seconds=60.0)
     assert (
         timing.source == "measured"
         and timing.what == "this model's generation (2 row(s) x (8 prompt + 4 generated tokens))"
@@ -118,9 +118,9 @@ def test_the_mix_is_timed_for_real_generating_every_token_and_cached(monkeypatch
     calls = 1 + timing.rounds  # the warm-up and the rounds, in each dtype
     assert emitted == {torch.float32: calls * 2 * 4, torch.bfloat16: calls * 2 * 4}
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    again = tuning.measure(generation_work(model, mix, "cpu"), "cpu", max_seconds=60.0)
+    again = precision.measure(generation_work(model, mix, "cpu"), "cpu", max_seconds=60.0)
     assert (again.source, again.seconds) == ("cached", timing.seconds)
-    entry = next(iter(json.loads(tuning.CACHE.path.read_text())["entries"].values()))
+    entry = next(iter(json.loads(precision.CACHE.path.read_text())["entries"].values()))
     assert entry["kind"] == "generation" and entry["spec"]["batch"] == 2
 
 

@@ -275,7 +275,7 @@ def settings_of(opt):
         type(opt),
         opt.recipe,
         [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-        opt._layout,
+        [[[opt.names[p] for p, _, _ in slots] for slots in b.slots] for b in opt.buckets],  # who owns what
     )
 
 
