@@ -8,6 +8,7 @@ still shown: the table says what would run there (e.g. triton for CUDA tensors).
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -27,7 +28,7 @@ def device_present(device_type: str) -> bool:
 def table() -> dict:
     out = {
         "devices_present": {d: device_present(d) for d in DEVICE_TYPES},
-        "env": {registry.ENV_VAR: __import__("os").environ.get(registry.ENV_VAR, "")},
+        "env": {registry.ENV_VAR: os.environ.get(registry.ENV_VAR, "")},
         "ops": {},
     }
     for op in registry.ops():

@@ -1,39 +1,25 @@
 """
-Triton Newton-Schulz for a stack (K, m, n) of same-shape matrices, m <= n, one launch per kernel.
-
-Per step (a, b, c) the plain iteration does A = X X^T, B = bA + cA^2 and X = aX + BX. A and A^2 are
-symmetric, so two kernels compute only the tiles on and above the diagonal and write each tile and
-its mirror:
-
-    symmetric_xxt    A = X X^T
-    symmetric_poly   B = b A + c A A, reading only the tiles of A on/above the diagonal
-    fused_update     X' = a X + B X, the aX in the epilogue
-
-1.5x fewer flops for square matrices, 1.38x for 1:4 ones (`flop_counts` gives the exact numbers per
-call). Storage between kernels is the compute dtype (bf16 on a GPU, rounded to nearest even; fp32
-when asked), with fp32 accumulation. The flop counts, and why the interpreter's bits are a GPU's:
-docs/measurements.md#newton-schulz-triton-kernels.
+Triton Newton-Schulz for a stack (K, m, n) of same-shape matrices, m <= n, one launch per kernel and step:
+symmetric_xxt (A = X X^T), symmetric_poly (B = b A + c A A) and fused_update (X' = a X + B X, aX in the
+epilogue). A and A A are symmetric: the first two compute only the tiles on and above the diagonal and write
+each tile and its mirror (`flop_counts`). Storage is the compute dtype (bf16 rounded to nearest even, or
+fp32), accumulation fp32: docs/measurements.md#newton-schulz-triton-kernels. The whole: a torch.library op.
 """
 
 import functools
 
 import torch
-import triton
-import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
-from .newton_schulz import compute_dtype
-from .triton_utils import to_bf16_rtne
+from .triton_utils import launch, tl, to_bf16_rtne, triton
 
-# Tile configs. H100 (sm90, 132 SMs): 128x128 output tiles with 64-deep K slices keep the tensor
-# cores busy (3 stages x 32 KB of bf16 operands in shared memory). A call with fewer 128-tiles than
-# SMs (one 768x768 matrix has 21 upper tiles) would leave most SMs idle, so it uses 64x64 tiles
-# (4x the programs). These are the usual Triton matmul choices for sm90
-# (docs/measurements.md#gpu-kernel-configs).
+# Tile configs: 128x128 output tiles with 64-deep K slices keep an sm90's tensor cores busy; a call with
+# fewer 128-tiles than SMs takes 64x64 tiles, 4x the programs (docs/measurements.md#gpu-kernel-configs).
 GPU_LARGE = dict(BLOCK=128, BLOCK_K=64, num_warps=8, num_stages=3, DOT_FP32=False)
 GPU_SMALL = dict(BLOCK=64, BLOCK_K=64, num_warps=4, num_stages=4, DOT_FP32=False)
-# every config a GPU may launch: compiled and resource-checked ahead of time (benchmarks/triton_aot.py)
-GPU_CONFIGS = {"large": GPU_LARGE, "small": GPU_SMALL}
-# The interpreter runs one program at a time in numpy: big tiles mean few (slow) Python iterations.
+GPU_CONFIGS = {"large": GPU_LARGE, "small": GPU_SMALL}  # every config a GPU may launch (benchmarks/triton_aot.py)
+# The interpreter runs one program at a time in numpy: big tiles, few (slow) Python iterations; its bf16
+# dot is not a GPU's, so the operands go to fp32 (DOT_FP32), as every other bf16 value does before arithmetic.
 INTERPRETER = dict(BLOCK=128, BLOCK_K=128, num_warps=1, num_stages=1, DOT_FP32=True)
 
 
@@ -64,17 +50,19 @@ def _n_pairs(nb: int) -> int:
 _PAIRS: dict = {}
 
 
-def upper_tile_pairs(nb: int, device: torch.device) -> torch.Tensor:
-    """int32[2 * nb(nb+1)/2]: (row-block, col-block) of every tile on or above the diagonal."""
-    key = (nb, str(device))
-    if key not in _PAIRS:
-        pairs = [(i, j) for i in range(nb) for j in range(i, nb)]
-        _PAIRS[key] = torch.tensor(pairs, dtype=torch.int32).flatten().to(device)
+def upper_tile_pairs(nb: int, like: torch.Tensor) -> torch.Tensor:
+    """int32[2 * nb(nb+1)/2]: (row-block, col-block) of every tile on or above the diagonal, on `like`'s
+    device. Cached (a copy to the GPU per launch would wait for the GPU), but made afresh while traced."""
+    key = (nb, like.device)
+    if key not in _PAIRS or is_fake(like):
+        pairs = torch.tensor([(i, j) for i in range(nb) for j in range(i, nb)], dtype=torch.int32).flatten()
+        if is_fake(like):
+            return pairs.to(like.device)
+        _PAIRS[key] = pairs.to(like.device)
     return _PAIRS[key]
 
 
-# ---------------------------------------------------------------------------------------------
-# device helpers
+# -- device helpers ---------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -104,22 +92,14 @@ def _store_symmetric(out, ri, rj, acc, M):
     _store(out + rj[:, None] * M + ri[None, :], tl.trans(acc), lower)
 
 
-# ---------------------------------------------------------------------------------------------
-# kernels: grid (tiles, K), program_id(1) picks the matrix of the stack
+# -- kernels: grid (tiles, K), program_id(1) picks the matrix of the stack -----------------------------
 
 
 @triton.jit
 def _symmetric_xxt_kernel(
-    x_ptr,
-    a_ptr,
-    pairs_ptr,
-    M,
-    N,
-    BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    x_ptr, a_ptr, pairs_ptr, M, N,
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     ti = tl.load(pairs_ptr + 2 * pid)
@@ -140,17 +120,9 @@ def _symmetric_xxt_kernel(
 
 @triton.jit
 def _symmetric_poly_kernel(
-    a_ptr,
-    b_ptr,
-    pairs_ptr,
-    M,
-    coef_b,
-    coef_c,
-    BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    a_ptr, b_ptr, pairs_ptr, M, coef_b, coef_c,
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     """B = coef_b * A + coef_c * A A for symmetric A, reading only A's tiles on/above the diagonal:
     A[i, k] with k-block < i-block is read as A[k, i]^T, A[k, j] with k-block > j-block as A[j, k]^T.
     The K loop is split at the tile boundaries so no iteration branches (BLOCK_K divides BLOCK)."""
@@ -192,17 +164,9 @@ def _symmetric_poly_kernel(
 
 @triton.jit
 def _fused_update_kernel(
-    b_ptr,
-    x_ptr,
-    out_ptr,
-    M,
-    N,
-    coef_a,
-    BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    b_ptr, x_ptr, out_ptr, M, N, coef_a,
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     """out = coef_a * X + B X. Programs walk down a column of tiles first, so neighbours share
     the X column slab they read (B, m x m, is small and stays in L2)."""
     pid = tl.program_id(0)
@@ -228,8 +192,7 @@ def _fused_update_kernel(
     _store(out_ptr + batch * M * N + rm[:, None] * N + rn[None, :], acc, tile)
 
 
-# ---------------------------------------------------------------------------------------------
-# launchers: contiguous (K, m, n) / (K, m, m) stacks of one dtype; each returns (out, programs)
+# -- launchers: contiguous (K, m, n) / (K, m, m) stacks of one dtype; each returns (out, programs) ------
 
 
 def _launch_args(cfg, dtype):
@@ -259,7 +222,8 @@ def symmetric_xxt(X: torch.Tensor, out: torch.Tensor | None = None, config: dict
     _check(cfg, X, out)
     nb = triton.cdiv(M, cfg["BLOCK"])
     grid = (_n_pairs(nb), K)
-    _symmetric_xxt_kernel[grid](X, out, upper_tile_pairs(nb, X.device), M, N, **_launch_args(cfg, X.dtype))
+    pairs = upper_tile_pairs(nb, X)
+    launch(_symmetric_xxt_kernel, X)[grid](X, out, pairs, M, N, **_launch_args(cfg, X.dtype))
     return out, grid[0] * grid[1]
 
 
@@ -272,9 +236,8 @@ def symmetric_poly(A: torch.Tensor, b: float, c: float, out: torch.Tensor | None
     _check(cfg, A, out)
     nb = triton.cdiv(M, cfg["BLOCK"])
     grid = (_n_pairs(nb), K)
-    _symmetric_poly_kernel[grid](
-        A, out, upper_tile_pairs(nb, A.device), M, float(b), float(c), **_launch_args(cfg, A.dtype)
-    )
+    pairs = upper_tile_pairs(nb, A)
+    launch(_symmetric_poly_kernel, A)[grid](A, out, pairs, M, float(b), float(c), **_launch_args(cfg, A.dtype))
     return out, grid[0] * grid[1]
 
 
@@ -286,18 +249,15 @@ def fused_update(
     out = torch.empty_like(X) if out is None else out
     cfg = config or update_config(X.device, K, M, N)
     _check(cfg, B, X, out)
-    assert out.data_ptr() != X.data_ptr(), "out must not alias X (other tiles still read it)"
+    assert out is not X, "out must not alias X (other tiles still read it)"
     grid = (triton.cdiv(M, cfg["BLOCK"]) * triton.cdiv(N, cfg["BLOCK"]), K)
-    _fused_update_kernel[grid](B, X, out, M, N, float(a), **_launch_args(cfg, X.dtype))
+    launch(_fused_update_kernel, X)[grid](B, X, out, M, N, float(a), **_launch_args(cfg, X.dtype))
     return out, grid[0] * grid[1]
 
 
-def newton_schulz_triton(
-    G: torch.Tensor, coeffs, dtype: torch.dtype | None = None, config: dict | None = None, safety=1.0, eps=1e-7
-):
-    """The whole iteration on a 2-D matrix or a (K, rows, cols) stack; computes and returns `dtype`
-    (default: the precision policy's choice for G's device)."""
-    dtype = compute_dtype(G.device, dtype)
+def iterate(G: torch.Tensor, coeffs, dtype=torch.bfloat16, config: dict | None = None, safety=1.0, eps=1e-7):
+    """The whole iteration on a 2-D matrix or a (K, rows, cols) stack, computed and returned in `dtype`;
+    `config` overrides the tile configs."""
     stack = G if G.dim() == 3 else G.unsqueeze(0)
     transposed = stack.size(-2) > stack.size(-1)
     if transposed:
@@ -317,6 +277,21 @@ def newton_schulz_triton(
     if transposed:
         X = X.mT
     return X if G.dim() == 3 else X[0]
+
+
+@torch.library.triton_op("nanochat_fast::newton_schulz_triton", mutates_args=())
+def newton_schulz_triton(
+    G: torch.Tensor, coeffs: list[float], dtype: torch.dtype, safety: float = 1.0, eps: float = 1e-7
+) -> torch.Tensor:
+    """`iterate` as an op torch.compile traces into; coeffs: the steps' (a, b, c), flattened."""
+    return iterate(G, [coeffs[i : i + 3] for i in range(0, len(coeffs), 3)], dtype, None, safety, eps)
+
+
+@newton_schulz_triton.register_fake
+def _(G, coeffs, dtype, safety=1.0, eps=1e-7):
+    if G.size(-2) <= G.size(-1):
+        return G.new_empty(G.shape, dtype=dtype)
+    return G.new_empty(*G.shape[:-2], G.size(-1), G.size(-2), dtype=dtype).mT  # computed transposed
 
 
 def flop_counts(m: int, n: int, block: int, batch: int = 1) -> dict:

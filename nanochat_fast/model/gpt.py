@@ -23,9 +23,7 @@ import torch.nn.functional as F
 
 from ..core.distributed import is_distributed, print0
 from ..kernels import softcap_cross_entropy
-from ..kernels.decode_attention import apply_rotary_emb
-from ..kernels.rms_norm import rms_norm
-from ..kernels.softcap import softcap
+from ..kernels.decode_step import apply_rotary_emb, rms_norm, softcap
 from . import packed_linears
 from .generation import generate_tokens
 from .kv_cache import SlotBatch

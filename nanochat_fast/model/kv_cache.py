@@ -16,8 +16,7 @@ ends. Two views write into it:
 
 import torch
 
-from ..kernels.decode_attention import decode_attention
-from ..kernels.decode_block import decode_block
+from ..kernels.decode_step import decode_attention, decode_block
 
 
 class SlotCache:

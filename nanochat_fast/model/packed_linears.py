@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 from ..kernels import registry
-from ..kernels.packed_linear import MAX_ROWS, OP, PackedLinear, pack_linear
+from ..kernels.decode_step import MAX_ROWS, PackedLinear, pack_linear
+from ..kernels.decode_step import PACKED_LINEAR as OP
 
 # The packs of the decode step running in this thread (module -> PackedLinear), None outside one.
 # A context variable: chat_web's replicas decode in threads of their own.

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.distributed import is_distributed, print0
-from ..kernels.smear import smear_decode
+from ..kernels.decode_step import smear_decode
 from . import packed_linears
 from .gpt import GPT, MLP, GPTConfig, Linear, apply_rotary_emb, norm, project_qkv
 from .kv_cache import SlotBatch

@@ -8,7 +8,7 @@ import torch
 from support.repo_paths import ROOT
 
 from nanochat_fast.kernels import KernelUnavailableError, adamw_slice_update, registry
-from nanochat_fast.kernels.adamw_slice_hparams import HPARAMS, SLOT, make_hparams
+from nanochat_fast.kernels.adamw_slice import HPARAMS, SLOT, make_hparams
 
 # Without a GPU the Triton kernel runs on CPU tensors in the interpreter. TRITON_INTERPRET must be
 # set before the kernel is defined; its module is imported lazily on first use, so setting it here
@@ -250,7 +250,7 @@ def camel_to_snake(name: str) -> str:
 
 
 def test_hparam_layout_is_the_one_of_the_cpp_header():
-    """The slots named once in Python (adamw_slice_hparams.HPARAMS) are the C++ enum of
+    """The slots named once in Python (adamw_slice.HPARAMS) are the C++ enum of
     csrc/adamw_slice_hparams.h (kLr = 0, ..., kNumAdamWHParams), in the same order."""
     header = (ROOT / "csrc" / "adamw_slice_hparams.h").read_text()
     enum = {name: int(value) for name, value in re.findall(r"\bk(\w+)\s*=\s*(\d+)", header)}

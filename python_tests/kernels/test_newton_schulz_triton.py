@@ -95,7 +95,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 def test_newton_schulz_triton_matches_float64(shape, dtype):
     G = make_input(shape).to(DEVICE)
     coeffs = published("quintic")
-    out = nst.newton_schulz_triton(G, coeffs, dtype=dtype)
+    out = nst.iterate(G, coeffs, dtype=dtype)
     assert out.shape == G.shape and out.dtype == dtype
     error = (out.double() - float64_newton_schulz(G, coeffs)).abs().max().item()
     assert error <= TOL[dtype], error  # measured: fp32 ~1e-6, bf16 4e-3 .. 1e-2
@@ -105,7 +105,7 @@ def test_small_tiles_and_polar_express():
     """The whole iteration with several tiles per matrix, through the public API."""
     G = make_input((3, 70, 40)).to(DEVICE)
     coeffs = published("polar_express")
-    out = nst.newton_schulz_triton(G, coeffs, dtype=COMPUTE_DTYPE, config=SMALL_TILES)
+    out = nst.iterate(G, coeffs, dtype=COMPUTE_DTYPE, config=SMALL_TILES)
     assert out.dtype == COMPUTE_DTYPE
     assert (out.double() - float64_newton_schulz(G, coeffs)).abs().max() <= TOL[COMPUTE_DTYPE]
     api = newton_schulz(G, coefficients="polar_express", backend="triton", dtype=COMPUTE_DTYPE)  # the package's table
@@ -128,7 +128,7 @@ def test_compiled_kernels_match_float64(shape):
     """On a GPU: the benchmark shapes with the config table's tiles, in bf16 like the reference."""
     G = torch.randn(shape, device="cuda")
     coeffs = published("quintic")
-    out = nst.newton_schulz_triton(G, coeffs)
+    out = nst.iterate(G, coeffs)
     assert out.dtype == torch.bfloat16
     assert (out.double() - float64_newton_schulz(G, coeffs)).abs().max() <= 2e-2
     X = out.reshape(-1, *out.shape[-2:])
