@@ -141,7 +141,7 @@ def _sce_example(mod, cfg, dtype, device):
 
 KERNELS = [
     Entry(
-        "nanochat_fast.kernels.adamw_slice_triton",
+        "nanochat_fast.kernels.adamw_slice",
         "_adamw_multi_tensor_kernel",
         dict(
             table_ptr="*i64:16",
@@ -193,7 +193,7 @@ KERNELS = [
         spills_ok=_NS_SPILLS,
     ),
     Entry(
-        "nanochat_fast.kernels.softcap_cross_entropy_triton",
+        "nanochat_fast.kernels.softcap_cross_entropy",
         "_softcap_ce_rows_kernel",
         dict(
             z_ptr="*{dtype}:16",
@@ -208,7 +208,6 @@ KERNELS = [
         (torch.float32, torch.bfloat16),
         lambda mod, cfg, dtype: dict(
             COMPUTE_GRAD=cfg["COMPUTE_GRAD"],
-            IS_BF16=dtype == torch.bfloat16,
             BLOCK=cfg["BLOCK"],
             num_warps=cfg["num_warps"],
         ),

@@ -13,7 +13,7 @@ import numbers
 import torch
 
 from . import registry
-from .triton_utils import tl, to_bf16_rtne, triton
+from .triton_utils import store, tl, triton
 
 OP = "adamw_slice_update"
 # Slot i of the hyperparameter tensor (float64; float32 on MPS, which has no fp64). The C++ and CUDA
@@ -193,10 +193,7 @@ def _adamw_multi_tensor_kernel(
     p = p * decay - step_size * (m / (tl.sqrt(v) * inv_bc2_sqrt + eps))
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
-    if IS_BF16:
-        tl.store(p_ptr + offs, to_bf16_rtne(p), mask=mask)
-    else:
-        tl.store(p_ptr + offs, p, mask=mask)
+    store(p_ptr + offs, p, mask)
 
 
 @functools.lru_cache(maxsize=32)

@@ -63,14 +63,10 @@ def pack_linear(weight: torch.Tensor, backend: str | None = None) -> PackedLinea
     return registry.select_for_inputs(PACKED_LINEAR, weight.device.type, backend, cpp_refuses).fn(weight.detach())
 
 
-@registry.register(PACKED_LINEAR, "cpp")
-def _pack_cpp(weight):
-    return PackedLinear(weight, torch.ops.nanochat_fast.pack_linear_weight(weight.contiguous()))
-
-
-@registry.register(PACKED_LINEAR, "reference")
-def _pack_reference(weight):
-    return PackedLinear(weight, None)
+registry.register(PACKED_LINEAR, "cpp")(
+    lambda w: PackedLinear(w, torch.ops.nanochat_fast.pack_linear_weight(w.contiguous()))
+)
+registry.register(PACKED_LINEAR, "reference")(lambda w: PackedLinear(w, None))
 
 
 # -- rms_norm and softcap: x / sqrt(mean(x^2) + EPS) over the last dimension, and cap * tanh(x / cap) -----
@@ -142,16 +138,13 @@ def _attention_cpp(q, k, v, cos, sin, cache, rows, positions, qk_scale, window):
     return torch.ops.nanochat_fast.decode_attention(q, k, v, cos, sin, qk_scale, cache, rows, positions, window, scale)
 
 
-def _rotate_and_norm(x, cos, sin, qk_scale):
-    x = F.rms_norm(apply_rotary_emb(x, cos, sin), (x.size(-1),))
-    return x * qk_scale if qk_scale != 1.0 else x
-
-
 @registry.register(DECODE_ATTENTION, "reference")
 def _attention_reference(q, k, v, cos, sin, cache, rows, positions, qk_scale, window):
     """SDPA of each row over its slot's entries, masked to its own s..p."""
     B, _, H, D = q.shape
-    q, k = _rotate_and_norm(q, cos, sin, qk_scale), _rotate_and_norm(k, cos, sin, qk_scale)
+    q, k = (F.rms_norm(apply_rotary_emb(t, cos, sin), (D,)) for t in (q, k))
+    if qk_scale != 1.0:
+        q, k = q * qk_scale, k * qk_scale
     keys, values = cache[0], cache[1]
     keys[rows, :, positions] = k[:, 0]
     values[rows, :, positions] = v[:, 0]

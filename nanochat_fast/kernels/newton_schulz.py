@@ -7,14 +7,12 @@ result cast to `out_dtype`), its path (PATH_TABLE) and its backend (plan).
 """
 
 import functools
-from typing import NamedTuple
 
 import torch
 
 from ..hardware import precision
 from ..hardware.machine import cpu_bf16_support
-from . import registry
-from .newton_schulz_triton import newton_schulz_triton  # noqa: F401  (registers nanochat_fast::newton_schulz_triton)
+from . import newton_schulz_triton, registry  # noqa: F401  (newton_schulz_triton: registers its op)
 
 OP = "newton_schulz"
 
@@ -38,8 +36,6 @@ MINIMAX4 = (
     (3.5691290841182965, -2.571840696790716, 0.4880117132458294),
     (2.4752094270454656, -1.7788068580866805, 0.3922456223072339),
 )
-COEFFICIENTS = ("quintic", "polar_express", "minimax4")
-PATHS = ("plain", "symmetric", "gram")
 
 
 def resolve_coefficients(coefficients, steps: int) -> tuple[tuple[float, float, float], ...]:
@@ -101,25 +97,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 # The first row whose device and dtype match and whose sizes hold (m >= min_m, n >= min_aspect * m) gives
 # the path, else "plain". On CUDA `auto` runs the Triton kernels only for "symmetric"; a forced backend runs
 # its own path. Where each row starts, and why: docs/measurements.md#newton-schulz-paths.
-class Row(NamedTuple):
-    device: str
-    dtype: str
-    path: str
-    min_m: int
-    min_aspect: float
-
-
 PATH_TABLE = (
+    # device   dtype   path         m >=  n/m >=
     # "cpu-amx": bf16 on AMX tiles (table_device), where a product split in block rows or written into a
     # strided block loses: no symmetric row, and the Gram form unsplit
-    Row("cpu-amx", "bf16", "gram", 256, 2.0),
-    Row("cpu", "fp32", "gram", 256, 2.0),
-    Row("cpu", "fp32", "symmetric", 256, 1.0),
-    Row("cpu", "bf16", "gram", 256, 2.0),
-    Row("cpu", "bf16", "symmetric", 1024, 1.0),
-    Row("cuda", "fp32", "gram", 1, 2.0),
-    Row("cuda", "fp32", "symmetric", 2048, 1.0),
-    Row("cuda", "bf16", "symmetric", 2048, 1.0),
+    ("cpu-amx", "bf16", "gram", 256, 2.0),
+    ("cpu", "fp32", "gram", 256, 2.0),
+    ("cpu", "fp32", "symmetric", 256, 1.0),
+    ("cpu", "bf16", "gram", 256, 2.0),
+    ("cpu", "bf16", "symmetric", 1024, 1.0),
+    ("cuda", "fp32", "gram", 1, 2.0),
+    ("cuda", "fp32", "symmetric", 2048, 1.0),
+    ("cuda", "bf16", "symmetric", 2048, 1.0),
 )
 
 
@@ -133,10 +122,9 @@ def table_device(device_type: str, dtype: torch.dtype) -> str:
 def choose_path(device_type: str, dtype: torch.dtype, m: int, n: int) -> str:
     """The path for matrices with sides m and n (either order) on `device_type` in `dtype`."""
     m, n = min(m, n), max(m, n)
-    name = dtype_name(dtype)
-    for row in PATH_TABLE:
-        if row.device == device_type and row.dtype == name and m >= row.min_m and n >= row.min_aspect * m:
-            return row.path
+    for device, dtype_, path, min_m, min_aspect in PATH_TABLE:
+        if device == device_type and dtype_ == dtype_name(dtype) and m >= min_m and n >= min_aspect * m:
+            return path
     return "plain"
 
 

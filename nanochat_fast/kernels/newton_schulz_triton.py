@@ -11,7 +11,7 @@ import functools
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .triton_utils import launch, tl, to_bf16_rtne, triton
+from .triton_utils import launch, store, tl, triton
 
 # Tile configs: 128x128 output tiles with 64-deep K slices keep an sm90's tensor cores busy; a call with
 # fewer 128-tiles than SMs takes 64x64 tiles, 4x the programs (docs/measurements.md#gpu-kernel-configs).
@@ -35,14 +35,6 @@ def pick_config(device: torch.device, tiles_at_128: int) -> dict:
     return GPU_LARGE if tiles_at_128 >= _sm_count(device) else GPU_SMALL
 
 
-def symmetric_config(device: torch.device, K: int, M: int) -> dict:
-    return pick_config(device, K * _n_pairs(triton.cdiv(M, 128)))
-
-
-def update_config(device: torch.device, K: int, M: int, N: int) -> dict:
-    return pick_config(device, K * triton.cdiv(M, 128) * triton.cdiv(N, 128))
-
-
 def _n_pairs(nb: int) -> int:
     return nb * (nb + 1) // 2
 
@@ -53,12 +45,12 @@ _PAIRS: dict = {}
 def upper_tile_pairs(nb: int, like: torch.Tensor) -> torch.Tensor:
     """int32[2 * nb(nb+1)/2]: (row-block, col-block) of every tile on or above the diagonal, on `like`'s
     device. Cached (a copy to the GPU per launch would wait for the GPU), but made afresh while traced."""
-    key = (nb, like.device)
-    if key not in _PAIRS or is_fake(like):
-        pairs = torch.tensor([(i, j) for i in range(nb) for j in range(i, nb)], dtype=torch.int32).flatten()
-        if is_fake(like):
-            return pairs.to(like.device)
-        _PAIRS[key] = pairs.to(like.device)
+    traced, key = is_fake(like), (int(nb), like.device)
+    if traced or key not in _PAIRS:
+        pairs = torch.tensor([(i, j) for i in range(key[0]) for j in range(i, key[0])], dtype=torch.int32)
+        if traced:
+            return pairs.flatten().to(like.device)
+        _PAIRS[key] = pairs.flatten().to(like.device)
     return _PAIRS[key]
 
 
@@ -73,23 +65,14 @@ def _dot_operand(x, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _store(ptrs, x, mask):
-    """Store fp32 `x` in the pointer's dtype (bf16 rounded to nearest even)."""
-    if ptrs.dtype.element_ty == tl.bfloat16:
-        tl.store(ptrs, to_bf16_rtne(x), mask=mask)
-    else:
-        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _store_symmetric(out, ri, rj, acc, M):
     """Tile (ri, rj) of a symmetric M x M result, row-block <= col-block: the entries on/above the
     diagonal go to (ri, rj), the transpose fills (rj, ri). A diagonal tile thus takes its lower
     half from its upper half, so the result is exactly symmetric."""
     upper = (ri[:, None] < M) & (rj[None, :] < M) & (ri[:, None] <= rj[None, :])
-    _store(out + ri[:, None] * M + rj[None, :], acc, upper)
+    store(out + ri[:, None] * M + rj[None, :], acc, upper)
     lower = (rj[:, None] < M) & (ri[None, :] < M) & (rj[:, None] > ri[None, :])
-    _store(out + rj[:, None] * M + ri[None, :], tl.trans(acc), lower)
+    store(out + rj[:, None] * M + ri[None, :], tl.trans(acc), lower)
 
 
 # -- kernels: grid (tiles, K), program_id(1) picks the matrix of the stack -----------------------------
@@ -189,7 +172,7 @@ def _fused_update_kernel(
     tile = mm[:, None] & mn[None, :]
     x_tile = tl.load(x + rm[:, None] * N + rn[None, :], mask=tile, other=0.0)
     acc += coef_a * x_tile.to(tl.float32)
-    _store(out_ptr + batch * M * N + rm[:, None] * N + rn[None, :], acc, tile)
+    store(out_ptr + batch * M * N + rm[:, None] * N + rn[None, :], acc, tile)
 
 
 # -- launchers: contiguous (K, m, n) / (K, m, m) stacks of one dtype; each returns (out, programs) ------
@@ -218,26 +201,23 @@ def symmetric_xxt(X: torch.Tensor, out: torch.Tensor | None = None, config: dict
     """A = X X^T for a (K, m, n) stack, computing only tiles with row-block <= col-block."""
     K, M, N = X.shape
     out = torch.empty((K, M, M), dtype=X.dtype, device=X.device) if out is None else out
-    cfg = config or symmetric_config(X.device, K, M)
-    _check(cfg, X, out)
-    nb = triton.cdiv(M, cfg["BLOCK"])
-    grid = (_n_pairs(nb), K)
-    pairs = upper_tile_pairs(nb, X)
-    launch(_symmetric_xxt_kernel, X)[grid](X, out, pairs, M, N, **_launch_args(cfg, X.dtype))
-    return out, grid[0] * grid[1]
+    return _launch_symmetric(_symmetric_xxt_kernel, X, out, (M, N), config)
 
 
 def symmetric_poly(A: torch.Tensor, b: float, c: float, out: torch.Tensor | None = None, config: dict | None = None):
     """B = b A + c A A for a (K, m, m) stack of symmetric matrices, computing only upper tiles and
     reading only A's tiles on/above the diagonal."""
-    K, M, _ = A.shape
     out = torch.empty_like(A) if out is None else out
-    cfg = config or symmetric_config(A.device, K, M)
-    _check(cfg, A, out)
+    return _launch_symmetric(_symmetric_poly_kernel, A, out, (A.size(1), float(b), float(c)), config)
+
+
+def _launch_symmetric(kernel, x, out, scalars, config):
+    K, M, _ = out.shape
+    cfg = config or pick_config(x.device, K * _n_pairs(triton.cdiv(M, 128)))
+    _check(cfg, x, out)
     nb = triton.cdiv(M, cfg["BLOCK"])
     grid = (_n_pairs(nb), K)
-    pairs = upper_tile_pairs(nb, A)
-    launch(_symmetric_poly_kernel, A)[grid](A, out, pairs, M, float(b), float(c), **_launch_args(cfg, A.dtype))
+    launch(kernel, x)[grid](x, out, upper_tile_pairs(nb, x), *scalars, **_launch_args(cfg, x.dtype))
     return out, grid[0] * grid[1]
 
 
@@ -247,7 +227,7 @@ def fused_update(
     """out = a X + B X for stacks B (K, m, m) and X (K, m, n); `out` must not alias X."""
     K, M, N = X.shape
     out = torch.empty_like(X) if out is None else out
-    cfg = config or update_config(X.device, K, M, N)
+    cfg = config or pick_config(X.device, K * triton.cdiv(M, 128) * triton.cdiv(N, 128))
     _check(cfg, B, X, out)
     assert out is not X, "out must not alias X (other tiles still read it)"
     grid = (triton.cdiv(M, cfg["BLOCK"]) * triton.cdiv(N, cfg["BLOCK"]), K)
@@ -255,7 +235,9 @@ def fused_update(
     return out, grid[0] * grid[1]
 
 
-def iterate(G: torch.Tensor, coeffs, dtype=torch.bfloat16, config: dict | None = None, safety=1.0, eps=1e-7):
+def newton_schulz_triton(
+    G: torch.Tensor, coeffs, dtype=torch.bfloat16, config: dict | None = None, safety=1.0, eps=1e-7
+):
     """The whole iteration on a 2-D matrix or a (K, rows, cols) stack, computed and returned in `dtype`;
     `config` overrides the tile configs."""
     stack = G if G.dim() == 3 else G.unsqueeze(0)
@@ -280,14 +262,14 @@ def iterate(G: torch.Tensor, coeffs, dtype=torch.bfloat16, config: dict | None =
 
 
 @torch.library.triton_op("nanochat_fast::newton_schulz_triton", mutates_args=())
-def newton_schulz_triton(
+def newton_schulz_op(
     G: torch.Tensor, coeffs: list[float], dtype: torch.dtype, safety: float = 1.0, eps: float = 1e-7
 ) -> torch.Tensor:
-    """`iterate` as an op torch.compile traces into; coeffs: the steps' (a, b, c), flattened."""
-    return iterate(G, [coeffs[i : i + 3] for i in range(0, len(coeffs), 3)], dtype, None, safety, eps)
+    """newton_schulz_triton as an op torch.compile traces into; coeffs: the steps' (a, b, c), flattened."""
+    return newton_schulz_triton(G, [coeffs[i : i + 3] for i in range(0, len(coeffs), 3)], dtype, None, safety, eps)
 
 
-@newton_schulz_triton.register_fake
+@newton_schulz_op.register_fake
 def _(G, coeffs, dtype, safety=1.0, eps=1e-7):
     if G.size(-2) <= G.size(-1):
         return G.new_empty(G.shape, dtype=dtype)
@@ -314,12 +296,3 @@ def flop_counts(m: int, n: int, block: int, batch: int = 1) -> dict:
         "full_update": batch * 2 * m * m * n,
         "full_step": batch * (4 * m * m * n + 2 * m**3),
     }
-
-
-def step_flops(device: torch.device, K: int, m: int, n: int) -> dict:
-    """flop_counts of one step with the tiles each kernel would use on `device`."""
-    sym = flop_counts(m, n, symmetric_config(device, K, m)["BLOCK"], K)
-    update = flop_counts(m, n, update_config(device, K, m, n)["BLOCK"], K)
-    out = dict(sym, fused_update=update["fused_update"])
-    out["step"] = out["symmetric_xxt"] + out["symmetric_poly"] + out["fused_update"]
-    return out

@@ -13,18 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from . import registry
-from .triton_utils import tl, to_bf16_rtne, triton
+from .triton_utils import store, tl, triton
 
 OP = "softcap_cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")
-DTYPES = (torch.float32, torch.bfloat16)
 # Rows per chunk: the smallest at which the matmuls run at full speed (a bigger chunk only holds more
 # logits): docs/measurements.md#cross-entropy-chunk-rows (benchmarks/bench_softcap_cross_entropy.py).
 CHUNK_ROWS = {"cpu": 1024, "cuda": 4096, "mps": 1024}
-
-
-def default_chunk_rows(n_rows: int, device_type: str) -> int:
-    return max(1, min(n_rows, CHUNK_ROWS.get(device_type, 1024)))
 
 
 def _check(hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows):
@@ -73,7 +68,7 @@ def softcap_cross_entropy(
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         no_autocast = torch.autocast(device_type, enabled=False)
-    if hidden.dtype not in DTYPES or weight.dtype != hidden.dtype:
+    if hidden.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != hidden.dtype:
         raise ValueError(
             f"hidden and weight must both be float32 or both bfloat16 (outside autocast), "
             f"got hidden {hidden.dtype} and weight {weight.dtype}"
@@ -102,7 +97,7 @@ def _chunked_backend(op_name):
         grad_scale = None
         if need_grad and reduction != "none":
             grad_scale = 1.0 / count if reduction == "mean" else torch.ones((), device=hidden.device)
-        rows = chunk_rows or default_chunk_rows(hidden.size(0), hidden.device.type)
+        rows = chunk_rows or max(1, min(hidden.size(0), CHUNK_ROWS.get(hidden.device.type, 1024)))
         op = getattr(torch.ops.nanochat_fast, op_name)
         losses, total, _, _ = op(
             hidden.contiguous(), weight.contiguous(), targets.contiguous(), softcap, ignore_index, grad_scale, rows
@@ -199,7 +194,6 @@ def _softcap_ce_rows_kernel(
     softcap,
     ignore_index,
     COMPUTE_GRAD: tl.constexpr,
-    IS_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -239,10 +233,7 @@ def _softcap_ce_rows_kernel(
             p = tl.exp(softcap * t - lse)
             p = tl.where(start + cols == target, p - 1.0, p)
             dz = g * p * (1.0 - t * t)
-            if IS_BF16:
-                tl.store(row_ptr + start + cols, to_bf16_rtne(dz), mask=mask)
-            else:
-                tl.store(row_ptr + start + cols, dz, mask=mask)
+            store(row_ptr + start + cols, dz, mask)
 
 
 def triton_row_pass(z, targets, scale, losses, softcap, ignore_index, config=None):
@@ -257,28 +248,11 @@ def triton_row_pass(z, targets, scale, losses, softcap, ignore_index, config=Non
     scale = scale.contiguous() if compute_grad else losses  # losses: not read
     _softcap_ce_rows_kernel[(rows,)](
         z, z.stride(0), targets, scale, losses, n_cols, softcap, ignore_index,
-        COMPUTE_GRAD=compute_grad, IS_BF16=z.dtype == torch.bfloat16,
-        BLOCK=min(cfg["BLOCK"], triton.next_power_of_2(n_cols)), num_warps=cfg["num_warps"],
+        COMPUTE_GRAD=compute_grad, BLOCK=min(cfg["BLOCK"], triton.next_power_of_2(n_cols)), num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 
-# -- the Python-defined ops, and the fake and autograd registrations shared with the cpp op ------------
-
-
-@torch.library.custom_op("nanochat_fast::softcap_cross_entropy_torch", mutates_args=())
-def _torch_op(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float, ignore_index: int,
-    grad_scale: torch.Tensor | None, chunk_rows: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows, torch_row_pass)
-
-
-@torch.library.custom_op("nanochat_fast::softcap_cross_entropy_triton", mutates_args=())
-def _triton_op(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float, ignore_index: int,
-    grad_scale: torch.Tensor | None, chunk_rows: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    return chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows, triton_row_pass)
+# -- the ops: fake kernels and the autograd formula shared by all three (the cpp op's schema: csrc/ops.cpp) --
 
 
 def _fake(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows):
@@ -318,8 +292,23 @@ def _backward_of(op_name):
     return backward
 
 
-for _name in ("softcap_cross_entropy_torch", "softcap_cross_entropy_triton") + (
-    ("softcap_cross_entropy",) if registry.extension() is not None else ()
-):
-    torch.library.register_fake(f"nanochat_fast::{_name}")(_fake)
-    torch.library.register_autograd(f"nanochat_fast::{_name}", _backward_of(_name), setup_context=_setup_context)
+def _register(name, row_pass=None):
+    """nanochat_fast::<name> with its fake kernel and autograd formula: a Python op running `chunked`
+    with `row_pass`, or (None) the C++ op."""
+    if row_pass is not None:
+
+        @torch.library.custom_op(f"nanochat_fast::{name}", mutates_args=())
+        def op(
+            hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float, ignore_index: int,
+            grad_scale: torch.Tensor | None, chunk_rows: int,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+            return chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows, row_pass)
+
+    torch.library.register_fake(f"nanochat_fast::{name}")(_fake)
+    torch.library.register_autograd(f"nanochat_fast::{name}", _backward_of(name), setup_context=_setup_context)
+
+
+_register("softcap_cross_entropy_torch", torch_row_pass)
+_register("softcap_cross_entropy_triton", triton_row_pass)
+if registry.extension() is not None:
+    _register("softcap_cross_entropy")

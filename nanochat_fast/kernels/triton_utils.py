@@ -29,14 +29,11 @@ def launch(kernel, x: torch.Tensor):
 
 
 def fix_interpreter_loop_bounds():
-    """Triton's interpreter before 3.8 (3.6.0 is what torch 2.11 installs) turns a runtime loop bound
-    into a Python int with int() of a one-element array, which NumPy 2.4 refuses: every kernel looping
-    `for k in range(0, n, BLOCK)` over a runtime n fails under TRITON_INTERPRET=1 with "only
-    0-dimensional arrays can be converted to Python scalars" (triton-lang/triton#9171). Compiled for a
-    GPU the loop is an scf.for over i32 values, so only the CPU tests are affected; rewriting the loops
-    cannot avoid it (any runtime bound goes through the same conversion, and a while loop would cost
-    the GPU matmul loops their pipelining). So the interpreter gets upstream's one-line fix
-    (triton-lang/triton#9172, `int(data.squeeze())`, in 3.8) where it lacks it. Returns whether it patched."""
+    """Triton's interpreter before 3.8 (torch 2.11 installs 3.6) turns a runtime loop bound into an int
+    with int() of a one-element array, which NumPy 2.4 refuses (triton-lang/triton#9171): every kernel
+    looping over a runtime bound fails under TRITON_INTERPRET=1, GPUs being unaffected. Rewriting the
+    loops cannot avoid it (a while loop would cost the GPU loops their pipelining), so the interpreter gets
+    upstream's one-line fix (triton-lang/triton#9172, in 3.8) where it lacks it. Returns whether it patched."""
     version = tuple(int(v) for v in re.findall(r"\d+", getattr(triton, "__version__", "99"))[:2])
     if version >= (3, 8):
         return False
@@ -60,6 +57,15 @@ def fix_interpreter_loop_bounds():
 
 
 fix_interpreter_loop_bounds()  # every kernel module imports this one
+
+
+@triton.jit
+def store(ptrs, x, mask):
+    """Store fp32 `x` in the pointers' dtype, bf16 rounded to nearest even (the kernels compute in fp32)."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        tl.store(ptrs, to_bf16_rtne(x), mask=mask)
+    else:
+        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit

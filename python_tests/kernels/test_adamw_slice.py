@@ -187,9 +187,10 @@ def test_cpp_op_checks_its_own_arguments():
         op([torch.zeros(4)], [], [torch.zeros(4)], [torch.zeros(4)], hp, [1.0], [1.0])
 
 
-@pytest.mark.skipif(not HAS_CPP, reason="extension not built")
-def test_opcheck():
-    """torch.library.opcheck: schema (mutation annotations), fake kernel, autograd registration."""
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+def test_opcheck(backend):
+    """torch.library.opcheck of the cpp and triton ops: schema (mutation annotations), fake kernel,
+    autograd registration."""
     g = torch.Generator().manual_seed(0)
     args = (
         [torch.randn(5, generator=g), torch.randn(2, 3, generator=g).bfloat16()],
@@ -200,7 +201,8 @@ def test_opcheck():
         [1.0, 2.0],
         [1.0, 0.0],
     )
-    torch.library.opcheck(torch.ops.nanochat_fast.adamw_slice_update.default, args)
+    name = "adamw_slice_update" if backend == "cpp" else "adamw_slice_update_triton"
+    torch.library.opcheck(getattr(torch.ops.nanochat_fast, name).default, args)
 
 
 @pytest.mark.skipif(not HAS_CPP, reason="extension not built")

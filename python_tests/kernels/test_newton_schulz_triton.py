@@ -6,6 +6,8 @@ their outputs are exactly symmetric; b A + c A A must not read A's tiles below t
 are poisoned with NaN here)."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -95,7 +97,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 def test_newton_schulz_triton_matches_float64(shape, dtype):
     G = make_input(shape).to(DEVICE)
     coeffs = published("quintic")
-    out = nst.iterate(G, coeffs, dtype=dtype)
+    out = nst.newton_schulz_triton(G, coeffs, dtype=dtype)
     assert out.shape == G.shape and out.dtype == dtype
     error = (out.double() - float64_newton_schulz(G, coeffs)).abs().max().item()
     assert error <= TOL[dtype], error  # measured: fp32 ~1e-6, bf16 4e-3 .. 1e-2
@@ -105,7 +107,7 @@ def test_small_tiles_and_polar_express():
     """The whole iteration with several tiles per matrix, through the public API."""
     G = make_input((3, 70, 40)).to(DEVICE)
     coeffs = published("polar_express")
-    out = nst.iterate(G, coeffs, dtype=COMPUTE_DTYPE, config=SMALL_TILES)
+    out = nst.newton_schulz_triton(G, coeffs, dtype=COMPUTE_DTYPE, config=SMALL_TILES)
     assert out.dtype == COMPUTE_DTYPE
     assert (out.double() - float64_newton_schulz(G, coeffs)).abs().max() <= TOL[COMPUTE_DTYPE]
     api = newton_schulz(G, coefficients="polar_express", backend="triton", dtype=COMPUTE_DTYPE)  # the package's table
@@ -128,7 +130,7 @@ def test_compiled_kernels_match_float64(shape):
     """On a GPU: the benchmark shapes with the config table's tiles, in bf16 like the reference."""
     G = torch.randn(shape, device="cuda")
     coeffs = published("quintic")
-    out = nst.iterate(G, coeffs)
+    out = nst.newton_schulz_triton(G, coeffs)
     assert out.dtype == torch.bfloat16
     assert (out.double() - float64_newton_schulz(G, coeffs)).abs().max() <= 2e-2
     X = out.reshape(-1, *out.shape[-2:])
@@ -137,3 +139,48 @@ def test_compiled_kernels_match_float64(shape):
     assert torch.equal(A, A.mT)
     expected = X.double() @ X.double().mT
     assert (A.double() - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+
+@pytest.mark.parametrize("shape", [(2, 40, 70), (70, 40)])
+def test_op_passes_opcheck(shape):
+    """The op's schema and fake kernel (a tall input comes back transposed, as the kernels compute it).
+    The interpreter cannot run on fake tensors, so on a CPU the traced decomposition is checked apart
+    (test_compile_traces_the_kernels)."""
+    G = make_input(shape).to(DEVICE)
+    args = (G, [3.4445, -4.7750, 2.0315] * 2, COMPUTE_DTYPE, 1.0, 1e-7)
+    op = torch.ops.nanochat_fast.newton_schulz_triton.default
+    on_cpu = dict(test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    torch.library.opcheck(op, args, **on_cpu if DEVICE == "cpu" else {})
+
+
+COMPILE_SCRIPT = """
+import torch
+from torch._functorch.aot_autograd import aot_module_simplified
+import nanochat_fast.kernels  # registers nanochat_fast::newton_schulz_triton
+
+launches = []
+
+def record(gm, example_inputs):  # what AOTAutograd hands the compiler; the graph is never run
+    def forward(gm, inputs):
+        launches.append(sum(n.target.__name__ == "triton_kernel_wrapper_functional" for n in gm.graph.nodes
+                            if n.op == "call_function"))
+        return lambda *args: [torch.zeros(3, 40, 70, dtype=torch.bfloat16)]
+    return aot_module_simplified(gm, example_inputs, fw_compiler=forward)
+
+@torch.compile(backend=record, fullgraph=True, dynamic=False)
+def step(G):
+    return torch.ops.nanochat_fast.newton_schulz_triton(G, [3.4445, -4.7750, 2.0315] * 5, torch.bfloat16, 1.0, 1e-7)
+
+step(torch.randn(3, 40, 70))
+print(launches)
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="a GPU compiles and runs it: test_compiled_kernels_match_float64")
+def test_compile_traces_the_kernels():
+    """torch.compile traces into the op: its graph holds the three kernels of each of the 5 steps
+    (compiled Triton, not the interpreter: a process without TRITON_INTERPRET, nothing launched)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "[15]", done.stdout
