@@ -16,6 +16,7 @@ import importlib
 import pytest
 import torch
 from harness import compare, matmul_gflops, plan_modes
+from triton_kernel_list import flop_counts
 
 from nanochat_fast.hardware import precision
 from nanochat_fast.kernels import newton_schulz, registry
@@ -71,8 +72,8 @@ def notes(shape, dtype):
 
 def step_flops(nst, device: torch.device, K: int, m: int, n: int) -> dict:
     """flop_counts of one step with the tiles each kernel would use on `device`."""
-    sym = nst.flop_counts(m, n, nst.pick_config(device, K * nst._n_pairs(-(-m // 128)))["BLOCK"], K)
-    update = nst.flop_counts(m, n, nst.pick_config(device, K * -(-m // 128) * -(-n // 128))["BLOCK"], K)
+    sym = flop_counts(m, n, nst.pick_config(device, K * nst._n_pairs(-(-m // 128)))["BLOCK"], K)
+    update = flop_counts(m, n, nst.pick_config(device, K * -(-m // 128) * -(-n // 128))["BLOCK"], K)
     out = dict(sym, fused_update=update["fused_update"])
     out["step"] = out["symmetric_xxt"] + out["symmetric_poly"] + out["fused_update"]
     return out

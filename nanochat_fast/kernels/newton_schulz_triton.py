@@ -2,8 +2,8 @@
 Triton Newton-Schulz for a stack (K, m, n) of same-shape matrices, m <= n, one launch per kernel and step:
 symmetric_xxt (A = X X^T), symmetric_poly (B = b A + c A A) and fused_update (X' = a X + B X, aX in the
 epilogue). A and A A are symmetric: the first two compute only the tiles on and above the diagonal and write
-each tile and its mirror (`flop_counts`). Storage is the compute dtype (bf16 rounded to nearest even, or
-fp32), accumulation fp32: docs/measurements.md#newton-schulz-triton-kernels. The whole: a torch.library op.
+each tile and its mirror. Storage is the compute dtype (bf16 rounded to nearest even, or fp32), accumulation
+fp32 (docs/measurements.md#newton-schulz-triton-kernels); the whole iteration is a torch.library op.
 """
 
 import functools
@@ -274,25 +274,3 @@ def _(G, coeffs, dtype, safety=1.0, eps=1e-7):
     if G.size(-2) <= G.size(-1):
         return G.new_empty(G.shape, dtype=dtype)
     return G.new_empty(*G.shape[:-2], G.size(-1), G.size(-2), dtype=dtype).mT  # computed transposed
-
-
-def flop_counts(m: int, n: int, block: int, batch: int = 1) -> dict:
-    """Flops one call of each kernel computes on a (batch, m, n) stack, m <= n, with `block` tiles,
-    next to what the full (non-symmetric) products would compute. Padding of partial tiles counts:
-    it is work the tensor cores do."""
-    nb = -(-m // block)
-    mp = nb * block  # rows padded to whole tiles
-    pairs = _n_pairs(nb)
-    xxt = batch * pairs * 2 * block * block * n
-    poly = batch * pairs * 2 * block * block * mp
-    update = batch * 2 * mp * mp * (-(-n // block) * block)
-    return {
-        "symmetric_xxt": xxt,
-        "symmetric_poly": poly,
-        "fused_update": update,
-        "step": xxt + poly + update,
-        "full_xxt": batch * 2 * m * m * n,
-        "full_poly": batch * 2 * m**3,
-        "full_update": batch * 2 * m * m * n,
-        "full_step": batch * (4 * m * m * n + 2 * m**3),
-    }
