@@ -39,8 +39,8 @@ def make_hparams(step, lr, beta1, beta2, eps, weight_decay, device) -> torch.Ten
     return torch.stack([values[name] for name in HPARAMS])
 
 
-def _check_range(name, value, low, high=None, high_inclusive=False):
-    """ValueError naming the argument when a Python number is out of range (a tensor's value is not
+def _check_range(name, value, low, high=None):
+    """ValueError naming the argument when a Python number is out of [low, high) (a tensor's value is not
     read: on a GPU that would sync the host every step)."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
@@ -50,8 +50,8 @@ def _check_range(name, value, low, high=None, high_inclusive=False):
         return
     if not isinstance(value, numbers.Real) or math.isnan(value):
         raise ValueError(f"{name} must be a real number, got {value!r}")
-    if value < low or (high is not None and (value > high if high_inclusive else value >= high)):
-        bound = f"[{low}, {high}{']' if high_inclusive else ')'}" if high is not None else f">= {low}"
+    if value < low or (high is not None and value >= high):
+        bound = f"[{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be in {bound}, got {value!r}")
 
 
@@ -144,9 +144,8 @@ if registry.extension() is not None:
 # -- the Triton kernel: the multi-tensor-apply pattern -----------------------------------------------
 # The host builds a table of raw pointers (param, grad, exp_avg, exp_avg_sq per tensor) and one of
 # blocks (which tensor, which offset); program i updates block i, so ~50 small slices cost one launch.
-# Loads are cast to fp32 before any arithmetic and bf16 stores round to nearest even: the interpreter
-# (inexact bf16 arithmetic and casts) then gives a GPU's bits. BLOCK: bandwidth-bound on a GPU, 2048
-# elements x 28 B in flight per program of 8 warps; the interpreter runs a program at a time, so bigger.
+# Loads go to fp32 before any arithmetic and bf16 stores round to nearest even: the interpreter then
+# gives a GPU's bits. The interpreter runs one program at a time: bigger blocks, fewer (slow) iterations.
 CONFIGS = {"cuda": dict(BLOCK=2048, num_warps=8), "cpu": dict(BLOCK=4096, num_warps=1)}
 GPU_CONFIGS = {"default": CONFIGS["cuda"]}  # every config a GPU may launch (benchmarks/triton_aot.py)
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY, BIAS_CORRECTION1, BIAS_CORRECTION2_SQRT = (tl.constexpr(SLOT[n]) for n in HPARAMS)

@@ -28,10 +28,9 @@ def _float32_without_grad(x: torch.Tensor):
     return None
 
 
-# -- packed_linear: y = x @ weight.T for a few rows of x, through a copy of the weight packed once --------
-# The cpp layout holds the weight in column panels and sums every row in the same order, so a row's result
-# is bitwise the same whatever rows share the call. NANOCHAT_FAST_KERNELS=packed_linear=reference does
-# without the copy (F.linear on the weight itself: GPUs, bf16, MPS).
+# -- packed_linear: y = x @ weight.T for a few rows of x, through a copy of the weight packed once: the cpp
+# layout holds it in column panels (csrc/packed_linear_cpu.cpp). NANOCHAT_FAST_KERNELS=packed_linear=reference
+# does without the copy (F.linear on the weight itself: GPUs, bf16, MPS).
 
 
 @dataclass(frozen=True)
@@ -158,11 +157,8 @@ def _attention_reference(q, k, v, cos, sin, cache, rows, positions, qk_scale, wi
     return y.transpose(1, 2).reshape(B, 1, H * D)
 
 
-# -- decode_block: one block of the `gpt` or the `windowed` family for a decode step's rows -------------
-#   x = resid_lambda * x + x0_lambda * x0 (when x0 is given);  h = rms_norm(x)
-#   q, k, v = qkv(h) split;  v = v + 3 * sigmoid(h[..., :G] @ ve_gate^T) * ve (when ve is given)
-#   x = x + proj(decode_attention(q, k, v, ...));  h = rms_norm(x);  x = x + mlp_proj(relu(fc(h))^2)
-# The cpp backend chains the same kernels in C++, bitwise the ops' result (but for the gate's sigmoid).
+# -- decode_block: one block of the `gpt` or the `windowed` family (the reference below says what it
+# computes); the cpp backend chains the same kernels in C++, bitwise the ops' result but for the gate's sigmoid.
 
 
 def decode_block(

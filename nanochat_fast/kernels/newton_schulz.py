@@ -184,12 +184,9 @@ def triton_backend(G, coeffs, dtype, path="symmetric", safety=1.0, eps=1e-7):
     return torch.ops.nanochat_fast.newton_schulz_triton(G, flat, dtype, safety, eps)
 
 
-# -- the torch backend: two exact rewrites of the iteration with fewer flops than the plain one --------
-#   symmetric products  X X^T and A A only in block rows on and right of the diagonal, mirrored;
-#                       b A + c A A and a X + B X one baddbmm each ("plain": one block row)
-#   the Gram form       the steps on m x m polynomials in A_0 = X_0 X_0^T, X formed once per restart:
-#                       after 2 steps and then every 3
-# Their derivation and error: docs/measurements.md#newton-schulz-rewrites.
+# -- the torch backend: the three paths with fused products (b A + c A A and a X + B X one baddbmm each),
+# symmetric products in block rows on and right of the diagonal, mirrored ("plain": one block row); the
+# Gram form restarts after 2 steps, then every 3. Derivation and error: docs/measurements.md#newton-schulz-rewrites.
 
 SYM_BLOCK_ROWS = 192  # any height in 128..256 does as well: docs/measurements.md#newton-schulz-paths
 

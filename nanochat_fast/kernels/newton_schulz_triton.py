@@ -11,7 +11,7 @@ import functools
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .triton_utils import launch, store, tl, triton
+from .triton_utils import store, tl, triton
 
 # Tile configs: 128x128 output tiles with 64-deep K slices keep an sm90's tensor cores busy; a call with
 # fewer 128-tiles than SMs takes 64x64 tiles, 4x the programs (docs/measurements.md#gpu-kernel-configs).
@@ -37,6 +37,12 @@ def pick_config(device: torch.device, tiles_at_128: int) -> dict:
 
 def _n_pairs(nb: int) -> int:
     return nb * (nb + 1) // 2
+
+
+def launch(kernel, x: torch.Tensor):
+    """`kernel`, ready for kernel[grid](...) in the op's body: wrapped (torch.library.wrap_triton) while
+    torch traces the op on fake tensors, so the launch lands in the graph; as it is on real tensors."""
+    return torch.library.wrap_triton(kernel) if is_fake(x) else kernel
 
 
 _PAIRS: dict = {}

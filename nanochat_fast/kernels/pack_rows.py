@@ -135,13 +135,11 @@ if registry.extension() is not None:
 
 
 class RowPackerReference:
-    """Plain-Python twin of the compiled RowPacker (csrc/pack_rows.h): a document buffer that
-    persists across calls, in arrival order. add() appends documents, each with an id; pack()
-    plans `total_rows` rows over the buffer in that order (ties go to the oldest), writes rows
-    [first_row, first_row + out.shape[0]), removes the documents it used and returns (documents
-    used, tokens placed, tokens cropped). It keeps at most row_len tokens of a document (rows start
-    with a document's first token: the rest is never placed, and cut so a long document can fill a
-    row); the cut-off tails count as cropped when the document is used."""
+    """The compiled RowPacker's twin (csrc/pack_rows.h, which says why): a document buffer across calls,
+    in arrival order, of at most row_len tokens a document (the cut-off tails count as cropped). add()
+    appends documents with ids; pack() plans `total_rows` rows over the buffer (ties: the oldest), writes
+    rows [first_row, first_row + out.shape[0]), drops the documents used and returns (documents used,
+    tokens placed, tokens cropped)."""
 
     def __init__(self, row_len: int, bos_id: int):
         if row_len < 2:

@@ -35,7 +35,7 @@ class Backend:
 
 _OPS: dict[str, dict[str, Backend]] = {}
 _AUTO: dict[str, dict[str, tuple[str, ...]]] = {}  # an op's own auto order on a device type
-_CHOSEN: dict[tuple, str] = {}  # (op, device type, asked for, TRITON_INTERPRET) -> backend name
+_CHOSEN: dict[tuple, str] = {}  # (op, device type, name, NANOCHAT_FAST_KERNELS, TRITON_INTERPRET) -> backend name
 
 
 def _load_extension():
@@ -146,14 +146,14 @@ def requested(op: str) -> str:
 
 def select(op: str, device_type: str, name: str | None = None) -> Backend:
     """The backend that runs `op` on `device_type`: `name` if given, else the environment, else auto."""
-    return _OPS[op][_choose(op, device_type, name or requested(op), triton_interpreting())]
+    return _OPS[op][_choose(op, device_type, name, os.environ.get(ENV_VAR, ""), triton_interpreting())]
 
 
 @torch.compiler.assume_constant_result  # a compiled graph takes the choice as it is
-def _choose(op: str, device_type: str, name: str, interpreting: bool) -> str:
-    key = (op, device_type, name, interpreting)
+def _choose(op: str, device_type: str, name: str | None, spec: str, interpreting: bool) -> str:
+    key = (op, device_type, name, spec, interpreting)  # the settings as they are now: a change is seen
     if key not in _CHOSEN:
-        _CHOSEN[key] = _resolve(op, device_type, name)
+        _CHOSEN[key] = _resolve(op, device_type, name or requested(op))
     return _CHOSEN[key]
 
 

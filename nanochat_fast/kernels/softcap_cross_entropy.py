@@ -88,7 +88,7 @@ def reference_backend(hidden, weight, targets, softcap, ignore_index, reduction,
 
 
 def _chunked_backend(op_name):
-    """A backend calling torch.ops.nanochat_fast.<op_name>: the gradients in the forward pass for
+    """The backend calling torch.ops.nanochat_fast.<op_name>: the gradients in the forward pass for
     sum and mean, when they will be needed."""
 
     def run(hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows):
@@ -107,11 +107,6 @@ def _chunked_backend(op_name):
         return total / count if reduction == "mean" and grad_scale is None else total
 
     return run
-
-
-registry.register(OP, "cpp")(_chunked_backend("softcap_cross_entropy"))
-registry.register(OP, "torch")(_chunked_backend("softcap_cross_entropy_torch"))
-registry.register(OP, "triton")(_chunked_backend("softcap_cross_entropy_triton"))
 
 
 # -- the chunk loop of the torch and triton ops (the cpp op runs the same loop in C++) ----------------
@@ -161,14 +156,11 @@ def torch_row_pass(z, targets, scale, losses, softcap, ignore_index):
     z.copy_(p)
 
 
-# -- the row pass as one Triton kernel: one program per row of a chunk of logits z [rows, V] ------------
-#   pass 1  y = softcap * tanh(z / softcap) block by block, with an online logsumexp: z read once
-#   loss    logsumexp - y[target], 0 where target == ignore_index (NaN for a target outside [0, V):
-#           a kernel cannot raise)
-#   pass 2  (with gradients) dz = g * (softmax(y) - onehot(target)) * (1 - tanh^2), over z in place
-# Every load goes to fp32 before any arithmetic and bf16 stores round to nearest even, so the interpreter
-# computes a GPU's bits. BLOCK: vocabulary entries per step, 16 steps of a 65K row on a GPU
-# (docs/measurements.md#gpu-kernel-configs); the interpreter's small so tests span several blocks.
+# -- the row pass as one Triton kernel: one program per row of a chunk of logits z [rows, V]: the loss by
+# an online logsumexp (z read once; NaN for a target outside [0, V): a kernel cannot raise), then with
+# gradients dz = g * (softmax(y) - onehot(target)) * (1 - tanh^2) over z. Loads go to fp32 before any
+# arithmetic, bf16 stores round to nearest even: the interpreter computes a GPU's bits. BLOCK: vocabulary
+# entries per step (docs/measurements.md#gpu-kernel-configs); the interpreter's small, so tests span blocks.
 CONFIGS = {"cuda": dict(BLOCK=4096, num_warps=8), "cpu": dict(BLOCK=256, num_warps=1)}
 # every variant a GPU may compile (benchmarks/triton_aot.py): training's pass and evaluation's loss-only one
 GPU_CONFIGS = {"grad": dict(CONFIGS["cuda"], COMPUTE_GRAD=True), "loss": dict(CONFIGS["cuda"], COMPUTE_GRAD=False)}
@@ -292,9 +284,10 @@ def _backward_of(op_name):
     return backward
 
 
-def _register(name, row_pass=None):
-    """nanochat_fast::<name> with its fake kernel and autograd formula: a Python op running `chunked`
-    with `row_pass`, or (None) the C++ op."""
+def _register(backend, name, row_pass=None):
+    """Backend `backend` through nanochat_fast::<name>, with the op's fake kernel and autograd formula: a
+    Python op running `chunked` with `row_pass`, or (None) the C++ op."""
+    registry.register(OP, backend)(_chunked_backend(name))
     if row_pass is not None:
 
         @torch.library.custom_op(f"nanochat_fast::{name}", mutates_args=())
@@ -304,11 +297,12 @@ def _register(name, row_pass=None):
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
             return chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows, row_pass)
 
+    elif registry.extension() is None:
+        return  # no C++ op to register for
     torch.library.register_fake(f"nanochat_fast::{name}")(_fake)
     torch.library.register_autograd(f"nanochat_fast::{name}", _backward_of(name), setup_context=_setup_context)
 
 
-_register("softcap_cross_entropy_torch", torch_row_pass)
-_register("softcap_cross_entropy_triton", triton_row_pass)
-if registry.extension() is not None:
-    _register("softcap_cross_entropy")
+_register("torch", "softcap_cross_entropy_torch", torch_row_pass)
+_register("triton", "softcap_cross_entropy_triton", triton_row_pass)
+_register("cpp", "softcap_cross_entropy")

@@ -1,11 +1,8 @@
-"""What the Triton kernels share: triton itself (a stand-in where it is not installed), their launch inside
-a torch.library op, fp32 -> bf16 rounding, and a fix for the interpreter of older Tritons."""
+"""What the Triton kernels share: triton itself (a stand-in where it is not installed), fp32 -> bf16
+rounding on store, and a fix for the interpreter of older Tritons."""
 
 import inspect
 import re
-
-import torch
-from torch._subclasses.fake_tensor import is_fake
 
 try:
     import triton
@@ -20,12 +17,6 @@ except ImportError:  # CPU builds of torch, macOS: the kernels stay plain functi
             return lambda *args, **kwargs: None
 
     triton = tl = _NoTriton()
-
-
-def launch(kernel, x: torch.Tensor):
-    """`kernel`, ready for kernel[grid](...) in an op's body: wrapped (torch.library.wrap_triton) while
-    torch traces the op on fake tensors, so the launch lands in the graph; as it is on real tensors."""
-    return torch.library.wrap_triton(kernel) if is_fake(x) else kernel
 
 
 def fix_interpreter_loop_bounds():
