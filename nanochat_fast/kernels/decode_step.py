@@ -109,11 +109,9 @@ def apply_rotary_emb(x, cos, sin):
 def decode_attention(
     q, k, v, cos, sin, cache, rows, positions, *, qk_scale=1.0, window=None, enable_gqa=False, backend=None
 ):
-    """A decode step's attention from the projections on, one new token per row: q [B, 1, H, D] and
-    k [B, 1, Hkv, D] rotated (cos, sin [B, 1, 1, D/2]) and QK-normed (times qk_scale); k and v written at
-    position positions[b] of slot rows[b] of the cache block [2, S, Hkv, L, D]; each query over its own
-    slot's entries s..p (s = max(0, p - window)) -> [B, 1, H * D]. Every key and value is written
-    before any row attends: a slot's several rows (a prompt's) see those before them."""
+    """A decode step's attention from the projections on, one new token per row -> [B, 1, H * D]: q, k
+    rotated and QK-normed, k and v written at positions[b] of slot rows[b] of the cache block, each query
+    over its slot's entries up to its own (csrc/ops.cpp says it all). A slot's several rows see each other."""
     if q.dim() != 4 or q.size(1) != 1 or k.dim() != 4 or k.shape != v.shape or cache.dim() != 5:
         raise ValueError(
             f"decode_attention takes q [B, 1, H, D], k, v [B, 1, Hkv, D] and cache [2, S, Hkv, L, D], got q "
