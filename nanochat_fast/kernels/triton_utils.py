@@ -7,7 +7,10 @@ import re
 try:
     import triton
     import triton.language as tl
+
+    HAVE_TRITON = True
 except ImportError:  # CPU builds of torch, macOS: the kernels stay plain functions, never launched
+    HAVE_TRITON = False
 
     class _NoTriton:
         def jit(self, fn):
@@ -25,7 +28,7 @@ def fix_interpreter_loop_bounds():
     looping over a runtime bound fails under TRITON_INTERPRET=1, GPUs being unaffected. Rewriting the
     loops cannot avoid it (a while loop would cost the GPU loops their pipelining), so the interpreter gets
     upstream's one-line fix (triton-lang/triton#9172, in 3.8) where it lacks it. Returns whether it patched."""
-    version = tuple(int(v) for v in re.findall(r"\d+", getattr(triton, "__version__", "99"))[:2])
+    version = tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2])
     if version >= (3, 8):
         return False
     try:
@@ -47,7 +50,8 @@ def fix_interpreter_loop_bounds():
     return True
 
 
-fix_interpreter_loop_bounds()  # every kernel module imports this one
+if HAVE_TRITON:
+    fix_interpreter_loop_bounds()  # every kernel module imports this one
 
 
 @triton.jit
