@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from harness import compare
 
 from nanochat_fast.kernels import registry
-from nanochat_fast.kernels.decode_attention import decode_attention
-from nanochat_fast.kernels.packed_linear import pack_linear
+from nanochat_fast.kernels.decode_step import decode_attention, pack_linear
 from nanochat_fast.model import loading
 from nanochat_fast.model.batch_engine import BatchEngine, Request
 from nanochat_fast.model.gpt import config_from_depth

@@ -16,6 +16,7 @@ import importlib
 import pytest
 import torch
 from harness import compare, matmul_gflops, plan_modes
+from triton_kernel_list import flop_counts
 
 from nanochat_fast.hardware import precision
 from nanochat_fast.kernels import newton_schulz, registry
@@ -64,9 +65,18 @@ def notes(shape, dtype):
 
         k = shape[0] if len(shape) == 3 else 1
         m, n = sorted(shape[-2:])
-        f = nst.step_flops(torch.device(DEVICE), k, m, n)
+        f = step_flops(nst, torch.device(DEVICE), k, m, n)
         parts.append(f"triton {5 * f['step'] / 1e9:.1f} GFLOP = 1/{plain / (5 * f['step']):.2f}")
     return "; ".join(parts)
+
+
+def step_flops(nst, device: torch.device, K: int, m: int, n: int) -> dict:
+    """flop_counts of one step with the tiles each kernel would use on `device`."""
+    sym = flop_counts(m, n, nst.pick_config(device, K * nst._n_pairs(-(-m // 128)))["BLOCK"], K)
+    update = flop_counts(m, n, nst.pick_config(device, K * -(-m // 128) * -(-n // 128))["BLOCK"], K)
+    out = dict(sym, fused_update=update["fused_update"])
+    out["step"] = out["symmetric_xxt"] + out["symmetric_poly"] + out["fused_update"]
+    return out
 
 
 def backends_here():

@@ -173,17 +173,15 @@ def by_variant(runs: list[dict]) -> dict[tuple, list]:
 def collect(workers=None, added=(), previous=()) -> dict:
     import triton_kernel_list as kernel_list
 
-    from nanochat_fast.kernels import newton_schulz_triton as nst
-
     runs = merge_runs(triton_run(workers), added, previous)
     ns = []
     for K, m, n in NS_SHAPES:
-        plain = nst.flop_counts(m, n, 128, K)["full_step"]
+        plain = kernel_list.flop_counts(m, n, 128, K)["full_step"]
         ns.append(
             dict(
                 shape=f"{K} x {m}x{n}" if K > 1 else f"{m}x{n}",
                 plain=plain,
-                **{f"tiles_{b}": nst.flop_counts(m, n, b, K)["step"] for b in (128, 64)},
+                **{f"tiles_{b}": kernel_list.flop_counts(m, n, b, K)["step"] for b in (128, 64)},
             )
         )
     adamw = [

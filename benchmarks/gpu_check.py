@@ -399,7 +399,7 @@ def facts(path: Path):
         triton=triton.__version__,
         extension=registry._C is not None,
         extension_cuda=bool(getattr(registry._C, "with_cuda", False)),
-        extension_why_not=registry.cpp_why_not("cuda", has_cuda_kernel=True),
+        extension_why_not=registry.cpp_why_not("adamw_slice_update", "cuda"),
         node_packages_differ={
             n: dict(listed=node.packages[n], installed=v)
             for n, v in installed.items()

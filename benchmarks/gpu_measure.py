@@ -15,6 +15,7 @@ on a CPU. What each step measures against what, and how it times: docs/measureme
 """
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -128,15 +129,10 @@ def float64_newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 def kernels(fig: Figures, tiny: bool):
-    from nanochat_fast.kernels import (
-        adamw_slice_triton,
-    )
-    from nanochat_fast.kernels import (
-        newton_schulz_triton as nst,
-    )
-    from nanochat_fast.kernels import (
-        softcap_cross_entropy_triton as sce,
-    )
+    from nanochat_fast.kernels import adamw_slice as adamw_slice_triton
+    from nanochat_fast.kernels import newton_schulz_triton as nst
+
+    sce = importlib.import_module("nanochat_fast.kernels.softcap_cross_entropy")
 
     g = torch.Generator(device=DEVICE).manual_seed(0)
     # Newton-Schulz: the three kernels together, a stack of MLP-shaped matrices (not a multiple of the

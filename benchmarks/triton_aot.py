@@ -71,6 +71,8 @@ def discover(package_dir: Path = KERNELS_DIR, package: str = "nanochat_fast.kern
                 jitted.add((module, node.name))
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
                 value = node.func.value
+                if isinstance(value, ast.Call) and value.args:  # launch(fn, x)[grid](...): the op's launch
+                    value = value.args[0]
                 launched.add(value.attr if isinstance(value, ast.Attribute) else getattr(value, "id", None))
     return {(m, name) for m, name in jitted if name in launched or name.endswith("_kernel")}
 

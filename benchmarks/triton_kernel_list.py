@@ -80,6 +80,28 @@ def _adamw_example(mod, cfg, dtype, device):
         mod.adamw_slice_update_triton(params, grads, moments[0::2], moments[1::2], hparams, [1.0] * 3, [1.0] * 3)
 
 
+def flop_counts(m: int, n: int, block: int, batch: int = 1) -> dict:
+    """Flops one call of each kernel computes on a (batch, m, n) stack, m <= n, with `block` tiles,
+    next to what the full (non-symmetric) products would compute. Padding of partial tiles counts:
+    it is work the tensor cores do."""
+    nb = -(-m // block)
+    mp = nb * block  # rows padded to whole tiles
+    pairs = nb * (nb + 1) // 2
+    xxt = batch * pairs * 2 * block * block * n
+    poly = batch * pairs * 2 * block * block * mp
+    update = batch * 2 * mp * mp * (-(-n // block) * block)
+    return {
+        "symmetric_xxt": xxt,
+        "symmetric_poly": poly,
+        "fused_update": update,
+        "step": xxt + poly + update,
+        "full_xxt": batch * 2 * m * m * n,
+        "full_poly": batch * 2 * m**3,
+        "full_update": batch * 2 * m * m * n,
+        "full_step": batch * (4 * m * m * n + 2 * m**3),
+    }
+
+
 def _ns_work(key):
     def work(mod, cfg, dtype):
         K, m, n = NS_CALL
@@ -92,7 +114,7 @@ def _ns_work(key):
         return Call(
             f"{K} x {m}x{n}",
             K * elements * dtype.itemsize,
-            mod.flop_counts(m, n, block, K)[key],
+            flop_counts(m, n, block, K)[key],
             "bf16" if dtype == torch.bfloat16 else "fp32",
         )
 
@@ -141,7 +163,7 @@ def _sce_example(mod, cfg, dtype, device):
 
 KERNELS = [
     Entry(
-        "nanochat_fast.kernels.adamw_slice_triton",
+        "nanochat_fast.kernels.adamw_slice",
         "_adamw_multi_tensor_kernel",
         dict(
             table_ptr="*i64:16",
@@ -193,7 +215,7 @@ KERNELS = [
         spills_ok=_NS_SPILLS,
     ),
     Entry(
-        "nanochat_fast.kernels.softcap_cross_entropy_triton",
+        "nanochat_fast.kernels.softcap_cross_entropy",
         "_softcap_ce_rows_kernel",
         dict(
             z_ptr="*{dtype}:16",
@@ -208,7 +230,6 @@ KERNELS = [
         (torch.float32, torch.bfloat16),
         lambda mod, cfg, dtype: dict(
             COMPUTE_GRAD=cfg["COMPUTE_GRAD"],
-            IS_BF16=dtype == torch.bfloat16,
             BLOCK=cfg["BLOCK"],
             num_warps=cfg["num_warps"],
         ),

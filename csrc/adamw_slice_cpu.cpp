@@ -7,10 +7,9 @@
 // one ulp): it removes one of the loop's two vector divides.
 //
 // The inner loop is plain scalar C++ written so that GCC vectorises it: __restrict__ pointers and
-// -fno-math-errno (otherwise sqrtf must set errno and the loop stays scalar, ~3.5x slower).
-// target_clones adds an AVX2+FMA copy (x86-64-v3) chosen at load time where the CPU has it (GCC on
-// x86-64 Linux; one plain copy elsewhere); the generic x86-64-v3 tuning measured ~15% faster here
-// than arch=haswell's on this memory-bound loop.
+// -fno-math-errno (otherwise sqrtf must set errno and the loop stays scalar). target_clones adds an
+// AVX2+FMA copy (x86-64-v3, not arch=haswell's tuning) chosen at load time where the CPU has it (GCC on
+// x86-64 Linux; one plain copy elsewhere): docs/measurements.md#adamw-on-a-cpu.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -18,7 +17,7 @@
 #include <vector>
 
 #include "adamw_slice.h"
-#include "target_clones.h"
+#include "simd.h"
 
 namespace nanochat_fast {
 namespace {

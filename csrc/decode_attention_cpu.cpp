@@ -1,5 +1,5 @@
 // decode_attention on CPU: a decode step's attention, one new token per row, from the projections
-// on, reading each row's keys and values in place in the continuous-batching cache (model/kv_cache.py's
+// on, reading each row's keys and values in place in the continuous-batching cache (model/decode.py's
 // SlotBatch):
 //
 //   q'[b, h] = qk_scale * rms_norm(rotate(q[b, h]))    k'[b, h] likewise, written with v[b, h] into the cache
@@ -23,7 +23,7 @@
 // order; within a dot product, the vector lanes over the head dimension, then the lanes added in a
 // fixed order), so its result is bitwise the same whoever shares the step. Math is fp32. Like
 // packed_linear, the kernel is one template with a copy per target (vectors of its width, picked
-// at load time: float_vectors.h).
+// at load time: simd.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -37,8 +37,7 @@
 #include <vector>
 
 #include "decode_step.h"
-#include "fast_math.h"
-#include "float_vectors.h"
+#include "simd.h"
 
 namespace nanochat_fast {
 namespace {
@@ -74,7 +73,7 @@ NANOCHAT_FAST_INLINE void weigh_values(const float* p, const float* v, int64_t p
 
 // One (row, head): the scores of its `length` keys (into `scores`), their softmax, the output head
 // into out[0:D]. Vectors of W floats: the scores four keys at a time (four independent chains of
-// multiply-adds, one load of q for four keys), the exponentials vectorised (fast_math.h), the
+// multiply-adds, one load of q for four keys), the exponentials vectorised (simd.h), the
 // values' weighted sum with the output in registers. Why: one key at a time, with std::exp and the
 // output read and written back for every key, a key cost ~60 cycles a head from cache
 // (docs/measurements.md#packed-decode-linears).

@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "decode_step.h"
-#include "fast_math.h"
+#include "simd.h"
 
 namespace nanochat_fast {
 namespace {

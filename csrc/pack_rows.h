@@ -57,8 +57,8 @@ class BestFitPlanner {
 // buffered documents in that order (ties go to the oldest) and removes the ones it used.
 //
 // Best-fit alone can keep a document waiting for good: one of an awkward length is never the
-// largest that fits while better-fitting documents keep arriving (measured on the default corpus
-// with 1000 buffered documents: 18% of the tokens waited over an epoch). So pack() takes
+// largest that fits while better-fitting documents keep arriving (docs/measurements.md#packing-due-documents).
+// So pack() takes
 // `due_before`: documents with an id below it are due, and the oldest of them (one per row, at
 // most total_rows) start the rows, in id order, before best-fit fills the rest. A loader that uses
 // stream positions as ids bounds every document's wait that way.

@@ -15,7 +15,7 @@
 #include <algorithm>
 
 #include "pack_rows.h"
-#include "target_clones.h"
+#include "simd.h"
 
 // The copy loops are compiled twice, for AVX2 and for the plain x86-64 the build targets (AVX2
 // writes a batch of pairs in ~3/4 of the time).
@@ -381,7 +381,7 @@ std::tuple<int64_t, int64_t, int64_t> RowPacker::pack(const at::Tensor& out, int
   int64_t* o = out.data_ptr<int64_t>();
   int64_t* tg = targets ? targets->data_ptr<int64_t>() : nullptr;
   const int64_t T = row_len_ - 1;
-  constexpr int64_t kPrefetchBytes = 4096;  // measured best of 1-16 KiB (fewer waits, no full miss buffers)
+  constexpr int64_t kPrefetchBytes = 4096;  // docs/measurements.md#token-packing
   const size_t count = placements_.size();
   size_t ahead = 0;         // the next placement to prefetch
   int64_t ahead_bytes = 0;  // bytes prefetched and not yet written

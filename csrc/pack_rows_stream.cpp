@@ -213,11 +213,11 @@ void RowStream::run(int64_t depth, int64_t first_row, int64_t out_rows, bool pai
 
 RowStream::Batch RowStream::get() {
   TORCH_CHECK(thread_.joinable(), "RowStream.get: not prefetching (start() first)");
-  // Waiting for the next batch, spin a little before sleeping: a batch takes ~50-60 us, and on a
-  // virtual machine waking a sleeping thread can cost the waker about as much (the signal is an
-  // inter-processor interrupt, which exits to the hypervisor; measured here: the loader at half its
-  // speed). A spinning consumer leaves the producer's notify with no one to wake. Past a few
-  // batches' time the producer is held up anyway (a busy machine), and this thread sleeps instead.
+  // Waiting for the next batch, spin a little before sleeping: on a virtual machine waking a sleeping
+  // thread can cost the waker about as long as a batch takes (the signal is an inter-processor
+  // interrupt, which exits to the hypervisor: docs/measurements.md#token-packing). A spinning consumer
+  // leaves the producer's notify with no one to wake. Past a few batches' time the producer is held up
+  // anyway (a busy machine), and this thread sleeps instead.
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicroseconds);
   while (ready_count_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < give_up) {
     std::this_thread::yield();  // (should the producer be waiting for this very CPU)

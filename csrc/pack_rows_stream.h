@@ -35,8 +35,7 @@ struct DocRun {
 // Memory for a stream's batches: blocks of one size, handed out as tensors and taken back when
 // torch frees them. A training loop holds a few batches at a time (a step's micro-batches), and
 // the C library's malloc returns such large blocks to the system once they are freed, so fresh
-// tensors would cost a page fault every 4 KiB (measured: 16 batches held at a time, B=32, T=2048,
-// made the loader 7x slower).
+// tensors would cost a page fault every 4 KiB (docs/measurements.md#token-packing).
 class BlockPool : public std::enable_shared_from_this<BlockPool> {
  public:
   explicit BlockPool(size_t bytes);

@@ -10,9 +10,9 @@
 //
 // Per target (panels_for_this_cpu picks the copy at load time): vectors of the target's own width, 16
 // floats with AVX-512, 8 with AVX2, 4 elsewhere (GCC lowers a vector wider than the registers through
-// the stack, 20x slower), and tiles as tall as the registers allow: 8 rows x 2 vectors of accumulators
-// in AVX-512's 32 registers, 3 rows x 4 vectors in AVX2's 16 (taller tiles spill). Measured:
-// docs/measurements.md#packed-decode-linears; the step's figures: benchmarks/bench_decode_step.py.
+// the stack), and tiles as tall as the registers allow: 8 rows x 2 vectors of accumulators in
+// AVX-512's 32 registers, 3 rows x 4 vectors in AVX2's 16 (taller tiles spill):
+// docs/measurements.md#packed-decode-linears; the step: benchmarks/bench_decode_step.py.
 //
 // Batch invariance: every output is summed in the same order whatever the number of rows and
 // wherever its row sits in a tile: over k in blocks of kBlock (a sequential fused multiply-add
@@ -21,7 +21,7 @@
 // The blocks also bound the error growth of a sequential sum (~kBlock + K/kBlock roundings).
 // The vector width and the tile height change nothing of that order.
 //
-// Written with GCC/Clang vector extensions (see target_clones.h for where per-target copies exist).
+// Written with GCC/Clang vector extensions (see simd.h for where per-target copies exist).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "decode_step.h"
-#include "float_vectors.h"
+#include "simd.h"
 
 namespace nanochat_fast {
 namespace {

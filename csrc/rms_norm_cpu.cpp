@@ -2,9 +2,9 @@
 // models' parameter-free RMSNorm where no gradient is wanted: decode steps, prefill, evaluation).
 //
 // Why an op: F.rms_norm on a CPU runs as a dozen ATen ops (pow, mean, add, rsqrt, mul, the dtype
-// round trips), ~13 us on a decode step's one row of a few hundred floats; a decode step norms its
-// residual stream twice a layer. Here one pass to sum the squares, one to scale. Rows are split
-// across threads when there are enough of them (prefill, evaluation).
+// round trips) on a decode step's one row of a few hundred floats, twice a layer
+// (docs/measurements.md#a-one-row-decode-step-dispatch-not-bytes). Here one pass to sum the squares,
+// one to scale. Rows are split across threads when there are enough of them (prefill, evaluation).
 //
 // The sum of squares runs in `omp simd`'s fixed lane split: a row's result does not depend on the
 // other rows or the number of threads.
@@ -17,7 +17,7 @@
 #include <cstdint>
 
 #include "decode_step.h"
-#include "target_clones.h"
+#include "simd.h"
 
 namespace nanochat_fast {
 namespace {

@@ -4,7 +4,7 @@
 //
 // Why an op: in torch this is ~10 dispatches on a few hundred floats (a slice, a 24-wide product, a
 // sigmoid, the scalar's cast, the previous embeddings gathered and cast, the new ones scattered, a
-// product and a sum), ~0.1 ms of a one-row windowed decode step (docs/measurements.md). Each row
+// product and a sum): docs/measurements.md#a-one-row-decode-step-dispatch-not-bytes. Each row
 // reads and writes its own slot alone: its result does not depend on the other rows. The rows go
 // one after another, so a slot's several rows (a prompt's positions, in order) each mix in the
 // embedding of the row before. The gate's

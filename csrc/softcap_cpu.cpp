@@ -1,20 +1,18 @@
 // softcap on CPU: y = cap * tanh(x / cap), float32, no autograd: the models' logit softcap where no
 // gradient is wanted (decode steps, prefill, logits for evaluation and sampling).
 //
-// Why an op: torch.tanh on a CPU computes a libm-accurate tanh, ~7 cycles a float on an AVX2 Zen 3,
-// and the division and product around it are two more passes: a decode step of 8 rows spent ~0.12
-// ms on 32K logits' softcap, more than a layer's attention. Here one vectorised pass with
-// fast_math.h's tanh (relative error ~1e-7), the same tanh of the same x / cap as the fused
-// cross-entropy the model trains with. Each element alone: a row's result does not depend on the
-// other rows.
+// Why an op: torch.tanh on a CPU computes a libm-accurate tanh, and the division and product around
+// it are two more passes (docs/measurements.md#a-one-row-decode-step-dispatch-not-bytes). Here one
+// vectorised pass with simd.h's tanh (relative error ~1e-7), the same tanh of the same x / cap
+// as the fused cross-entropy the model trains with. Each element alone: a row's result does not
+// depend on the other rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cstdint>
 
-#include "fast_math.h"
-#include "target_clones.h"
+#include "simd.h"
 
 namespace nanochat_fast {
 namespace {

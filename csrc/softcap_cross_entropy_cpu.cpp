@@ -11,9 +11,9 @@
 // Here each logit is read once and its gradient written once: per row, one loop computes tanh, exp
 // and their sum into two row-sized scratch buffers (they stay in L1/L2), a second writes dz from them.
 //
-// tanh and exp are inline polynomial approximations (fast_math.h) that GCC vectorises (libm's calls
+// tanh and exp are inline polynomial approximations (simd.h) that GCC vectorises (libm's calls
 // would keep the loops scalar); target_clones adds an AVX2+FMA copy picked at load time
-// (see target_clones.h).
+// (see simd.h).
 // Math is fp32 for fp32 and bf16 inputs; bf16 logits and gradients are rounded to nearest even.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,8 +27,7 @@
 #include <limits>
 #include <vector>
 
-#include "fast_math.h"
-#include "target_clones.h"
+#include "simd.h"
 
 namespace nanochat_fast {
 namespace {

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..core.errors import UserError
-from ..kernels.pack_rows_stream import make_row_stream
+from ..kernels.pack_rows import make_row_stream
 from .documents import CHAT
 from .token_shards import TokenShards
 

@@ -8,6 +8,7 @@ still shown: the table says what would run there (e.g. triton for CUDA tensors).
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -16,31 +17,25 @@ from . import registry
 from .registry import DEVICE_TYPES, KernelUnavailableError
 
 
-def device_present(device_type: str) -> bool:
-    if device_type == "cuda":
-        return torch.cuda.is_available()
-    if device_type == "mps":
-        return torch.backends.mps.is_available()
-    return True
+def selected(op: str, device_type: str) -> str:
+    try:
+        return registry.select(op, device_type).name
+    except KernelUnavailableError as e:
+        return f"error: {e}"
 
 
 def table() -> dict:
-    out = {
-        "devices_present": {d: device_present(d) for d in DEVICE_TYPES},
-        "env": {registry.ENV_VAR: __import__("os").environ.get(registry.ENV_VAR, "")},
-        "ops": {},
+    present = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    ops = {
+        op: {
+            "backends": {
+                name: {d: impl.why_not(d) for d in DEVICE_TYPES} for name, impl in registry.backends(op).items()
+            },
+            "selected": {d: selected(op, d) for d in DEVICE_TYPES},
+        }
+        for op in registry.ops()
     }
-    for op in registry.ops():
-        entry = {"backends": {}, "selected": {}}
-        for name, impl in registry.backends(op).items():
-            entry["backends"][name] = {d: impl.why_not(d) for d in DEVICE_TYPES}
-        for d in DEVICE_TYPES:
-            try:
-                entry["selected"][d] = registry.select(op, d).name
-            except KernelUnavailableError as e:
-                entry["selected"][d] = f"error: {e}"
-        out["ops"][op] = entry
-    return out
+    return {"devices_present": present, "env": {registry.ENV_VAR: os.environ.get(registry.ENV_VAR, "")}, "ops": ops}
 
 
 def main(argv=None):
@@ -57,8 +52,7 @@ def main(argv=None):
         return 0
     present = ", ".join(f"{d} ({'present' if p else 'not present here'})" for d, p in t["devices_present"].items())
     print(f"devices: {present}")
-    env = t["env"][registry.ENV_VAR]
-    print(f"{registry.ENV_VAR}={env or '(unset: auto)'}\n")
+    print(f"{registry.ENV_VAR}={t['env'][registry.ENV_VAR] or '(unset: auto)'}\n")
     width = 26
     print(f"{'op':<22} {'backend':<10} " + " ".join(f"{d:<{width}}" for d in DEVICE_TYPES))
     for op, entry in t["ops"].items():

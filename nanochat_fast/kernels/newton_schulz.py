@@ -1,26 +1,20 @@
 """
 newton_schulz: the Newton-Schulz orthogonalization at the heart of Muon, and every choice it makes.
-
-Given G (m x n, or a stack K x m x n), returns an approximation of U V^T from G = U S V^T:
-X = G / (||G||_F + 1e-7), then per step (a, b, c):  A = X X^T;  B = b A + c A A;  X = a X + B X.
-Tall matrices are transposed once so X X^T is the small Gram matrix. A call decides, in order:
-    coefficients  "quintic", "polar_express", "minimax4" or (a, b, c) a step  resolve_coefficients
-    dtype         the iteration's (default: the precision policy's for G's    compute_dtype
-                  device); the input is normalised in fp32, the result is cast to `out_dtype`
-    path          "plain", "symmetric" or "gram": exact rewrites, by shape    PATH_TABLE, choose_path
-    backend       triton (CUDA: the symmetric path, newton_schulz_triton.py),  plan
-                  torch (every path, fused products), reference (plain, as nanochat writes it)
+G (m x n, or a stack K x m x n) -> approximately U V^T of G = U S V^T: X = G / (||G||_F + 1e-7), then per
+step (a, b, c) A = X X^T, B = b A + c A A, X = a X + B X (tall matrices transposed once, so A is the small
+Gram matrix). A call resolves its coefficients, its compute dtype (the input is normalised in fp32, the
+result cast to `out_dtype`), its path (PATH_TABLE) and its backend (plan).
 """
 
 import functools
-from typing import NamedTuple
 
 import torch
 
 from ..hardware import precision
 from ..hardware.machine import cpu_bf16_support
-from . import registry
-from .registry import always, register_backend, register_op, triton_why_not
+from . import newton_schulz_triton, registry  # noqa: F401  (newton_schulz_triton: registers its op)
+
+OP = "newton_schulz"
 
 # -- the coefficients -------------------------------------------------------------------------
 QUINTIC = (3.4445, -4.7750, 2.0315)
@@ -32,21 +26,16 @@ POLAR_EXPRESS = (
     (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
-# minimax4: 4 steps that keep the band 5 quintic steps keep. For sigma / ||G||_F in [1.5e-3, 1], 5 quintic
-# steps give singular values in [0.68, 1.20]; these 4 give the same band for sigma / ||G||_F in [2.5e-3, 1]
-# (below that, less: 0.43 at 1.5e-3), 4/5 of the products. Built as Polar Express builds its steps: each
-# step the minimax odd quintic for 1 on the interval the previous steps leave (fitted 2% past its top, so a
-# bf16 rounding up does not blow up: the band holds with each step's output off by 1%), the last scaled to
-# the band's centre. The policy's bound is kept: bf16 within 2e-2 (max abs) of this schedule in float64.
-# Derivation and figures: docs/measurements.md#newton-schulz-in-4-steps.
+# minimax4: 4 steps that keep the singular-value band of 5 quintic steps ([0.68, 1.20] for sigma / ||G||_F
+# in [2.5e-3, 1] instead of [1.5e-3, 1]) for 4/5 of the products. Built as Polar Express builds its steps
+# (each the minimax odd quintic on the interval the previous ones leave, fitted 2% past its top so a bf16
+# rounding up does not blow up), the last scaled to the band's centre: docs/measurements.md#newton-schulz-in-4-steps.
 MINIMAX4 = (
     (8.242664441512078, -23.426191774131343, 16.694413472196352),
     (4.004924779560354, -2.8663643231211355, 0.5193007965007853),
     (3.5691290841182965, -2.571840696790716, 0.4880117132458294),
     (2.4752094270454656, -1.7788068580866805, 0.3922456223072339),
 )
-COEFFICIENTS = ("quintic", "polar_express", "minimax4")
-PATHS = ("plain", "symmetric", "gram")
 
 
 def resolve_coefficients(coefficients, steps: int) -> tuple[tuple[float, float, float], ...]:
@@ -74,11 +63,8 @@ def resolve_coefficients(coefficients, steps: int) -> tuple[tuple[float, float, 
 
 
 # -- the dtype --------------------------------------------------------------------------------
-# dtype=None ("auto"), as Muon's ns_dtype="auto", takes the precision policy's choice for the device
-# (hardware/precision.py, flag --ns-dtype): bf16 on CUDA sm80+; on a CPU the faster of fp32 and
-# bf16 as measured here (Muon times its own matrix stacks, Muon.resolve_ns_precision; a direct
-# call takes the machine's matmul probe). "fp32" and "bf16" force one. Only the iteration runs in
-# it: Muon's momentum stays fp32.
+# None or "auto" (Muon's ns_dtype="auto", flag --ns-dtype) takes the precision policy's choice for the
+# device (hardware/precision.py); "fp32" and "bf16" force one. Only the iteration runs in it.
 @functools.lru_cache(maxsize=None)
 def _auto_dtype(device_type: str, index: int | None) -> torch.dtype:
     return precision.choose(torch.device(device_type, index), "auto", what="--ns-dtype", warn=False).dtype
@@ -107,39 +93,27 @@ def dtype_name(dtype: torch.dtype) -> str:
 #     symmetric   X X^T and A A only on and above the diagonal, mirrored: on CPU in block rows
 #                 (cost (p+1)/(2p) of a full product for p blocks), on CUDA the Triton kernels
 #     gram        all steps on m x m polynomials in A_0 = X_0 X_0^T, X formed once per restart
-#                 segment ("the torch backend" below): ~2.1x fewer flops at n = 4m
-# PATH_TABLE is the one place that picks: the first row whose device and dtype match and whose
-# size conditions hold (m >= min_m, n >= min_aspect * m) gives the path, else "plain". On CUDA
-# `auto` runs the Triton kernels only for "symmetric" (cuBLAS's products otherwise); a forced
-# backend runs its own path (triton: symmetric, reference: plain). Why each row starts where it
-# does, measured on CPUs and estimated on paper for CUDA: docs/measurements.md#newton-schulz-paths.
-class Row(NamedTuple):
-    device: str
-    dtype: str
-    path: str
-    min_m: int
-    min_aspect: float
-    source: str
-
-
+#                 segment (the torch backend below): ~2.1x fewer flops at n = 4m
+# The first row whose device and dtype match and whose sizes hold (m >= min_m, n >= min_aspect * m) gives
+# the path, else "plain". On CUDA `auto` runs the Triton kernels only for "symmetric"; a forced backend runs
+# its own path. Where each row starts, and why: docs/measurements.md#newton-schulz-paths.
 PATH_TABLE = (
-    # device  dtype   path         m >=  n/m >=  where the row comes from (the comment above)
-    # bf16 on AMX tiles (table_device): a product split in block rows, or written into a strided block,
-    # loses 2-4x there (measured on a 2-core AMX Xeon), so no symmetric row and the Gram form unsplit
-    Row("cpu-amx", "bf16", "gram", 256, 2.0, "measured"),
-    Row("cpu", "fp32", "gram", 256, 2.0, "measured"),
-    Row("cpu", "fp32", "symmetric", 256, 1.0, "measured"),
-    Row("cpu", "bf16", "gram", 256, 2.0, "measured"),
-    Row("cpu", "bf16", "symmetric", 1024, 1.0, "measured"),
-    Row("cuda", "fp32", "gram", 1, 2.0, "paper (flop count)"),
-    Row("cuda", "fp32", "symmetric", 2048, 1.0, "paper (published SYRK vs GEMM)"),
-    Row("cuda", "bf16", "symmetric", 2048, 1.0, "paper (published SYRK vs GEMM)"),
+    # device   dtype   path         m >=  n/m >=
+    # "cpu-amx": bf16 on AMX tiles (table_device), where a product split in block rows or written into a
+    # strided block loses: no symmetric row, and the Gram form unsplit
+    ("cpu-amx", "bf16", "gram", 256, 2.0),
+    ("cpu", "fp32", "gram", 256, 2.0),
+    ("cpu", "fp32", "symmetric", 256, 1.0),
+    ("cpu", "bf16", "gram", 256, 2.0),
+    ("cpu", "bf16", "symmetric", 1024, 1.0),
+    ("cuda", "fp32", "gram", 1, 2.0),
+    ("cuda", "fp32", "symmetric", 2048, 1.0),
+    ("cuda", "bf16", "symmetric", 2048, 1.0),
 )
 
 
 def table_device(device_type: str, dtype: torch.dtype) -> str:
-    """The PATH_TABLE device a `device_type` runs `dtype` as: "cpu-amx" for bf16 on a CPU whose bf16
-    runs on AMX tiles (its rows measured apart), else the device type itself."""
+    """PATH_TABLE's device for `device_type` computing in `dtype`: "cpu-amx" for bf16 on AMX tiles."""
     if device_type == "cpu" and dtype == torch.bfloat16 and cpu_bf16_support() == "AMX":
         return "cpu-amx"
     return device_type
@@ -148,29 +122,18 @@ def table_device(device_type: str, dtype: torch.dtype) -> str:
 def choose_path(device_type: str, dtype: torch.dtype, m: int, n: int) -> str:
     """The path for matrices with sides m and n (either order) on `device_type` in `dtype`."""
     m, n = min(m, n), max(m, n)
-    name = dtype_name(dtype)
-    for row in PATH_TABLE:
-        if row.device == device_type and row.dtype == name and m >= row.min_m and n >= row.min_aspect * m:
-            return row.path
+    for device, dtype_, path, min_m, min_aspect in PATH_TABLE:
+        if device == device_type and dtype_ == dtype_name(dtype) and m >= min_m and n >= min_aspect * m:
+            return path
     return "plain"
 
 
 def symmetric_pays(device_type: str, dtype: torch.dtype, m: int) -> bool:
-    """Whether m x m symmetric products are worth splitting (the symmetric row's min_m); the Gram
-    form asks this for its own m x m products."""
+    """Whether m x m symmetric products are worth splitting in block rows (asked by the Gram form too)."""
     return choose_path(device_type, dtype, m, m) == "symmetric"
 
 
-# -- the op and its backends ------------------------------------------------------------------
-OP = "newton_schulz"
-register_op(
-    OP,
-    auto_order={
-        "cuda": ("triton", "torch", "reference"),
-        "cpu": ("torch", "reference"),
-        "mps": ("reference",),
-    },
-)
+# -- the op -----------------------------------------------------------------------------------
 
 
 def plan(shape, device, dtype=None, backend=None) -> tuple[registry.Backend, torch.dtype, str]:
@@ -180,22 +143,14 @@ def plan(shape, device, dtype=None, backend=None) -> tuple[registry.Backend, tor
     path = choose_path(table_device(device.type, dtype), dtype, shape[-2], shape[-1])
     impl = registry.select(OP, device.type, backend)
     if impl.name == "triton" and path != "symmetric" and (backend or registry.requested(OP)) == "auto":
-        # the Triton kernels are the symmetric path; below the table's sizes cuBLAS's full products win
-        impl = registry.select(OP, device.type, "torch")
+        impl = registry.select(OP, device.type, "torch")  # below the table's sizes cuBLAS's full products win
     return impl, dtype, path
 
 
 def newton_schulz(
-    G: torch.Tensor,
-    steps: int = 5,
-    coefficients="quintic",
-    out_dtype=None,
-    dtype=None,
-    *,
-    backend=None,
-    safety: float = 1.0,
-    eps: float = 1e-7,
-):
+    G: torch.Tensor, steps: int = 5, coefficients="quintic", out_dtype=None, dtype=None, *, backend=None,
+    safety: float = 1.0, eps: float = 1e-7,
+):  # fmt: skip
     """Orthogonalize G (2-D, or 3-D as a batch of same-shape matrices) with `steps` iterations,
     computing in `dtype` (None/"auto", "fp32", "bf16" or a torch dtype). Each matrix starts divided
     by safety * its Frobenius norm + eps (nanochat's Polar Express: 1.01 and 1e-6)."""
@@ -203,17 +158,10 @@ def newton_schulz(
         raise ValueError(f"G must be 2-D or a 3-D stack of matrices, got shape {tuple(G.shape)}")
     coeffs = resolve_coefficients(coefficients, steps)
     impl, dtype, path = plan(G.shape, G.device, dtype, backend)
-    normalisation = {} if (safety, eps) == (1.0, 1e-7) else dict(safety=safety, eps=eps)  # the default: none passed
-    return impl.fn(G, coeffs, dtype, path, **normalisation).to(out_dtype or G.dtype)
+    return impl.fn(G, coeffs, dtype, path, safety, eps).to(out_dtype or G.dtype)
 
 
-def normalized(stack: torch.Tensor, safety: float = 1.0, eps: float = 1e-7) -> torch.Tensor:
-    """Each matrix of the stack over safety * its Frobenius norm (in fp32) + eps."""
-    norm = torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    return stack / (norm * safety + eps) if safety != 1.0 else stack / (norm + eps)
-
-
-@register_backend(OP, "reference", always)
+@registry.register(OP, "reference", auto={"mps": ("reference",)})
 def newton_schulz_reference(G, coeffs, dtype, path="plain", safety=1.0, eps=1e-7):
     """The plain PyTorch iteration, as in nanochat's zeropower_via_newtonschulz5."""
     X = G.to(dtype)
@@ -229,21 +177,16 @@ def newton_schulz_reference(G, coeffs, dtype, path="plain", safety=1.0, eps=1e-7
     return X.mT if transposed else X
 
 
-@register_backend(OP, "triton", triton_why_not)
+@registry.register(OP, "triton")
 def triton_backend(G, coeffs, dtype, path="symmetric", safety=1.0, eps=1e-7):
-    from .newton_schulz_triton import newton_schulz_triton  # imported late: TRITON_INTERPRET is read at import
+    """The symmetric path, whatever `path` says: the Triton kernels are that path."""
+    flat = [float(x) for abc in coeffs for x in abc]
+    return torch.ops.nanochat_fast.newton_schulz_triton(G, flat, dtype, safety, eps)
 
-    return newton_schulz_triton(G, coeffs, dtype=dtype, safety=safety, eps=eps)
 
-
-# ---------------------------------------------------------------------------------------------
-# the torch backend: two exact rewrites of the iteration, both with fewer flops than the plain one
-# (their derivation and error: docs/measurements.md#newton-schulz-rewrites):
-#   symmetric products  X X^T and A A only in block rows on and right of the diagonal, mirrored;
-#                       b A + c A A and a X + B X one baddbmm each
-#   the Gram form       (the table's "gram" rows) the steps on m x m polynomials in A_0 = X_0 X_0^T,
-#                       X formed once per restart: after 2 steps and then every 3
-# "plain" is the direct form with one block row: full products, still fused by baddbmm.
+# -- the torch backend: the three paths with fused products (b A + c A A and a X + B X one baddbmm each),
+# symmetric products in block rows on and right of the diagonal, mirrored ("plain": one block row); the
+# Gram form restarts after 2 steps, then every 3. Derivation and error: docs/measurements.md#newton-schulz-rewrites.
 
 SYM_BLOCK_ROWS = 192  # any height in 128..256 does as well: docs/measurements.md#newton-schulz-paths
 
@@ -275,8 +218,7 @@ def _symmetric_product(L, R, out, C=None, beta=0.0, alpha=1.0, split=True):
 
 
 def _direct(S, coeffs, wide, split):
-    """The iteration with fused (and, if `split`, symmetric) products, on the normalised stack S
-    (K, rows, cols)."""
+    """The iteration with fused (and, if `split`, symmetric) products on the normalised stack S."""
     X = S if wide else S.mT  # (K, m, n), m <= n: a view, no copy
     m = X.size(-2)
     A, B = S.new_empty(S.size(0), m, m), S.new_empty(S.size(0), m, m)
@@ -294,8 +236,7 @@ def _direct(S, coeffs, wide, split):
 
 
 def _gram(S, coeffs, wide, split):
-    """The Gram form with restarts, on the normalised stack S (K, rows, cols); its m x m products
-    in block rows if `split`."""
+    """The Gram form with restarts on the normalised stack S; its m x m products in block rows if `split`."""
     X = S if wide else S.mT
     m = X.size(-2)
     A, Q, P, T = (S.new_empty(S.size(0), m, m) for _ in range(4))
@@ -320,12 +261,13 @@ def _gram(S, coeffs, wide, split):
     return S
 
 
-@register_backend(OP, "torch", always)
+@registry.register(OP, "torch")
 def newton_schulz_torch(G, coeffs, dtype, path, safety=1.0, eps=1e-7):
     """The table's `path` ("plain", "symmetric" or "gram") in `dtype`."""
     stack = G if G.dim() == 3 else G.unsqueeze(0)
     wide = stack.size(-2) <= stack.size(-1)
-    S = normalized(stack, safety, eps).to(dtype).contiguous()
+    norm = torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    S = (stack / (norm * safety + eps) if safety != 1.0 else stack / (norm + eps)).to(dtype).contiguous()
     if path == "gram":
         split = symmetric_pays(table_device(G.device.type, dtype), dtype, min(stack.shape[-2:]))
         S = _gram(S, coeffs, wide, split=split)

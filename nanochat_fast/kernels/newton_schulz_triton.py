@@ -1,39 +1,25 @@
 """
-Triton Newton-Schulz for a stack (K, m, n) of same-shape matrices, m <= n, one launch per kernel.
-
-Per step (a, b, c) the plain iteration does A = X X^T, B = bA + cA^2 and X = aX + BX. A and A^2 are
-symmetric, so two kernels compute only the tiles on and above the diagonal and write each tile and
-its mirror:
-
-    symmetric_xxt    A = X X^T
-    symmetric_poly   B = b A + c A A, reading only the tiles of A on/above the diagonal
-    fused_update     X' = a X + B X, the aX in the epilogue
-
-1.5x fewer flops for square matrices, 1.38x for 1:4 ones (`flop_counts` gives the exact numbers per
-call). Storage between kernels is the compute dtype (bf16 on a GPU, rounded to nearest even; fp32
-when asked), with fp32 accumulation. The flop counts, and why the interpreter's bits are a GPU's:
-docs/measurements.md#newton-schulz-triton-kernels.
+Triton Newton-Schulz for a stack (K, m, n) of same-shape matrices, m <= n, one launch per kernel and step:
+symmetric_xxt (A = X X^T), symmetric_poly (B = b A + c A A) and fused_update (X' = a X + B X, aX in the
+epilogue). A and A A are symmetric: the first two compute only the tiles on and above the diagonal and write
+each tile and its mirror. Storage is the compute dtype (bf16 rounded to nearest even, or fp32), accumulation
+fp32 (docs/measurements.md#newton-schulz-triton-kernels); the whole iteration is a torch.library op.
 """
 
 import functools
 
 import torch
-import triton
-import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
-from .newton_schulz import compute_dtype
-from .triton_utils import to_bf16_rtne
+from .triton_utils import store, tl, triton
 
-# Tile configs. H100 (sm90, 132 SMs): 128x128 output tiles with 64-deep K slices keep the tensor
-# cores busy (3 stages x 32 KB of bf16 operands in shared memory). A call with fewer 128-tiles than
-# SMs (one 768x768 matrix has 21 upper tiles) would leave most SMs idle, so it uses 64x64 tiles
-# (4x the programs). These are the usual Triton matmul choices for sm90
-# (docs/measurements.md#gpu-kernel-configs).
+# Tile configs: 128x128 output tiles with 64-deep K slices keep an sm90's tensor cores busy; a call with
+# fewer 128-tiles than SMs takes 64x64 tiles, 4x the programs (docs/measurements.md#gpu-kernel-configs).
 GPU_LARGE = dict(BLOCK=128, BLOCK_K=64, num_warps=8, num_stages=3, DOT_FP32=False)
 GPU_SMALL = dict(BLOCK=64, BLOCK_K=64, num_warps=4, num_stages=4, DOT_FP32=False)
-# every config a GPU may launch: compiled and resource-checked ahead of time (benchmarks/triton_aot.py)
-GPU_CONFIGS = {"large": GPU_LARGE, "small": GPU_SMALL}
-# The interpreter runs one program at a time in numpy: big tiles mean few (slow) Python iterations.
+GPU_CONFIGS = {"large": GPU_LARGE, "small": GPU_SMALL}  # every config a GPU may launch (benchmarks/triton_aot.py)
+# The interpreter runs one program at a time in numpy: big tiles, few (slow) Python iterations; its bf16
+# dot is not a GPU's, so the operands go to fp32 (DOT_FP32), as every other bf16 value does before arithmetic.
 INTERPRETER = dict(BLOCK=128, BLOCK_K=128, num_warps=1, num_stages=1, DOT_FP32=True)
 
 
@@ -49,32 +35,32 @@ def pick_config(device: torch.device, tiles_at_128: int) -> dict:
     return GPU_LARGE if tiles_at_128 >= _sm_count(device) else GPU_SMALL
 
 
-def symmetric_config(device: torch.device, K: int, M: int) -> dict:
-    return pick_config(device, K * _n_pairs(triton.cdiv(M, 128)))
-
-
-def update_config(device: torch.device, K: int, M: int, N: int) -> dict:
-    return pick_config(device, K * triton.cdiv(M, 128) * triton.cdiv(N, 128))
-
-
 def _n_pairs(nb: int) -> int:
     return nb * (nb + 1) // 2
+
+
+def launch(kernel, x: torch.Tensor):
+    """`kernel`, ready for kernel[grid](...) in the op's body: wrapped (torch.library.wrap_triton) while
+    torch traces the op on fake tensors, so the launch lands in the graph; as it is on real tensors."""
+    return torch.library.wrap_triton(kernel) if is_fake(x) else kernel
 
 
 _PAIRS: dict = {}
 
 
-def upper_tile_pairs(nb: int, device: torch.device) -> torch.Tensor:
-    """int32[2 * nb(nb+1)/2]: (row-block, col-block) of every tile on or above the diagonal."""
-    key = (nb, str(device))
-    if key not in _PAIRS:
-        pairs = [(i, j) for i in range(nb) for j in range(i, nb)]
-        _PAIRS[key] = torch.tensor(pairs, dtype=torch.int32).flatten().to(device)
+def upper_tile_pairs(nb: int, like: torch.Tensor) -> torch.Tensor:
+    """int32[2 * nb(nb+1)/2]: (row-block, col-block) of every tile on or above the diagonal, on `like`'s
+    device. Cached (a copy to the GPU per launch would wait for the GPU), but made afresh while traced."""
+    traced, key = is_fake(like), (int(nb), like.device)
+    if traced or key not in _PAIRS:
+        pairs = torch.tensor([(i, j) for i in range(key[0]) for j in range(i, key[0])], dtype=torch.int32)
+        if traced:
+            return pairs.flatten().to(like.device)
+        _PAIRS[key] = pairs.flatten().to(like.device)
     return _PAIRS[key]
 
 
-# ---------------------------------------------------------------------------------------------
-# device helpers
+# -- device helpers ---------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -85,41 +71,24 @@ def _dot_operand(x, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _store(ptrs, x, mask):
-    """Store fp32 `x` in the pointer's dtype (bf16 rounded to nearest even)."""
-    if ptrs.dtype.element_ty == tl.bfloat16:
-        tl.store(ptrs, to_bf16_rtne(x), mask=mask)
-    else:
-        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _store_symmetric(out, ri, rj, acc, M):
     """Tile (ri, rj) of a symmetric M x M result, row-block <= col-block: the entries on/above the
     diagonal go to (ri, rj), the transpose fills (rj, ri). A diagonal tile thus takes its lower
     half from its upper half, so the result is exactly symmetric."""
     upper = (ri[:, None] < M) & (rj[None, :] < M) & (ri[:, None] <= rj[None, :])
-    _store(out + ri[:, None] * M + rj[None, :], acc, upper)
+    store(out + ri[:, None] * M + rj[None, :], acc, upper)
     lower = (rj[:, None] < M) & (ri[None, :] < M) & (rj[:, None] > ri[None, :])
-    _store(out + rj[:, None] * M + ri[None, :], tl.trans(acc), lower)
+    store(out + rj[:, None] * M + ri[None, :], tl.trans(acc), lower)
 
 
-# ---------------------------------------------------------------------------------------------
-# kernels: grid (tiles, K), program_id(1) picks the matrix of the stack
+# -- kernels: grid (tiles, K), program_id(1) picks the matrix of the stack -----------------------------
 
 
 @triton.jit
 def _symmetric_xxt_kernel(
-    x_ptr,
-    a_ptr,
-    pairs_ptr,
-    M,
-    N,
-    BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    x_ptr, a_ptr, pairs_ptr, M, N,
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     ti = tl.load(pairs_ptr + 2 * pid)
@@ -140,17 +109,9 @@ def _symmetric_xxt_kernel(
 
 @triton.jit
 def _symmetric_poly_kernel(
-    a_ptr,
-    b_ptr,
-    pairs_ptr,
-    M,
-    coef_b,
-    coef_c,
-    BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    a_ptr, b_ptr, pairs_ptr, M, coef_b, coef_c,
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     """B = coef_b * A + coef_c * A A for symmetric A, reading only A's tiles on/above the diagonal:
     A[i, k] with k-block < i-block is read as A[k, i]^T, A[k, j] with k-block > j-block as A[j, k]^T.
     The K loop is split at the tile boundaries so no iteration branches (BLOCK_K divides BLOCK)."""
@@ -192,17 +153,9 @@ def _symmetric_poly_kernel(
 
 @triton.jit
 def _fused_update_kernel(
-    b_ptr,
-    x_ptr,
-    out_ptr,
-    M,
-    N,
-    coef_a,
-    BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    b_ptr, x_ptr, out_ptr, M, N, coef_a,
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     """out = coef_a * X + B X. Programs walk down a column of tiles first, so neighbours share
     the X column slab they read (B, m x m, is small and stays in L2)."""
     pid = tl.program_id(0)
@@ -225,11 +178,10 @@ def _fused_update_kernel(
     tile = mm[:, None] & mn[None, :]
     x_tile = tl.load(x + rm[:, None] * N + rn[None, :], mask=tile, other=0.0)
     acc += coef_a * x_tile.to(tl.float32)
-    _store(out_ptr + batch * M * N + rm[:, None] * N + rn[None, :], acc, tile)
+    store(out_ptr + batch * M * N + rm[:, None] * N + rn[None, :], acc, tile)
 
 
-# ---------------------------------------------------------------------------------------------
-# launchers: contiguous (K, m, n) / (K, m, m) stacks of one dtype; each returns (out, programs)
+# -- launchers: contiguous (K, m, n) / (K, m, m) stacks of one dtype; each returns (out, programs) ------
 
 
 def _launch_args(cfg, dtype):
@@ -255,26 +207,23 @@ def symmetric_xxt(X: torch.Tensor, out: torch.Tensor | None = None, config: dict
     """A = X X^T for a (K, m, n) stack, computing only tiles with row-block <= col-block."""
     K, M, N = X.shape
     out = torch.empty((K, M, M), dtype=X.dtype, device=X.device) if out is None else out
-    cfg = config or symmetric_config(X.device, K, M)
-    _check(cfg, X, out)
-    nb = triton.cdiv(M, cfg["BLOCK"])
-    grid = (_n_pairs(nb), K)
-    _symmetric_xxt_kernel[grid](X, out, upper_tile_pairs(nb, X.device), M, N, **_launch_args(cfg, X.dtype))
-    return out, grid[0] * grid[1]
+    return _launch_symmetric(_symmetric_xxt_kernel, X, out, (M, N), config)
 
 
 def symmetric_poly(A: torch.Tensor, b: float, c: float, out: torch.Tensor | None = None, config: dict | None = None):
     """B = b A + c A A for a (K, m, m) stack of symmetric matrices, computing only upper tiles and
     reading only A's tiles on/above the diagonal."""
-    K, M, _ = A.shape
     out = torch.empty_like(A) if out is None else out
-    cfg = config or symmetric_config(A.device, K, M)
-    _check(cfg, A, out)
+    return _launch_symmetric(_symmetric_poly_kernel, A, out, (A.size(1), float(b), float(c)), config)
+
+
+def _launch_symmetric(kernel, x, out, scalars, config):
+    K, M, _ = out.shape
+    cfg = config or pick_config(x.device, K * _n_pairs(triton.cdiv(M, 128)))
+    _check(cfg, x, out)
     nb = triton.cdiv(M, cfg["BLOCK"])
     grid = (_n_pairs(nb), K)
-    _symmetric_poly_kernel[grid](
-        A, out, upper_tile_pairs(nb, A.device), M, float(b), float(c), **_launch_args(cfg, A.dtype)
-    )
+    launch(kernel, x)[grid](x, out, upper_tile_pairs(nb, x), *scalars, **_launch_args(cfg, x.dtype))
     return out, grid[0] * grid[1]
 
 
@@ -284,20 +233,19 @@ def fused_update(
     """out = a X + B X for stacks B (K, m, m) and X (K, m, n); `out` must not alias X."""
     K, M, N = X.shape
     out = torch.empty_like(X) if out is None else out
-    cfg = config or update_config(X.device, K, M, N)
+    cfg = config or pick_config(X.device, K * triton.cdiv(M, 128) * triton.cdiv(N, 128))
     _check(cfg, B, X, out)
-    assert out.data_ptr() != X.data_ptr(), "out must not alias X (other tiles still read it)"
+    assert out is not X, "out must not alias X (other tiles still read it)"
     grid = (triton.cdiv(M, cfg["BLOCK"]) * triton.cdiv(N, cfg["BLOCK"]), K)
-    _fused_update_kernel[grid](B, X, out, M, N, float(a), **_launch_args(cfg, X.dtype))
+    launch(_fused_update_kernel, X)[grid](B, X, out, M, N, float(a), **_launch_args(cfg, X.dtype))
     return out, grid[0] * grid[1]
 
 
 def newton_schulz_triton(
-    G: torch.Tensor, coeffs, dtype: torch.dtype | None = None, config: dict | None = None, safety=1.0, eps=1e-7
+    G: torch.Tensor, coeffs, dtype=torch.bfloat16, config: dict | None = None, safety=1.0, eps=1e-7
 ):
-    """The whole iteration on a 2-D matrix or a (K, rows, cols) stack; computes and returns `dtype`
-    (default: the precision policy's choice for G's device)."""
-    dtype = compute_dtype(G.device, dtype)
+    """The whole iteration on a 2-D matrix or a (K, rows, cols) stack, computed and returned in `dtype`;
+    `config` overrides the tile configs."""
     stack = G if G.dim() == 3 else G.unsqueeze(0)
     transposed = stack.size(-2) > stack.size(-1)
     if transposed:
@@ -319,32 +267,16 @@ def newton_schulz_triton(
     return X if G.dim() == 3 else X[0]
 
 
-def flop_counts(m: int, n: int, block: int, batch: int = 1) -> dict:
-    """Flops one call of each kernel computes on a (batch, m, n) stack, m <= n, with `block` tiles,
-    next to what the full (non-symmetric) products would compute. Padding of partial tiles counts:
-    it is work the tensor cores do."""
-    nb = -(-m // block)
-    mp = nb * block  # rows padded to whole tiles
-    pairs = _n_pairs(nb)
-    xxt = batch * pairs * 2 * block * block * n
-    poly = batch * pairs * 2 * block * block * mp
-    update = batch * 2 * mp * mp * (-(-n // block) * block)
-    return {
-        "symmetric_xxt": xxt,
-        "symmetric_poly": poly,
-        "fused_update": update,
-        "step": xxt + poly + update,
-        "full_xxt": batch * 2 * m * m * n,
-        "full_poly": batch * 2 * m**3,
-        "full_update": batch * 2 * m * m * n,
-        "full_step": batch * (4 * m * m * n + 2 * m**3),
-    }
+@torch.library.triton_op("nanochat_fast::newton_schulz_triton", mutates_args=())
+def newton_schulz_op(
+    G: torch.Tensor, coeffs: list[float], dtype: torch.dtype, safety: float = 1.0, eps: float = 1e-7
+) -> torch.Tensor:
+    """newton_schulz_triton as an op torch.compile traces into; coeffs: the steps' (a, b, c), flattened."""
+    return newton_schulz_triton(G, [coeffs[i : i + 3] for i in range(0, len(coeffs), 3)], dtype, None, safety, eps)
 
 
-def step_flops(device: torch.device, K: int, m: int, n: int) -> dict:
-    """flop_counts of one step with the tiles each kernel would use on `device`."""
-    sym = flop_counts(m, n, symmetric_config(device, K, m)["BLOCK"], K)
-    update = flop_counts(m, n, update_config(device, K, m, n)["BLOCK"], K)
-    out = dict(sym, fused_update=update["fused_update"])
-    out["step"] = out["symmetric_xxt"] + out["symmetric_poly"] + out["fused_update"]
-    return out
+@newton_schulz_op.register_fake
+def _(G, coeffs, dtype, safety=1.0, eps=1e-7):
+    if G.size(-2) <= G.size(-1):
+        return G.new_empty(G.shape, dtype=dtype)
+    return G.new_empty(*G.shape[:-2], G.size(-1), G.size(-2), dtype=dtype).mT  # computed transposed

@@ -1,33 +1,25 @@
 """
-pack_rows: best-fit packing of pre-tokenized documents into BOS-aligned training rows.
-
-A training row holds T+1 tokens (inputs its first T, targets its last T). Into each row, in order,
-goes the largest unused document that fits the space left (ties: lowest index), again and again;
-when none fits, the shortest unused one is cropped to fill the row exactly. Every row starts with
-<|bos|>, unlike the concatenate-and-slice stream (the deque packer kept in benchmarks/).
-
-    pack_rows(tokens, offsets, out, bos_id) -> (used, n_tokens_used, n_tokens_cropped)
-
-Backends: `cpp` (csrc/pack_rows_cpu.cpp) and `reference` (plain Python, the definition); both give
-identical rows. `RowPacker` (compiled) and `RowPackerReference` keep the document buffer across
-batches; `make_row_packer()` picks one. The arguments, the packers and the loader's step around
-them: docs/measurements.md#token-packing.
+pack_rows: best-fit packing of pre-tokenized documents into BOS-aligned training rows of T+1 tokens. Into
+each row, in order, goes the largest unused document that fits the space left (ties: lowest index), again
+and again; when none fits, the shortest unused one is cropped to fill the row. Backends: cpp
+(csrc/pack_rows_cpu.cpp) and reference (the rule in plain Python): identical rows. Beside the op, the
+plain-Python twins of the compiled RowPacker and RowStream: docs/measurements.md#token-packing.
 """
+
+import itertools
+import queue
+import threading
 
 import numpy as np
 import torch
 
 from . import registry
-from .registry import always, cpp_why_not, register_backend, register_op
 
 OP = "pack_rows"
-# Packing runs on the host whatever the training device (CUDA gets the rows through a pinned
-# buffer), so each device type lists the host's backends.
-register_op(OP, auto_order={d: ("cpp", "reference") for d in registry.DEVICE_TYPES})
-
-
-def _cpp_why_not(device_type):
-    return cpp_why_not("cpu")
+# A document read more than WAIT_FACTOR buffers ago is due and starts a row. Without this, best-fit
+# leaves documents of awkward lengths waiting for good; the price is some cropping, the more the
+# smaller the factor (the figures: docs/measurements.md#packing-due-documents).
+WAIT_FACTOR = 4
 
 
 def _check(tokens, offsets, out, bos_id):
@@ -63,15 +55,10 @@ def pack_rows(tokens: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, bo
     return impl.fn(tokens, offsets, out, bos_id)
 
 
-# ---------------------------------------------------------------------------------------------
-# reference: the rule, written as plainly as possible
-
-
 def plan_reference(lengths: list[int], rows: int, row_len: int, row_starts=()):
-    """The best-fit plan over document lengths: a list of (row, doc, pos, n) meaning "the first n
-    tokens of doc go to row at pos", and the tokens cropped. Raises ValueError when the documents
-    run out before `rows` rows are full. Row r < len(row_starts) begins with document
-    row_starts[r] (at most row_len long; RowPacker's due documents), which best-fit never picks."""
+    """The rule over document lengths, as plainly as possible: a list of (row, doc, pos, n), "the first
+    n tokens of doc go to row at pos", and the tokens cropped; ValueError when the documents run out.
+    Row r < len(row_starts) begins with document row_starts[r] (RowPacker's due documents)."""
     used = [False] * len(lengths)
     for d in row_starts:
         used[d] = True
@@ -83,32 +70,27 @@ def plan_reference(lengths: list[int], rows: int, row_len: int, row_starts=()):
             pos = lengths[row_starts[row]]
         while pos < row_len:
             space = row_len - pos
-            best = -1
-            for d, n in enumerate(lengths):  # the largest unused document that fits (first on ties)
-                if not used[d] and n <= space and (best < 0 or n > lengths[best]):
-                    best = d
-            if best >= 0:
-                used[best] = True
-                placements.append((row, best, pos, lengths[best]))
-                pos += lengths[best]
-                continue
-            shortest = -1
-            for d, n in enumerate(lengths):  # none fits: the shortest unused one (first on ties)
-                if not used[d] and (shortest < 0 or n < lengths[shortest]):
-                    shortest = d
-            if shortest < 0:
+            unused = [d for d, u in enumerate(used) if not u]
+            fits = [d for d in unused if lengths[d] <= space]
+            if fits:  # the largest unused document that fits (first on ties)
+                d = max(fits, key=lambda d: (lengths[d], -d))
+                n = lengths[d]
+            elif unused:  # none fits: the shortest unused one (first on ties), cropped to fill the row
+                d = min(unused, key=lambda d: (lengths[d], d))
+                n = space
+                cropped += lengths[d] - space
+            else:
                 raise ValueError(
                     f"pack_rows: the {len(lengths)} documents ({sum(lengths)} tokens) ran out "
                     f"after {row} of {rows} rows of {row_len} tokens; pass more documents"
                 )
-            used[shortest] = True
-            placements.append((row, shortest, pos, space))
-            cropped += lengths[shortest] - space
-            pos = row_len
+            used[d] = True
+            placements.append((row, d, pos, n))
+            pos += n
     return placements, cropped
 
 
-@register_backend(OP, "reference", always)
+@registry.register(OP, "reference")
 def pack_rows_reference(tokens, offsets, out, bos_id):
     toks, offs = tokens.tolist(), offsets.tolist()
     if offs[0] != 0 or offs[-1] != len(toks):
@@ -135,10 +117,10 @@ def pack_rows_reference(tokens, offsets, out, bos_id):
     return torch.tensor(used, dtype=torch.bool), rows * row_len, cropped
 
 
-@register_backend(OP, "cpp", _cpp_why_not)
+# packing runs on the host whatever the training device (CUDA gets the rows through a pinned buffer)
+@registry.register(OP, "cpp", why_not=lambda device_type: registry.cpp_why_not(OP, "cpu"))
 def pack_rows_cpp(tokens, offsets, out, bos_id):
-    used, n_used, n_cropped = torch.ops.nanochat_fast.pack_rows(tokens, offsets, out, bos_id)
-    return used, n_used, n_cropped
+    return torch.ops.nanochat_fast.pack_rows(tokens, offsets, out, bos_id)
 
 
 if registry.extension() is not None:
@@ -149,21 +131,15 @@ if registry.extension() is not None:
         return offsets.new_empty(offsets.shape[0] - 1, dtype=torch.bool), ctx.new_dynamic_size(), ctx.new_dynamic_size()
 
 
-# ---------------------------------------------------------------------------------------------
-# the stateful packer
+# -- the plain-Python twins of the compiled RowPacker and RowStream ------------------------------------
 
 
 class RowPackerReference:
-    """Plain-Python twin of the compiled RowPacker (csrc/pack_rows.h): a document buffer that
-    persists across calls, in arrival order. add() appends documents, each with an id; pack()
-    plans `total_rows` rows over the buffer in that order (ties go to the oldest), writes rows
-    [first_row, first_row + out.shape[0]), removes the documents it used and returns (documents
-    used, tokens placed, tokens cropped).
-
-    The buffer keeps at most row_len tokens of a document: the rest can never be placed (rows
-    start with a document's first token), and cut to a row's length a long document can fill a
-    whole row instead of waiting, never fitting, for a crop that only ever takes the shortest of
-    such documents. The cut-off tails are counted as cropped when the document is used."""
+    """The compiled RowPacker's twin (csrc/pack_rows.h, which says why): a document buffer across calls,
+    in arrival order, of at most row_len tokens a document (the cut-off tails count as cropped). add()
+    appends documents with ids; pack() plans `total_rows` rows over the buffer (ties: the oldest), writes
+    rows [first_row, first_row + out.shape[0]), drops the documents used and returns (documents used,
+    tokens placed, tokens cropped)."""
 
     def __init__(self, row_len: int, bos_id: int):
         if row_len < 2:
@@ -174,9 +150,7 @@ class RowPackerReference:
         self.clear()
 
     def clear(self):
-        self._docs: list[np.ndarray] = []  # the tokens kept of each buffered document
-        self._ids: list[int] = []
-        self._full_lens: list[int] = []
+        self._docs: list[tuple[int, np.ndarray, int]] = []  # (id, the tokens kept, full length) per document
 
     @property
     def num_docs(self) -> int:
@@ -184,13 +158,13 @@ class RowPackerReference:
 
     @property
     def mass(self) -> int:
-        return sum(len(d) for d in self._docs)
+        return sum(len(kept) for _, kept, _ in self._docs)
 
     def ids(self) -> torch.Tensor:
-        return torch.tensor(self._ids, dtype=torch.int64)
+        return torch.tensor([i for i, _, _ in self._docs], dtype=torch.int64)
 
     def lengths(self) -> torch.Tensor:
-        return torch.tensor([len(d) for d in self._docs], dtype=torch.int64)
+        return torch.tensor([len(kept) for _, kept, _ in self._docs], dtype=torch.int64)
 
     def add(self, tokens: torch.Tensor, offsets: torch.Tensor, first_id: int, mask=None, mask_bit: int = -1):
         toks, offs = tokens.numpy(), offsets.tolist()
@@ -206,26 +180,13 @@ class RowPackerReference:
                 raise ValueError(f"RowPacker.add: mask_bit must be in [0, 31) with a mask, got {mask_bit}")
             toks = toks.astype(np.int32) | (mask.numpy().astype(np.int32) << mask_bit)
         for j, (a, b) in enumerate(zip(offs, offs[1:])):
-            self._docs.append(np.array(toks[a : min(b, a + self.row_len)], dtype=np.int32))
-            self._ids.append(first_id + j)
-            self._full_lens.append(b - a)
+            self._docs.append((first_id + j, np.array(toks[a : min(b, a + self.row_len)], dtype=np.int32), b - a))
 
-    def pack(
-        self,
-        out: torch.Tensor,
-        total_rows: int,
-        first_row: int = 0,
-        due_before: int = -(1 << 63),
-        targets: torch.Tensor | None = None,
-        mask_bit: int = -1,
-    ):
-        """Documents with an id below `due_before` are due: the oldest of them (at most one per row)
-        start the rows, in id order, before best-fit fills the rest. This bounds how long a
-        document can wait, which best-fit alone does not (see csrc/pack_rows.h).
-
-        Given `targets`, the rows are written as training pairs instead: out = row[:-1] and
-        targets = row[1:], both [rows, row_len - 1]; with mask_bit >= 0 a token's bit mask_bit is
-        its "supervised" flag, dropped from the written token, and an unflagged target is -1."""
+    def pack(self, out, total_rows: int, first_row=0, due_before=-(1 << 63), targets=None, mask_bit=-1):
+        """Documents with an id below `due_before` are due: the oldest (at most one per row) start the
+        rows, in id order, before best-fit fills the rest (csrc/pack_rows.h). Given `targets`, the rows
+        are written as pairs, out = row[:-1] and targets = row[1:]; with mask_bit >= 0 a token's bit
+        mask_bit is its "supervised" flag, dropped from the token, and an unflagged target is -1."""
         width = self.row_len - (targets is not None)
         if out.dtype != torch.int64 or out.dim() != 2 or out.shape[1] != width or not out.is_contiguous():
             raise ValueError(f"RowPacker.pack: out must be a contiguous int64 CPU tensor [rows, {width}]")
@@ -237,28 +198,25 @@ class RowPackerReference:
             raise ValueError(
                 f"RowPacker.pack: rows [{first_row}, {first_row + out.shape[0]}) are not within total_rows={total_rows}"
             )
-        due = sorted((i, d) for d, i in enumerate(self._ids) if i < due_before)[:total_rows]
+        due = sorted((i, d) for d, (i, _, _) in enumerate(self._docs) if i < due_before)[:total_rows]
         try:
             placements, cropped = plan_reference(
-                [len(d) for d in self._docs], total_rows, self.row_len, row_starts=[d for _, d in due]
+                [len(kept) for _, kept, _ in self._docs], total_rows, self.row_len, row_starts=[d for _, d in due]
             )
         except ValueError as e:
             raise ValueError(str(e).replace("pack_rows:", "RowPacker.pack:").replace("pass more", "add more")) from None
         rows = torch.empty(out.shape[0], self.row_len, dtype=torch.int64) if targets is not None else out
         for row, d, pos, n in placements:
             if first_row <= row < first_row + out.shape[0]:
-                rows[row - first_row, pos : pos + n] = torch.from_numpy(self._docs[d][:n])
+                rows[row - first_row, pos : pos + n] = torch.from_numpy(self._docs[d][1][:n])
         if targets is not None:
             tokens = rows & ~(1 << mask_bit) if mask_bit >= 0 else rows
             out.copy_(tokens[:, :-1])
             supervised = (rows[:, 1:] >> mask_bit) & 1 if mask_bit >= 0 else torch.ones_like(targets)
             targets.copy_(torch.where(supervised.bool(), tokens[:, 1:], -1))
         used = {d for _, d, _, _ in placements}
-        cropped += sum(self._full_lens[d] - len(self._docs[d]) for d in used)
-        keep = [d for d in range(len(self._docs)) if d not in used]
-        self._docs, self._ids, self._full_lens = (
-            [xs[d] for d in keep] for xs in (self._docs, self._ids, self._full_lens)
-        )
+        cropped += sum(full - len(kept) for d, (_, kept, full) in enumerate(self._docs) if d in used)
+        self._docs = [doc for d, doc in enumerate(self._docs) if d not in used]
         return len(used), total_rows * self.row_len, cropped
 
 
@@ -268,3 +226,152 @@ def make_row_packer(row_len: int, bos_id: int, backend: str | None = None):
     if impl.name == "cpp":
         return registry.extension().RowPacker(row_len, bos_id)
     return RowPackerReference(row_len, bos_id)
+
+
+class RowStream:
+    """The loader's step, the plain-Python twin of the compiled RowStream (csrc/pack_rows_stream.h), with
+    the same calls, batches and states: a document buffer (a RowPacker) and a cursor into `docs` (n_docs,
+    runs, add_to(packer, start, count): data/packed_loaders.DocStream). next(first_row, out_rows, pairs,
+    pinned) packs the next global batch and returns (its rows [first_row, first_row + out_rows), as rows
+    or (inputs, targets) pairs; state), the state (next_pos, buffer ids, batches, tokens_used,
+    tokens_cropped). start(depth, ...) runs next() ahead in a thread, get() takes, stop() ends it."""
+
+    def __init__(
+        self, docs, rows, row_len, bos_id, buffer_docs, wait_factor=WAIT_FACTOR, mask_bit=-1, backend="reference"
+    ):
+        self.docs, self.rows, self.row_len, self.buffer_docs = docs, rows, row_len, buffer_docs
+        self.wait_factor, self.mask_bit = wait_factor, mask_bit
+        self.packer = make_row_packer(row_len, bos_id, backend)
+        self.next_pos, self.batches, self.tokens_used, self.tokens_cropped = 0, 0, 0, 0
+        self._producer = None
+        self.refill()
+
+    @property
+    def n_docs(self) -> int:
+        return self.docs.n_docs
+
+    def _add(self, count):
+        self.docs.add_to(self.packer, self.next_pos, count)
+        self.next_pos += count
+
+    def refill(self):
+        """Top the buffer up to buffer_docs documents and 2 * rows * row_len tokens: enough for best-fit
+        to fill every row, a row taking at most 2 * row_len (documents that fit, plus one cropped)."""
+        self._add(max(self.buffer_docs - self.packer.num_docs, 0))
+        target = 2 * self.rows * self.row_len
+        while self.packer.mass < target:  # as many documents as the buffer's average suggests
+            average = max(1, self.packer.mass // max(1, self.packer.num_docs))
+            self._add(-(-(target - self.packer.mass) // average))
+
+    def next(self, first_row: int, out_rows: int, pairs: bool, pinned: bool = False):
+        if self.prefetching:  # the prefetch thread owns the packer
+            raise RuntimeError("RowStream.next: not while prefetching (stop() first)")
+        return self._next(first_row, out_rows, pairs, pinned)
+
+    def _next(self, first_row: int, out_rows: int, pairs: bool, pinned: bool):
+        if not (first_row >= 0 and out_rows >= 0 and first_row + out_rows <= self.rows):
+            raise ValueError(
+                f"RowStream.next: rows [{first_row}, {first_row + out_rows}) are not within the batch of {self.rows}"
+            )
+        due_before = self.next_pos - self.wait_factor * self.packer.num_docs
+        if pairs:
+            data = tuple(torch.empty((out_rows, self.row_len - 1), dtype=torch.int64) for _ in range(2))
+            _, used, cropped = self.packer.pack(data[0], self.rows, first_row, due_before, data[1], self.mask_bit)
+        else:
+            data = torch.empty((out_rows, self.row_len), dtype=torch.int64, pin_memory=pinned)
+            _, used, cropped = self.packer.pack(data, self.rows, first_row, due_before)
+        self.batches += 1
+        self.tokens_used += used
+        self.tokens_cropped += cropped
+        self.refill()
+        return data, self.state()
+
+    def state(self):
+        return self.next_pos, self.packer.ids(), self.batches, self.tokens_used, self.tokens_cropped
+
+    def restore(self, next_pos: int, buffer, batches: int, tokens_used: int, tokens_cropped: int):
+        ids = [int(i) for i in buffer]
+        if any(not 0 <= i < next_pos for i in ids):
+            raise ValueError(f"RowStream.restore: a buffered position is not in [0, next_pos={next_pos})")
+        self.packer.clear()
+        # re-add the buffered documents in buffer order, each run of consecutive positions at once
+        for _, run in itertools.groupby(enumerate(ids), lambda k_id: k_id[1] - k_id[0]):
+            run = [i for _, i in run]
+            self.docs.add_to(self.packer, run[0], len(run))
+        self.next_pos, self.batches = int(next_pos), int(batches)
+        self.tokens_used, self.tokens_cropped = int(tokens_used), int(tokens_cropped)
+        self.refill()
+
+    def start(self, depth: int, first_row: int, out_rows: int, pairs: bool, pinned: bool = False):
+        if self._producer is not None:
+            raise RuntimeError("RowStream.start: already prefetching")
+        self._producer = _Producer(lambda: self._next(first_row, out_rows, pairs, pinned), depth)
+
+    def get(self):
+        if self._producer is None:
+            raise RuntimeError("RowStream.get: not prefetching (start() first)")
+        item = self._producer.get()
+        if isinstance(item, BaseException):  # the prefetch thread's failure
+            raise item
+        return item
+
+    def stop(self):
+        if self._producer is not None:
+            self._producer.stop()
+            self._producer = None
+
+    @property
+    def prefetching(self) -> bool:
+        return self._producer is not None
+
+
+def make_row_stream(
+    docs, rows: int, row_len: int, bos_id: int, buffer_docs: int, mask_bit: int = -1, backend: str | None = None
+):
+    """The compiled RowStream where pack_rows' selected backend is `cpp`, else the Python twin."""
+    if registry.select(OP, "cpu", backend).name == "cpp":
+        return registry.extension().RowStream(docs.runs, rows, row_len, bos_id, buffer_docs, WAIT_FACTOR, mask_bit)
+    return RowStream(docs, rows, row_len, bos_id, buffer_docs, WAIT_FACTOR, mask_bit, backend="reference")
+
+
+class _Producer:
+    """The Python twin's prefetch thread: runs make_batch() ahead into a bounded queue. It holds no
+    reference to the loader, so a loader dropped without close() is still collected (and stops it)."""
+
+    def __init__(self, make_batch, depth: int):
+        self.make_batch, self.queue, self.halt = make_batch, queue.Queue(maxsize=depth), threading.Event()
+        self.thread = threading.Thread(target=self._run, name="nanochat_fast-prefetch", daemon=True)
+        self.thread.start()
+
+    def _put(self, item):
+        while not self.halt.is_set():
+            try:
+                self.queue.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                pass
+
+    def _run(self):
+        try:
+            while not self.halt.is_set():
+                self._put(self.make_batch())
+        except BaseException as e:  # handed to the consumer, raised by get()
+            self._put(e)
+
+    def get(self):
+        while True:
+            try:
+                return self.queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    raise RuntimeError("the data loader's prefetch thread stopped") from None
+
+    def stop(self):
+        self.halt.set()
+        while True:  # unblock a put() waiting for room
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)

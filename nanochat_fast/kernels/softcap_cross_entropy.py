@@ -1,16 +1,9 @@
 """
-softcap_cross_entropy: from the final hidden states and the lm_head weight to the loss, in chunks of
-rows, never holding all N x V logits.
-
-    loss = cross_entropy(softcap * tanh(hidden @ weight.T / softcap), targets, ignore_index, reduction)
-
-hidden [N, d] and weight [V, d] are fp32 or bf16 (the same dtype; under autocast both are cast to the
-autocast dtype, as nn.Linear would be); targets int64 [N]; reduction "mean" | "sum" | "none" (per-row
-losses, 0 at ignored rows). Math is fp32 whatever the input dtype; gradients come back in the inputs'
-dtypes. Backends: triton (CUDA: the row pass in softcap_cross_entropy_triton.py, matmuls cuBLAS), cpp
-(CPU: csrc/softcap_cross_entropy_cpu.cpp), torch (the same loop in PyTorch ops), reference (full
-logits and F.cross_entropy). How the chunked backends compute both gradients in the forward pass, and
-their op schema: docs/measurements.md#fused-cross-entropy.
+softcap_cross_entropy: from the final hidden states and the lm_head weight to the loss, in chunks of rows,
+never holding all N x V logits: cross_entropy(softcap * tanh(hidden @ weight.T / softcap), targets).
+Math fp32 whatever the inputs' dtype (fp32 or bf16, both alike); gradients in the inputs' dtypes. Backends:
+triton (CUDA: the row pass below, matmuls cuBLAS), cpp (CPU), torch (the same loop in PyTorch ops),
+reference (full logits). Gradients computed in the forward pass: docs/measurements.md#fused-cross-entropy.
 """
 
 import numbers
@@ -20,31 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from . import registry
-from .registry import always, cpp_why_not, register_backend, register_op, triton_why_not
+from .triton_utils import store, tl, triton
 
 OP = "softcap_cross_entropy"
-register_op(
-    OP,
-    auto_order={
-        "cuda": ("triton", "torch", "reference"),
-        "cpu": ("cpp", "torch", "reference"),
-        "mps": ("torch", "reference"),
-    },
-)
 REDUCTIONS = ("mean", "sum", "none")
-DTYPES = (torch.float32, torch.bfloat16)
-
-# Rows per chunk. What limits the chunk is the matmuls' efficiency: smaller chunks make smaller,
-# slower matmuls, and a chunk bigger than needed for full speed only holds more logits. CPU: 1024
-# rows, the smallest chunk that ran at full speed (32 MiB of fp32 logits at V=8192); CUDA: 4096
-# rows keep the cuBLAS matmuls large (M = 4096) at 512 MiB of bf16 logits for a 64K vocabulary.
-# The measurements: docs/measurements.md#cross-entropy-chunk-rows;
-# benchmarks/bench_softcap_cross_entropy.py (test_chunk_rows) repeats them.
+# Rows per chunk: the smallest at which the matmuls run at full speed (a bigger chunk only holds more
+# logits): docs/measurements.md#cross-entropy-chunk-rows (benchmarks/bench_softcap_cross_entropy.py).
 CHUNK_ROWS = {"cpu": 1024, "cuda": 4096, "mps": 1024}
-
-
-def default_chunk_rows(n_rows: int, device_type: str) -> int:
-    return max(1, min(n_rows, CHUNK_ROWS.get(device_type, 1024)))
 
 
 def _check(hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows):
@@ -76,25 +51,10 @@ def _check(hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows
         raise ValueError(f"chunk_rows must be None (automatic) or an int >= 1, got {chunk_rows!r}")
 
 
-def _check_dtypes(hidden, weight):
-    if hidden.dtype not in DTYPES or weight.dtype != hidden.dtype:
-        raise ValueError(
-            f"hidden and weight must both be float32 or both bfloat16 (outside autocast), "
-            f"got hidden {hidden.dtype} and weight {weight.dtype}"
-        )
-
-
 def softcap_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    softcap: float,
-    ignore_index: int = -1,
-    reduction: str = "mean",
-    *,
-    backend=None,
-    chunk_rows=None,
-):
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float, ignore_index: int = -1,
+    reduction: str = "mean", *, backend=None, chunk_rows=None,
+):  # fmt: skip
     """cross_entropy(softcap * tanh(hidden @ weight.T / softcap), targets), differentiable w.r.t.
     hidden and weight. `backend` forces one by name (default: NANOCHAT_FAST_KERNELS, else auto);
     `chunk_rows` overrides the rows per chunk of the chunked backends."""
@@ -108,56 +68,48 @@ def softcap_cross_entropy(
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         no_autocast = torch.autocast(device_type, enabled=False)
-    _check_dtypes(hidden, weight)
+    if hidden.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"hidden and weight must both be float32 or both bfloat16 (outside autocast), "
+            f"got hidden {hidden.dtype} and weight {weight.dtype}"
+        )
     with no_autocast:
         return impl.fn(hidden, weight, targets, float(softcap), ignore_index, reduction, chunk_rows)
 
 
-# ---------------------------------------------------------------------------------------------
-# backends: each takes (hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows)
+# -- backends: each takes (hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows) -------
 
 
-@register_backend(OP, "reference", always)
+@registry.register(OP, "reference")
 def reference_backend(hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows):
     """The stock computation: all N x V logits in fp32, then F.cross_entropy."""
     logits = softcap * torch.tanh(F.linear(hidden, weight).float() / softcap)
     return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
 
 
-def _run_chunked_op(op, hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows):
-    """Call a chunked op: gradients in the forward pass for sum/mean when they will be needed."""
-    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    count = None
-    grad_scale = None
-    if reduction == "mean":
-        count = (targets != ignore_index).sum()
-    if need_grad and reduction != "none":
-        grad_scale = 1.0 / count if reduction == "mean" else torch.ones((), device=hidden.device)
-    rows = chunk_rows or default_chunk_rows(hidden.size(0), hidden.device.type)
-    losses, total, _, _ = op(
-        hidden.contiguous(), weight.contiguous(), targets.contiguous(), softcap, ignore_index, grad_scale, rows
-    )
-    if reduction == "none":
-        return losses
-    if reduction == "mean" and grad_scale is None:
-        return total / count
-    return total
-
-
 def _chunked_backend(op_name):
-    def run(*args):
-        return _run_chunked_op(getattr(torch.ops.nanochat_fast, op_name), *args)
+    """The backend calling torch.ops.nanochat_fast.<op_name>: the gradients in the forward pass for
+    sum and mean, when they will be needed."""
+
+    def run(hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows):
+        need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        count = (targets != ignore_index).sum() if reduction == "mean" else None
+        grad_scale = None
+        if need_grad and reduction != "none":
+            grad_scale = 1.0 / count if reduction == "mean" else torch.ones((), device=hidden.device)
+        rows = chunk_rows or max(1, min(hidden.size(0), CHUNK_ROWS.get(hidden.device.type, 1024)))
+        op = getattr(torch.ops.nanochat_fast, op_name)
+        losses, total, _, _ = op(
+            hidden.contiguous(), weight.contiguous(), targets.contiguous(), softcap, ignore_index, grad_scale, rows
+        )
+        if reduction == "none":
+            return losses
+        return total / count if reduction == "mean" and grad_scale is None else total
 
     return run
 
 
-register_backend(OP, "cpp", cpp_why_not)(_chunked_backend("softcap_cross_entropy"))
-register_backend(OP, "torch", always)(_chunked_backend("softcap_cross_entropy_torch"))
-register_backend(OP, "triton", triton_why_not)(_chunked_backend("softcap_cross_entropy_triton"))
-
-
-# ---------------------------------------------------------------------------------------------
-# the chunk loop of the torch and triton ops (the cpp op runs the same loop in C++)
+# -- the chunk loop of the torch and triton ops (the cpp op runs the same loop in C++) ----------------
 
 
 def chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows, row_pass):
@@ -204,36 +156,95 @@ def torch_row_pass(z, targets, scale, losses, softcap, ignore_index):
     z.copy_(p)
 
 
-# ---------------------------------------------------------------------------------------------
-# the Python-defined ops, and the fake and autograd registrations shared by all three
+# -- the row pass as one Triton kernel: one program per row of a chunk of logits z [rows, V]: the loss by
+# an online logsumexp (z read once; NaN for a target outside [0, V): a kernel cannot raise), then with
+# gradients dz = g * (softmax(y) - onehot(target)) * (1 - tanh^2) over z. Loads go to fp32 before any
+# arithmetic, bf16 stores round to nearest even: the interpreter computes a GPU's bits. BLOCK: vocabulary
+# entries per step (docs/measurements.md#gpu-kernel-configs); the interpreter's small, so tests span blocks.
+CONFIGS = {"cuda": dict(BLOCK=4096, num_warps=8), "cpu": dict(BLOCK=256, num_warps=1)}
+# every variant a GPU may compile (benchmarks/triton_aot.py): training's pass and evaluation's loss-only one
+GPU_CONFIGS = {"grad": dict(CONFIGS["cuda"], COMPUTE_GRAD=True), "loss": dict(CONFIGS["cuda"], COMPUTE_GRAD=False)}
 
 
-@torch.library.custom_op("nanochat_fast::softcap_cross_entropy_torch", mutates_args=())
-def _torch_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    softcap: float,
-    ignore_index: int,
-    grad_scale: torch.Tensor | None,
-    chunk_rows: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows, torch_row_pass)
+@triton.jit
+def _tanh(x):
+    """tanh from one exp, stable for any x: (1 - e) / (1 + e) with e = exp(-2|x|), signed; absolute
+    error ~1e-7, what a logit compared on an absolute scale needs."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
-@torch.library.custom_op("nanochat_fast::softcap_cross_entropy_triton", mutates_args=())
-def _triton_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    softcap: float,
-    ignore_index: int,
-    grad_scale: torch.Tensor | None,
-    chunk_rows: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .softcap_cross_entropy_triton import triton_row_pass  # imported late: TRITON_INTERPRET is read at import
+@triton.jit
+def _softcap_ce_rows_kernel(
+    z_ptr,
+    z_stride,  # logits chunk [rows, V] (fp32 or bf16); dz is written over it
+    targets_ptr,  # int64 [rows]
+    scale_ptr,  # fp32 [rows]: per-row gradient weights (read when COMPUTE_GRAD)
+    losses_ptr,  # fp32 [rows]
+    n_cols,
+    softcap,
+    ignore_index,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = z_ptr + row * z_stride
+    target = tl.load(targets_ptr + row)
+    inv_cap = 1.0 / softcap
+    cols = tl.arange(0, BLOCK)
 
-    return chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows, triton_row_pass)
+    # pass 1: online logsumexp of the softcapped logits (the sum rescaled when the max grows)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        mask = start + cols < n_cols
+        z = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.where(mask, softcap * _tanh(z * inv_cap), float("-inf"))
+        m_new = tl.maximum(m, tl.max(y, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+
+    valid = target != ignore_index
+    in_range = (target >= 0) & (target < n_cols)
+    z_target = tl.load(row_ptr + target, mask=valid & in_range, other=0.0).to(tl.float32)
+    # log(s) - (y_target - m): exactly log(s) when the target is the row's maximum, so a confident
+    # prediction's small loss keeps its precision
+    loss = tl.log(s) - (softcap * _tanh(z_target * inv_cap) - m)
+    loss = tl.where(in_range, loss, float("nan"))
+    tl.store(losses_ptr + row, tl.where(valid, loss, 0.0))
+
+    if COMPUTE_GRAD:
+        g = tl.load(scale_ptr + row)
+        g = tl.where(valid, g, 0.0)
+        for start in range(0, n_cols, BLOCK):
+            mask = start + cols < n_cols
+            z = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            t = _tanh(z * inv_cap)
+            p = tl.exp(softcap * t - lse)
+            p = tl.where(start + cols == target, p - 1.0, p)
+            dz = g * p * (1.0 - t * t)
+            store(row_ptr + start + cols, dz, mask)
+
+
+def triton_row_pass(z, targets, scale, losses, softcap, ignore_index, config=None):
+    """The row pass of `chunked`: losses[r] for every row of z, and dz over z when `scale` (fp32 per-row
+    weights) is given."""
+    rows, n_cols = z.shape
+    if rows == 0:
+        return
+    cfg = config or CONFIGS["cuda" if z.is_cuda else "cpu"]
+    compute_grad = scale is not None
+    # one weight per row, contiguous (a shared weight comes as a stride-0 view): one variant per dtype and pass
+    scale = scale.contiguous() if compute_grad else losses  # losses: not read
+    _softcap_ce_rows_kernel[(rows,)](
+        z, z.stride(0), targets, scale, losses, n_cols, softcap, ignore_index,
+        COMPUTE_GRAD=compute_grad, BLOCK=min(cfg["BLOCK"], triton.next_power_of_2(n_cols)), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+
+
+# -- the ops: fake kernels and the autograd formula shared by all three (the cpp op's schema: csrc/ops.cpp) --
 
 
 def _fake(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows):
@@ -267,26 +278,31 @@ def _backward_of(op_name):
             rows = torch.as_tensor(rows, dtype=torch.float32, device=hidden.device)
             op = getattr(torch.ops.nanochat_fast, op_name)
             _, _, dhidden, dweight = op(hidden, weight, targets, *ctx.args[:2], rows, ctx.args[2])
-        return (
-            dhidden if ctx.needs_input_grad[0] else None,
-            dweight if ctx.needs_input_grad[1] else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        grads = (dhidden if ctx.needs_input_grad[0] else None, dweight if ctx.needs_input_grad[1] else None)
+        return (*grads, None, None, None, None, None)
 
     return backward
 
 
-def _register(op_name):
-    qualname = f"nanochat_fast::{op_name}"
-    torch.library.register_fake(qualname)(_fake)
-    torch.library.register_autograd(qualname, _backward_of(op_name), setup_context=_setup_context)
+def _register(backend, name, row_pass=None):
+    """Backend `backend` through nanochat_fast::<name>, with the op's fake kernel and autograd formula: a
+    Python op running `chunked` with `row_pass`, or (None) the C++ op."""
+    registry.register(OP, backend)(_chunked_backend(name))
+    if row_pass is not None:
+
+        @torch.library.custom_op(f"nanochat_fast::{name}", mutates_args=())
+        def op(
+            hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float, ignore_index: int,
+            grad_scale: torch.Tensor | None, chunk_rows: int,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+            return chunked(hidden, weight, targets, softcap, ignore_index, grad_scale, chunk_rows, row_pass)
+
+    elif registry.extension() is None:
+        return  # no C++ op to register for
+    torch.library.register_fake(f"nanochat_fast::{name}")(_fake)
+    torch.library.register_autograd(f"nanochat_fast::{name}", _backward_of(name), setup_context=_setup_context)
 
 
-_register("softcap_cross_entropy_torch")
-_register("softcap_cross_entropy_triton")
-if registry._C is not None:
-    _register("softcap_cross_entropy")
+_register("torch", "softcap_cross_entropy_torch", torch_row_pass)
+_register("triton", "softcap_cross_entropy_triton", triton_row_pass)
+_register("cpp", "softcap_cross_entropy")

@@ -1,23 +1,33 @@
-"""Small Triton helpers shared by the kernels, and a fix for the interpreter of older Tritons."""
+"""What the Triton kernels share: triton itself (a stand-in where it is not installed), fp32 -> bf16
+rounding on store, and a fix for the interpreter of older Tritons."""
 
 import inspect
 import re
 
-import triton
-import triton.language as tl
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # CPU builds of torch, macOS: the kernels stay plain functions, never launched
+    HAVE_TRITON = False
+
+    class _NoTriton:
+        def jit(self, fn):
+            return fn
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    triton = tl = _NoTriton()
 
 
 def fix_interpreter_loop_bounds():
-    """Triton's interpreter before 3.8 (3.6.0 is what torch 2.11 installs) turns a runtime loop bound
-    into a Python int with int() of a one-element array, which NumPy 2.4 refuses: every kernel looping
-    `for k in range(0, n, BLOCK)` over a runtime n fails under TRITON_INTERPRET=1 with "only
-    0-dimensional arrays can be converted to Python scalars" (triton-lang/triton#9171). Compiled for a
-    GPU the loop is an scf.for over i32 values and no NumPy is involved, so GPUs are not affected, only
-    the CPU tests. Rewriting the loops cannot avoid it: any runtime bound, a block count too, goes
-    through the same conversion, and a while loop (which does not) would cost the GPU matmul loops their
-    software pipelining. So the interpreter gets upstream's one-line fix (triton-lang/triton#9172,
-    `int(data.squeeze())`, in 3.8) where it lacks it; compiled kernels never call the patched function.
-    Returns whether it patched."""
+    """Triton's interpreter before 3.8 (torch 2.11 installs 3.6) turns a runtime loop bound into an int
+    with int() of a one-element array, which NumPy 2.4 refuses (triton-lang/triton#9171): every kernel
+    looping over a runtime bound fails under TRITON_INTERPRET=1, GPUs being unaffected. Rewriting the
+    loops cannot avoid it (a while loop would cost the GPU loops their pipelining), so the interpreter gets
+    upstream's one-line fix (triton-lang/triton#9172, in 3.8) where it lacks it. Returns whether it patched."""
     version = tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2])
     if version >= (3, 8):
         return False
@@ -40,17 +50,23 @@ def fix_interpreter_loop_bounds():
     return True
 
 
-fix_interpreter_loop_bounds()  # every kernel module imports this one
+if HAVE_TRITON:
+    fix_interpreter_loop_bounds()  # every kernel module imports this one
+
+
+@triton.jit
+def store(ptrs, x, mask):
+    """Store fp32 `x` in the pointers' dtype, bf16 rounded to nearest even (the kernels compute in fp32)."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        tl.store(ptrs, to_bf16_rtne(x), mask=mask)
+    else:
+        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def to_bf16_rtne(x):
-    """fp32 -> bf16 rounded to nearest even, in integer arithmetic.
-
-    On a GPU this is what `x.to(tl.bfloat16)` does; the Triton interpreter instead truncates, so a
-    kernel tested there would not be the kernel a GPU runs. Doing the rounding explicitly (as
-    c10::BFloat16 does) gives the same bits on both, for a handful of integer ops per element.
-    """
+    """fp32 -> bf16 rounded to nearest even, in integer arithmetic: what `x.to(tl.bfloat16)` does on a
+    GPU, where the interpreter truncates. Explicit (as c10::BFloat16 does it), the bits are a GPU's on both."""
     bits = x.to(tl.uint32, bitcast=True)
     lsb = (bits >> 16) & 1
     rounded = ((bits + 0x7FFF + lsb) >> 16).to(tl.uint16)

@@ -11,7 +11,7 @@ from functools import partial
 import torch
 
 from ..kernels import decode_block, pack_linear, requested, rms_norm, smear_decode
-from ..kernels.packed_linear import MAX_ROWS
+from ..kernels.decode_step import MAX_ROWS
 
 
 class SlotCache:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..core.distributed import is_distributed, print0
 from ..kernels import rms_norm, softcap, softcap_cross_entropy
-from ..kernels.decode_attention import apply_rotary_emb
+from ..kernels.decode_step import apply_rotary_emb
 from .batch_engine import MIN_TEMPERATURE
 from .decode import SlotBatch, decode_step
 from .generation import generate_tokens

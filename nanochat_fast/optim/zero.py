@@ -283,7 +283,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def mark_updated(self):
         """Move the parameters' version counters, as an in-place update would: the updates write
         through p.data and the kernels, and what caches a function of the weights reads that
-        counter (model/packed_linears.py)."""
+        counter (model/decode.py's packed linears)."""
         for p in self.params:
             torch.autograd.graph.increment_version(p)
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import triton_aot  # noqa: E402
 from gpu_targets import GPU, TARGETS, bundled_ptxas  # noqa: E402
 from triton_aot import compile_all, coverage, discover, variants  # noqa: E402
-from triton_kernel_list import KERNELS, Entry  # noqa: E402
+from triton_kernel_list import KERNELS, Entry, flop_counts  # noqa: E402
 
 pytestmark = pytest.mark.aot
 KiB = 1024
@@ -110,6 +110,15 @@ def test_a_signature_the_launcher_does_not_produce_is_rejected(compiled):
 def test_every_kernel_has_an_entry():
     assert coverage() == []
     assert discover() == {(e.module, e.kernel) for e in KERNELS}
+
+
+def test_flop_counts():
+    f = flop_counts(768, 3072, block=128)  # 6 tile rows: 21 of the 36 tiles
+    assert f["symmetric_xxt"] == 21 * 2 * 128 * 128 * 3072
+    assert f["symmetric_poly"] == 21 * 2 * 128 * 128 * 768
+    assert f["fused_update"] == f["full_update"] == 2 * 768 * 768 * 3072
+    assert f["full_step"] == 4 * 768**2 * 3072 + 2 * 768**3
+    assert f["full_step"] / f["step"] == pytest.approx(1.31, abs=0.01)  # 1.38 with no tile padding
 
 
 @pytest.mark.parametrize("dropped", range(len(KERNELS)), ids=[e.kernel for e in KERNELS])

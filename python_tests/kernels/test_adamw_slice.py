@@ -8,7 +8,7 @@ import torch
 from support.repo_paths import ROOT
 
 from nanochat_fast.kernels import KernelUnavailableError, adamw_slice_update, registry
-from nanochat_fast.kernels.adamw_slice_hparams import HPARAMS, SLOT, make_hparams
+from nanochat_fast.kernels.adamw_slice import HPARAMS, SLOT, make_hparams
 
 # Without a GPU the Triton kernel runs on CPU tensors in the interpreter. TRITON_INTERPRET must be
 # set before the kernel is defined; its module is imported lazily on first use, so setting it here
@@ -187,9 +187,10 @@ def test_cpp_op_checks_its_own_arguments():
         op([torch.zeros(4)], [], [torch.zeros(4)], [torch.zeros(4)], hp, [1.0], [1.0])
 
 
-@pytest.mark.skipif(not HAS_CPP, reason="extension not built")
-def test_opcheck():
-    """torch.library.opcheck: schema (mutation annotations), fake kernel, autograd registration."""
+@pytest.mark.parametrize("backend", BACKENDS[1:])
+def test_opcheck(backend):
+    """torch.library.opcheck of the cpp and triton ops: schema (mutation annotations), fake kernel,
+    autograd registration."""
     g = torch.Generator().manual_seed(0)
     args = (
         [torch.randn(5, generator=g), torch.randn(2, 3, generator=g).bfloat16()],
@@ -200,7 +201,8 @@ def test_opcheck():
         [1.0, 2.0],
         [1.0, 0.0],
     )
-    torch.library.opcheck(torch.ops.nanochat_fast.adamw_slice_update.default, args)
+    name = "adamw_slice_update" if backend == "cpp" else "adamw_slice_update_triton"
+    torch.library.opcheck(getattr(torch.ops.nanochat_fast, name).default, args)
 
 
 @pytest.mark.skipif(not HAS_CPP, reason="extension not built")
@@ -250,7 +252,7 @@ def camel_to_snake(name: str) -> str:
 
 
 def test_hparam_layout_is_the_one_of_the_cpp_header():
-    """The slots named once in Python (adamw_slice_hparams.HPARAMS) are the C++ enum of
+    """The slots named once in Python (adamw_slice.HPARAMS) are the C++ enum of
     csrc/adamw_slice_hparams.h (kLr = 0, ..., kNumAdamWHParams), in the same order."""
     header = (ROOT / "csrc" / "adamw_slice_hparams.h").read_text()
     enum = {name: int(value) for name, value in re.findall(r"\bk(\w+)\s*=\s*(\d+)", header)}

@@ -12,12 +12,14 @@ from support.tiny_gpt import random_model
 
 from nanochat_fast import optim
 from nanochat_fast.kernels import registry
-from nanochat_fast.kernels.decode_attention import decode_attention
-from nanochat_fast.kernels.decode_block import decode_block
-from nanochat_fast.kernels.packed_linear import pack_linear
-from nanochat_fast.kernels.rms_norm import rms_norm
-from nanochat_fast.kernels.smear import smear_decode
-from nanochat_fast.kernels.softcap import softcap
+from nanochat_fast.kernels.decode_step import (
+    decode_attention,
+    decode_block,
+    pack_linear,
+    rms_norm,
+    smear_decode,
+    softcap,
+)
 from nanochat_fast.model import decode
 from nanochat_fast.model.batch_engine import BatchEngine, Request
 from nanochat_fast.model.decode import SlotBatch, SlotCache, SlotPrefill
