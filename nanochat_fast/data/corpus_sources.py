@@ -113,8 +113,7 @@ def read_bible(archive: Path, doc_chars: int):
     for (chapter_id, a), (_, b) in zip(starts, starts[1:]):
         book, chapter = divmod(chapter_id, 1000)
         name = book_names[book - 1] if 0 < book <= len(book_names) else f"Book {book}, chapter"
-        title = f"{name} {chapter}"
-        yield from split_document(f"{title}\n\n{text[a:b].strip()}", doc_chars)
+        yield from split_document(f"{name} {chapter}\n\n{text[a:b].strip()}", doc_chars)
 
 
 def read_sotu(archive: Path, doc_chars: int):
@@ -126,26 +125,26 @@ def read_sotu(archive: Path, doc_chars: int):
 def read_moby_dick(archive: Path, doc_chars: int):
     """Moby-Dick by chapter (chapter_N.json: chapter, title, text)."""
     with tarfile.open(archive) as tar:
-        chapters = []
-        for m in tar.getmembers():
-            found = re.fullmatch(r"package/data/chapter_(\d+)\.json", m.name)
-            if found:
-                chapters.append((int(found.group(1)), json.loads(tar.extractfile(m).read())))
-        for number, ch in sorted(chapters, key=lambda c: c[0]):
+        pattern = r"package/data/chapter_(\d+)\.json"
+        chapters = [(int(f.group(1)), m) for m in tar.getmembers() if (f := re.fullmatch(pattern, m.name))]
+        for number, m in sorted(chapters, key=lambda c: c[0]):
+            ch = json.loads(tar.extractfile(m).read())
             yield from split_document(f"CHAPTER {number}. {ch.get('title', '')}\n\n{ch['text']}", doc_chars)
 
 
 def _unserialize_r(data: bytes):
     """The subset of R's XDR serialization that an R data package's character vectors use."""
-    pos, refs = 0, []
+    pos, refs = 2, []
 
-    def i32():
+    def take(n: int) -> bytes:
         nonlocal pos
-        pos += 4
-        return struct.unpack(">i", data[pos - 4 : pos])[0]
+        pos += n
+        return data[pos - n : pos]
+
+    def i32() -> int:
+        return struct.unpack(">i", take(4))[0]
 
     def item():
-        nonlocal pos
         flags = i32()
         kind, has_attr, has_tag = flags & 0xFF, flags & (1 << 9), flags & (1 << 10)
         if kind in (254, 242, 253):  # NILVALUE, EMPTYENV, GLOBALENV
@@ -157,10 +156,7 @@ def _unserialize_r(data: bytes):
             return refs[-1]
         if kind == 9:  # CHARSXP
             n = i32()
-            if n == -1:
-                return None
-            pos += n
-            return data[pos - n : pos].decode("utf-8" if flags & (1 << 15) else "latin-1")
+            return None if n == -1 else take(n).decode("utf-8" if flags & (1 << 15) else "latin-1")
         if kind == 2:  # LISTSXP (pairlist: attributes)
             if has_attr:
                 item()
@@ -169,14 +165,9 @@ def _unserialize_r(data: bytes):
             return {tag: head, **(tail if isinstance(tail, dict) else {})}
         if kind in (16, 19, 20):  # STRSXP, VECSXP, EXPRSXP
             value = [item() for _ in range(i32())]
-        elif kind in (10, 13):  # LGLSXP, INTSXP
-            n = i32()
-            pos += 4 * n
-            value = list(struct.unpack(f">{n}i", data[pos - 4 * n : pos]))
-        elif kind == 14:  # REALSXP
-            n = i32()
-            pos += 8 * n
-            value = list(struct.unpack(f">{n}d", data[pos - 8 * n : pos]))
+        elif kind in (10, 13, 14):  # LGLSXP, INTSXP (4-byte ints), REALSXP (8-byte doubles)
+            n, code = i32(), "d" if kind == 14 else "i"
+            value = list(struct.unpack(f">{n}{code}", take(n * struct.calcsize(f">{code}"))))
         else:
             raise ValueError(f"unsupported R object type {kind}")
         attrs = item() if has_attr else None
@@ -184,12 +175,10 @@ def _unserialize_r(data: bytes):
 
     if data[:2] != b"X\n":
         raise ValueError("not an R XDR serialization")
-    pos = 2
     version = i32()
     i32(), i32()
     if version == 3:
-        n = i32()
-        pos += n  # skip the native encoding's name
+        take(i32())  # the native encoding's name
     return item()
 
 

@@ -29,7 +29,6 @@ class DocStream:
     consecutive documents (tokens, offsets, mask or None) straight on the memory-mapped shards."""
 
     def __init__(self, shards: TokenShards, with_mask: bool, extra=None):
-        self.shards, self.with_mask = shards, with_mask
         extra = extra or []
         self.n_docs = shards.n_docs + len(extra)
         tokens = [torch.from_numpy(t) for t in shards.tokens]
@@ -129,7 +128,12 @@ class TokenRowLoader:
                 f"dataset {dataset!r} holds prose, not conversations: use a conversation dataset "
                 "(e.g. chat) for mid-training"
             )
-        self._extra_digest = _digest(_extra) if _extra else None
+        self._extra_digest = None  # what a saved state with extra conversations is valid for
+        if _extra:
+            h = hashlib.sha256()
+            for ids, mask in _extra:
+                h.update(np.asarray(ids, np.int64).tobytes() + b"|" + np.asarray(mask, np.uint8).tobytes() + b";")
+            self._extra_digest = h.hexdigest()[:16]
         self.docs = DocStream(self.shards, self.with_mask, _extra)
         # (a buffer larger than the split would only hold several copies of its documents)
         buffer_docs = min(buffer_docs, self.docs.n_docs)
@@ -141,7 +145,7 @@ class TokenRowLoader:
             torch.cuda.init()  # before a prefetch thread allocates pinned memory
         # this rank's rows; on CUDA as pinned [B, T+1] rows (split on the GPU), else as the pair
         self._rows_args = (self.rank * device_batch_size, device_batch_size, not self._cuda, self._cuda)
-        self._stream, self._closed = None, False
+        self._closed = False
         self._new_stream(make_row_stream(*self._stream_args))
 
     def _new_stream(self, stream):
@@ -151,13 +155,6 @@ class TokenRowLoader:
         if self._depth > 0:
             stream.start(self._depth, *self._rows_args)
             _PREFETCHING.add(stream)
-
-    def _stop(self):
-        if self._stream is not None:
-            self._stream.stop()
-
-    # -----------------------------------------------------------------------------------------
-    # consuming
 
     def __iter__(self):
         return self
@@ -171,22 +168,23 @@ class TokenRowLoader:
             else:
                 batch, state = self._stream.next(*self._rows_args)
         except Exception:  # (the stream is broken: its thread, if any, has stopped)
-            self._stop()
+            self._stream.stop()
             raise
         if self._cuda:
             # the one host-to-device copy, from pinned memory: torch's pinned-memory cache records the
             # copy and hands that block out again only once the copy has finished
             rows = batch.to(self.device, non_blocking=True)
-            inputs, targets = _split(rows, self.with_mask)
+            if self.with_mask:  # token | (supervised << MASK_SHIFT): targets -1 where not supervised
+                tokens, supervised = rows & ((1 << MASK_SHIFT) - 1), (rows >> MASK_SHIFT) != 0
+                inputs, targets = tokens[:, :-1].contiguous(), torch.where(supervised[:, 1:], tokens[:, 1:], -1)
+            else:
+                inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
         else:
             inputs, targets = batch
             if self.device.type != "cpu":
                 inputs, targets = inputs.to(self.device), targets.to(self.device)
         self._state = state
         return inputs, targets
-
-    # -----------------------------------------------------------------------------------------
-    # progress and state
 
     @property
     def n_docs(self) -> int:
@@ -206,11 +204,6 @@ class TokenRowLoader:
     @property
     def epochs_done(self) -> int:
         return int(self.epoch_progress)
-
-    @property
-    def last_step(self) -> bool:
-        """True once a full epoch of documents has been consumed (mid-training stops there)."""
-        return self.epochs_done >= 1
 
     @property
     def cropped_fraction(self) -> float:
@@ -260,7 +253,7 @@ class TokenRowLoader:
                 file=sys.stderr,
                 flush=True,
             )
-        self._stop()
+        self._stream.stop()
         self._stream.restore(
             int(state["next_pos"]),
             [int(i) for i in state["buffer"]],
@@ -272,11 +265,11 @@ class TokenRowLoader:
 
     def reset(self):
         """Back to the start of the split (e.g. before each evaluation on val)."""
-        self._stop()
+        self._stream.stop()
         self._new_stream(make_row_stream(*self._stream_args))
 
     def close(self):
-        self._stop()
+        self._stream.stop()
         self._closed = True
 
     def __enter__(self):
@@ -287,7 +280,7 @@ class TokenRowLoader:
 
     def __del__(self):
         try:
-            self._stop()
+            self._stream.stop()
         except Exception:
             pass
 
@@ -321,20 +314,4 @@ class ConversationRowLoader(TokenRowLoader):
                     extra.append(tokenizer.render_conversation(conv))
                 except ValueError as e:
                     raise ValueError(f"extra_conversations[{i}]: {e}") from None
-        super().__init__(dataset, split, _extra=extra, _shards=shards, **kw)
-
-
-def _split(rows: torch.Tensor, with_mask: bool):
-    """[B, T+1] packed rows -> contiguous (inputs, targets) [B, T]."""
-    if not with_mask:
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-    tokens = rows & ((1 << MASK_SHIFT) - 1)
-    supervised = (rows >> MASK_SHIFT) != 0
-    return tokens[:, :-1].contiguous(), torch.where(supervised[:, 1:], tokens[:, 1:], -1)
-
-
-def _digest(extra) -> str:
-    h = hashlib.sha256()
-    for ids, mask in extra:
-        h.update(np.asarray(ids, np.int64).tobytes() + b"|" + np.asarray(mask, np.uint8).tobytes() + b";")
-    return h.hexdigest()[:16]
+        super().__init__(dataset, split, *args, _extra=extra, _shards=shards, **kw)

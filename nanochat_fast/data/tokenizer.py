@@ -44,12 +44,7 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special token
 class Tokenizer:
     """BPE over bytes with nanochat's special tokens; a thin layer over a tiktoken.Encoding."""
 
-    def __init__(
-        self,
-        mergeable_ranks: dict[bytes, int],
-        pattern: str = SPLIT_PATTERN,
-        special_tokens: list[str] = SPECIAL_TOKENS,
-    ):
+    def __init__(self, mergeable_ranks: dict[bytes, int], pattern=SPLIT_PATTERN, special_tokens=SPECIAL_TOKENS):
         offset = len(mergeable_ranks)
         self.special_tokens = {name: offset + i for i, name in enumerate(special_tokens)}
         self.enc = tiktoken.Encoding(
@@ -57,9 +52,6 @@ class Tokenizer:
         )
         self.pattern = pattern
         self.bos_token_id = self.special_tokens["<|bos|>"]
-
-    # -----------------------------------------------------------------------------------------
-    # training, saving, loading
 
     @classmethod
     def train(cls, texts, vocab_size: int, pattern: str = SPLIT_PATTERN) -> "Tokenizer":
@@ -126,17 +118,11 @@ class Tokenizer:
         h.update(json.dumps(self.special_tokens, sort_keys=True).encode())
         return h.hexdigest()[:16]
 
-    # -----------------------------------------------------------------------------------------
-    # ids
-
     def get_vocab_size(self) -> int:
         return self.enc.n_vocab
 
     def get_bos_token_id(self) -> int:
         return self.bos_token_id
-
-    def get_special_tokens(self) -> set[str]:
-        return set(self.special_tokens)
 
     def encode_special(self, name: str) -> int:
         try:
@@ -144,18 +130,12 @@ class Tokenizer:
         except KeyError:
             raise ValueError(f"unknown special token {name!r}; known: {', '.join(self.special_tokens)}") from None
 
-    def id_to_token(self, token_id: int) -> str:
-        return self.enc.decode([token_id])
-
     def token_byte_lengths(self) -> list[int]:
         """Bytes per token id, 0 for the special tokens (they stand for no text)."""
         specials = set(self.special_tokens.values())
         return [
             0 if i in specials else len(self.enc.decode_single_token_bytes(i)) for i in range(self.get_vocab_size())
         ]
-
-    # -----------------------------------------------------------------------------------------
-    # text
 
     def _special_id(self, token, arg):
         if token is None or isinstance(token, int):
@@ -179,9 +159,6 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         return self.enc.decode(list(ids))
-
-    # -----------------------------------------------------------------------------------------
-    # conversations
 
     @staticmethod
     def turns(conversation):
@@ -285,12 +262,11 @@ def save_token_bytes(tokenizer: Tokenizer, directory) -> Path:
     return path
 
 
-def get_token_bytes(device="cpu", directory=None):
+def get_token_bytes(device="cpu"):
     """int32[vocab] bytes per token (0 for special tokens), for bits-per-byte."""
     import torch
 
-    directory = Path(directory) if directory is not None else paths.tokenizer_dir()
-    path = directory / TOKEN_BYTES_FILE
+    path = paths.tokenizer_dir() / TOKEN_BYTES_FILE
     if not path.is_file():
         raise UserError(f"{path} is missing: run `python -m nanochat_fast.scripts.tok_train`")
     return torch.load(path, map_location=device, weights_only=True)
