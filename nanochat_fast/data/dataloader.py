@@ -211,8 +211,7 @@ class TokenRowLoader:
         used, cropped = self._state[3:5]
         return cropped / (used + cropped) if used + cropped else 0.0
 
-    def _identity(self) -> dict:
-        """What a saved state is valid for."""
+    def _identity(self) -> dict:  # what a saved state is valid for
         return {
             "dataset": self.dataset,
             "split": self.split,

@@ -24,10 +24,6 @@ def shard_file(index: int) -> str:
     return f"shard_{index:05d}.parquet"
 
 
-# ---------------------------------------------------------------------------------------------
-# documents
-
-
 def check_conversation(conv, where: str) -> dict:
     """A conversation in the stored form ({"messages": [{"role", "content": str}]}, roles alternating
     after an optional system message), or a UserError naming `where`."""
@@ -56,9 +52,6 @@ def iter_input_folder(folder: Path, max_doc_chars: int):
     """(doc, file's relative path) from every file under `folder`: a .txt is prose, a .jsonl holds
     {"text"} or {"messages"} objects, a .parquet a "text" or "messages" column. Empty files are skipped
     with a warning; an unreadable one is a UserError naming it (better than dropping data silently)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise UserError(f"--input {folder} is not a directory")
     files = input_files(folder)
     if not files:
         raise UserError(f"--input {folder} has no .txt, .jsonl or .parquet files")
@@ -133,10 +126,6 @@ def _object_docs(obj, where, source, max_doc_chars):
         raise UserError(f"{where}: expected an object with a 'text' string or a 'messages' list")
 
 
-# ---------------------------------------------------------------------------------------------
-# parquet shards
-
-
 class ShardWriter:
     """Writes shard_NNNNN.parquet files of about shard_chars characters. With reuse=True an existing
     shard is kept (a resumed run: the document stream is deterministic, so it holds these documents)."""
@@ -174,17 +163,7 @@ class ShardWriter:
         self.docs, self.sources, self.chars = [], [], 0
 
 
-def write_dataset(
-    name: str,
-    kind: str,
-    docs,
-    *,
-    config: dict,
-    sources: list[dict],
-    val_every: int,
-    shard_chars: int,
-    overwrite: bool = False,
-) -> dict:
+def write_dataset(name, kind, docs, *, config, sources, val_every, shard_chars, overwrite=False) -> dict:
     """Write data/<name>/ from (doc, source) pairs, document i to val when i % val_every == 0, and
     return the manifest; nothing to do when one built with the same `config` exists (unless
     overwrite). `docs` may be a function returning them (called only when there is work)."""

@@ -28,8 +28,14 @@ class ConversationMixture:
         self.seed, self.shuffle = seed, shuffle
         self._order = (None, None)  # (epoch, its permutation)
 
-    def conversation(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids, mask: 1 where the assistant speaks) of conversation `index` of the mixture."""
+    def at(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, mask: 1 where the assistant speaks) of the conversation at stream position
+        `position`: epoch position // n_docs, in that epoch's order."""
+        epoch, index = divmod(position, self.n_docs)
+        if self.shuffle:
+            if self._order[0] != epoch:
+                self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_docs))
+            index = int(self._order[1][index])
         part = int(np.searchsorted(self.starts, index, side="right")) - 1
         shards = self.parts[part][1]
         shard, local = shards.locate(index - int(self.starts[part]))
@@ -38,15 +44,6 @@ class ConversationMixture:
 
     def lengths(self) -> np.ndarray:
         return np.concatenate([np.diff(o) for _, shards in self.parts for o in shards.offsets])
-
-    def at(self, position: int) -> int:
-        """The conversation at stream position `position`: epoch position // n_docs, in its order."""
-        epoch, i = divmod(position, self.n_docs)
-        if not self.shuffle:
-            return i
-        if self._order[0] != epoch:
-            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_docs))
-        return int(self._order[1][i])
 
     def digest(self) -> str:
         """Names, sizes and tokenizers of the parts, and the seed: what a saved cursor is only valid for."""
@@ -63,16 +60,7 @@ class PaddedConversationLoader:
     """next(loader) -> (inputs, targets), int64 [device_batch_size, L] on `device`, forever; the
     interface of dataloader.TokenRowLoader that the training loop uses."""
 
-    def __init__(
-        self,
-        mixture: ConversationMixture,
-        device_batch_size: int,
-        seq_len: int,
-        pad_id: int,
-        rank: int = 0,
-        world_size: int = 1,
-        device="cpu",
-    ):
+    def __init__(self, mixture, device_batch_size, seq_len, pad_id, rank=0, world_size=1, device="cpu"):
         self.mixture, self.pad_id = mixture, pad_id
         self.device_batch_size, self.seq_len, self.rank, self.world_size = device_batch_size, seq_len, rank, world_size
         self.device = torch.device(device)
@@ -87,13 +75,10 @@ class PaddedConversationLoader:
         return self
 
     def __next__(self):
+        """This rank's conversations of the micro-step, padded on the right to the longest."""
         first = self.cursor + self.rank * self.device_batch_size
-        convs = [self.mixture.conversation(self.mixture.at(p)) for p in range(first, first + self.device_batch_size)]
+        convs = [self.mixture.at(p) for p in range(first, first + self.device_batch_size)]
         self.cursor += self.rows
-        return self.collate(convs)
-
-    def collate(self, convs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of (ids, mask) -> (inputs, targets), padded on the right to the longest row."""
         convs = [(ids[: self.seq_len + 1], mask[: self.seq_len + 1]) for ids, mask in convs]
         width = max(len(ids) for ids, _ in convs) - 1
         inputs = torch.full((len(convs), width), self.pad_id, dtype=torch.long)

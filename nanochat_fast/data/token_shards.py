@@ -43,9 +43,7 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
-def tokenize_dataset(
-    name: str, tokenizer, *, overwrite: bool = False, num_threads: int = 8, memory_mb: int = DEFAULT_MEMORY_MB
-) -> dict:
+def tokenize_dataset(name, tokenizer, *, overwrite=False, num_threads=8, memory_mb=DEFAULT_MEMORY_MB) -> dict:
     """Pre-tokenize data/<name>/ into tokens/<name>/ (each document starts with <|bos|>; conversations
     get their loss mask), skipping complete shards of this tokenizer and the current text. Prose is
     streamed on `num_threads` workers within `memory_mb`. Returns {"tokens", "docs", "skipped_shards"}."""
@@ -102,17 +100,10 @@ def tokenize_dataset(
 
 def _current_shard_meta(meta_path: Path, fingerprint: str, signature: dict) -> dict | None:
     """The token shard's metadata if complete and made by this tokenizer from the current text."""
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+    meta = paths.read_json_or_none(meta_path) or {}
     files = [meta_path.with_name(meta_path.stem + ext) for ext in (".tokens.npy", ".offsets.npy")]
-    current = (
-        meta.get("tokenizer") == fingerprint
-        and all(meta.get(k) == v for k, v in signature.items())
-        and all(f.is_file() for f in files)
-    )
-    return meta if current else None
+    current = meta.get("tokenizer") == fingerprint and all(meta.get(k) == v for k, v in signature.items())
+    return meta if current and all(f.is_file() for f in files) else None
 
 
 def _tokenize_chat_shard(source: Path, tokenizer, out_dir: Path, stem: str, dtype):
@@ -281,27 +272,19 @@ class TokenShards:
         metas = sorted(self.directory.glob("shard_*.json"))
         if not metas:
             raise UserError(f"no token shards in {self.directory}: prepare them with {prepare}")
+        rebuild = "rebuild it with `python -m nanochat_fast.scripts.prepare_data --stage=tokens --overwrite`"
         self.tokens, self.offsets, self.masks, self.meta = [], [], [], []
         for meta_path in metas:
-
-            def fail(why, meta_path=meta_path):
-                return UserError(
-                    f"token shard {meta_path.with_suffix('')} is {why}; rebuild it with "
-                    "`python -m nanochat_fast.scripts.prepare_data --stage=tokens --overwrite`"
-                )
-
+            stem = meta_path.with_suffix("")
             try:
                 meta = json.loads(meta_path.read_text())
                 # mmap_mode="c": copy-on-write pages, so torch.from_numpy gets a writable array without a copy
-                tokens = np.load(meta_path.with_name(meta_path.stem + ".tokens.npy"), mmap_mode="c")
-                offsets = np.load(meta_path.with_name(meta_path.stem + ".offsets.npy"))
-                mask = (
-                    np.load(meta_path.with_name(meta_path.stem + ".mask.npy"), mmap_mode="c")
-                    if meta.get("kind") == CHAT
-                    else None
-                )
+                tokens = np.load(f"{stem}.tokens.npy", mmap_mode="c")
+                offsets = np.load(f"{stem}.offsets.npy")
+                mask = np.load(f"{stem}.mask.npy", mmap_mode="c") if meta.get("kind") == CHAT else None
             except Exception as e:
-                raise fail(f"missing or unreadable ({type(e).__name__}: {e})") from None
+                why = f"{type(e).__name__}: {e}"
+                raise UserError(f"token shard {stem} is missing or unreadable ({why}); {rebuild}") from None
             n_docs, n_tokens = meta.get("n_docs"), meta.get("n_tokens")
             if (
                 tokens.shape != (n_tokens,)
@@ -310,7 +293,7 @@ class TokenShards:
                 or offsets[-1] != n_tokens
                 or (mask is not None and mask.shape != tokens.shape)
             ):
-                raise fail("truncated or inconsistent with its .json")
+                raise UserError(f"token shard {stem} is truncated or inconsistent with its .json; {rebuild}")
             if n_docs == 0:
                 continue
             self.tokens.append(tokens)

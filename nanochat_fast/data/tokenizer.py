@@ -130,13 +130,6 @@ class Tokenizer:
         except KeyError:
             raise ValueError(f"unknown special token {name!r}; known: {', '.join(self.special_tokens)}") from None
 
-    def token_byte_lengths(self) -> list[int]:
-        """Bytes per token id, 0 for the special tokens (they stand for no text)."""
-        specials = set(self.special_tokens.values())
-        return [
-            0 if i in specials else len(self.enc.decode_single_token_bytes(i)) for i in range(self.get_vocab_size())
-        ]
-
     def _special_id(self, token, arg):
         if token is None or isinstance(token, int):
             return token
@@ -247,10 +240,13 @@ def get_tokenizer(directory=None) -> Tokenizer:
 
 
 def token_bytes_tensor(tokenizer: Tokenizer):
-    """int32[vocab]: token_byte_lengths as token_bytes.pt holds them (ours and nanochat's alike)."""
+    """int32[vocab]: bytes per token id, 0 for the special tokens (they stand for no text), as
+    token_bytes.pt holds them (ours and nanochat's alike)."""
     import torch
 
-    return torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.int32)
+    specials, enc = set(tokenizer.special_tokens.values()), tokenizer.enc
+    lengths = [0 if i in specials else len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
+    return torch.tensor(lengths, dtype=torch.int32)
 
 
 def save_token_bytes(tokenizer: Tokenizer, directory) -> Path:
