@@ -52,10 +52,6 @@ class Source:
         return f"https://packages.debian.org/{self.spec}" if self.client == "apt" else ""
 
 
-# ---------------------------------------------------------------------------------------------
-# prose
-
-
 def split_document(text: str, max_chars: int) -> list[str]:
     """Cut a long text into documents of at most max_chars (0: whole) at paragraph breaks once the
     document is half that long (a heading stays with its text), else at a line break or space."""
@@ -205,10 +201,6 @@ def read_austen(archive: Path, doc_chars: int):
         yield from split_document("\n".join(line or "" for line in lines), doc_chars)
 
 
-# ---------------------------------------------------------------------------------------------
-# conversations
-
-
 def _chat(*turns) -> dict:
     return {"messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]}
 
@@ -301,9 +293,6 @@ def words_of(conversations: list[dict], min_count: int = 5) -> list[str]:
     )
     return sorted(w for w, c in counts.items() if c >= min_count)
 
-
-# ---------------------------------------------------------------------------------------------
-# the catalogue
 
 PIP_SOURCES = [
     Source(

@@ -244,20 +244,6 @@ def fetch_shard(url: str, dest: Path, cfg: DownloadConfig, counters: _Counters):
     )
 
 
-def _check_space(todo, sizes, root: Path):
-    """Say what is short before any shard is fetched (what the .partial files hold already counts)."""
-    known = [(dest, size) for (_, dest), size in zip(todo, sizes) if size is not None]
-    need = sum(
-        size - (partial_path(dest).stat().st_size if partial_path(dest).is_file() else 0) for dest, size in known
-    )
-    free = free_bytes(root)
-    if need > free:
-        raise UserError(
-            f"{len(todo)} shards need {need / 1e9:.2f} GB but {root} has {free / 1e9:.2f} GB free "
-            f"({(need - free) / 1e9:.2f} GB short): free some space or ask for fewer --shards"
-        )
-
-
 def download(cfg: DownloadConfig, root: Path) -> dict:
     """Fetch the shards of `cfg` under root/{train,val}/, skipping complete ones; prints one summary
     line and returns {"shards", "bytes", "seconds", "retries", "skipped", "train", "val"}."""
@@ -276,9 +262,14 @@ def download(cfg: DownloadConfig, root: Path) -> dict:
     head_retries = []
     with ThreadPoolExecutor(cfg.workers) as pool:
         sizes = list(pool.map(lambda job: head_size(job[0], cfg, lambda *why: head_retries.append(why)), todo))
-    _check_space(todo, sizes, root)
-    resumed = sum(partial_path(d).stat().st_size for _, d in todo if partial_path(d).is_file())
-    total = sum(sizes) if None not in sizes else None
+    held = [partial_path(d).stat().st_size if partial_path(d).is_file() else 0 for _, d in todo]
+    need, free = sum(s - h for s, h in zip(sizes, held) if s is not None), free_bytes(root)
+    if need > free:  # said before any shard is fetched; what the .partial files hold already counts
+        raise UserError(
+            f"{len(todo)} shards need {need / 1e9:.2f} GB but {root} has {free / 1e9:.2f} GB free "
+            f"({(need - free) / 1e9:.2f} GB short): free some space or ask for fewer --shards"
+        )
+    resumed, total = sum(held), (sum(sizes) if None not in sizes else None)
     with progress_bar(desc=f"downloading {cfg.dataset}", unit="B", unit_scale=True, total=total) as bar:
         counters = _Counters(bar, len(todo))
         for url, why in head_retries:

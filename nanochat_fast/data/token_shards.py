@@ -62,7 +62,6 @@ def tokenize_dataset(name, tokenizer, *, overwrite=False, num_threads=8, memory_
         for split, shard in jobs:
             source = paths.data_dir(name) / split / shard
             out_dir = out_root / split
-            out_dir.mkdir(parents=True, exist_ok=True)
             stem = shard.removesuffix(".parquet")
             meta_path = out_dir / f"{stem}.json"
             stat = source.stat() if source.is_file() else None

@@ -148,8 +148,6 @@ class Tokenizer:
             return [pre + ids + post for ids in self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)]
         raise ValueError(f"text must be a str or a list of str, got {type(text).__name__}")
 
-    __call__ = encode
-
     def decode(self, ids) -> str:
         return self.enc.decode(list(ids))
 
