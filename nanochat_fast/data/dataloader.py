@@ -18,6 +18,7 @@ from ..core.errors import UserError
 from ..kernels.pack_rows_stream import make_row_stream
 from .documents import CHAT
 from .token_shards import TokenShards
+from .tokenizer import get_tokenizer
 
 MASK_SHIFT = 30  # conversation tokens travel through the packer as token | (supervised << 30)
 STATE_VERSION = 1  # of both loaders' states
@@ -84,7 +85,27 @@ def _stop_all():
         stream.stop()
 
 
-class TokenRowLoader:
+class Loader:
+    """What the training loop uses of a loader besides next(), state_dict() and epoch_progress."""
+
+    def __iter__(self):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        pass
+
+    @property
+    def epochs_done(self) -> int:
+        return int(self.epoch_progress)
+
+
+class TokenRowLoader(Loader):
     """Pretraining batches, forever: next(loader) -> (inputs, targets), contiguous int64
     [device_batch_size, seq_len] on `device`. The shards: tokens_root/<dataset>/<split>/
     (default NANOCHAT_FAST_HOME/tokens); buffer_docs: documents to choose from (capped at the split);
@@ -136,6 +157,7 @@ class TokenRowLoader:
                 h.update(np.asarray(ids, np.int64).tobytes() + b"|" + np.asarray(mask, np.uint8).tobytes() + b";")
             self._extra_digest = h.hexdigest()[:16]
         self.docs = DocStream(self.shards, self.with_mask, _extra)
+        self.n_docs = self.docs.n_docs
         # (a buffer larger than the split would only hold several copies of its documents)
         buffer_docs = min(buffer_docs, self.docs.n_docs)
         mask_shift = MASK_SHIFT if self.with_mask else -1
@@ -156,9 +178,6 @@ class TokenRowLoader:
         if self._depth > 0:
             stream.start(self._depth, *self._rows_args)
             _PREFETCHING.add(stream)
-
-    def __iter__(self):
-        return self
 
     def __next__(self):
         if self._closed:
@@ -188,10 +207,6 @@ class TokenRowLoader:
         return inputs, targets
 
     @property
-    def n_docs(self) -> int:
-        return self.docs.n_docs
-
-    @property
     def epoch_tokens(self) -> int:
         """Tokens in one epoch of documents (rows crop some of them: an upper bound of those trained on)."""
         return sum(int(offsets[-1] - offsets[0]) for _, offsets, _ in self.docs.runs)
@@ -201,10 +216,6 @@ class TokenRowLoader:
         """Documents consumed so far, in epochs (1.0 = as many documents as the split holds)."""
         next_pos, buffer = self._state[:2]
         return (next_pos - len(buffer)) / self.docs.n_docs
-
-    @property
-    def epochs_done(self) -> int:
-        return int(self.epoch_progress)
 
     @property
     def cropped_fraction(self) -> float:
@@ -254,13 +265,8 @@ class TokenRowLoader:
                 flush=True,
             )
         self._stream.stop()
-        self._stream.restore(
-            int(state["next_pos"]),
-            [int(i) for i in state["buffer"]],
-            int(state["batches"]),
-            int(state["tokens_used"]),
-            int(state["tokens_cropped"]),
-        )
+        counts = (int(state[key]) for key in ("batches", "tokens_used", "tokens_cropped"))
+        self._stream.restore(int(state["next_pos"]), [int(i) for i in state["buffer"]], *counts)
         self._new_stream(self._stream)
 
     def reset(self):
@@ -271,12 +277,6 @@ class TokenRowLoader:
     def close(self):
         self._stream.stop()
         self._closed = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __del__(self):
         try:
@@ -299,8 +299,6 @@ class ConversationRowLoader(TokenRowLoader):
         extra = None
         if extra_conversations:
             if tokenizer is None:
-                from .tokenizer import get_tokenizer
-
                 tokenizer = get_tokenizer()
             shards = shards if shards is not None else TokenShards(dataset, split, kw.get("tokens_root"))
             if tokenizer.fingerprint != shards.fingerprint:
@@ -358,25 +356,18 @@ class ConversationMixture:
         return " + ".join(f"{name} {shards.n_docs:,}" for name, shards in self.parts)
 
 
-class PaddedConversationLoader:
+class PaddedConversationLoader(Loader):
     """chat_sft's batches: one conversation per row, padded, not packed (nanochat's SFT), so each starts
     at position 0 as when the model chats. next(loader) -> (inputs ids[:-1], targets ids[1:] where the
     assistant speaks), int64 [device_batch_size, L] on `device`, padded with pad_id (targets -1) to the
     longest of the rank's batch, at most seq_len + 1 tokens; TokenRowLoader's interface, forever."""
 
     def __init__(self, mixture, device_batch_size, seq_len, pad_id, rank=0, world_size=1, device="cpu"):
-        self.mixture, self.pad_id = mixture, pad_id
+        self.mixture, self.pad_id, self.n_docs = mixture, pad_id, mixture.n_docs
         self.device_batch_size, self.seq_len, self.rank, self.world_size = device_batch_size, seq_len, rank, world_size
         self.device = torch.device(device)
         self.rows = device_batch_size * world_size  # conversations per micro-step, all ranks
         self.cursor = 0  # stream position of the next micro-step's first conversation
-
-    @property
-    def n_docs(self) -> int:
-        return self.mixture.n_docs
-
-    def __iter__(self):
-        return self
 
     def __next__(self):
         """This rank's conversations of the micro-step, padded on the right to the longest."""
@@ -399,10 +390,6 @@ class PaddedConversationLoader:
     def epoch_progress(self) -> float:
         return self.cursor / self.mixture.n_docs
 
-    @property
-    def epochs_done(self) -> int:
-        return self.cursor // self.mixture.n_docs
-
     def state_dict(self) -> dict:
         return {
             "version": STATE_VERSION,
@@ -424,12 +411,3 @@ class PaddedConversationLoader:
                 "--extra-conversations changed since it was saved"
             )
         self.cursor = int(state["cursor"])
-
-    def close(self):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -14,6 +14,7 @@ from ..core import paths
 from ..core.errors import UserError
 from ..core.progress import progress_bar
 from .corpus_sources import split_document
+from .tokenizer import Tokenizer
 
 TEXT, CHAT = "text", "chat"
 SPLITS = ("train", "val")
@@ -27,8 +28,6 @@ def shard_file(index: int) -> str:
 def check_conversation(conv, where: str) -> dict:
     """A conversation in the stored form ({"messages": [{"role", "content": str}]}, roles alternating
     after an optional system message), or a UserError naming `where`."""
-    from .tokenizer import Tokenizer
-
     try:
         Tokenizer.turns(conv)
         messages = [{"role": m["role"], "content": m["content"]} for m in conv["messages"]]
@@ -265,8 +264,7 @@ def read_dataset_manifest(name: str) -> dict:
 
 
 def prepared_datasets() -> list[str]:
-    root = paths.home() / "data"
-    return sorted(p.parent.name for p in root.glob("*/manifest.json")) if root.is_dir() else []
+    return sorted(p.parent.name for p in (paths.home() / "data").glob("*/manifest.json"))
 
 
 def iter_texts(name: str, split: str = "train", doc_cap: int = 0):

@@ -129,19 +129,11 @@ def write_token_shard(out_dir: Path, stem: str, docs, masks=None, dtype=np.uint1
         arrays["mask"] = joined(masks, np.uint8)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     for what, array in arrays.items():
-        _save_npy(Path(out_dir) / f"{stem}.{what}.npy", array)
+        paths.write_durably(Path(out_dir) / f"{stem}.{what}.npy", lambda f: np.save(f, array))
     counts = {"n_docs": len(docs), "n_tokens": int(offsets[-1]), "dtype": np.dtype(dtype).name}
     if meta is not None:
         paths.write_json(Path(out_dir) / f"{stem}.json", {**counts, **meta})
     return counts
-
-
-def _save_npy(path: Path, array: np.ndarray):
-    def save(tmp):
-        with open(tmp, "wb") as f:
-            np.save(f, array)
-
-    paths.replace_atomically(path, save)
 
 
 def batch_chars_within(memory_mb: int, workers: int = 0) -> int:
@@ -191,8 +183,7 @@ def _encode_part(texts):
 
 
 def encoder_pool(tokenizer, workers: int) -> ProcessPoolExecutor:
-    """`workers` processes holding the tokenizer, spawned (none of the parent's threads or locks
-    are forked into them)."""
+    """`workers` processes holding the tokenizer, spawned (none of the parent's threads or locks are forked)."""
     args = (tokenizer.pattern, tokenizer.enc._mergeable_ranks, tokenizer.special_tokens)
     context = multiprocessing.get_context("spawn")
     return ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=args)
@@ -208,11 +199,10 @@ class NpyAppender:
         self.file = open(self.tmp, "wb")
         self.header_bytes = self._write_header()
 
-    def _write_header(self) -> int:
-        start = self.file.tell()
+    def _write_header(self) -> int:  # at the file's start; its size
         header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": (self.length,)}
         np.lib.format.write_array_header_1_0(self.file, header)
-        return self.file.tell() - start
+        return self.file.tell()
 
     def append(self, array: np.ndarray):
         self.file.write(np.ascontiguousarray(array, dtype=self.dtype).tobytes())
@@ -257,7 +247,7 @@ def tokenize_text_shard(source: Path, tokenizer, out_dir: Path, stem: str, dtype
         tokens.discard()
         raise
     offsets = np.concatenate([np.zeros(1, np.int64), *lengths]).cumsum()
-    _save_npy(out_dir / f"{stem}.offsets.npy", offsets)
+    paths.write_durably(out_dir / f"{stem}.offsets.npy", lambda f: np.save(f, offsets))
     return {"n_docs": len(offsets) - 1, "n_tokens": int(offsets[-1]), "dtype": np.dtype(dtype).name}
 
 
