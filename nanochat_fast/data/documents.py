@@ -8,6 +8,7 @@ re-run skips them: docs/measurements.md#prepared-data-on-disk.
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 from ..core import paths
@@ -186,14 +187,13 @@ def write_dataset(name, kind, docs, *, config, sources, val_every, shard_chars, 
         paths.write_json(started_path, config)
     docs = docs() if callable(docs) else docs
     writers = {split: ShardWriter(root / split, kind, shard_chars, reuse) for split in SPLITS}
-    per_source = {}
+    docs_of, chars_of = Counter(), Counter()  # per source
     total = len(docs) if hasattr(docs, "__len__") else None
     with progress_bar(desc=f"writing data/{name}", unit="doc", total=total) as bar:
         for i, (doc, source) in enumerate(docs):
             writers["val" if val_every > 0 and i % val_every == 0 else "train"].add(doc, source)
-            counts = per_source.setdefault(source, {"docs": 0, "chars": 0})
-            counts["docs"] += 1
-            counts["chars"] += doc_chars(doc)
+            docs_of[source] += 1
+            chars_of[source] += doc_chars(doc)
             bar.update()
     for w in writers.values():
         w.flush()
@@ -204,9 +204,9 @@ def write_dataset(name, kind, docs, *, config, sources, val_every, shard_chars, 
             f"both need at least one (give more text, or lower --val-every)"
         )
     for source in sources:
-        source.update(per_source.get(source["name"], {"docs": 0, "chars": 0}))
+        source.update(docs=docs_of[source["name"]], chars=chars_of[source["name"]])
     shards = {split: writers[split].names for split in SPLITS}
-    chars = sum(c["chars"] for c in per_source.values())
+    chars = sum(chars_of.values())
     manifest = _write_manifest(name, kind, config, sources, shards, n_docs, chars)
     started_path.unlink(missing_ok=True)
     return manifest

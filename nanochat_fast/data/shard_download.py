@@ -114,11 +114,6 @@ def verify_shard(path: Path) -> str | None:
     return None if "text" in names else f"no 'text' column (columns: {', '.join(names)})"
 
 
-def free_bytes(folder: Path) -> int:
-    """Free space on the file system holding `folder` (its own function: a test fakes it)."""
-    return shutil.disk_usage(folder).free
-
-
 def _append(f, data: bytes):
     """Write one chunk (its own function: a test injects a full disk)."""
     f.write(data)
@@ -263,7 +258,7 @@ def download(cfg: DownloadConfig, root: Path) -> dict:
     with ThreadPoolExecutor(cfg.workers) as pool:
         sizes = list(pool.map(lambda job: head_size(job[0], cfg, lambda *why: head_retries.append(why)), todo))
     held = [partial_path(d).stat().st_size if partial_path(d).is_file() else 0 for _, d in todo]
-    need, free = sum(s - h for s, h in zip(sizes, held) if s is not None), free_bytes(root)
+    need, free = sum(s - h for s, h in zip(sizes, held) if s is not None), shutil.disk_usage(root).free
     if need > free:  # said before any shard is fetched; what the .partial files hold already counts
         raise UserError(
             f"{len(todo)} shards need {need / 1e9:.2f} GB but {root} has {free / 1e9:.2f} GB free "

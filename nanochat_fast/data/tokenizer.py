@@ -130,18 +130,17 @@ class Tokenizer:
         except KeyError:
             raise ValueError(f"unknown special token {name!r}; known: {', '.join(self.special_tokens)}") from None
 
-    def _special_id(self, token, arg):
+    def _special_ids(self, token, arg) -> list[int]:
         if token is None or isinstance(token, int):
-            return token
+            return [] if token is None else [token]
         if isinstance(token, str):
-            return self.encode_special(token)
+            return [self.encode_special(token)]
         raise ValueError(f"{arg} must be a special token name or id, got {token!r}")
 
     def encode(self, text, prepend=None, append=None, num_threads: int = 8):
         """str -> list[int]; list[str] -> list[list[int]] (tiktoken's thread pool). Special-token
         strings inside the text are encoded as ordinary text, never as the special tokens."""
-        pre, post = self._special_id(prepend, "prepend"), self._special_id(append, "append")
-        pre, post = [] if pre is None else [pre], [] if post is None else [post]
+        pre, post = self._special_ids(prepend, "prepend"), self._special_ids(append, "append")
         if isinstance(text, str):
             return pre + self.enc.encode_ordinary(text) + post
         if isinstance(text, (list, tuple)):

@@ -6,6 +6,7 @@ import errno
 import random
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -149,7 +150,7 @@ def documents_verified(name):
 
 def test_too_little_free_space_is_said_before_anything_is_fetched(nanochat_home, monkeypatch):
     files = published(2)
-    monkeypatch.setattr(shard_download, "free_bytes", lambda folder: 1000)
+    monkeypatch.setattr(shard_download.shutil, "disk_usage", lambda folder: SimpleNamespace(free=1000))
     with ShardServer(files) as server:
         with pytest.raises(UserError, match=r"3 shards need 0\.00 GB but .* GB short"):
             download(server, shards=2)
