@@ -129,17 +129,17 @@ def per_shard(tok, source: Path, threads: int, batch_chars: int, pool, thread_po
     import numpy as np
     import pyarrow.parquet as pq
 
-    from nanochat_fast.data import streamed_tokens
+    from nanochat_fast.data import token_shards
 
     def ours():  # what prepare_data runs: batches read here, encoded by the worker processes, written
-        out = streamed_tokens.tokenize_text_shard(
+        out = token_shards.tokenize_text_shard(
             source, tok, WORK / "scratch", "s", np.uint16, pool, threads, batch_chars
         )
         return out["n_tokens"]
 
     def threads_way():  # the alternative: the same batches encoded by threads (the GIL released in tiktoken)
         n = 0
-        for texts in streamed_tokens.text_batches(source, batch_chars):
+        for texts in token_shards.text_batches(source, batch_chars):
             step = max(1, -(-len(texts) // (4 * threads)))
             parts = thread_pool.map(lambda i: _thread_encode(tok.enc, texts[i : i + step]), range(0, len(texts), step))
             n += sum(len(a) + 1 for part in parts for a in part)
@@ -147,7 +147,7 @@ def per_shard(tok, source: Path, threads: int, batch_chars: int, pool, thread_po
 
     def ceiling():  # tiktoken's batch encoder alone: the text already in memory, only the encode timed
         n, spent = 0, 0.0
-        for texts in streamed_tokens.text_batches(source, batch_chars):
+        for texts in token_shards.text_batches(source, batch_chars):
             t0 = time.perf_counter()
             n += sum(len(ids) + 1 for ids in tok.enc.encode_ordinary_batch(texts, num_threads=threads))
             spent += time.perf_counter() - t0
@@ -343,7 +343,7 @@ def main():
         return put_section(results_md, section_from_file(Path(args.out)))
     os.environ["NANOCHAT_FAST_HOME"] = str(WORK / "home")
     from nanochat_fast.core import paths
-    from nanochat_fast.data import streamed_tokens
+    from nanochat_fast.data import token_shards
 
     t0 = time.perf_counter()
     manifest = generate(args.gb, args.shard_chars)
@@ -351,9 +351,9 @@ def main():
     data_bytes = sum(s.stat().st_size for s in shards)
     print(f"{len(shards)} shards, {data_bytes / 1e9:.2f} GB of parquet ({time.perf_counter() - t0:.0f}s)", flush=True)
     tok = train_tokenizer(args.vocab_size)
-    batch_chars = streamed_tokens.batch_chars_within(args.memory_mb, args.threads)
+    batch_chars = token_shards.batch_chars_within(args.memory_mb, args.threads)
     compare = {}
-    with streamed_tokens.encoder_pool(tok, args.threads) as pool, ThreadPoolExecutor(args.threads) as thread_pool:
+    with token_shards.encoder_pool(tok, args.threads) as pool, ThreadPoolExecutor(args.threads) as thread_pool:
         for source in shards[: args.compare_shards or len(shards)]:
             for name, r in per_shard(tok, source, args.threads, batch_chars, pool, thread_pool).items():
                 c = compare.setdefault(name, {"tokens": 0, "seconds": 0.0})

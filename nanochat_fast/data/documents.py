@@ -8,31 +8,27 @@ re-run skips them: docs/measurements.md#prepared-data-on-disk.
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 from ..core import paths
 from ..core.errors import UserError
 from ..core.progress import progress_bar
 from .corpus_sources import split_document
+from .tokenizer import Tokenizer
 
 TEXT, CHAT = "text", "chat"
 SPLITS = ("train", "val")
 FORMAT_VERSION = 1
 
 
-def shard_name(index: int) -> str:
-    return f"shard_{index:05d}"
-
-
-# ---------------------------------------------------------------------------------------------
-# documents
+def shard_file(index: int) -> str:
+    return f"shard_{index:05d}.parquet"
 
 
 def check_conversation(conv, where: str) -> dict:
     """A conversation in the stored form ({"messages": [{"role", "content": str}]}, roles alternating
     after an optional system message), or a UserError naming `where`."""
-    from .tokenizer import Tokenizer
-
     try:
         Tokenizer.turns(conv)
         messages = [{"role": m["role"], "content": m["content"]} for m in conv["messages"]]
@@ -47,22 +43,15 @@ def doc_chars(doc) -> int:
     return len(doc) if isinstance(doc, str) else sum(len(m["content"]) for m in doc["messages"])
 
 
-INPUT_SUFFIXES = (".txt", ".jsonl", ".parquet")
-
-
 def input_files(folder: Path) -> list[Path]:
     """The files of an --input folder that are read, in the order they are read."""
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in INPUT_SUFFIXES)
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl", ".parquet"))
 
 
 def iter_input_folder(folder: Path, max_doc_chars: int):
     """(doc, file's relative path) from every file under `folder`: a .txt is prose, a .jsonl holds
-    {"text"} or {"messages"} objects, a .parquet a "text" or "messages" column. Empty files are
-    skipped with a warning; one that cannot be read stops the run with a UserError naming it
-    (dropping part of someone's data silently is worse than asking them to fix one file)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise UserError(f"--input {folder} is not a directory")
+    {"text"} or {"messages"} objects, a .parquet a "text" or "messages" column. Empty files are skipped
+    with a warning; an unreadable one is a UserError naming it (better than dropping data silently)."""
     files = input_files(folder)
     if not files:
         raise UserError(f"--input {folder} has no .txt, .jsonl or .parquet files")
@@ -137,10 +126,6 @@ def _object_docs(obj, where, source, max_doc_chars):
         raise UserError(f"{where}: expected an object with a 'text' string or a 'messages' list")
 
 
-# ---------------------------------------------------------------------------------------------
-# parquet shards
-
-
 class ShardWriter:
     """Writes shard_NNNNN.parquet files of about shard_chars characters. With reuse=True an existing
     shard is kept (a resumed run: the document stream is deterministic, so it holds these documents)."""
@@ -148,8 +133,7 @@ class ShardWriter:
     def __init__(self, directory: Path, kind: str, shard_chars: int, reuse: bool):
         self.directory, self.kind, self.shard_chars, self.reuse = Path(directory), kind, shard_chars, reuse
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.names, self.docs, self.sources, self.chars = [], [], [], 0
-        self.n_docs = 0
+        self.names, self.docs, self.sources, self.chars, self.n_docs = [], [], [], 0, 0
 
     def add(self, doc, source: str):
         self.docs.append(doc)
@@ -165,7 +149,7 @@ class ShardWriter:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        name = shard_name(len(self.names)) + ".parquet"
+        name = shard_file(len(self.names))
         path = self.directory / name
         if not (self.reuse and path.is_file()):
             if self.kind == TEXT:
@@ -179,17 +163,7 @@ class ShardWriter:
         self.docs, self.sources, self.chars = [], [], 0
 
 
-def write_dataset(
-    name: str,
-    kind: str,
-    docs,
-    *,
-    config: dict,
-    sources: list[dict],
-    val_every: int,
-    shard_chars: int,
-    overwrite: bool = False,
-) -> dict:
+def write_dataset(name, kind, docs, *, config, sources, val_every, shard_chars, overwrite=False) -> dict:
     """Write data/<name>/ from (doc, source) pairs, document i to val when i % val_every == 0, and
     return the manifest; nothing to do when one built with the same `config` exists (unless
     overwrite). `docs` may be a function returning them (called only when there is work)."""
@@ -213,34 +187,27 @@ def write_dataset(
         paths.write_json(started_path, config)
     docs = docs() if callable(docs) else docs
     writers = {split: ShardWriter(root / split, kind, shard_chars, reuse) for split in SPLITS}
-    per_source = {}
+    docs_of, chars_of = Counter(), Counter()  # per source
     total = len(docs) if hasattr(docs, "__len__") else None
     with progress_bar(desc=f"writing data/{name}", unit="doc", total=total) as bar:
         for i, (doc, source) in enumerate(docs):
             writers["val" if val_every > 0 and i % val_every == 0 else "train"].add(doc, source)
-            counts = per_source.setdefault(source, {"docs": 0, "chars": 0})
-            counts["docs"] += 1
-            counts["chars"] += doc_chars(doc)
+            docs_of[source] += 1
+            chars_of[source] += doc_chars(doc)
             bar.update()
     for w in writers.values():
         w.flush()
-    if writers["train"].n_docs == 0 or writers["val"].n_docs == 0:
+    n_docs = {split: writers[split].n_docs for split in SPLITS}
+    if 0 in n_docs.values():
         raise UserError(
-            f"data/{name}: {writers['train'].n_docs} train and {writers['val'].n_docs} val documents; "
+            f"data/{name}: {n_docs['train']} train and {n_docs['val']} val documents; "
             f"both need at least one (give more text, or lower --val-every)"
         )
     for source in sources:
-        source.update(per_source.get(source["name"], {"docs": 0, "chars": 0}))
-    manifest = {
-        "name": name,
-        "kind": kind,
-        "config": config,
-        "sources": sources,
-        "shards": {split: writers[split].names for split in SPLITS},
-        "docs": {split: writers[split].n_docs for split in SPLITS},
-        "chars": sum(c["chars"] for c in per_source.values()),
-    }
-    _write_manifest(root, manifest)
+        source.update(docs=docs_of[source["name"]], chars=chars_of[source["name"]])
+    shards = {split: writers[split].names for split in SPLITS}
+    chars = sum(chars_of.values())
+    manifest = _write_manifest(name, kind, config, sources, shards, n_docs, chars)
     started_path.unlink(missing_ok=True)
     return manifest
 
@@ -251,42 +218,36 @@ def register_shards(name: str, shards: dict, *, config: dict, sources: list[dict
     import pyarrow.parquet as pq
 
     root = paths.data_dir(name)
-    config = dict(config, kind=TEXT, format=FORMAT_VERSION)
     docs = {split: sum(pq.ParquetFile(root / split / s).metadata.num_rows for s in shards[split]) for split in SPLITS}
     size = sum((root / split / s).stat().st_size for split in SPLITS for s in shards[split])
-    manifest = {
-        "name": name,
-        "kind": TEXT,
-        "config": config,
-        "sources": sources,
-        "shards": {split: list(shards[split]) for split in SPLITS},
-        "docs": docs,
-        "chars": None,
-        "bytes": size,
-    }
-    _write_manifest(root, manifest)
-    return manifest
+    config = dict(config, kind=TEXT, format=FORMAT_VERSION)
+    return _write_manifest(name, TEXT, config, sources, {s: list(shards[s]) for s in SPLITS}, docs, None, size)
 
 
-def _write_manifest(root: Path, manifest: dict):
+def _write_manifest(name, kind, config, sources, shards, docs, chars, size=None) -> dict:
     """SOURCES.md (for people), then manifest.json (last: the dataset is complete)."""
+    root = paths.data_dir(name)
+    manifest = {"name": name, "kind": kind, "config": config, "sources": sources, "shards": shards, "docs": docs}
+    manifest["chars"] = chars
+    if size is not None:
+        manifest["bytes"] = size
     lines = [
-        f"# data/{manifest['name']}: sources and licences",
+        f"# data/{name}: sources and licences",
         "",
-        f"{manifest['docs']['train']:,} train and {manifest['docs']['val']:,} validation documents "
-        f"({manifest['kind']}), "
-        + (f"{manifest['chars']:,} characters." if manifest["chars"] is not None else f"{manifest['bytes']:,} bytes."),
+        f"{docs['train']:,} train and {docs['val']:,} validation documents ({kind}), "
+        + (f"{chars:,} characters." if chars is not None else f"{size:,} bytes."),
         "",
         "| source | what | fetched as | licence | documents | characters |",
         "|---|---|---|---|---:|---:|",
     ]
-    for s in manifest["sources"]:
+    for s in sources:
         lines.append(
             f"| {s['name']} | {s.get('about', '')} | {s.get('spec', '')} | {s.get('licence', '')} | "
             f"{s.get('docs', 0):,} | {s.get('chars') or 0:,} |"
         )
     paths.replace_atomically(root / "SOURCES.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
     paths.write_json(root / "manifest.json", manifest)
+    return manifest
 
 
 def read_dataset_manifest(name: str) -> dict:
@@ -303,8 +264,7 @@ def read_dataset_manifest(name: str) -> dict:
 
 
 def prepared_datasets() -> list[str]:
-    root = paths.home() / "data"
-    return sorted(p.parent.name for p in root.glob("*/manifest.json")) if root.is_dir() else []
+    return sorted(p.parent.name for p in (paths.home() / "data").glob("*/manifest.json"))
 
 
 def iter_texts(name: str, split: str = "train", doc_cap: int = 0):
@@ -320,13 +280,6 @@ def iter_texts(name: str, split: str = "train", doc_cap: int = 0):
                 yield text[:doc_cap] if doc_cap > 0 else text
 
 
-def _unreadable(path: Path, e: Exception) -> UserError:
-    return UserError(
-        f"{path} is missing or unreadable ({type(e).__name__}: {e}); rebuild it with "
-        "`python -m nanochat_fast.scripts.prepare_data --overwrite`"
-    )
-
-
 def iter_column(path: Path, column: str, batch_rows: int = 1024):
     """One column of a parquet shard as lists of values, `batch_rows` rows at a time (a published
     set's shard holds ~250M characters: never read whole)."""
@@ -336,13 +289,7 @@ def iter_column(path: Path, column: str, batch_rows: int = 1024):
         for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows, columns=[column]):
             yield batch.column(0).to_pylist()
     except Exception as e:
-        raise _unreadable(path, e) from None
-
-
-def read_parquet(path: Path, columns):
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_table(path, columns=columns)
-    except Exception as e:
-        raise _unreadable(path, e) from None
+        raise UserError(
+            f"{path} is missing or unreadable ({type(e).__name__}: {e}); rebuild it with "
+            "`python -m nanochat_fast.scripts.prepare_data --overwrite`"
+        ) from None

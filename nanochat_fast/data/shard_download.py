@@ -19,29 +19,21 @@ from pathlib import Path
 
 from ..core.errors import NetworkError, UserError
 from ..core.progress import progress_bar
+from .documents import shard_file
 
 
 @dataclass(frozen=True)
 class PublishedSet:
-    name: str
     base_url: str
     last_shard: int  # the validation shard; 0..last_shard-1 are the training shards
 
 
 DATASETS = {
-    "climbmix": PublishedSet(
-        "climbmix", "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main", 6542
-    ),
-    "fineweb-edu": PublishedSet(
-        "fineweb-edu", "https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main", 1822
-    ),
+    "climbmix": PublishedSet("https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main", 6542),
+    "fineweb-edu": PublishedSet("https://huggingface.co/datasets/karpathy/fineweb-edu-100b-shuffle/resolve/main", 1822),
 }
 CHUNK = 1 << 20  # bytes read and written at a time
 RETRY_STATUSES = {429} | set(range(500, 600))  # worth another try; other 4xx answers are the input's fault
-
-
-def shard_file(index: int) -> str:
-    return f"shard_{index:05d}.parquet"
 
 
 @dataclass
@@ -122,11 +114,6 @@ def verify_shard(path: Path) -> str | None:
     return None if "text" in names else f"no 'text' column (columns: {', '.join(names)})"
 
 
-def free_bytes(folder: Path) -> int:
-    """Free space on the file system holding `folder` (its own function: a test fakes it)."""
-    return shutil.disk_usage(folder).free
-
-
 def _append(f, data: bytes):
     """Write one chunk (its own function: a test injects a full disk)."""
     f.write(data)
@@ -188,14 +175,13 @@ def head_size(url: str, cfg: DownloadConfig, retried) -> int | None:
         except urllib.error.HTTPError as e:
             raise _http_failure(e, url) from None
 
-    def head_retried(url, why):
-        retried(url, f"HEAD: {why}")
-
-    return _with_retries(attempt, url, cfg, head_retried, f"no answer to HEAD {url}", "check the network and re-run")
+    return _with_retries(attempt, url, cfg, retried, f"no answer to HEAD {url}", "check the network and re-run")
 
 
-def _fetch_once(url: str, tmp: Path, cfg: DownloadConfig, counters: _Counters):
-    """One GET into `tmp`, resuming what it holds. Raises _Retry when another try may help."""
+def _try_shard(url: str, dest: Path, cfg: DownloadConfig, counters: _Counters):
+    """One try: a GET into dest's .partial (resuming what it holds), checked, then renamed to dest.
+    Raises _Retry when another try may help, a UserError when the disk is full."""
+    tmp = partial_path(dest)
     offset = tmp.stat().st_size if tmp.is_file() else 0
     try:
         resp = _open(url, cfg, offset=offset)
@@ -226,56 +212,31 @@ def _fetch_once(url: str, tmp: Path, cfg: DownloadConfig, counters: _Counters):
                 try:
                     _append(f, data)
                 except OSError as e:
-                    raise _DiskFull(e) from None
+                    tmp.unlink(missing_ok=True)
+                    what = "the disk is full" if e.errno == errno.ENOSPC else f"cannot write ({e})"
+                    raise UserError(
+                        f"{what} while writing {dest}: its partial file was removed, the complete shards are kept; "
+                        "free some space (or ask for fewer --shards) and re-run"
+                    ) from None
                 got += len(data)
                 counters.add_bytes(len(data))
     if expected is not None and got < expected:
         raise _Retry(f"connection lost after {got:,} of {expected:,} bytes")
-
-
-class _DiskFull(Exception):
-    def __init__(self, error: OSError):
-        self.error = error
+    problem = verify_shard(tmp)
+    if problem is not None:  # complete by its length, yet not a shard: a truncated body, fetched again whole
+        counters.add_bytes(-tmp.stat().st_size)
+        tmp.unlink()
+        raise _Retry(f"the file received is {problem}")
+    tmp.replace(dest)
+    counters.shard_done()
 
 
 def fetch_shard(url: str, dest: Path, cfg: DownloadConfig, counters: _Counters):
     """Download one shard to dest (via its .partial), retrying; raises UserError/NetworkError."""
-    tmp = partial_path(dest)
-
-    def attempt():
-        _fetch_once(url, tmp, cfg, counters)
-        problem = verify_shard(tmp)
-        if problem is not None:  # complete by its length, yet not a shard: a truncated body, fetched again whole
-            counters.add_bytes(-tmp.stat().st_size)
-            tmp.unlink()
-            raise _Retry(f"the file received is {problem}")
-        tmp.replace(dest)
-        counters.shard_done()
-
-    try:
-        kept = "the complete shards are kept and a re-run resumes"
-        _with_retries(attempt, url, cfg, counters.retried, f"{url}: still failing", kept)
-    except _DiskFull as e:
-        tmp.unlink(missing_ok=True)
-        what = "the disk is full" if e.error.errno == errno.ENOSPC else f"cannot write ({e.error})"
-        raise UserError(
-            f"{what} while writing {dest}: its partial file was removed, the complete shards are kept; "
-            "free some space (or ask for fewer --shards) and re-run"
-        ) from None
-
-
-def _check_space(todo, sizes, root: Path):
-    """Say what is short before any shard is fetched (what the .partial files hold already counts)."""
-    known = [(dest, size) for (_, dest), size in zip(todo, sizes) if size is not None]
-    need = sum(
-        size - (partial_path(dest).stat().st_size if partial_path(dest).is_file() else 0) for dest, size in known
+    kept = "the complete shards are kept and a re-run resumes"
+    _with_retries(
+        lambda: _try_shard(url, dest, cfg, counters), url, cfg, counters.retried, f"{url}: still failing", kept
     )
-    free = free_bytes(root)
-    if need > free:
-        raise UserError(
-            f"{len(todo)} shards need {need / 1e9:.2f} GB but {root} has {free / 1e9:.2f} GB free "
-            f"({(need - free) / 1e9:.2f} GB short): free some space or ask for fewer --shards"
-        )
 
 
 def download(cfg: DownloadConfig, root: Path) -> dict:
@@ -286,11 +247,8 @@ def download(cfg: DownloadConfig, root: Path) -> dict:
     for split in ("train", "val"):
         (root / split).mkdir(parents=True, exist_ok=True)
     todo = [(url, dest) for url, dest in jobs if not dest.is_file()]
-    result = {
-        "train": [d.name for _, d in jobs if d.parent.name == "train"],
-        "val": [d.name for _, d in jobs if d.parent.name == "val"],
-        "skipped": len(jobs) - len(todo),
-    }
+    result = {split: [d.name for _, d in jobs if d.parent.name == split] for split in ("train", "val")}
+    result["skipped"] = len(jobs) - len(todo)
     if not todo:
         total = sum(d.stat().st_size for _, d in jobs)
         print(f"{cfg.dataset}: all {len(jobs)} shards already present ({total / 1e9:.2f} GB): nothing to download")
@@ -299,13 +257,18 @@ def download(cfg: DownloadConfig, root: Path) -> dict:
     head_retries = []
     with ThreadPoolExecutor(cfg.workers) as pool:
         sizes = list(pool.map(lambda job: head_size(job[0], cfg, lambda *why: head_retries.append(why)), todo))
-    _check_space(todo, sizes, root)
-    resumed = sum(partial_path(d).stat().st_size for _, d in todo if partial_path(d).is_file())
-    total = sum(sizes) if None not in sizes else None
+    held = [partial_path(d).stat().st_size if partial_path(d).is_file() else 0 for _, d in todo]
+    need, free = sum(s - h for s, h in zip(sizes, held) if s is not None), shutil.disk_usage(root).free
+    if need > free:  # said before any shard is fetched; what the .partial files hold already counts
+        raise UserError(
+            f"{len(todo)} shards need {need / 1e9:.2f} GB but {root} has {free / 1e9:.2f} GB free "
+            f"({(need - free) / 1e9:.2f} GB short): free some space or ask for fewer --shards"
+        )
+    resumed, total = sum(held), (sum(sizes) if None not in sizes else None)
     with progress_bar(desc=f"downloading {cfg.dataset}", unit="B", unit_scale=True, total=total) as bar:
         counters = _Counters(bar, len(todo))
         for url, why in head_retries:
-            counters.retried(url, why)
+            counters.retried(url, f"HEAD: {why}")
         counters.add_bytes(resumed)
         bar.set_postfix_str(f"0/{len(todo)} shards")
         with ThreadPoolExecutor(cfg.workers) as pool:
@@ -314,8 +277,7 @@ def download(cfg: DownloadConfig, root: Path) -> dict:
                 for future in futures:
                     future.result()
             except BaseException:  # the first failure stops the run: shards not started are not started
-                for future in futures:
-                    future.cancel()
+                pool.shutdown(cancel_futures=True)
                 raise
     seconds = time.perf_counter() - t0
     fetched = counters.bytes - resumed

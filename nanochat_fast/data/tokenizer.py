@@ -44,12 +44,7 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special token
 class Tokenizer:
     """BPE over bytes with nanochat's special tokens; a thin layer over a tiktoken.Encoding."""
 
-    def __init__(
-        self,
-        mergeable_ranks: dict[bytes, int],
-        pattern: str = SPLIT_PATTERN,
-        special_tokens: list[str] = SPECIAL_TOKENS,
-    ):
+    def __init__(self, mergeable_ranks: dict[bytes, int], pattern=SPLIT_PATTERN, special_tokens=SPECIAL_TOKENS):
         offset = len(mergeable_ranks)
         self.special_tokens = {name: offset + i for i, name in enumerate(special_tokens)}
         self.enc = tiktoken.Encoding(
@@ -57,9 +52,6 @@ class Tokenizer:
         )
         self.pattern = pattern
         self.bos_token_id = self.special_tokens["<|bos|>"]
-
-    # -----------------------------------------------------------------------------------------
-    # training, saving, loading
 
     @classmethod
     def train(cls, texts, vocab_size: int, pattern: str = SPLIT_PATTERN) -> "Tokenizer":
@@ -126,17 +118,11 @@ class Tokenizer:
         h.update(json.dumps(self.special_tokens, sort_keys=True).encode())
         return h.hexdigest()[:16]
 
-    # -----------------------------------------------------------------------------------------
-    # ids
-
     def get_vocab_size(self) -> int:
         return self.enc.n_vocab
 
     def get_bos_token_id(self) -> int:
         return self.bos_token_id
-
-    def get_special_tokens(self) -> set[str]:
-        return set(self.special_tokens)
 
     def encode_special(self, name: str) -> int:
         try:
@@ -144,44 +130,25 @@ class Tokenizer:
         except KeyError:
             raise ValueError(f"unknown special token {name!r}; known: {', '.join(self.special_tokens)}") from None
 
-    def id_to_token(self, token_id: int) -> str:
-        return self.enc.decode([token_id])
-
-    def token_byte_lengths(self) -> list[int]:
-        """Bytes per token id, 0 for the special tokens (they stand for no text)."""
-        specials = set(self.special_tokens.values())
-        return [
-            0 if i in specials else len(self.enc.decode_single_token_bytes(i)) for i in range(self.get_vocab_size())
-        ]
-
-    # -----------------------------------------------------------------------------------------
-    # text
-
-    def _special_id(self, token, arg):
+    def _special_ids(self, token, arg) -> list[int]:
         if token is None or isinstance(token, int):
-            return token
+            return [] if token is None else [token]
         if isinstance(token, str):
-            return self.encode_special(token)
+            return [self.encode_special(token)]
         raise ValueError(f"{arg} must be a special token name or id, got {token!r}")
 
     def encode(self, text, prepend=None, append=None, num_threads: int = 8):
         """str -> list[int]; list[str] -> list[list[int]] (tiktoken's thread pool). Special-token
         strings inside the text are encoded as ordinary text, never as the special tokens."""
-        pre, post = self._special_id(prepend, "prepend"), self._special_id(append, "append")
-        pre, post = [] if pre is None else [pre], [] if post is None else [post]
+        pre, post = self._special_ids(prepend, "prepend"), self._special_ids(append, "append")
         if isinstance(text, str):
             return pre + self.enc.encode_ordinary(text) + post
         if isinstance(text, (list, tuple)):
             return [pre + ids + post for ids in self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)]
         raise ValueError(f"text must be a str or a list of str, got {type(text).__name__}")
 
-    __call__ = encode
-
     def decode(self, ids) -> str:
         return self.enc.decode(list(ids))
-
-    # -----------------------------------------------------------------------------------------
-    # conversations
 
     @staticmethod
     def turns(conversation):
@@ -270,10 +237,13 @@ def get_tokenizer(directory=None) -> Tokenizer:
 
 
 def token_bytes_tensor(tokenizer: Tokenizer):
-    """int32[vocab]: token_byte_lengths as token_bytes.pt holds them (ours and nanochat's alike)."""
+    """int32[vocab]: bytes per token id, 0 for the special tokens (they stand for no text), as
+    token_bytes.pt holds them (ours and nanochat's alike)."""
     import torch
 
-    return torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.int32)
+    specials, enc = set(tokenizer.special_tokens.values()), tokenizer.enc
+    lengths = [0 if i in specials else len(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab)]
+    return torch.tensor(lengths, dtype=torch.int32)
 
 
 def save_token_bytes(tokenizer: Tokenizer, directory) -> Path:
@@ -285,12 +255,11 @@ def save_token_bytes(tokenizer: Tokenizer, directory) -> Path:
     return path
 
 
-def get_token_bytes(device="cpu", directory=None):
+def get_token_bytes(device="cpu"):
     """int32[vocab] bytes per token (0 for special tokens), for bits-per-byte."""
     import torch
 
-    directory = Path(directory) if directory is not None else paths.tokenizer_dir()
-    path = directory / TOKEN_BYTES_FILE
+    path = paths.tokenizer_dir() / TOKEN_BYTES_FILE
     if not path.is_file():
         raise UserError(f"{path} is missing: run `python -m nanochat_fast.scripts.tok_train`")
     return torch.load(path, map_location=device, weights_only=True)

@@ -13,7 +13,7 @@ import torch
 
 from ..core.distributed import all_reduce_sum
 from ..core.errors import UserError
-from ..data.padded_conversations import ConversationMixture, PaddedConversationLoader
+from ..data.dataloader import ConversationMixture, PaddedConversationLoader
 from ..model.batch_engine import BatchEngine, Request, stop_tokens
 from ..model.generation import decode_reply, fit_context
 from .run_state import Horizon

@@ -17,9 +17,8 @@ import numpy as np
 
 from ..core.errors import UserError
 from ..core.paths import tokenizer_dir, tokens_dir
-from ..data.dataloader import ConversationRowLoader, TokenRowLoader
+from ..data.dataloader import ConversationMixture, ConversationRowLoader, PaddedConversationLoader, TokenRowLoader
 from ..data.documents import CHAT, check_conversation
-from ..data.padded_conversations import ConversationMixture, PaddedConversationLoader
 from ..data.token_shards import TokenShards, token_dtype
 from ..evals import prepared_benchmarks, tasks
 from .training_config import micro_steps

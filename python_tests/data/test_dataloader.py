@@ -394,7 +394,7 @@ def test_conversation_targets_are_masked(tmp_path):
         dataset="talk", tokens_root=tmp_path, device_batch_size=3, seq_len=20, buffer_docs=10
     ) as conv:
         supervised = 0
-        while not conv.last_step:
+        while conv.epochs_done < 1:
             x, y = next(conv)
             nxt = torch.cat([x[:, 1:], torch.full((3, 1), -2)], 1)  # the token each target stands for
             known = nxt != -2
@@ -430,7 +430,7 @@ def test_extra_conversations_are_mixed_in_deterministically(tmp_path):
             dataset="talk", tokens_root=tmp_path, device_batch_size=2, seq_len=30, buffer_docs=6, tokenizer=tok, **kw
         ) as dl:
             out = []
-            while not dl.last_step:
+            while dl.epochs_done < 1:
                 out.append(next(dl))
             return out, dl.n_docs
 

@@ -6,6 +6,7 @@ import errno
 import random
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from support.shard_server import ShardServer, parquet_bytes
 
 from nanochat_fast.core import paths
 from nanochat_fast.core.errors import NetworkError, UserError
-from nanochat_fast.data import documents, shard_download, streamed_tokens, token_shards
+from nanochat_fast.data import documents, shard_download, token_shards
 from nanochat_fast.data.tokenizer import Tokenizer
 from nanochat_fast.scripts import prepare_data, tok_train
 
@@ -149,7 +150,7 @@ def documents_verified(name):
 
 def test_too_little_free_space_is_said_before_anything_is_fetched(nanochat_home, monkeypatch):
     files = published(2)
-    monkeypatch.setattr(shard_download, "free_bytes", lambda folder: 1000)
+    monkeypatch.setattr(shard_download.shutil, "disk_usage", lambda folder: SimpleNamespace(free=1000))
     with ShardServer(files) as server:
         with pytest.raises(UserError, match=r"3 shards need 0\.00 GB but .* GB short"):
             download(server, shards=2)
@@ -200,9 +201,9 @@ def test_streamed_shard_equals_the_whole_shard_at_once(tmp_path):
     reference = token_shards.write_token_shard(
         tmp_path / "ref", "s", [np.asarray(ids, np.uint16) for ids in tok.encode(kept, prepend=tok.bos_token_id)]
     )
-    with streamed_tokens.encoder_pool(tok, 2) as pool:
+    with token_shards.encoder_pool(tok, 2) as pool:
         for batch_chars in (1, 10_000, 10**9):
-            counts = streamed_tokens.tokenize_text_shard(
+            counts = token_shards.tokenize_text_shard(
                 source, tok, tmp_path / "out", "s", np.uint16, pool, 2, batch_chars
             )
             assert counts == reference
@@ -213,11 +214,11 @@ def test_streamed_shard_equals_the_whole_shard_at_once(tmp_path):
 
 
 def test_memory_setting_sizes_the_batch_and_too_little_is_one_line():
-    held = 2 * streamed_tokens.WORKER_MB  # the process's own memory is not the tokenizer's to bound
-    chars = streamed_tokens.batch_chars_within(int(held) + 500, 2)
-    assert abs(chars * streamed_tokens.BYTES_PER_CHAR / 2**20 - 500) < 50
+    held = 2 * token_shards.WORKER_MB  # the process's own memory is not the tokenizer's to bound
+    chars = token_shards.batch_chars_within(int(held) + 500, 2)
+    assert abs(chars * token_shards.BYTES_PER_CHAR / 2**20 - 500) < 50
     with pytest.raises(UserError, match="--max-memory-mb=10 leaves too little"):
-        streamed_tokens.batch_chars_within(10, 2)
+        token_shards.batch_chars_within(10, 2)
 
 
 def test_a_killed_preparation_resumes_at_its_shard_and_gives_identical_token_shards(nanochat_home, monkeypatch):
@@ -229,15 +230,15 @@ def test_a_killed_preparation_resumes_at_its_shard_and_gives_identical_token_sha
     tok = Tokenizer.train(shard_texts(9), 300)
     tok.save(paths.tokenizer_dir())
     small = ["--download=climbmix", "--stage=tokens", "--num-threads=2", "--max-memory-mb=4000"]
-    monkeypatch.setattr(streamed_tokens, "ROWS_PER_READ", 4)
-    monkeypatch.setattr(streamed_tokens, "batch_chars_within", lambda mb, workers: 3000)  # several batches a shard
+    monkeypatch.setattr(token_shards, "ROWS_PER_READ", 4)
+    monkeypatch.setattr(token_shards, "batch_chars_within", lambda mb, workers: 3000)  # several batches a shard
     assert prepare_data.main(small) == 0
     root = paths.tokens_dir("climbmix")
     reference = {p.relative_to(root): p.read_bytes() for p in root.rglob("*.npy")}
     for path in root.rglob("*"):
         if path.is_file():
             path.unlink()
-    real = streamed_tokens.text_batches
+    real = token_shards.text_batches
 
     def killed_in_shard_2(source, batch_chars):
         for n, batch in enumerate(real(source, batch_chars)):
@@ -245,12 +246,12 @@ def test_a_killed_preparation_resumes_at_its_shard_and_gives_identical_token_sha
                 raise KeyboardInterrupt  # the third shard, after two of its batches were written
             yield batch
 
-    monkeypatch.setattr(streamed_tokens, "text_batches", killed_in_shard_2)
+    monkeypatch.setattr(token_shards, "text_batches", killed_in_shard_2)
     with pytest.raises(KeyboardInterrupt):
         prepare_data.main(small)
     assert sorted(p.name for p in (root / "train").glob("*.json")) == ["shard_00000.json", "shard_00001.json"]
     assert not list(root.rglob(".*"))  # the unfinished shard's partial file went with it
-    monkeypatch.setattr(streamed_tokens, "text_batches", real)
+    monkeypatch.setattr(token_shards, "text_batches", real)
     before = {p: p.stat().st_mtime_ns for p in (root / "train").glob("shard_0000[01].*")}
     assert prepare_data.main(small) == 0
     assert {p: p.stat().st_mtime_ns for p in before} == before  # reused, not redone

@@ -13,7 +13,7 @@ from support.tiny_gpt import random_model
 from support.tiny_pipeline import FP32, TINY_LOOP, TINY_MID, TINY_MODEL, home_env, home_with_base_run, run_script
 
 from nanochat_fast import checkpoints
-from nanochat_fast.data.padded_conversations import ConversationMixture, PaddedConversationLoader
+from nanochat_fast.data.dataloader import ConversationMixture, PaddedConversationLoader
 from nanochat_fast.data.tokenizer import get_tokenizer
 from nanochat_fast.evals import tasks
 from nanochat_fast.scripts import chat_eval, chat_sft, mid_train
