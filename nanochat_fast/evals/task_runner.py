@@ -157,12 +157,10 @@ def core_subset(
         start = time.time()
         items = task.items(max_examples)
         mine = scoring.shard(len(items), rank, world_size)
-        local = scoring.Counts()
         with examples_bar(len(mine), task.name, progress and rank == 0) as bar:
-            for i in range(0, len(mine), batch_size):
-                indices = mine[i : i + batch_size]
-                local += scoring.core_counts(model, tokenizer, task, items, indices=indices, batch_size=batch_size)
-                bar.update(len(indices))
+            local = scoring.core_counts(
+                model, tokenizer, task, items, indices=mine, batch_size=batch_size, on_batch=bar.update
+            )
         correct, total, truncated = summed(local, model.get_device())
         accuracies[task.name], chances[task.name] = correct / total, task.chance
         counts[task.name] = {

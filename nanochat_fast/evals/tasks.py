@@ -46,32 +46,20 @@ class Task:
 
 
 class ChatTask(Task):
-    """A task for the chat model: each example renders as a conversation (the question, the
-    assistant's ideal answer), for supervised fine-tuning and for prompting at evaluation."""
+    """A task for the chat model: each example renders as a conversation (prompt(example), then
+    answer(example): the assistant's ideal answer, a string or a list of parts), for SFT and for
+    prompting at evaluation; check(example, reply) says whether the reply (text) is a right answer."""
 
-    def answer(self, example: dict):
-        """The assistant's ideal answer: a string or a list of parts."""
-        raise NotImplementedError
+    def prompt(self, example: dict) -> str:
+        return example["question"]
 
     def conversation(self, example: dict) -> dict:
         return {
             "messages": [
-                {"role": "user", "content": example["question"]},
+                {"role": "user", "content": self.prompt(example)},
                 {"role": "assistant", "content": self.answer(example)},
             ]
         }
-
-    def check(self, example: dict, completion: str) -> bool:
-        """Is `completion` (the assistant's reply as text) a right answer?"""
-        raise NotImplementedError
-
-
-def render_mc(question: str, letters: str, choices: list[str]) -> str:
-    """The multiple-choice prompt. Each choice is followed by its letter with no space ("- Paris=A"):
-    " A" and "A" are different tokens, and the model should write the very token it saw next to the
-    choice (small models are sensitive to it, as nanochat found)."""
-    lines = [f"Multiple Choice question: {question}"] + [f"- {c}={letter}" for letter, c in zip(letters, choices)]
-    return "\n".join(lines) + "\n\nRespond only with the letter of the correct answer."
 
 
 class MultipleChoiceTask(ChatTask):
@@ -83,17 +71,18 @@ class MultipleChoiceTask(ChatTask):
     def letters(self, example: dict) -> str:
         return ANSWER_LETTERS[: len(example["choices"])]
 
-    def conversation(self, example: dict) -> dict:
-        letters = self.letters(example)
-        return {
-            "messages": [
-                {"role": "user", "content": render_mc(example["question"], letters, example["choices"])},
-                {"role": "assistant", "content": letters[example["answer"]]},
-            ]
-        }
+    def prompt(self, example: dict) -> str:
+        # each choice is followed by its letter with no space ("- Paris=A"): " A" and "A" are different
+        # tokens, and the model should write the very token it saw next to the choice (as nanochat found)
+        choices = [f"- {c}={letter}" for letter, c in zip(self.letters(example), example["choices"])]
+        lines = [f"Multiple Choice question: {example['question']}"] + choices
+        return "\n".join(lines) + "\n\nRespond only with the letter of the correct answer."
+
+    def answer(self, example: dict) -> str:
+        return self.letters(example)[example["answer"]]
 
     def check(self, example: dict, completion: str) -> bool:
-        return completion.strip()[:1] == self.letters(example)[example["answer"]]
+        return completion.strip()[:1] == self.answer(example)
 
 
 class ARC(MultipleChoiceTask):
@@ -101,9 +90,7 @@ class ARC(MultipleChoiceTask):
 
     train_splits = ("validation",)
 
-    def __init__(self, subset: str):
-        if subset not in ("ARC-Easy", "ARC-Challenge"):
-            raise ValueError(f"ARC subset must be ARC-Easy or ARC-Challenge, got {subset!r}")
+    def __init__(self, subset: str):  # ARC-Easy or ARC-Challenge
         self.name, self.folder = subset, subset.lower()
 
 
@@ -253,19 +240,15 @@ class HumanEval(GenerativeTask):
     program passes the problem's tests in the sandbox (sandbox.py)."""
 
     name, folder = "HumanEval", "humaneval"
-    train_splits = ()
     timeout = 5.0  # seconds per program
     memory_mb = 512
 
     def answer(self, example: dict) -> str:
         return example["question"] + example["answer"]
 
-    def execute(self, example: dict, completion: str):
-        """The sandbox's result for the reply (status passed/failed/timeout/error)."""
-        return run_program(check_program(example, extract_program(completion)), self.timeout, self.memory_mb)
-
     def check(self, example: dict, completion: str) -> bool:
-        return self.execute(example, completion).passed
+        program = check_program(example, extract_program(completion))
+        return run_program(program, self.timeout, self.memory_mb).passed
 
 
 # ---------------------------------------------------------------------------------------------
