@@ -155,15 +155,7 @@ def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size:
 
 
 def generative_counts(
-    model,
-    tokenizer,
-    task,
-    examples: list[dict],
-    num_samples: int = 1,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_k: int | None = 50,
-    seed: int = 42,
+    model, tokenizer, task, examples: list[dict], num_samples=1, max_new_tokens=256, temperature=0.0, top_k=50, seed=42
 ) -> Counts:
     """num_samples replies to each question (one prefill, the calculator available); solved when
     any reply passes task.check."""
@@ -171,7 +163,7 @@ def generative_counts(
     counts = Counts()
     for ex in examples:
         whole = tokenizer.render_for_completion(task.conversation(ex))
-        prompt, budget = fit_context(whole, max_tokens, model.config.sequence_len, bos)
+        prompt, budget = fit_context(whole, max_new_tokens, model.config.sequence_len, bos)
         counts.truncated += len(prompt) < len(whole)
         samples = generate_batch(model, tokenizer, prompt, num_samples, budget, temperature, top_k, seed)
         outcomes = [task.check(ex, s.text) for s in samples]

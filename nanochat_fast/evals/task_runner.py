@@ -75,23 +75,10 @@ def summed(counts: scoring.Counts, device) -> tuple[int, int, int]:
 
 
 def chat_task(
-    model,
-    tokenizer,
-    task,
-    examples: list[dict],
-    rank: int = 0,
-    world_size: int = 1,
-    batch_size: int = 8,
-    num_samples: int = 1,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    top_k: int | None = 50,
-    seed: int = 42,
-    progress: bool = False,
-    settings: dict | None = None,
+    model, tokenizer, task, examples, rank=0, world_size=1, batch_size=8, progress=False, settings=None, **sampling
 ) -> TaskResult:
-    """`task` on `examples` (the same list on every rank): categorical tasks in batches of
-    batch_size prompts, generative ones by sampling (pass@k with num_samples > 1)."""
+    """`task` on `examples` (the same list on every rank): categorical tasks in batches of batch_size
+    prompts, generative ones by sampling (`sampling`: generative_counts' num_samples, max_new_tokens, ...)."""
     mine = [examples[i] for i in scoring.shard(len(examples), rank, world_size)]
     start, counts = time.time(), scoring.Counts()
     with examples_bar(len(mine), task.name, progress and rank == 0) as bar:
@@ -99,9 +86,7 @@ def chat_task(
             counts = scoring.categorical_counts(model, tokenizer, task, mine, batch_size, on_batch=bar.update)
         else:
             for ex in mine:
-                counts += scoring.generative_counts(
-                    model, tokenizer, task, [ex], num_samples, max_new_tokens, temperature, top_k, seed
-                )
+                counts += scoring.generative_counts(model, tokenizer, task, [ex], **sampling)
                 bar.update(1)
     correct, total, truncated = summed(counts, model.get_device())
     seconds = time.time() - start
@@ -139,15 +124,7 @@ def evaluate_pass_at_k(
 
 
 def core_subset(
-    model,
-    tokenizer,
-    core_tasks,
-    max_examples: int | None = None,
-    rank: int = 0,
-    world_size: int = 1,
-    batch_size: int = 16,
-    progress: bool = False,
-    on_task=None,
+    model, tokenizer, core_tasks, max_examples=None, rank=0, world_size=1, batch_size=16, progress=False, on_task=None
 ) -> dict:
     """Each CORE task's accuracy (every rank loads the items and scores its shard), then
     scoring.core_summary. on_task(label, counts) is called as each task finishes; counts holds
