@@ -83,7 +83,6 @@ class HashingFile:
         self._queue_small()
         for done, _ in self._pending:
             done.result()
-        self._pending, self._in_flight = [], 0
         return {"sha256": self._sha.hexdigest(), "bytes": self.size}
 
 
@@ -242,10 +241,8 @@ def save_checkpoint(run_dir, step: int, *, model_state, rank_state, meta, device
         intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         if error is None:
             what = "another rank could not write its file"
-        elif error.errno == errno.ENOSPC:
-            what = "disk full"
         else:
-            what = f"{error.strerror or error}"
+            what = "disk full" if error.errno == errno.ENOSPC else f"{error.strerror or error}"
         raise UserError(
             f"could not save checkpoint step {step} in {path.parent} ({what}); {intact}. "
             "Free space or choose another --out-dir, then resume with --resume auto"

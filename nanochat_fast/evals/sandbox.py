@@ -24,9 +24,8 @@ OUTPUT_BYTES = 1 << 20  # stdout/stderr each: at most this much is written (RLIM
 # compiled under the name <program>). The verdict goes to an inherited pipe, not to stdout.
 GUARD = r"""
 import builtins, faulthandler, io, os, resource, sys
-_AS, _CPU, _FSIZE = {memory_bytes}, {cpu_seconds}, {file_bytes}
-for _limit, _value in ((resource.RLIMIT_AS, _AS), (resource.RLIMIT_CPU, _CPU), (resource.RLIMIT_FSIZE, _FSIZE),
-                       (resource.RLIMIT_NPROC, 0), (resource.RLIMIT_CORE, 0)):
+for _limit, _value in ((resource.RLIMIT_AS, {memory_bytes}), (resource.RLIMIT_CPU, {cpu_seconds}),
+                       (resource.RLIMIT_FSIZE, {file_bytes}), (resource.RLIMIT_NPROC, 0), (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(_limit, (_value, _value))
 _verdict = os.fdopen({verdict_fd}, "w")
 _home = os.path.realpath(os.getcwd())

@@ -56,8 +56,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
-    """The Wilson score interval of a proportion: unlike the normal approximation it stays inside
-    [0, 1] and is sound at 0%, at 100% and for small n."""
+    """The Wilson score interval: unlike the normal approximation, inside [0, 1] and sound at 0%, 100%, small n."""
     if total <= 0:
         return float("nan"), float("nan")
     p = correct / total
@@ -157,8 +156,7 @@ def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size:
 def generative_counts(
     model, tokenizer, task, examples: list[dict], num_samples=1, max_new_tokens=256, temperature=0.0, top_k=50, seed=42
 ) -> Counts:
-    """num_samples replies to each question (one prefill, the calculator available); solved when
-    any reply passes task.check."""
+    """num_samples replies to each question (the calculator available); solved when any passes task.check."""
     bos = tokenizer.get_bos_token_id()
     counts = Counts()
     for ex in examples:

@@ -108,8 +108,7 @@ def evaluate_pass_at_k(
     top_k: int | None = 50,
     seed: int = 42,
 ) -> dict:
-    """{"pass@k": value} for k = 1..num_samples: each question's unbiased pass@k from its
-    num_samples replies, averaged over the questions of every rank."""
+    """{"pass@k": value} for k = 1..num_samples: each question's unbiased pass@k, averaged over every rank's."""
     mine = [examples[i] for i in scoring.shard(len(examples), rank, world_size)]
     counts = scoring.generative_counts(
         model, tokenizer, task, mine, num_samples, max_new_tokens, temperature, top_k, seed
@@ -163,8 +162,7 @@ def read_records(run_dir) -> dict:
 
 
 def record(run_dir, step: int, script: str, results: dict) -> Path:
-    """Merge `results` ({name: value}) into the run's evals.json under this step and script,
-    replaced atomically (a reader sees the old or the new file, never half)."""
+    """Merge `results` ({name: value}) into the run's evals.json under this step and script, atomically."""
     data = read_records(run_dir)
     data["steps"].setdefault(str(step), {}).setdefault(script, {}).update(results)
     path = Path(run_dir) / RESULTS_FILE
