@@ -6,7 +6,7 @@ The checkpoint home: a run on disk, and the only code that reads and writes tens
 checkpoint.py saves, checks and reads one checkpoint; run_dirs.py decides a run's directory.
 """
 
-from .checkpoint import (
+from .checkpoint import (  # noqa: F401  (the package's interface)
     COMPLETE,
     FORMAT_VERSION,
     all_finite,
@@ -21,24 +21,4 @@ from .checkpoint import (
     write_meta,
     write_tensors,
 )
-from .run_dirs import new_run_dir, newest_run, open_run_dir, run_dir_of
-
-__all__ = [
-    "COMPLETE",
-    "FORMAT_VERSION",
-    "all_finite",
-    "complete_checkpoints",
-    "export_model",
-    "load_meta",
-    "load_model_state",
-    "load_rank_states",
-    "read_tensors",
-    "resolve_checkpoint",
-    "save_checkpoint",
-    "write_meta",
-    "write_tensors",
-    "new_run_dir",
-    "newest_run",
-    "open_run_dir",
-    "run_dir_of",
-]
+from .run_dirs import new_run_dir, newest_run, open_run_dir, run_dir_of  # noqa: F401

@@ -34,15 +34,10 @@ _hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint_hash"
 _verified = set()  # (checkpoint, COMPLETE's mtime) whose files this process has checked
 
 
-class DamagedCheckpoint(UserError):
-    """A file of a checkpoint is not what was written: missing, or another size or sha256."""
-
-
 class HashingFile:
-    """File `f` being written, every byte hashed in order on the side thread while this one goes on
-    writing (digest() waits for it, after the fsync); large writes start their writeback at once.
-    A lent buffer is copied before it is hashed (torch.save may free it next) unless it starts at
-    one of `kept`: the saved tensors' storages, which outlive the file.
+    """File `f` being written, every byte hashed in order on the side thread as this one writes on.
+    A lent buffer is copied before it is hashed (torch.save may free it next) unless it starts at one
+    of `kept`, the saved tensors' storages. See
     docs/measurements.md#distributed-teardown-collective-timeouts-and-checkpoint-digests"""
 
     def __init__(self, f, kept=frozenset()):
@@ -88,7 +83,6 @@ class HashingFile:
         self._queue_small()
         for done, _ in self._pending:
             done.result()
-        self._pending, self._in_flight = [], 0
         return {"sha256": self._sha.hexdigest(), "bytes": self.size}
 
 
@@ -247,10 +241,8 @@ def save_checkpoint(run_dir, step: int, *, model_state, rank_state, meta, device
         intact = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         if error is None:
             what = "another rank could not write its file"
-        elif error.errno == errno.ENOSPC:
-            what = "disk full"
         else:
-            what = f"{error.strerror or error}"
+            what = "disk full" if error.errno == errno.ENOSPC else f"{error.strerror or error}"
         raise UserError(
             f"could not save checkpoint step {step} in {path.parent} ({what}); {intact}. "
             "Free space or choose another --out-dir, then resume with --resume auto"
@@ -266,19 +258,14 @@ def is_complete(ckpt) -> bool:
     return Path(ckpt).suffix != PARTIAL and (Path(ckpt) / COMPLETE).exists()
 
 
-def _step_folders(run_dir) -> list[Path]:
-    root = Path(run_dir) / "checkpoints"
-    return sorted(root.glob("step_*")) if root.is_dir() else []
-
-
 def complete_checkpoints(run_dir) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
-    return [p for p in _step_folders(run_dir) if is_complete(p)]
+    return [p for p in sorted((Path(run_dir) / "checkpoints").glob("step_*")) if is_complete(p)]
 
 
 def incomplete_checkpoints(run_dir) -> list[Path]:
     """Folders of saves that did not finish (partial, or without COMPLETE as older versions left them)."""
-    return [p for p in _step_folders(run_dir) if not is_complete(p)]
+    return [p for p in sorted((Path(run_dir) / "checkpoints").glob("step_*")) if not is_complete(p)]
 
 
 def resolve_checkpoint(run_dir, step: int | None = None) -> Path:
@@ -295,8 +282,9 @@ def resolve_checkpoint(run_dir, step: int | None = None) -> Path:
     return found[-1]
 
 
-def _damaged(path: Path, what: str) -> DamagedCheckpoint:
-    return DamagedCheckpoint(
+def _damaged(path: Path, what: str) -> UserError:
+    """A file of a checkpoint that is not what was written: missing, or another size or sha256."""
+    return UserError(
         f"checkpoint file {path} {what}: it was damaged after it was saved; pick another checkpoint with "
         "--resume PATH or --step (--resume auto falls back to the newest intact one)"
     )
@@ -353,8 +341,8 @@ def load_meta(ckpt) -> dict:
 
 
 def verify_checkpoint(ckpt):
-    """Every file meta.json lists against the digest recorded when it was saved (DamagedCheckpoint
-    naming the first that differs), once per checkpoint and process; without digests, a notice."""
+    """Every file meta.json lists against the digest recorded when it was saved (a UserError naming
+    the first that differs), once per checkpoint and process; without digests, a notice."""
     ckpt = Path(ckpt)
     meta = load_meta(ckpt)
     key = (str(ckpt.resolve()), (ckpt / COMPLETE).stat().st_mtime_ns)

@@ -22,19 +22,6 @@ from .checkpoint import (
 )
 
 
-def _check_writable(run_dir: Path):
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write_test{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(
-            f"cannot write to run directory {run_dir} ({e.strerror or e}); "
-            "choose a writable --out-dir or set NANOCHAT_FAST_HOME"
-        ) from None
-
-
 def open_run_dir(run, run_name: str, rank: int, phase: str, device):
     """(run_dir, checkpoint to resume or None, its meta or None) for the RunConfig `run`. Every rank
     reads the directory before rank 0 changes it (cleared for --overwrite, the leftovers of saves that
@@ -72,14 +59,20 @@ def open_run_dir(run, run_name: str, rank: int, phase: str, device):
     all_ranks_ok(True, device)  # a barrier: every rank has read run_dir
     error = None
     if rank == 0:
+        if start_over:
+            shutil.rmtree(run_dir)
         try:
-            if start_over:
-                shutil.rmtree(run_dir)
-            _check_writable(run_dir)
-            for half in incomplete_checkpoints(run_dir):
-                shutil.rmtree(half, ignore_errors=True)
-        except UserError as e:
-            error = e
+            run_dir.mkdir(parents=True, exist_ok=True)
+            probe = run_dir / f".write_test{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            error = UserError(
+                f"cannot write to run directory {run_dir} ({e.strerror or e}); "
+                "choose a writable --out-dir or set NANOCHAT_FAST_HOME"
+            )
+        for half in incomplete_checkpoints(run_dir):
+            shutil.rmtree(half, ignore_errors=True)
     if not all_ranks_ok(error is None, device):  # and no rank goes on before rank 0 is done
         raise error or UserError(f"rank 0 could not prepare the run directory {run_dir} (its message says why)")
     meta = load_meta(ckpt) if ckpt else None
@@ -107,9 +100,8 @@ def newest_intact(found: list[Path]) -> Path | None:
 def newest_run(phases) -> Path:
     """The run directory, of the first of `phases` ("base", "mid", ...) that has one, whose newest
     complete checkpoint is newest: newest_run(("mid", "base")) is the newest mid run, else base."""
-    phases = (phases,) if isinstance(phases, str) else tuple(phases)
     runs = []  # (-which of phases, when its newest checkpoint was completed, run_dir)
-    for run_dir in paths.runs_dir().glob("*") if paths.runs_dir().is_dir() else []:
+    for run_dir in paths.runs_dir().glob("*"):
         found = complete_checkpoints(run_dir)
         try:
             phase = load_meta(found[-1]).get("phase") if found else None
@@ -119,10 +111,9 @@ def newest_run(phases) -> Path:
             runs.append((-phases.index(phase), (found[-1] / COMPLETE).stat().st_mtime, run_dir))
     if runs:
         return max(runs)[2]
-    command = {"base": "base_train", "mid": "mid_train"}.get(phases[-1], f"{phases[-1]}_train")
     raise UserError(
         f"no {' or '.join(phases)} run with a complete checkpoint in {paths.runs_dir()}; train one with "
-        f"`python -m nanochat_fast.scripts.{command}` (or pass --run)"
+        f"`python -m nanochat_fast.scripts.{phases[-1]}_train` (or pass --run)"
     )
 
 

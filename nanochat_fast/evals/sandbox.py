@@ -6,6 +6,7 @@ reliability_guard); as root with unshare and setpriv, also no network and the us
 (`isolation()`). A harness, not a security boundary: docs/measurements.md#sandbox.
 """
 
+import contextlib
 import functools
 import os
 import shutil
@@ -23,9 +24,8 @@ OUTPUT_BYTES = 1 << 20  # stdout/stderr each: at most this much is written (RLIM
 # compiled under the name <program>). The verdict goes to an inherited pipe, not to stdout.
 GUARD = r"""
 import builtins, faulthandler, io, os, resource, sys
-_AS, _CPU, _FSIZE = {memory_bytes}, {cpu_seconds}, {file_bytes}
-for _limit, _value in ((resource.RLIMIT_AS, _AS), (resource.RLIMIT_CPU, _CPU), (resource.RLIMIT_FSIZE, _FSIZE),
-                       (resource.RLIMIT_NPROC, 0), (resource.RLIMIT_CORE, 0)):
+for _limit, _value in ((resource.RLIMIT_AS, {memory_bytes}), (resource.RLIMIT_CPU, {cpu_seconds}),
+                       (resource.RLIMIT_FSIZE, {file_bytes}), (resource.RLIMIT_NPROC, 0), (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(_limit, (_value, _value))
 _verdict = os.fdopen({verdict_fd}, "w")
 _home = os.path.realpath(os.getcwd())
@@ -105,20 +105,10 @@ class ExecutionResult:
 
 def _isolation_prefix() -> list[str]:
     """A new network namespace, then the user nobody with no privileges but reading any file."""
-    return [
-        shutil.which("unshare"),
-        "--net",
-        "--",
-        shutil.which("setpriv"),
-        f"--reuid={SANDBOX_UID}",
-        f"--regid={SANDBOX_UID}",
-        "--clear-groups",
-        "--inh-caps=-all,+dac_read_search",
-        "--ambient-caps=+dac_read_search",
-        "--bounding-set=-all,+dac_read_search",
-        "--no-new-privs",
-        "--",
-    ]
+    user = f"--reuid={SANDBOX_UID} --regid={SANDBOX_UID} --clear-groups"
+    caps = "--inh-caps=-all,+dac_read_search --ambient-caps=+dac_read_search --bounding-set=-all,+dac_read_search"
+    setpriv = [shutil.which("setpriv"), *user.split(), *caps.split(), "--no-new-privs", "--"]
+    return [shutil.which("unshare"), "--net", "--", *setpriv]
 
 
 @functools.cache
@@ -142,13 +132,6 @@ def _read_output(path: Path) -> str:
             return f.read(OUTPUT_BYTES).decode("utf-8", errors="replace")
     except OSError:
         return ""
-
-
-def _kill_group(pid: int):
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_program(code: str, timeout: float = 5.0, memory_mb: int = 512) -> ExecutionResult:
@@ -191,13 +174,13 @@ def run_program(code: str, timeout: float = 5.0, memory_mb: int = 512) -> Execut
             timed_out = False
         except subprocess.TimeoutExpired:
             timed_out = True
-        _kill_group(proc.pid)  # the program, and anything it left behind in its process group
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the program, and what it left in its group
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         os.set_blocking(read_end, False)  # a process that escaped the group may hold the pipe open
-        try:
+        verdict = ""
+        with contextlib.suppress(BlockingIOError):
             verdict = os.read(read_end, 2000).decode("utf-8", errors="replace")
-        except BlockingIOError:
-            verdict = ""
         stdout, stderr = _read_output(folder / "stdout"), _read_output(folder / "stderr")
     finally:
         for fd in (read_end, write_end):

@@ -49,16 +49,14 @@ def shard(n: int, rank: int, world_size: int) -> range:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k of n samples, c of them right (Chen et al. 2021): the chance that k drawn
-    without replacement hold a right one, 1 - C(n-c, k) / C(n, k)."""
+    """The unbiased pass@k of n samples, c of them right (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
-    """The Wilson score interval of a proportion (95% by default): unlike the normal approximation
-    it stays inside [0, 1] and is sound at 0%, at 100% and for small n."""
+    """The Wilson score interval: unlike the normal approximation, inside [0, 1] and sound at 0%, 100%, small n."""
     if total <= 0:
         return float("nan"), float("nan")
     p = correct / total
@@ -75,7 +73,7 @@ def centered(accuracy: float, chance: float) -> float:
 
 def core_summary(accuracies: dict[str, float], chances: dict[str, float]) -> dict:
     """DCLM's CORE metric (the mean centred accuracy) over the tasks given, with its name, e.g.
-    "CORE subset (10/22 tasks)": print the name with the number, it is not CORE."""
+    "CORE subset (10/22 tasks)": it is not CORE."""
     centred = {label: centered(acc, chances[label]) for label, acc in accuracies.items()}
     mean = sum(centred.values()) / len(centred) if centred else float("nan")
     return {
@@ -104,9 +102,9 @@ def _letter_ids(tokenizer, letters: str) -> list[int]:
 
 @contextmanager
 def logits_only_at(model, positions: torch.Tensor):
-    """While active, the forward projects only row b's hidden state at positions[b] onto the
-    vocabulary (a pre-hook on lm_head: logits (B, 1, V); with a small model that projection is most
-    of the work). Yields a list that holds True once the hook ran; a model without one gets (B, T, V)."""
+    """While active, the forward projects only row b's hidden state at positions[b] onto the vocabulary
+    (logits (B, 1, V): with a small model that projection is most of the work). Yields a list that
+    holds True once the hook ran; a model without lm_head gives (B, T, V)."""
     ran = []
 
     def select(module, args):
@@ -124,14 +122,11 @@ def logits_only_at(model, positions: torch.Tensor):
 
 
 @torch.no_grad()
-def categorical_counts(
-    model, tokenizer, task, examples: list[dict], batch_size: int = 8, device=None, on_batch=None
-) -> Counts:
+def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size: int = 8, on_batch=None) -> Counts:
     """The answer is the letter with the largest logit after each prompt (the conversation up to
     <|assistant_start|>). Prompts go shortest first (little padding); the records keep the order of
     `examples`. on_batch(n) is called after each batch of n examples."""
-    device = torch.device(device) if device is not None else model.get_device()
-    bos = tokenizer.get_bos_token_id()
+    device, bos = model.get_device(), tokenizer.get_bos_token_id()
     whole = [tokenizer.render_for_completion(task.conversation(ex)) for ex in examples]
     # the whole context is the prompt's: nothing is generated after it (fit_context with no reply)
     prompts = [fit_context(ids, 0, model.config.sequence_len, bos)[0] for ids in whole]
@@ -159,23 +154,14 @@ def categorical_counts(
 
 
 def generative_counts(
-    model,
-    tokenizer,
-    task,
-    examples: list[dict],
-    num_samples: int = 1,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_k: int | None = 50,
-    seed: int = 42,
+    model, tokenizer, task, examples: list[dict], num_samples=1, max_new_tokens=256, temperature=0.0, top_k=50, seed=42
 ) -> Counts:
-    """num_samples replies to each question (one prefill, the calculator available); solved when
-    any reply passes task.check."""
+    """num_samples replies to each question (the calculator available); solved when any passes task.check."""
     bos = tokenizer.get_bos_token_id()
     counts = Counts()
     for ex in examples:
         whole = tokenizer.render_for_completion(task.conversation(ex))
-        prompt, budget = fit_context(whole, max_tokens, model.config.sequence_len, bos)
+        prompt, budget = fit_context(whole, max_new_tokens, model.config.sequence_len, bos)
         counts.truncated += len(prompt) < len(whole)
         samples = generate_batch(model, tokenizer, prompt, num_samples, budget, temperature, top_k, seed)
         outcomes = [task.check(ex, s.text) for s in samples]
@@ -197,21 +183,13 @@ def _scored_spans(task, tokens: list[list[int]]) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def core_counts(
-    model,
-    tokenizer,
-    task,
-    items: list[dict],
-    indices=None,
-    batch_size: int = 16,
-    max_seq_len: int | None = None,
-    device=None,
+    model, tokenizer, task, items: list[dict], indices=None, batch_size=16, max_seq_len=None, on_batch=None
 ) -> Counts:
     """A CORE task: `items` are all of its items (the few-shot pool), `indices` those scored here
     (default: all). Prompts longer than max_seq_len (default: the model's) lose their beginning;
-    several items share a forward pass, up to batch_size rows."""
-    device = torch.device(device) if device is not None else model.get_device()
+    several items share a forward pass, up to batch_size rows; on_batch(n) follows each, of n items."""
+    device, bos = model.get_device(), tokenizer.get_bos_token_id()
     max_seq_len = max_seq_len or model.config.sequence_len
-    bos = tokenizer.get_bos_token_id()
     indices = range(len(items)) if indices is None else indices
     counts = Counts()
     pending = []  # (index, rows, spans) waiting for a forward pass
@@ -232,6 +210,8 @@ def core_counts(
             predicted = min(range(len(mean_losses)), key=mean_losses.__getitem__)
             gold, rounded = items[index]["gold"], [round(x, 4) for x in mean_losses]
             counts.add(predicted == gold, id=index, prediction=predicted, answer=gold, losses=rounded)
+        if on_batch is not None:
+            on_batch(len(pending))
         pending.clear()
 
     for index in indices:

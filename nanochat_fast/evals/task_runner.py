@@ -75,23 +75,10 @@ def summed(counts: scoring.Counts, device) -> tuple[int, int, int]:
 
 
 def chat_task(
-    model,
-    tokenizer,
-    task,
-    examples: list[dict],
-    rank: int = 0,
-    world_size: int = 1,
-    batch_size: int = 8,
-    num_samples: int = 1,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    top_k: int | None = 50,
-    seed: int = 42,
-    progress: bool = False,
-    settings: dict | None = None,
+    model, tokenizer, task, examples, rank=0, world_size=1, batch_size=8, progress=False, settings=None, **sampling
 ) -> TaskResult:
-    """`task` on `examples` (the same list on every rank): categorical tasks in batches of
-    batch_size prompts, generative ones by sampling (pass@k with num_samples > 1)."""
+    """`task` on `examples` (the same list on every rank): categorical tasks in batches of batch_size
+    prompts, generative ones by sampling (`sampling`: generative_counts' num_samples, max_new_tokens, ...)."""
     mine = [examples[i] for i in scoring.shard(len(examples), rank, world_size)]
     start, counts = time.time(), scoring.Counts()
     with examples_bar(len(mine), task.name, progress and rank == 0) as bar:
@@ -99,9 +86,7 @@ def chat_task(
             counts = scoring.categorical_counts(model, tokenizer, task, mine, batch_size, on_batch=bar.update)
         else:
             for ex in mine:
-                counts += scoring.generative_counts(
-                    model, tokenizer, task, [ex], num_samples, max_new_tokens, temperature, top_k, seed
-                )
+                counts += scoring.generative_counts(model, tokenizer, task, [ex], **sampling)
                 bar.update(1)
     correct, total, truncated = summed(counts, model.get_device())
     seconds = time.time() - start
@@ -123,8 +108,7 @@ def evaluate_pass_at_k(
     top_k: int | None = 50,
     seed: int = 42,
 ) -> dict:
-    """{"pass@k": value} for k = 1..num_samples: each question's unbiased pass@k from its
-    num_samples replies, averaged over the questions of every rank."""
+    """{"pass@k": value} for k = 1..num_samples: each question's unbiased pass@k, averaged over every rank's."""
     mine = [examples[i] for i in scoring.shard(len(examples), rank, world_size)]
     counts = scoring.generative_counts(
         model, tokenizer, task, mine, num_samples, max_new_tokens, temperature, top_k, seed
@@ -139,15 +123,7 @@ def evaluate_pass_at_k(
 
 
 def core_subset(
-    model,
-    tokenizer,
-    core_tasks,
-    max_examples: int | None = None,
-    rank: int = 0,
-    world_size: int = 1,
-    batch_size: int = 16,
-    progress: bool = False,
-    on_task=None,
+    model, tokenizer, core_tasks, max_examples=None, rank=0, world_size=1, batch_size=16, progress=False, on_task=None
 ) -> dict:
     """Each CORE task's accuracy (every rank loads the items and scores its shard), then
     scoring.core_summary. on_task(label, counts) is called as each task finishes; counts holds
@@ -157,12 +133,10 @@ def core_subset(
         start = time.time()
         items = task.items(max_examples)
         mine = scoring.shard(len(items), rank, world_size)
-        local = scoring.Counts()
         with examples_bar(len(mine), task.name, progress and rank == 0) as bar:
-            for i in range(0, len(mine), batch_size):
-                indices = mine[i : i + batch_size]
-                local += scoring.core_counts(model, tokenizer, task, items, indices=indices, batch_size=batch_size)
-                bar.update(len(indices))
+            local = scoring.core_counts(
+                model, tokenizer, task, items, indices=mine, batch_size=batch_size, on_batch=bar.update
+            )
         correct, total, truncated = summed(local, model.get_device())
         accuracies[task.name], chances[task.name] = correct / total, task.chance
         counts[task.name] = {
@@ -188,8 +162,7 @@ def read_records(run_dir) -> dict:
 
 
 def record(run_dir, step: int, script: str, results: dict) -> Path:
-    """Merge `results` ({name: value}) into the run's evals.json under this step and script,
-    replaced atomically (a reader sees the old or the new file, never half)."""
+    """Merge `results` ({name: value}) into the run's evals.json under this step and script, atomically."""
     data = read_records(run_dir)
     data["steps"].setdefault(str(step), {}).setdefault(script, {}).update(results)
     path = Path(run_dir) / RESULTS_FILE

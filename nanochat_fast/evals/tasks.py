@@ -31,12 +31,11 @@ class Task:
     shuffle_seed = 42  # examples are shuffled so that --max-examples takes a random subset
 
     def load(self, split: str | None = None, max_examples: int | None = None, shuffle: bool = True) -> list[dict]:
-        """Examples of `split` (default: the evaluated one), in a fixed shuffled order unless
-        shuffle=False (file order), at most max_examples of them."""
+        """Examples of `split` (default: the evaluated one) in a fixed shuffled order (shuffle=False: file order)."""
         examples = load_split(self.folder, split or self.eval_split)
         if shuffle:
             random.Random(self.shuffle_seed).shuffle(examples)
-        return examples[:max_examples] if max_examples is not None else examples
+        return examples[:max_examples]
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.name} ({self.kind}, chance {self.chance:.0%})>"
@@ -46,32 +45,20 @@ class Task:
 
 
 class ChatTask(Task):
-    """A task for the chat model: each example renders as a conversation (the question, the
-    assistant's ideal answer), for supervised fine-tuning and for prompting at evaluation."""
+    """A task for the chat model: each example renders as a conversation (prompt(example), then
+    answer(example): the assistant's ideal answer, a string or a list of parts), for SFT and for
+    prompting at evaluation; check(example, reply) says whether the reply (text) is a right answer."""
 
-    def answer(self, example: dict):
-        """The assistant's ideal answer: a string or a list of parts."""
-        raise NotImplementedError
+    def prompt(self, example: dict) -> str:
+        return example["question"]
 
     def conversation(self, example: dict) -> dict:
         return {
             "messages": [
-                {"role": "user", "content": example["question"]},
+                {"role": "user", "content": self.prompt(example)},
                 {"role": "assistant", "content": self.answer(example)},
             ]
         }
-
-    def check(self, example: dict, completion: str) -> bool:
-        """Is `completion` (the assistant's reply as text) a right answer?"""
-        raise NotImplementedError
-
-
-def render_mc(question: str, letters: str, choices: list[str]) -> str:
-    """The multiple-choice prompt. Each choice is followed by its letter with no space ("- Paris=A"):
-    " A" and "A" are different tokens, and the model should write the very token it saw next to the
-    choice (small models are sensitive to it, as nanochat found)."""
-    lines = [f"Multiple Choice question: {question}"] + [f"- {c}={letter}" for letter, c in zip(letters, choices)]
-    return "\n".join(lines) + "\n\nRespond only with the letter of the correct answer."
 
 
 class MultipleChoiceTask(ChatTask):
@@ -83,17 +70,18 @@ class MultipleChoiceTask(ChatTask):
     def letters(self, example: dict) -> str:
         return ANSWER_LETTERS[: len(example["choices"])]
 
-    def conversation(self, example: dict) -> dict:
-        letters = self.letters(example)
-        return {
-            "messages": [
-                {"role": "user", "content": render_mc(example["question"], letters, example["choices"])},
-                {"role": "assistant", "content": letters[example["answer"]]},
-            ]
-        }
+    def prompt(self, example: dict) -> str:
+        # each choice is followed by its letter with no space ("- Paris=A"): " A" and "A" are different
+        # tokens, and the model should write the very token it saw next to the choice (as nanochat found)
+        choices = [f"- {c}={letter}" for letter, c in zip(self.letters(example), example["choices"])]
+        lines = [f"Multiple Choice question: {example['question']}"] + choices
+        return "\n".join(lines) + "\n\nRespond only with the letter of the correct answer."
+
+    def answer(self, example: dict) -> str:
+        return self.letters(example)[example["answer"]]
 
     def check(self, example: dict, completion: str) -> bool:
-        return completion.strip()[:1] == self.letters(example)[example["answer"]]
+        return completion.strip()[:1] == self.answer(example)
 
 
 class ARC(MultipleChoiceTask):
@@ -101,9 +89,7 @@ class ARC(MultipleChoiceTask):
 
     train_splits = ("validation",)
 
-    def __init__(self, subset: str):
-        if subset not in ("ARC-Easy", "ARC-Challenge"):
-            raise ValueError(f"ARC subset must be ARC-Easy or ARC-Challenge, got {subset!r}")
+    def __init__(self, subset: str):  # ARC-Easy or ARC-Challenge
         self.name, self.folder = subset, subset.lower()
 
 
@@ -132,8 +118,7 @@ def extract_answer(text: str) -> str | None:
 
 
 class GenerativeTask(ChatTask):
-    """The model writes its answer: nothing to pick from, so guessing scores 0. By default a reply
-    is right when its number after "####" is the example's answer."""
+    """The model writes its answer (guessing scores 0); right when its number after "####" is the answer."""
 
     kind = GENERATIVE
     chance = 0.0
@@ -175,11 +160,8 @@ class SpellingBee(GenerativeTask):
         word, letter, count = example["word"], example["letter"], example["answer"]
         lines, seen = [], 0
         for i, ch in enumerate(word, 1):
-            if ch == letter:
-                seen += 1
-                lines.append(f"{i}:{ch} hit, count={seen}")
-            else:
-                lines.append(f"{i}:{ch}")
+            seen += ch == letter
+            lines.append(f"{i}:{ch} hit, count={seen}" if ch == letter else f"{i}:{ch}")
         by_hand = (
             f"We want the number of '{letter}' in '{word}'. Spelling it out:\n"
             + "\n".join(lines)
@@ -219,7 +201,7 @@ class LastDigit(GenerativeTask):
             }
             for i, d in enumerate(chosen)
         ]
-        return examples[:max_examples] if max_examples is not None else examples
+        return examples[:max_examples]
 
     def answer(self, example: dict) -> str:
         return f"#### {example['answer']}"
@@ -253,22 +235,17 @@ class HumanEval(GenerativeTask):
     program passes the problem's tests in the sandbox (sandbox.py)."""
 
     name, folder = "HumanEval", "humaneval"
-    train_splits = ()
     timeout = 5.0  # seconds per program
     memory_mb = 512
 
     def answer(self, example: dict) -> str:
         return example["question"] + example["answer"]
 
-    def execute(self, example: dict, completion: str):
-        """The sandbox's result for the reply (status passed/failed/timeout/error)."""
-        return run_program(check_program(example, extract_program(completion)), self.timeout, self.memory_mb)
-
     def check(self, example: dict, completion: str) -> bool:
-        return self.execute(example, completion).passed
+        program = check_program(example, extract_program(completion))
+        return run_program(program, self.timeout, self.memory_mb).passed
 
 
-# ---------------------------------------------------------------------------------------------
 # the CORE subset: DCLM's base-model benchmark (Li et al. 2024, arXiv:2406.11794), the 10 of its 22
 # tasks whose data we have offline, each with DCLM's few-shot count, delimiter, task type and random
 # baseline. Its mean is "CORE subset (10/22 tasks)", not comparable to published CORE scores. A
@@ -302,12 +279,8 @@ def _winogrande_item(ex):
     # "Sarah was a much better surgeon than Maria so _ always got the easier cases."
     # -> contexts "... so Sarah" / "... so Maria", continuation "always got the easier cases."
     blank = ex["question"].index("_")
-    before, after = ex["question"][:blank], ex["question"][blank + 1 :]
-    return {
-        "context_options": [before + option for option in ex["choices"]],
-        "continuation": after.strip(),
-        "gold": ex["answer"],
-    }
+    options = [ex["question"][:blank] + option for option in ex["choices"]]
+    return {"context_options": options, "continuation": ex["question"][blank + 1 :].strip(), "gold": ex["answer"]}
 
 
 class CoreTask(Task):
@@ -320,13 +293,11 @@ class CoreTask(Task):
         self.to_item = to_item
 
     def items(self, max_examples: int | None = None) -> list[dict]:
-        """The CORE items ({query, choices, gold} or {context_options, continuation, gold}) of the
-        evaluated split, shuffled, at most max_examples."""
+        """The evaluated split's items: {query, choices, gold} or {context_options, continuation, gold}."""
         return [self.to_item(ex) for ex in self.load(max_examples=max_examples)]
 
     def fewshot(self, items: list[dict], index: int) -> list[dict]:
-        """num_fewshot other items for item `index`, drawn with a seed per index (so every process
-        of a distributed run draws the same ones)."""
+        """num_fewshot other items for item `index`, seeded by index (every process draws the same ones)."""
         if self.num_fewshot == 0:
             return []
         others = [i for i in range(len(items)) if i != index]
@@ -334,8 +305,7 @@ class CoreTask(Task):
         return [items[i] for i in chosen]
 
     def prompts(self, item: dict, fewshot: list[dict]) -> list[str]:
-        """One full prompt per choice, the few-shot examples first (each with its right answer),
-        separated by blank lines."""
+        """One prompt per choice, after the few-shot examples (each with its right answer) and a blank line."""
         d = self.delimiter
         if self.task_type == SCHEMA:
             shots = "".join(f"{s['context_options'][s['gold']]}{d}{s['continuation']}\n\n" for s in fewshot)
@@ -359,12 +329,8 @@ CORE_SUBSET = [
 CORE_TOTAL_TASKS = 22  # in DCLM's CORE
 SUBSET_NAME = f"CORE subset ({len(CORE_SUBSET)}/{CORE_TOTAL_TASKS} tasks)"
 
-# ---------------------------------------------------------------------------------------------
-# the tasks by name
-
 CHAT_TASKS = [ARC("ARC-Easy"), ARC("ARC-Challenge"), MMLU(), GSM8K(), HumanEval(), SpellingBee()]
 CHAT_TASK_NAMES = [t.name for t in CHAT_TASKS]
-CORE_TASK_NAMES = [t.name for t in CORE_SUBSET]
 SYNTHETIC_TASKS = [LastDigit()]
 # what chat_rl trains on: generative tasks whose reply ends in "#### N" (a reward of 0 or 1)
 RL_TASK_NAMES = ["GSM8K", "SpellingBee", LastDigit.name]
@@ -372,13 +338,12 @@ _BY_NAME = {t.name.lower(): t for t in CHAT_TASKS + SYNTHETIC_TASKS + CORE_SUBSE
 
 
 def get(name: str) -> Task:
-    """A chat task (ARC-Easy, ARC-Challenge, MMLU, GSM8K, HumanEval, SpellingBee), a synthetic one
-    (last-digit) or a CORE label (hellaswag_zeroshot, arc_easy, ...), any case."""
+    """A chat task, the synthetic one or a CORE label by name, any case."""
     task = _BY_NAME.get(name.strip().lower())
     if task is None:
         raise UserError(
             f"unknown task {name!r}; chat tasks: {', '.join(CHAT_TASK_NAMES)}; synthetic: "
-            f"{', '.join(t.name for t in SYNTHETIC_TASKS)}; CORE subset: {', '.join(CORE_TASK_NAMES)}"
+            f"{', '.join(t.name for t in SYNTHETIC_TASKS)}; CORE subset: {', '.join(t.name for t in CORE_SUBSET)}"
         )
     return task
 

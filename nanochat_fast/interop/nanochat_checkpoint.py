@@ -24,13 +24,8 @@ MODEL_FILE, META_FILE, OPTIM_FILE = "model_{:06d}.pt", "meta_{:06d}.json", "opti
 FOLDER_FILES = "model_*.pt, meta_*.json"  # what a checkpoint folder holds, for the import's --help
 VOCAB_PAD = 64  # nanochat pads wte and lm_head rows to a multiple of this
 # the checkpoint folders of nanochat's stages, and which of our phases each one is (RL'd models chat like SFT ones)
-PHASE_OF_FOLDER = {
-    "base_checkpoints": "base",
-    "mid_checkpoints": "mid",
-    "chatsft_checkpoints": "sft",
-    "chatrl_checkpoints": "sft",
-}
 FOLDER_OF_PHASE = {"base": "base_checkpoints", "mid": "mid_checkpoints", "sft": "chatsft_checkpoints"}
+PHASE_OF_FOLDER = {folder: phase for phase, folder in FOLDER_OF_PHASE.items()} | {"chatrl_checkpoints": "sft"}
 
 
 @dataclass

@@ -20,7 +20,7 @@ from ..data.tokenizer import SPECIAL_TOKENS, TOKEN_BYTES_FILE, Tokenizer, save_t
 PICKLE_FILE = "tokenizer.pkl"
 FOLDER = "tokenizer"  # the tokenizer's folder in a nanochat base directory (NANOCHAT_BASE_DIR)
 FOLDER_FILES = "tokenizer.pkl, token_bytes.pt"  # what a tokenizer folder holds, for the import's --help
-ENCODING_NAME = "rustbpe"  # the name nanochat's RustBPETokenizer gives its tiktoken encoding
+ENCODING_NAME = "rustbpe"
 
 # A multilingual sample with every special token in it: what the round-trip check encodes.
 SAMPLE_TEXT = (
@@ -103,14 +103,16 @@ def tokenizer_from_state(state: dict, path) -> Tokenizer:
         raise UserError(f"{path}: tiktoken cannot build this encoding ({type(e).__name__}: {e})") from None
 
 
+def encoding(pat_str: str, mergeable_ranks: dict, special_tokens: dict) -> tiktoken.Encoding:
+    """The tiktoken encoding nanochat's RustBPETokenizer makes of these."""
+    return tiktoken.Encoding(
+        ENCODING_NAME, pat_str=pat_str, mergeable_ranks=mergeable_ranks, special_tokens=special_tokens
+    )
+
+
 def check_same_ids(tokenizer: Tokenizer, state: dict, text: str = SAMPLE_TEXT) -> int:
     """How many tokens of `text` our tokenizer and nanochat's encoding of `state` both give (else UserError)."""
-    reference = tiktoken.Encoding(
-        name=ENCODING_NAME,
-        pat_str=state["pat_str"],
-        mergeable_ranks=state["mergeable_ranks"],
-        special_tokens=state["special_tokens"],
-    )
+    reference = encoding(state["pat_str"], state["mergeable_ranks"], state["special_tokens"])
     theirs = reference.encode(text, allowed_special="all")
     ours = tokenizer.enc.encode(text, allowed_special="all")
     if ours != theirs:
@@ -180,12 +182,6 @@ def write_tokenizer_files(tokenizer: Tokenizer, directory):
     directory.mkdir(parents=True, exist_ok=True)
     specials = sorted(tokenizer.special_tokens, key=tokenizer.special_tokens.get)
     ranks = tokenizer.enc._mergeable_ranks
-    offset = len(ranks)
-    enc = tiktoken.Encoding(
-        name=ENCODING_NAME,
-        pat_str=tokenizer.pattern,
-        mergeable_ranks=ranks,
-        special_tokens={name: offset + i for i, name in enumerate(specials)},
-    )
+    enc = encoding(tokenizer.pattern, ranks, {name: len(ranks) + i for i, name in enumerate(specials)})
     paths.replace_atomically(directory / PICKLE_FILE, lambda tmp: tmp.write_bytes(pickle.dumps(enc)))
     save_token_bytes(tokenizer, directory)

@@ -128,7 +128,7 @@ def test_generative_scoring_with_a_scripted_model():
         {"id": "a", "question": "6 x 7?", "answer": "6*7 = <<6*7=42>>42\n#### 42"},
         {"id": "b", "question": "6 x 7 - 1?", "answer": "#### 41"},
     ]
-    counts = scoring.generative_counts(model, tok, gsm8k, examples, num_samples=2, max_tokens=40)
+    counts = scoring.generative_counts(model, tok, gsm8k, examples, num_samples=2, max_new_tokens=40)
     assert (counts.correct, counts.total) == (1, 2)
     assert [r["correct"] for r in counts.records] == [True, False]
     assert counts.records[0]["prediction"] == "So it is 42.\n#### 42" and counts.records[0]["samples_right"] == 2
@@ -190,7 +190,7 @@ def test_prompts_longer_than_the_context_are_cut_to_their_end_and_counted():
         {"id": "a", "question": "2 + 2? " * 100, "answer": "#### 4"},
         {"id": "b", "question": "2+2", "answer": "#### 4"},
     ]
-    generated = scoring.generative_counts(scripted, tok, gsm8k, long_question, max_tokens=8)
+    generated = scoring.generative_counts(scripted, tok, gsm8k, long_question, max_new_tokens=8)
     assert (generated.correct, generated.truncated) == (2, 1)
 
     task = CoreTask("test_mc", "unused", "validation", 2, "\nAnswer: ", MULTIPLE_CHOICE, 1 / 3, None)
