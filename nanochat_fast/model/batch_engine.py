@@ -29,8 +29,6 @@ MIN_TEMPERATURE = 1e-6
 
 @dataclass
 class Request:
-    """What one conversation asks for: its prompt, how many tokens at most, how to sample them."""
-
     prompt: list[int]  # token ids, already within the context (generation.fit_context)
     max_tokens: int
     temperature: float = 0.0
@@ -40,7 +38,7 @@ class Request:
 
 
 class EngineFull(Exception):
-    """Fewer free slots than the copies asked for: wait for rows to end (step) or cancel some."""
+    """Fewer free slots than the copies asked for."""
 
 
 @dataclass(eq=False)
@@ -110,6 +108,12 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_positive_ints(**values):
+    for name, value in values.items():
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What an engine accepts (its add's checks), apart from the engine: a server can refuse a request
@@ -121,7 +125,7 @@ class RequestLimits:
     tools: bool  # the engine has a tokenizer, so requests may use the calculator tool
 
     def check(self, request: Request, copies: int = 1):
-        """Raise ValueError saying what is wrong with `request` for such an engine."""
+        """ValueError saying what is wrong with `request` for such an engine."""
         prompt, vocab = request.prompt, self.vocab_size
         if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
             raise ValueError("prompt must be a non-empty list of token ids")
@@ -155,9 +159,7 @@ class BatchEngine:
 
     def __init__(self, model, tokenizer, slots: int, max_len: int | None = None, dtype=torch.float32):
         max_len = model.config.sequence_len if max_len is None else max_len
-        for name, value in (("slots", slots), ("max_len", max_len)):
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_ints(slots=slots, max_len=max_len)
         rotary_len = getattr(model, "rotary_seq_len", None)
         if rotary_len is not None and max_len > rotary_len:
             raise ValueError(f"max_len ({max_len}) exceeds the model's {rotary_len} positions")
@@ -183,7 +185,6 @@ class BatchEngine:
 
     @property
     def active(self) -> list[DecodeRow]:
-        """The rows holding a slot, in the order they joined."""
         return list(self._rows)
 
     def add(self, request: Request, copies: int = 1) -> list[DecodeRow]:
@@ -241,8 +242,7 @@ class BatchEngine:
             return [self._advance(row, token) for row, token in out]
 
     def _prompts_as_rows(self, groups: list[list[DecodeRow]], decoding: int) -> bool:
-        """Whether the prompts run as rows of the decode step: few tokens in all, a model that takes them,
-        a step through the packed CPU kernels (decode.usable, for the rows it makes logits of)."""
+        """Few tokens in all, a model that takes them, a step through the packed CPU kernels (decode.usable)."""
         tokens = sum(len(group[0].request.prompt) for group in groups)
         return (
             tokens <= PROMPT_AS_ROWS

@@ -17,23 +17,9 @@ MAX_INT_BITS = 4096
 MAX_LEN = 10_000
 
 FUNCTIONS = {"len", "abs", "round", "min", "max", "int", "float", "str"}
-STR_METHODS = {
-    "count",
-    "upper",
-    "lower",
-    "title",
-    "capitalize",
-    "strip",
-    "lstrip",
-    "rstrip",
-    "replace",
-    "find",
-    "startswith",
-    "endswith",
-    "split",
-    "join",
-}
-ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)
+STR_METHODS = set(
+    "count upper lower title capitalize strip lstrip rstrip replace find startswith endswith split join".split()
+)
 BINARY = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -42,6 +28,7 @@ BINARY = {
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
 }
+ARITHMETIC = (*BINARY, ast.Pow)
 DIGIT_GROUP_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
 
@@ -227,17 +214,13 @@ def evaluate(expr: str):
         _refuse(f"{type(e).__name__}: {e}")
 
 
-def format_value(v) -> str:
-    """How a result is written back into the conversation: integers as integers (also 5.0 -> 5),
-    other floats with up to 10 significant digits, strings as they are."""
+def calculate(expr: str) -> str | None:
+    """The result as text (integers as integers, 5.0 too; other floats to 10 significant digits), or None
+    when the expression is refused (the model then gets no output)."""
+    try:
+        v = evaluate(expr)
+    except CalculatorError:
+        return None
     if isinstance(v, float):
         return str(int(v)) if v.is_integer() and abs(v) < 1e15 else f"{v:.10g}"
     return v if isinstance(v, str) else str(v)
-
-
-def calculate(expr: str) -> str | None:
-    """The result as text, or None when the expression is refused (the model then gets no output)."""
-    try:
-        return format_value(evaluate(expr))
-    except CalculatorError:
-        return None

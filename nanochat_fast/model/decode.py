@@ -25,7 +25,7 @@ class SlotCache:
         self.embeddings = None  # each slot's last input embedding (the windowed GPT's smear reads it)
 
     def storage(self, k: torch.Tensor) -> torch.Tensor:
-        """The storage, allocated at the first call as k (B, H, T, D)'s heads, head_dim, dtype and device."""
+        """The storage, allocated at the first call for keys like k (B, H, T, D)."""
         if self.kv is None:
             self.allocate(k.size(1), k.size(3), k.dtype, k.device)
         return self.kv
@@ -36,14 +36,13 @@ class SlotCache:
         )
 
     def copy_slot(self, src: int, dst: int, length: int):
-        """Slot dst continues from slot src's first `length` positions, all src holds."""
         if self.kv is not None:
             self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
         if self.embeddings is not None:
             self.embeddings[dst] = self.embeddings[src]
 
     def embedding_store(self, x: torch.Tensor) -> torch.Tensor:
-        """(slots, C) float32: each slot's last input embedding (allocated at the first call, for x's C)."""
+        """(slots, C) float32: each slot's last input embedding, allocated at the first call."""
         if self.embeddings is None:
             self.embeddings = torch.zeros(self.slots, x.size(-1), dtype=torch.float32, device=x.device)
         return self.embeddings
@@ -54,9 +53,7 @@ class SlotPrefill:
     position: several into empty slots, right-padded to the longest (row b's first lengths[b] positions
     are its own; the padding's keys land after them, where nothing reads them), or one continuing a chunk."""
 
-    def __init__(
-        self, cache: SlotCache, slots: int | list[int], lengths: list[int] | None = None, last_logits: bool = False
-    ):
+    def __init__(self, cache: SlotCache, slots: int | list[int], lengths: list | None = None, last_logits=False):
         self.cache, self.pos = cache, 0
         self.slots = [slots] if isinstance(slots, int) else list(slots)
         self.lengths = lengths  # None: every position of every row is its own
@@ -73,7 +70,6 @@ class SlotPrefill:
         return x[torch.arange(x.size(0), device=x.device), ends]
 
     def logit_positions(self, x: torch.Tensor) -> torch.Tensor:
-        """The positions of the last hidden states x (B, T, C) the model makes logits of."""
         return self.last(x)[:, None] if self.last_logits else x
 
     def previous_embedding(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +78,6 @@ class SlotPrefill:
         return prev if self.pos > 0 else torch.zeros_like(prev)
 
     def keep_embedding(self, x: torch.Tensor):
-        """Store each row's last input embedding of x (B, T, C) for its next step."""
         self.cache.embeddings[self.slots] = self.last(x).float()
 
     def insert_kv(self, layer_idx, k, v):
@@ -113,9 +108,7 @@ class SlotBatch:
     slot slots[i]. A slot has one row continuing its sequence, or a prompt's rows from position 0 (each sees
     the ones before it; position 0 starts the slot afresh). Logits of the rows `logits_of` (None: all)."""
 
-    def __init__(
-        self, cache: SlotCache, slots: list[int], positions: list[int], device, logits_of: list[int] | None = None
-    ):
+    def __init__(self, cache: SlotCache, slots: list[int], positions: list[int], device, logits_of: list | None = None):
         rows = list(zip(slots, positions))
         if len(slots) != len(positions) or not rows or any(a >= b for a, b in zip(rows, rows[1:])):
             raise ValueError("a slot batch takes rows in increasing (slot, position) order, one position each")
@@ -137,7 +130,6 @@ class SlotBatch:
         return self.positions
 
     def logit_positions(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, 1, C) -> the rows the model makes logits of."""
         return x if self.logits_of is None else x.index_select(0, self.logits_of)
 
     def layer(self, layer_idx: int) -> torch.Tensor:
@@ -199,7 +191,7 @@ def usable(model, rows: int) -> bool:
 
 
 def packed_linears(model, rows: int) -> dict | None:
-    """The model's packs, up to date, for a step of `rows` rows where they help (usable), else None."""
+    """The model's packs, up to date, where they help (usable), else None."""
     if not usable(model, rows):
         return None
     if model not in _packs_of:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from ..hardware import precision
-from .batch_engine import BatchEngine, Request
+from .batch_engine import BatchEngine, Request, check_positive_ints
 from .loading import config_from_fields, meta_model, new_model
 
 # the generation commands' budget for timing their mix: they start in front of a user, so less than a
@@ -33,13 +33,7 @@ class GenerationMix:
     decode_tokens: int
 
     def __post_init__(self):
-        for name in ("batch", "prompt_tokens", "decode_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-    def describe(self) -> str:
-        return f"{self.batch} row(s) x ({self.prompt_tokens} prompt + {self.decode_tokens} generated tokens)"
+        check_positive_ints(**asdict(self))
 
 
 def chat_mix(config, batch: int, max_tokens: int) -> GenerationMix:
@@ -75,11 +69,12 @@ def generation_work(model, mix: GenerationMix, device) -> precision.Work:
         return {name: call(dtype) for name, dtype in precision.DTYPES.items()}
 
     d, rows = config.n_embd, mix.batch * mix.prompt_tokens
+    shape = f"{mix.batch} row(s) x ({mix.prompt_tokens} prompt + {mix.decode_tokens} generated tokens)"
     params = sum(p.numel() for p in model.parameters())
     return precision.Work(
         "generation",
         dict(config=asdict(config), **asdict(mix)),
-        what=f"this model's generation ({mix.describe()})",
+        what=f"this model's generation ({shape})",
         flops=2.0 * params * mix.batch * (mix.prompt_tokens + mix.decode_tokens),
         make=make,
         matmuls=[(rows, d, config.vocab_size), (rows, d, 4 * d), (rows, 4 * d, d)],
