@@ -81,29 +81,6 @@ def sample_next(logits, temperature: float, top_k: int | None, rng) -> torch.Ten
     return torch.argmax(logits, dim=-1, keepdim=True)
 
 
-class ToolUse:
-    """The calculator tool, a row at a time: after `<|python_start|>expr<|python_end|>` it queues the
-    calculator's answer as `<|output_start|>result<|output_end|>`, forced in token by token. A refused
-    expression gets no output (the model carries on without one)."""
-
-    def __init__(self, tokenizer, calculator=calculate):
-        special = tokenizer.encode_special
-        self.tokenizer, self.calculator = tokenizer, calculator
-        self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
-        self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
-
-    def observe(self, row: DecodeRow, token: int):
-        if token == self.python_start:
-            row.expr = []
-        elif token == self.python_end and row.expr is not None:
-            result = self.calculator(self.tokenizer.decode(row.expr))
-            if result is not None:
-                row.forced.extend([self.output_start, *self.tokenizer.encode(result), self.output_end])
-            row.expr = None
-        elif row.expr is not None:
-            row.expr.append(token)
-
-
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -168,8 +145,9 @@ class BatchEngine:
         self.device = model.get_device()
         self.cache = SlotCache(model.config.n_layer, slots, max_len)
         self.stop = stop_tokens(tokenizer) if tokenizer is not None else frozenset()
-        self.tools = ToolUse(tokenizer) if tokenizer is not None else None
-        self.limits = RequestLimits(model.config.vocab_size, max_len, slots, tools=self.tools is not None)
+        names = ("python_start", "python_end", "output_start", "output_end")
+        self.tool_tokens = None if tokenizer is None else [tokenizer.encode_special(f"<|{n}|>") for n in names]
+        self.limits = RequestLimits(model.config.vocab_size, max_len, slots, tools=tokenizer is not None)
         self._free = list(range(slots))  # a heap: the lowest free slot first keeps the rows packed
         self._rows: list[DecodeRow] = []  # rows holding a slot, in the order they joined
         self._waiting: list[list[DecodeRow]] = []  # the copies of each request added since the last step
@@ -314,8 +292,22 @@ class BatchEngine:
             token = row.forced.popleft()
         row.tokens.append(token)
         if row.request.use_tools:
-            self.tools.observe(row, token)
+            self._use_tool(row, token)
         reason = "stop" if token in self.stop else "max_tokens" if len(row.tokens) >= row.request.max_tokens else None
         if reason is not None:
             self._end(row, reason)
         return Token(row, token, forced, last=reason is not None)
+
+    def _use_tool(self, row: DecodeRow, token: int):
+        """The calculator: after `<|python_start|>expr<|python_end|>` its answer is queued as
+        `<|output_start|>result<|output_end|>`; a refused expression gets no output."""
+        python_start, python_end, output_start, output_end = self.tool_tokens
+        if token == python_start:
+            row.expr = []
+        elif token == python_end and row.expr is not None:
+            result = calculate(self.tokenizer.decode(row.expr))
+            if result is not None:
+                row.forced.extend([output_start, *self.tokenizer.encode(result), output_end])
+            row.expr = None
+        elif row.expr is not None:
+            row.expr.append(token)
