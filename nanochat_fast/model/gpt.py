@@ -60,8 +60,7 @@ def config_from_depth(depth, vocab_size, sequence_len, aspect_ratio=64, head_dim
 
 
 def norm(x):
-    """Parameter-free RMSNorm over the last dimension; without autograd one kernel (kernels.rms_norm)
-    where F.rms_norm runs a dozen ops."""
+    """Parameter-free RMSNorm; without autograd one kernel (kernels.rms_norm) where F.rms_norm runs a dozen ops."""
     if x.requires_grad or torch.compiler.is_compiling():
         return F.rms_norm(x, (x.size(-1),))
     return rms_norm(x)
@@ -84,12 +83,11 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = linear(config.n_embd, config.n_embd)
 
     def forward(self, x, cos_sin, kv_cache, ve=None):
-        """ve: the windowed family's value embedding of this layer (WindowedAttention.value_gate)."""
         B, T, _ = x.size()
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
-        if ve is not None:
+        if ve is not None:  # the windowed family's value embedding, gated (WindowedAttention.value_gate)
             # in v's dtype: under bf16 autocast ve is fp32 (the residual's), and values promoted to
             # fp32 beside bf16 keys would not go into the cache the keys made bf16
             v = v + (self.value_gate(x).unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)).to(v.dtype)
@@ -218,9 +216,8 @@ class GPT(nn.Module):
         return self._optimizers(adam_groups, adamw_kwargs, matrix_lr, muon_recipe, ns_coefficients)
 
     def _optimizers(self, adam_groups, adamw_kwargs, matrix_lr, muon_recipe, ns_coefficients):
-        """[AdamW over adam_groups, Muon over the blocks' matrices], distributed (ZeRO-2) under several
-        processes, FSDP's once fully_shard made the parameters DTensors; Muon's `.recipe` is for the
-        momentum schedule, every group's `initial_lr` for the LR schedule."""
+        """[AdamW over adam_groups, Muon over the blocks' matrices]: ZeRO-2 under several processes, FSDP's
+        once fully_shard made the parameters DTensors; `.recipe` and `initial_lr` are for the schedules."""
         from ..optim import AdamW, DistAdamW, DistMuon, FsdpAdamW, FsdpMuon, Muon, MuonRecipe
 
         recipe = MuonRecipe.of(muon_recipe)

@@ -16,11 +16,9 @@ import torch.nn.functional as F
 from ..core.distributed import print0
 from .gpt import GPT, CausalSelfAttention, GPTConfig, linear, norm
 
-ARCH = "windowed"  # the family's name in --arch and meta.json
 VE_GATE_CHANNELS = 12
 SMEAR_CHANNELS = 24
 QK_SCALE = 1.2  # on queries and keys after QK-norm (sharper attention, split between the two)
-ROTARY_BASE = 100_000
 
 
 def check_window_pattern(pattern) -> str:
@@ -42,9 +40,8 @@ class WindowedGPTConfig(GPTConfig):
         """Keys before the query each layer attends to (the query's own position not counted)."""
         long = self.sequence_len
         short = -(-long // 4 // 128) * 128  # a quarter, rounded up to a multiple of 128
-        sizes = [
-            short if self.window_pattern[i % len(self.window_pattern)] == "S" else long for i in range(self.n_layer)
-        ]
+        pattern = self.window_pattern
+        sizes = [short if pattern[i % len(pattern)] == "S" else long for i in range(self.n_layer)]
         sizes[-1] = long
         return sizes
 
@@ -110,8 +107,8 @@ class WindowedAttention(CausalSelfAttention):
 
 
 class WindowedGPT(GPT):
-    arch = ARCH
-    rotary_base = ROTARY_BASE
+    arch = "windowed"
+    rotary_base = 100_000
 
     def __init__(self, config: WindowedGPTConfig):
         super().__init__(config)
@@ -165,9 +162,9 @@ class WindowedGPT(GPT):
         attn = sum(12 * cfg.n_head * cfg.head_dim * min(w, cfg.sequence_len) for w in self.window_sizes)
         return 6 * matmul + attn
 
-    def optimizer_groups(self, unembedding_lr, embedding_lr, scalar_lr, weight_decay=None):
-        """nanochat's AdamW groups: (name, [(param name, param)], lr, betas, weight decay); the
-        AdamW lrs scaled by 1/sqrt(n_embd/768). `weight_decay` is not used: each group has its own."""
+    def optimizer_groups(self, unembedding_lr, embedding_lr, scalar_lr):
+        """nanochat's AdamW groups: (name, [(param name, param)], lr, betas, weight decay), the embeddings'
+        lrs scaled by 1/sqrt(n_embd/768)."""
         scale = (self.config.n_embd / 768) ** -0.5
         named = dict(self.named_parameters())
 
@@ -195,9 +192,8 @@ class WindowedGPT(GPT):
         muon_recipe="polar-normuon",
         scalar_lr=0.5,
     ):
-        """[AdamW over nanochat's six groups, Muon over every matrix in the blocks (the value embedding
-        gates included)], built as GPT's are. adam_betas and weight_decay are not used: the groups carry
-        their own."""
+        """[AdamW over nanochat's six groups, Muon over the blocks' matrices (the value embedding gates
+        included)]; adam_betas and weight_decay are not used: each group has its own."""
         print0(f"Scaling the LR for the AdamW parameters ∝1/√({self.config.n_embd}/768)")
         groups = self.optimizer_groups(unembedding_lr, embedding_lr, scalar_lr)
         adam_groups = [dict(params=params, lr=lr, betas=betas, weight_decay=wd) for _, params, lr, betas, wd in groups]
