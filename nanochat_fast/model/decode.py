@@ -1,8 +1,7 @@
 """
-The batch engine's side of the model (batch_engine.py): SlotCache, the keys and values of its sequences;
-its two views, SlotPrefill (prompts run into their slots by the model's own forward) and SlotBatch (one
-decode step, each row a token at its own position in its own slot); and decode_step, a SlotBatch's
-forward for both families, each block one decode_block call through packed weights where they help.
+The batch engine's side of the model: SlotCache, the keys and values of its sequences; its views SlotPrefill
+(prompts run into their slots by the model's own forward) and SlotBatch (one decode step, each row a token at
+its own position in its own slot); decode_step, a SlotBatch's forward, through packed weights where they help.
 """
 
 import weakref
@@ -23,12 +22,6 @@ class SlotCache:
         self.n_layer, self.slots, self.max_len = n_layer, slots, max_len
         self.kv = None
         self.embeddings = None  # each slot's last input embedding (the windowed GPT's smear reads it)
-
-    def storage(self, k: torch.Tensor) -> torch.Tensor:
-        """The storage, allocated at the first call for keys like k (B, H, T, D)."""
-        if self.kv is None:
-            self.allocate(k.size(1), k.size(3), k.dtype, k.device)
-        return self.kv
 
     def allocate(self, n_kv_head: int, head_dim: int, dtype, device):
         self.kv = torch.zeros(
@@ -86,7 +79,9 @@ class SlotPrefill:
         t0, t1 = self.pos, self.pos + k.size(2)
         if t1 > self.cache.max_len:
             raise ValueError(f"a slot holds {self.cache.max_len} positions, asked to grow to {t1}")
-        kv = self.cache.storage(k)
+        if self.cache.kv is None:
+            self.cache.allocate(k.size(1), k.size(3), k.dtype, k.device)
+        kv = self.cache.kv
         if len(self.slots) == 1:
             slot = self.slots[0]
             kv[layer_idx, 0, slot, :, t0:t1] = k[0]

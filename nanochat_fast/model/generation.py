@@ -36,12 +36,15 @@ def decode_reply(tokenizer, ids) -> str:
 
 class TextStream:
     """Token ids in, text pieces out, each released once it no longer ends in a partial UTF-8 character
-    (BPE splits them). Only the ids since the last piece are decoded at each push, not the whole reply."""
+    (BPE splits them). Only the ids since the last piece are decoded at each push, not the whole reply.
+    The `stop` tokens (a reply's: stop_tokens) add no text."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.released, self.pending = tokenizer, "", []
+    def __init__(self, tokenizer, stop=frozenset()):
+        self.tokenizer, self.stop, self.released, self.pending = tokenizer, stop, "", []
 
     def push(self, token_id: int) -> str:
+        if token_id in self.stop:
+            return ""
         self.pending.append(token_id)
         piece = decode_reply(self.tokenizer, self.pending)
         if piece.endswith("\ufffd"):
@@ -51,17 +54,6 @@ class TextStream:
 
     def text(self) -> str:
         return self.released + decode_reply(self.tokenizer, self.pending)
-
-
-class ReplyStream(TextStream):
-    """The text of an assistant's reply: the token that ends it (<|assistant_end|>, <|bos|>) adds none."""
-
-    def __init__(self, tokenizer):
-        super().__init__(tokenizer)
-        self.stop = stop_tokens(tokenizer)
-
-    def push(self, token_id: int) -> str:
-        return "" if token_id in self.stop else super().push(token_id)
 
 
 def fit_context(ids: list[int], max_tokens: int, sequence_len: int, bos_id: int):
@@ -87,7 +79,7 @@ def reply_request(model, tokenizer, job):
     max_tokens, temperature, top_k, seed): the prompt and text exactly as assistant_reply makes them."""
     ids, max_tokens, truncated = reply_prompt(model, tokenizer, job.messages, job.max_tokens)
     request = Request(ids, max_tokens, job.temperature, job.top_k, job.seed)
-    return request, ReplyStream(tokenizer).push, truncated
+    return request, TextStream(tokenizer, stop_tokens(tokenizer)).push, truncated
 
 
 @torch.inference_mode()
@@ -140,7 +132,7 @@ def assistant_reply(
     <|assistant_end|>, the calculator available. on_text(piece) sees its text as it comes; should_stop(),
     asked before every new token, ends it early when True (a stop button, a client gone)."""
     ids, max_tokens, _ = reply_prompt(model, tokenizer, messages, max_tokens)
-    stream = ReplyStream(tokenizer)
+    stream = TextStream(tokenizer, stop_tokens(tokenizer))
     for column in generate_steps(model, tokenizer, Request(ids, max_tokens, temperature, top_k, seed), 1, should_stop):
         token, _ = column[0]
         if token in stream.stop:

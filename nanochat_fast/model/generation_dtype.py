@@ -1,9 +1,8 @@
 """
-What a generating command (infer_bench, chat_cli, chat_eval, chat_web) times for its --dtype auto:
-its own mix of prefills and decode steps at its batch, in fp32 and under bf16 autocast, as the work
-hardware/precision.choose decides on (kind "generation" in its cache). Not the training step's
-choice: a one-row decode step reads the weights through our packed fp32 kernels, while under bf16
-autocast the stock matmuls run (docs/measurements.md#generation-dtype).
+What a generating command (infer_bench, chat_cli, chat_eval, chat_web) times for its --dtype auto: its own
+mix of prefills and decode steps at its batch, in fp32 and under bf16 autocast (kind "generation" in
+hardware/precision's cache). Not the training step's choice: a one-row decode step reads the weights
+through our packed fp32 kernels, under bf16 the stock matmuls run (docs/measurements.md#generation-dtype).
 """
 
 from dataclasses import asdict, dataclass, replace
@@ -37,8 +36,7 @@ class GenerationMix:
 
 
 def chat_mix(config, batch: int, max_tokens: int) -> GenerationMix:
-    """A chat command's mix: `batch` rows of a CHAT_PROMPT_TOKENS prompt and replies of `max_tokens`, at most
-    CHAT_REPLY_TOKENS, within the model's context."""
+    """`batch` rows of a CHAT_PROMPT_TOKENS prompt, replies of max_tokens up to CHAT_REPLY_TOKENS, in context."""
     prompt = max(1, min(CHAT_PROMPT_TOKENS, config.sequence_len // 2))
     return GenerationMix(batch, prompt, max(1, min(max_tokens, CHAT_REPLY_TOKENS, config.sequence_len - prompt)))
 
@@ -91,15 +89,14 @@ def _meta_work(spec: dict, device) -> precision.Work:
 precision.register("generation", _meta_work)
 
 
-def choose(device, requested: str, model, mix: GenerationMix, max_seconds: float = MAX_SECONDS):
+def choose(device, requested: str, model, mix: GenerationMix):
     """The Precision generation runs in: precision.choose, with `mix` as the work to time."""
-    work = generation_work(model, mix, device)
-    return precision.choose(device, requested, work=work, max_seconds=max_seconds)
+    return precision.choose(device, requested, work=generation_work(model, mix, device), max_seconds=MAX_SECONDS)
 
 
-def for_generation(dev, requested: str, model, mix: GenerationMix, max_seconds: float = MAX_SECONDS):
-    """`dev` (a ProcessSetup) with the precision generation runs in: an explicit --dtype, or auto off
-    the CPU, leaves it as DeviceConfig.init set it."""
+def for_generation(dev, requested: str, model, mix: GenerationMix):
+    """`dev` (a ProcessSetup) with the precision generation runs in; an explicit --dtype, or auto off the
+    CPU, leaves it as DeviceConfig.init set it."""
     if dev.device.type != "cpu" or requested != "auto":
         return dev
-    return replace(dev, precision=choose(dev.device, requested, model, mix, max_seconds))
+    return replace(dev, precision=choose(dev.device, requested, model, mix))
