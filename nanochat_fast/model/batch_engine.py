@@ -221,12 +221,9 @@ class BatchEngine:
 
     def _prompts_as_rows(self, groups: list[list[DecodeRow]], decoding: int) -> bool:
         """Few tokens in all, a model that takes them, a step through the packed CPU kernels (decode.usable)."""
-        tokens = sum(len(group[0].request.prompt) for group in groups)
-        return (
-            tokens <= PROMPT_AS_ROWS
-            and getattr(self.model, "prompts_as_decode_rows", False)
-            and usable(self.model, decoding + len(groups))
-        )
+        few = sum(len(group[0].request.prompt) for group in groups) <= PROMPT_AS_ROWS
+        takes_them = getattr(self.model, "prompts_as_decode_rows", False)
+        return few and takes_them and usable(self.model, decoding + len(groups))
 
     def _prefill(self, groups: list[list[DecodeRow]]) -> list[torch.Tensor]:
         """The requests' prompts into their first copies' slots, in one forward (right-padded: one model call,

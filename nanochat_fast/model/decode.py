@@ -147,10 +147,9 @@ def linears_of(model) -> dict:
 
 
 class PackedLinears:
-    """A model's decode-step products (linears_of) as packed copies (kernels.pack_linear), one more copy of
-    those weights, kept with the model so the engines that come and go share them, and remade when a
-    weight's version counter moves (any in-place change: an optimizer step, load_state_dict; not a write
-    through p.data outside an optimizer) or its storage does."""
+    """A model's decode-step products (linears_of) packed (kernels.pack_linear), kept with the model for the
+    engines that come and go, remade when a weight's storage or version counter moves (any in-place change:
+    an optimizer step, load_state_dict; not a write through p.data outside an optimizer)."""
 
     def __init__(self, model):
         self.sources = linears_of(model)
@@ -177,12 +176,8 @@ _packs_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def usable(model, rows: int) -> bool:
     """Whether a step of `rows` rows runs through packed weights: a CPU, no autocast (under bf16 the stock
     bf16 matmuls run), no gradient (the packed op has none), at most MAX_ROWS rows, where they beat sgemm."""
-    return (
-        model.get_device().type == "cpu"
-        and rows <= MAX_ROWS
-        and not torch.is_grad_enabled()
-        and not torch.is_autocast_enabled("cpu")
-    )
+    fp32_cpu = model.get_device().type == "cpu" and not torch.is_autocast_enabled("cpu")
+    return fp32_cpu and rows <= MAX_ROWS and not torch.is_grad_enabled()
 
 
 def packed_linears(model, rows: int) -> dict | None:

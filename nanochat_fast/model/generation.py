@@ -134,10 +134,7 @@ def assistant_reply(
     ids, max_tokens, _ = reply_prompt(model, tokenizer, messages, max_tokens)
     stream = TextStream(tokenizer, stop_tokens(tokenizer))
     for column in generate_steps(model, tokenizer, Request(ids, max_tokens, temperature, top_k, seed), 1, should_stop):
-        token, _ = column[0]
-        if token in stream.stop:
-            break
-        piece = stream.push(token)
+        piece = stream.push(column[0][0])  # the stop token that ends the reply (and the steps) adds none
         if piece and on_text is not None:
             on_text(piece)
     return stream.text()

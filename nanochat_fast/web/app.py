@@ -185,7 +185,7 @@ async def reply_events(job: Job, pool: ReplicaPool, arrived: float, timeout: flo
     timer = loop.call_at(loop.time() + arrived + timeout - time.monotonic(), job.events.put_nowait, ("timeout", None))
     kind = None
     try:
-        while kind != "done":
+        while kind not in ("done", "timeout"):
             kind, value = await job.events.get()
             batch = [(kind, value)]  # pieces that arrived together go out in one write
             while kind not in ("done", "timeout") and not job.events.empty():
@@ -196,8 +196,6 @@ async def reply_events(job: Job, pool: ReplicaPool, arrived: float, timeout: flo
                 message = f"the reply was cut off by the server's request timeout ({timeout:g} s)"
                 batch[-1:] = [("error", message), ("done", None)]
             yield "".join(sse({"done": True}) if k == "done" else sse({k: v}) for k, v in batch)
-            if kind == "timeout":
-                return
     finally:
         timer.cancel()
         if kind not in ("done", "timeout"):
@@ -228,11 +226,8 @@ def create_app(pool: ReplicaPool, settings: Settings) -> FastAPI:
         return handler
 
     # one route per file, read once: any other path, every /../ or %2e%2e spelling included, is a 404
-    files = {"/": STATIC_DIR / "index.html"} | {
-        f"/static/{p.name}": p
-        for p in sorted(STATIC_DIR.iterdir())
-        if p.suffix in MEDIA_TYPES and p.name != "index.html"
-    }
+    assets = [p for p in sorted(STATIC_DIR.iterdir()) if p.suffix in MEDIA_TYPES and p.name != "index.html"]
+    files = {"/": STATIC_DIR / "index.html"} | {f"/static/{p.name}": p for p in assets}
     for url, path in files.items():
         handler = serve_file(path.read_bytes(), MEDIA_TYPES[path.suffix])
         app.add_api_route(url, handler, methods=["GET"], include_in_schema=False)

@@ -69,7 +69,7 @@ def _serve(conn, build: Callable, threads: int):
 
 
 def _step_while_rows(conn, engine):
-    rows, ids = {}, {}  # id -> the engine's row, and back
+    rows = {}  # id -> the engine's row
     while True:
         while not engine.active or conn.poll():
             message = conn.recv()
@@ -83,9 +83,8 @@ def _step_while_rows(conn, engine):
                         conn.send(("failed", (_portable(e), [id])))
                         continue
                     if not row.done:
-                        rows[id], ids[row] = row, id
+                        rows[id] = row
                 elif (row := rows.pop(id, None)) is not None:
-                    del ids[row]
                     engine.cancel(row)
         try:
             tokens = engine.step()
@@ -94,14 +93,10 @@ def _step_while_rows(conn, engine):
                 engine.cancel(row)
             conn.send(("failed", (_portable(e), list(rows))))
             rows.clear()
-            ids.clear()
             continue
-        sent = []
-        for t in tokens:
-            sent.append((ids[t.row], t.token, t.forced, t.last))
-            if t.last:
-                del rows[ids.pop(t.row)]
-        conn.send(("step", sent))
+        ids = {row: id for id, row in rows.items()}
+        conn.send(("step", [(ids[t.row], t.token, t.forced, t.last) for t in tokens]))
+        rows = {id: row for id, row in rows.items() if not row.done}
 
 
 class ProcessEngine:
