@@ -29,8 +29,6 @@ MIN_TEMPERATURE = 1e-6
 
 @dataclass
 class Request:
-    """What one conversation asks for: its prompt, how many tokens at most, how to sample them."""
-
     prompt: list[int]  # token ids, already within the context (generation.fit_context)
     max_tokens: int
     temperature: float = 0.0
@@ -40,7 +38,7 @@ class Request:
 
 
 class EngineFull(Exception):
-    """Fewer free slots than the copies asked for: wait for rows to end (step) or cancel some."""
+    """Fewer free slots than the copies asked for."""
 
 
 @dataclass(eq=False)
@@ -83,31 +81,14 @@ def sample_next(logits, temperature: float, top_k: int | None, rng) -> torch.Ten
     return torch.argmax(logits, dim=-1, keepdim=True)
 
 
-class ToolUse:
-    """The calculator tool, a row at a time: after `<|python_start|>expr<|python_end|>` it queues the
-    calculator's answer as `<|output_start|>result<|output_end|>`, forced in token by token. A refused
-    expression gets no output (the model carries on without one)."""
-
-    def __init__(self, tokenizer, calculator=calculate):
-        special = tokenizer.encode_special
-        self.tokenizer, self.calculator = tokenizer, calculator
-        self.python_start, self.python_end = special("<|python_start|>"), special("<|python_end|>")
-        self.output_start, self.output_end = special("<|output_start|>"), special("<|output_end|>")
-
-    def observe(self, row: DecodeRow, token: int):
-        if token == self.python_start:
-            row.expr = []
-        elif token == self.python_end and row.expr is not None:
-            result = self.calculator(self.tokenizer.decode(row.expr))
-            if result is not None:
-                row.forced.extend([self.output_start, *self.tokenizer.encode(result), self.output_end])
-            row.expr = None
-        elif row.expr is not None:
-            row.expr.append(token)
-
-
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_positive_ints(**values):
+    for name, value in values.items():
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -121,7 +102,7 @@ class RequestLimits:
     tools: bool  # the engine has a tokenizer, so requests may use the calculator tool
 
     def check(self, request: Request, copies: int = 1):
-        """Raise ValueError saying what is wrong with `request` for such an engine."""
+        """ValueError saying what is wrong with `request` for such an engine."""
         prompt, vocab = request.prompt, self.vocab_size
         if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
             raise ValueError("prompt must be a non-empty list of token ids")
@@ -155,9 +136,7 @@ class BatchEngine:
 
     def __init__(self, model, tokenizer, slots: int, max_len: int | None = None, dtype=torch.float32):
         max_len = model.config.sequence_len if max_len is None else max_len
-        for name, value in (("slots", slots), ("max_len", max_len)):
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_ints(slots=slots, max_len=max_len)
         rotary_len = getattr(model, "rotary_seq_len", None)
         if rotary_len is not None and max_len > rotary_len:
             raise ValueError(f"max_len ({max_len}) exceeds the model's {rotary_len} positions")
@@ -166,8 +145,9 @@ class BatchEngine:
         self.device = model.get_device()
         self.cache = SlotCache(model.config.n_layer, slots, max_len)
         self.stop = stop_tokens(tokenizer) if tokenizer is not None else frozenset()
-        self.tools = ToolUse(tokenizer) if tokenizer is not None else None
-        self.limits = RequestLimits(model.config.vocab_size, max_len, slots, tools=self.tools is not None)
+        names = ("python_start", "python_end", "output_start", "output_end")
+        self.tool_tokens = None if tokenizer is None else [tokenizer.encode_special(f"<|{n}|>") for n in names]
+        self.limits = RequestLimits(model.config.vocab_size, max_len, slots, tools=tokenizer is not None)
         self._free = list(range(slots))  # a heap: the lowest free slot first keeps the rows packed
         self._rows: list[DecodeRow] = []  # rows holding a slot, in the order they joined
         self._waiting: list[list[DecodeRow]] = []  # the copies of each request added since the last step
@@ -183,7 +163,6 @@ class BatchEngine:
 
     @property
     def active(self) -> list[DecodeRow]:
-        """The rows holding a slot, in the order they joined."""
         return list(self._rows)
 
     def add(self, request: Request, copies: int = 1) -> list[DecodeRow]:
@@ -241,14 +220,10 @@ class BatchEngine:
             return [self._advance(row, token) for row, token in out]
 
     def _prompts_as_rows(self, groups: list[list[DecodeRow]], decoding: int) -> bool:
-        """Whether the prompts run as rows of the decode step: few tokens in all, a model that takes them,
-        a step through the packed CPU kernels (decode.usable, for the rows it makes logits of)."""
-        tokens = sum(len(group[0].request.prompt) for group in groups)
-        return (
-            tokens <= PROMPT_AS_ROWS
-            and getattr(self.model, "prompts_as_decode_rows", False)
-            and usable(self.model, decoding + len(groups))
-        )
+        """Few tokens in all, a model that takes them, a step through the packed CPU kernels (decode.usable)."""
+        few = sum(len(group[0].request.prompt) for group in groups) <= PROMPT_AS_ROWS
+        takes_them = getattr(self.model, "prompts_as_decode_rows", False)
+        return few and takes_them and usable(self.model, decoding + len(groups))
 
     def _prefill(self, groups: list[list[DecodeRow]]) -> list[torch.Tensor]:
         """The requests' prompts into their first copies' slots, in one forward (right-padded: one model call,
@@ -314,8 +289,22 @@ class BatchEngine:
             token = row.forced.popleft()
         row.tokens.append(token)
         if row.request.use_tools:
-            self.tools.observe(row, token)
+            self._use_tool(row, token)
         reason = "stop" if token in self.stop else "max_tokens" if len(row.tokens) >= row.request.max_tokens else None
         if reason is not None:
             self._end(row, reason)
         return Token(row, token, forced, last=reason is not None)
+
+    def _use_tool(self, row: DecodeRow, token: int):
+        """The calculator: after `<|python_start|>expr<|python_end|>` its answer is queued as
+        `<|output_start|>result<|output_end|>`; a refused expression gets no output."""
+        python_start, python_end, output_start, output_end = self.tool_tokens
+        if token == python_start:
+            row.expr = []
+        elif token == python_end and row.expr is not None:
+            result = calculate(self.tokenizer.decode(row.expr))
+            if result is not None:
+                row.forced.extend([output_start, *self.tokenizer.encode(result), output_end])
+            row.expr = None
+        elif row.expr is not None:
+            row.expr.append(token)

@@ -17,23 +17,9 @@ MAX_INT_BITS = 4096
 MAX_LEN = 10_000
 
 FUNCTIONS = {"len", "abs", "round", "min", "max", "int", "float", "str"}
-STR_METHODS = {
-    "count",
-    "upper",
-    "lower",
-    "title",
-    "capitalize",
-    "strip",
-    "lstrip",
-    "rstrip",
-    "replace",
-    "find",
-    "startswith",
-    "endswith",
-    "split",
-    "join",
-}
-ARITHMETIC = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)
+STR_METHODS = set(
+    "count upper lower title capitalize strip lstrip rstrip replace find startswith endswith split join".split()
+)
 BINARY = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -42,15 +28,12 @@ BINARY = {
     ast.FloorDiv: operator.floordiv,
     ast.Mod: operator.mod,
 }
+ARITHMETIC = (*BINARY, ast.Pow)
 DIGIT_GROUP_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
 
 class CalculatorError(ValueError):
     """The expression is not allowed, not valid, or its value would be too large."""
-
-
-def _refuse(why: str):
-    raise CalculatorError(why)
 
 
 def _is_number(v) -> bool:
@@ -60,21 +43,17 @@ def _is_number(v) -> bool:
 def _checked(v):
     """v, if it is a value the calculator may hold."""
     if isinstance(v, bool):
-        _refuse("booleans are not supported")
-    if isinstance(v, int):
-        if v.bit_length() > MAX_INT_BITS:
-            _refuse(f"integer larger than {MAX_INT_BITS} bits")
-    elif isinstance(v, float):
-        if not math.isfinite(v):
-            _refuse("result is not a finite number")
-    elif isinstance(v, str):
-        if len(v) > MAX_LEN:
-            _refuse(f"string longer than {MAX_LEN:,} characters")
-    elif isinstance(v, list):
-        if len(v) > MAX_LEN or sum(len(s) for s in v) > MAX_LEN:
-            _refuse(f"list larger than {MAX_LEN:,} characters")
-    else:
-        _refuse(f"values of type {type(v).__name__} are not supported")
+        raise CalculatorError("booleans are not supported")
+    if not isinstance(v, (int, float, str, list)):
+        raise CalculatorError(f"values of type {type(v).__name__} are not supported")
+    if isinstance(v, int) and v.bit_length() > MAX_INT_BITS:
+        raise CalculatorError(f"integer larger than {MAX_INT_BITS} bits")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise CalculatorError("result is not a finite number")
+    if isinstance(v, str) and len(v) > MAX_LEN:
+        raise CalculatorError(f"string longer than {MAX_LEN:,} characters")
+    if isinstance(v, list) and (len(v) > MAX_LEN or sum(len(s) for s in v) > MAX_LEN):
+        raise CalculatorError(f"list larger than {MAX_LEN:,} characters")
     return v
 
 
@@ -83,7 +62,7 @@ def _depth_ok(tree):
     while stack:
         node, depth = stack.pop()
         if depth > MAX_DEPTH:
-            _refuse(f"expression nested deeper than {MAX_DEPTH} levels")
+            raise CalculatorError(f"expression nested deeper than {MAX_DEPTH} levels")
         stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
 
 
@@ -91,11 +70,11 @@ def _power(a, b):
     if isinstance(a, int) and isinstance(b, int) and b >= 0:
         # |a|^b has about b * bits(a) bits: refuse before spending the time to compute it
         if b * max(1, abs(a).bit_length() - 1) > MAX_INT_BITS or b > MAX_INT_BITS:
-            _refuse(f"power larger than {MAX_INT_BITS} bits")
+            raise CalculatorError(f"power larger than {MAX_INT_BITS} bits")
         return a**b
     result = float(a) ** float(b)  # negative or fractional exponents: floats, O(1)
     if isinstance(result, complex):
-        _refuse("complex results are not supported")
+        raise CalculatorError("complex results are not supported")
     return result
 
 
@@ -105,76 +84,76 @@ def _binary(op, a, b):
             return _power(a, b)
         big = isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1
         if isinstance(op, ast.Mult) and big:
-            _refuse(f"product larger than {MAX_INT_BITS} bits")
+            raise CalculatorError(f"product larger than {MAX_INT_BITS} bits")
         return BINARY[type(op)](a, b)
     if isinstance(op, ast.Add) and isinstance(a, str) and isinstance(b, str):
         if len(a) + len(b) > MAX_LEN:
-            _refuse(f"string longer than {MAX_LEN:,} characters")
+            raise CalculatorError(f"string longer than {MAX_LEN:,} characters")
         return a + b
     if isinstance(op, ast.Mult) and {type(a), type(b)} == {str, int}:
         text, times = (a, b) if isinstance(a, str) else (b, a)
         if len(text) * max(times, 0) > MAX_LEN:
-            _refuse(f"string longer than {MAX_LEN:,} characters")
+            raise CalculatorError(f"string longer than {MAX_LEN:,} characters")
         return text * times
-    _refuse(f"{type(op).__name__} is not supported between {type(a).__name__} and {type(b).__name__}")
+    raise CalculatorError(f"{type(op).__name__} is not supported between {type(a).__name__} and {type(b).__name__}")
 
 
 def _function(name, args):
     if name == "len":
         if len(args) != 1 or not isinstance(args[0], (str, list)):
-            _refuse("len() takes one string or list")
+            raise CalculatorError("len() takes one string or list")
         return len(args[0])
     if name in ("int", "float", "str"):
         if len(args) != 1 or not isinstance(args[0], (int, float, str)) or isinstance(args[0], bool):
-            _refuse(f"{name}() takes one number or string")
+            raise CalculatorError(f"{name}() takes one number or string")
         if name != "str" and isinstance(args[0], str) and len(args[0]) > 1000:
-            _refuse(f"{name}() of a string longer than 1,000 characters")
+            raise CalculatorError(f"{name}() of a string longer than 1,000 characters")
         return {"int": int, "float": float, "str": str}[name](args[0])
     if not args or not all(_is_number(a) for a in args):
-        _refuse(f"{name}() takes numbers")
+        raise CalculatorError(f"{name}() takes numbers")
     if name == "abs" and len(args) == 1:
         return abs(args[0])
     if name == "round" and len(args) in (1, 2):
         if len(args) == 2 and (not isinstance(args[1], int) or abs(args[1]) > 100):
-            _refuse("round() takes an integer number of digits up to 100")
+            raise CalculatorError("round() takes an integer number of digits up to 100")
         return round(*args)
     if name in ("min", "max") and len(args) >= 2:
         return (min if name == "min" else max)(args)
-    _refuse(f"wrong number of arguments for {name}()")
+    raise CalculatorError(f"wrong number of arguments for {name}()")
 
 
 def _method(text, name, args):
     if not isinstance(text, str):
-        _refuse(f"methods are only allowed on strings, not {type(text).__name__}")
+        raise CalculatorError(f"methods are only allowed on strings, not {type(text).__name__}")
     if len(args) > 3 or not all(isinstance(a, (str, int)) and not isinstance(a, bool) for a in args):
-        _refuse(f"str.{name}() takes up to three string or integer arguments")
+        raise CalculatorError(f"str.{name}() takes up to three string or integer arguments")
     if name == "replace" and len(args) >= 2 and isinstance(args[1], str):
         if len(text) + (len(text) + 1) * len(args[1]) > MAX_LEN:  # worst case: every position replaced
-            _refuse(f"string longer than {MAX_LEN:,} characters")
+            raise CalculatorError(f"string longer than {MAX_LEN:,} characters")
     if name == "join":
         if len(args) != 1 or not isinstance(args[0], (str, list)):
-            _refuse("str.join() takes one string or list of strings")
+            raise CalculatorError("str.join() takes one string or list of strings")
         items = list(args[0])
         if not all(isinstance(s, str) for s in items) or len(text) * len(items) + sum(len(s) for s in items) > MAX_LEN:
-            _refuse("str.join() takes strings and makes at most a bounded string")
+            raise CalculatorError("str.join() takes strings and makes at most a bounded string")
     try:
         return getattr(str, name)(text, *args)  # name is one of STR_METHODS (checked by the caller)
     except (TypeError, ValueError) as e:
-        _refuse(f"str.{name}(): {e}")
+        raise CalculatorError(f"str.{name}(): {e}")
 
 
 def _subscript(value, key):
     if not isinstance(value, (str, list)):
-        _refuse(f"only strings and lists can be indexed, not {type(value).__name__}")
+        raise CalculatorError(f"only strings and lists can be indexed, not {type(value).__name__}")
     if isinstance(key, slice):
         if key.step == 0:
-            _refuse("slice step cannot be zero")
+            raise CalculatorError("slice step cannot be zero")
     elif not isinstance(key, int) or isinstance(key, bool):
-        _refuse("indices must be integers")
+        raise CalculatorError("indices must be integers")
     try:
         return value[key]
     except IndexError:
-        _refuse("index out of range")
+        raise CalculatorError("index out of range")
 
 
 def _eval(node):
@@ -183,7 +162,7 @@ def _eval(node):
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
         v = _eval(node.operand)
         if not _is_number(v):
-            _refuse("unary + and - take numbers")
+            raise CalculatorError("unary + and - take numbers")
         return -v if isinstance(node.op, ast.USub) else +v
     if isinstance(node, ast.BinOp) and isinstance(node.op, ARITHMETIC):
         return _checked(_binary(node.op, _eval(node.left), _eval(node.right)))
@@ -192,7 +171,7 @@ def _eval(node):
             return _checked(_function(node.func.id, [_eval(a) for a in node.args]))
         if isinstance(node.func, ast.Attribute) and node.func.attr in STR_METHODS:
             return _checked(_method(_eval(node.func.value), node.func.attr, [_eval(a) for a in node.args]))
-        _refuse(
+        raise CalculatorError(
             "only len, abs, round, min, max, int, float, str and string methods "
             f"({', '.join(sorted(STR_METHODS))}) can be called"
         )
@@ -201,43 +180,39 @@ def _eval(node):
         if isinstance(s, ast.Slice):
             bounds = [None if part is None else _eval(part) for part in (s.lower, s.upper, s.step)]
             if not all(b is None or (isinstance(b, int) and not isinstance(b, bool)) for b in bounds):
-                _refuse("slice bounds must be integers")
+                raise CalculatorError("slice bounds must be integers")
             key = slice(*bounds)
         else:
             key = _eval(s)
         return _checked(_subscript(_eval(node.value), key))
-    _refuse(f"{type(node).__name__} is not allowed")
+    raise CalculatorError(f"{type(node).__name__} is not allowed")
 
 
 def evaluate(expr: str):
     """The value of `expr` (int, float, str or list of str); CalculatorError when it is not allowed."""
     if not isinstance(expr, str):
-        _refuse("the expression must be a string")
+        raise CalculatorError("the expression must be a string")
     if len(expr) > MAX_EXPR_CHARS:
-        _refuse(f"expression longer than {MAX_EXPR_CHARS:,} characters")
+        raise CalculatorError(f"expression longer than {MAX_EXPR_CHARS:,} characters")
     expr = DIGIT_GROUP_COMMA.sub("", expr.strip())
     try:
         tree = ast.parse(expr, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-        _refuse(f"not a valid expression ({type(e).__name__})")
+        raise CalculatorError(f"not a valid expression ({type(e).__name__})")
     _depth_ok(tree)
     try:
         return _eval(tree.body)
     except (ZeroDivisionError, OverflowError) as e:
-        _refuse(f"{type(e).__name__}: {e}")
-
-
-def format_value(v) -> str:
-    """How a result is written back into the conversation: integers as integers (also 5.0 -> 5),
-    other floats with up to 10 significant digits, strings as they are."""
-    if isinstance(v, float):
-        return str(int(v)) if v.is_integer() and abs(v) < 1e15 else f"{v:.10g}"
-    return v if isinstance(v, str) else str(v)
+        raise CalculatorError(f"{type(e).__name__}: {e}")
 
 
 def calculate(expr: str) -> str | None:
-    """The result as text, or None when the expression is refused (the model then gets no output)."""
+    """The result as text (integers as integers, 5.0 too; other floats to 10 significant digits), or None
+    when the expression is refused (the model then gets no output)."""
     try:
-        return format_value(evaluate(expr))
+        v = evaluate(expr)
     except CalculatorError:
         return None
+    if isinstance(v, float):
+        return str(int(v)) if v.is_integer() and abs(v) < 1e15 else f"{v:.10g}"
+    return v if isinstance(v, str) else str(v)

@@ -1,8 +1,7 @@
 """
-The batch engine's side of the model (batch_engine.py): SlotCache, the keys and values of its sequences;
-its two views, SlotPrefill (prompts run into their slots by the model's own forward) and SlotBatch (one
-decode step, each row a token at its own position in its own slot); and decode_step, a SlotBatch's
-forward for both families, each block one decode_block call through packed weights where they help.
+The batch engine's side of the model: SlotCache, the keys and values of its sequences; its views SlotPrefill
+(prompts run into their slots by the model's own forward) and SlotBatch (one decode step, each row a token at
+its own position in its own slot); decode_step, a SlotBatch's forward, through packed weights where they help.
 """
 
 import weakref
@@ -24,26 +23,19 @@ class SlotCache:
         self.kv = None
         self.embeddings = None  # each slot's last input embedding (the windowed GPT's smear reads it)
 
-    def storage(self, k: torch.Tensor) -> torch.Tensor:
-        """The storage, allocated at the first call as k (B, H, T, D)'s heads, head_dim, dtype and device."""
-        if self.kv is None:
-            self.allocate(k.size(1), k.size(3), k.dtype, k.device)
-        return self.kv
-
     def allocate(self, n_kv_head: int, head_dim: int, dtype, device):
         self.kv = torch.zeros(
             self.n_layer, 2, self.slots, n_kv_head, self.max_len, head_dim, dtype=dtype, device=device
         )
 
     def copy_slot(self, src: int, dst: int, length: int):
-        """Slot dst continues from slot src's first `length` positions, all src holds."""
         if self.kv is not None:
             self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
         if self.embeddings is not None:
             self.embeddings[dst] = self.embeddings[src]
 
     def embedding_store(self, x: torch.Tensor) -> torch.Tensor:
-        """(slots, C) float32: each slot's last input embedding (allocated at the first call, for x's C)."""
+        """(slots, C) float32: each slot's last input embedding, allocated at the first call."""
         if self.embeddings is None:
             self.embeddings = torch.zeros(self.slots, x.size(-1), dtype=torch.float32, device=x.device)
         return self.embeddings
@@ -54,9 +46,7 @@ class SlotPrefill:
     position: several into empty slots, right-padded to the longest (row b's first lengths[b] positions
     are its own; the padding's keys land after them, where nothing reads them), or one continuing a chunk."""
 
-    def __init__(
-        self, cache: SlotCache, slots: int | list[int], lengths: list[int] | None = None, last_logits: bool = False
-    ):
+    def __init__(self, cache: SlotCache, slots: int | list[int], lengths: list | None = None, last_logits=False):
         self.cache, self.pos = cache, 0
         self.slots = [slots] if isinstance(slots, int) else list(slots)
         self.lengths = lengths  # None: every position of every row is its own
@@ -73,7 +63,6 @@ class SlotPrefill:
         return x[torch.arange(x.size(0), device=x.device), ends]
 
     def logit_positions(self, x: torch.Tensor) -> torch.Tensor:
-        """The positions of the last hidden states x (B, T, C) the model makes logits of."""
         return self.last(x)[:, None] if self.last_logits else x
 
     def previous_embedding(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +71,6 @@ class SlotPrefill:
         return prev if self.pos > 0 else torch.zeros_like(prev)
 
     def keep_embedding(self, x: torch.Tensor):
-        """Store each row's last input embedding of x (B, T, C) for its next step."""
         self.cache.embeddings[self.slots] = self.last(x).float()
 
     def insert_kv(self, layer_idx, k, v):
@@ -91,7 +79,9 @@ class SlotPrefill:
         t0, t1 = self.pos, self.pos + k.size(2)
         if t1 > self.cache.max_len:
             raise ValueError(f"a slot holds {self.cache.max_len} positions, asked to grow to {t1}")
-        kv = self.cache.storage(k)
+        if self.cache.kv is None:
+            self.cache.allocate(k.size(1), k.size(3), k.dtype, k.device)
+        kv = self.cache.kv
         if len(self.slots) == 1:
             slot = self.slots[0]
             kv[layer_idx, 0, slot, :, t0:t1] = k[0]
@@ -113,9 +103,7 @@ class SlotBatch:
     slot slots[i]. A slot has one row continuing its sequence, or a prompt's rows from position 0 (each sees
     the ones before it; position 0 starts the slot afresh). Logits of the rows `logits_of` (None: all)."""
 
-    def __init__(
-        self, cache: SlotCache, slots: list[int], positions: list[int], device, logits_of: list[int] | None = None
-    ):
+    def __init__(self, cache: SlotCache, slots: list[int], positions: list[int], device, logits_of: list | None = None):
         rows = list(zip(slots, positions))
         if len(slots) != len(positions) or not rows or any(a >= b for a, b in zip(rows, rows[1:])):
             raise ValueError("a slot batch takes rows in increasing (slot, position) order, one position each")
@@ -137,7 +125,6 @@ class SlotBatch:
         return self.positions
 
     def logit_positions(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, 1, C) -> the rows the model makes logits of."""
         return x if self.logits_of is None else x.index_select(0, self.logits_of)
 
     def layer(self, layer_idx: int) -> torch.Tensor:
@@ -160,10 +147,9 @@ def linears_of(model) -> dict:
 
 
 class PackedLinears:
-    """A model's decode-step products (linears_of) as packed copies (kernels.pack_linear), one more copy of
-    those weights, kept with the model so the engines that come and go share them, and remade when a
-    weight's version counter moves (any in-place change: an optimizer step, load_state_dict; not a write
-    through p.data outside an optimizer) or its storage does."""
+    """A model's decode-step products (linears_of) packed (kernels.pack_linear), kept with the model for the
+    engines that come and go, remade when a weight's storage or version counter moves (any in-place change:
+    an optimizer step, load_state_dict; not a write through p.data outside an optimizer)."""
 
     def __init__(self, model):
         self.sources = linears_of(model)
@@ -190,16 +176,12 @@ _packs_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def usable(model, rows: int) -> bool:
     """Whether a step of `rows` rows runs through packed weights: a CPU, no autocast (under bf16 the stock
     bf16 matmuls run), no gradient (the packed op has none), at most MAX_ROWS rows, where they beat sgemm."""
-    return (
-        model.get_device().type == "cpu"
-        and rows <= MAX_ROWS
-        and not torch.is_grad_enabled()
-        and not torch.is_autocast_enabled("cpu")
-    )
+    fp32_cpu = model.get_device().type == "cpu" and not torch.is_autocast_enabled("cpu")
+    return fp32_cpu and rows <= MAX_ROWS and not torch.is_grad_enabled()
 
 
 def packed_linears(model, rows: int) -> dict | None:
-    """The model's packs, up to date, for a step of `rows` rows where they help (usable), else None."""
+    """The model's packs, up to date, where they help (usable), else None."""
     if not usable(model, rows):
         return None
     if model not in _packs_of:

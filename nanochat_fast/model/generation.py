@@ -1,8 +1,7 @@
 """
 Text generation, all of it through the batch engine (batch_engine.py): a base model's continuation, the
 assistant's next message (streamed piece by piece for chat_cli and chat_web's requests), batches of
-samples for evaluation, and GPT.generate's tokens. The calculator's calls read in text as GSM8K writes
-them, `<<expr=result>>`.
+samples for evaluation, and GPT.generate's tokens.
 """
 
 from dataclasses import dataclass
@@ -11,21 +10,19 @@ import torch
 
 from .batch_engine import BatchEngine, Request, stop_tokens
 
-# How tool tokens read in text: a call and its output look like GSM8K's "<<12/60=0.2>>".
+# How tool tokens read in text: a call and its output as GSM8K writes them, "<<12/60=0.2>>".
 TOOL_TEXT = {"<|python_start|>": "<<", "<|python_end|>": "=", "<|output_start|>": "", "<|output_end|>": ">>"}
 
 
 def complete(model, tokenizer, prompt: str, max_tokens: int) -> str:
-    """The greedy continuation of `prompt` (after <|bos|>), as text; it stops early where the model
-    starts a new document (<|bos|>)."""
+    """The greedy continuation of `prompt` (after <|bos|>), up to a new document's <|bos|>."""
     ids = tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id())
     [sample] = generate_batch(model, tokenizer, ids, 1, max_tokens, temperature=0.0, use_tools=False)
     return tokenizer.decode(sample.ids)
 
 
 def decode_reply(tokenizer, ids) -> str:
-    """Text of generated ids with the tool tokens written as <<expr=result>> (other special tokens
-    as their names)."""
+    """Text of generated ids, the tool tokens written as <<expr=result>>, other special tokens as their names."""
     names = {i: name for name, i in tokenizer.special_tokens.items()}
     parts, run = [], []
     for i in ids:
@@ -38,15 +35,16 @@ def decode_reply(tokenizer, ids) -> str:
 
 
 class TextStream:
-    """Token ids in, text pieces out. A piece is released only once the text no longer ends in a partial
-    UTF-8 character (BPE splits them), so a streamed reply never shows a replacement character its final
-    text lacks. Only the ids since the last piece are decoded at each push: a piece ends on a whole
-    character (decoding the whole reply at every token would cost O(n) a token)."""
+    """Token ids in, text pieces out, each released once it no longer ends in a partial UTF-8 character
+    (BPE splits them). Only the ids since the last piece are decoded at each push, not the whole reply.
+    The `stop` tokens (a reply's: stop_tokens) add no text."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.released, self.pending = tokenizer, "", []
+    def __init__(self, tokenizer, stop=frozenset()):
+        self.tokenizer, self.stop, self.released, self.pending = tokenizer, stop, "", []
 
     def push(self, token_id: int) -> str:
+        if token_id in self.stop:
+            return ""
         self.pending.append(token_id)
         piece = decode_reply(self.tokenizer, self.pending)
         if piece.endswith("\ufffd"):
@@ -56,17 +54,6 @@ class TextStream:
 
     def text(self) -> str:
         return self.released + decode_reply(self.tokenizer, self.pending)
-
-
-class ReplyStream(TextStream):
-    """The text of an assistant's reply: the token that ends it (<|assistant_end|>, <|bos|>) adds none."""
-
-    def __init__(self, tokenizer):
-        super().__init__(tokenizer)
-        self.stop = stop_tokens(tokenizer)
-
-    def push(self, token_id: int) -> str:
-        return "" if token_id in self.stop else super().push(token_id)
 
 
 def fit_context(ids: list[int], max_tokens: int, sequence_len: int, bos_id: int):
@@ -92,7 +79,7 @@ def reply_request(model, tokenizer, job):
     max_tokens, temperature, top_k, seed): the prompt and text exactly as assistant_reply makes them."""
     ids, max_tokens, truncated = reply_prompt(model, tokenizer, job.messages, job.max_tokens)
     request = Request(ids, max_tokens, job.temperature, job.top_k, job.seed)
-    return request, ReplyStream(tokenizer).push, truncated
+    return request, TextStream(tokenizer, stop_tokens(tokenizer)).push, truncated
 
 
 @torch.inference_mode()
@@ -111,12 +98,6 @@ def generate_steps(model, tokenizer, request: Request, num_samples: int = 1, sho
         if should_stop is not None and should_stop():
             return
         yield {t.row.copy: (t.token, t.forced) for t in engine.step()}
-
-
-def generate_tokens(model, tokens: list[int], max_tokens: int, temperature=1.0, top_k=None, seed=42):
-    """GPT.generate's tokens: one engine row without a tokenizer (no stop token, no tool)."""
-    for column in generate_steps(model, None, Request(tokens, max_tokens, temperature, top_k, seed, use_tools=False)):
-        yield column[0][0]
 
 
 @dataclass
@@ -151,12 +132,9 @@ def assistant_reply(
     <|assistant_end|>, the calculator available. on_text(piece) sees its text as it comes; should_stop(),
     asked before every new token, ends it early when True (a stop button, a client gone)."""
     ids, max_tokens, _ = reply_prompt(model, tokenizer, messages, max_tokens)
-    stream = ReplyStream(tokenizer)
+    stream = TextStream(tokenizer, stop_tokens(tokenizer))
     for column in generate_steps(model, tokenizer, Request(ids, max_tokens, temperature, top_k, seed), 1, should_stop):
-        token, _ = column[0]
-        if token in stream.stop:
-            break
-        piece = stream.push(token)
+        piece = stream.push(column[0][0])  # the stop token that ends the reply (and the steps) adds none
         if piece and on_text is not None:
             on_text(piece)
     return stream.text()

@@ -1,9 +1,8 @@
 """
-What a generating command (infer_bench, chat_cli, chat_eval, chat_web) times for its --dtype auto:
-its own mix of prefills and decode steps at its batch, in fp32 and under bf16 autocast, as the work
-hardware/precision.choose decides on (kind "generation" in its cache). Not the training step's
-choice: a one-row decode step reads the weights through our packed fp32 kernels, while under bf16
-autocast the stock matmuls run (docs/measurements.md#generation-dtype).
+What a generating command (infer_bench, chat_cli, chat_eval, chat_web) times for its --dtype auto: its own
+mix of prefills and decode steps at its batch, in fp32 and under bf16 autocast (kind "generation" in
+hardware/precision's cache). Not the training step's choice: a one-row decode step reads the weights
+through our packed fp32 kernels, under bf16 the stock matmuls run (docs/measurements.md#generation-dtype).
 """
 
 from dataclasses import asdict, dataclass, replace
@@ -11,7 +10,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from ..hardware import precision
-from .batch_engine import BatchEngine, Request
+from .batch_engine import BatchEngine, Request, check_positive_ints
 from .loading import config_from_fields, meta_model, new_model
 
 # the generation commands' budget for timing their mix: they start in front of a user, so less than a
@@ -33,18 +32,11 @@ class GenerationMix:
     decode_tokens: int
 
     def __post_init__(self):
-        for name in ("batch", "prompt_tokens", "decode_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-    def describe(self) -> str:
-        return f"{self.batch} row(s) x ({self.prompt_tokens} prompt + {self.decode_tokens} generated tokens)"
+        check_positive_ints(**asdict(self))
 
 
 def chat_mix(config, batch: int, max_tokens: int) -> GenerationMix:
-    """A chat command's mix: `batch` rows of a CHAT_PROMPT_TOKENS prompt and replies of `max_tokens`, at most
-    CHAT_REPLY_TOKENS, within the model's context."""
+    """`batch` rows of a CHAT_PROMPT_TOKENS prompt, replies of max_tokens up to CHAT_REPLY_TOKENS, in context."""
     prompt = max(1, min(CHAT_PROMPT_TOKENS, config.sequence_len // 2))
     return GenerationMix(batch, prompt, max(1, min(max_tokens, CHAT_REPLY_TOKENS, config.sequence_len - prompt)))
 
@@ -75,11 +67,12 @@ def generation_work(model, mix: GenerationMix, device) -> precision.Work:
         return {name: call(dtype) for name, dtype in precision.DTYPES.items()}
 
     d, rows = config.n_embd, mix.batch * mix.prompt_tokens
+    shape = f"{mix.batch} row(s) x ({mix.prompt_tokens} prompt + {mix.decode_tokens} generated tokens)"
     params = sum(p.numel() for p in model.parameters())
     return precision.Work(
         "generation",
         dict(config=asdict(config), **asdict(mix)),
-        what=f"this model's generation ({mix.describe()})",
+        what=f"this model's generation ({shape})",
         flops=2.0 * params * mix.batch * (mix.prompt_tokens + mix.decode_tokens),
         make=make,
         matmuls=[(rows, d, config.vocab_size), (rows, d, 4 * d), (rows, 4 * d, d)],
@@ -96,15 +89,14 @@ def _meta_work(spec: dict, device) -> precision.Work:
 precision.register("generation", _meta_work)
 
 
-def choose(device, requested: str, model, mix: GenerationMix, max_seconds: float = MAX_SECONDS):
+def choose(device, requested: str, model, mix: GenerationMix):
     """The Precision generation runs in: precision.choose, with `mix` as the work to time."""
-    work = generation_work(model, mix, device)
-    return precision.choose(device, requested, work=work, max_seconds=max_seconds)
+    return precision.choose(device, requested, work=generation_work(model, mix, device), max_seconds=MAX_SECONDS)
 
 
-def for_generation(dev, requested: str, model, mix: GenerationMix, max_seconds: float = MAX_SECONDS):
-    """`dev` (a ProcessSetup) with the precision generation runs in: an explicit --dtype, or auto off
-    the CPU, leaves it as DeviceConfig.init set it."""
+def for_generation(dev, requested: str, model, mix: GenerationMix):
+    """`dev` (a ProcessSetup) with the precision generation runs in; an explicit --dtype, or auto off the
+    CPU, leaves it as DeviceConfig.init set it."""
     if dev.device.type != "cpu" or requested != "auto":
         return dev
-    return replace(dev, precision=choose(dev.device, requested, model, mix, max_seconds))
+    return replace(dev, precision=choose(dev.device, requested, model, mix))

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from ..core.distributed import is_distributed, print0
 from ..kernels import rms_norm, softcap, softcap_cross_entropy
 from ..kernels.decode_step import apply_rotary_emb
-from .batch_engine import MIN_TEMPERATURE
+from .batch_engine import MIN_TEMPERATURE, Request, check_positive_ints
 from .decode import SlotBatch, decode_step
-from .generation import generate_tokens
+from .generation import generate_steps
 
 LOGIT_SOFTCAP = 15.0
 
@@ -35,10 +35,7 @@ class GPTConfig:
     n_embd: int = 768
 
     def __post_init__(self):
-        for name in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_ints(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GPTConfig)})
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
         if (self.n_embd // self.n_head) % 2:
@@ -55,25 +52,15 @@ class GPTConfig:
 
 def config_from_depth(depth, vocab_size, sequence_len, aspect_ratio=64, head_dim=128, n_kv_head=None) -> GPTConfig:
     """The depth dial: n_embd = ceil(aspect_ratio*depth / head_dim) * head_dim, n_head = n_embd / head_dim."""
-    for name, value in (("depth", depth), ("aspect_ratio", aspect_ratio), ("head_dim", head_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_positive_ints(depth=depth, aspect_ratio=aspect_ratio, head_dim=head_dim)
     n_embd = math.ceil(aspect_ratio * depth / head_dim) * head_dim
     n_head = n_embd // head_dim
     n_kv_head = n_head if n_kv_head is None else n_kv_head
-    return GPTConfig(
-        sequence_len=sequence_len,
-        vocab_size=vocab_size,
-        n_layer=depth,
-        n_head=n_head,
-        n_kv_head=n_kv_head,
-        n_embd=n_embd,
-    )
+    return GPTConfig(sequence_len, vocab_size, n_layer=depth, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd)
 
 
 def norm(x):
-    """Parameter-free RMSNorm over the last dimension; without autograd one kernel (kernels.rms_norm)
-    where F.rms_norm runs a dozen ops."""
+    """Parameter-free RMSNorm; without autograd one kernel (kernels.rms_norm) where F.rms_norm runs a dozen ops."""
     if x.requires_grad or torch.compiler.is_compiling():
         return F.rms_norm(x, (x.size(-1),))
     return rms_norm(x)
@@ -83,17 +70,9 @@ def linear(in_features: int, out_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False)
 
 
-def causal_attention(q, k, v, gqa: bool):
-    """SDPA of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) whose first Tk - Tq positions are cached ones."""
-    Tq, Tk = q.size(2), k.size(2)
-    if Tq == Tk:  # training, or a prompt into an empty cache
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    # a chunk after a cached prefix: all of the prefix, causal within the chunk
-    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
 class CausalSelfAttention(nn.Module):
+    qk_scale = None  # the windowed family scales queries and keys after QK-norm
+
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -103,18 +82,33 @@ class CausalSelfAttention(nn.Module):
         self.c_v = linear(config.n_embd, self.n_kv_head * self.head_dim)
         self.c_proj = linear(config.n_embd, config.n_embd)
 
-    def forward(self, x, cos_sin, kv_cache):
+    def forward(self, x, cos_sin, kv_cache, ve=None):
         B, T, _ = x.size()
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        if ve is not None:  # the windowed family's value embedding, gated (WindowedAttention.value_gate)
+            # in v's dtype: under bf16 autocast ve is fp32 (the residual's), and values promoted to
+            # fp32 beside bf16 keys would not go into the cache the keys made bf16
+            v = v + (self.value_gate(x).unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)).to(v.dtype)
         cos, sin = cos_sin
         q, k = norm(apply_rotary_emb(q, cos, sin)), norm(apply_rotary_emb(k, cos, sin))  # QK-norm
+        if self.qk_scale is not None:
+            q, k = q * self.qk_scale, k * self.qk_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
         if kv_cache is not None:
             k, v = kv_cache.insert_kv(self.layer_idx, k, v)
-        y = causal_attention(q, k, v, gqa=self.n_head != self.n_kv_head)
+        y = self._attend(q, k, v, gqa=self.n_head != self.n_kv_head)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+
+    def _attend(self, q, k, v, gqa: bool):
+        """SDPA of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D) whose first Tk - Tq positions are cached ones."""
+        Tq, Tk = q.size(2), k.size(2)
+        if Tq == Tk:  # training, or a prompt into an empty cache
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # a chunk after a cached prefix: all of the prefix, causal within the chunk
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class MLP(nn.Module):
@@ -128,33 +122,37 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig, layer_idx: int):
+    def __init__(self, config: GPTConfig, attn: CausalSelfAttention):
         super().__init__()
-        self.attn = CausalSelfAttention(config, layer_idx)
+        self.attn = attn
         self.mlp = MLP(config)
 
-    def forward(self, x, cos_sin, kv_cache):
-        x = x + self.attn(norm(x), cos_sin, kv_cache)
+    def forward(self, x, cos_sin, kv_cache, ve=None):
+        x = x + self.attn(norm(x), cos_sin, kv_cache, ve)
         return x + self.mlp(norm(x))
 
 
 class GPT(nn.Module):
     arch = "gpt"  # the family's name in --arch and meta.json
     prompts_as_decode_rows = True  # decode_step takes a prompt's tokens as a SlotBatch's rows from position 0
+    rotary_base = 10_000
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
+        blocks = nn.ModuleList([Block(config, self._attention(config, i)) for i in range(config.n_layer)])
         self.transformer = nn.ModuleDict({"wte": nn.Embedding(config.vocab_size, config.n_embd), "h": blocks})
         self.lm_head = linear(config.n_embd, config.vocab_size)
         self._rotary_buffers()
 
-    def _rotary_buffers(self, base=10000):
+    def _attention(self, config: GPTConfig, layer_idx: int) -> CausalSelfAttention:
+        return CausalSelfAttention(config, layer_idx)
+
+    def _rotary_buffers(self):
         """Rotary tables for 10x the training length (generation can run past it), fp32 (1, T, 1, D/2),
         not persistent: init_weights recomputes them, checkpoints do not hold them."""
         self.rotary_seq_len = self.config.sequence_len * 10
-        head_dim, device = self.config.head_dim, self.transformer.wte.weight.device
+        head_dim, device, base = self.config.head_dim, self.transformer.wte.weight.device, self.rotary_base
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
         freqs = torch.outer(torch.arange(self.rotary_seq_len, dtype=torch.float32, device=device), inv_freq)
         self.register_buffer("cos", freqs.cos()[None, :, None, :], persistent=False)
@@ -209,21 +207,17 @@ class GPT(nn.Module):
         ns_coefficients when given; scalar_lr is the windowed GPT's (this model has no scalars)."""
         model_dim = self.config.n_embd
         # AdamW LRs were tuned at width 768; scale them by 1/sqrt(width/768)
-        dmodel_lr_scale = (model_dim / 768) ** -0.5
-        print0(f"Scaling the LR for the AdamW parameters ∝1/√({model_dim}/768) = {dmodel_lr_scale:.6f}")
+        scale = (model_dim / 768) ** -0.5
+        print0(f"Scaling the LR for the AdamW parameters ∝1/√({model_dim}/768) = {scale:.6f}")
         head = list(self.lm_head.named_parameters(prefix="lm_head"))
         wte = list(self.transformer.wte.named_parameters(prefix="transformer.wte"))
-        adam_groups = [
-            dict(params=head, lr=unembedding_lr * dmodel_lr_scale),
-            dict(params=wte, lr=embedding_lr * dmodel_lr_scale),
-        ]
+        adam_groups = [dict(params=head, lr=unembedding_lr * scale), dict(params=wte, lr=embedding_lr * scale)]
         adamw_kwargs = dict(betas=tuple(adam_betas), eps=1e-10, weight_decay=weight_decay)
         return self._optimizers(adam_groups, adamw_kwargs, matrix_lr, muon_recipe, ns_coefficients)
 
     def _optimizers(self, adam_groups, adamw_kwargs, matrix_lr, muon_recipe, ns_coefficients):
-        """[AdamW over adam_groups, Muon over the blocks' matrices], distributed (ZeRO-2) under several
-        processes, FSDP's once fully_shard made the parameters DTensors; Muon's `.recipe` is for the
-        momentum schedule, every group's `initial_lr` for the LR schedule."""
+        """[AdamW over adam_groups, Muon over the blocks' matrices]: ZeRO-2 under several processes, FSDP's
+        once fully_shard made the parameters DTensors; `.recipe` and `initial_lr` are for the schedules."""
         from ..optim import AdamW, DistAdamW, DistMuon, FsdpAdamW, FsdpMuon, Muon, MuonRecipe
 
         recipe = MuonRecipe.of(muon_recipe)
@@ -235,15 +229,12 @@ class GPT(nn.Module):
         adamw_cls, muon_cls = (
             (FsdpAdamW, FsdpMuon) if sharded else (DistAdamW, DistMuon) if is_distributed() else (AdamW, Muon)
         )
-        optimizers = [
-            adamw_cls(adam_groups, **adamw_kwargs),
-            muon_cls(matrix_params, lr=matrix_lr, **recipe.muon_kwargs()),
-        ]
-        optimizers[1].recipe = recipe
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["initial_lr"] = group["lr"]
-        return optimizers
+        adamw = adamw_cls(adam_groups, **adamw_kwargs)
+        muon = muon_cls(matrix_params, lr=matrix_lr, **recipe.muon_kwargs())
+        muon.recipe = recipe
+        for group in adamw.param_groups + muon.param_groups:
+            group["initial_lr"] = group["lr"]
+        return [adamw, muon]
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
         """idx (B, T) -> fp32 logits (B, T, vocab); with targets (B, T; -1 ignored) the cross-entropy: a scalar
@@ -301,4 +292,6 @@ class GPT(nn.Module):
             )
         # sample_next is greedy below MIN_TEMPERATURE, negative values included; the engine refuses those
         temperature = temperature if temperature >= MIN_TEMPERATURE else 0.0
-        yield from generate_tokens(self, tokens, max_tokens, temperature, top_k, seed)
+        request = Request(tokens, max_tokens, temperature, top_k, seed, use_tools=False)
+        for column in generate_steps(self, None, request):  # one row, no tokenizer: no stop token, no tool
+            yield column[0][0]

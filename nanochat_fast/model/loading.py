@@ -18,7 +18,6 @@ from .windowed_gpt import WindowedGPT, WindowedGPTConfig
 
 # the model families: --arch's values and meta.json's "arch" -> (config class, model class)
 FAMILIES = {"gpt": (GPTConfig, GPT), "windowed": (WindowedGPTConfig, WindowedGPT)}
-DEFAULT_ARCH = "gpt"  # runs saved before families existed have no "arch"
 
 
 def arch_of(config: GPTConfig) -> str:
@@ -31,7 +30,7 @@ def model_class(config: GPTConfig):
 
 def config_of(meta: dict, ckpt: Path) -> GPTConfig:
     """The model config a checkpoint's meta.json describes, of its family."""
-    arch = meta.get("arch", DEFAULT_ARCH)
+    arch = meta.get("arch", "gpt")  # runs saved before families existed have no "arch"
     if arch not in FAMILIES:
         raise UserError(f"checkpoint {ckpt} is of model family {arch!r}, which this nanochat_fast does not know")
     try:
@@ -46,12 +45,12 @@ def family_config(config: GPTConfig, arch: str, window_pattern: str) -> GPTConfi
 
 
 def config_from_fields(fields: dict) -> GPTConfig:
-    """A config back from its fields (as the dtype timings' cache keys hold them), of its family."""
+    """A config back from its fields (the dtype timings' cache keys), of its family."""
     return (WindowedGPTConfig if "window_pattern" in fields else GPTConfig)(**fields)
 
 
 def meta_model(config: GPTConfig) -> GPT:
-    """The model of config's family on the meta device: its shapes, parameters and FLOPs, no storage."""
+    """The model of config's family on the meta device: shapes, parameters and FLOPs, no storage."""
     with torch.device("meta"):
         return model_class(config)(config)
 
@@ -66,8 +65,8 @@ def check_arch(wanted: str, config: GPTConfig, ckpt: Path):
 
 
 def new_model(config: GPTConfig, device, state: dict | None = None) -> GPT:
-    """The model of config's family built on the meta device, materialised on `device` with its init
-    (which also fills the rotary buffers, not saved in checkpoints), then loaded with `state`."""
+    """The model of config's family materialised on `device` with its init (which also fills the rotary
+    buffers, not saved in checkpoints), then loaded with `state`."""
     model = meta_model(config)
     model.to_empty(device=device)
     model.init_weights()
@@ -110,7 +109,7 @@ def open_checkpoint(run_dir: Path, step: int | None, tokenizer):
 
 
 def restore_model(ckpt: Path, config: GPTConfig, device) -> GPT:
-    """The weights of an opened checkpoint (open_checkpoint) in a GPT on `device`, in eval mode."""
+    """An opened checkpoint's weights in a GPT on `device`, in eval mode."""
     return new_model(config, device, checkpoints.load_model_state(ckpt, device)).eval()
 
 

@@ -58,21 +58,11 @@ def whole_weights(model: torch.nn.Module):
         del plain, state
 
 
-def model_state_dict(model: torch.nn.Module) -> dict:
-    """What a checkpoint saves of the model: its state_dict, of DTensors (each rank's rows, for
-    torch.distributed.checkpoint) when it is sharded."""
-    if not is_sharded(model):
-        return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model)
-
-
-def full_state_dict(model: torch.nn.Module) -> dict:
-    """The model's state_dict with whole tensors: on rank 0 only (on the CPU) for a sharded model,
-    whose shards every rank must take part in gathering; model.state_dict() for a plain one."""
+def model_state_dict(model: torch.nn.Module, full: bool = False) -> dict:
+    """What a checkpoint saves of the model: its state_dict, of DTensors (each rank's rows, for DCP) when it
+    is sharded; `full`: whole tensors, gathered by every rank onto rank 0's CPU."""
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))

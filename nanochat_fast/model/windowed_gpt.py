@@ -14,13 +14,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.distributed import print0
-from .gpt import GPT, MLP, CausalSelfAttention, GPTConfig, apply_rotary_emb, linear, norm
+from .gpt import GPT, CausalSelfAttention, GPTConfig, linear, norm
 
-ARCH = "windowed"  # the family's name in --arch and meta.json
 VE_GATE_CHANNELS = 12
 SMEAR_CHANNELS = 24
 QK_SCALE = 1.2  # on queries and keys after QK-norm (sharper attention, split between the two)
-ROTARY_BASE = 100_000
 
 
 def check_window_pattern(pattern) -> str:
@@ -42,9 +40,8 @@ class WindowedGPTConfig(GPTConfig):
         """Keys before the query each layer attends to (the query's own position not counted)."""
         long = self.sequence_len
         short = -(-long // 4 // 128) * 128  # a quarter, rounded up to a multiple of 128
-        sizes = [
-            short if self.window_pattern[i % len(self.window_pattern)] == "S" else long for i in range(self.n_layer)
-        ]
+        pattern = self.window_pattern
+        sizes = [short if pattern[i % len(pattern)] == "S" else long for i in range(self.n_layer)]
         sizes[-1] = long
         return sizes
 
@@ -94,24 +91,9 @@ class WindowedAttention(CausalSelfAttention):
         gated = has_value_embedding(layer_idx, config.n_layer)
         self.ve_gate = linear(VE_GATE_CHANNELS, self.n_kv_head) if gated else None
 
-    def forward(self, x, ve, cos_sin, kv_cache):
-        B, T, _ = x.size()
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
-        if ve is not None:  # the value embedding, gated per kv head in (0, 3)
-            gate = 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
-            # in v's dtype: under bf16 autocast ve is fp32 (the residual's), and values promoted to
-            # fp32 beside bf16 keys would not go into the cache the keys made bf16
-            v = v + (gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)).to(v.dtype)
-        cos, sin = cos_sin
-        q = norm(apply_rotary_emb(q, cos, sin)) * self.qk_scale
-        k = norm(apply_rotary_emb(k, cos, sin)) * self.qk_scale
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-        if kv_cache is not None:
-            k, v = kv_cache.insert_kv(self.layer_idx, k, v)
-        y = self._attend(q, k, v, gqa=self.n_head != self.n_kv_head)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, -1))
+    def value_gate(self, x):
+        """The value embedding's gate per kv head, in (0, 3)."""
+        return 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
 
     def _attend(self, q, k, v, gqa):
         Tq, Tk = q.size(2), k.size(2)
@@ -124,45 +106,25 @@ class WindowedAttention(CausalSelfAttention):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-class WindowedBlock(nn.Module):
-    def __init__(self, config: WindowedGPTConfig, layer_idx: int, window: int):
-        super().__init__()
-        self.attn = WindowedAttention(config, layer_idx, window)
-        self.mlp = MLP(config)
-
-    def forward(self, x, x0, scales, ve, cos_sin, kv_cache):
-        """x blended with the block input x0 by the layer's scalars (resid, x0), then the block."""
-        x = scales[0] * x + scales[1] * x0
-        x = x + self.attn(norm(x), ve, cos_sin, kv_cache)
-        return x + self.mlp(norm(x))
-
-
 class WindowedGPT(GPT):
-    """GPT.__init__ is not run (the modules differ); the shared methods are reused."""
-
-    arch = ARCH
+    arch = "windowed"
+    rotary_base = 100_000
 
     def __init__(self, config: WindowedGPTConfig):
-        nn.Module.__init__(self)
-        self.config = config
+        super().__init__(config)
         self.window_sizes = config.window_sizes()
-        V, d, n = config.vocab_size, config.n_embd, config.n_layer
-        blocks = [WindowedBlock(config, i, w) for i, w in enumerate(self.window_sizes)]
-        self.transformer = nn.ModuleDict({"wte": nn.Embedding(V, d), "h": nn.ModuleList(blocks)})
-        self.lm_head = linear(d, V)
+        V, n, kv_dim = config.vocab_size, config.n_layer, config.n_kv_head * config.head_dim
         self.resid_lambdas = nn.Parameter(torch.ones(n))
         self.x0_lambdas = nn.Parameter(torch.zeros(n))
         self.smear_gate = linear(SMEAR_CHANNELS, 1)
         self.smear_lambda = nn.Parameter(torch.zeros(1))
         self.backout_lambda = nn.Parameter(torch.zeros(1))
-        kv_dim = config.n_kv_head * config.head_dim
         self.value_embeds = nn.ModuleDict(
             {str(i): nn.Embedding(V, kv_dim) for i in range(n) if has_value_embedding(i, n)}
         )
-        self._rotary_buffers()
 
-    def _rotary_buffers(self, base=ROTARY_BASE):
-        super()._rotary_buffers(base)
+    def _attention(self, config: WindowedGPTConfig, layer_idx: int) -> WindowedAttention:
+        return WindowedAttention(config, layer_idx, config.window_sizes()[layer_idx])
 
     @torch.no_grad()
     def init_weights(self):
@@ -200,9 +162,9 @@ class WindowedGPT(GPT):
         attn = sum(12 * cfg.n_head * cfg.head_dim * min(w, cfg.sequence_len) for w in self.window_sizes)
         return 6 * matmul + attn
 
-    def optimizer_groups(self, unembedding_lr, embedding_lr, scalar_lr, weight_decay=None):
-        """nanochat's AdamW groups: (name, [(param name, param)], lr, betas, weight decay); the
-        AdamW lrs scaled by 1/sqrt(n_embd/768). `weight_decay` is not used: each group has its own."""
+    def optimizer_groups(self, unembedding_lr, embedding_lr, scalar_lr):
+        """nanochat's AdamW groups: (name, [(param name, param)], lr, betas, weight decay), the embeddings'
+        lrs scaled by 1/sqrt(n_embd/768)."""
         scale = (self.config.n_embd / 768) ** -0.5
         named = dict(self.named_parameters())
 
@@ -230,9 +192,8 @@ class WindowedGPT(GPT):
         muon_recipe="polar-normuon",
         scalar_lr=0.5,
     ):
-        """[AdamW over nanochat's six groups, Muon over every matrix in the blocks (the value embedding
-        gates included)], built as GPT's are. adam_betas and weight_decay are not used: the groups carry
-        their own."""
+        """[AdamW over nanochat's six groups, Muon over the blocks' matrices (the value embedding gates
+        included)]; adam_betas and weight_decay are not used: each group has its own."""
         print0(f"Scaling the LR for the AdamW parameters ∝1/√({self.config.n_embd}/768)")
         groups = self.optimizer_groups(unembedding_lr, embedding_lr, scalar_lr)
         adam_groups = [dict(params=params, lr=lr, betas=betas, weight_decay=wd) for _, params, lr, betas, wd in groups]
@@ -254,7 +215,8 @@ class WindowedGPT(GPT):
         x0, x_backout = x, None
         for i, block in enumerate(self.transformer.h):
             ve = self.value_embeds[str(i)](idx).to(x.dtype) if str(i) in self.value_embeds else None
-            x = block(x, x0, (self.resid_lambdas[i], self.x0_lambdas[i]), ve, cos_sin, kv_cache)
+            x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0  # the block input blended with x0
+            x = block(x, cos_sin, kv_cache, ve)
             if i == self.config.n_layer // 2:
                 x_backout = x
         return x - self.backout_lambda.to(x.dtype) * x_backout

@@ -44,19 +44,17 @@ PAGE_HEADERS = {
 }
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
 MAX_TEMPERATURE = 2.0  # only flattens: logits / 2 lie in [-7.5, 7.5]
-# Temperatures below this are greedy (accepted, served as 0). Sampling divides the fp32 logits, softcapped
-# to +-15, by T: finite only for T >= 15 / 3.4e38, below which softmax makes nan. 1e-6 is far clear of that
-# and greedy in all but name (a logit 1e-4 below the top keeps under exp(-100) of its odds). The library's
-# copy is model/batch_engine.MIN_TEMPERATURE (web/ imports nothing of the package; a test checks they agree).
+# Temperatures below this are greedy (accepted, served as 0): the fp32 logits, softcapped to +-15, over T are
+# finite only for T >= 15 / 3.4e38, and 1e-6 is greedy in all but name (a logit 1e-4 below the top keeps
+# under exp(-100) of its odds). web/ imports nothing of the package: model/batch_engine.MIN_TEMPERATURE is a
+# copy (a test checks they agree).
 MIN_TEMPERATURE = 1e-6
 MAX_TOP_K = 200  # 0 means no top-k filtering (the whole vocabulary)
 
 
 @dataclass(frozen=True)
-class Limits:
-    """Bounds on one request. max_tokens is the server's --max-new-tokens."""
-
-    max_tokens: int = 512
+class Limits:  # bounds on one request
+    max_tokens: int = 512  # the server's --max-new-tokens
     max_messages: int = 500
     max_message_chars: int = 8000
     max_total_chars: int = 32000
@@ -127,13 +125,11 @@ class ChatRequest(BaseModel):
 
 
 def greedy_below_min(temperature: float) -> float:
-    """The temperature a replica samples at: 0 (greedy) below MIN_TEMPERATURE, else itself."""
     return 0.0 if temperature < MIN_TEMPERATURE else temperature
 
 
 def parse_request(body: bytes, limits: Limits) -> ChatRequest:
-    """The request in `body`, or ValueError with one line saying what is wrong: the first problem pydantic
-    found, as 'where: what' (our own checks name the field themselves)."""
+    """The request in `body`, or ValueError with one line: the first problem, as 'where: what'."""
     try:
         return ChatRequest.model_validate_json(body, context={"limits": limits})
     except ValidationError as e:
@@ -154,9 +150,9 @@ def sse(event: dict) -> str:
 
 
 async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes | Response:
-    """The body, refused (413) as soon as it is known to exceed max_bytes (from Content-Length before
-    reading anything, else while it streams in); or the response when it does not arrive: a 408 after
-    `timeout` seconds, or nothing anyone will read when the client left. One log line each."""
+    """The body, refused (413) as soon as it is known to exceed max_bytes (Content-Length, else while it
+    streams in); or the response when it does not arrive: a 408 after `timeout` seconds, or nothing anyone
+    will read when the client left. One log line each."""
     declared, received, chunks = request.headers.get("content-length"), 0, []
     too_large = HTTPException(413, f"request body larger than {max_bytes} bytes")
 
@@ -183,13 +179,13 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes |
 
 async def reply_events(job: Job, pool: ReplicaPool, arrived: float, timeout: float):
     """The SSE stream of one job; ending it early (client gone, server stopping) stops the job. The request
-    timeout is one timer dropping a "timeout" event into the job's queue, not a wait_for around every
-    event (a task and a timer per token: the event loop's work per token competes with the replicas)."""
+    timeout is one timer dropping a "timeout" event into the job's queue: a wait_for around every event
+    would cost the event loop a task and a timer per token."""
     loop = asyncio.get_running_loop()
     timer = loop.call_at(loop.time() + arrived + timeout - time.monotonic(), job.events.put_nowait, ("timeout", None))
     kind = None
     try:
-        while kind != "done":
+        while kind not in ("done", "timeout"):
             kind, value = await job.events.get()
             batch = [(kind, value)]  # pieces that arrived together go out in one write
             while kind not in ("done", "timeout") and not job.events.empty():
@@ -200,8 +196,6 @@ async def reply_events(job: Job, pool: ReplicaPool, arrived: float, timeout: flo
                 message = f"the reply was cut off by the server's request timeout ({timeout:g} s)"
                 batch[-1:] = [("error", message), ("done", None)]
             yield "".join(sse({"done": True}) if k == "done" else sse({k: v}) for k, v in batch)
-            if kind == "timeout":
-                return
     finally:
         timer.cancel()
         if kind not in ("done", "timeout"):
@@ -232,11 +226,8 @@ def create_app(pool: ReplicaPool, settings: Settings) -> FastAPI:
         return handler
 
     # one route per file, read once: any other path, every /../ or %2e%2e spelling included, is a 404
-    files = {"/": STATIC_DIR / "index.html"} | {
-        f"/static/{p.name}": p
-        for p in sorted(STATIC_DIR.iterdir())
-        if p.suffix in MEDIA_TYPES and p.name != "index.html"
-    }
+    assets = [p for p in sorted(STATIC_DIR.iterdir()) if p.suffix in MEDIA_TYPES and p.name != "index.html"]
+    files = {"/": STATIC_DIR / "index.html"} | {f"/static/{p.name}": p for p in assets}
     for url, path in files.items():
         handler = serve_file(path.read_bytes(), MEDIA_TYPES[path.suffix])
         app.add_api_route(url, handler, methods=["GET"], include_in_schema=False)

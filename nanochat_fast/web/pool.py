@@ -21,9 +21,7 @@ OUTCOMES = ("completed", "cancelled", "timed_out", "failed")  # how a request th
 TTFT_WINDOW = 1000  # /stats' time to first token: its percentiles over the last this many replies
 
 
-class Prepared(NamedTuple):
-    """What a replica's prepare(job) gives: the engine's request and the reply's text decoder."""
-
+class Prepared(NamedTuple):  # what a replica's prepare(job) gives
     request: object  # what engine.add takes (model/batch_engine.Request)
     decode: Callable[[int], str]  # a token id -> the text it completes ("" for the end token, a partial character)
     truncated: bool = False  # the conversation was cut from its start to fit the model's context
@@ -31,12 +29,10 @@ class Prepared(NamedTuple):
 
 @dataclass
 class Replica:
-    """One model on one device. engine: model/batch_engine.BatchEngine or a stand-in with `slots`,
-    add(request) -> [row], cancel(row), step() -> tokens (.row, .token, .last), `active`; prepare(job) ->
-    Prepared (or the same three values)."""
+    """One model on one device: an engine with BatchEngine's `slots`, add, cancel, step and `active`."""
 
     engine: object
-    prepare: Callable
+    prepare: Callable  # job -> Prepared (or the same three values)
     device: str
 
 
@@ -65,7 +61,7 @@ class QueueFull(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """One reply, created on the event loop; its events: ("token", str), ("error", str), then ("done", None)."""
+    """One reply, made on the event loop; its events: ("token", str), ("error", str), then ("done", None)."""
 
     messages: list
     max_tokens: int
@@ -84,7 +80,6 @@ class Job:
     first_token: float | None = None
 
     def emit(self, kind: str, value=None):
-        """Hand an event to the event loop (called from a worker thread)."""
         deliver([(self, kind, value)])
 
 
@@ -110,7 +105,7 @@ def failure(e: Exception) -> str:
 
 
 def percentile(values: list[float], p: float) -> float:
-    """Nearest-rank percentile of a non-empty list."""
+    """Nearest-rank percentile."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
@@ -205,7 +200,6 @@ class ReplicaPool:
     # -- event-loop side ------------------------------------------------------------------------
 
     def submit(self, job: Job):
-        """Queue `job`, or raise QueueFull when every slot is busy and queue_limit jobs wait."""
         with self._cond:
             if self._closed:
                 raise QueueFull("the server is shutting down", retry_after=5)
@@ -222,7 +216,7 @@ class ReplicaPool:
             self._cond.notify_all()
 
     def cancel(self, job: Job, reason: str):
-        """Stop `job` (not one finished): dropped if waiting, else its row cancelled before the next step."""
+        """Stop `job`: dropped if waiting, else its row cancelled before the next step."""
         with self._cond:
             if job.stop.is_set():
                 return
@@ -254,7 +248,7 @@ class ReplicaPool:
             }
 
     def close(self):
-        """Stop every job and let the worker threads end (they finish the step in hand)."""
+        """Stop every job; the worker threads end after the step in hand."""
         with self._cond:
             self._closed = True
             for job in (job for held in self._held for job in held):
@@ -266,7 +260,7 @@ class ReplicaPool:
             self._cond.notify_all()
 
     def join(self, timeout: float):
-        """Wait at most `timeout` seconds in all for the workers to end after close(): no engine in use."""
+        """Wait at most `timeout` seconds in all for the workers to end after close()."""
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -279,8 +273,8 @@ class ReplicaPool:
     # -- worker side: the only code that touches replica i's engine ------------------------------
 
     def _take(self, i: int) -> list[Job] | None:
-        """The waiting jobs replica i admits now (due, in free slots, no replica with more); waits while it
-        has no rows and nothing to admit. None once the pool is closed."""
+        """The waiting jobs replica i admits now (due, in free slots, no replica with more), waiting while it
+        has no rows and nothing to admit; None once the pool is closed."""
         with self._cond:
             while True:
                 if self._closed:
@@ -307,7 +301,7 @@ class ReplicaPool:
         return min(self._last_arrival + a.gap, self._waiting[0].created + a.max_wait) - time.monotonic()
 
     def _admit(self, i: int, job: Job):
-        """Job -> a row of replica i's engine; a job that cannot start fails alone."""
+        """A job that cannot start fails alone."""
         replica = self.replicas[i]
         try:
             request, decode, truncated = replica.prepare(job)
@@ -326,7 +320,7 @@ class ReplicaPool:
             self._rows[i][row] = job
 
     def _finish(self, i: int, job: Job, outcome: str, emit=True):
-        """End a job: its slot free, its outcome counted, its stream given "done" (unless the caller does)."""
+        """A job's slot freed, its outcome counted, its stream given "done" (unless the caller does)."""
         now = time.monotonic()
         with self._cond:
             if job.stop.is_set() and outcome in ("completed", "cancelled"):  # stopped before it ended
@@ -339,7 +333,7 @@ class ReplicaPool:
             job.emit("done")
 
     def _cancel_stopped(self, i: int):
-        """Free the slots of jobs stopped since the last step (stop button, client gone, timeout)."""
+        """Free the slots of jobs stopped since the last step (stop button, client gone, timeout, close)."""
         for row, job in list(self._rows[i].items()):
             if job.stop.is_set():
                 self.replicas[i].engine.cancel(row)
@@ -347,7 +341,6 @@ class ReplicaPool:
                 self._finish(i, job, "cancelled")
 
     def _step(self, i: int):
-        """One engine step; each token to its job; jobs whose rows ended are finished."""
         rows = self._rows[i]
         tokens = self.replicas[i].engine.step()
         now = time.monotonic()
@@ -374,7 +367,7 @@ class ReplicaPool:
 
     def _fail(self, i: int, e: Exception):
         """A step (or the routing of its tokens) failed: the replica's replies end with an error, its rows
-        are cancelled and it serves on. One log line for the step (the traceback at DEBUG level)."""
+        are cancelled and it serves on; one log line (the traceback at DEBUG level)."""
         replica, jobs = self.replicas[i], list(self._rows[i].values())
         self._rows[i].clear()
         what = (replica.device, type(e).__name__, e, len(jobs))
@@ -399,7 +392,4 @@ class ReplicaPool:
                     self._step(i)
             except Exception as e:  # a failing step must not take the replica down: its replies fail
                 self._fail(i, e)
-        for row, job in list(self._rows[i].items()):  # closed: the rows in hand end here
-            self.replicas[i].engine.cancel(row)
-            self._finish(i, job, "cancelled")
-        self._rows[i].clear()
+        self._cancel_stopped(i)  # closed: close() stopped every job, the rows in hand end here

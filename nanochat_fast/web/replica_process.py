@@ -30,9 +30,7 @@ class ReplicaProcessError(RuntimeError):
 
 
 @dataclass(eq=False)
-class RowHandle:
-    """The server side's handle of one row of the child's engine."""
-
+class RowHandle:  # the server side's handle of one row of the child's engine
     id: int
     done: bool = False
 
@@ -54,7 +52,8 @@ def _portable(e: BaseException) -> BaseException:
 
 
 def _serve(conn, build: Callable, threads: int):
-    """The child: build the engine, then step it until the server says close or is gone."""
+    """The child: build the engine, then step it while it has rows, applying the server's messages between
+    steps (waiting for them when it has none), until the server says close or is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
@@ -70,9 +69,7 @@ def _serve(conn, build: Callable, threads: int):
 
 
 def _step_while_rows(conn, engine):
-    """Step the engine while it has rows, applying the server's messages between steps (waiting for them
-    when it has none); returns at ("close",)."""
-    rows, ids = {}, {}  # id -> the engine's row, and back
+    rows = {}  # id -> the engine's row
     while True:
         while not engine.active or conn.poll():
             message = conn.recv()
@@ -86,9 +83,8 @@ def _step_while_rows(conn, engine):
                         conn.send(("failed", (_portable(e), [id])))
                         continue
                     if not row.done:
-                        rows[id], ids[row] = row, id
+                        rows[id] = row
                 elif (row := rows.pop(id, None)) is not None:
-                    del ids[row]
                     engine.cancel(row)
         try:
             tokens = engine.step()
@@ -97,20 +93,15 @@ def _step_while_rows(conn, engine):
                 engine.cancel(row)
             conn.send(("failed", (_portable(e), list(rows))))
             rows.clear()
-            ids.clear()
             continue
-        sent = []
-        for t in tokens:
-            sent.append((ids[t.row], t.token, t.forced, t.last))
-            if t.last:
-                del rows[ids.pop(t.row)]
-        conn.send(("step", sent))
+        ids = {row: id for id, row in rows.items()}
+        conn.send(("step", [(ids[t.row], t.token, t.forced, t.last) for t in tokens]))
+        rows = {id: row for id, row in rows.items() if not row.done}
 
 
 class ProcessEngine:
     """An engine built by `build()` (-> (engine, info dict); it must pickle) in a spawned child process
-    with `threads` intra-op threads. Waits until the engine is built (an exception there is raised here).
-    A child that died fails what it held (ReplicaProcessError) and the next add() starts a new one."""
+    with `threads` intra-op threads, waited for (an exception there is raised here)."""
 
     def __init__(self, build: Callable, threads: int, name: str = "replica"):
         self._build, self._threads, self._name = build, threads, name
@@ -147,8 +138,8 @@ class ProcessEngine:
             raise self._ended() from None
 
     def _flush(self):
-        """Send the adds and cancels not yet sent. A child that is gone raises, its rows still held: the
-        next step() ends them."""
+        """Send the adds and cancels not yet sent. A child that is gone raises, its rows still held for
+        the next step() to end."""
         if self._ops:
             ops, self._ops = self._ops, []
             try:
@@ -161,8 +152,7 @@ class ProcessEngine:
         return ReplicaProcessError(f"the replica's process ended (exit code {self._process.exitcode})")
 
     def add(self, request) -> list[RowHandle]:
-        """The request's row, as the engine's add gives it (max_tokens 0: done at once); it joins the
-        child's engine at the next step(). Raises what the engine's checks raise."""
+        """The request's row (max_tokens 0: done at once), joining the child's engine at the next step()."""
         self.limits.check(request)
         if not self._process.is_alive():
             if self._rows:  # they fail first, at the next step() (the pool fails their replies)
@@ -176,8 +166,7 @@ class ProcessEngine:
         return [row]
 
     def _restart(self):
-        """A new child in place of the dead one, unless RESTARTS were started in the last RESTART_SECONDS:
-        then ReplicaProcessError, saying when the next may start."""
+        """A new child in place of the dead one, unless RESTARTS were started in the last RESTART_SECONDS."""
         now, code = time.monotonic(), self._process.exitcode
         while self._restarts and now - self._restarts[0] >= RESTART_SECONDS:
             self._restarts.popleft()
@@ -194,7 +183,7 @@ class ProcessEngine:
         self._start()
 
     def cancel(self, row: RowHandle):
-        """End `row` now: nothing more of it reaches the caller; the child frees its slot before its next step."""
+        """Nothing more of `row` reaches the caller; the child frees its slot before its next step."""
         if self._rows.pop(row.id, None) is not None:
             row.done = True
             self._ops.append(("cancel", row.id))
@@ -204,8 +193,7 @@ class ProcessEngine:
                 pass
 
     def step(self) -> list[StepToken]:
-        """Send what was added and cancelled since the last call, then wait for the child's next step: its
-        tokens for the rows held here (rows cancelled since are left out)."""
+        """Send the adds and cancels, then wait for the child's next step's tokens of the rows held here."""
         self._flush()
         while self._rows:
             kind, value = self._receive()
@@ -225,8 +213,7 @@ class ProcessEngine:
         return []
 
     def close(self):
-        """Stop the child (its rows end with it), killed if not ended within CLOSE_SECONDS; once nothing
-        else uses this engine (web/pool.ReplicaPool.join)."""
+        """Stop the child, killed if not ended within CLOSE_SECONDS; once nothing else uses this engine."""
         try:
             self._conn.send(("close",))
         except OSError:

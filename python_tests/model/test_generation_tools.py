@@ -156,7 +156,7 @@ def test_decode_reply_and_stream_write_tool_calls_readably():
 def test_streams_release_what_decoding_the_whole_text_would():
     """TextStream decodes only the ids since its last piece; the pieces are the ones decoding the
     whole text at every token would release (held while it ends in a partial character), for any
-    bytes, broken UTF-8 and special tokens included. ReplyStream adds nothing for the end tokens."""
+    bytes, broken UTF-8 and special tokens included. A reply's stream adds nothing for the end tokens."""
     import random
 
     rng = random.Random(0)
@@ -170,6 +170,6 @@ def test_streams_release_what_decoding_the_whole_text_would():
             sent = sent if text.endswith("\ufffd") else len(text)
         assert [stream.push(i) for i in ids] == want, ids
         assert stream.text() == generation.decode_reply(tok, ids)
-    reply = generation.ReplyStream(tok)
+    reply = generation.TextStream(tok, generation.stop_tokens(tok))
     assert [reply.push(i) for i in chars("ok") + [END, tok.get_bos_token_id()]] == ["o", "k", "", ""]
     assert reply.text() == "ok"

@@ -64,10 +64,10 @@ def training_runs(rank, world_size, out, info):
 
             def at_step(step):
                 if step == W.RESUME_STEP and mode == "fsdp" and recipe == "polar-normuon":
-                    saved.update(weights=sharding.full_state_dict(model), shards=shard_states(optimizers))
+                    saved.update(weights=sharding.model_state_dict(model, full=True), shards=shard_states(optimizers))
 
             norms = W.train(model, optimizers, 1, W.STEPS, rank, world_size, at_step)
-            state = sharding.full_state_dict(model)
+            state = sharding.model_state_dict(model, full=True)
             if rank == 0:
                 torch.save(
                     dict(params={k: v.clone() for k, v in state.items()}, norms=norms), out / f"{mode}_{recipe}.pt"
