@@ -20,7 +20,7 @@ STALE_AFTER_DAYS = 30
 
 class MeasurementCache:
     def __init__(self, filename: str, version: int, valid):
-        """valid(entry) -> bool: an entry that fails it is dropped on reading (measured again)."""
+        """valid(entry) -> bool: a file holding an entry that fails it is not this version's."""
         self.filename, self.version, self.valid = filename, version, valid
         self._warned: set[Path] = set()
 
@@ -56,8 +56,8 @@ class MeasurementCache:
         return self.entries().get(key)
 
     def put(self, key: str, entry: dict) -> dict:
-        """Store `entry` (stamped with the time it was measured) under `key`; a cache that cannot be
-        written only costs a measurement next time."""
+        """Store `entry`, stamped with the time it was measured (a file that cannot be written only
+        costs a measurement next time)."""
         entry = {**entry, "measured": entry.get("measured") or time.strftime("%Y-%m-%d %H:%M:%S")}
         entries = {**self.entries(), key: entry}
         try:
@@ -96,9 +96,8 @@ class ProbeCache(MeasurementCache):
         self.probed: dict[str, dict] = {}  # this process's probes (also those a busy machine kept out of the file)
 
     def measured(self, key: str, device, remeasure: bool = False, store: bool = True) -> dict:
-        """The entry under `key` (machine.machine_key(device)): this process's own probe, else the
-        file's unless stale, else probed now (stamped with its seconds and time) and written
-        unless the machine is busy or `store` is False (then store() writes it later)."""
+        """The entry under `key` (machine_key(device)): this process's own probe, else the file's
+        unless stale, else probed now and written unless the machine is busy or not `store`."""
         if key in self.probed and not remeasure:
             return self.probed[key]
         cached = None if remeasure else self.get(key)

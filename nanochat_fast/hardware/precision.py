@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -135,14 +135,14 @@ def decide(
 def choose(
     device, requested: str = "auto", *, what: str = "--dtype", warn: bool = True, work=None, max_seconds=MAX_SECONDS
 ) -> Precision:
-    """decide() with this machine's facts. A CPU's auto times `work` (the caller's, at its own
-    shapes: on rank 0 for every rank, so every rank calls this together) or else takes the
-    machine's matmul probe. bf16 where it is emulated is allowed (slow, not wrong): one warning line."""
+    """decide() with this machine's facts. A CPU's auto times `work` (on rank 0 for every rank, so every
+    rank calls this together), else takes the matmul probe. Emulated bf16 is allowed (slow, not wrong):
+    one warning line."""
     device = torch.device(device)
     timing = None
     if device.type == "cpu" and requested == "auto" and work is None:
         timing = probe_timing(device)
-    elif device.type == "cpu" and requested == "auto":  # rank 0 times it: one decision for every rank
+    elif device.type == "cpu" and requested == "auto":
         timing = rank0_decides(lambda: measure(work, device, max_seconds=max_seconds))
     choice = decide(
         device.type,
@@ -165,9 +165,7 @@ def choose(
 def autocast(device, precision: Precision | torch.dtype):
     """The autocast context for the forward pass: bf16 matmuls where chosen, a no-op for fp32."""
     dtype = precision if isinstance(precision, torch.dtype) else precision.dtype
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=dtype)
+    return nullcontext() if dtype == torch.float32 else torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 # -- timing fp32 against bf16 -----------------------------------------------------------------------
@@ -181,8 +179,8 @@ def register(kind: str, build: Callable):
 
 
 def probe_timing(device) -> Timing:
-    """The machine's square-matmul probe as a Timing: the last resort, and the choice for a call
-    made without a work of its own (a newton_schulz call's default dtype)."""
+    """The square-matmul probe as a Timing: the last resort, and the choice for a call made without a
+    work of its own (a newton_schulz call's default dtype)."""
     rates = measured_peaks(device)
     return Timing({d: 1.0 / rates[d] for d in DTYPES}, "square matmuls (this machine's probe)", 0, "probe")
 
@@ -201,9 +199,8 @@ def measure(
     rates = measured_peaks(device)
     budget, matmul_budget = budgets(work, rates, max_seconds)
     cached = None if remeasure else CACHE.get(key)
-    if cached and age_days(cached) > STALE_AFTER_DAYS:
-        cached = None
-    if cached and (cached.get("level") == "work" or not _fits(_predict(work.flops, rates), budget)):
+    fresh = cached and age_days(cached) <= STALE_AFTER_DAYS
+    if fresh and (cached.get("level") == "work" or not _fits(_predict(work.flops, rates), budget)):
         return Timing(cached["seconds"], cached["what"], cached["rounds"], "cached")
     with rng_untouched(device):  # the timed calls' random inputs leave the run's stream alone
         timing, level = _time_work(work, device, rates, budget), "work"
@@ -265,8 +262,7 @@ def _time_work(work: Work, device, rates: dict, budget: float) -> Timing | None:
     predicted = _predict(work.flops, rates)
     if not _fits(predicted, budget):
         return None
-    timed = time_interleaved(work.make(), predicted, budget, device, run_calls=work.run_calls)
-    return None if timed is None else Timing(timed[0], work.what, timed[1])
+    return time_interleaved(work.make(), predicted, budget, device, work.what, work.run_calls)
 
 
 def _matmul_rows(work: Work, rates: dict, budget: float) -> int | None:
@@ -287,9 +283,8 @@ def _time_matmuls(work: Work, device, rates: dict, budget: float) -> Timing | No
     if rows is None:
         return None
     calls = {d: _matmul_call(work.matmuls, rows, device, dtype) for d, dtype in DTYPES.items()}
-    timed = time_interleaved(calls, _predict(_matmul_flops(work, rows), rates), budget, device)
-    shapes = ", ".join(f"{min(rows, m)}x{k}x{n}" for m, k, n in work.matmuls)
-    return None if timed is None else Timing(timed[0], f"the matmuls of {work.what} ({shapes})", timed[1])
+    what = f"the matmuls of {work.what} ({', '.join(f'{min(rows, m)}x{k}x{n}' for m, k, n in work.matmuls)})"
+    return time_interleaved(calls, _predict(_matmul_flops(work, rows), rates), budget, device, what)
 
 
 def _matmul_call(matmuls, rows: int, device, dtype):
@@ -311,18 +306,18 @@ def _time_fp32_alone(work: Work, device, rates: dict, budget: float) -> Timing |
     predicted = {"fp32": work.flops / rates["fp32"]}
     if not _decided(rates) or not _fits(predicted, budget):
         return None
-    timed = time_interleaved({"fp32": work.make()["fp32"]}, predicted, budget, device)
+    slowdown = rates["fp32"] / rates["bf16"]
+    what = f"{work.what}; bf16 not timed: {slowdown:.0f}x slower by this machine's probe"
+    timed = time_interleaved({"fp32": work.make()["fp32"]}, predicted, budget, device, what)
     if timed is None:
         return None
-    slowdown = rates["fp32"] / rates["bf16"]
-    seconds = {"fp32": timed[0]["fp32"], "bf16": timed[0]["fp32"] * slowdown}
-    return Timing(seconds, f"{work.what}; bf16 not timed: {slowdown:.0f}x slower by this machine's probe", timed[1])
+    return replace(timed, seconds={"fp32": timed.seconds["fp32"], "bf16": timed.seconds["fp32"] * slowdown})
 
 
-def time_interleaved(calls: dict, predicted: dict, budget: float, device, run_calls: int | None = None):
-    """(fastest seconds per name, rounds) of `calls` in interleaved rounds after a warm-up each, or None
-    where the warm-ups show MIN_ROUNDS rounds would not fit `budget` (with run_calls: RUN_FRACTION of
-    the run as fp32's real time shows it)."""
+def time_interleaved(calls: dict, predicted: dict, budget: float, device, what: str, run_calls: int | None = None):
+    """The Timing of `calls` (the fastest of interleaved rounds after a warm-up each), or None where the
+    warm-ups show MIN_ROUNDS rounds would not fit `budget` (with run_calls: RUN_FRACTION of the run as
+    fp32's real time shows it)."""
 
     def timed(call) -> float:
         t0 = clock()
@@ -351,7 +346,7 @@ def time_interleaved(calls: dict, predicted: dict, budget: float, device, run_ca
             times[name].append(timed(call))
             predicted[name] = times[name][-1]
         budget = shrink(budget, times[next(iter(calls))][-1])
-    return {name: min(ts) for name, ts in times.items()}, len(times[next(iter(times))])
+    return Timing({name: min(ts) for name, ts in times.items()}, what, len(times[next(iter(times))]))
 
 
 def cached_entries(device) -> list[dict]:
