@@ -53,7 +53,9 @@ class MeasurementCache:
             return {}
 
     def get(self, key: str) -> dict | None:
-        return self.entries().get(key)
+        """The entry under `key`, unless older than STALE_AFTER_DAYS (then it is measured again)."""
+        entry = self.entries().get(key)
+        return entry if entry and age_days(entry) <= STALE_AFTER_DAYS else None
 
     def put(self, key: str, entry: dict) -> dict:
         """Store `entry`, stamped with the time it was measured (a file that cannot be written only
@@ -101,7 +103,7 @@ class ProbeCache(MeasurementCache):
         if key in self.probed and not remeasure:
             return self.probed[key]
         cached = None if remeasure else self.get(key)
-        if cached and age_days(cached) <= STALE_AFTER_DAYS:
+        if cached:
             return cached
         t0 = time.perf_counter()
         entry = self.probe(device)

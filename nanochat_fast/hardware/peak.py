@@ -160,7 +160,7 @@ def _probe_peaks(device: torch.device) -> dict:
 
 def measured_peaks(device, remeasure: bool = False, store: bool = True) -> dict:
     """{"fp32": FLOP/s, "bf16": FLOP/s, ...} of this device at the current thread count: cached, else
-    probed (about a second) and cached unless the machine is busy or `store` is False (CACHE.store)."""
+    probed (about a second) and written unless `store` is False (then CACHE.store writes it)."""
     return CACHE.measured(machine_key(device), torch.device(device), remeasure, store)
 
 
@@ -237,9 +237,8 @@ def _probe_bandwidth(device: torch.device) -> dict:
 
 
 def measured_bandwidth(device, remeasure: bool = False) -> dict:
-    """{"bytes_per_s": ..., "buffer_bytes": ..., "probe_seconds": ..., "measured": ...} of this
-    device at the current thread count: cached unless stale, else probed (a fraction of a second
-    on a CPU) and cached unless the machine is busy."""
+    """{"bytes_per_s", "buffer_bytes", "probe_seconds", "measured"} of this device at the current thread
+    count: cached unless stale, else probed (a fraction of a second on a CPU)."""
     return BANDWIDTH_CACHE.measured(machine_key(device), torch.device(device), remeasure, True)
 
 
@@ -257,9 +256,6 @@ def memory_bandwidth(device, remeasure: bool = False) -> Bandwidth:
     return Bandwidth(measured_bandwidth(device, remeasure)["bytes_per_s"], "measured", name)
 
 
-# -- utilisation ------------------------------------------------------------------------------------
-
-
 def utilisation(per_item: float, items_per_second: float, rate: float, world_size: int = 1) -> float:
     """100 * per_item * items_per_second / (rate * world_size): MFU (FLOPs per token), MBU (bytes per step)."""
     return 100.0 * per_item * items_per_second / (float(rate) * world_size)
@@ -272,9 +268,8 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak, world_size: int 
 
 
 def mbu(bytes_per_step: float, steps_per_second: float, bandwidth, world_size: int = 1) -> float:
-    """Model bandwidth utilisation in percent: bytes read per second over the bandwidth of all
-    processes. steps_per_second counts every process's steps (a decode step of a batch is one
-    step: its weights are read once); bandwidth is one process's (a Bandwidth or bytes/s)."""
+    """Model bandwidth utilisation in percent: bytes read/s over all processes' bandwidth. steps_per_second
+    counts every process's decode steps (a batch's step reads the weights once); bandwidth is one process's."""
     rate = bandwidth.bytes_per_s if isinstance(bandwidth, Bandwidth) else bandwidth
     return utilisation(bytes_per_step, steps_per_second, rate, world_size)
 

@@ -17,7 +17,7 @@ import torch
 
 from ..core.distributed import rank0_decides
 from ..core.errors import UserError
-from .cache import STALE_AFTER_DAYS, MeasurementCache, age_days, machine_busy
+from .cache import MeasurementCache, machine_busy
 from .machine import cpu_bf16_support, machine_key, rng_untouched, synchronize
 from .peak import DTYPES, measured_peaks
 
@@ -144,14 +144,9 @@ def choose(
         timing = probe_timing(device)
     elif device.type == "cpu" and requested == "auto":
         timing = rank0_decides(lambda: measure(work, device, max_seconds=max_seconds))
-    choice = decide(
-        device.type,
-        requested,
-        timing=timing,
-        cuda_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
-        what=what,
-        cpu_bf16=cpu_bf16_support() if device.type == "cpu" else None,
-    )
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    cpu_bf16 = cpu_bf16_support() if device.type == "cpu" else None
+    choice = decide(device.type, requested, timing=timing, cpu_bf16=cpu_bf16, cuda_capability=capability, what=what)
     if warn and not choice.native:
         print(
             f"warning: {what} bf16 on {device.type}: {choice.reason.split('; ', 1)[-1]}; this will be slow "
@@ -199,8 +194,7 @@ def measure(
     rates = measured_peaks(device)
     budget, matmul_budget = budgets(work, rates, max_seconds)
     cached = None if remeasure else CACHE.get(key)
-    fresh = cached and age_days(cached) <= STALE_AFTER_DAYS
-    if fresh and (cached.get("level") == "work" or not _fits(_predict(work.flops, rates), budget)):
+    if cached and (cached.get("level") == "work" or not _fits(_predict(work.flops, rates), budget)):
         return Timing(cached["seconds"], cached["what"], cached["rounds"], "cached")
     with rng_untouched(device):  # the timed calls' random inputs leave the run's stream alone
         timing, level = _time_work(work, device, rates, budget), "work"

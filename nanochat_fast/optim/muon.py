@@ -31,18 +31,6 @@ def assign_owners(shapes: list, sizes: list[int], world_size: int, cost=lambda m
     return owners
 
 
-def equilibrate_rows(G: torch.Tensor) -> torch.Tensor:
-    """MuonEq: each row of each matrix of the stack rescaled to the matrix's mean row norm."""
-    target = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True) / G.size(-2) ** 0.5
-    return G * (target / torch.linalg.vector_norm(G, dim=-1, keepdim=True).clamp_min(1e-6))
-
-
-def renormalize_(U: torch.Tensor) -> torch.Tensor:
-    """Muon+: each matrix of the stack scaled in place to Frobenius norm sqrt(min(rows, cols))."""
-    norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True).clamp_min(1e-6)
-    return U.mul_(min(U.shape[-2:]) ** 0.5 / norm)
-
-
 def normuon_(U: torch.Tensor, second_moment: torch.Tensor, beta: float) -> torch.Tensor:
     """NorMuon on a (k, rows, cols) stack U, in place: second_moment ((k, rows, 1), or (k, 1, cols)
     for wide matrices) <- lerp(., mean of U^2 over the short side, 1 - beta); U <- U / sqrt of it,
@@ -233,20 +221,15 @@ class Muon(ZeroOptimizer):
         momentum = group["momentum"]
         buf.lerp_(G, 1 - momentum)
         G = G.lerp_(buf, momentum) if group["nesterov"] else buf
-        if group["equilibrate_rows"]:
-            G = equilibrate_rows(G)
+        if group["equilibrate_rows"]:  # MuonEq: each row rescaled to its matrix's mean row norm
+            target = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True) / G.size(-2) ** 0.5
+            G = G * (target / torch.linalg.vector_norm(G, dim=-1, keepdim=True).clamp_min(1e-6))
         dtype = self.ns_precision.dtype if group["ns_dtype"] == "auto" else precision.DTYPES[group["ns_dtype"]]
-        U = newton_schulz(
-            G,
-            steps=group["ns_steps"],
-            coefficients=group["ns_coefficients"],
-            dtype=dtype,
-            out_dtype=torch.float32,
-            safety=group["ns_safety"],
-            eps=group["ns_eps"],
-        )
-        if group["renormalize"]:
-            renormalize_(U)
+        steps, coefficients, safety, eps = (group[k] for k in ("ns_steps", "ns_coefficients", "ns_safety", "ns_eps"))
+        U = newton_schulz(G, steps, coefficients, dtype=dtype, out_dtype=torch.float32, safety=safety, eps=eps)
+        if group["renormalize"]:  # Muon+: each matrix scaled to Frobenius norm sqrt(min(rows, cols))
+            norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True).clamp_min(1e-6)
+            U.mul_(min(U.shape[-2:]) ** 0.5 / norm)
         if group["normuon_beta"] is not None:
             shape = (len(U), *second_moment_shape(U.shape[-2:]))
             normuon_(U, self._state_stack(g, "normuon_second_moment", shape, U.device), group["normuon_beta"])

@@ -156,21 +156,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults):
         super().__init__(normalize_param_groups(params), defaults)
-        if self.distributed:
-            if not (dist.is_available() and dist.is_initialized()):
-                raise ValueError(
-                    f"{type(self).__name__} needs torch.distributed to be initialized "
-                    f"(launch with torchrun and call compute_init); in a single process use "
-                    f"{type(self).__name__.removeprefix('Dist')}"
-                )
-            self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        else:
-            self.world_size, self.rank = 1, 0
-        for g in self.param_groups:
-            for p, name in zip(g["params"], g["param_names"]):
-                if not p.is_contiguous():
-                    raise ValueError(f"parameter {name!r} is not contiguous; the optimizer updates flat views of it")
+        if self.distributed and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                f"{type(self).__name__} needs torch.distributed to be initialized "
+                f"(launch with torchrun and call compute_init); in a single process use "
+                f"{type(self).__name__.removeprefix('Dist')}"
+            )
+        self.world_size, self.rank = (dist.get_world_size(), dist.get_rank()) if self.distributed else (1, 0)
         self.names = {p: name for g in self.param_groups for p, name in zip(g["params"], g["param_names"])}
+        for p, name in self.names.items():
+            if not p.is_contiguous():
+                raise ValueError(f"parameter {name!r} is not contiguous; the optimizer updates flat views of it")
         if len(set(self.names.values())) != len(self.names):
             raise ValueError("parameter names must be unique")
         self.params = list(self.names)
@@ -227,11 +223,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 send = self._grad(b.whole).reshape(-1)
             else:
                 send = torch.cat([x for r in range(self.world_size) for x in b.pieces(r, self._grad)])
-            if self.world_size == 1:
-                chunks.append(send)
-                continue
-            chunks.append(send.new_empty(b.chunk))
-            works.append(reduce_scatter_single(chunks[-1], send, op=dist.ReduceOp.SUM, async_op=True))
+            chunks.append(send if self.world_size == 1 else send.new_empty(b.chunk))
+            if self.world_size > 1:
+                works.append(reduce_scatter_single(chunks[-1], send, op=dist.ReduceOp.SUM, async_op=True))
 
         def wait():
             for work in works:
@@ -281,9 +275,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._gathers = []
 
     def mark_updated(self):
-        """Move the parameters' version counters, as an in-place update would: the updates write
-        through p.data and the kernels, and what caches a function of the weights reads that
-        counter (model/packed_linears.py)."""
+        """Move the parameters' version counters, as an in-place update would (the updates write through
+        p.data and the kernels): what caches a function of the weights reads it (model/packed_linears.py)."""
         for p in self.params:
             torch.autograd.graph.increment_version(p)
 
