@@ -7,4 +7,4 @@ arithmetic runs in (precision.py), the measurement files (cache.py), and a proce
 
 # ruff: noqa: F401  (what other packages use; the rest is reached through the modules)
 from .machine import cpu_bf16_support, cpu_model, device_name, machine_key
-from .peak import Peak, format_flops, measured_peaks, mfu, mfu_text, peak_flops, revise_peak
+from .peak import Peak, format_rate, measured_peaks, mfu, mfu_text, peak_flops, revise_peak

@@ -58,8 +58,7 @@ class MeasurementCache:
         return entry if entry and age_days(entry) <= STALE_AFTER_DAYS else None
 
     def put(self, key: str, entry: dict) -> dict:
-        """Store `entry`, stamped with the time it was measured (a file that cannot be written only
-        costs a measurement next time)."""
+        """Store `entry`, stamped with its time (a file that cannot be written only costs a measurement)."""
         entry = {**entry, "measured": entry.get("measured") or time.strftime("%Y-%m-%d %H:%M:%S")}
         entries = {**self.entries(), key: entry}
         try:
@@ -82,8 +81,7 @@ def age_days(entry: dict) -> float:
 
 
 def machine_busy() -> bool:
-    """More runnable tasks than CPUs over the last minute: a probe now would measure the
-    neighbours as much as the machine, so it is used for this run but not cached."""
+    """More runnable tasks than CPUs over the last minute: a probe now, reading low, is not cached."""
     try:
         return os.getloadavg()[0] > (os.cpu_count() or 1) + 0.5
     except (AttributeError, OSError):

@@ -25,8 +25,7 @@ def device_name(device) -> str:
 
 
 def cpuinfo(path: Path = Path("/proc/cpuinfo")) -> dict:
-    """The first processor's fields of /proc/cpuinfo ({} where there is none): "model name",
-    "cpu family", "model", "flags" (x86) or "Features" (Arm), ..."""
+    """The first processor's fields of /proc/cpuinfo ("model name", "flags" or Arm's "Features", ...)."""
     try:
         block = path.read_text().split("\n\n")[0]
     except OSError:

@@ -73,10 +73,10 @@ class Peak:
 
     def describe(self) -> str:
         """'fp32 peak 374 GFLOP/s (bf16 183), measured here' / 'bf16 peak 989 TFLOP/s (... datasheet)'."""
-        text = f"{self.dtype} peak {format_flops(self.flops)}"
+        text = f"{self.dtype} peak {format_rate(self.flops)}"
         if self.source == "datasheet":
             return f"{text} ({self.device} datasheet)"
-        _, scale = _unit(self.flops)
+        _, scale = _unit(self.flops, "FLOP/s")
         others = ", ".join(f"{d} {rate / scale:.3g}" for d, rate in self.others)
         return f"{text}{f' ({others})' if others else ''}, measured here"
 
@@ -93,19 +93,15 @@ class Bandwidth:
         return f"{text} ({self.device} datasheet)" if self.source == "datasheet" else f"{text}, measured here"
 
 
-def _unit(rate: float, unit: str = "FLOP/s") -> tuple[str, float]:
+def _unit(rate: float, unit: str) -> tuple[str, float]:
     """The decimal prefix `rate` reads best in: (1.5e11, "FLOP/s") -> ("GFLOP/s", 1e9)."""
     return next(((p + unit, s) for p, s in (("P", 1e15), ("T", 1e12), ("G", 1e9)) if rate >= s), ("M" + unit, 1e6))
 
 
-def format_rate(rate: float, unit: str) -> str:
+def format_rate(rate: float, unit: str = "FLOP/s") -> str:
     """'150 GFLOP/s', '31.2 GB/s': three significant digits, decimal prefixes (as datasheets)."""
     name, scale = _unit(rate, unit)
     return f"{rate / scale:.3g} {name}"
-
-
-def format_flops(rate: float) -> str:
-    return format_rate(rate, "FLOP/s")
 
 
 # -- the peak matmul rate (MFU) ---------------------------------------------------------------------
@@ -159,8 +155,7 @@ def _probe_peaks(device: torch.device) -> dict:
 
 
 def measured_peaks(device, remeasure: bool = False, store: bool = True) -> dict:
-    """{"fp32": FLOP/s, "bf16": FLOP/s, ...} of this device at the current thread count: cached, else
-    probed (about a second) and written unless `store` is False (then CACHE.store writes it)."""
+    """{"fp32": FLOP/s, "bf16": FLOP/s, ...} at the current thread count: cached, else probed (a second)."""
     return CACHE.measured(machine_key(device), torch.device(device), remeasure, store)
 
 
@@ -220,8 +215,7 @@ def measure_read_bandwidth(device, nbytes: int | None = None, rounds: int = BAND
     try:
         for _ in range(rounds):
             for n in counts:
-                if len(counts) > 1:
-                    torch.set_num_threads(n)
+                torch.set_num_threads(n)
                 t0 = time.perf_counter()
                 x.sum()
                 synchronize(device)
@@ -237,8 +231,7 @@ def _probe_bandwidth(device: torch.device) -> dict:
 
 
 def measured_bandwidth(device, remeasure: bool = False) -> dict:
-    """{"bytes_per_s", "buffer_bytes", "probe_seconds", "measured"} of this device at the current thread
-    count: cached unless stale, else probed (a fraction of a second on a CPU)."""
+    """{"bytes_per_s", "buffer_bytes", "probe_seconds", "measured"} at the current thread count."""
     return BANDWIDTH_CACHE.measured(machine_key(device), torch.device(device), remeasure, True)
 
 
@@ -247,8 +240,7 @@ def datasheet_bandwidth(name: str) -> float | None:
 
 
 def memory_bandwidth(device, remeasure: bool = False) -> Bandwidth:
-    """The bandwidth MBU is quoted against: a known GPU's datasheet figure, otherwise the read
-    bandwidth measured here (cached; remeasure: probed again)."""
+    """The bandwidth MBU is quoted against: a known GPU's datasheet figure, else the probe's here."""
     device = torch.device(device)
     name = device_name(device)
     if device.type == "cuda" and datasheet_bandwidth(name):
@@ -256,22 +248,18 @@ def memory_bandwidth(device, remeasure: bool = False) -> Bandwidth:
     return Bandwidth(measured_bandwidth(device, remeasure)["bytes_per_s"], "measured", name)
 
 
-def utilisation(per_item: float, items_per_second: float, rate: float, world_size: int = 1) -> float:
-    """100 * per_item * items_per_second / (rate * world_size): MFU (FLOPs per token), MBU (bytes per step)."""
-    return 100.0 * per_item * items_per_second / (float(rate) * world_size)
-
-
 def mfu(flops_per_token: float, tokens_per_second: float, peak, world_size: int = 1) -> float:
     """Model FLOPs utilisation in percent: achieved FLOP/s over the peak of all processes.
     tokens_per_second counts every process's tokens; peak is one process's (a Peak or FLOP/s)."""
-    return utilisation(flops_per_token, tokens_per_second, peak.flops if isinstance(peak, Peak) else peak, world_size)
+    rate = peak.flops if isinstance(peak, Peak) else peak
+    return 100.0 * flops_per_token * tokens_per_second / (float(rate) * world_size)
 
 
 def mbu(bytes_per_step: float, steps_per_second: float, bandwidth, world_size: int = 1) -> float:
     """Model bandwidth utilisation in percent: bytes read/s over all processes' bandwidth. steps_per_second
     counts every process's decode steps (a batch's step reads the weights once); bandwidth is one process's."""
     rate = bandwidth.bytes_per_s if isinstance(bandwidth, Bandwidth) else bandwidth
-    return utilisation(bytes_per_step, steps_per_second, rate, world_size)
+    return 100.0 * bytes_per_step * steps_per_second / (float(rate) * world_size)
 
 
 def mfu_text(

@@ -101,9 +101,8 @@ def decide(
     cuda_capability: tuple[int, int] | None = None,
     what: str = "--dtype",
 ) -> Precision:
-    """The pure rule: the device type and its facts -> Precision. A CPU's auto follows `timing`;
-    `cpu_bf16` (the CPU's bf16 feature or None) only words an explicit bf16's reason; `what` names
-    the flag."""
+    """The pure rule: the device type and its facts -> Precision. A CPU's auto follows `timing`; `cpu_bf16`
+    (the CPU's bf16 feature or None) only words an explicit bf16's reason; `what` names the flag."""
     if requested not in CHOICES:
         raise ValueError(f"{what} must be one of {', '.join(CHOICES)}, got {requested!r}")
     if device_type == "cuda":
@@ -135,9 +134,8 @@ def decide(
 def choose(
     device, requested: str = "auto", *, what: str = "--dtype", warn: bool = True, work=None, max_seconds=MAX_SECONDS
 ) -> Precision:
-    """decide() with this machine's facts. A CPU's auto times `work` (on rank 0 for every rank, so every
-    rank calls this together), else takes the matmul probe. Emulated bf16 is allowed (slow, not wrong):
-    one warning line."""
+    """decide() with this machine's facts. A CPU's auto times `work` (on rank 0 for every rank, so every rank
+    calls this together), else takes the matmul probe. Emulated bf16 is allowed (slow): one warning line."""
     device = torch.device(device)
     timing = None
     if device.type == "cpu" and requested == "auto" and work is None:
@@ -162,8 +160,6 @@ def autocast(device, precision: Precision | torch.dtype):
     dtype = precision if isinstance(precision, torch.dtype) else precision.dtype
     return nullcontext() if dtype == torch.float32 else torch.autocast(torch.device(device).type, dtype=dtype)
 
-
-# -- timing fp32 against bf16 -----------------------------------------------------------------------
 
 _MEASURERS: dict[str, Callable] = {}
 
@@ -309,9 +305,8 @@ def _time_fp32_alone(work: Work, device, rates: dict, budget: float) -> Timing |
 
 
 def time_interleaved(calls: dict, predicted: dict, budget: float, device, what: str, run_calls: int | None = None):
-    """The Timing of `calls` (the fastest of interleaved rounds after a warm-up each), or None where the
-    warm-ups show MIN_ROUNDS rounds would not fit `budget` (with run_calls: RUN_FRACTION of the run as
-    fp32's real time shows it)."""
+    """The Timing of `calls` (the fastest of interleaved rounds after a warm-up each), or None where the warm-ups
+    show MIN_ROUNDS rounds would not fit `budget` (with run_calls: RUN_FRACTION of the run, by fp32's time)."""
 
     def timed(call) -> float:
         t0 = clock()

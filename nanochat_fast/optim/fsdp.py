@@ -147,7 +147,6 @@ class FsdpMuon(RowSharded, Muon):
                 n = self._piece(p, self.rank)
                 if n:
                     local = local_tensor(p.data)
-                    group = self.param_groups[g]
-                    apply_updates(group, [p], [local], [recv[offset : offset + n].view(local.shape)])
+                    apply_updates(self.param_groups[g], [p], [local], [recv[offset : offset + n].view(local.shape)])
                 offset += n
         self._gathers = []

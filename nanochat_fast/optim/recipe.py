@@ -128,8 +128,7 @@ class MuonRecipe:
         return dataclasses.replace(self, weight_decay=wd)
 
     def muon_kwargs(self) -> dict:
-        """Keyword arguments of Muon / DistMuon for this recipe (lr is the caller's; the momentum is
-        the post-warmup one until a training loop calls Muon.schedule)."""
+        """Muon's keyword arguments but lr (the momentum: the post-warmup one until Muon.schedule sets it)."""
         return dict(
             momentum=self.momentum,
             nesterov=True,

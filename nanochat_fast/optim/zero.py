@@ -65,9 +65,9 @@ def step(optimizers, grad_clip: float | None = None) -> torch.Tensor:
 
 
 def sum_of_squares(tensors, device) -> torch.Tensor:
-    """Sum of squares of all elements as a 0-D fp32 tensor. On a CPU torch.norm loses precision with
-    size (docs/measurements.md#cpu-norm-precision): the norm would depend on how the gradient is split
-    over ranks. Rows of 256 are summed by bmm instead."""
+    """Sum of squares of all elements as a 0-D fp32 tensor. On a CPU, rows of 256 summed by bmm: torch.norm
+    loses precision with size, which would make the norm depend on how the gradient is split over ranks
+    (docs/measurements.md#cpu-norm-precision)."""
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
@@ -212,8 +212,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.mark_updated()
         return loss
 
-    # -- what step() calls, in order ----------------------------------------------------------------
-
     def reduce_grads(self):
         """Start reduce-scattering every bucket's gradient; returns the wait, which gives this rank's
         chunk of each bucket, summed over ranks."""
@@ -280,8 +278,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for p in self.params:
             torch.autograd.graph.increment_version(p)
 
-    # -- state ------------------------------------------------------------------------------------
-
     def state_nbytes(self) -> int:
         """Bytes of optimizer state held by this rank."""
         return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values() if torch.is_tensor(t))
@@ -305,8 +301,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         }
 
     def load_shard_state_dicts(self, shards):
-        """Load the state saved by every rank of a run (any number of ranks, any order): each rank
-        keeps what it owns under its own sharding."""
+        """Load the state saved by every rank of a run (any number, any order) under this sharding."""
         shards = [shards] if isinstance(shards, dict) else list(shards)
         if not shards:
             raise ValueError("shards is empty: pass the state dicts saved by every rank")
