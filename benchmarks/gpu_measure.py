@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from triton_kernel_list import adamw_bytes_per_param  # noqa: E402
 
-from nanochat_fast.hardware import bandwidth as hw_bandwidth  # noqa: E402
+from nanochat_fast.hardware import peak as hw_peak  # noqa: E402
 from nanochat_fast.hardware import precision
 from nanochat_fast.kernels import adamw_slice_update, registry, softcap_cross_entropy  # noqa: E402
 from nanochat_fast.kernels.newton_schulz import (  # noqa: E402
@@ -272,7 +272,7 @@ def adamw(fig: Figures, tiny: bool):
         variants["torch foreach"] = ba.torch_adamw(DEVICE, foreach=True)
     medians = interleaved(variants, rounds=5 if tiny else 30, warmup=2 if tiny else 5)
     moved = n * adamw_bytes_per_param(torch.float32)
-    peak = hw_bandwidth.datasheet_bandwidth(_device_name()) if DEVICE.type == "cuda" else None
+    peak = hw_peak.datasheet_bandwidth(_device_name()) if DEVICE.type == "cuda" else None
     fig.add(
         "adamw",
         dict(

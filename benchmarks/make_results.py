@@ -12,7 +12,7 @@ from compiled_table import section_from_file
 from results_sections import cpu_kind, demote, merge
 
 from nanochat_fast.core.paths import replace_atomically
-from nanochat_fast.hardware import cpu_bf16_support, cpu_model, format_flops, measured_peaks
+from nanochat_fast.hardware import cpu_bf16_support, cpu_model, format_rate, measured_peaks
 from nanochat_fast.hardware.machine import cpuinfo
 from nanochat_fast.train.run_report import hardware
 
@@ -33,7 +33,7 @@ def cpu_line() -> str:
     native = cpu_bf16_support()
     rates = measured_peaks("cpu")
     when = f", probed {rates['measured']}" if rates.get("measured") else ""
-    peaks = f"fp32 {format_flops(rates['fp32'])}, bf16 {format_flops(rates['bf16'])}"
+    peaks = f"fp32 {format_rate(rates['fp32'])}, bf16 {format_rate(rates['bf16'])}"
     return (
         f"{name}{ident}, ISA {torch.backends.cpu.get_cpu_capability()}; bf16 flags: {bf16_flags} "
         f"({f'native bf16: {native}' if native else 'bf16 emulated'}); matmul peak measured here at "

@@ -8,7 +8,7 @@ from ..model import generation_dtype  # noqa: F401  (these register how --tune r
 from ..optim import muon  # noqa: F401
 from ..train import model_setup
 from ..train.env_vars import check_environment
-from . import bandwidth, peak, precision
+from . import peak, precision
 from .cache import age_days
 
 DESCRIPTION = """What this machine gives a training process: threads per process, the peak matmul rates (MFU is
@@ -45,20 +45,29 @@ def main(argv=None) -> int:
     rates = peak.measured_peaks(args.device, remeasure=args.tune, store=not args.tune)
     works = []
     if args.tune:  # every timing planned, and checked against the budget, before anything is written
-        if args.depth:
-            works += model_setup.tuning_works(
-                args.depth, vocab_size(), args.max_seq_len, args.device_batch_size, args.device
-            )
+        if args.depth:  # with the vocabulary of the tokenizer trained here, else nanochat's default of 65,536
+            from ..data.tokenizer import RANKS_FILE, get_tokenizer
+
+            vocab = get_tokenizer().get_vocab_size() if (paths.tokenizer_dir() / RANKS_FILE).is_file() else 65536
+            works += model_setup.tuning_works(args.depth, vocab, args.max_seq_len, args.device_batch_size, args.device)
         works += precision.cached_works(args.device)
         for work in works:
             precision.check_fits(work, rates, args.budget)
-        peak.store_peaks(args.device, rates)
+        peak.CACHE.store(peak.machine_key(args.device), rates)
     print(f"device: {peak.device_name(args.device)}")
     print(
         f"peak: {peak.peak_flops(args.device).describe()} (probe of {rates['probe_seconds']} s on "
         f"{rates['measured']}; {peak.CACHE.path})"
     )
-    print(f"bandwidth: {bandwidth_line(args.device, args.tune)}")
+    bandwidth = peak.memory_bandwidth(args.device, remeasure=args.tune)
+    if bandwidth.source == "datasheet":  # not probed
+        print(f"bandwidth: {bandwidth.describe()}")
+    else:
+        e = peak.measured_bandwidth(args.device)
+        print(
+            f"bandwidth: {bandwidth.describe()} (probe of {e['probe_seconds']} s reading "
+            f"{e['buffer_bytes'] / 2**20:.0f} MiB on {e['measured']}; {peak.BANDWIDTH_CACHE.path})"
+        )
     for work in works:
         show("timed", precision.measure(work, args.device, args.budget, remeasure=True, strict=True))
     cached = precision.cached_entries(args.device)
@@ -69,25 +78,6 @@ def main(argv=None) -> int:
         print("no dtype timings cached here yet: a training run times its own shapes (or --tune --depth N)")
     print(f"dtype timings: {precision.CACHE.path}")
     return 0
-
-
-def vocab_size() -> int:
-    """The trained tokenizer's vocabulary, else nanochat's default of 65,536."""
-    from ..data.tokenizer import RANKS_FILE, get_tokenizer
-
-    return get_tokenizer().get_vocab_size() if (paths.tokenizer_dir() / RANKS_FILE).is_file() else 65536
-
-
-def bandwidth_line(device, remeasure: bool) -> str:
-    """The bandwidth MBU is quoted against and, when measured, how (a datasheet GPU is not probed)."""
-    found = bandwidth.memory_bandwidth(device, remeasure=remeasure)
-    if found.source == "datasheet":
-        return found.describe()
-    e = bandwidth.measured_bandwidth(device)
-    return (
-        f"{found.describe()} (probe of {e['probe_seconds']} s reading {e['buffer_bytes'] / 2**20:.0f} MiB on "
-        f"{e['measured']}; {bandwidth.CACHE.path})"
-    )
 
 
 def show(how: str, timing: precision.Timing):

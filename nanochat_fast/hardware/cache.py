@@ -20,7 +20,7 @@ STALE_AFTER_DAYS = 30
 
 class MeasurementCache:
     def __init__(self, filename: str, version: int, valid):
-        """valid(entry) -> bool: an entry that fails it is dropped on reading (measured again)."""
+        """valid(entry) -> bool: a file holding an entry that fails it is not this version's."""
         self.filename, self.version, self.valid = filename, version, valid
         self._warned: set[Path] = set()
 
@@ -53,11 +53,12 @@ class MeasurementCache:
             return {}
 
     def get(self, key: str) -> dict | None:
-        return self.entries().get(key)
+        """The entry under `key`, unless older than STALE_AFTER_DAYS (then it is measured again)."""
+        entry = self.entries().get(key)
+        return entry if entry and age_days(entry) <= STALE_AFTER_DAYS else None
 
     def put(self, key: str, entry: dict) -> dict:
-        """Store `entry` (stamped with the time it was measured) under `key`; a cache that cannot be
-        written only costs a measurement next time."""
+        """Store `entry`, stamped with its time (a file that cannot be written only costs a measurement)."""
         entry = {**entry, "measured": entry.get("measured") or time.strftime("%Y-%m-%d %H:%M:%S")}
         entries = {**self.entries(), key: entry}
         try:
@@ -80,8 +81,7 @@ def age_days(entry: dict) -> float:
 
 
 def machine_busy() -> bool:
-    """More runnable tasks than CPUs over the last minute: a probe now would measure the
-    neighbours as much as the machine, so it is used for this run but not cached."""
+    """More runnable tasks than CPUs over the last minute: a probe now, reading low, is not cached."""
     try:
         return os.getloadavg()[0] > (os.cpu_count() or 1) + 0.5
     except (AttributeError, OSError):
@@ -96,13 +96,12 @@ class ProbeCache(MeasurementCache):
         self.probed: dict[str, dict] = {}  # this process's probes (also those a busy machine kept out of the file)
 
     def measured(self, key: str, device, remeasure: bool = False, store: bool = True) -> dict:
-        """The entry under `key` (machine.machine_key(device)): this process's own probe, else the
-        file's unless stale, else probed now (stamped with its seconds and time) and written
-        unless the machine is busy or `store` is False (then store() writes it later)."""
+        """The entry under `key` (machine_key(device)): this process's own probe, else the file's
+        unless stale, else probed now and written unless the machine is busy or not `store`."""
         if key in self.probed and not remeasure:
             return self.probed[key]
         cached = None if remeasure else self.get(key)
-        if cached and age_days(cached) <= STALE_AFTER_DAYS:
+        if cached:
             return cached
         t0 = time.perf_counter()
         entry = self.probe(device)

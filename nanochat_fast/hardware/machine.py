@@ -25,8 +25,7 @@ def device_name(device) -> str:
 
 
 def cpuinfo(path: Path = Path("/proc/cpuinfo")) -> dict:
-    """The first processor's fields of /proc/cpuinfo ({} where there is none): "model name",
-    "cpu family", "model", "flags" (x86) or "Features" (Arm), ..."""
+    """The first processor's fields of /proc/cpuinfo ("model name", "flags" or Arm's "Features", ...)."""
     try:
         block = path.read_text().split("\n\n")[0]
     except OSError:
@@ -41,15 +40,11 @@ def cpu_model() -> str:
 @functools.lru_cache(maxsize=None)
 def cpu_bf16_support() -> str | None:
     """The CPU feature that executes bf16 here ("AMX", "AVX512-BF16", "BF16"), or None (emulated)."""
-    probe = getattr(torch, "cpu", None)
-    try:
-        if probe is not None and probe._is_amx_tile_supported():
-            return "AMX"
-        if probe is not None and probe._is_avx512_bf16_supported():
-            return "AVX512-BF16"
-    except AttributeError:  # older torch: fall back to the kernel's flags
-        pass
-    return cpuinfo_bf16(Path("/proc/cpuinfo"))
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX512-BF16"
+    return cpuinfo_bf16(Path("/proc/cpuinfo"))  # else the kernel's flags (Arm's bf16 is only there)
 
 
 def cpuinfo_bf16(path: Path) -> str | None:
@@ -79,9 +74,8 @@ def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu")) -> int 
 
 
 def machine_key(device) -> str:
-    """What a measurement on `device` depends on: the device, its ISA (a CPU model name can be
-    vague, e.g. "AMD EPYC"), its bf16 feature, the threads in use, torch's version and its fp32
-    matmul precision setting."""
+    """What a measurement on `device` depends on: the device, its ISA (a CPU model name can be vague,
+    e.g. "AMD EPYC"), its bf16 feature, the threads, torch's version and fp32 matmul precision."""
     device = torch.device(device)
     parts = [device.type, device_name(device)]
     if device.type == "cpu":
@@ -96,9 +90,8 @@ def machine_key(device) -> str:
 
 
 def rng_untouched(device):
-    """A context whose random draws leave the global generators as they were. A measurement's
-    random inputs must not move the run's own random stream: else a run's initial weights, and so
-    every figure it reports, would depend on whether its timings came from the cache."""
+    """A context whose random draws leave the global generators as they were: else a run's initial
+    weights, and every figure it reports, would depend on whether its timings came from the cache."""
     device = torch.device(device)
     if device.type in ("cuda", "mps"):
         return torch.random.fork_rng(devices=[device.index or 0], device_type=device.type)

@@ -10,14 +10,14 @@ import json
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
 
 from ..core.distributed import rank0_decides
 from ..core.errors import UserError
-from .cache import STALE_AFTER_DAYS, MeasurementCache, age_days, machine_busy
+from .cache import MeasurementCache, machine_busy
 from .machine import cpu_bf16_support, machine_key, rng_untouched, synchronize
 from .peak import DTYPES, measured_peaks
 
@@ -101,9 +101,8 @@ def decide(
     cuda_capability: tuple[int, int] | None = None,
     what: str = "--dtype",
 ) -> Precision:
-    """The pure rule: the device type and its facts -> Precision. A CPU's auto follows `timing`;
-    `cpu_bf16` (the CPU's bf16 feature or None) only words an explicit bf16's reason; `what` names
-    the flag."""
+    """The pure rule: the device type and its facts -> Precision. A CPU's auto follows `timing`; `cpu_bf16`
+    (the CPU's bf16 feature or None) only words an explicit bf16's reason; `what` names the flag."""
     if requested not in CHOICES:
         raise ValueError(f"{what} must be one of {', '.join(CHOICES)}, got {requested!r}")
     if device_type == "cuda":
@@ -135,23 +134,17 @@ def decide(
 def choose(
     device, requested: str = "auto", *, what: str = "--dtype", warn: bool = True, work=None, max_seconds=MAX_SECONDS
 ) -> Precision:
-    """decide() with this machine's facts. A CPU's auto times `work` (the caller's, at its own
-    shapes: on rank 0 for every rank, so every rank calls this together) or else takes the
-    machine's matmul probe. bf16 where it is emulated is allowed (slow, not wrong): one warning line."""
+    """decide() with this machine's facts. A CPU's auto times `work` (on rank 0 for every rank, so every rank
+    calls this together), else takes the matmul probe. Emulated bf16 is allowed (slow): one warning line."""
     device = torch.device(device)
     timing = None
     if device.type == "cpu" and requested == "auto" and work is None:
         timing = probe_timing(device)
-    elif device.type == "cpu" and requested == "auto":  # rank 0 times it: one decision for every rank
+    elif device.type == "cpu" and requested == "auto":
         timing = rank0_decides(lambda: measure(work, device, max_seconds=max_seconds))
-    choice = decide(
-        device.type,
-        requested,
-        timing=timing,
-        cuda_capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
-        what=what,
-        cpu_bf16=cpu_bf16_support() if device.type == "cpu" else None,
-    )
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    cpu_bf16 = cpu_bf16_support() if device.type == "cpu" else None
+    choice = decide(device.type, requested, timing=timing, cpu_bf16=cpu_bf16, cuda_capability=capability, what=what)
     if warn and not choice.native:
         print(
             f"warning: {what} bf16 on {device.type}: {choice.reason.split('; ', 1)[-1]}; this will be slow "
@@ -165,12 +158,8 @@ def choose(
 def autocast(device, precision: Precision | torch.dtype):
     """The autocast context for the forward pass: bf16 matmuls where chosen, a no-op for fp32."""
     dtype = precision if isinstance(precision, torch.dtype) else precision.dtype
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=dtype)
+    return nullcontext() if dtype == torch.float32 else torch.autocast(torch.device(device).type, dtype=dtype)
 
-
-# -- timing fp32 against bf16 -----------------------------------------------------------------------
 
 _MEASURERS: dict[str, Callable] = {}
 
@@ -181,8 +170,8 @@ def register(kind: str, build: Callable):
 
 
 def probe_timing(device) -> Timing:
-    """The machine's square-matmul probe as a Timing: the last resort, and the choice for a call
-    made without a work of its own (a newton_schulz call's default dtype)."""
+    """The square-matmul probe as a Timing: the last resort, and the choice for a call made without a
+    work of its own (a newton_schulz call's default dtype)."""
     rates = measured_peaks(device)
     return Timing({d: 1.0 / rates[d] for d in DTYPES}, "square matmuls (this machine's probe)", 0, "probe")
 
@@ -201,8 +190,6 @@ def measure(
     rates = measured_peaks(device)
     budget, matmul_budget = budgets(work, rates, max_seconds)
     cached = None if remeasure else CACHE.get(key)
-    if cached and age_days(cached) > STALE_AFTER_DAYS:
-        cached = None
     if cached and (cached.get("level") == "work" or not _fits(_predict(work.flops, rates), budget)):
         return Timing(cached["seconds"], cached["what"], cached["rounds"], "cached")
     with rng_untouched(device):  # the timed calls' random inputs leave the run's stream alone
@@ -265,8 +252,7 @@ def _time_work(work: Work, device, rates: dict, budget: float) -> Timing | None:
     predicted = _predict(work.flops, rates)
     if not _fits(predicted, budget):
         return None
-    timed = time_interleaved(work.make(), predicted, budget, device, run_calls=work.run_calls)
-    return None if timed is None else Timing(timed[0], work.what, timed[1])
+    return time_interleaved(work.make(), predicted, budget, device, work.what, work.run_calls)
 
 
 def _matmul_rows(work: Work, rates: dict, budget: float) -> int | None:
@@ -287,9 +273,8 @@ def _time_matmuls(work: Work, device, rates: dict, budget: float) -> Timing | No
     if rows is None:
         return None
     calls = {d: _matmul_call(work.matmuls, rows, device, dtype) for d, dtype in DTYPES.items()}
-    timed = time_interleaved(calls, _predict(_matmul_flops(work, rows), rates), budget, device)
-    shapes = ", ".join(f"{min(rows, m)}x{k}x{n}" for m, k, n in work.matmuls)
-    return None if timed is None else Timing(timed[0], f"the matmuls of {work.what} ({shapes})", timed[1])
+    what = f"the matmuls of {work.what} ({', '.join(f'{min(rows, m)}x{k}x{n}' for m, k, n in work.matmuls)})"
+    return time_interleaved(calls, _predict(_matmul_flops(work, rows), rates), budget, device, what)
 
 
 def _matmul_call(matmuls, rows: int, device, dtype):
@@ -311,18 +296,17 @@ def _time_fp32_alone(work: Work, device, rates: dict, budget: float) -> Timing |
     predicted = {"fp32": work.flops / rates["fp32"]}
     if not _decided(rates) or not _fits(predicted, budget):
         return None
-    timed = time_interleaved({"fp32": work.make()["fp32"]}, predicted, budget, device)
+    slowdown = rates["fp32"] / rates["bf16"]
+    what = f"{work.what}; bf16 not timed: {slowdown:.0f}x slower by this machine's probe"
+    timed = time_interleaved({"fp32": work.make()["fp32"]}, predicted, budget, device, what)
     if timed is None:
         return None
-    slowdown = rates["fp32"] / rates["bf16"]
-    seconds = {"fp32": timed[0]["fp32"], "bf16": timed[0]["fp32"] * slowdown}
-    return Timing(seconds, f"{work.what}; bf16 not timed: {slowdown:.0f}x slower by this machine's probe", timed[1])
+    return replace(timed, seconds={"fp32": timed.seconds["fp32"], "bf16": timed.seconds["fp32"] * slowdown})
 
 
-def time_interleaved(calls: dict, predicted: dict, budget: float, device, run_calls: int | None = None):
-    """(fastest seconds per name, rounds) of `calls` in interleaved rounds after a warm-up each, or None
-    where the warm-ups show MIN_ROUNDS rounds would not fit `budget` (with run_calls: RUN_FRACTION of
-    the run as fp32's real time shows it)."""
+def time_interleaved(calls: dict, predicted: dict, budget: float, device, what: str, run_calls: int | None = None):
+    """The Timing of `calls` (the fastest of interleaved rounds after a warm-up each), or None where the warm-ups
+    show MIN_ROUNDS rounds would not fit `budget` (with run_calls: RUN_FRACTION of the run, by fp32's time)."""
 
     def timed(call) -> float:
         t0 = clock()
@@ -351,7 +335,7 @@ def time_interleaved(calls: dict, predicted: dict, budget: float, device, run_ca
             times[name].append(timed(call))
             predicted[name] = times[name][-1]
         budget = shrink(budget, times[next(iter(calls))][-1])
-    return {name: min(ts) for name, ts in times.items()}, len(times[next(iter(times))])
+    return Timing({name: min(ts) for name, ts in times.items()}, what, len(times[next(iter(times))]))
 
 
 def cached_entries(device) -> list[dict]:

@@ -7,21 +7,9 @@ over FSDP2's shards (FsdpAdamW, FsdpMuon), all with one world-size independent s
     norm = nanochat_fast.optim.step(optimizers, grad_clip=1.0)   # global-norm clip + NaN guard (zero.py)
 """
 
+# ruff: noqa: F401  (the package's interface)
 from .adamw import AdamW, DistAdamW
 from .fsdp import FsdpAdamW, FsdpMuon
 from .muon import DistMuon, Muon
 from .recipe import MuonRecipe
 from .zero import FORMAT, ZeroOptimizer, step
-
-__all__ = [
-    "AdamW",
-    "DistAdamW",
-    "Muon",
-    "DistMuon",
-    "FsdpAdamW",
-    "FsdpMuon",
-    "MuonRecipe",
-    "step",
-    "ZeroOptimizer",
-    "FORMAT",
-]

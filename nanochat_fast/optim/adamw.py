@@ -25,16 +25,14 @@ class AdamW(ZeroOptimizer):
         self.buckets = [self._bucket(p) for p in self.params]
 
     def _bucket(self, p) -> Bucket:
-        """Any shape, any world size W: p flattened and split into W chunks of s = ceil(numel / W)
-        elements (rank r owns [r*s, min((r+1)*s, numel)): 1/W of the state), reduced and gathered
-        in place where numel is W*s, through a padded copy where it is not."""
+        """p flattened into W chunks of s = ceil(numel / W) elements (rank r owns [r*s, min((r+1)*s,
+        numel))), reduced and gathered in place where numel is W*s, through a padded copy if not."""
         n, W = p.numel(), self.world_size
         s = -(-n // W)
         slots = [[(p, r * s, min((r + 1) * s, n))] if r * s < n else [] for r in range(W)]
         return Bucket(s, slots, p if n == W * s else None)
 
     def _owned_param(self, p, lo: int, hi: int) -> torch.Tensor:
-        """The flat view of p's owned elements [lo, hi) that the update writes."""
         return p.data.view(-1)[lo:hi]
 
     def update(self, chunks, scale):
@@ -66,7 +64,6 @@ class AdamW(ZeroOptimizer):
 
 
 class DistAdamW(AdamW):
-    """AdamW with ZeRO-2 sharding over the default torch.distributed process group (AdamW's
-    arguments)."""
+    """AdamW with ZeRO-2 sharding over the default torch.distributed process group."""
 
     distributed = True

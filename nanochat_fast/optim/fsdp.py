@@ -7,12 +7,13 @@ between two all-to-alls. Same state format and step as zero.py (docs/measurement
 """
 
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from .adamw import AdamW
-from .muon import Muon, apply_updates
+from .muon import Muon, apply_updates, assign_owners
 from .zero import Bucket, sum_of_squares
 
 
@@ -21,20 +22,6 @@ def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     c = -(-rows // world_size)
     lo = min(rank * c, rows)
     return lo, min(lo + c, rows)
-
-
-def assign_owners_by_cost(shapes: list[tuple[int, int]], sizes: list[int], world_size: int) -> list[list[int]]:
-    """For each group (sizes[g] matrices of shape shapes[g]), the owner rank of each matrix: largest
-    Newton-Schulz cost (m*n*min(m, n)) first, each to the least loaded rank so far. Deterministic."""
-    cost = [m * n * min(m, n) for m, n in shapes]
-    items = sorted(((g, i) for g, k in enumerate(sizes) for i in range(k)), key=lambda gi: (-cost[gi[0]], gi))
-    load = [0] * world_size
-    owners = [[0] * k for k in sizes]
-    for g, i in items:
-        r = min(range(world_size), key=lambda r: (load[r], r))
-        owners[g][i] = r
-        load[r] += cost[g]
-    return owners
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -72,7 +59,7 @@ class RowSharded:
 
 
 class FsdpAdamW(RowSharded, AdamW):
-    """AdamW on FSDP2's row shards: a rank owns the rows it holds. AdamW's arguments."""
+    """AdamW on FSDP2's row shards: a rank owns the rows it holds."""
 
     def _bucket(self, p):
         row = math.prod(p.shape[1:])  # from the shape: indexing a DTensor would be a collective
@@ -92,10 +79,10 @@ class FsdpAdamW(RowSharded, AdamW):
 
 class FsdpMuon(RowSharded, Muon):
     """Muon on FSDP2's row shards, each matrix orthogonalised once, by its owner: one all-to-all
-    sends each owner its gradients' rows, one sends every rank its rows of the updates. Muon's
-    arguments."""
+    sends each owner its gradients' rows, one sends every rank its rows of the updates."""
 
-    owner_rule = staticmethod(assign_owners_by_cost)
+    # no padding to bound here (no bucket is all-gathered): balance the Newton-Schulz cost alone
+    owner_rule = staticmethod(partial(assign_owners, cost=lambda m, n: m * n * min(m, n), even=False))
 
     def _matrices(self, rank: int) -> list:
         """(group, matrix) of each matrix `rank` owns, in the one order both all-to-alls use."""
@@ -160,7 +147,6 @@ class FsdpMuon(RowSharded, Muon):
                 n = self._piece(p, self.rank)
                 if n:
                     local = local_tensor(p.data)
-                    group = self.param_groups[g]
-                    apply_updates(group, [p], [local], [recv[offset : offset + n].view(local.shape)])
+                    apply_updates(self.param_groups[g], [p], [local], [recv[offset : offset + n].view(local.shape)])
                 offset += n
         self._gathers = []

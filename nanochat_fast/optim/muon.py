@@ -11,38 +11,24 @@ import torch
 from ..hardware import precision
 from ..kernels.newton_schulz import newton_schulz, resolve_coefficients
 from .recipe import MuonRecipe
-from .zero import Bucket, ZeroOptimizer, check_hparam, normalize_param_groups
+from .zero import Bucket, ZeroOptimizer, check_choice, check_hparam, normalize_param_groups
 
 
-def assign_owners(group_shapes: list[tuple[int, int]], group_sizes: list[int], world_size: int) -> list[list[int]]:
-    """For each group (K matrices of one shape), the rank that owns each matrix (its gradient, momentum
-    and update), balanced by bytes: largest first, each to the least loaded rank, at most ceil(K/W)
-    of a group per rank. Deterministic, so every rank computes the same table."""
+def assign_owners(shapes: list, sizes: list[int], world_size: int, cost=lambda m, n: m * n, even=True) -> list:
+    """For each group (sizes[g] matrices of shapes[g]), the rank that owns each matrix (its gradient,
+    momentum and update): largest cost first, each to the least loaded rank; even: at most ceil(K/W) of
+    a group of K per rank (a bucket pads every rank to the most). The same table on every rank."""
     load = [0] * world_size
-    owners = [[0] * k for k in group_sizes]
-    order = sorted(range(len(group_shapes)), key=lambda g: -group_shapes[g][0] * group_shapes[g][1])
-    for g in order:
-        k, numel = group_sizes[g], group_shapes[g][0] * group_shapes[g][1]
-        capacity = -(-k // world_size)
+    owners = [[0] * k for k in sizes]
+    for g in sorted(range(len(shapes)), key=lambda g: -cost(*shapes[g])):
+        capacity = -(-sizes[g] // world_size) if even else sizes[g]
         taken = [0] * world_size
-        for i in range(k):
+        for i in range(sizes[g]):
             r = min((r for r in range(world_size) if taken[r] < capacity), key=lambda r: (load[r], r))
             owners[g][i] = r
             taken[r] += 1
-            load[r] += numel
+            load[r] += cost(*shapes[g])
     return owners
-
-
-def equilibrate_rows(G: torch.Tensor) -> torch.Tensor:
-    """MuonEq: each row of each matrix of the stack rescaled to the matrix's mean row norm."""
-    target = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True) / G.size(-2) ** 0.5
-    return G * (target / torch.linalg.vector_norm(G, dim=-1, keepdim=True).clamp_min(1e-6))
-
-
-def renormalize_(U: torch.Tensor) -> torch.Tensor:
-    """Muon+: each matrix of the stack scaled in place to Frobenius norm sqrt(min(rows, cols))."""
-    norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True).clamp_min(1e-6)
-    return U.mul_(min(U.shape[-2:]) ** 0.5 / norm)
 
 
 def normuon_(U: torch.Tensor, second_moment: torch.Tensor, beta: float) -> torch.Tensor:
@@ -62,8 +48,7 @@ def second_moment_shape(shape) -> tuple[int, int]:
 
 
 def newton_schulz_work(shapes, steps: int, coefficients, device, run_steps: int | None = None) -> precision.Work:
-    """Newton-Schulz on stacks of (k, rows, cols) matrices, through the path each takes: what
-    precision.choose times for --ns-dtype."""
+    """Newton-Schulz on stacks of (k, rows, cols) matrices: what precision.choose times for --ns-dtype."""
     device = torch.device(device)
 
     def make():
@@ -87,10 +72,7 @@ def newton_schulz_work(shapes, steps: int, coefficients, device, run_steps: int 
     )
 
 
-precision.register(
-    "newton_schulz",
-    lambda spec, device: newton_schulz_work(spec["shapes"], spec["steps"], spec["coefficients"], device),
-)
+precision.register("newton_schulz", lambda spec, device: newton_schulz_work(**spec, device=device))
 
 
 def apply_updates(group: dict, params: list, tensors: list, updates):
@@ -116,9 +98,8 @@ def apply_updates(group: dict, params: list, tensors: list, updates):
 
 
 class Muon(ZeroOptimizer):
-    """Muon in one process. Params: 2-D tensors (or (name, tensor) pairs), regrouped by shape, each
-    group keeping the hyperparameters below (normuon_beta None: NorMuon off). `recipe` (a MuonRecipe,
-    set by GPT.setup_optimizers) drives `schedule`."""
+    """Muon in one process on 2-D tensors (or (name, tensor) pairs), regrouped by shape (normuon_beta
+    None: NorMuon off). `recipe` (a MuonRecipe, set by GPT.setup_optimizers) drives `schedule`."""
 
     kind = "muon"
     state_keys = ("momentum_buffer",)
@@ -148,8 +129,7 @@ class Muon(ZeroOptimizer):
         check_hparam("weight_decay", weight_decay)
         if normuon_beta is not None:
             check_hparam("normuon_beta", normuon_beta, 0.0, 1.0)
-        if ns_dtype not in precision.CHOICES:
-            raise ValueError(f"ns_dtype must be one of {', '.join(precision.CHOICES)}, got {ns_dtype!r}")
+        check_choice("ns_dtype", ns_dtype, precision.CHOICES)
         resolve_coefficients(ns_coefficients, ns_steps)  # ValueError on a bad choice
         if not isinstance(ns_coefficients, str):
             ns_coefficients = [list(map(float, abc)) for abc in ns_coefficients]
@@ -184,9 +164,8 @@ class Muon(ZeroOptimizer):
         self.ns_precision = None if ns_dtype == "auto" else self.resolve_ns_precision()
 
     def resolve_ns_precision(self, run_steps: int | None = None, warn: bool = True) -> precision.Precision:
-        """ns_dtype for this optimizer, from precision.choose with Newton-Schulz on its own matrix
-        stacks as the work to time (run_steps, the optimizer steps of the run, bounds the time it may
-        take). Distributed, every rank calls this together."""
+        """ns_dtype from precision.choose, timing Newton-Schulz on this optimizer's own stacks (within
+        a share of the run's run_steps optimizer steps). Distributed, every rank calls this together."""
         groups = self.param_groups
         shapes = [(b.chunk // b.first.numel(), *b.first.shape) for b in self.buckets]
         device = self.params[0].device
@@ -242,20 +221,15 @@ class Muon(ZeroOptimizer):
         momentum = group["momentum"]
         buf.lerp_(G, 1 - momentum)
         G = G.lerp_(buf, momentum) if group["nesterov"] else buf
-        if group["equilibrate_rows"]:
-            G = equilibrate_rows(G)
+        if group["equilibrate_rows"]:  # MuonEq: each row rescaled to its matrix's mean row norm
+            target = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True) / G.size(-2) ** 0.5
+            G = G * (target / torch.linalg.vector_norm(G, dim=-1, keepdim=True).clamp_min(1e-6))
         dtype = self.ns_precision.dtype if group["ns_dtype"] == "auto" else precision.DTYPES[group["ns_dtype"]]
-        U = newton_schulz(
-            G,
-            steps=group["ns_steps"],
-            coefficients=group["ns_coefficients"],
-            dtype=dtype,
-            out_dtype=torch.float32,
-            safety=group["ns_safety"],
-            eps=group["ns_eps"],
-        )
-        if group["renormalize"]:
-            renormalize_(U)
+        steps, coefficients, safety, eps = (group[k] for k in ("ns_steps", "ns_coefficients", "ns_safety", "ns_eps"))
+        U = newton_schulz(G, steps, coefficients, dtype=dtype, out_dtype=torch.float32, safety=safety, eps=eps)
+        if group["renormalize"]:  # Muon+: each matrix scaled to Frobenius norm sqrt(min(rows, cols))
+            norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True).clamp_min(1e-6)
+            U.mul_(min(U.shape[-2:]) ** 0.5 / norm)
         if group["normuon_beta"] is not None:
             shape = (len(U), *second_moment_shape(U.shape[-2:]))
             normuon_(U, self._state_stack(g, "normuon_second_moment", shape, U.device), group["normuon_beta"])
@@ -288,7 +262,6 @@ class Muon(ZeroOptimizer):
 
 
 class DistMuon(Muon):
-    """Muon with each matrix owned by one rank of the default torch.distributed process group
-    (Muon's arguments)."""
+    """Muon with each matrix owned by one rank of the default torch.distributed process group."""
 
     distributed = True

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..core.distributed import print0
 from ..hardware.precision import CHOICES
 from ..kernels.newton_schulz import resolve_coefficients
-from .zero import check_hparam
+from .zero import check_choice, check_hparam
 
 PRESET_NAMES = ("quintic", "polar-normuon", "minimax4")
 # the presets' names before they were named for what they are: accepted until the next release
@@ -24,8 +24,8 @@ _noticed = set()  # the former names this process has printed its notice for
 
 
 def preset_name(name):
-    """`name`, or the new name of a preset's former name. The first use of a former name in a
-    process prints one notice line to stderr (rank 0), so a run's log says it once."""
+    """`name`, or the new name of a preset's former name (whose first use in a process prints one
+    notice line to stderr on rank 0, so a run's log says it once)."""
     new = RENAMED.get(name) if isinstance(name, str) else None
     if new is None:
         return name
@@ -62,8 +62,7 @@ class MuonRecipe:
 
     def __post_init__(self):
         object.__setattr__(self, "name", preset_name(self.name))
-        if self.name not in PRESET_NAMES:
-            raise ValueError(f"name must be one of {', '.join(PRESET_NAMES)}, got {self.name!r}")
+        check_choice("name", self.name, PRESET_NAMES)
         _check_int("ns_steps", self.ns_steps, 1)
         _check_int("momentum_warmup_steps", self.momentum_warmup_steps, 0)
         try:
@@ -72,19 +71,14 @@ class MuonRecipe:
             raise ValueError(f"ns_coefficients: {e}") from None
         if not isinstance(self.ns_coefficients, str):  # hashable and JSON-friendly
             object.__setattr__(self, "ns_coefficients", tuple(tuple(map(float, abc)) for abc in self.ns_coefficients))
-        if self.ns_dtype not in CHOICES:
-            raise ValueError(f"ns_dtype must be one of {', '.join(CHOICES)}, got {self.ns_dtype!r}")
-        if self.weight_decay_schedule not in WEIGHT_DECAY_SCHEDULES:
-            raise ValueError(
-                f"weight_decay_schedule must be one of {', '.join(WEIGHT_DECAY_SCHEDULES)}, "
-                f"got {self.weight_decay_schedule!r}"
-            )
+        check_choice("ns_dtype", self.ns_dtype, CHOICES)
+        check_choice("weight_decay_schedule", self.weight_decay_schedule, WEIGHT_DECAY_SCHEDULES)
         for field in ("normuon", "cautious_weight_decay", "equilibrate_rows", "renormalize"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
-        check_hparam("weight_decay", self.weight_decay, 0.0, None)
-        check_hparam("ns_safety", self.ns_safety, 1.0, None)
-        check_hparam("ns_eps", self.ns_eps, 0.0, None)
+        check_hparam("weight_decay", self.weight_decay)
+        check_hparam("ns_safety", self.ns_safety, 1.0)
+        check_hparam("ns_eps", self.ns_eps)
         for field in ("normuon_beta", "momentum_start", "momentum", "momentum_end"):
             check_hparam(field, getattr(self, field), 0.0, 1.0)
         check_hparam("momentum_warmdown_ratio", self.momentum_warmdown_ratio, 0.0, 1.0, high_inclusive=True)
@@ -93,8 +87,7 @@ class MuonRecipe:
     def preset(cls, name: str, **overrides) -> "MuonRecipe":
         """The preset `name` ("quintic" | "polar-normuon" | "minimax4") with some fields replaced."""
         name = preset_name(name)
-        if name not in PRESET_NAMES:
-            raise ValueError(f"muon recipe must be one of {', '.join(PRESET_NAMES)}, got {name!r}")
+        check_choice("muon recipe", name, PRESET_NAMES)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls) if f.name != "name"}
         if unknown:
             raise ValueError(f"{sorted(unknown)[0]} is not a MuonRecipe field that can be overridden")
@@ -104,8 +97,6 @@ class MuonRecipe:
     def of(cls, recipe) -> "MuonRecipe":
         """A MuonRecipe from a recipe or a preset name."""
         return recipe if isinstance(recipe, cls) else cls.preset(recipe)
-
-    # -- schedules -------------------------------------------------------------------------------
 
     def momentum_at(self, step: int, num_iterations: int | None = None) -> float:
         """Muon momentum at `step` (0-based) of a run of `num_iterations` steps (None: no warmdown)."""
@@ -127,24 +118,17 @@ class MuonRecipe:
     def scaled_weight_decay(
         self, total_batch_size: int, tokens: int, reference_tokens: int, reference_batch_size: int = 2**19
     ) -> "MuonRecipe":
-        """nanochat's scaling of the weight decay (tuned at d12, D_ref = reference_tokens) to another
-        batch size and horizon: B / (lr * wd * D) kept constant with lr ~ sqrt(B), so
-        wd * sqrt(B / B_ref) * (D_ref / D)."""
-        for field, value in (
-            ("total_batch_size", total_batch_size),
-            ("tokens", tokens),
-            ("reference_tokens", reference_tokens),
-            ("reference_batch_size", reference_batch_size),
-        ):
-            check_hparam(field, value, 1.0, None)
+        """nanochat's scaling of the weight decay (tuned at d12, D_ref = reference_tokens) to another batch
+        size and horizon: B / (lr * wd * D) kept constant with lr ~ sqrt(B), so wd * sqrt(B / B_ref) * D_ref / D."""
+        check_hparam("total_batch_size", total_batch_size, 1.0)
+        check_hparam("tokens", tokens, 1.0)
+        check_hparam("reference_tokens", reference_tokens, 1.0)
+        check_hparam("reference_batch_size", reference_batch_size, 1.0)
         wd = self.weight_decay * math.sqrt(total_batch_size / reference_batch_size) * (reference_tokens / tokens)
         return dataclasses.replace(self, weight_decay=wd)
 
-    # -- for the optimizer and the logs ---------------------------------------------------------
-
     def muon_kwargs(self) -> dict:
-        """Keyword arguments of Muon / DistMuon for this recipe (lr is the caller's; the momentum is
-        the post-warmup one until a training loop calls Muon.schedule)."""
+        """Muon's keyword arguments but lr (the momentum: the post-warmup one until Muon.schedule sets it)."""
         return dict(
             momentum=self.momentum,
             nesterov=True,

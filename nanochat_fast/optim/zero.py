@@ -65,9 +65,9 @@ def step(optimizers, grad_clip: float | None = None) -> torch.Tensor:
 
 
 def sum_of_squares(tensors, device) -> torch.Tensor:
-    """Sum of squares of all elements of `tensors` as a 0-D fp32 tensor, accurate to ~1e-7. On CPU,
-    torch.norm loses precision with size (docs/measurements.md#cpu-norm-precision), which would make
-    the norm depend on how the gradient is split over ranks: rows of 256 are summed by bmm instead."""
+    """Sum of squares of all elements as a 0-D fp32 tensor. On a CPU, rows of 256 summed by bmm: torch.norm
+    loses precision with size, which would make the norm depend on how the gradient is split over ranks
+    (docs/measurements.md#cpu-norm-precision)."""
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
@@ -88,6 +88,11 @@ def check_hparam(name, value, low=0.0, high=None, high_inclusive=False):
     if value < low or (high is not None and (value > high if high_inclusive else value >= high)):
         bound = "]" if high_inclusive else ")"
         raise ValueError(f"{name} must be in [{low}, {high if high is not None else 'inf'}{bound}, got {value!r}")
+
+
+def check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def normalize_param_groups(params) -> list[dict]:
@@ -113,11 +118,8 @@ def normalize_param_groups(params) -> list[dict]:
 
 def jsonable_hparams(group: dict) -> dict:
     """The group's hyperparameters as plain Python values (tensors become floats, tuples lists)."""
-    out = {}
-    for key, value in group.items():
-        if key != "params":
-            out[key] = value.item() if torch.is_tensor(value) else list(value) if isinstance(value, tuple) else value
-    return out
+    plain = {key: value.item() if torch.is_tensor(value) else value for key, value in group.items() if key != "params"}
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in plain.items()}
 
 
 class Bucket(NamedTuple):
@@ -130,7 +132,7 @@ class Bucket(NamedTuple):
     whole: torch.Tensor | None = None
 
     def pieces(self, r: int, tensor_of) -> list:
-        """Rank r's chunk of tensor_of(param) for each param, as pieces to concatenate."""
+        """Rank r's chunk of tensor_of(param), as pieces to concatenate."""
         out = [tensor_of(p).reshape(-1)[lo:hi] for p, lo, hi in self.slots[r]]
         pad = self.chunk - sum(hi - lo for _, lo, hi in self.slots[r])
         if pad:
@@ -149,28 +151,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     kind = ""
     state_keys = ()  # the state tensors saved flat by offset (stitched from any ranks' ranges)
-    # the Dist*/Fsdp* forms set it: rank and world size come from the default process group
-    distributed = False
-    # ZeRO-2 receives each gradient summed over ranks; FSDP's backward averages them already
-    grads_are_sums = True
+    distributed = False  # the Dist*/Fsdp* forms: rank and world size from the default process group
+    grads_are_sums = True  # ZeRO-2 receives each gradient summed over ranks; FSDP's backward averages them
 
     def __init__(self, params, defaults):
         super().__init__(normalize_param_groups(params), defaults)
-        if self.distributed:
-            if not (dist.is_available() and dist.is_initialized()):
-                raise ValueError(
-                    f"{type(self).__name__} needs torch.distributed to be initialized "
-                    f"(launch with torchrun and call compute_init); in a single process use "
-                    f"{type(self).__name__.removeprefix('Dist')}"
-                )
-            self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
-        else:
-            self.world_size, self.rank = 1, 0
-        for g in self.param_groups:
-            for p, name in zip(g["params"], g["param_names"]):
-                if not p.is_contiguous():
-                    raise ValueError(f"parameter {name!r} is not contiguous; the optimizer updates flat views of it")
+        if self.distributed and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                f"{type(self).__name__} needs torch.distributed to be initialized "
+                f"(launch with torchrun and call compute_init); in a single process use "
+                f"{type(self).__name__.removeprefix('Dist')}"
+            )
+        self.world_size, self.rank = (dist.get_world_size(), dist.get_rank()) if self.distributed else (1, 0)
         self.names = {p: name for g in self.param_groups for p, name in zip(g["params"], g["param_names"])}
+        for p, name in self.names.items():
+            if not p.is_contiguous():
+                raise ValueError(f"parameter {name!r} is not contiguous; the optimizer updates flat views of it")
         if len(set(self.names.values())) != len(self.names):
             raise ValueError("parameter names must be unique")
         self.params = list(self.names)
@@ -181,7 +177,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def grad_divisor(self) -> int:
-        """What the gradients this rank receives are divided by to be the average over ranks."""
+        """What this rank's gradients are divided by to be the average over ranks."""
         return self.world_size if self.grads_are_sums else 1
 
     def add_param_group(self, param_group):
@@ -216,8 +212,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.mark_updated()
         return loss
 
-    # -- what step() calls, in order ----------------------------------------------------------------
-
     def reduce_grads(self):
         """Start reduce-scattering every bucket's gradient; returns the wait, which gives this rank's
         chunk of each bucket, summed over ranks."""
@@ -227,11 +221,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 send = self._grad(b.whole).reshape(-1)
             else:
                 send = torch.cat([x for r in range(self.world_size) for x in b.pieces(r, self._grad)])
-            if self.world_size == 1:
-                chunks.append(send)
-                continue
-            chunks.append(send.new_empty(b.chunk))
-            works.append(reduce_scatter_single(chunks[-1], send, op=dist.ReduceOp.SUM, async_op=True))
+            chunks.append(send if self.world_size == 1 else send.new_empty(b.chunk))
+            if self.world_size > 1:
+                works.append(reduce_scatter_single(chunks[-1], send, op=dist.ReduceOp.SUM, async_op=True))
 
         def wait():
             for work in works:
@@ -245,8 +237,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return sum_of_squares(chunks, self.params[0].device) / self.grad_divisor**2
 
     def update(self, chunks: list, scale: float):
-        """Scale this rank's chunks by `scale` (clip / grad_divisor: the average over ranks), update
-        the parameters and state it owns, count the step and start each bucket's gather."""
+        """Scale this rank's chunks by `scale` (clip / grad_divisor), update the parameters and state
+        it owns, count the step and start each bucket's gather."""
         raise NotImplementedError
 
     def gather(self, b: Bucket):
@@ -281,13 +273,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._gathers = []
 
     def mark_updated(self):
-        """Move the parameters' version counters, as an in-place update would: the updates write
-        through p.data and the kernels, and what caches a function of the weights reads that
-        counter (model/decode.py's packed linears)."""
+        """Move the parameters' version counters, as an in-place update would (the updates write through
+        p.data and the kernels): what caches a function of the weights reads it (model/decode.py's packs)."""
         for p in self.params:
             torch.autograd.graph.increment_version(p)
-
-    # -- state ------------------------------------------------------------------------------------
 
     def state_nbytes(self) -> int:
         """Bytes of optimizer state held by this rank."""
@@ -312,8 +301,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         }
 
     def load_shard_state_dicts(self, shards):
-        """Load the state saved by every rank of a run (any number of ranks, in any order): each
-        rank keeps what it owns under its own sharding."""
+        """Load the state saved by every rank of a run (any number, any order) under this sharding."""
         shards = [shards] if isinstance(shards, dict) else list(shards)
         if not shards:
             raise ValueError("shards is empty: pass the state dicts saved by every rank")

@@ -30,7 +30,6 @@ from ..core import cli
 from ..core.errors import UserError
 from ..core.progress import progress_bar
 from ..data.tokenizer import MIN_VOCAB_SIZE, Tokenizer, get_tokenizer
-from ..hardware import bandwidth as hw_bandwidth
 from ..hardware import peak as hw_peak
 from ..hardware.machine import synchronize
 from ..model import decode, generation_dtype, loading
@@ -307,7 +306,7 @@ def measure(model, tokenizer, dev, args, batch: int, cost: dict, bandwidth, peak
         "kv_read_bytes_per_step": kv_read,
         "bytes_per_step": bytes_per_step,
         "steps_per_s": steps_per_s,
-        "mbu_percent": hw_bandwidth.mbu(bytes_per_step, steps_per_s, bandwidth),
+        "mbu_percent": hw_peak.mbu(bytes_per_step, steps_per_s, bandwidth),
         "mfu_percent": hw_peak.mfu(cost["decode_flops_per_token"], batch * steps_per_s, peak),
     }
 
@@ -370,7 +369,7 @@ def main(argv=None) -> int:
         per_batch = dev.device.type == "cpu" and args.dtype == "auto"  # each batch size's own timing decides
         dtype = torch.float32 if per_batch else kv_dtype(model, tokenizer, dev)  # fp32: the larger cache plans
         sizes, limit = plan_sweep(args, model.config, dtype, dev.device)
-        bandwidth, peak = hw_bandwidth.memory_bandwidth(dev.device), hw_peak.peak_flops(dev.device)
+        bandwidth, peak = hw_peak.memory_bandwidth(dev.device), hw_peak.peak_flops(dev.device)
         cost = costs(model, dev.precision.dtype, dtype, args)
         payload = {
             "model": info,

@@ -277,11 +277,11 @@ DATASHEET = [
 
 @pytest.mark.parametrize("name, flops", DATASHEET)
 def test_datasheet_peaks_by_exact_name(name, flops):
-    assert hardware.datasheet_peak(name) == flops
+    assert peak.datasheet_peak(name) == flops
 
 
 def test_every_datasheet_row_is_tested():
-    assert set(hardware.DATASHEET_BF16) == {name for name, flops in DATASHEET if flops}
+    assert set(peak.DATASHEET_BF16) == {name for name, flops in DATASHEET if flops}
 
 
 def test_a_known_gpu_uses_its_datasheet_and_an_unknown_one_is_measured(monkeypatch, fake_probe):
@@ -319,5 +319,5 @@ def test_mfu_against_a_hand_count():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_probe_measures_a_finite_positive_rate(dtype):
-    rate = hardware.measure_matmul_rate("cpu", dtype, seconds=0.02, max_size=64)
+    rate = peak.measure_matmul_rate("cpu", dtype, seconds=0.02, max_size=64)
     assert math.isfinite(rate) and rate > 0

@@ -120,7 +120,7 @@ def test_decode_steps_under_bf16_autocast(model):
 
 
 def test_short_windows_decode_through_the_kernel_from_their_start(model, monkeypatch):
-    """Every decode step's block goes through kernels/decode_block.py, the prompt's step (its
+    """Every decode step's block goes through kernels/decode_step.py's decode_block, the prompt's step (its
     tokens as rows from position 0) first, its attention reading the cache in place: the S layer
     (1 of the 3) with each row's first entry inside its window, once past it; QK_SCALE and the
     per-layer scalars on every layer, the gated value embedding on the layers that have one."""

@@ -1,4 +1,4 @@
-"""What the tests of hardware/'s measurement files share (peak.py, bandwidth.py, precision.py: each a
+"""What the tests of hardware/'s measurement files share (peak.py's two, precision.py's: each a
 cache.MeasurementCache): a file another version left, an entry measured long ago, a new process."""
 
 import json

@@ -122,7 +122,9 @@ def test_a_cuda_machine_chooses_bf16_and_compile(monkeypatch):
     assert precision.choose(cuda, OptimConfig().ns_dtype, warn=False).name == "bf16"
     peak = hardware.peak_flops(cuda)
     assert (peak.source, peak.flops) == ("datasheet", 989e12)
-    assert hardware.memory_bandwidth(cuda) == hardware.Bandwidth(3.35e12, "datasheet", "NVIDIA H100 80GB HBM3")
+    assert hardware.peak.memory_bandwidth(cuda) == hardware.peak.Bandwidth(
+        3.35e12, "datasheet", "NVIDIA H100 80GB HBM3"
+    )
     model = loading.new_model(
         GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=16), "cpu"
     )  # built here; compile_for_training only decides and wraps
