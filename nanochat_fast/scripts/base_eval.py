@@ -44,7 +44,6 @@ def build_parser():
     p.add_argument(
         "--max-examples",
         type=cli.non_negative_int,
-        default=None,
         help="CORE items per task, a fixed random sample (default: all; 0: skip CORE)",
     )
     p.add_argument("--samples", type=cli.non_negative_int, default=len(DEFAULT_PROMPTS), help="completions to print")

@@ -86,7 +86,6 @@ def build_parser():
     g.add_argument(
         "--extra-conversations",
         type=Conversations,
-        default=None,
         metavar="FILE.jsonl",
         help="your own conversations, added to the mixture",
     )

@@ -38,10 +38,9 @@ from ..model.batch_engine import BatchEngine, Request
 from ..model.gpt import config_from_depth
 from ..train.training_config import ARCHES, DeviceConfig, evaluation_process, window_pattern
 
-AUTO_MAX_BATCH = {"cuda": 256}  # the default sweep's last batch size (at most what fits)
-AUTO_MAX_BATCH_ELSE = 32
-AUTO_KV_FRACTION = {"cuda": 0.8}  # of the free memory after the weights (auto --kv-memory) ...
-AUTO_KV_FRACTION_ELSE = 0.5  # ... or of the available RAM
+AUTO_MAX_BATCH_CUDA, AUTO_MAX_BATCH_ELSE = 256, 32  # the default sweep's last batch size (at most what fits)
+# auto --kv-memory: this much of the GPU's free memory after the weights, else of the available RAM
+AUTO_KV_FRACTION_CUDA, AUTO_KV_FRACTION_ELSE = 0.8, 0.5
 WARMUP_TOKENS = 4
 
 
@@ -77,7 +76,6 @@ def build_parser():
     model.add_argument(
         "--depth",
         type=cli.positive_int,
-        default=None,
         help="a randomly initialised model of this depth (the depth dial of base_train)",
     )
     model.add_argument("--max-seq-len", type=cli.positive_int, default=2048, help="context of the --depth model")
@@ -99,7 +97,7 @@ def build_parser():
         type=batch_sizes,
         default="auto",
         help=f"decode batch sizes, comma-separated (auto: 1, 2, 4, ... up to what fits --kv-memory, "
-        f"at most {AUTO_MAX_BATCH['cuda']} on CUDA, {AUTO_MAX_BATCH_ELSE} elsewhere)",
+        f"at most {AUTO_MAX_BATCH_CUDA} on CUDA, {AUTO_MAX_BATCH_ELSE} elsewhere)",
     )
     bench.add_argument("--prompt-tokens", type=cli.positive_int, default=128, help="prompt length of every request")
     bench.add_argument("--decode-tokens", type=at_least_two, default=128, help="tokens every row generates")
@@ -140,10 +138,20 @@ def check_model_flags(args):
 def open_model(args, device):
     """(model in eval mode, tokenizer, what it is for the JSON); the context checked before the weights load.
     A --depth model gets bytes 0-255 and the special tokens as its tokenizer: all the engine asks for."""
-    if args.depth is not None:
+    if args.depth is None:
+        tokenizer = get_tokenizer()
+        run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid", "base"))
+        ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
+    else:
         config = config_from_depth(args.depth, args.vocab_size, args.max_seq_len)
         config = loading.family_config(config, args.arch, args.window_pattern)
-        check_context(args, config)
+    if args.prompt_tokens + args.decode_tokens > config.sequence_len:
+        raise UserError(
+            f"--prompt-tokens {args.prompt_tokens} + --decode-tokens {args.decode_tokens} = "
+            f"{args.prompt_tokens + args.decode_tokens} is beyond the model's context of "
+            f"{config.sequence_len} tokens; ask for fewer"
+        )
+    if args.depth is not None:
         torch.manual_seed(args.seed)
         info = {
             "depth": args.depth,
@@ -152,10 +160,6 @@ def open_model(args, device):
             "tokenizer": "byte-level stand-in (the engine looks up special tokens only)",
         }
         return loading.new_model(config, device).eval(), Tokenizer({bytes([i]): i for i in range(256)}), info
-    tokenizer = get_tokenizer()
-    run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid", "base"))
-    ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
-    check_context(args, config)
     info = {
         "run": str(run_dir),
         "checkpoint": str(ckpt),
@@ -164,15 +168,6 @@ def open_model(args, device):
         "tokenizer": "the run's (NANOCHAT_FAST_HOME/tokenizer)",
     }
     return loading.restore_model(ckpt, config, device), tokenizer, info
-
-
-def check_context(args, config):
-    if args.prompt_tokens + args.decode_tokens > config.sequence_len:
-        raise UserError(
-            f"--prompt-tokens {args.prompt_tokens} + --decode-tokens {args.decode_tokens} = "
-            f"{args.prompt_tokens + args.decode_tokens} is beyond the model's context of "
-            f"{config.sequence_len} tokens; ask for fewer"
-        )
 
 
 def engine_for(model, tokenizer, slots: int, max_len: int) -> BatchEngine:
@@ -193,11 +188,10 @@ def kv_dtype(model, tokenizer, dev) -> torch.dtype:
 
 
 def plan_sweep(args, config, dtype, device) -> tuple[list[int], int]:
-    """(the batch sizes, the KV limit in bytes): each batch's cache within the limit, or a UserError. The
-    auto limit: a fraction of the GPU's free memory, or of the available RAM."""
+    """(the batch sizes, the KV limit in bytes): each batch's cache within the limit, or a UserError."""
     limit = args.kv_memory
     if limit is None and device.type == "cuda":
-        limit = int(torch.cuda.mem_get_info(device)[0] * AUTO_KV_FRACTION["cuda"])
+        limit = int(torch.cuda.mem_get_info(device)[0] * AUTO_KV_FRACTION_CUDA)
     elif limit is None:
         try:
             meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
@@ -214,7 +208,7 @@ def plan_sweep(args, config, dtype, device) -> tuple[list[int], int]:
                 f"one row's KV cache ({cli.format_bytes(per_row)}: {max_len} positions) does not fit "
                 f"--kv-memory {cli.format_bytes(limit)}; give more --kv-memory or fewer tokens"
             )
-        cap = min(fits, AUTO_MAX_BATCH.get(device.type, AUTO_MAX_BATCH_ELSE))
+        cap = min(fits, AUTO_MAX_BATCH_CUDA if device.type == "cuda" else AUTO_MAX_BATCH_ELSE)
         return [2**i for i in range(cap.bit_length())], limit
     for b in args.batch_sizes:
         if b > fits:

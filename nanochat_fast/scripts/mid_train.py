@@ -42,7 +42,6 @@ def build_parser():
     g.add_argument(
         "--extra-conversations",
         type=Conversations,
-        default=None,
         metavar="FILE.jsonl",
         help="your own conversations: mixed in, or the whole training set without a conversation dataset",
     )

@@ -26,6 +26,7 @@ from ..core.errors import UserError
 from ..evals import task_runner, tasks
 from ..model import loading
 from ..train.env_vars import check_environment
+from .chat_eval import chat_core
 
 STAGES = (("base", "BASE"), ("mid", "MID"), ("sft", "SFT"), ("rl", "RL"))
 NONE = "none"
@@ -50,24 +51,21 @@ def build_parser():
     return p
 
 
-def source_run(meta: dict) -> Path | None:
-    """The run directory of the checkpoint a run started from, if it is still there."""
-    source = meta.get("base_checkpoint")
-    run_dir = Path(source).parent.parent if source else None
-    return run_dir if run_dir is not None and checkpoints.complete_checkpoints(run_dir) else None
-
-
 def newest_meta(run_dir: Path) -> dict:
     return checkpoints.load_meta(checkpoints.resolve_checkpoint(run_dir))
 
 
 def ancestor(run_dir: Path, phase: str) -> Path | None:
-    """The run of `phase` that run_dir descends from (its source, its source's source, ...)."""
+    """The run of `phase` that run_dir descends from (its source, its source's source, ... while they
+    are still there)."""
     seen = set()
-    while run_dir is not None and run_dir not in seen:
+    while run_dir not in seen:
         seen.add(run_dir)
-        run_dir = source_run(newest_meta(run_dir))
-        if run_dir is not None and newest_meta(run_dir).get("phase") == phase:
+        source = newest_meta(run_dir).get("base_checkpoint")
+        run_dir = Path(source).parent.parent if source else None
+        if run_dir is None or not checkpoints.complete_checkpoints(run_dir):
+            return None
+        if newest_meta(run_dir).get("phase") == phase:
             return run_dir
     return None
 
@@ -77,21 +75,17 @@ def pick_runs(args) -> dict:
     chosen = {}
     for phase, _ in reversed(STAGES):  # rl first: the earlier stages follow its lineage
         flag = getattr(args, f"{phase}_run")
-        if flag == NONE:
-            chosen[phase] = None
-            continue
-        if flag:
-            chosen[phase] = checkpoints.run_dir_of(flag, (phase,))
-            continue
         later = [d for d in chosen.values() if d is not None]
-        if not later:
+        if flag:
+            chosen[phase] = None if flag == NONE else checkpoints.run_dir_of(flag, (phase,))
+        elif later:
+            lineage = [a for a in (ancestor(d, phase) for d in later) if a is not None]
+            chosen[phase] = lineage[0] if lineage else None
+        else:
             try:
                 chosen[phase] = checkpoints.newest_run((phase,))
             except UserError:
                 chosen[phase] = None
-            continue
-        lineage = [a for a in (ancestor(d, phase) for d in later) if a is not None]
-        chosen[phase] = lineage[0] if lineage else None
     if not any(chosen.values()):
         raise UserError(
             f"no runs to report on in {paths.runs_dir()}: train one with "
@@ -114,10 +108,8 @@ def cost(meta: dict) -> str:
     if not device:
         return "n/a (no device recorded)"
     if device["type"] == "cpu":
-        units = device["processes"] * device["threads_per_process"]
-        return (
-            f"{units * seconds / 3600:.3f} core-hours ({device['processes']} x {device['threads_per_process']} threads)"
-        )
+        n, threads = device["processes"], device["threads_per_process"]
+        return f"{n * threads * seconds / 3600:.3f} core-hours ({n} x {threads} threads)"
     return f"{device['processes'] * seconds / 3600:.3f} GPU-hours ({device['processes']} x {device['type']})"
 
 
@@ -149,46 +141,35 @@ def chat_cell(r: dict) -> str:
 def summary_rows(facts: dict) -> list[tuple[str, dict]]:
     """(metric, {phase: text}): one metric per row, one stage per column."""
 
-    def cell(fn):
-        return {phase: fn(f) for phase, f in facts.items() if f is not None and fn(f) is not None}
+    def cell(fn, fmt=lambda value: value):
+        values = {phase: fn(f) for phase, f in facts.items()}
+        return {phase: fmt(v) for phase, v in values.items() if v is not None}
 
-    def bpb(f):
-        value = f["meta"]["loop_state"].get("last_val_bpb")
-        return f"{value:.4f}" if value is not None else None
+    def pass_at_1(f):
+        return f["meta"]["loop_state"].get("last_evals", {}).get("pass@1") if f["meta"].get("phase") == "rl" else None
 
+    four = "{:.4f}".format
+    bpb = cell(lambda f: f["meta"]["loop_state"].get("last_val_bpb"), four)
+    rows = [("val bpb (end of training, the stage's own val split)", bpb)]
     core = cell(lambda f: f["evals"].get("base_eval", {}).get("core_subset"))
-    rows = [("val bpb (end of training, the stage's own val split)", cell(bpb))]
     if core:
-        rows.append((next(iter(core.values()))["name"], {p: f"{c['core_subset']:.4f}" for p, c in core.items()}))
+        rows.append((next(iter(core.values()))["name"], {p: four(c["core_subset"]) for p, c in core.items()}))
     for task in tasks.CHAT_TASKS:
-        found = cell(lambda f, t=task.name: f["evals"].get("chat_eval", {}).get(t))
+        found = cell(lambda f, t=task.name: f["evals"].get("chat_eval", {}).get(t), chat_cell)
         if found:
-            rows.append((f"{task.name} (chance {percent(task.chance)})", {p: chat_cell(r) for p, r in found.items()}))
-    chatcore = cell(lambda f: chat_core(f["evals"].get("chat_eval", {})))
+            rows.append((f"{task.name} (chance {percent(task.chance)})", found))
+    chatcore = cell(lambda f: chat_core(f["evals"].get("chat_eval", {})), four)
     if chatcore:
-        rows.append(("ChatCORE (six tasks, centred by chance)", {p: f"{v:.4f}" for p, v in chatcore.items()}))
-    rl = cell(
-        lambda f: (
-            f["meta"]["loop_state"].get("last_evals", {}).get("pass@1") if f["meta"].get("phase") == "rl" else None
-        )
-    )
+        rows.append(("ChatCORE (six tasks, centred by chance)", chatcore))
+    rl = cell(pass_at_1, four)
     if rl:
-        task = next(f["meta"]["args"].get("task") for f in facts.values() if f and f["meta"].get("phase") == "rl")
-        rows.append(
-            (f"pass@1 on held-out {task} questions (chat_rl's eval, sampled)", {p: f"{v:.4f}" for p, v in rl.items()})
-        )
-    rows += [
+        task = next(f["meta"]["args"].get("task") for f in facts.values() if f["meta"].get("phase") == "rl")
+        rows.append((f"pass@1 on held-out {task} questions (chat_rl's eval, sampled)", rl))
+    return rows + [
         ("training time (optimizer steps)", cell(lambda f: f"{f['meta']['loop_state']['train_time']:.0f} s")),
         ("tokens seen", cell(lambda f: f"{f['meta']['loop_state']['tokens_seen']:,}")),
         ("cost", cell(lambda f: cost(f["meta"]))),
     ]
-    return rows
-
-
-def chat_core(chat: dict) -> float | None:
-    if set(chat) != set(tasks.CHAT_TASK_NAMES):
-        return None
-    return sum((r["accuracy"] - r["chance"]) / (1 - r["chance"]) for r in chat.values()) / len(chat)
 
 
 def stage_section(phase: str, f: dict) -> list[str]:
@@ -304,9 +285,7 @@ def render(facts: dict) -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
-    chosen = pick_runs(args)
-    facts = {phase: stage_facts(d) if d is not None else None for phase, d in chosen.items()}
-    text = render(facts)
+    text = render({phase: stage_facts(d) if d is not None else None for phase, d in pick_runs(args).items()})
     output = Path(args.output).expanduser() if args.output else paths.home() / "report.md"
     if output.is_dir():
         raise UserError(f"argument --output: {output} is a directory; give a file name")
