@@ -142,32 +142,33 @@ def open_model(args, device):
         tokenizer = get_tokenizer()
         run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid", "base"))
         ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
+        info = {
+            "run": str(run_dir),
+            "checkpoint": str(ckpt),
+            "step": meta.get("step"),
+            "phase": meta.get("phase"),
+            "tokenizer": "the run's (NANOCHAT_FAST_HOME/tokenizer)",
+        }
     else:
         config = config_from_depth(args.depth, args.vocab_size, args.max_seq_len)
         config = loading.family_config(config, args.arch, args.window_pattern)
-    if args.prompt_tokens + args.decode_tokens > config.sequence_len:
-        raise UserError(
-            f"--prompt-tokens {args.prompt_tokens} + --decode-tokens {args.decode_tokens} = "
-            f"{args.prompt_tokens + args.decode_tokens} is beyond the model's context of "
-            f"{config.sequence_len} tokens; ask for fewer"
-        )
-    if args.depth is not None:
-        torch.manual_seed(args.seed)
+        tokenizer = Tokenizer({bytes([i]): i for i in range(256)})
         info = {
             "depth": args.depth,
             "arch": args.arch,
             "init": f"random (nanochat's init, seed {args.seed})",
             "tokenizer": "byte-level stand-in (the engine looks up special tokens only)",
         }
-        return loading.new_model(config, device).eval(), Tokenizer({bytes([i]): i for i in range(256)}), info
-    info = {
-        "run": str(run_dir),
-        "checkpoint": str(ckpt),
-        "step": meta.get("step"),
-        "phase": meta.get("phase"),
-        "tokenizer": "the run's (NANOCHAT_FAST_HOME/tokenizer)",
-    }
-    return loading.restore_model(ckpt, config, device), tokenizer, info
+    if args.prompt_tokens + args.decode_tokens > config.sequence_len:
+        raise UserError(
+            f"--prompt-tokens {args.prompt_tokens} + --decode-tokens {args.decode_tokens} = "
+            f"{args.prompt_tokens + args.decode_tokens} is beyond the model's context of "
+            f"{config.sequence_len} tokens; ask for fewer"
+        )
+    if args.depth is None:
+        return loading.restore_model(ckpt, config, device), tokenizer, info
+    torch.manual_seed(args.seed)
+    return loading.new_model(config, device).eval(), tokenizer, info
 
 
 def engine_for(model, tokenizer, slots: int, max_len: int) -> BatchEngine:
@@ -306,36 +307,27 @@ def measure(model, tokenizer, dev, args, batch: int, cost: dict, bandwidth, peak
     }
 
 
-COLUMNS = [
-    ("batch", 6, "batch_size", "{:d}"),
-    ("dtype", 6, "dtype", "{}"),
-    ("prefill tok/s", 14, "prefill_tok_per_s", "{:,.0f}"),
-    ("decode tok/s", 13, "decode_tok_per_s", "{:,.1f}"),
-    ("ms/token", 9, "per_token_latency_s", "ms"),
-    ("TTFT ms", 9, "ttft_median_s", "ms"),
-    ("peak MiB", 9, "peak_memory_bytes", "MiB"),
-    ("MBU %", 7, "mbu_percent", "{:.1f}"),
-    ("MFU %", 7, "mfu_percent", "{:.2f}"),
+COLUMNS = [  # (header, width, the row's key, its text)
+    ("batch", 6, "batch_size", "{:d}".format),
+    ("dtype", 6, "dtype", str),
+    ("prefill tok/s", 14, "prefill_tok_per_s", "{:,.0f}".format),
+    ("decode tok/s", 13, "decode_tok_per_s", "{:,.1f}".format),
+    ("ms/token", 9, "per_token_latency_s", lambda s: f"{s * 1e3:.2f}"),
+    ("TTFT ms", 9, "ttft_median_s", lambda s: f"{s * 1e3:.2f}"),
+    ("peak MiB", 9, "peak_memory_bytes", lambda n: f"{n / 2**20:,.1f}"),
+    ("MBU %", 7, "mbu_percent", "{:.1f}".format),
+    ("MFU %", 7, "mfu_percent", "{:.2f}".format),
 ]
 
 
-def table_row(row: dict) -> str:
-    cells = []
-    for _, width, key, fmt in COLUMNS:
-        value = row[key]
-        text = f"{value * 1e3:.2f}" if fmt == "ms" else f"{value / 2**20:,.1f}" if fmt == "MiB" else fmt.format(value)
-        cells.append(text.rjust(width))
-    return " ".join(cells)
-
-
-def print_card(info: dict, cost: dict, payload: dict, bandwidth, peak):
-    cfg = payload["model_config"]
+def print_card(payload: dict, bandwidth, peak):
+    info, cfg = payload["model"], payload["model_config"]
     if "run" in info:
         what = f"run {info['run']} step {info['step']}"
     else:
         what = f"depth {info['depth']} {info['arch']}, {info['init']}"
     print(
-        f"model: {what} | {cost['params']:,} parameters | n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}, "
+        f"model: {what} | {payload['params']:,} parameters | n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}, "
         f"heads {cfg['n_head']} (kv {cfg['n_kv_head']}), vocab {cfg['vocab_size']} | tokenizer: {info['tokenizer']}"
     )
     print(
@@ -344,9 +336,9 @@ def print_card(info: dict, cost: dict, payload: dict, bandwidth, peak):
         f"limit {cli.format_bytes(payload['kv_memory_bytes'])}"
     )
     print(
-        f"bytes per decode step = {cost['weight_bytes_per_step']:,} (the products' weights, {payload['dtype']}) + B x "
-        f"({cost['lookup_bytes_per_row']:,} (embedding rows) + {cost['kv_bytes_per_position']:,} x "
-        f"{cost['mean_keys_read']:g} (KV bytes per position x mean keys read)) | "
+        f"bytes per decode step = {payload['weight_bytes_per_step']:,} (the products' weights, {payload['dtype']}) "
+        f"+ B x ({payload['lookup_bytes_per_row']:,} (embedding rows) + {payload['kv_bytes_per_position']:,} x "
+        f"{payload['mean_keys_read']:g} (KV bytes per position x mean keys read)) | "
         f"MBU against the {bandwidth.describe()} | MFU against the {peak.describe()}"
     )
     print(f"peak memory: {payload['peak_memory_source']}")
@@ -387,7 +379,7 @@ def main(argv=None) -> int:
             "threads": torch.get_num_threads(),
             "sweep": [],
         }
-        print_card(info, cost, payload, bandwidth, peak)
+        print_card(payload, bandwidth, peak)
         for batch in sizes:
             mix = generation_dtype.GenerationMix(batch, args.prompt_tokens, args.decode_tokens)
             run_dev = generation_dtype.for_generation(dev, args.dtype, model, mix)
@@ -395,7 +387,7 @@ def main(argv=None) -> int:
             row = measure(model, tokenizer, run_dev, args, batch, row_cost, bandwidth, peak)
             row.update(dtype=run_dev.precision.name, dtype_reason=run_dev.precision.reason)
             payload["sweep"].append(row)
-            print(table_row(row), flush=True)
+            print(" ".join(text(row[key]).rjust(width) for _, width, key, text in COLUMNS), flush=True)
         print(json.dumps(payload))
         return 0
 
