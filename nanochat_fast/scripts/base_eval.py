@@ -58,8 +58,7 @@ def main(argv=None) -> int:
         tokenizer = get_tokenizer()
         run_dir = checkpoints.run_dir_of(args.run, ("base",))
         model, ckpt, meta = loading.load_model(run_dir, args.step, dev.device, tokenizer)
-        seq_len = model.config.sequence_len
-        chat = meta["phase"] != "base"
+        seq_len, chat = model.config.sequence_len, meta["phase"] != "base"
         dataset = args.dataset or meta["args"].get("dataset") or ("chat" if chat else "base")
         Loader, extra = (ConversationRowLoader, {"tokenizer": tokenizer}) if chat else (TokenRowLoader, {})
 
@@ -83,9 +82,7 @@ def main(argv=None) -> int:
                 f"nanochat's own figures are): {bpbs[1]:.4f}"
             )
             results["val_bpb"]["with_nanochat_token_bytes"] = bpbs[1]
-        core = core_subset_if_prepared(model, tokenizer, args, dev)
-        if core is not None:
-            results["core_subset"] = core
+        results.update(core_subset_if_prepared(model, tokenizer, args, dev))
         if dev.rank == 0:
             print(f"results: {task_runner.record(run_dir, meta['step'], 'base_eval', results)}")
             with dev.autocast():
@@ -94,14 +91,14 @@ def main(argv=None) -> int:
         return 0
 
 
-def core_subset_if_prepared(model, tokenizer, args, dev) -> dict | None:
-    """The CORE subset on the tasks whose data is prepared, printed task by task; None when skipped."""
+def core_subset_if_prepared(model, tokenizer, args, dev) -> dict:
+    """{"core_subset": results} on the tasks whose data is prepared, printed task by task; {} when skipped."""
     if args.max_examples == 0:
-        return None
+        return {}
     available = [t for t in tasks.CORE_SUBSET if prepared_benchmarks.read_task_manifest(t.folder) is not None]
     if not available:
         print0(f"{tasks.SUBSET_NAME}: skipped, no evaluation data ({prepared_benchmarks.PREPARE_HINT})")
-        return None
+        return {}
 
     def show(label, c):
         cut = f" | {task_runner.truncated_note(c['truncated'], c['total'])}" if c["truncated"] else ""
@@ -118,7 +115,7 @@ def core_subset_if_prepared(model, tokenizer, args, dev) -> dict | None:
             model, tokenizer, available, args.max_examples, dev.rank, dev.world_size, args.device_batch_size, True, show
         )
     print0(f"{summary['name']}: {summary['core_subset']:.4f} (mean centred accuracy; not comparable with full CORE)")
-    return {**summary, "max_examples": args.max_examples}
+    return {"core_subset": {**summary, "max_examples": args.max_examples}}
 
 
 if __name__ == "__main__":

@@ -30,10 +30,9 @@ START = FromRun("source_run", "source_step", phases=("sft", "mid"))  # a chat mo
 
 def rl_task(value: str):
     """--task: one of tasks.RL_TASK_NAMES, any case."""
-    names = {name.lower(): name for name in tasks.RL_TASK_NAMES}
-    if value.strip().lower() not in names:
+    if value.strip().lower() not in {name.lower() for name in tasks.RL_TASK_NAMES}:
         raise argparse.ArgumentTypeError(f"unknown RL task {value!r}; choose one of {', '.join(tasks.RL_TASK_NAMES)}")
-    return tasks.get(names[value.strip().lower()])
+    return tasks.get(value)
 
 
 def at_least_two(value) -> int:

@@ -225,10 +225,6 @@ def replica(engine, config, tokenizer, device: str) -> Replica:
     )
 
 
-def make_replica(model, tokenizer, device: str, slots: int, chosen: precision.Precision | None = None) -> Replica:
-    return replica(make_engine(model, tokenizer, slots, chosen), model.config, tokenizer, device)
-
-
 def build_replica(ckpt: Path, config, device: str, slots: int, args, chosen: precision.Precision | None):
     """A replica's engine and what the server reports of it, built in this process or its own (all this pickles);
     `chosen` None: the precision chosen from --dtype on the replica's mix of short chat turns."""

@@ -18,8 +18,6 @@ ran: GPU-hours (processes, one GPU each) or core-hours (processes x threads per 
 import time
 from pathlib import Path
 
-import torch
-
 from .. import checkpoints
 from ..core import cli, paths
 from ..core.errors import UserError
@@ -95,13 +93,6 @@ def pick_runs(args) -> dict:
     return {phase: chosen[phase] for phase, _ in STAGES}
 
 
-def parameters(meta: dict) -> int:
-    """Parameters of the model a checkpoint's meta.json describes (its family's)."""
-    config = loading.config_of(meta, Path("meta.json"))
-    with torch.device("meta"):
-        return sum(p.numel() for p in loading.model_class(config)(config).parameters())
-
-
 def cost(meta: dict) -> str:
     """GPU-hours or core-hours of the optimizer steps."""
     device, seconds = meta.get("device"), meta["loop_state"]["train_time"]
@@ -174,14 +165,14 @@ def summary_rows(facts: dict) -> list[tuple[str, dict]]:
 
 def stage_section(phase: str, f: dict) -> list[str]:
     meta, state = f["meta"], f["meta"]["loop_state"]
-    config = meta["model_config"]
-    device = meta.get("device") or {}
+    config, device = meta["model_config"], meta.get("device") or {}
+    n_params = sum(p.numel() for p in loading.meta_model(loading.config_of(meta, Path("meta.json"))).parameters())
     first, last = state.get("first_val_bpb"), state.get("last_val_bpb")
     facts = {
         "run": f"{f['run_dir'].name} ({f['run_dir']})",
         "checkpoint": f"step {meta['step']} ({f['ckpt']})",
         "started from": meta.get("base_checkpoint", "fresh weights (the depth dial)"),
-        "model": f"{config['n_layer']} layers, n_embd {config['n_embd']}, {parameters(meta):,} parameters, "
+        "model": f"{config['n_layer']} layers, n_embd {config['n_embd']}, {n_params:,} parameters, "
         f"context {config['sequence_len']}",
         "data": meta["args"].get("dataset", "n/a"),
         "steps": f"{state['step']:,}",
