@@ -11,8 +11,7 @@ tokens, so it compares models with different tokenizers; it is measured on the v
 run's dataset (a mid-trained checkpoint on the conversations, assistant tokens only), the same rows
 on any number of processes. The CORE subset is the 10 of CORE's 22 tasks we have offline
 (prepare_data --datasets=eval; without it, CORE is skipped with a note), not comparable with
-published CORE scores (docs/measurements.md#core-subset); --max-examples N scores a fixed random
-sample of N items per task. Results go to the run's evals.json for the report card.
+published CORE scores (docs/measurements.md#core-subset). Results go to the run's evals.json for the report card.
 """
 
 import torch
