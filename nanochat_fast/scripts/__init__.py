@@ -1,11 +1,3 @@
-"""Command-line scripts, each run as `python -m nanochat_fast.scripts.NAME --help`:
-
-prepare_data   text shards from the default corpus or your own files, then token shards;
-               --datasets=eval: the benchmark sets
-tok_train      trains the BPE tokenizer on the prepared text and tokenizes the datasets
-base_train     pretraining                      mid_train   conversations (mid-training)
-chat_sft       supervised fine-tuning           base_eval   bits per byte, samples, CORE subset
-chat_rl        reinforcement learning (GSM8K)
-chat_eval      the chat benchmarks              report      the report card of a pipeline
-chat_cli       talk to a model in the terminal  chat_web    talk to a model in the browser
-"""
+"""The commands, each `python -m nanochat_fast.scripts.NAME` (--help says what it does): the pipeline prepare_data,
+tok_train, base_train, base_eval, mid_train, chat_sft, chat_rl, chat_eval and report; chat_cli and chat_web to talk
+to a model; infer_bench for serving speed; export_checkpoint, import_nanochat and export_nanochat for checkpoints."""

@@ -11,8 +11,7 @@ tokens, so it compares models with different tokenizers; it is measured on the v
 run's dataset (a mid-trained checkpoint on the conversations, assistant tokens only), the same rows
 on any number of processes. The CORE subset is the 10 of CORE's 22 tasks we have offline
 (prepare_data --datasets=eval; without it, CORE is skipped with a note), not comparable with
-published CORE scores (docs/measurements.md#core-subset); --max-examples N scores a fixed random
-sample of N items per task. Results go to the run's evals.json for the report card.
+published CORE scores (docs/measurements.md#core-subset). Results go to the run's evals.json for the report card.
 """
 
 import torch
@@ -44,7 +43,6 @@ def build_parser():
     p.add_argument(
         "--max-examples",
         type=cli.non_negative_int,
-        default=None,
         help="CORE items per task, a fixed random sample (default: all; 0: skip CORE)",
     )
     p.add_argument("--samples", type=cli.non_negative_int, default=len(DEFAULT_PROMPTS), help="completions to print")
@@ -59,8 +57,7 @@ def main(argv=None) -> int:
         tokenizer = get_tokenizer()
         run_dir = checkpoints.run_dir_of(args.run, ("base",))
         model, ckpt, meta = loading.load_model(run_dir, args.step, dev.device, tokenizer)
-        seq_len = model.config.sequence_len
-        chat = meta["phase"] != "base"
+        seq_len, chat = model.config.sequence_len, meta["phase"] != "base"
         dataset = args.dataset or meta["args"].get("dataset") or ("chat" if chat else "base")
         Loader, extra = (ConversationRowLoader, {"tokenizer": tokenizer}) if chat else (TokenRowLoader, {})
 
@@ -84,9 +81,7 @@ def main(argv=None) -> int:
                 f"nanochat's own figures are): {bpbs[1]:.4f}"
             )
             results["val_bpb"]["with_nanochat_token_bytes"] = bpbs[1]
-        core = core_subset_if_prepared(model, tokenizer, args, dev)
-        if core is not None:
-            results["core_subset"] = core
+        results.update(core_subset_if_prepared(model, tokenizer, args, dev))
         if dev.rank == 0:
             print(f"results: {task_runner.record(run_dir, meta['step'], 'base_eval', results)}")
             with dev.autocast():
@@ -95,14 +90,14 @@ def main(argv=None) -> int:
         return 0
 
 
-def core_subset_if_prepared(model, tokenizer, args, dev) -> dict | None:
-    """The CORE subset on the tasks whose data is prepared, printed task by task; None when skipped."""
+def core_subset_if_prepared(model, tokenizer, args, dev) -> dict:
+    """{"core_subset": results} on the tasks whose data is prepared, printed task by task; {} when skipped."""
     if args.max_examples == 0:
-        return None
+        return {}
     available = [t for t in tasks.CORE_SUBSET if prepared_benchmarks.read_task_manifest(t.folder) is not None]
     if not available:
         print0(f"{tasks.SUBSET_NAME}: skipped, no evaluation data ({prepared_benchmarks.PREPARE_HINT})")
-        return None
+        return {}
 
     def show(label, c):
         cut = f" | {task_runner.truncated_note(c['truncated'], c['total'])}" if c["truncated"] else ""
@@ -119,7 +114,7 @@ def core_subset_if_prepared(model, tokenizer, args, dev) -> dict | None:
             model, tokenizer, available, args.max_examples, dev.rank, dev.world_size, args.device_batch_size, True, show
         )
     print0(f"{summary['name']}: {summary['core_subset']:.4f} (mean centred accuracy; not comparable with full CORE)")
-    return {**summary, "max_examples": args.max_examples}
+    return {"core_subset": {**summary, "max_examples": args.max_examples}}
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Interactive commands: 'clear' starts a new conversation, 'quit' (or Ctrl-D) leav
 """
 
 import sys
+from functools import partial
 
 from .. import checkpoints
 from ..core import cli
@@ -38,16 +39,11 @@ def build_parser():
 
 def reply(model, tokenizer, messages, args, dev) -> str:
     """The assistant's next message (in the run's compute dtype), streamed to stdout."""
+    print("Assistant: ", end="")
+    sampling = (args.max_tokens, args.temperature, args.top_k, args.seed)
     with dev.autocast():
         text = generation.assistant_reply(
-            model,
-            tokenizer,
-            messages,
-            args.max_tokens,
-            args.temperature,
-            args.top_k,
-            args.seed,
-            on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()),
+            model, tokenizer, messages, *sampling, on_text=partial(print, end="", flush=True)
         )
     print()
     return text
@@ -62,17 +58,14 @@ def main(argv=None) -> int:
 
 def chat(args, dev) -> int:
     tokenizer = get_tokenizer()
-    model, ckpt, meta = loading.load_model(
-        checkpoints.run_dir_of(args.run, ("sft", "mid")), args.step, dev.device, tokenizer
-    )
+    run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid"))
+    model, ckpt, meta = loading.load_model(run_dir, args.step, dev.device, tokenizer)
     if meta["phase"] == "base":
         print(f"note: {ckpt} is a base (not mid-trained) checkpoint: it has not learned to chat", file=sys.stderr)
     # one reply at a time: on a CPU, auto times that mix in fp32 and bf16 (model/generation_dtype.py)
-    dev = generation_dtype.for_generation(
-        dev, args.dtype, model, generation_dtype.chat_mix(model.config, 1, args.max_tokens)
-    )
+    mix = generation_dtype.chat_mix(model.config, 1, args.max_tokens)
+    dev = generation_dtype.for_generation(dev, args.dtype, model, mix)
     if args.prompt:
-        print("Assistant: ", end="")
         reply(model, tokenizer, [{"role": "user", "content": args.prompt}], args, dev)
         return 0
     print(f"chatting with {ckpt} ('clear' to restart, 'quit' or Ctrl-D to leave)")
@@ -87,12 +80,9 @@ def chat(args, dev) -> int:
             return 0
         if text == "clear":
             messages = []
-            continue
-        if not text:
-            continue
-        messages.append({"role": "user", "content": text})
-        print("Assistant: ", end="")
-        messages.append({"role": "assistant", "content": reply(model, tokenizer, messages, args, dev)})
+        elif text:
+            messages.append({"role": "user", "content": text})
+            messages.append({"role": "assistant", "content": reply(model, tokenizer, messages, args, dev)})
 
 
 if __name__ == "__main__":

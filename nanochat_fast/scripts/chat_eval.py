@@ -50,7 +50,6 @@ def build_parser():
     p.add_argument(
         "--max-examples",
         type=cli.positive_int,
-        default=None,
         help="at most this many examples per task, a fixed random sample (default: all)",
     )
     p.add_argument(
@@ -77,12 +76,12 @@ def build_parser():
     return p
 
 
-def chatcore(results: dict) -> float | None:
-    """nanochat's ChatCORE: the mean over all six tasks of the accuracy centred by chance (0 at
-    chance, 1 perfect); None unless every task was evaluated."""
+def chat_core(results: dict) -> float | None:
+    """nanochat's ChatCORE of {task: TaskResult.as_dict()}: the mean over all six tasks of the accuracy
+    centred by chance (0 at chance, 1 perfect); None unless every task was evaluated."""
     if set(results) != set(tasks.CHAT_TASK_NAMES):
         return None
-    return sum(scoring.centered(r.accuracy, r.chance) for r in results.values()) / len(results)
+    return sum(scoring.centered(r["accuracy"], r["chance"]) for r in results.values()) / len(results)
 
 
 def main(argv=None) -> int:
@@ -96,39 +95,26 @@ def main(argv=None) -> int:
         if meta["phase"] == "base":
             print0(f"note: {ckpt} is a base checkpoint: it has not learned to chat", file=sys.stderr)
         print0(f"checkpoint: {ckpt}")
-        # a generative task samples num_samples replies to each prompt together: on a CPU, auto times that
-        # mix in fp32 and bf16 (model/generation_dtype.py)
+        # a generative task samples num_samples replies to each prompt together: on a CPU, auto times
+        # that mix in fp32 and bf16 (model/generation_dtype.py)
         mix = generation_dtype.chat_mix(model.config, args.num_samples, args.max_new_tokens)
         dev = generation_dtype.for_generation(dev, args.dtype, model, mix)
         print0(f"generation dtype: {dev.precision.describe()}")
         sampling = {k: getattr(args, k) for k in ("num_samples", "temperature", "top_k", "max_new_tokens")}
         settings = {"max_examples": args.max_examples, **sampling, "world_size": dev.world_size}
+        options = dict(batch_size=args.batch_size, progress=True, settings=settings, **sampling)
         results, start = {}, time.time()
         for task, examples in loaded:
             with dev.autocast():
-                result = task_runner.chat_task(
-                    model,
-                    tokenizer,
-                    task,
-                    examples,
-                    dev.rank,
-                    dev.world_size,
-                    batch_size=args.batch_size,
-                    progress=True,
-                    settings=settings,
-                    **sampling,
-                )
+                result = task_runner.chat_task(model, tokenizer, task, examples, dev.rank, dev.world_size, **options)
             print0(result.line(), flush=True)
-            results[task.name] = result
-        core = chatcore(results)
+            results[task.name] = result.as_dict()
+        core = chat_core(results)
         if core is not None:
             print0(f"ChatCORE (mean accuracy centred by chance, all six tasks): {core:.4f}")
         print0(f"evaluated {len(results)} task(s) in {time.time() - start:.1f} s on {dev.world_size} process(es)")
         if dev.rank == 0:
-            path = task_runner.record(
-                run_dir, meta["step"], "chat_eval", {name: r.as_dict() for name, r in results.items()}
-            )
-            print(f"results: {path}")
+            print(f"results: {task_runner.record(run_dir, meta['step'], 'chat_eval', results)}")
             next_steps.show(next_steps.after_chat_eval())
         return 0
 

@@ -10,9 +10,9 @@ model is pushed toward the replies that did better than its other replies to the
     torchrun --standalone --nproc_per_node=8 -m nanochat_fast.scripts.chat_rl -- --source-run=sft_d20
 
 Tasks (--task): GSM8K (the prepared data has no train split: it trains on the test questions that
-are not held out, and says so), SpellingBee, and last-digit (synthetic). --examples-per-step must be
-a multiple of the number of processes. The method (nanochat's "GRPO", close to REINFORCE) and what
-the log shows: README.md, "Reinforcement learning: chat_rl"; the objective: train/rollouts.py.
+are not held out, and says so), SpellingBee, and last-digit (synthetic). The method (nanochat's
+"GRPO", close to REINFORCE) and what the log shows: README.md, "Reinforcement learning: chat_rl";
+the objective: train/rollouts.py.
 """
 
 import argparse
@@ -30,10 +30,9 @@ START = FromRun("source_run", "source_step", phases=("sft", "mid"))  # a chat mo
 
 def rl_task(value: str):
     """--task: one of tasks.RL_TASK_NAMES, any case."""
-    names = {name.lower(): name for name in tasks.RL_TASK_NAMES}
-    if value.strip().lower() not in names:
+    if value.strip().lower() not in {name.lower() for name in tasks.RL_TASK_NAMES}:
         raise argparse.ArgumentTypeError(f"unknown RL task {value!r}; choose one of {', '.join(tasks.RL_TASK_NAMES)}")
-    return tasks.get(names[value.strip().lower()])
+    return tasks.get(value)
 
 
 def at_least_two(value) -> int:

@@ -20,9 +20,9 @@ from ..core.distributed import print0
 from ..evals import prepared_benchmarks, task_runner, tasks
 from ..train import next_steps
 from ..train.stage import FromRun, Stage, answer_questions, one_epoch, run_stage
-from ..train.stage_data import Conversations, PaddedConversations, sft_sources
+from ..train.stage_data import PaddedConversations, sft_sources
 from ..train.training_config import DataConfig, OptimConfig, add_training_flags
-from .mid_train import SAMPLE_QUESTIONS
+from .mid_train import SAMPLE_QUESTIONS, add_conversation_flags
 
 LR_FRACTION = 0.02  # nanochat's SFT trains at 2% of the pretraining learning rates
 IN_TRAINING_EVAL_TASKS = ("ARC-Easy", "MMLU")  # categorical, so cheap enough to run at every eval
@@ -83,19 +83,7 @@ def build_parser():
         default=32,
         help="conversations per optimizer step, all processes (a multiple of device_batch_size x processes)",
     )
-    g.add_argument(
-        "--extra-conversations",
-        type=Conversations,
-        default=None,
-        metavar="FILE.jsonl",
-        help="your own conversations, added to the mixture",
-    )
-    p.add_argument_group("horizon").add_argument(
-        "--num-iterations",
-        type=cli.positive_or_unset_int,
-        default=-1,
-        help="optimizer steps (-1: one epoch of the mixture)",
-    )
+    add_conversation_flags(p, g, "your own conversations, added to the mixture")
     p.add_argument_group("chat evaluation").add_argument(
         "--chat-eval-examples",
         type=cli.non_negative_int,
@@ -103,8 +91,7 @@ def build_parser():
         help=f"examples of {' and '.join(IN_TRAINING_EVAL_TASKS)} scored at every evaluation (0: none)",
     )
     # eager by default: padded rows change length every batch (PaddedConversations.varying_shapes)
-    lrs = OptimConfig.scaled_lrs(LR_FRACTION)
-    add_training_flags(p, eval_every=100, sample_every=-1, warmdown_ratio=1.0, **lrs)
+    add_training_flags(p, eval_every=100, sample_every=-1, warmdown_ratio=1.0, **OptimConfig.scaled_lrs(LR_FRACTION))
     return p
 
 

@@ -40,8 +40,7 @@ from ..web.replica_process import CLOSE_SECONDS, ProcessEngine
 
 # replies decoded together per replica when --slots is not given (docs/measurements.md#chat-server)
 DEFAULT_SLOTS = {"cuda": 32, "cpu": 8, "mps": 8}
-# the slots are counted at an fp32 KV cache: under bf16 (--dtype) the cache is half that, never more than
-# --kv-memory
+# the slots are counted at an fp32 KV cache: under bf16 (--dtype) the cache is half that, never more than --kv-memory
 KV_DTYPE = torch.float32
 # a lone request waits the admission gap before its prefill: beyond this it is a delay anyone notices
 MAX_ADMISSION_GAP_MS = 100.0
@@ -77,7 +76,6 @@ def build_parser():
     p.add_argument(
         "--slots",
         type=cli.positive_int,
-        default=None,
         help="replies each replica decodes together, one row of its batch and one slot of its KV cache "
         "each (default: 32 on CUDA, where a step reads the weights once for all rows, so 32 cost "
         "little more than one; 8 on CPU or MPS, where each row adds its own compute and more rows "
@@ -86,7 +84,6 @@ def build_parser():
     p.add_argument(
         "--kv-memory",
         type=cli.byte_size,
-        default=None,
         help="most KV-cache memory per replica, e.g. 512M or 2G: it holds --slots replies at the "
         "model's full context and is allocated once, at start (default: what --slots need; "
         "with --slots left out, the slots shrink to what fits)",
@@ -122,7 +119,6 @@ def build_parser():
     p.add_argument(
         "--replica-process",
         action=argparse.BooleanOptionalAction,
-        default=None,
         help="step each replica's engine in a process of its own, beside the server's (which parses "
         "requests and streams every token), instead of taking turns with it on one Python lock "
         "(default: on a CPU yes, elsewhere no)",
@@ -139,11 +135,8 @@ def build_parser():
 
 
 def remote_host_warning(host: str) -> str | None:
-    """The warning line for a --host that is not the loopback, else None."""
-    if host == "localhost":
-        return None
     try:
-        if ipaddress.ip_address(host).is_loopback:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
             return None
     except ValueError:
         pass
@@ -154,7 +147,6 @@ def remote_host_warning(host: str) -> str | None:
 
 
 def check_web_dependencies():
-    """A UserError saying how to install FastAPI and uvicorn when either is missing."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -174,9 +166,9 @@ def check_ranges(args):
     if not 0 < args.body_timeout < math.inf:
         raise UserError(f"--body-timeout must be > 0 seconds (and finite), got {args.body_timeout}")
     if args.admission_gap_ms > MAX_ADMISSION_GAP_MS:
-        limit, got = MAX_ADMISSION_GAP_MS, args.admission_gap_ms
         raise UserError(
-            f"--admission-gap-ms must be at most {limit} (a burst waits {ADMISSION_MAX_WAIT_GAPS}x it), got {got}"
+            f"--admission-gap-ms must be at most {MAX_ADMISSION_GAP_MS} (a burst waits {ADMISSION_MAX_WAIT_GAPS}x "
+            f"it), got {args.admission_gap_ms}"
         )
     if args.temperature > MAX_TEMPERATURE:
         raise UserError(f"--temperature must be at most {MAX_TEMPERATURE}, got {args.temperature}")
@@ -185,7 +177,7 @@ def check_ranges(args):
 
 
 def replica_devices(device: torch.device, workers: int | None) -> list[torch.device]:
-    """One device per replica: a GPU each on CUDA, the one device otherwise."""
+    """A GPU per replica on CUDA, the one device otherwise."""
     if device.type != "cuda":
         return [device] * (workers or 1)
     count = torch.cuda.device_count()
@@ -196,8 +188,8 @@ def replica_devices(device: torch.device, workers: int | None) -> list[torch.dev
 
 
 def kv_slots(args, config, device_type: str) -> int:
-    """Slots per replica: --slots (else the device's default) at the model's full context (the engine's
-    max_len), checked against --kv-memory; a default shrinks to what the memory holds."""
+    """Slots per replica: --slots (else the device's default) at the model's full context, checked against
+    --kv-memory; a default shrinks to what the memory holds."""
     per_slot = BatchEngine.kv_bytes(config, 1, config.sequence_len, KV_DTYPE)
     slots = args.slots or DEFAULT_SLOTS[device_type]
     if args.kv_memory is not None:
@@ -215,9 +207,9 @@ def kv_slots(args, config, device_type: str) -> int:
 
 
 def make_engine(model, tokenizer, slots: int, chosen: precision.Precision | None = None) -> BatchEngine:
-    """An engine of `slots` rows at the model's full context, stepping in the `chosen` precision (None:
-    fp32, the model as loaded), its KV cache allocated now by a two-token warm-up (a cache that does not
-    fit fails before serving; the first request pays neither for the first calls nor for packing)."""
+    """An engine of `slots` rows at the model's full context, in the `chosen` precision (None: fp32), its KV
+    cache allocated now by a two-token warm-up (a cache that does not fit fails before serving; the first
+    request pays neither for the first calls nor for packing)."""
     dtype = torch.float32 if chosen is None else chosen.dtype
     engine = BatchEngine(model, tokenizer, slots, max_len=model.config.sequence_len, dtype=dtype)
     engine.add(Request([tokenizer.get_bos_token_id()], max_tokens=2, use_tools=False))
@@ -226,58 +218,40 @@ def make_engine(model, tokenizer, slots: int, chosen: precision.Precision | None
     return engine
 
 
-def prepare_for(config, tokenizer):
-    """How a job becomes an engine request, for a model of `config` (generation.reply_request)."""
-    return functools.partial(generation.reply_request, SimpleNamespace(config=config), tokenizer)
+def replica(engine, config, tokenizer, device: str) -> Replica:
+    """A replica for web/pool.py: its engine, and how a job becomes the engine's request (generation.reply_request)."""
+    return Replica(
+        engine, functools.partial(generation.reply_request, SimpleNamespace(config=config), tokenizer), device
+    )
 
 
-def make_replica(model, tokenizer, device: str, slots: int, chosen: precision.Precision | None = None) -> Replica:
-    """A replica for web/pool.py stepped in this process."""
-    return Replica(make_engine(model, tokenizer, slots, chosen), prepare_for(model.config, tokenizer), device)
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """What builds a replica, in this process or its own (it pickles): the checkpoint and the replica's
-    device, slots and precision (None: chosen from --dtype, on the replica's mix of short chat turns)."""
-
-    ckpt: Path
-    config: object  # the checkpoint's GPTConfig
-    device: str
-    slots: int
-    dtype: str  # --dtype
-    max_new_tokens: int
-    chosen: precision.Precision | None = None
-
-
-def build_replica(spec: ReplicaSpec):
-    """A replica's engine, and what the server reports of it."""
-    model = loading.restore_model(spec.ckpt, spec.config, torch.device(spec.device))
-    chosen = spec.chosen
+def build_replica(ckpt: Path, config, device: str, slots: int, args, chosen: precision.Precision | None):
+    """A replica's engine and what the server reports of it, built in this process or its own (all this pickles);
+    `chosen` None: the precision chosen from --dtype on the replica's mix of short chat turns."""
+    model = loading.restore_model(ckpt, config, torch.device(device))
     if chosen is None:
-        mix = generation_dtype.chat_mix(spec.config, spec.slots, spec.max_new_tokens)
-        chosen = generation_dtype.choose(spec.device, spec.dtype, model, mix)
-    engine = make_engine(model, get_tokenizer(), spec.slots, chosen)
+        mix = generation_dtype.chat_mix(config, slots, args.max_new_tokens)
+        chosen = generation_dtype.choose(device, args.dtype, model, mix)
+    engine = make_engine(model, get_tokenizer(), slots, chosen)
     memory = {"kv_bytes": engine.cache.kv.nbytes, "packed_bytes": decode.nbytes(engine.model)}
-    return engine, {"slots": spec.slots, "precision": chosen, **memory}
+    return engine, {"slots": slots, "precision": chosen, **memory}
+
+
+def close_processes(engines):
+    for engine in engines:
+        if isinstance(engine, ProcessEngine):
+            engine.close()
 
 
 @dataclass
 class Loaded:
-    """What load_replicas gives the server."""
-
     replicas: list[Replica]
     name: str  # the run, its step and phase
-    slots: int  # per replica
-    precision: precision.Precision
-    memory: dict  # the first replica's KV cache and packed decode weights, in bytes
+    info: dict  # the first replica's build_replica info: slots, precision, KV cache and packed weights in bytes
     threads: int  # torch threads a replica steps with
 
     def close(self):
-        """End the replicas' own processes, if they have them."""
-        for replica in self.replicas:
-            if isinstance(replica.engine, ProcessEngine):
-                replica.engine.close()
+        close_processes(r.engine for r in self.replicas)
 
 
 def load_replicas(args, devices, tokenizer) -> Loaded:
@@ -288,34 +262,26 @@ def load_replicas(args, devices, tokenizer) -> Loaded:
     ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     slots = kv_slots(args, config, devices[0].type)
     if meta["phase"] == "base":
-        print(
-            f"note: {ckpt} is a {meta['phase']} (not fine-tuned) checkpoint: it has not learned to chat",
-            file=sys.stderr,
-        )
+        print(f"note: {ckpt} is a base (not fine-tuned) checkpoint: it has not learned to chat", file=sys.stderr)
     own_process = devices[0].type == "cpu" if args.replica_process is None else args.replica_process
     threads = max(1, torch.get_num_threads() // len(devices)) if own_process else torch.get_num_threads()
     engines, infos = [], []
     try:
         for device in devices:  # one at a time: the first chooses the precision, the others take it
             chosen = infos[0]["precision"] if infos else None
-            spec = ReplicaSpec(ckpt, config, str(device), slots, args.dtype, args.max_new_tokens, chosen)
+            build = functools.partial(build_replica, ckpt, config, str(device), slots, args, chosen)
             if own_process:
-                engines.append(ProcessEngine(functools.partial(build_replica, spec), threads, f"replica {device}"))
-                infos.append(engines[-1].info)
+                engine = ProcessEngine(build, threads, f"replica {device}")
+                info = engine.info
             else:
-                engine, info = build_replica(spec)
-                engines.append(engine)
-                infos.append(info)
+                engine, info = build()
+            engines.append(engine)
+            infos.append(info)
     except BaseException:
-        for engine in engines:
-            if isinstance(engine, ProcessEngine):
-                engine.close()
+        close_processes(engines)
         raise
-    prepare = prepare_for(config, tokenizer)
-    replicas = [Replica(engine=e, prepare=prepare, device=str(d)) for e, d in zip(engines, devices)]
-    name = f"{run_dir.name} step {meta['step']} ({meta['phase']})"
-    memory = {k: infos[0][k] for k in ("kv_bytes", "packed_bytes")}
-    return Loaded(replicas, name, slots, infos[0]["precision"], memory, threads)
+    replicas = [replica(e, config, tokenizer, str(d)) for e, d in zip(engines, devices)]
+    return Loaded(replicas, f"{run_dir.name} step {meta['step']} ({meta['phase']})", infos[0], threads)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -350,7 +316,6 @@ def main(argv=None) -> int:
 
 
 def serve(args, device, warning) -> int:
-    """The server on `device` until it is stopped."""
     import uvicorn
 
     from ..web import app as web_app
@@ -363,11 +328,9 @@ def serve(args, device, warning) -> int:
     loaded = pool = None
     try:
         loaded = load_replicas(args, devices, tokenizer)
-        replicas, kv_bytes, packed = loaded.replicas, loaded.memory["kv_bytes"], loaded.memory["packed_bytes"]
-        own = ", each in a process of its own" if isinstance(replicas[0].engine, ProcessEngine) else ""
         gap = args.admission_gap_ms / 1e3
         admission = Admission(gap=gap, max_wait=ADMISSION_MAX_WAIT_GAPS * gap)
-        pool = ReplicaPool(replicas, queue_limit=args.queue_size, admission=admission)
+        pool = ReplicaPool(loaded.replicas, queue_limit=args.queue_size, admission=admission)
         settings = web_app.Settings(
             model_name=loaded.name,
             temperature=args.temperature,
@@ -380,11 +343,13 @@ def serve(args, device, warning) -> int:
         app = web_app.create_app(pool, settings)
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
+        info, packed = loaded.info, loaded.info["packed_bytes"]
+        own = ", each in a process of its own" if isinstance(loaded.replicas[0].engine, ProcessEngine) else ""
         print(
-            f"chat_web: {loaded.name} on {len(replicas)} replica(s) ({', '.join(map(str, devices))}{own}), "
-            f"{loaded.slots} slots each ({cli.format_bytes(kv_bytes)} of KV cache"
+            f"chat_web: {loaded.name} on {len(devices)} replica(s) ({', '.join(map(str, devices))}{own}), "
+            f"{info['slots']} slots each ({cli.format_bytes(info['kv_bytes'])} of KV cache"
             f"{f', {cli.format_bytes(packed)} of packed decode weights' if packed else ''}), "
-            f"{loaded.threads} thread(s) each, {loaded.precision.describe()}, "
+            f"{loaded.threads} thread(s) each, {info['precision'].describe()}, "
             f"queue {args.queue_size}, admission gap {args.admission_gap_ms:g} ms; "
             f"open http://{url_host}:{port}/",
             flush=True,

@@ -41,7 +41,7 @@ def build_parser():
         metavar="DIR",
         help=f"nanochat's checkpoint folder ({nanochat_checkpoint.FOLDER_FILES})",
     )
-    p.add_argument("--step", type=cli.non_negative_int, default=None, help="checkpoint step (default: the newest)")
+    p.add_argument("--step", type=cli.non_negative_int, help="checkpoint step (default: the newest)")
     p.add_argument(
         "--tokenizer",
         required=True,

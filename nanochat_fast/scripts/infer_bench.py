@@ -37,10 +37,9 @@ from ..model.batch_engine import BatchEngine, Request
 from ..model.gpt import config_from_depth
 from ..train.training_config import ARCHES, DeviceConfig, evaluation_process, window_pattern
 
-AUTO_MAX_BATCH = {"cuda": 256}  # the default sweep's last batch size (at most what fits)
-AUTO_MAX_BATCH_ELSE = 32
-AUTO_KV_FRACTION = {"cuda": 0.8}  # of the free memory after the weights (auto --kv-memory) ...
-AUTO_KV_FRACTION_ELSE = 0.5  # ... or of the available RAM
+AUTO_MAX_BATCH_CUDA, AUTO_MAX_BATCH_ELSE = 256, 32  # the default sweep's last batch size (at most what fits)
+# auto --kv-memory: this much of the GPU's free memory after the weights, else of the available RAM
+AUTO_KV_FRACTION_CUDA, AUTO_KV_FRACTION_ELSE = 0.8, 0.5
 WARMUP_TOKENS = 4
 
 
@@ -76,7 +75,6 @@ def build_parser():
     model.add_argument(
         "--depth",
         type=cli.positive_int,
-        default=None,
         help="a randomly initialised model of this depth (the depth dial of base_train)",
     )
     model.add_argument("--max-seq-len", type=cli.positive_int, default=2048, help="context of the --depth model")
@@ -98,7 +96,7 @@ def build_parser():
         type=batch_sizes,
         default="auto",
         help=f"decode batch sizes, comma-separated (auto: 1, 2, 4, ... up to what fits --kv-memory, "
-        f"at most {AUTO_MAX_BATCH['cuda']} on CUDA, {AUTO_MAX_BATCH_ELSE} elsewhere)",
+        f"at most {AUTO_MAX_BATCH_CUDA} on CUDA, {AUTO_MAX_BATCH_ELSE} elsewhere)",
     )
     bench.add_argument("--prompt-tokens", type=cli.positive_int, default=128, help="prompt length of every request")
     bench.add_argument("--decode-tokens", type=at_least_two, default=128, help="tokens every row generates")
@@ -139,39 +137,37 @@ def check_model_flags(args):
 def open_model(args, device):
     """(model in eval mode, tokenizer, what it is for the JSON); the context checked before the weights load.
     A --depth model gets bytes 0-255 and the special tokens as its tokenizer: all the engine asks for."""
-    if args.depth is not None:
+    if args.depth is None:
+        tokenizer = get_tokenizer()
+        run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid", "base"))
+        ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
+        info = {
+            "run": str(run_dir),
+            "checkpoint": str(ckpt),
+            "step": meta.get("step"),
+            "phase": meta.get("phase"),
+            "tokenizer": "the run's (NANOCHAT_FAST_HOME/tokenizer)",
+        }
+    else:
         config = config_from_depth(args.depth, args.vocab_size, args.max_seq_len)
         config = loading.family_config(config, args.arch, args.window_pattern)
-        check_context(args, config)
-        torch.manual_seed(args.seed)
+        tokenizer = Tokenizer({bytes([i]): i for i in range(256)})
         info = {
             "depth": args.depth,
             "arch": args.arch,
             "init": f"random (nanochat's init, seed {args.seed})",
             "tokenizer": "byte-level stand-in (the engine looks up special tokens only)",
         }
-        return loading.new_model(config, device).eval(), Tokenizer({bytes([i]): i for i in range(256)}), info
-    tokenizer = get_tokenizer()
-    run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid", "base"))
-    ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
-    check_context(args, config)
-    info = {
-        "run": str(run_dir),
-        "checkpoint": str(ckpt),
-        "step": meta.get("step"),
-        "phase": meta.get("phase"),
-        "tokenizer": "the run's (NANOCHAT_FAST_HOME/tokenizer)",
-    }
-    return loading.restore_model(ckpt, config, device), tokenizer, info
-
-
-def check_context(args, config):
     if args.prompt_tokens + args.decode_tokens > config.sequence_len:
         raise UserError(
             f"--prompt-tokens {args.prompt_tokens} + --decode-tokens {args.decode_tokens} = "
             f"{args.prompt_tokens + args.decode_tokens} is beyond the model's context of "
             f"{config.sequence_len} tokens; ask for fewer"
         )
+    if args.depth is None:
+        return loading.restore_model(ckpt, config, device), tokenizer, info
+    torch.manual_seed(args.seed)
+    return loading.new_model(config, device).eval(), tokenizer, info
 
 
 def engine_for(model, tokenizer, slots: int, max_len: int) -> BatchEngine:
@@ -192,11 +188,10 @@ def kv_dtype(model, tokenizer, dev) -> torch.dtype:
 
 
 def plan_sweep(args, config, dtype, device) -> tuple[list[int], int]:
-    """(the batch sizes, the KV limit in bytes): each batch's cache within the limit, or a UserError. The
-    auto limit: a fraction of the GPU's free memory, or of the available RAM."""
+    """(the batch sizes, the KV limit in bytes): each batch's cache within the limit, or a UserError."""
     limit = args.kv_memory
     if limit is None and device.type == "cuda":
-        limit = int(torch.cuda.mem_get_info(device)[0] * AUTO_KV_FRACTION["cuda"])
+        limit = int(torch.cuda.mem_get_info(device)[0] * AUTO_KV_FRACTION_CUDA)
     elif limit is None:
         try:
             meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
@@ -213,7 +208,7 @@ def plan_sweep(args, config, dtype, device) -> tuple[list[int], int]:
                 f"one row's KV cache ({cli.format_bytes(per_row)}: {max_len} positions) does not fit "
                 f"--kv-memory {cli.format_bytes(limit)}; give more --kv-memory or fewer tokens"
             )
-        cap = min(fits, AUTO_MAX_BATCH.get(device.type, AUTO_MAX_BATCH_ELSE))
+        cap = min(fits, AUTO_MAX_BATCH_CUDA if device.type == "cuda" else AUTO_MAX_BATCH_ELSE)
         return [2**i for i in range(cap.bit_length())], limit
     for b in args.batch_sizes:
         if b > fits:
@@ -311,36 +306,27 @@ def measure(model, tokenizer, dev, args, batch: int, cost: dict, bandwidth, peak
     }
 
 
-COLUMNS = [
-    ("batch", 6, "batch_size", "{:d}"),
-    ("dtype", 6, "dtype", "{}"),
-    ("prefill tok/s", 14, "prefill_tok_per_s", "{:,.0f}"),
-    ("decode tok/s", 13, "decode_tok_per_s", "{:,.1f}"),
-    ("ms/token", 9, "per_token_latency_s", "ms"),
-    ("TTFT ms", 9, "ttft_median_s", "ms"),
-    ("peak MiB", 9, "peak_memory_bytes", "MiB"),
-    ("MBU %", 7, "mbu_percent", "{:.1f}"),
-    ("MFU %", 7, "mfu_percent", "{:.2f}"),
+COLUMNS = [  # (header, width, the row's key, its text)
+    ("batch", 6, "batch_size", "{:d}".format),
+    ("dtype", 6, "dtype", str),
+    ("prefill tok/s", 14, "prefill_tok_per_s", "{:,.0f}".format),
+    ("decode tok/s", 13, "decode_tok_per_s", "{:,.1f}".format),
+    ("ms/token", 9, "per_token_latency_s", lambda s: f"{s * 1e3:.2f}"),
+    ("TTFT ms", 9, "ttft_median_s", lambda s: f"{s * 1e3:.2f}"),
+    ("peak MiB", 9, "peak_memory_bytes", lambda n: f"{n / 2**20:,.1f}"),
+    ("MBU %", 7, "mbu_percent", "{:.1f}".format),
+    ("MFU %", 7, "mfu_percent", "{:.2f}".format),
 ]
 
 
-def table_row(row: dict) -> str:
-    cells = []
-    for _, width, key, fmt in COLUMNS:
-        value = row[key]
-        text = f"{value * 1e3:.2f}" if fmt == "ms" else f"{value / 2**20:,.1f}" if fmt == "MiB" else fmt.format(value)
-        cells.append(text.rjust(width))
-    return " ".join(cells)
-
-
-def print_card(info: dict, cost: dict, payload: dict, bandwidth, peak):
-    cfg = payload["model_config"]
+def print_card(payload: dict, bandwidth, peak):
+    info, cfg = payload["model"], payload["model_config"]
     if "run" in info:
         what = f"run {info['run']} step {info['step']}"
     else:
         what = f"depth {info['depth']} {info['arch']}, {info['init']}"
     print(
-        f"model: {what} | {cost['params']:,} parameters | n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}, "
+        f"model: {what} | {payload['params']:,} parameters | n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}, "
         f"heads {cfg['n_head']} (kv {cfg['n_kv_head']}), vocab {cfg['vocab_size']} | tokenizer: {info['tokenizer']}"
     )
     print(
@@ -349,9 +335,9 @@ def print_card(info: dict, cost: dict, payload: dict, bandwidth, peak):
         f"limit {cli.format_bytes(payload['kv_memory_bytes'])}"
     )
     print(
-        f"bytes per decode step = {cost['weight_bytes_per_step']:,} (the products' weights, {payload['dtype']}) + B x "
-        f"({cost['lookup_bytes_per_row']:,} (embedding rows) + {cost['kv_bytes_per_position']:,} x "
-        f"{cost['mean_keys_read']:g} (KV bytes per position x mean keys read)) | "
+        f"bytes per decode step = {payload['weight_bytes_per_step']:,} (the products' weights, {payload['dtype']}) "
+        f"+ B x ({payload['lookup_bytes_per_row']:,} (embedding rows) + {payload['kv_bytes_per_position']:,} x "
+        f"{payload['mean_keys_read']:g} (KV bytes per position x mean keys read)) | "
         f"MBU against the {bandwidth.describe()} | MFU against the {peak.describe()}"
     )
     print(f"peak memory: {payload['peak_memory_source']}")
@@ -392,7 +378,7 @@ def main(argv=None) -> int:
             "threads": torch.get_num_threads(),
             "sweep": [],
         }
-        print_card(info, cost, payload, bandwidth, peak)
+        print_card(payload, bandwidth, peak)
         for batch in sizes:
             mix = generation_dtype.GenerationMix(batch, args.prompt_tokens, args.decode_tokens)
             run_dev = generation_dtype.for_generation(dev, args.dtype, model, mix)
@@ -400,7 +386,7 @@ def main(argv=None) -> int:
             row = measure(model, tokenizer, run_dev, args, batch, row_cost, bandwidth, peak)
             row.update(dtype=run_dev.precision.name, dtype_reason=run_dev.precision.reason)
             payload["sweep"].append(row)
-            print(table_row(row), flush=True)
+            print(" ".join(text(row[key]).rjust(width) for _, width, key, text in COLUMNS), flush=True)
         print(json.dumps(payload))
         return 0
 

@@ -35,22 +35,23 @@ MID = Stage(
 )
 
 
-def build_parser():
-    p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.mid_train", description=__doc__)
-    MID.start.add_flags(p)
-    g = DataConfig.add_flags(p, dataset="", max_seq_len=None)
-    g.add_argument(
-        "--extra-conversations",
-        type=Conversations,
-        default=None,
-        metavar="FILE.jsonl",
-        help="your own conversations: mixed in, or the whole training set without a conversation dataset",
-    )
-    p.add_argument_group("horizon").add_argument(
+def add_conversation_flags(parser, data_group, extra_help: str):
+    """--extra-conversations and the one-epoch horizon, as mid_train and chat_sft take them."""
+    data_group.add_argument("--extra-conversations", type=Conversations, metavar="FILE.jsonl", help=extra_help)
+    parser.add_argument_group("horizon").add_argument(
         "--num-iterations",
         type=cli.positive_or_unset_int,
         default=-1,
         help="optimizer steps (-1: one epoch of the mixture)",
+    )
+
+
+def build_parser():
+    p = cli.ArgumentParser(prog="python -m nanochat_fast.scripts.mid_train", description=__doc__)
+    MID.start.add_flags(p)
+    g = DataConfig.add_flags(p, dataset="", max_seq_len=None)
+    add_conversation_flags(
+        p, g, "your own conversations: mixed in, or the whole training set without a conversation dataset"
     )
     add_training_flags(p, eval_every=150, sample_every=-1)
     return p

@@ -44,19 +44,15 @@ def build_parser():
         help=f"extra prose sources for base: none, all, or some of "
         f"{', '.join(EXTRAS)}, comma-separated (they need npm / apt-get)",
     )
-    p.add_argument(
-        "--input", default=None, help="a folder of .txt/.jsonl/.parquet files to prepare instead of the built-in corpus"
-    )
+    p.add_argument("--input", help="a folder of .txt/.jsonl/.parquet files to prepare instead of the built-in corpus")
     p.add_argument(
         "--download",
-        default=None,
         choices=sorted(shard_download.DATASETS),
         help="download a published pretraining set's parquet shards instead (the validation shard too)",
     )
     p.add_argument(
         "--shards",
         type=cli.integer,
-        default=None,
         help="--download: training shards to fetch (~100 MB, ~250M characters each; a GPT-2-grade run: 170)",
     )
     p.add_argument("--base-url", default="", help="--download: a mirror's address instead of the dataset's own")
@@ -73,7 +69,6 @@ def build_parser():
     p.add_argument(
         "--name",
         type=cli.plain_name,
-        default=None,
         help="dataset name for --input (None: the folder's name) or --download (None: the set's name)",
     )
     p.add_argument(
@@ -131,9 +126,8 @@ def prepare_builtin(name, args):
                 bar.update()
         if kind == documents.CHAT:
             words = corpus_sources.words_of([c for c, _ in pairs])
-            pairs += [
-                (c, "synthetic") for c in corpus_sources.synthetic_conversations(args.synthetic, words, args.seed)
-            ]
+            synthetic = corpus_sources.synthetic_conversations(args.synthetic, words, args.seed)
+            pairs += [(c, "synthetic") for c in synthetic]
         random.Random(args.seed).shuffle(pairs)
         return pairs
 
@@ -145,10 +139,7 @@ def prepare_builtin(name, args):
         "limit_per_source": args.limit_per_source,
         **more,
     }
-    infos = [
-        {"name": s.name, "spec": s.spec, "client": s.client, "licence": s.licence, "url": s.url, "about": s.about}
-        for s in listed
-    ]
+    infos = [{k: getattr(s, k) for k in ("name", "spec", "client", "licence", "url", "about")} for s in listed]
     return write(name, kind, docs, config, infos, args)
 
 
@@ -174,29 +165,14 @@ def prepare_folder(name, folder, args):
                 )
             yield doc, source
 
-    infos = [
-        {
-            "name": str(p.relative_to(folder)),
-            "spec": str(p),
-            "licence": "as provided by the user",
-            "about": "user input",
-        }
-        for p in files
-    ]
+    about = {"licence": "as provided by the user", "about": "user input"}
+    infos = [{"name": str(p.relative_to(folder)), "spec": str(p), **about} for p in files]
     return write(name, kind, docs(), config, infos, args)
 
 
 def write(name, kind, docs, config, sources, args):
-    return documents.write_dataset(
-        name,
-        kind,
-        docs,
-        config=config,
-        sources=sources,
-        val_every=args.val_every,
-        shard_chars=args.shard_chars,
-        overwrite=args.overwrite,
-    )
+    settings = {"val_every": args.val_every, "shard_chars": args.shard_chars, "overwrite": args.overwrite}
+    return documents.write_dataset(name, kind, docs, config=config, sources=sources, **settings)
 
 
 def prepare_download(name, args):
@@ -206,12 +182,7 @@ def prepare_download(name, args):
             "--download needs --shards=N: how many training shards to fetch (~100 MB each; a GPT-2-grade run uses 170)"
         )
     cfg = shard_download.DownloadConfig(
-        dataset=args.download,
-        shards=args.shards,
-        base_url=args.base_url,
-        workers=args.download_workers,
-        retries=args.retries,
-        retry_wait_s=args.retry_wait,
+        args.download, args.shards, args.base_url, args.download_workers, args.retries, args.retry_wait
     )
     root = paths.data_dir(name)
     manifest = paths.read_json_or_none(root / "manifest.json")
@@ -295,11 +266,8 @@ def main(argv=None) -> int:
                 manifest = prepare_download(name, args)
             else:
                 manifest = prepare_folder(name, folder, args) if args.input else prepare_builtin(name, args)
-            size = (
-                f"{manifest['chars']:,} characters"
-                if manifest["chars"] is not None
-                else f"{manifest['bytes'] / 1e9:.2f} GB of parquet"
-            )
+            chars = manifest["chars"]
+            size = f"{chars:,} characters" if chars is not None else f"{manifest['bytes'] / 1e9:.2f} GB of parquet"
             print(
                 f"data/{name}: {manifest['docs']['train']:,} train + {manifest['docs']['val']:,} val documents "
                 f"({size}) in {paths.data_dir(name)}"

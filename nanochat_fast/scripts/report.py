@@ -18,14 +18,13 @@ ran: GPU-hours (processes, one GPU each) or core-hours (processes x threads per 
 import time
 from pathlib import Path
 
-import torch
-
 from .. import checkpoints
 from ..core import cli, paths
 from ..core.errors import UserError
 from ..evals import task_runner, tasks
 from ..model import loading
 from ..train.env_vars import check_environment
+from .chat_eval import chat_core
 
 STAGES = (("base", "BASE"), ("mid", "MID"), ("sft", "SFT"), ("rl", "RL"))
 NONE = "none"
@@ -50,24 +49,21 @@ def build_parser():
     return p
 
 
-def source_run(meta: dict) -> Path | None:
-    """The run directory of the checkpoint a run started from, if it is still there."""
-    source = meta.get("base_checkpoint")
-    run_dir = Path(source).parent.parent if source else None
-    return run_dir if run_dir is not None and checkpoints.complete_checkpoints(run_dir) else None
-
-
 def newest_meta(run_dir: Path) -> dict:
     return checkpoints.load_meta(checkpoints.resolve_checkpoint(run_dir))
 
 
 def ancestor(run_dir: Path, phase: str) -> Path | None:
-    """The run of `phase` that run_dir descends from (its source, its source's source, ...)."""
+    """The run of `phase` that run_dir descends from (its source, its source's source, ... while they
+    are still there)."""
     seen = set()
-    while run_dir is not None and run_dir not in seen:
+    while run_dir not in seen:
         seen.add(run_dir)
-        run_dir = source_run(newest_meta(run_dir))
-        if run_dir is not None and newest_meta(run_dir).get("phase") == phase:
+        source = newest_meta(run_dir).get("base_checkpoint")
+        run_dir = Path(source).parent.parent if source else None
+        if run_dir is None or not checkpoints.complete_checkpoints(run_dir):
+            return None
+        if newest_meta(run_dir).get("phase") == phase:
             return run_dir
     return None
 
@@ -77,21 +73,17 @@ def pick_runs(args) -> dict:
     chosen = {}
     for phase, _ in reversed(STAGES):  # rl first: the earlier stages follow its lineage
         flag = getattr(args, f"{phase}_run")
-        if flag == NONE:
-            chosen[phase] = None
-            continue
-        if flag:
-            chosen[phase] = checkpoints.run_dir_of(flag, (phase,))
-            continue
         later = [d for d in chosen.values() if d is not None]
-        if not later:
+        if flag:
+            chosen[phase] = None if flag == NONE else checkpoints.run_dir_of(flag, (phase,))
+        elif later:
+            lineage = [a for a in (ancestor(d, phase) for d in later) if a is not None]
+            chosen[phase] = lineage[0] if lineage else None
+        else:
             try:
                 chosen[phase] = checkpoints.newest_run((phase,))
             except UserError:
                 chosen[phase] = None
-            continue
-        lineage = [a for a in (ancestor(d, phase) for d in later) if a is not None]
-        chosen[phase] = lineage[0] if lineage else None
     if not any(chosen.values()):
         raise UserError(
             f"no runs to report on in {paths.runs_dir()}: train one with "
@@ -101,23 +93,14 @@ def pick_runs(args) -> dict:
     return {phase: chosen[phase] for phase, _ in STAGES}
 
 
-def parameters(meta: dict) -> int:
-    """Parameters of the model a checkpoint's meta.json describes (its family's)."""
-    config = loading.config_of(meta, Path("meta.json"))
-    with torch.device("meta"):
-        return sum(p.numel() for p in loading.model_class(config)(config).parameters())
-
-
 def cost(meta: dict) -> str:
     """GPU-hours or core-hours of the optimizer steps."""
     device, seconds = meta.get("device"), meta["loop_state"]["train_time"]
     if not device:
         return "n/a (no device recorded)"
     if device["type"] == "cpu":
-        units = device["processes"] * device["threads_per_process"]
-        return (
-            f"{units * seconds / 3600:.3f} core-hours ({device['processes']} x {device['threads_per_process']} threads)"
-        )
+        n, threads = device["processes"], device["threads_per_process"]
+        return f"{n * threads * seconds / 3600:.3f} core-hours ({n} x {threads} threads)"
     return f"{device['processes'] * seconds / 3600:.3f} GPU-hours ({device['processes']} x {device['type']})"
 
 
@@ -149,58 +132,47 @@ def chat_cell(r: dict) -> str:
 def summary_rows(facts: dict) -> list[tuple[str, dict]]:
     """(metric, {phase: text}): one metric per row, one stage per column."""
 
-    def cell(fn):
-        return {phase: fn(f) for phase, f in facts.items() if f is not None and fn(f) is not None}
+    def cell(fn, fmt=lambda value: value):
+        values = {phase: fn(f) for phase, f in facts.items()}
+        return {phase: fmt(v) for phase, v in values.items() if v is not None}
 
-    def bpb(f):
-        value = f["meta"]["loop_state"].get("last_val_bpb")
-        return f"{value:.4f}" if value is not None else None
+    def pass_at_1(f):
+        return f["meta"]["loop_state"].get("last_evals", {}).get("pass@1") if f["meta"].get("phase") == "rl" else None
 
+    four = "{:.4f}".format
+    bpb = cell(lambda f: f["meta"]["loop_state"].get("last_val_bpb"), four)
+    rows = [("val bpb (end of training, the stage's own val split)", bpb)]
     core = cell(lambda f: f["evals"].get("base_eval", {}).get("core_subset"))
-    rows = [("val bpb (end of training, the stage's own val split)", cell(bpb))]
     if core:
-        rows.append((next(iter(core.values()))["name"], {p: f"{c['core_subset']:.4f}" for p, c in core.items()}))
+        rows.append((next(iter(core.values()))["name"], {p: four(c["core_subset"]) for p, c in core.items()}))
     for task in tasks.CHAT_TASKS:
-        found = cell(lambda f, t=task.name: f["evals"].get("chat_eval", {}).get(t))
+        found = cell(lambda f, t=task.name: f["evals"].get("chat_eval", {}).get(t), chat_cell)
         if found:
-            rows.append((f"{task.name} (chance {percent(task.chance)})", {p: chat_cell(r) for p, r in found.items()}))
-    chatcore = cell(lambda f: chat_core(f["evals"].get("chat_eval", {})))
+            rows.append((f"{task.name} (chance {percent(task.chance)})", found))
+    chatcore = cell(lambda f: chat_core(f["evals"].get("chat_eval", {})), four)
     if chatcore:
-        rows.append(("ChatCORE (six tasks, centred by chance)", {p: f"{v:.4f}" for p, v in chatcore.items()}))
-    rl = cell(
-        lambda f: (
-            f["meta"]["loop_state"].get("last_evals", {}).get("pass@1") if f["meta"].get("phase") == "rl" else None
-        )
-    )
+        rows.append(("ChatCORE (six tasks, centred by chance)", chatcore))
+    rl = cell(pass_at_1, four)
     if rl:
-        task = next(f["meta"]["args"].get("task") for f in facts.values() if f and f["meta"].get("phase") == "rl")
-        rows.append(
-            (f"pass@1 on held-out {task} questions (chat_rl's eval, sampled)", {p: f"{v:.4f}" for p, v in rl.items()})
-        )
-    rows += [
+        task = next(f["meta"]["args"].get("task") for f in facts.values() if f["meta"].get("phase") == "rl")
+        rows.append((f"pass@1 on held-out {task} questions (chat_rl's eval, sampled)", rl))
+    return rows + [
         ("training time (optimizer steps)", cell(lambda f: f"{f['meta']['loop_state']['train_time']:.0f} s")),
         ("tokens seen", cell(lambda f: f"{f['meta']['loop_state']['tokens_seen']:,}")),
         ("cost", cell(lambda f: cost(f["meta"]))),
     ]
-    return rows
-
-
-def chat_core(chat: dict) -> float | None:
-    if set(chat) != set(tasks.CHAT_TASK_NAMES):
-        return None
-    return sum((r["accuracy"] - r["chance"]) / (1 - r["chance"]) for r in chat.values()) / len(chat)
 
 
 def stage_section(phase: str, f: dict) -> list[str]:
     meta, state = f["meta"], f["meta"]["loop_state"]
-    config = meta["model_config"]
-    device = meta.get("device") or {}
+    config, device = meta["model_config"], meta.get("device") or {}
+    n_params = sum(p.numel() for p in loading.meta_model(loading.config_of(meta, Path("meta.json"))).parameters())
     first, last = state.get("first_val_bpb"), state.get("last_val_bpb")
     facts = {
         "run": f"{f['run_dir'].name} ({f['run_dir']})",
         "checkpoint": f"step {meta['step']} ({f['ckpt']})",
         "started from": meta.get("base_checkpoint", "fresh weights (the depth dial)"),
-        "model": f"{config['n_layer']} layers, n_embd {config['n_embd']}, {parameters(meta):,} parameters, "
+        "model": f"{config['n_layer']} layers, n_embd {config['n_embd']}, {n_params:,} parameters, "
         f"context {config['sequence_len']}",
         "data": meta["args"].get("dataset", "n/a"),
         "steps": f"{state['step']:,}",
@@ -304,9 +276,7 @@ def render(facts: dict) -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
-    chosen = pick_runs(args)
-    facts = {phase: stage_facts(d) if d is not None else None for phase, d in chosen.items()}
-    text = render(facts)
+    text = render({phase: stage_facts(d) if d is not None else None for phase, d in pick_runs(args).items()})
     output = Path(args.output).expanduser() if args.output else paths.home() / "report.md"
     if output.is_dir():
         raise UserError(f"argument --output: {output} is a directory; give a file name")

@@ -86,11 +86,9 @@ def main(argv=None) -> int:
         )
     args.dataset = training_dataset(args.dataset)
     manifest = documents.read_dataset_manifest(args.dataset)  # a clear error when the text is not prepared yet
-    counter = {"chars": 0}
-    t0 = time.time()
-    tokenizer = Tokenizer.train(
-        capped_texts(args.dataset, "train", args.max_chars, args.doc_cap, counter), args.vocab_size
-    )
+    counter, t0 = {"chars": 0}, time.time()
+    texts = capped_texts(args.dataset, "train", args.max_chars, args.doc_cap, counter)
+    tokenizer = Tokenizer.train(texts, args.vocab_size)
     train_s = time.time() - t0
     out = tokenizer.save(paths.tokenizer_dir())
     save_token_bytes(tokenizer, out)

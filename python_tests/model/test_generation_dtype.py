@@ -152,7 +152,7 @@ def test_a_chat_web_replica_steps_in_its_precision_from_the_pool_thread():
 
     model, tokenizer = random_model(CONFIG), byte_tokenizer()
     bf16 = precision.decide("cpu", "bf16", cpu_bf16="AMX")
-    replica = chat_web.make_replica(model, tokenizer, "cpu", 2, bf16)
+    replica = chat_web.replica(chat_web.make_engine(model, tokenizer, 2, bf16), model.config, tokenizer, "cpu")
     assert replica.engine.cache.kv.dtype == torch.bfloat16
     prompt = [tokenizer.get_bos_token_id(), 72, 105]
     got = []
@@ -172,5 +172,6 @@ def test_a_chat_web_replica_steps_in_its_precision_from_the_pool_thread():
         while direct.active:
             expected.extend(t.token for t in direct.step())
     assert got == expected and len(got) >= 1
-    plain = chat_web.make_replica(model, tokenizer, "cpu", 2)  # no precision: the model as loaded, fp32
+    # no precision: the model as loaded, fp32
+    plain = chat_web.replica(chat_web.make_engine(model, tokenizer, 2), model.config, tokenizer, "cpu")
     assert plain.engine.cache.kv.dtype == torch.float32

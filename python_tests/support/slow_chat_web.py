@@ -22,8 +22,8 @@ class SlowBuild:
     def __init__(self, delay: float):
         self.delay = delay
 
-    def __call__(self, spec):
-        engine, info = build_replica(spec)
+    def __call__(self, *args):
+        engine, info = build_replica(*args)
         return Slowed(engine, self.delay), info
 
 

@@ -54,7 +54,7 @@ def make_app(
 ):
     """The app over one CPU replica made as chat_web makes it; wrap(engine) stands in for its engine."""
     model, tokenizer = model_and_tokenizer
-    replica = chat_web.make_replica(model, tokenizer, "cpu", slots)
+    replica = chat_web.replica(chat_web.make_engine(model, tokenizer, slots), model.config, tokenizer, "cpu")
     if delay > 0:
         replica.engine = Slowed(replica.engine, delay)
     if wrap is not None:
