@@ -248,9 +248,7 @@ def build_ours(depth, data, *extra_flags, seq_len=T, compile_kwargs=None, name=N
     model, optimizers = model_setup.build_for_training(model_config(cfg), DEVICE, cfg.optim.optimizer_kwargs())
     horizon = stage.horizon(cfg, model, None)  # base_train's default horizon decides the defaults
     accum = stage.data.grad_accum_steps(cfg.data, dev.world_size)
-    dev, ns = model_setup.tune_for_training(
-        model, optimizers, dev, cfg.device.dtype, cfg.data.device_batch_size, seq_len, accum, horizon.tokens
-    )
+    dev, ns = model_setup.tune_for_training(model, optimizers, dev, cfg.device.dtype, cfg.data, accum, horizon.tokens)
     if compile_kwargs is None:
         step_model, why = model_setup.compile_for_training(
             model,

@@ -75,22 +75,15 @@ def tuning_works(depth: int, vocab_size: int, seq_len: int, rows: int, device) -
     return [step_work(model, rows, seq_len, device), newton_schulz_work(muon_stacks, 5, "quintic", device)]
 
 
-def tune_for_training(
-    model: GPT,
-    optimizers: list,
-    dev,
-    requested_dtype: str,
-    rows: int,
-    seq_len: int,
-    grad_accum_steps: int,
-    run_tokens: int | None,
-):
+def tune_for_training(model: GPT, optimizers: list, dev, dtype: str, data, grad_accum_steps: int, run_tokens):
     """(dev with the model's compute dtype, Newton-Schulz's precision) for this run: on a CPU, auto
-    times one micro-batch of this model and Muon on its own matrices, within a budget of a few
-    percent of the run (run_tokens, all processes; None: unknown). An explicit flag stands."""
+    times one micro-batch (`data`: a DataConfig) of this model and Muon on its own matrices, within a
+    budget of a few percent of the run (run_tokens, all processes; None: unknown). An explicit flag
+    stands."""
+    rows, seq_len = data.device_batch_size, data.max_seq_len
     micro_steps = run_tokens // (rows * seq_len * dev.world_size) if run_tokens else None
     work = step_work(model, rows, seq_len, dev.device, micro_steps)
-    dev = replace(dev, precision=precision.choose(dev.device, requested_dtype, warn=False, work=work))
+    dev = replace(dev, precision=precision.choose(dev.device, dtype, warn=False, work=work))
     muon = next(opt for opt in optimizers if opt.kind == "muon")
     return dev, muon.resolve_ns_precision(micro_steps // grad_accum_steps if micro_steps else None, warn=False)
 

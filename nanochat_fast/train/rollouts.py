@@ -1,9 +1,9 @@
 """
-chat_rl's data and objective. Rollouts, a stage's data object, samples each step's questions from
-the model being trained, through the batch engine, and yields one micro-batch (inputs, targets,
-advantages) per question; the same samples on 1 and N processes. The objective (nanochat's "GRPO",
-close to REINFORCE): -sum A * log p over the sampled tokens of the step, divided by their count.
-The stream, seeds and objective in full: docs/measurements.md#rl-rollouts.
+chat_rl's data. Rollouts, a stage's data object, samples each step's questions from the model being
+trained, through the batch engine, and yields one micro-batch (inputs, targets, advantages) per
+question; the same samples on 1 and N processes. The objective (nanochat's "GRPO", close to
+REINFORCE; training_loop.micro_batch_loss): -sum A * log p over the sampled tokens of the step,
+divided by their count. The stream, seeds and objective in full: docs/measurements.md#rl-rollouts.
 """
 
 import random
@@ -18,6 +18,7 @@ from ..model.batch_engine import BatchEngine, Request, stop_tokens
 from ..model.generation import decode_reply, fit_context
 from .run_state import Horizon
 from .stage_data import ConversationShards, Data, stage_val_batches
+from .training_config import micro_steps
 
 
 def advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -42,12 +43,6 @@ def rollout_batch(
     return ids[:, :-1].to(device), targets.to(device), advantage.to(device=device, dtype=torch.float32)
 
 
-def weighted_loss_sum(token_losses: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
-    """sum over rows and tokens of weight_row * loss_token: with the sampled tokens' cross-entropies
-    (0 where the target is -1) and the advantages, -sum A * log p."""
-    return (token_losses.float() * row_weights.unsqueeze(1)).sum()
-
-
 @dataclass(frozen=True)
 class Sampling:
     """How a question's samples are drawn (chat_rl's flags)."""
@@ -57,10 +52,6 @@ class Sampling:
     temperature: float
     top_k: int | None
     device_batch_size: int  # rows sampled together (at least one question's samples)
-
-    @property
-    def questions_per_group(self) -> int:
-        return max(1, self.device_batch_size // self.num_samples)
 
 
 def split_examples(task, eval_examples: int) -> tuple[list, list, str]:
@@ -76,14 +67,11 @@ def split_examples(task, eval_examples: int) -> tuple[list, list, str]:
             f"--eval-examples {eval_examples} leaves no {task.name} question to train on (its "
             f"{task.eval_split} split holds {len(evaluated)}); lower it"
         )
-    return (
-        train,
-        held_out,
-        (
-            f"{task.name} has no train split prepared: RL trains on its other {len(train):,} "
-            f"{task.eval_split} questions, so chat_eval's {task.name} score of this run is not clean"
-        ),
+    note = (
+        f"{task.name} has no train split prepared: RL trains on its other {len(train):,} "
+        f"{task.eval_split} questions, so chat_eval's {task.name} score of this run is not clean"
     )
+    return train, held_out, note
 
 
 class Rollouts:
@@ -97,14 +85,8 @@ class Rollouts:
         self.sampling, self.eval_examples = sampling, eval_examples
 
     def grad_accum_steps(self, data_config, world_size: int) -> int:
-        if self.examples_per_step % world_size:
-            below = self.examples_per_step // world_size * world_size
-            options = " or ".join(str(v) for v in (below, below + world_size) if v > 0)
-            raise UserError(
-                f"--examples-per-step {self.examples_per_step} is not a multiple of the {world_size} "
-                f"processes (each samples the same number of questions); nearest valid values: {options}"
-            )
-        return self.examples_per_step // world_size
+        what = f"the {world_size} processes (each samples the same number of questions)"
+        return micro_steps("--examples-per-step", self.examples_per_step, world_size, what)
 
     def open(self, args, cfg, tokenizer, dev, model=None) -> Data:
         train, held_out, note = split_examples(self.task, self.eval_examples)
@@ -161,18 +143,6 @@ class RolloutLoader:
         self.pad = tokenizer.encode_special("<|assistant_end|>")
         self.stop = stop_tokens(tokenizer)
 
-    @property
-    def n_docs(self) -> int:
-        return len(self.examples)
-
-    @property
-    def epochs_done(self) -> int:
-        return self.position // len(self.examples)
-
-    @property
-    def epoch_progress(self) -> float:
-        return self.position / len(self.examples)
-
     def question(self, place: int) -> dict:
         n, epoch = len(self.examples), place // len(self.examples)
         if self._order[0] != epoch:
@@ -196,24 +166,20 @@ class RolloutLoader:
         self.position += self.examples_per_step
         self.stats.zero_()
         places = list(range(first, first + per_rank))
-        group = self.sampling.questions_per_group
+        group = max(1, self.sampling.device_batch_size // self.sampling.num_samples)  # questions sampled together
         batches = []
         for start in range(0, per_rank, group):
             batches += self.sample_group(places[start : start + group])
         return batches
 
     def sample_group(self, places: list[int]) -> list:
-        s, bos = self.sampling, self.tokenizer.get_bos_token_id()
+        s, bos, render = self.sampling, self.tokenizer.get_bos_token_id(), self.tokenizer.render_for_completion
         questions = [self.question(p) for p in places]
         prompts = [
-            fit_context(
-                self.tokenizer.render_for_completion(self.task.conversation(q)), s.max_new_tokens, self.seq_len, bos
-            )
-            for q in questions
+            fit_context(render(self.task.conversation(q)), s.max_new_tokens, self.seq_len, bos) for q in questions
         ]
-        samples = sample_rows(
-            self.model, self.tokenizer, prompts, s, [self.seed + p * s.num_samples for p in places], self.dev
-        )
+        seeds = [self.seed + p * s.num_samples for p in places]
+        samples = sample_rows(self.model, self.tokenizer, prompts, s, seeds, self.dev)
         batches = []
         for question, (prompt, _), rows in zip(questions, prompts, samples):
             texts = [decode_reply(self.tokenizer, [t for t in ids if t not in self.stop]) for ids, _ in rows]

@@ -10,7 +10,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,56 +48,26 @@ class Progress:
             self.bar.close()
 
 
-@dataclass
-class StepRecord:
-    """What one finished step measured."""
-
-    step: int  # steps done, this one included
-    num_iterations: int | None  # the horizon in steps (None: until the data's epoch is done)
-    loss: float
-    grad_norm: float
-    lrm: float  # the learning-rate multiplier of the schedule
-    dt: float  # seconds, a compile inside the step left out
-    tokens: int  # input tokens of the step on all ranks
-    smooth_loss: float  # the debiased EMA of the loss
-    eta_seconds: float | None
-    tokens_seen: int
-    extra: dict = field(default_factory=dict)  # the loader's own figures of the step (chat_rl: reward, ...)
-
-
-def describe_step(m: StepRecord, flops_per_token: float, peak: hw.Peak | None, world_size: int):
-    """The step's log line, progress-bar postfix and metrics row. `peak`: one process's (None: MFU
-    n/a), named once in the run's summary, not on every line."""
-    tok_per_sec = m.tokens / m.dt
-    mfu = hw.mfu(flops_per_token, tok_per_sec, peak, world_size) if peak is not None else None
-    mfu_text = hw.mfu_text(flops_per_token, tok_per_sec, peak, world_size, against=False)
-    total = f"/{m.num_iterations}" if m.num_iterations else ""
+def describe_step(row: dict, extra: dict, run, eta_seconds: float | None) -> tuple[str, str]:
+    """The step's log line and progress-bar postfix, its row's mfu set. The peak (one process's;
+    None: MFU n/a) is named once in the run's summary, not on every line."""
+    tok_per_sec, peak = row["tok_per_sec"], run.peak
+    if peak is not None:
+        row["mfu"] = hw.mfu(run.flops_per_token, tok_per_sec, peak, run.world_size)
+    mfu_text = hw.mfu_text(run.flops_per_token, tok_per_sec, peak, run.world_size, against=False)
+    total = f"/{run.horizon.num_iterations}" if run.horizon.num_iterations else ""
     eta = ""
-    if m.eta_seconds is not None:
-        s = int(m.eta_seconds)
+    if eta_seconds is not None:
+        s = int(eta_seconds)
         eta = f" | eta {s // 3600}h{(s % 3600) // 60:02d}m" if s >= 3600 else f" | eta {s // 60}m{s % 60:02d}s"
-    extra = "".join(f" | {k.replace('_', ' ')} {v:.4g}" for k, v in m.extra.items())
+    shown = "".join(f" | {k.replace('_', ' ')} {v:.4g}" for k, v in extra.items())
     line = (
-        f"step {m.step:05d}{total} | loss {m.loss:.4f}{extra} | lrm {m.lrm:.3f} | dt {m.dt * 1000:.0f}ms | "
-        f"tok/s {tok_per_sec:,.0f} | {mfu_text}{eta}"
-    )
-    postfix = f"loss {m.loss:.3f}{extra.replace(' | ', ' ')} tok/s {tok_per_sec:,.0f}"
-    row = dict(
-        kind="train",
-        step=m.step,
-        loss=m.loss,
-        smooth_loss=m.smooth_loss,
-        lrm=m.lrm,
-        grad_norm=m.grad_norm,
-        dt=m.dt,
-        tok_per_sec=tok_per_sec,
-        mfu=mfu,
-        tokens_seen=m.tokens_seen,
-        **m.extra,
+        f"step {row['step']:05d}{total} | loss {row['loss']:.4f}{shown} | lrm {row['lrm']:.3f} | "
+        f"dt {row['dt'] * 1000:.0f}ms | tok/s {tok_per_sec:,.0f} | {mfu_text}{eta}"
     )
     if torch.cuda.is_initialized():  # this process's GPU: what a larger batch or model has left to grow into
         row["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
-    return line, postfix, row
+    return line, f"loss {row['loss']:.3f}{shown.replace(' | ', ' ')} tok/s {tok_per_sec:,.0f}"
 
 
 class MetricsLog:

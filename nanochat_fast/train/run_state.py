@@ -13,6 +13,7 @@ import torch
 
 from .. import checkpoints, hardware
 from ..core.distributed import print0
+from ..data.tokenizer import get_token_bytes
 from ..hardware.process_setup import ProcessSetup
 from ..model import sharding
 from .stage_data import Data
@@ -53,16 +54,13 @@ class Run:
     orig_model: torch.nn.Module  # the plain module (FSDP-sharded with --sharding=fsdp): state_dict keys
     optimizers: list
     data: Data  # .train (this rank's loader), .val_batches()
-    token_bytes: torch.Tensor
     run_dir: Path
     grad_accum_steps: int
-    flops_per_token: float
     horizon: Horizon
     optim: OptimConfig  # grad_clip and the lr schedule
     loop: LoopConfig  # eval/sample/save cadence, NaN guard
     dev: ProcessSetup  # device, rank, world_size, precision
     peak: hardware.Peak | None  # the peak MFU is quoted against (None: n/a)
-    compiled: bool  # model is torch.compile'd: the first step's compile is timed apart
     meta: Callable[[], dict]  # model config, settings... for meta.json
     sample: Callable[[torch.nn.Module], list[str]]  # a few generations of a plain model to print (rank 0 only)
     evals: tuple = ()  # (name, fn(model) -> {metric: value}) run with every val bpb eval
@@ -74,6 +72,9 @@ class Run:
     def __post_init__(self):
         self.device, self.rank, self.world_size = self.dev.device, self.dev.rank, self.dev.world_size
         self.autocast_ctx = self.dev.autocast()
+        self.token_bytes = get_token_bytes(device=self.device)
+        self.flops_per_token = self.orig_model.estimate_flops()
+        self.compiled = self.model is not self.orig_model  # the first step's compile is timed apart
 
 
 def save(run: Run) -> Path:

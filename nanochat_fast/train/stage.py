@@ -17,7 +17,7 @@ from ..core import cli, threads
 from ..core.cli import flag_name, flag_values
 from ..core.distributed import print0, torn_down
 from ..core.errors import UserError
-from ..data.tokenizer import Tokenizer, get_token_bytes, get_tokenizer
+from ..data.tokenizer import Tokenizer, get_tokenizer
 from ..hardware.process_setup import ProcessSetup
 from ..model import generation, loading
 from ..model.gpt import GPT, GPTConfig
@@ -235,14 +235,7 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
     cfg, orig_model, tokenizer = setup.cfg, setup.orig_model, setup.tokenizer
     horizon = stage.horizon(cfg, orig_model, data)
     dev, ns = model_setup.tune_for_training(
-        orig_model,
-        setup.optimizers,
-        setup.dev,
-        cfg.device.dtype,
-        cfg.data.device_batch_size,
-        setup.point.seq_len,
-        setup.grad_accum_steps,
-        horizon.tokens,
+        orig_model, setup.optimizers, setup.dev, cfg.device.dtype, cfg.data, setup.grad_accum_steps, horizon.tokens
     )
     print0(f"precision: {dev.precision.describe()}")
     optimizers = model_setup.shard_for_training(orig_model, setup.optimizers, cfg.optim, dev)
@@ -256,16 +249,13 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
         orig_model=orig_model,
         optimizers=optimizers,
         data=data,
-        token_bytes=get_token_bytes(device=dev.device),
         run_dir=setup.run_dir,
         grad_accum_steps=setup.grad_accum_steps,
-        flops_per_token=orig_model.estimate_flops(),
         horizon=horizon,
         optim=cfg.optim,
         loop=cfg.loop,
         dev=dev,
         peak=peak,
-        compiled=model is not orig_model,
         meta=meta_of_run(stage, setup, dev, settings),
         sample=lambda model: stage.sample(model, tokenizer),
         evals=tuple((name, make(cfg, tokenizer, dev)) for name, make in stage.evals),
@@ -303,9 +293,7 @@ def train_and_report(run: Run, stage: Stage, setup: RunSetup, sections: dict) ->
     """The loop, then (rank 0) the report and the command to run next."""
     metrics = None
     if run.rank == 0:  # only rank 0 logs, to metrics.jsonl and the trackers asked for (--wandb, --tensorboard)
-        trackers = tracking.open_trackers(
-            setup.cfg.run.wandb, setup.cfg.run.tensorboard, setup.run_name, setup.run_dir, sections["Settings"]
-        )
+        trackers = tracking.open_trackers(setup.cfg.run, setup.run_name, setup.run_dir, sections["Settings"])
         metrics = MetricsLog(
             setup.run_dir / "metrics.jsonl", resume_step=run.state.step if setup.ckpt else None, trackers=trackers
         )

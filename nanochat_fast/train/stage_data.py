@@ -204,12 +204,9 @@ class PaddedConversations:
         self.examples_per_step, self.sources = examples_per_step, sources
 
     def grad_accum_steps(self, data_config, world_size: int) -> int:
-        return micro_steps(
-            "--target-examples-per-step",
-            self.examples_per_step,
-            "device_batch_size x world_size",
-            (data_config.device_batch_size, world_size),
-        )
+        rows = data_config.device_batch_size
+        what = f"device_batch_size x world_size = {rows} x {world_size} = {rows * world_size}"
+        return micro_steps("--target-examples-per-step", self.examples_per_step, rows * world_size, what)
 
     def open(self, args, cfg, tokenizer, dev, model=None) -> Data:
         train_parts, val_parts, dataset, notes = self.sources(args, cfg, tokenizer)

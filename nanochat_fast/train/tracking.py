@@ -87,13 +87,13 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-def open_trackers(wandb_project: str, tensorboard: bool, run_name: str, run_dir: Path, config: dict) -> list:
-    """The trackers a run asked for (possibly none); MetricsLog hands each every row's metrics."""
+def open_trackers(run_config, run_name: str, run_dir: Path, config: dict) -> list:
+    """The trackers run_config (--wandb, --tensorboard) asks for; MetricsLog hands each every row's metrics."""
     trackers = []
-    if wandb_project:
+    if run_config.wandb:
         require("wandb")
-        trackers.append(WandbTracker(wandb_project, run_name, run_dir, config))
-    if tensorboard:
+        trackers.append(WandbTracker(run_config.wandb, run_name, run_dir, config))
+    if run_config.tensorboard:
         require("tensorboard")
         trackers.append(TensorBoardTracker(run_dir))
     return trackers

@@ -1,9 +1,8 @@
 """
 A training run's configuration: one small frozen object per component (model, data, horizon,
-optimization, loop, device, run), each validated when it is built. A field is declared once, with
-its default, check and help: add_flags makes it a flag whose argparse type is the check, and
-__post_init__ runs the check again on a config built in code. A bad value is a UserError in
-argparse's words ("argument --depth: must be a positive integer, got 0"), exit code 2.
+optimization, loop, device, run). A field is declared once, with its default, check and help:
+add_flags makes it a flag whose argparse type is the check, and __post_init__ runs the check again
+on a config built in code. A bad value is a UserError in argparse's words, exit code 2.
 """
 
 import argparse
@@ -13,21 +12,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..core import cli, rank_watch
-from ..core.cli import (
-    boolean,
-    choice,
-    fraction,
-    integer,
-    non_negative_float,
-    non_negative_int,
-    optional,
-    positive_float,
-    positive_int,
-    positive_or_unset_float,
-    positive_or_unset_int,
-    random_seed,
-    run_name,
-)
 from ..core.errors import UserError
 from ..hardware import precision
 from ..hardware.process_setup import ProcessSetup
@@ -55,15 +39,14 @@ class Config:
 
     @classmethod
     def add_flags(cls, parser, only=None, **defaults):
-        """The flags of `cls` (or of the fields in `only`), with this script's `defaults` (e.g.
-        mid_train evaluates more often); their argument group."""
+        """The flags of `cls` (or of the fields in `only`) with this script's `defaults`; their group."""
         group = parser.add_argument_group(cls.GROUP)
         for f in fields(cls):
             if only is not None and f.name not in only:
                 continue
             meta = dict(f.metadata)
             check, default = meta.pop("check"), defaults.pop(f.name, f.default)
-            if check is boolean:
+            if check is cli.boolean:
                 meta["action"] = "store_true"
             elif meta.pop("optional_bool", False):
                 meta["action"] = argparse.BooleanOptionalAction
@@ -82,7 +65,7 @@ class Config:
 
 def muon_recipe_name(value) -> str:
     """--muon-recipe's check: a preset's name (a former name becomes the new one, with a notice)."""
-    return choice(*PRESET_NAMES)(preset_name(value))
+    return cli.choice(*PRESET_NAMES)(preset_name(value))
 
 
 def window_pattern(value) -> str:
@@ -117,14 +100,14 @@ class ModelConfig(Config):
     GROUP = "model"
     arch: str = flag(
         "gpt",
-        choice(*ARCHES),
+        cli.choice(*ARCHES),
         "model family: gpt or windowed (nanochat's today: sliding windows, value embeddings, per-layer scalars, "
         "smear and backout; also sets its recipe's defaults)",
         choices=list(ARCHES),
     )
-    depth: int = flag(20, positive_int, "transformer layers; sets width and heads")
-    aspect_ratio: int = flag(64, positive_int, "n_embd ~= aspect_ratio * depth")
-    head_dim: int = flag(128, positive_int, "attention head dimension")
+    depth: int = flag(20, cli.positive_int, "transformer layers; sets width and heads")
+    aspect_ratio: int = flag(64, cli.positive_int, "n_embd ~= aspect_ratio * depth")
+    head_dim: int = flag(128, cli.positive_int, "attention head dimension")
     window_pattern: str = flag(
         "SSSL", window_pattern, "windowed: S (a quarter of the context) and L (all of it) tiled over the layers"
     )
@@ -149,54 +132,47 @@ class ModelConfig(Config):
 class DataConfig(Config):
     GROUP = "data and batch"
     dataset: str = flag("", cli.plain_name, "dataset name under NANOCHAT_FAST_HOME/tokens/ ('': the stage's own)")
-    max_seq_len: int | None = flag(2048, optional(positive_int), "context length (tokens per row)")
-    device_batch_size: int = flag(32, positive_int, "rows per micro-step per process")
-    total_batch_size: int = flag(524288, positive_int, "tokens per optimizer step, all processes")
+    max_seq_len: int | None = flag(2048, cli.optional(cli.positive_int), "context length (tokens per row)")
+    device_batch_size: int = flag(32, cli.positive_int, "rows per micro-step per process")
+    total_batch_size: int = flag(524288, cli.positive_int, "tokens per optimizer step, all processes")
 
     def grad_accum_steps(self, world_size: int) -> int:
-        return micro_steps(
-            "--total-batch-size",
-            self.total_batch_size,
-            "device_batch_size x max_seq_len x world_size",
-            (self.device_batch_size, self.max_seq_len, world_size),
-        )
+        factors = (self.device_batch_size, self.max_seq_len, world_size)
+        what = f"device_batch_size x max_seq_len x world_size = {' x '.join(map(str, factors))} = {math.prod(factors)}"
+        return micro_steps("--total-batch-size", self.total_batch_size, math.prod(factors), what)
 
 
-def micro_steps(flag: str, total: int, what: str, factors: tuple) -> int:
-    """total / product(factors): the micro-steps of an optimizer step, or a UserError naming the
-    nearest totals that divide."""
-    per_micro_step = math.prod(factors)
+def micro_steps(flag: str, total: int, per_micro_step: int, what: str) -> int:
+    """total / per_micro_step, the micro-steps of an optimizer step; else a UserError saying what
+    per_micro_step is and naming the nearest totals that divide."""
     if total % per_micro_step:
         below = total // per_micro_step * per_micro_step
-        options = [v for v in (below, below + per_micro_step) if v > 0]
-        raise UserError(
-            f"{flag} {total} is not a multiple of {what} = {' x '.join(map(str, factors))} = "
-            f"{per_micro_step}; nearest valid values: {' or '.join(str(v) for v in options)}"
-        )
+        options = " or ".join(str(v) for v in (below, below + per_micro_step) if v > 0)
+        raise UserError(f"{flag} {total} is not a multiple of {what}; nearest valid values: {options}")
     return total // per_micro_step
 
 
 @dataclass(frozen=True)
 class HorizonConfig(Config):
     GROUP = "horizon (first one set wins)"
-    num_iterations: int = flag(-1, positive_or_unset_int, "optimizer steps (-1: use the next option)")
-    target_flops: float = flag(-1.0, positive_or_unset_float, "training FLOPs budget (-1: use the next option)")
-    target_param_data_ratio: float = flag(-1.0, positive_or_unset_float, "tokens per parameter (Chinchilla ~20)")
+    num_iterations: int = flag(-1, cli.positive_or_unset_int, "optimizer steps (-1: use the next option)")
+    target_flops: float = flag(-1.0, cli.positive_or_unset_float, "training FLOPs budget (-1: use the next option)")
+    target_param_data_ratio: float = flag(-1.0, cli.positive_or_unset_float, "tokens per parameter (Chinchilla ~20)")
 
 
 @dataclass(frozen=True)
 class OptimConfig(Config):
     GROUP = "optimization"
-    embedding_lr: float = flag(0.2, non_negative_float, "AdamW lr of the token embedding")
-    unembedding_lr: float = flag(0.004, non_negative_float, "AdamW lr of lm_head")
-    matrix_lr: float = flag(0.02, non_negative_float, "Muon lr of the block matrices")
-    weight_decay: float = flag(0.0, non_negative_float, "AdamW weight decay (windowed: its groups have their own)")
-    scalar_lr: float = flag(0.5, non_negative_float, "windowed: AdamW lr of the per-layer scalars")
-    grad_clip: float = flag(1.0, non_negative_float, "clip the global grad norm to this (0: off)")
-    warmup_ratio: float = flag(0.0, fraction, "fraction of steps of linear lr warmup")
-    warmup_steps: int = flag(0, non_negative_int, "steps of linear lr warmup (instead of --warmup-ratio when > 0)")
-    warmdown_ratio: float = flag(0.2, fraction, "fraction of steps of linear lr warmdown")
-    final_lr_frac: float = flag(0.0, fraction, "lr at the end, as a fraction of the peak")
+    embedding_lr: float = flag(0.2, cli.non_negative_float, "AdamW lr of the token embedding")
+    unembedding_lr: float = flag(0.004, cli.non_negative_float, "AdamW lr of lm_head")
+    matrix_lr: float = flag(0.02, cli.non_negative_float, "Muon lr of the block matrices")
+    weight_decay: float = flag(0.0, cli.non_negative_float, "AdamW weight decay (windowed: its groups have their own)")
+    scalar_lr: float = flag(0.5, cli.non_negative_float, "windowed: AdamW lr of the per-layer scalars")
+    grad_clip: float = flag(1.0, cli.non_negative_float, "clip the global grad norm to this (0: off)")
+    warmup_ratio: float = flag(0.0, cli.fraction, "fraction of steps of linear lr warmup")
+    warmup_steps: int = flag(0, cli.non_negative_int, "steps of linear lr warmup (instead of --warmup-ratio when > 0)")
+    warmdown_ratio: float = flag(0.2, cli.fraction, "fraction of steps of linear lr warmdown")
+    final_lr_frac: float = flag(0.0, cli.fraction, "lr at the end, as a fraction of the peak")
     muon_recipe: str = flag(
         "quintic",
         muon_recipe_name,
@@ -208,32 +184,32 @@ class OptimConfig(Config):
     )
     ns_dtype: str = flag(
         "auto",
-        choice(*precision.CHOICES),
+        cli.choice(*precision.CHOICES),
         "dtype Newton-Schulz computes in (auto: bf16 on CUDA sm80+; on a CPU the faster one, timed at Muon's "
         "matrices and cached)",
         choices=list(precision.CHOICES),
     )
     ns_coefficients: str | None = flag(
         None,
-        optional(choice("quintic", "polar_express")),
+        cli.optional(cli.choice("quintic", "polar_express")),
         "Newton-Schulz coefficients (default: the recipe's)",
         choices=["quintic", "polar_express"],
     )
     normuon: bool | None = flag(
         None,
-        optional(boolean),
+        cli.optional(cli.boolean),
         "NorMuon's per-row normalisation of the update (default: the recipe's)",
         optional_bool=True,
     )
     muon_weight_decay: float | None = flag(
         None,
-        optional(non_negative_float),
+        cli.optional(cli.non_negative_float),
         "Muon's weight decay (default: the recipe's: 0 for quintic, 0.28 cautious and cosine-scheduled for "
         "polar-normuon)",
     )
     sharding: str = flag(
         "zero2",
-        choice("zero2", "fsdp"),
+        cli.choice("zero2", "fsdp"),
         "how several processes share the model: zero2 (each holds the whole model and gradient, the optimizer "
         "state is sharded) or fsdp (parameters, gradients and optimizer state all sharded by FSDP2; for models "
         "that do not fit one device; needs >= 2 processes)",
@@ -268,45 +244,41 @@ class OptimConfig(Config):
 
     def optimizer_kwargs(self) -> dict:
         """The keyword arguments of GPT.setup_optimizers."""
-        return dict(
-            unembedding_lr=self.unembedding_lr,
-            embedding_lr=self.embedding_lr,
-            matrix_lr=self.matrix_lr,
-            weight_decay=self.weight_decay,
-            muon_recipe=self.recipe(),
-            scalar_lr=self.scalar_lr,
-        )
+        names = ("unembedding_lr", "embedding_lr", "matrix_lr", "weight_decay", "scalar_lr")
+        return {name: getattr(self, name) for name in names} | {"muon_recipe": self.recipe()}
 
 
 @dataclass(frozen=True)
 class LoopConfig(Config):
     GROUP = "evaluation and checkpoints"
     eval_every: int = flag(
-        250, integer, "steps between val bits-per-byte evals, also run at the start and the end (<=0: never)"
+        250, cli.integer, "steps between val bits-per-byte evals, also run at the start and the end (<=0: never)"
     )
-    eval_tokens: int = flag(20 * 524288, positive_int, "validation tokens per eval")
-    sample_every: int = flag(2000, integer, "steps between printed samples (<=0: never)")
-    save_every: int = flag(-1, integer, "steps between checkpoints (<=0: only at the end and when stopped)")
-    keep_last: int = flag(0, non_negative_int, "keep only the newest K complete checkpoints (0: all)")
+    eval_tokens: int = flag(20 * 524288, cli.positive_int, "validation tokens per eval")
+    sample_every: int = flag(2000, cli.integer, "steps between printed samples (<=0: never)")
+    save_every: int = flag(-1, cli.integer, "steps between checkpoints (<=0: only at the end and when stopped)")
+    keep_last: int = flag(0, cli.non_negative_int, "keep only the newest K complete checkpoints (0: all)")
     skip_nonfinite: int = flag(
-        0, non_negative_int, "skip up to N steps whose loss or grad norm is not finite instead of stopping"
+        0, cli.non_negative_int, "skip up to N steps whose loss or grad norm is not finite instead of stopping"
     )
 
 
 @dataclass(frozen=True)
 class DeviceConfig(Config):
     GROUP = "device"
-    device_type: str = flag("", choice("", "cpu", "cuda", "mps"), "'' = autodetect", choices=["", "cpu", "cuda", "mps"])
+    device_type: str = flag(
+        "", cli.choice("", "cpu", "cuda", "mps"), "'' = autodetect", choices=["", "cpu", "cuda", "mps"]
+    )
     dtype: str = flag(
         "auto",
-        choice(*precision.CHOICES),
+        cli.choice(*precision.CHOICES),
         "compute dtype of the model's matmuls (auto: bf16 on CUDA sm80+; on a CPU the faster one, timed at the "
         "run's shapes and cached; fp32 on MPS)",
         choices=list(precision.CHOICES),
     )
     collective_timeout: float = flag(
         rank_watch.DEFAULT_TIMEOUT_S,
-        positive_float,
+        cli.positive_float,
         "seconds a collective waits for the other ranks after the first step (which, like saves and "
         f"evaluations, gets at least {rank_watch.GENEROUS_S:g} s); a stuck rank is then named in one line "
         "and the run exits non-zero, for torchrun --max-restarts and --resume auto",
@@ -342,7 +314,7 @@ def evaluation_process(args):
 @dataclass(frozen=True)
 class RunConfig(Config):
     GROUP = "run"
-    run: str = flag("", run_name, "run name: a folder under NANOCHAT_FAST_HOME/runs ('': the stage's default)")
+    run: str = flag("", cli.run_name, "run name: a folder under NANOCHAT_FAST_HOME/runs ('': the stage's default)")
     out_dir: str = flag("", str, "run directory anywhere (default: NANOCHAT_FAST_HOME/runs/<run>)")
     resume: str = flag(
         "",
@@ -351,16 +323,16 @@ class RunConfig(Config):
         "checkpoint directory",
         metavar="auto|PATH",
     )
-    overwrite: bool = flag(False, boolean, "delete an existing run directory and start over")
+    overwrite: bool = flag(False, cli.boolean, "delete an existing run directory and start over")
     compile: bool | None = flag(
         None,
-        optional(boolean),
+        cli.optional(cli.boolean),
         "torch.compile the training step (default: on for CUDA and CPU unless the run is too short to win back "
         "the one-time compile, or its row lengths vary; off on MPS; the log says which and why)",
         optional_bool=True,
     )
-    seed: int = flag(42, random_seed, "random seed")
-    deterministic: bool = flag(False, boolean, "bitwise reproducible CPU runs (slower)")
+    seed: int = flag(42, cli.random_seed, "random seed")
+    deterministic: bool = flag(False, cli.boolean, "bitwise reproducible CPU runs (slower)")
     wandb: str = flag(
         "",
         cli.plain_name,
@@ -370,7 +342,7 @@ class RunConfig(Config):
     )
     tensorboard: bool = flag(
         False,
-        boolean,
+        cli.boolean,
         "also write TensorBoard event files into the run folder's tensorboard/ "
         '(needs pip install "nanochat_fast[tensorboard]")',
     )
@@ -411,24 +383,14 @@ class TrainingConfig:
         for name, value in ARCH_PRESETS.get(getattr(args, "arch", ""), {}).items():
             if hasattr(args, name) and name not in explicit:
                 setattr(args, name, value)
-        return cls(
-            model=ModelConfig.from_args(args) if with_model else None,
-            data=DataConfig.from_args(args),
-            horizon=HorizonConfig.from_args(args),
-            optim=OptimConfig.from_args(args),
-            loop=LoopConfig.from_args(args),
-            device=DeviceConfig.from_args(args),
-            run=RunConfig.from_args(args),
-            explicit=explicit,
-        )
+        parts = (DataConfig, HorizonConfig, OptimConfig, LoopConfig, DeviceConfig, RunConfig)  # in field order
+        model = ModelConfig.from_args(args) if with_model else None
+        return cls(model, *(part.from_args(args) for part in parts), explicit)
 
     def as_dict(self) -> dict:
         """Every setting, flat (meta.json's "args" and the report's table)."""
-        out = {}
-        for part in (self.model, self.data, self.horizon, self.optim, self.loop, self.device, self.run):
-            if part is not None:
-                out.update(asdict(part))
-        return out
+        parts = (self.model, self.data, self.horizon, self.optim, self.loop, self.device, self.run)
+        return {k: v for part in parts if part is not None for k, v in asdict(part).items()}
 
 
 def add_training_flags(parser, **defaults):

@@ -22,8 +22,7 @@ from ..core.distributed import all_reduce_sum, any_rank, get_dist_info, print0
 from ..core.errors import EXIT_NONFINITE
 from ..evals.bits_per_byte import evaluate_bpb
 from ..model import sharding
-from .rollouts import weighted_loss_sum
-from .run_report import MetricsLog, Progress, StepRecord, describe_step
+from .run_report import MetricsLog, Progress, describe_step
 from .run_state import Horizon, Run, save
 
 
@@ -97,8 +96,8 @@ def train(run: Run, metrics: MetricsLog | None) -> int:
                     continue  # the same step again, on the next batches
                 return stop_nonfinite(run, at.step, result)
             with rank_watch.phase("the training step", at.step + 1):
-                record = count_step(s, result, lrm, dt)  # loop state, smoothed loss and ETA (RL: all-reduced)
-            log_step(s, record)
+                row, extra = count_step(s, result, lrm, dt)  # loop state, smoothed loss (RL: all-reduced)
+            log_step(s, row, extra)
     finally:
         s.close()
 
@@ -241,11 +240,11 @@ def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx) -> Ste
 
 def micro_batch_loss(model, batch):
     """The summed loss of (x, y): the cross-entropy; of (x, y, row_weights): each row's token
-    cross-entropies times its weight."""
+    cross-entropies (0 where the target is -1) times its weight, with chat_rl's advantages -sum A * log p."""
     x, y, *weights = batch
     if not weights:
         return model(x, y, loss_reduction="sum")
-    return weighted_loss_sum(model(x, y, loss_reduction="none"), weights[0])
+    return (model(x, y, loss_reduction="none").float() * weights[0].unsqueeze(1)).sum()
 
 
 def without_compile_time(s: Session, step: int, dt: float, watch: CompileWatch | None) -> float:
@@ -287,29 +286,30 @@ def stop_nonfinite(run: Run, step: int, result: StepResult) -> int:
     return EXIT_NONFINITE
 
 
-def count_step(s: Session, result: StepResult, lrm: float, dt: float) -> StepRecord:
-    """Add a finished step to the loop state; what it measured."""
-    state, horizon = s.run.state, s.run.horizon
+def count_step(s: Session, result: StepResult, lrm: float, dt: float) -> tuple[dict, dict]:
+    """Add a finished step to the loop state; its metrics row (mfu: set by describe_step) and the
+    loader's own figures of the step (chat_rl: reward, ...)."""
+    state = s.run.state
     state.step += 1
     state.train_time += dt
     state.tokens_seen += result.n_tokens
-    beta = 0.9  # EMA of the loss, debiased as in nanochat (and of dt: the recent speed)
+    beta = 0.9  # EMA of the loss, debiased as in nanochat (and of dt: the recent speed, for the ETA)
     state.smooth_loss = beta * state.smooth_loss + (1 - beta) * result.loss
     s.dt_ema = dt if s.dt_ema is None else beta * s.dt_ema + (1 - beta) * dt
-    step_metrics = getattr(s.run.data.train, "step_metrics", None)  # on every rank: it may all-reduce
-    return StepRecord(
-        state.step,
-        horizon.num_iterations,
-        result.loss,
-        result.grad_norm,
-        lrm,
-        dt,
-        result.n_tokens,
+    row = dict(
+        kind="train",
+        step=state.step,
+        loss=result.loss,
         smooth_loss=state.smooth_loss / (1 - beta**state.step),
-        eta_seconds=eta_seconds(horizon, state.step, s.dt_ema),
+        lrm=lrm,
+        grad_norm=result.grad_norm,
+        dt=dt,
+        tok_per_sec=result.n_tokens / dt,
+        mfu=None,
         tokens_seen=state.tokens_seen,
-        extra=step_metrics() if step_metrics else {},
     )
+    step_metrics = getattr(s.run.data.train, "step_metrics", None)  # on every rank: it may all-reduce
+    return row, step_metrics() if step_metrics else {}
 
 
 def eta_seconds(horizon: Horizon, step: int, dt_ema: float) -> float | None:
@@ -321,19 +321,21 @@ def eta_seconds(horizon: Horizon, step: int, dt_ema: float) -> float | None:
     return dt_ema * step / done * (1 - done) if done > 0 else None
 
 
-def log_step(s: Session, m: StepRecord):
+def log_step(s: Session, row: dict, extra: dict):
     """The step's line and metrics row; on rank 0, a step faster than the peak shows the peak was
     probed under load, so it is measured again."""
     run = s.run
     if run.rank == 0:
-        peak = hardware.revise_peak(run.peak, run.flops_per_token * m.tokens / m.dt / run.world_size, run.device)
+        peak = hardware.revise_peak(run.peak, run.flops_per_token * row["tok_per_sec"] / run.world_size, run.device)
         if peak is not run.peak:
-            s.bar.write(f"step {m.step:05d} ran above the {run.peak.describe()}: measured again, {peak.describe()}")
+            s.bar.write(
+                f"step {row['step']:05d} ran above the {run.peak.describe()}: measured again, {peak.describe()}"
+            )
             run.peak = peak
-    line, postfix, row = describe_step(m, run.flops_per_token, run.peak, run.world_size)
+    line, postfix = describe_step(row, extra, run, eta_seconds(run.horizon, row["step"], s.dt_ema))
     s.bar.step(line, postfix)
     if s.metrics:
-        s.metrics.log(**row)
+        s.metrics.log(**row, **extra)
 
 
 class Preemption:

@@ -15,6 +15,7 @@ from nanochat_fast.hardware import precision
 from nanochat_fast.hardware.precision import Timing, TuningError, Work
 from nanochat_fast.model.gpt import GPTConfig
 from nanochat_fast.train import model_setup
+from nanochat_fast.train.training_config import DataConfig
 
 # Measured machines (issue 20 and the Zen 3 this package was first developed on): the square-matmul
 # probe's FLOP/s, and the seconds one call of the work takes in each dtype.
@@ -233,8 +234,9 @@ def test_a_training_run_takes_the_measured_dtypes(cpu, monkeypatch):
             config, "cpu", dict(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0)
         )
         optimizers[1].defaults["ns_dtype"] = requested
+        data = DataConfig(device_batch_size=4, max_seq_len=32)
         tuned, ns = model_setup.tune_for_training(
-            model, optimizers, dev, requested, rows=4, seq_len=32, grad_accum_steps=2, run_tokens=4 * 32 * 2 * 100
+            model, optimizers, dev, requested, data, grad_accum_steps=2, run_tokens=4 * 32 * 2 * 100
         )
         assert (tuned.precision.name, ns.name) == (expected, expected)
     assert measured == [("model", 200), ("newton_schulz", 100)]  # auto only; run_calls: micro-steps, steps
