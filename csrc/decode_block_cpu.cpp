@@ -1,4 +1,4 @@
-// decode_block on CPU: one block of the seeds' GPT (model/gpt.py's Block) or of the windowed family
+// decode_block on CPU: one block of the gpt family (model/gpt.py's Block) or of the windowed family
 // (model/windowed_gpt.py's WindowedBlock) for a decode step's rows, one new token each, from the
 // residual stream x [B, 1, C] to the next:
 //

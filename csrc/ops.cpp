@@ -57,7 +57,7 @@ TORCH_LIBRARY(nanochat_fast, m) {
   // another (a slot's several rows, a prompt's positions in order, each mix in the one before).
   m.def("smear_decode(Tensor x, Tensor(a!) previous, Tensor rows, Tensor gate_weight, Tensor gate_lambda) -> Tensor");
 
-  // One block of the seeds' GPT or the windowed family for a decode step's rows (one new token each),
+  // One block of the gpt or the windowed family for a decode step's rows (one new token each),
   // from the residual stream x [B, 1, C] to the next: x = resid_lambda * x + x0_lambda * x0 if x0
   // [B, 1, C] is given; h = rms_norm(x); q, k, v = h @ qkv^T split, v += 3 * sigmoid(h[:, :G] @
   // ve_gate^T) * ve per key head if ve [B, 1, Hkv * D] and ve_gate [Hkv, G] are given (the windowed
