@@ -207,7 +207,7 @@ def _block_table(numels: tuple, block: int, device: torch.device) -> torch.Tenso
     return torch.tensor([block_tensor, block_start], dtype=torch.int64, device=device)
 
 
-def _launch(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
+def _launch(hparams, params, grads, exp_avgs, exp_avg_sqs, lr_muls, wd_muls):
     device = params[0].device
     cfg = CONFIGS["cuda" if device.type == "cuda" else "cpu"]
     numels = [p.numel() for p in params]
@@ -241,8 +241,4 @@ def adamw_slice_update_triton(
     for i, p in enumerate(params):
         by_dtype.setdefault(p.dtype, []).append(i)
     for idx in by_dtype.values():
-
-        def pick(seq):
-            return [seq[i] for i in idx]
-
-        _launch(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), hparams, pick(lr_muls), pick(wd_muls))
+        _launch(hparams, *([seq[i] for i in idx] for seq in (params, grads, exp_avgs, exp_avg_sqs, lr_muls, wd_muls)))

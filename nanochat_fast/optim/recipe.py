@@ -20,6 +20,9 @@ PRESET_NAMES = ("quintic", "polar-normuon", "minimax4")
 # the presets' names before they were named for what they are: accepted until the next release
 RENAMED = {"seeds": "quintic", "current": "polar-normuon"}
 WEIGHT_DECAY_SCHEDULES = ("constant", "cosine")
+# the fields Muon takes as they are (normuon_beta only with normuon)
+MUON_FIELDS = ("momentum", "ns_steps", "ns_coefficients", "ns_dtype", "weight_decay", "cautious_weight_decay")
+MUON_FIELDS += ("equilibrate_rows", "renormalize", "ns_safety", "ns_eps")
 _noticed = set()  # the former names this process has printed its notice for
 
 
@@ -129,20 +132,8 @@ class MuonRecipe:
 
     def muon_kwargs(self) -> dict:
         """Muon's keyword arguments but lr (the momentum: the post-warmup one until Muon.schedule sets it)."""
-        return dict(
-            momentum=self.momentum,
-            nesterov=True,
-            ns_steps=self.ns_steps,
-            ns_coefficients=self.ns_coefficients,
-            ns_dtype=self.ns_dtype,
-            weight_decay=self.weight_decay,
-            cautious_weight_decay=self.cautious_weight_decay,
-            normuon_beta=self.normuon_beta if self.normuon else None,
-            equilibrate_rows=self.equilibrate_rows,
-            renormalize=self.renormalize,
-            ns_safety=self.ns_safety,
-            ns_eps=self.ns_eps,
-        )
+        kwargs = {name: getattr(self, name) for name in MUON_FIELDS}
+        return dict(kwargs, nesterov=True, normuon_beta=self.normuon_beta if self.normuon else None)
 
     def describe(self) -> str:
         coefficients = self.ns_coefficients if isinstance(self.ns_coefficients, str) else "custom"
