@@ -228,14 +228,9 @@ def _launch(hparams, params, grads, exp_avgs, exp_avg_sqs, lr_muls, wd_muls):
 # An op torch.compile keeps whole (one call, no graph break): it cannot trace into a table of raw pointers.
 @torch.library.custom_op("nanochat_fast::adamw_slice_update_triton", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
 def adamw_slice_update_triton(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    hparams: torch.Tensor,
-    lr_muls: list[float],
-    wd_muls: list[float],
-) -> None:
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], hparams: torch.Tensor, lr_muls: list[float], wd_muls: list[float],
+) -> None:  # fmt: skip
     """One launch per param dtype present (normally one)."""
     by_dtype = {}
     for i, p in enumerate(params):

@@ -158,13 +158,9 @@ def _check_int(field, value, low):
         raise ValueError(f"{field} must be an int >= {low}, got {value!r}")
 
 
-# The presets. polar-normuon is the recipe nanochat trains with (its optim.py and base_train.py; each
-# part is defined in muon.py): Polar Express coefficients with the input divided by 1.01 times its norm
-# plus 1e-6, MuonEq, Muon+, NorMuon (arXiv:2510.05491) with beta 0.9, cautious weight decay 0.28 cosine-
-# scheduled to zero over the run (scaled_weight_decay: nanochat's scaling with batch size and horizon),
-# momentum 0.85 -> 0.97 over 400 steps, then -> 0.90 over the LR warmdown (nanochat's 0.65 of the run).
-# minimax4: quintic's Newton-Schulz in 4 steps for the same band of singular values (down to 2.5e-3 of
-# ||G||_F instead of 1.5e-3); not the default.
+# The presets. polar-normuon is the recipe nanochat trains with (its optim.py and base_train.py; each part
+# is defined in muon.py; NorMuon: arXiv:2510.05491): its weight decay is scaled with batch size and horizon
+# by scaled_weight_decay, its momentum warmdown spans nanochat's LR warmdown (0.65 of the run).
 PRESETS = {"quintic": MuonRecipe()}
 PRESETS["minimax4"] = MuonRecipe(name="minimax4", ns_coefficients="minimax4", ns_steps=4)
 PRESETS["polar-normuon"] = MuonRecipe(
