@@ -1,5 +1,10 @@
-"""`python -m nanochat_fast.hardware [--tune] [--budget S] [--depth N ...]`: the measurements a training
-process takes from this machine, listed from their caches or, with --tune, taken again (DESCRIPTION)."""
+"""What this machine gives a training process: threads per process, the peak matmul rates (MFU is
+quoted against the best of them), the memory bandwidth (MBU is quoted against it), and the
+fp32-vs-bf16 timings cached for the shapes runs have used here. --tune measures the peaks, the
+bandwidth and every cached timing again; with --depth (and the batch flags) it also times that
+model (the vocabulary of the tokenizer trained here, else 65,536) and its Muon matrices, as
+base_train would.
+"""
 
 import torch
 
@@ -11,17 +16,9 @@ from ..train.env_vars import check_environment
 from . import peak, precision
 from .cache import age_days
 
-DESCRIPTION = """What this machine gives a training process: threads per process, the peak matmul rates (MFU is
-quoted against the best of them), the memory bandwidth (MBU is quoted against it), and the
-fp32-vs-bf16 timings cached for the shapes runs have used here. --tune measures the peaks, the
-bandwidth and every cached timing again; with --depth (and the batch flags) it also times that
-model (the vocabulary of the tokenizer trained here, else 65,536) and its Muon matrices, as
-base_train would.
-"""
-
 
 def build_parser():
-    p = cli.ArgumentParser(prog="python -m nanochat_fast.hardware", description=DESCRIPTION)
+    p = cli.ArgumentParser(prog="python -m nanochat_fast.hardware", description=__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda", "mps"])
     p.add_argument(
         "--tune", action="store_true", help="measure the peaks, the bandwidth and the cached dtype timings again"

@@ -93,14 +93,9 @@ class TuningError(UserError):
 
 
 def decide(
-    device_type: str,
-    requested: str = "auto",
-    *,
-    timing: Timing | None = None,
-    cpu_bf16: str | None = None,
-    cuda_capability: tuple[int, int] | None = None,
-    what: str = "--dtype",
-) -> Precision:
+    device_type: str, requested: str = "auto", *, timing: Timing | None = None, cpu_bf16: str | None = None,
+    cuda_capability: tuple[int, int] | None = None, what: str = "--dtype",
+) -> Precision:  # fmt: skip
     """The pure rule: the device type and its facts -> Precision. A CPU's auto follows `timing`; `cpu_bf16`
     (the CPU's bf16 feature or None) only words an explicit bf16's reason; `what` names the flag."""
     if requested not in CHOICES:
@@ -282,12 +277,7 @@ def _matmul_call(matmuls, rows: int, device, dtype):
         (torch.randn(min(rows, m), k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype))
         for m, k, n in matmuls
     ]
-
-    def call():
-        for a, b in pairs:
-            torch.mm(a, b)
-
-    return call
+    return lambda: [torch.mm(a, b) for a, b in pairs]
 
 
 def _time_fp32_alone(work: Work, device, rates: dict, budget: float) -> Timing | None:

@@ -5,27 +5,10 @@ decode step's packed_linear, rms_norm, softcap, decode_attention, decode_block a
 `python -m nanochat_fast.kernels` prints which backend each op uses here and why.
 """
 
+# ruff: noqa: F401  (the package's interface)
 from .adamw_slice import adamw_slice_update
 from .decode_step import decode_attention, decode_block, pack_linear, rms_norm, smear_decode, softcap
 from .newton_schulz import newton_schulz
 from .pack_rows import pack_rows
 from .registry import KernelUnavailableError, backends, ops, requested, select
 from .softcap_cross_entropy import softcap_cross_entropy
-
-__all__ = [
-    "adamw_slice_update",
-    "decode_attention",
-    "decode_block",
-    "newton_schulz",
-    "pack_linear",
-    "pack_rows",
-    "rms_norm",
-    "smear_decode",
-    "softcap",
-    "softcap_cross_entropy",
-    "KernelUnavailableError",
-    "backends",
-    "ops",
-    "requested",
-    "select",
-]

@@ -207,7 +207,7 @@ def _block_table(numels: tuple, block: int, device: torch.device) -> torch.Tenso
     return torch.tensor([block_tensor, block_start], dtype=torch.int64, device=device)
 
 
-def _launch(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
+def _launch(hparams, params, grads, exp_avgs, exp_avg_sqs, lr_muls, wd_muls):
     device = params[0].device
     cfg = CONFIGS["cuda" if device.type == "cuda" else "cpu"]
     numels = [p.numel() for p in params]
@@ -228,21 +228,12 @@ def _launch(params, grads, exp_avgs, exp_avg_sqs, hparams, lr_muls, wd_muls):
 # An op torch.compile keeps whole (one call, no graph break): it cannot trace into a table of raw pointers.
 @torch.library.custom_op("nanochat_fast::adamw_slice_update_triton", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
 def adamw_slice_update_triton(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    hparams: torch.Tensor,
-    lr_muls: list[float],
-    wd_muls: list[float],
-) -> None:
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], hparams: torch.Tensor, lr_muls: list[float], wd_muls: list[float],
+) -> None:  # fmt: skip
     """One launch per param dtype present (normally one)."""
     by_dtype = {}
     for i, p in enumerate(params):
         by_dtype.setdefault(p.dtype, []).append(i)
     for idx in by_dtype.values():
-
-        def pick(seq):
-            return [seq[i] for i in idx]
-
-        _launch(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), hparams, pick(lr_muls), pick(wd_muls))
+        _launch(hparams, *([seq[i] for i in idx] for seq in (params, grads, exp_avgs, exp_avg_sqs, lr_muls, wd_muls)))

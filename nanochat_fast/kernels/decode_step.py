@@ -73,8 +73,7 @@ registry.register(PACKED_LINEAR, "reference")(lambda w: PackedLinear(w, None))
 
 def rms_norm(x: torch.Tensor, *, backend=None) -> torch.Tensor:
     """The models' parameter-free RMSNorm; `backend` forces one (default: NANOCHAT_FAST_KERNELS, else auto)."""
-    impl = registry.select_for_inputs(RMS_NORM, x.device.type, backend, lambda: _float32_without_grad(x))
-    return impl.fn(x)
+    return registry.select_for_inputs(RMS_NORM, x.device.type, backend, lambda: _float32_without_grad(x)).fn(x)
 
 
 registry.register(RMS_NORM, "cpp")(lambda x: torch.ops.nanochat_fast.rms_norm(x, EPS))
@@ -84,8 +83,7 @@ registry.register(RMS_NORM, "reference")(lambda x: F.rms_norm(x, (x.size(-1),)))
 def softcap(x: torch.Tensor, cap: float, *, backend=None) -> torch.Tensor:
     """The models' logit softcap (the cpp one a polynomial tanh, the fused cross-entropy's, relative
     error ~1e-7); `backend` forces one (default: NANOCHAT_FAST_KERNELS, else auto)."""
-    impl = registry.select_for_inputs(SOFTCAP, x.device.type, backend, lambda: _float32_without_grad(x))
-    return impl.fn(x, cap)
+    return registry.select_for_inputs(SOFTCAP, x.device.type, backend, lambda: _float32_without_grad(x)).fn(x, cap)
 
 
 registry.register(SOFTCAP, "cpp")(lambda x, cap: torch.ops.nanochat_fast.softcap(x, cap))

@@ -169,7 +169,7 @@ def newton_schulz_reference(G, coeffs, dtype, path="plain", safety=1.0, eps=1e-7
     if transposed:
         X = X.mT
     norm = X.norm(dim=(-2, -1), keepdim=True)
-    X = X / (norm * safety + eps) if safety != 1.0 else X / (norm + eps)
+    X = X / (norm * safety + eps)
     for a, b, c in coeffs:
         A = X @ X.mT
         B = b * A + c * (A @ A)
@@ -267,7 +267,7 @@ def newton_schulz_torch(G, coeffs, dtype, path, safety=1.0, eps=1e-7):
     stack = G if G.dim() == 3 else G.unsqueeze(0)
     wide = stack.size(-2) <= stack.size(-1)
     norm = torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    S = (stack / (norm * safety + eps) if safety != 1.0 else stack / (norm + eps)).to(dtype).contiguous()
+    S = (stack / (norm * safety + eps)).to(dtype).contiguous()
     if path == "gram":
         split = symmetric_pays(table_device(G.device.type, dtype), dtype, min(stack.shape[-2:]))
         S = _gram(S, coeffs, wide, split=split)

@@ -6,8 +6,6 @@ each tile and its mirror. Storage is the compute dtype (bf16 rounded to nearest 
 fp32 (docs/measurements.md#newton-schulz-triton-kernels); the whole iteration is a torch.library op.
 """
 
-import functools
-
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -23,16 +21,11 @@ GPU_CONFIGS = {"large": GPU_LARGE, "small": GPU_SMALL}  # every config a GPU may
 INTERPRETER = dict(BLOCK=128, BLOCK_K=128, num_warps=1, num_stages=1, DOT_FP32=True)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def pick_config(device: torch.device, tiles_at_128: int) -> dict:
     """The tile config for a launch that would have `tiles_at_128` programs with 128x128 tiles."""
     if device.type != "cuda":
         return INTERPRETER
-    return GPU_LARGE if tiles_at_128 >= _sm_count(device) else GPU_SMALL
+    return GPU_LARGE if tiles_at_128 >= torch.cuda.get_device_properties(device).multi_processor_count else GPU_SMALL
 
 
 def _n_pairs(nb: int) -> int:
@@ -186,14 +179,7 @@ def _fused_update_kernel(
 
 def _launch_args(cfg, dtype):
     # fp32 storage means fp32 products on a GPU too (tl.dot would otherwise round them to tf32)
-    return dict(
-        BLOCK=cfg["BLOCK"],
-        BLOCK_K=cfg["BLOCK_K"],
-        DOT_FP32=cfg["DOT_FP32"],
-        PRECISION="ieee" if dtype == torch.float32 else None,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    return dict(cfg, PRECISION="ieee" if dtype == torch.float32 else None)
 
 
 def _check(cfg, *tensors):

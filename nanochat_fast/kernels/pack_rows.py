@@ -51,8 +51,7 @@ def pack_rows(tokens: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, bo
     """Fill `out` [B, T+1] with best-fit BOS-aligned rows; returns (used: bool[D], n_tokens_used,
     n_tokens_cropped). `backend` forces one by name (default: NANOCHAT_FAST_KERNELS, else auto)."""
     _check(tokens, offsets, out, bos_id)
-    impl = registry.select(OP, "cpu", backend)
-    return impl.fn(tokens, offsets, out, bos_id)
+    return registry.select(OP, "cpu", backend).fn(tokens, offsets, out, bos_id)
 
 
 def plan_reference(lengths: list[int], rows: int, row_len: int, row_starts=()):
@@ -222,8 +221,7 @@ class RowPackerReference:
 
 def make_row_packer(row_len: int, bos_id: int, backend: str | None = None):
     """The compiled RowPacker where pack_rows' selected backend is `cpp`, else RowPackerReference."""
-    impl = registry.select(OP, "cpu", backend)
-    if impl.name == "cpp":
+    if registry.select(OP, "cpu", backend).name == "cpp":
         return registry.extension().RowPacker(row_len, bos_id)
     return RowPackerReference(row_len, bos_id)
 

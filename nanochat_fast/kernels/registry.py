@@ -38,23 +38,20 @@ _AUTO: dict[str, dict[str, tuple[str, ...]]] = {}  # an op's own auto order on a
 _CHOSEN: dict[tuple, str] = {}  # (op, device type, name, NANOCHAT_FAST_KERNELS, TRITON_INTERPRET) -> backend name
 
 
-def _load_extension():
-    try:
-        from nanochat_fast import _C
+try:
+    from nanochat_fast import _C
 
-        return _C, None
-    except ImportError as e:
-        if os.environ.get("NANOCHAT_FAST_NO_EXT") == "1":
-            return None, "extension not built (NANOCHAT_FAST_NO_EXT=1 at install)"
-        reason = (
+    _C_ERROR = None
+except ImportError as e:
+    _C = None
+    if os.environ.get("NANOCHAT_FAST_NO_EXT") == "1":
+        _C_ERROR = "extension not built (NANOCHAT_FAST_NO_EXT=1 at install)"
+    else:
+        _C_ERROR = (
             f"extension nanochat_fast._C not built or not loadable ({e}); "
             "rebuild with `pip install -e . --no-build-isolation`"
         )
-        warnings.warn(f"nanochat_fast is running on PyTorch fallbacks: {reason}", stacklevel=2)
-        return None, reason
-
-
-_C, _C_ERROR = _load_extension()
+        warnings.warn(f"nanochat_fast is running on PyTorch fallbacks: {_C_ERROR}")
 
 
 def extension():

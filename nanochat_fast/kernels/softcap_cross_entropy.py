@@ -87,28 +87,6 @@ def reference_backend(hidden, weight, targets, softcap, ignore_index, reduction,
     return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
 
 
-def _chunked_backend(op_name):
-    """The backend calling torch.ops.nanochat_fast.<op_name>: the gradients in the forward pass for
-    sum and mean, when they will be needed."""
-
-    def run(hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows):
-        need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-        count = (targets != ignore_index).sum() if reduction == "mean" else None
-        grad_scale = None
-        if need_grad and reduction != "none":
-            grad_scale = 1.0 / count if reduction == "mean" else torch.ones((), device=hidden.device)
-        rows = chunk_rows or max(1, min(hidden.size(0), CHUNK_ROWS.get(hidden.device.type, 1024)))
-        op = getattr(torch.ops.nanochat_fast, op_name)
-        losses, total, _, _ = op(
-            hidden.contiguous(), weight.contiguous(), targets.contiguous(), softcap, ignore_index, grad_scale, rows
-        )
-        if reduction == "none":
-            return losses
-        return total / count if reduction == "mean" and grad_scale is None else total
-
-    return run
-
-
 # -- the chunk loop of the torch and triton ops (the cpp op runs the same loop in C++) ----------------
 
 
@@ -285,9 +263,26 @@ def _backward_of(op_name):
 
 
 def _register(backend, name, row_pass=None):
-    """Backend `backend` through nanochat_fast::<name>, with the op's fake kernel and autograd formula: a
-    Python op running `chunked` with `row_pass`, or (None) the C++ op."""
-    registry.register(OP, backend)(_chunked_backend(name))
+    """Backend `backend` through nanochat_fast::<name> (the gradients in the forward pass for sum and mean,
+    when they will be needed), with the op's fake kernel and autograd formula: a Python op running
+    `chunked` with `row_pass`, or (None) the C++ op."""
+
+    @registry.register(OP, backend)
+    def run(hidden, weight, targets, softcap, ignore_index, reduction, chunk_rows):
+        need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        count = (targets != ignore_index).sum() if reduction == "mean" else None
+        grad_scale = None
+        if need_grad and reduction != "none":
+            grad_scale = 1.0 / count if reduction == "mean" else torch.ones((), device=hidden.device)
+        rows = chunk_rows or max(1, min(hidden.size(0), CHUNK_ROWS.get(hidden.device.type, 1024)))
+        op = getattr(torch.ops.nanochat_fast, name)
+        losses, total, _, _ = op(
+            hidden.contiguous(), weight.contiguous(), targets.contiguous(), softcap, ignore_index, grad_scale, rows
+        )
+        if reduction == "none":
+            return losses
+        return total / count if reduction == "mean" and grad_scale is None else total
+
     if row_pass is not None:
 
         @torch.library.custom_op(f"nanochat_fast::{name}", mutates_args=())

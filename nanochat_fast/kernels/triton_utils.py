@@ -23,11 +23,10 @@ except ImportError:  # CPU builds of torch, macOS: the kernels stay plain functi
 
 
 def fix_interpreter_loop_bounds():
-    """Triton's interpreter before 3.8 (torch 2.11 installs 3.6) turns a runtime loop bound into an int
-    with int() of a one-element array, which NumPy 2.4 refuses (triton-lang/triton#9171): every kernel
-    looping over a runtime bound fails under TRITON_INTERPRET=1, GPUs being unaffected. Rewriting the
-    loops cannot avoid it (a while loop would cost the GPU loops their pipelining), so the interpreter gets
-    upstream's one-line fix (triton-lang/triton#9172, in 3.8) where it lacks it. Returns whether it patched."""
+    """Triton's interpreter before 3.8 (torch 2.11 installs 3.6) takes a runtime loop bound by int() of a
+    one-element array, which NumPy 2.4 refuses (triton-lang/triton#9171): such loops fail under
+    TRITON_INTERPRET=1 only. A while loop would cost the GPU its pipelining, so the interpreter gets
+    upstream's one-line fix (triton-lang/triton#9172, in 3.8). Returns whether it patched."""
     version = tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2])
     if version >= (3, 8):
         return False

@@ -106,22 +106,10 @@ class Muon(ZeroOptimizer):
     owner_rule = staticmethod(assign_owners)  # which rank owns each matrix
 
     def __init__(
-        self,
-        params,
-        lr=0.02,
-        momentum=0.95,
-        nesterov=True,
-        ns_steps=5,
-        ns_coefficients="quintic",
-        ns_dtype="auto",
-        weight_decay=0.0,
-        cautious_weight_decay=False,
-        normuon_beta=None,
-        equilibrate_rows=False,
-        renormalize=False,
-        ns_safety=1.0,
-        ns_eps=1e-7,
-    ):
+        self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="quintic", ns_dtype="auto",
+        weight_decay=0.0, cautious_weight_decay=False, normuon_beta=None, equilibrate_rows=False, renormalize=False,
+        ns_safety=1.0, ns_eps=1e-7,
+    ):  # fmt: skip
         check_hparam("lr", lr)
         check_hparam("ns_safety", ns_safety, 1.0)
         check_hparam("ns_eps", ns_eps)

@@ -20,6 +20,9 @@ PRESET_NAMES = ("quintic", "polar-normuon", "minimax4")
 # the presets' names before they were named for what they are: accepted until the next release
 RENAMED = {"seeds": "quintic", "current": "polar-normuon"}
 WEIGHT_DECAY_SCHEDULES = ("constant", "cosine")
+# the fields Muon takes as they are (normuon_beta only with normuon)
+MUON_FIELDS = ("momentum", "ns_steps", "ns_coefficients", "ns_dtype", "weight_decay", "cautious_weight_decay")
+MUON_FIELDS += ("equilibrate_rows", "renormalize", "ns_safety", "ns_eps")
 _noticed = set()  # the former names this process has printed its notice for
 
 
@@ -129,20 +132,8 @@ class MuonRecipe:
 
     def muon_kwargs(self) -> dict:
         """Muon's keyword arguments but lr (the momentum: the post-warmup one until Muon.schedule sets it)."""
-        return dict(
-            momentum=self.momentum,
-            nesterov=True,
-            ns_steps=self.ns_steps,
-            ns_coefficients=self.ns_coefficients,
-            ns_dtype=self.ns_dtype,
-            weight_decay=self.weight_decay,
-            cautious_weight_decay=self.cautious_weight_decay,
-            normuon_beta=self.normuon_beta if self.normuon else None,
-            equilibrate_rows=self.equilibrate_rows,
-            renormalize=self.renormalize,
-            ns_safety=self.ns_safety,
-            ns_eps=self.ns_eps,
-        )
+        kwargs = {name: getattr(self, name) for name in MUON_FIELDS}
+        return dict(kwargs, nesterov=True, normuon_beta=self.normuon_beta if self.normuon else None)
 
     def describe(self) -> str:
         coefficients = self.ns_coefficients if isinstance(self.ns_coefficients, str) else "custom"
@@ -167,13 +158,9 @@ def _check_int(field, value, low):
         raise ValueError(f"{field} must be an int >= {low}, got {value!r}")
 
 
-# The presets. polar-normuon is the recipe nanochat trains with (its optim.py and base_train.py; each
-# part is defined in muon.py): Polar Express coefficients with the input divided by 1.01 times its norm
-# plus 1e-6, MuonEq, Muon+, NorMuon (arXiv:2510.05491) with beta 0.9, cautious weight decay 0.28 cosine-
-# scheduled to zero over the run (scaled_weight_decay: nanochat's scaling with batch size and horizon),
-# momentum 0.85 -> 0.97 over 400 steps, then -> 0.90 over the LR warmdown (nanochat's 0.65 of the run).
-# minimax4: quintic's Newton-Schulz in 4 steps for the same band of singular values (down to 2.5e-3 of
-# ||G||_F instead of 1.5e-3); not the default.
+# The presets. polar-normuon is the recipe nanochat trains with (its optim.py and base_train.py; each part
+# is defined in muon.py; NorMuon: arXiv:2510.05491): its weight decay is scaled with batch size and horizon
+# by scaled_weight_decay, its momentum warmdown spans nanochat's LR warmdown (0.65 of the run).
 PRESETS = {"quintic": MuonRecipe()}
 PRESETS["minimax4"] = MuonRecipe(name="minimax4", ns_coefficients="minimax4", ns_steps=4)
 PRESETS["polar-normuon"] = MuonRecipe(
