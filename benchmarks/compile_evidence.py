@@ -29,7 +29,7 @@ import bench_train_step as steps  # noqa: E402
 
 from nanochat_fast.core import paths  # noqa: E402
 from nanochat_fast.core.compiling import CompileWatch  # noqa: E402
-from nanochat_fast.evals.bits_per_byte import evaluate_bpb  # noqa: E402
+from nanochat_fast.evals.task_runner import evaluate_bpb  # noqa: E402
 from nanochat_fast.model.decode import SlotCache, SlotPrefill  # noqa: E402
 
 

@@ -35,10 +35,9 @@ _verified = set()  # (checkpoint, COMPLETE's mtime) whose files this process has
 
 
 class HashingFile:
-    """File `f` being written, every byte hashed in order on the side thread as this one writes on.
-    A lent buffer is copied before it is hashed (torch.save may free it next) unless it starts at one
-    of `kept`, the saved tensors' storages. See
-    docs/measurements.md#distributed-teardown-collective-timeouts-and-checkpoint-digests"""
+    """File `f` being written, every byte hashed in order on the side thread as this one writes on. A lent
+    buffer is copied before it is hashed (torch.save may free it next) unless it starts at one of `kept`,
+    the saved tensors' storages: docs/measurements.md#distributed-teardown-collective-timeouts-and-checkpoint-digests"""
 
     def __init__(self, f, kept=frozenset()):
         self._f, self._kept, self._sha, self.size = f, kept, hashlib.sha256(), 0
@@ -128,8 +127,8 @@ def _record_check(record: dict) -> str:
 
 
 def write_meta(ckpt: Path, meta: dict):
-    """meta.json, then COMPLETE: meta.json's digest and a check of that record (so a damaged COMPLETE
-    is named as such, not blamed on meta.json)."""
+    """meta.json, then COMPLETE: meta.json's digest and a check of that record (a damaged COMPLETE is
+    named as such, not blamed on meta.json)."""
     record = {"meta.json": _write(ckpt / META_FILE, lambda f: f.write(json.dumps(meta, indent=2).encode()))}
     text = json.dumps({**record, "check": _record_check(record)}, indent=2) + "\n"
     _write(ckpt / COMPLETE, lambda f: f.write(text.encode()))
@@ -258,14 +257,10 @@ def is_complete(ckpt) -> bool:
     return Path(ckpt).suffix != PARTIAL and (Path(ckpt) / COMPLETE).exists()
 
 
-def complete_checkpoints(run_dir) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    return [p for p in sorted((Path(run_dir) / "checkpoints").glob("step_*")) if is_complete(p)]
-
-
-def incomplete_checkpoints(run_dir) -> list[Path]:
-    """Folders of saves that did not finish (partial, or without COMPLETE as older versions left them)."""
-    return [p for p in sorted((Path(run_dir) / "checkpoints").glob("step_*")) if not is_complete(p)]
+def complete_checkpoints(run_dir, complete: bool = True) -> list[Path]:
+    """Complete checkpoints of a run, oldest first; complete=False: the folders of saves that did not
+    finish (partial, or without COMPLETE as older versions left them)."""
+    return [p for p in sorted((Path(run_dir) / "checkpoints").glob("step_*")) if is_complete(p) == complete]
 
 
 def resolve_checkpoint(run_dir, step: int | None = None) -> Path:

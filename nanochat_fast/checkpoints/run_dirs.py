@@ -12,14 +12,7 @@ from pathlib import Path
 from ..core import paths
 from ..core.distributed import all_ranks_ok, print0
 from ..core.errors import UserError
-from .checkpoint import (
-    COMPLETE,
-    complete_checkpoints,
-    incomplete_checkpoints,
-    is_complete,
-    load_meta,
-    verify_checkpoint,
-)
+from .checkpoint import COMPLETE, complete_checkpoints, is_complete, load_meta, verify_checkpoint
 
 
 def open_run_dir(run, run_name: str, rank: int, phase: str, device):
@@ -34,7 +27,7 @@ def open_run_dir(run, run_name: str, rank: int, phase: str, device):
     ckpt = None
     if resume == "auto":
         ckpt = newest_intact(complete_checkpoints(run_dir))
-        for half in incomplete_checkpoints(run_dir):
+        for half in complete_checkpoints(run_dir, complete=False):
             if ckpt is None or half.name > ckpt.name:
                 print0(
                     f"--resume auto: ignoring {half}, a save that did not finish (it is deleted); "
@@ -71,7 +64,7 @@ def open_run_dir(run, run_name: str, rank: int, phase: str, device):
                 f"cannot write to run directory {run_dir} ({e.strerror or e}); "
                 "choose a writable --out-dir or set NANOCHAT_FAST_HOME"
             )
-        for half in incomplete_checkpoints(run_dir):
+        for half in complete_checkpoints(run_dir, complete=False):
             shutil.rmtree(half, ignore_errors=True)
     if not all_ranks_ok(error is None, device):  # and no rank goes on before rank 0 is done
         raise error or UserError(f"rank 0 could not prepare the run directory {run_dir} (its message says why)")

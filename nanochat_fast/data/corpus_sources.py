@@ -210,9 +210,8 @@ def split_conversation(turns: list[str], max_chars: int) -> list[list[str]]:
 
 
 def read_chitchat(archive: Path, doc_chars: int):
-    """Two-person chats: a turn is one sender's consecutive messages (a line each), turns alternate
-    user / assistant; a long chat is cut into conversations of at most doc_chars (whole exchanges),
-    as a training row could not hold it."""
+    """Two-person chats: a turn is one sender's consecutive messages (a line each), turns alternate user /
+    assistant; a long chat is cut into conversations of at most doc_chars (a row could not hold it)."""
     with zipfile.ZipFile(archive) as z:
         chats = json.loads(z.read("chitchat_dataset/dataset.json"))
     for key in sorted(chats):

@@ -7,6 +7,7 @@ any number of processes. Packed rows: best-fit from the token shards, packed ahe
 """
 
 import atexit
+import contextlib
 import hashlib
 import sys
 import weakref
@@ -106,10 +107,9 @@ class Loader:
 
 
 class TokenRowLoader(Loader):
-    """Pretraining batches, forever: next(loader) -> (inputs, targets), contiguous int64
-    [device_batch_size, seq_len] on `device`. The shards: tokens_root/<dataset>/<split>/
-    (default NANOCHAT_FAST_HOME/tokens); buffer_docs: documents to choose from (capped at the split);
-    prefetch: True (2 batches ahead), a queue depth or False; backend: the packer's (None: the registry's)."""
+    """Pretraining batches, forever: (inputs, targets), contiguous int64 [device_batch_size, seq_len], from
+    tokens_root/<dataset>/<split>/ (default NANOCHAT_FAST_HOME/tokens); buffer_docs: documents to choose
+    from; prefetch: True (2 batches ahead), a queue depth or False; backend: the packer's (None: registry's)."""
 
     with_mask = False
 
@@ -279,17 +279,14 @@ class TokenRowLoader(Loader):
         self._closed = True
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self._stream.stop()
-        except Exception:
-            pass
 
 
 class ConversationRowLoader(TokenRowLoader):
-    """Mid-training batches: TokenRowLoader's, with targets -1 where the token is not the
-    assistant's. `extra_conversations` are rendered with `tokenizer` (default: the trained one) and
-    interleaved evenly into the epoch; `shards` replaces the dataset's token shards with any object
-    shaped like TokenShards (e.g. conversations in memory, train/stage_data.ConversationShards)."""
+    """Mid-training batches: TokenRowLoader's, targets -1 where the token is not the assistant's.
+    `extra_conversations` are rendered with `tokenizer` (default: the trained one) and interleaved evenly
+    into the epoch; `shards`: any object shaped like TokenShards (train/stage_data.ConversationShards)."""
 
     with_mask = True
 
@@ -357,10 +354,9 @@ class ConversationMixture:
 
 
 class PaddedConversationLoader(Loader):
-    """chat_sft's batches: one conversation per row, padded, not packed (nanochat's SFT), so each starts
-    at position 0 as when the model chats. next(loader) -> (inputs ids[:-1], targets ids[1:] where the
-    assistant speaks), int64 [device_batch_size, L] on `device`, padded with pad_id (targets -1) to the
-    longest of the rank's batch, at most seq_len + 1 tokens; TokenRowLoader's interface, forever."""
+    """chat_sft's batches: one conversation per row, padded, not packed (nanochat's SFT), so each starts at
+    position 0 as when the model chats: (inputs ids[:-1], targets ids[1:] where the assistant speaks), int64
+    [device_batch_size, L], padded with pad_id (targets -1) to the rank's longest of at most seq_len + 1."""
 
     def __init__(self, mixture, device_batch_size, seq_len, pad_id, rank=0, world_size=1, device="cpu"):
         self.mixture, self.pad_id, self.n_docs = mixture, pad_id, mixture.n_docs

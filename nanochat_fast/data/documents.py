@@ -164,9 +164,9 @@ class ShardWriter:
 
 
 def write_dataset(name, kind, docs, *, config, sources, val_every, shard_chars, overwrite=False) -> dict:
-    """Write data/<name>/ from (doc, source) pairs, document i to val when i % val_every == 0, and
-    return the manifest; nothing to do when one built with the same `config` exists (unless
-    overwrite). `docs` may be a function returning them (called only when there is work)."""
+    """Write data/<name>/ from (doc, source) pairs (or a function returning them, called only when there is
+    work), document i to val when i % val_every == 0; its manifest, kept if built with the same `config`
+    (unless overwrite)."""
     root = paths.data_dir(name)
     manifest_path, started_path = root / "manifest.json", root / "building.json"
     config = dict(config, kind=kind, val_every=val_every, shard_chars=shard_chars, format=FORMAT_VERSION)

@@ -44,9 +44,9 @@ def token_dtype(vocab_size: int):
 
 
 def tokenize_dataset(name, tokenizer, *, overwrite=False, num_threads=8, memory_mb=DEFAULT_MEMORY_MB) -> dict:
-    """Pre-tokenize data/<name>/ into tokens/<name>/ (each document starts with <|bos|>; conversations
-    get their loss mask), skipping complete shards of this tokenizer and the current text. Prose is
-    streamed on `num_threads` workers within `memory_mb`. Returns {"tokens", "docs", "skipped_shards"}."""
+    """Pre-tokenize data/<name>/ into tokens/<name>/ (each document starts with <|bos|>; conversations get
+    their loss mask), skipping complete shards of this tokenizer and the current text (prose streamed on
+    `num_threads` workers within `memory_mb`). Returns {"tokens", "docs", "skipped_shards"}."""
     manifest = read_dataset_manifest(name)
     kind, out_root = manifest["kind"], paths.tokens_dir(name)
     batch_chars = batch_chars_within(memory_mb, num_threads) if kind == TEXT else 0
@@ -137,9 +137,8 @@ def write_token_shard(out_dir: Path, stem: str, docs, masks=None, dtype=np.uint1
 
 
 def batch_chars_within(memory_mb: int, workers: int = 0) -> int:
-    """Characters per batch so that what tokenizing adds (the workers and the text in flight) stays
-    within memory_mb; what the calling process already holds is not the tokenizer's to bound. A
-    UserError when the workers alone take nearly all of it."""
+    """Characters per batch so that what tokenizing adds (the workers and the text in flight) stays within
+    memory_mb (not what the caller already holds); a UserError when the workers alone take nearly all."""
     held = workers * WORKER_MB
     chars = int((memory_mb - held) * 2**20 / BYTES_PER_CHAR)
     if chars < MIN_BATCH_CHARS:

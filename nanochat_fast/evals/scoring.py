@@ -31,12 +31,8 @@ class Counts:
         self.records.append(dict(record, correct=bool(correct)))
 
     def __add__(self, other: "Counts") -> "Counts":
-        return Counts(
-            self.correct + other.correct,
-            self.total + other.total,
-            self.records + other.records,
-            self.truncated + other.truncated,
-        )
+        records = self.records + other.records
+        return Counts(self.correct + other.correct, self.total + other.total, records, self.truncated + other.truncated)
 
     @property
     def accuracy(self) -> float:
@@ -76,12 +72,8 @@ def core_summary(accuracies: dict[str, float], chances: dict[str, float]) -> dic
     "CORE subset (10/22 tasks)": it is not CORE."""
     centred = {label: centered(acc, chances[label]) for label, acc in accuracies.items()}
     mean = sum(centred.values()) / len(centred) if centred else float("nan")
-    return {
-        "name": f"CORE subset ({len(centred)}/{CORE_TOTAL_TASKS} tasks)",
-        "results": dict(accuracies),
-        "centered": centred,
-        "core_subset": mean,
-    }
+    name = f"CORE subset ({len(centred)}/{CORE_TOTAL_TASKS} tasks)"
+    return {"name": name, "results": dict(accuracies), "centered": centred, "core_subset": mean}
 
 
 def _padded(rows: list[list[int]], pad: int, device) -> torch.Tensor:
@@ -102,9 +94,8 @@ def _letter_ids(tokenizer, letters: str) -> list[int]:
 
 @contextmanager
 def logits_only_at(model, positions: torch.Tensor):
-    """While active, the forward projects only row b's hidden state at positions[b] onto the vocabulary
-    (logits (B, 1, V): with a small model that projection is most of the work). Yields a list that
-    holds True once the hook ran; a model without lm_head gives (B, T, V)."""
+    """While active, the forward projects only row b's hidden state at positions[b] (logits (B, 1, V): that
+    projection is most of a small model's work). Yields a list holding True once it ran (no lm_head: all)."""
     ran = []
 
     def select(module, args):
@@ -123,9 +114,8 @@ def logits_only_at(model, positions: torch.Tensor):
 
 @torch.no_grad()
 def categorical_counts(model, tokenizer, task, examples: list[dict], batch_size: int = 8, on_batch=None) -> Counts:
-    """The answer is the letter with the largest logit after each prompt (the conversation up to
-    <|assistant_start|>). Prompts go shortest first (little padding); the records keep the order of
-    `examples`. on_batch(n) is called after each batch of n examples."""
+    """The letter with the largest logit after each prompt (up to <|assistant_start|>); prompts go shortest
+    first (little padding), records keep the order of `examples`; on_batch(n) follows each batch of n."""
     device, bos = model.get_device(), tokenizer.get_bos_token_id()
     whole = [tokenizer.render_for_completion(task.conversation(ex)) for ex in examples]
     # the whole context is the prompt's: nothing is generated after it (fit_context with no reply)
@@ -170,9 +160,8 @@ def generative_counts(
 
 
 def _scored_spans(task, tokens: list[list[int]]) -> list[tuple[int, int]]:
-    """(start, end) of the tokens scored in each prompt, at least one: after the common prefix
-    (multiple choice: the choices differ at the end), or the common suffix (schema: the contexts
-    differ, the continuation is shared)."""
+    """(start, end) of the tokens scored in each prompt, at least one: after the common prefix (multiple
+    choice: choices differ at the end), or the common suffix (schema: contexts differ, the continuation is shared)."""
     suffix, n = task.task_type == SCHEMA, 0
     while n < min(map(len, tokens)) and len({t[-1 - n] if suffix else t[n] for t in tokens}) == 1:
         n += 1

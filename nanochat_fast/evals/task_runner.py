@@ -1,11 +1,12 @@
 """
-The tasks evaluated with any number of processes, and the file of results the report card reads
-(runs/<run>/evals.json). chat_eval, base_eval, chat_sft's and chat_rl's evaluations score through
-here. Each rank scores every world_size-th example (scoring.shard) and the counts are summed over
-ranks, so N processes count exactly what one process counts.
+The tasks evaluated with any number of processes, the file of results the report card reads
+(runs/<run>/evals.json), and validation bits per byte: every evaluation (chat_eval, base_eval, the
+training loop's) goes through here. Each rank scores every world_size-th example (scoring.shard) or its
+own batches, and the sums are added over ranks, so N processes count exactly what one process counts.
 """
 
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -168,3 +169,27 @@ def record(run_dir, step: int, script: str, results: dict) -> Path:
     path = Path(run_dir) / RESULTS_FILE
     paths.write_durably(path, lambda f: f.write((json.dumps(data, indent=2) + "\n").encode()))
     return path
+
+
+def evaluate_bpb(model, batches, token_bytes: torch.Tensor, autocast_ctx) -> float:
+    """Bits per byte over (x, y) batches: summed next-token loss in nats over the target tokens' UTF-8 bytes
+    (special tokens: 0; targets -1 excluded), over all ranks; unlike nats per token, it compares tokenizers."""
+    return evaluate_bpb_each(model, batches, [token_bytes], autocast_ctx)[0]
+
+
+@torch.no_grad()
+def evaluate_bpb_each(model, batches, tables: list[torch.Tensor], autocast_ctx) -> list[float]:
+    """evaluate_bpb for several byte-length tables in one pass over the batches (an imported run
+    whose nanochat token_bytes.pt was computed the old way reports both figures)."""
+    sums = torch.zeros(len(tables), 2, dtype=torch.float64, device=tables[0].device)  # (nats, bytes) per table
+    for x, y in batches:
+        with autocast_ctx:
+            loss = model(x, y, loss_reduction="none").view(-1).double()
+        y = y.view(-1)
+        valid = y >= 0
+        for k, token_bytes in enumerate(tables):
+            nbytes = torch.where(valid, token_bytes[y.clamp(min=0)], 0)
+            sums[k, 0] += (loss * (nbytes > 0)).sum()
+            sums[k, 1] += nbytes.sum()
+    sums = all_reduce_sum(sums)
+    return [(n / (math.log(2) * b)).item() if b > 0 else float("nan") for n, b in sums]

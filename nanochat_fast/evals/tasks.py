@@ -45,20 +45,15 @@ class Task:
 
 
 class ChatTask(Task):
-    """A task for the chat model: each example renders as a conversation (prompt(example), then
-    answer(example): the assistant's ideal answer, a string or a list of parts), for SFT and for
-    prompting at evaluation; check(example, reply) says whether the reply (text) is a right answer."""
+    """A task for the chat model: an example renders as a conversation (prompt(example), then the ideal
+    answer(example), a string or a list of parts) for SFT and evaluation; check(example, reply): is it right."""
 
     def prompt(self, example: dict) -> str:
         return example["question"]
 
     def conversation(self, example: dict) -> dict:
-        return {
-            "messages": [
-                {"role": "user", "content": self.prompt(example)},
-                {"role": "assistant", "content": self.answer(example)},
-            ]
-        }
+        user, assistant = self.prompt(example), self.answer(example)
+        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
 
 
 class MultipleChoiceTask(ChatTask):
@@ -176,9 +171,8 @@ class SpellingBee(GenerativeTask):
 
 
 class LastDigit(GenerativeTask):
-    """Digits: 4 7 2. Which comes last? "#### 2": GSM8K's interface, small enough for a tiny
-    model on a CPU (chat_rl's test). Its examples are made: every list of DIGITS digits in a fixed
-    shuffled order, the first TEST_SIZE held out as the test split."""
+    """Digits: 4 7 2. Which comes last? "#### 2": GSM8K's interface, small enough for a tiny model on a CPU
+    (chat_rl's test); every list of DIGITS digits in a fixed shuffled order, the first TEST_SIZE the test split."""
 
     name, folder = "last-digit", ""
     train_splits = ("train",)
@@ -193,12 +187,9 @@ class LastDigit(GenerativeTask):
         lists = list(itertools.product(range(10), repeat=self.DIGITS))
         random.Random(self.shuffle_seed).shuffle(lists)
         chosen = lists[: self.TEST_SIZE] if split == "test" else lists[self.TEST_SIZE :]
+        question = "Digits: {}. Which comes last?"
         examples = [
-            {
-                "id": f"{self.name}-{split}-{i}",
-                "question": f"Digits: {' '.join(map(str, d))}. Which comes last?",
-                "answer": d[-1],
-            }
+            {"id": f"{self.name}-{split}-{i}", "question": question.format(" ".join(map(str, d))), "answer": d[-1]}
             for i, d in enumerate(chosen)
         ]
         return examples[:max_examples]

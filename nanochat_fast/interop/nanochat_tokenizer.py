@@ -103,11 +103,9 @@ def tokenizer_from_state(state: dict, path) -> Tokenizer:
         raise UserError(f"{path}: tiktoken cannot build this encoding ({type(e).__name__}: {e})") from None
 
 
-def encoding(pat_str: str, mergeable_ranks: dict, special_tokens: dict) -> tiktoken.Encoding:
+def encoding(pattern: str, ranks: dict, specials: dict) -> tiktoken.Encoding:
     """The tiktoken encoding nanochat's RustBPETokenizer makes of these."""
-    return tiktoken.Encoding(
-        ENCODING_NAME, pat_str=pat_str, mergeable_ranks=mergeable_ranks, special_tokens=special_tokens
-    )
+    return tiktoken.Encoding(ENCODING_NAME, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
 
 
 def check_same_ids(tokenizer: Tokenizer, state: dict, text: str = SAMPLE_TEXT) -> int:
@@ -124,9 +122,8 @@ def check_same_ids(tokenizer: Tokenizer, state: dict, text: str = SAMPLE_TEXT) -
 
 
 def read_tokenizer(directory: Path, vocab_size: int) -> tuple[Tokenizer, int, dict[int, int]]:
-    """nanochat's tokenizer folder as our Tokenizer, checked: same ids on the sample, the model's
-    vocab size, and the bytes per token of its token_bytes.pt (if any). Also returns the number of
-    sample tokens compared and, for a token_bytes.pt computed the old way (through str, before
+    """nanochat's tokenizer folder as our Tokenizer, checked (ids on the sample, vocab size, token_bytes.pt);
+    the number of sample tokens compared; for a token_bytes.pt computed the old way (through str, before
     nanochat's 2026-07-03 fix), {token id: its byte count} where it differs from the true lengths."""
     state = read_encoding_state(directory / PICKLE_FILE)
     tokenizer = tokenizer_from_state(state, directory / PICKLE_FILE)

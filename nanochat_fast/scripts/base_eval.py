@@ -22,7 +22,7 @@ from ..core.distributed import print0
 from ..data.dataloader import ConversationRowLoader, TokenRowLoader
 from ..data.tokenizer import get_token_bytes, get_tokenizer
 from ..evals import prepared_benchmarks, task_runner, tasks
-from ..evals.bits_per_byte import evaluate_bpb_each
+from ..evals.task_runner import evaluate_bpb_each
 from ..model import generation, loading
 from ..train.stage_data import val_batches
 from ..train.training_config import DeviceConfig, evaluation_process

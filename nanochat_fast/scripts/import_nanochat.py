@@ -25,7 +25,7 @@ from .. import checkpoints
 from ..core import cli, paths
 from ..core.errors import UserError
 from ..data.tokenizer import RANKS_FILE, Tokenizer, get_tokenizer, save_token_bytes
-from ..interop import nanochat_checkpoint, nanochat_optimizer, nanochat_tokenizer
+from ..interop import nanochat_checkpoint, nanochat_tokenizer
 from ..model import loading
 from ..model.gpt import GPTConfig
 from ..train.env_vars import check_environment
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         print(nanochat_tokenizer.old_token_bytes_notice(tok_dir, old_bytes, tokenizer.get_vocab_size()))
     write_tokenizer = home_tokenizer_to_write(tokenizer)
     model_state = nanochat_checkpoint.model_state(ckpt)
-    shards, optim_line = nanochat_optimizer.optimizer_shards(
+    shards, optim_line = nanochat_checkpoint.optimizer_shards(
         ckpt, {k: tuple(v.shape) for k, v in model_state.items()}, args.no_optimizer
     )
     print(optim_line)

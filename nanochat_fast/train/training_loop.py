@@ -20,7 +20,7 @@ from ..core import rank_watch
 from ..core.compiling import CompileWatch
 from ..core.distributed import all_reduce_sum, any_rank, get_dist_info, print0
 from ..core.errors import EXIT_NONFINITE
-from ..evals.bits_per_byte import evaluate_bpb
+from ..evals.task_runner import evaluate_bpb
 from ..model import sharding
 from .run_report import MetricsLog, Progress, describe_step
 from .run_state import Horizon, Run, save

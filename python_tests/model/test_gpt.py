@@ -261,7 +261,7 @@ def test_evaluate_bpb_matches_a_hand_count():
     are masked (-1) or special (0 bytes) count neither nats nor bytes."""
     from contextlib import nullcontext
 
-    from nanochat_fast.evals.bits_per_byte import evaluate_bpb
+    from nanochat_fast.evals.task_runner import evaluate_bpb
 
     model = random_model()
     g = torch.Generator().manual_seed(1)

@@ -1,6 +1,6 @@
 """A tiny evaluation-data home written by hand in the normalised JSONL format of
-evals/benchmark_sources.py (data/eval/<task>/<split>.jsonl + manifest.json), so the stage tests need no download: a few
-examples per chat task and per CORE task, answers known."""
+evals/prepared_benchmarks.py (data/eval/<task>/<split>.jsonl + manifest.json), so the stage tests need no download:
+a few examples per chat task and per CORE task, answers known."""
 
 import json
 from pathlib import Path
