@@ -85,9 +85,9 @@ def window_chunked_attention(q, k, v, window: int, gqa: bool):
 class WindowedAttention(CausalSelfAttention):
     qk_scale = QK_SCALE
 
-    def __init__(self, config: WindowedGPTConfig, layer_idx: int, window: int):
+    def __init__(self, config: WindowedGPTConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.window = window
+        self.window = config.window_sizes()[layer_idx]
         gated = has_value_embedding(layer_idx, config.n_layer)
         self.ve_gate = linear(VE_GATE_CHANNELS, self.n_kv_head) if gated else None
 
@@ -108,6 +108,7 @@ class WindowedAttention(CausalSelfAttention):
 
 class WindowedGPT(GPT):
     arch = "windowed"
+    attention_class = WindowedAttention
     rotary_base = 100_000
 
     def __init__(self, config: WindowedGPTConfig):
@@ -123,14 +124,9 @@ class WindowedGPT(GPT):
             {str(i): nn.Embedding(V, kv_dim) for i in range(n) if has_value_embedding(i, n)}
         )
 
-    def _attention(self, config: WindowedGPTConfig, layer_idx: int) -> WindowedAttention:
-        return WindowedAttention(config, layer_idx, config.window_sizes()[layer_idx])
-
     @torch.no_grad()
     def init_weights(self):
-        """nanochat's init of this model: uniform block matrices of std 1/sqrt(n_embd) (c_fc at 0.4x), zero
-        output projections, embedding std 0.8, lm_head std 0.001, small positive gates, residual scalars
-        decaying with depth; and the rotary tables."""
+        """nanochat's init of this model (residual scalars decaying with depth), and the rotary tables."""
         n, d = self.config.n_layer, self.config.n_embd
         s = math.sqrt(3) / math.sqrt(d)  # a uniform of this bound has std 1/sqrt(d)
         nn.init.normal_(self.transformer.wte.weight, std=0.8)
@@ -154,9 +150,8 @@ class WindowedGPT(GPT):
         self._rotary_buffers()
 
     def estimate_flops(self) -> int:
-        """Training FLOPs per token: 6 per matmul weight (every Linear, the value-embedding gates and the
-        smear gate included; embeddings and value embeddings are lookups) plus attention, 12 * n_head *
-        head_dim * the keys each layer's window lets a query see."""
+        """Training FLOPs per token: 6 per Linear weight (embeddings are lookups) plus attention over the keys
+        each layer's window lets a query see."""
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         cfg = self.config
         attn = sum(12 * cfg.n_head * cfg.head_dim * min(w, cfg.sequence_len) for w in self.window_sizes)
