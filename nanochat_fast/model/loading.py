@@ -24,10 +24,6 @@ def arch_of(config: GPTConfig) -> str:
     return next(name for name, (cls, _) in FAMILIES.items() if type(config) is cls)
 
 
-def model_class(config: GPTConfig):
-    return FAMILIES[arch_of(config)][1]
-
-
 def config_of(meta: dict, ckpt: Path) -> GPTConfig:
     """The model config a checkpoint's meta.json describes, of its family."""
     arch = meta.get("arch", "gpt")  # runs saved before families existed have no "arch"
@@ -52,7 +48,7 @@ def config_from_fields(fields: dict) -> GPTConfig:
 def meta_model(config: GPTConfig) -> GPT:
     """The model of config's family on the meta device: shapes, parameters and FLOPs, no storage."""
     with torch.device("meta"):
-        return model_class(config)(config)
+        return FAMILIES[arch_of(config)][1](config)
 
 
 def check_arch(wanted: str, config: GPTConfig, ckpt: Path):
@@ -65,8 +61,7 @@ def check_arch(wanted: str, config: GPTConfig, ckpt: Path):
 
 
 def new_model(config: GPTConfig, device, state: dict | None = None) -> GPT:
-    """The model of config's family materialised on `device` with its init (which also fills the rotary
-    buffers, not saved in checkpoints), then loaded with `state`."""
+    """The model of config's family on `device`, initialised (the rotary buffers too), then loaded with `state`."""
     model = meta_model(config)
     model.to_empty(device=device)
     model.init_weights()
@@ -109,7 +104,7 @@ def open_checkpoint(run_dir: Path, step: int | None, tokenizer):
 
 
 def restore_model(ckpt: Path, config: GPTConfig, device) -> GPT:
-    """An opened checkpoint's weights in a GPT on `device`, in eval mode."""
+    """An opened checkpoint's model on `device`, in eval mode."""
     return new_model(config, device, checkpoints.load_model_state(ckpt, device)).eval()
 
 

@@ -36,9 +36,8 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 @contextmanager
 def whole_weights(model: torch.nn.Module):
-    """A plain GPT with the whole weights of `model`, gathered on every rank, for forwards that need no
-    collective (`model` itself when not sharded): FSDP's hooks run on one rank alone would also put its
-    record of the forward order (its backward prefetch) out of step with the others'."""
+    """A plain GPT with `model`'s whole weights (`model` itself when not sharded), for forwards on some ranks
+    only: FSDP's hooks there would also put its record of the forward order out of step with the others'."""
     if not is_sharded(model):
         yield model
         return

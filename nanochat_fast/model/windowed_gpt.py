@@ -58,10 +58,9 @@ def window_mask(positions_q: torch.Tensor, positions_k: torch.Tensor, window: in
 
 
 def window_chunked_attention(q, k, v, window: int, gqa: bool):
-    """Causal attention over the last `window` keys, for a sequence (B, H, T, D) of T a multiple of
-    the window, through SDPA on chunks of `window` queries: the first chunk causal on itself, every
-    other chunk against its own keys and the previous chunk's, under one shared mask. A mask over
-    the whole sequence makes SDPA compute all T x T scores; this computes ~2 * window per query."""
+    """Causal attention over the last `window` keys for (B, H, T, D), T a multiple of the window, by chunks of
+    `window` queries, each against its own keys and the previous chunk's under one shared mask: ~2 * window
+    scores per query, where a mask over the whole sequence makes SDPA compute all T x T."""
     B, H, T, D = q.shape
     first = F.scaled_dot_product_attention(
         q[:, :, :window], k[:, :, :window], v[:, :, :window], is_causal=True, enable_gqa=gqa
@@ -150,16 +149,14 @@ class WindowedGPT(GPT):
         self._rotary_buffers()
 
     def estimate_flops(self) -> int:
-        """Training FLOPs per token: 6 per Linear weight (embeddings are lookups) plus attention over the keys
-        each layer's window lets a query see."""
+        """Training FLOPs per token: 6 per Linear weight plus attention over each layer's window."""
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         cfg = self.config
         attn = sum(12 * cfg.n_head * cfg.head_dim * min(w, cfg.sequence_len) for w in self.window_sizes)
         return 6 * matmul + attn
 
     def optimizer_groups(self, unembedding_lr, embedding_lr, scalar_lr):
-        """nanochat's AdamW groups: (name, [(param name, param)], lr, betas, weight decay), the embeddings'
-        lrs scaled by 1/sqrt(n_embd/768)."""
+        """nanochat's AdamW groups: (name, [(param name, param)], lr, betas, weight decay)."""
         scale = (self.config.n_embd / 768) ** -0.5
         named = dict(self.named_parameters())
 
