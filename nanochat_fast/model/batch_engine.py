@@ -21,8 +21,7 @@ from .decode import SlotBatch, SlotCache, SlotPrefill, usable
 # The prompts a step admits run in its decode forward, a row per token, up to this many tokens in all;
 # more run in a forward of their own, faster from about there (docs/measurements.md#continuous-batching).
 PROMPT_AS_ROWS = 256
-# below this, temperature is greedy: logits / T overflows fp32 for T < 15 / 3.4e38 (logits are
-# softcapped to +-15) and softmax turns inf into nan; the reasoning is at web/app.MIN_TEMPERATURE
+# below this, temperature is greedy (softcapped logits / T overflow fp32): the reasoning is at web/app.py
 MIN_TEMPERATURE = 1e-6
 
 
@@ -91,8 +90,7 @@ def check_positive_ints(**values):
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What an engine accepts, apart from it: a server refuses a request before it reaches an engine in
-    another process (web/replica_process.py)."""
+    """What an engine accepts, apart from it: a server checks requests before its engine's process does."""
 
     vocab_size: int
     max_len: int

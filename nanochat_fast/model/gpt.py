@@ -197,8 +197,7 @@ class GPT(nn.Module):
         muon_recipe="quintic",
         scalar_lr=None,
     ):
-        """[AdamW for lm_head and wte, Muon for the blocks' matrices, of `muon_recipe` (optim/recipe.py)];
-        scalar_lr is the windowed GPT's (this model has no scalars)."""
+        """[AdamW for lm_head and wte, Muon for the blocks' matrices]; scalar_lr: the windowed GPT's."""
         model_dim = self.config.n_embd
         # AdamW LRs were tuned at width 768; scale them by 1/sqrt(width/768)
         scale = (model_dim / 768) ** -0.5
@@ -265,8 +264,7 @@ class GPT(nn.Module):
         return softcap(logits, LOGIT_SOFTCAP)  # one pass where no gradient is wanted
 
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42, use_kv_cache=None):
-        """Yield `max_tokens` sampled ids continuing `tokens` (a list of ints), no token ending it early;
-        temperature 0 (or below MIN_TEMPERATURE) is greedy. One row of the batch engine (generation.py)."""
+        """Yield `max_tokens` ids continuing `tokens` (no stop token), greedy below MIN_TEMPERATURE: an engine row."""
         if use_kv_cache is not None:
             warnings.warn(
                 "GPT.generate(use_kv_cache=...) is deprecated and ignored (generation always uses the "

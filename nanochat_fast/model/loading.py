@@ -1,8 +1,7 @@
 """
-Making a GPT of either family and loading a trained one: every script that needs a model comes here, so
-the rules live once. Models are built on the meta device and materialised where they run; a checkpoint's
-family (meta.json's "arch") picks the class; checkpoints must match the model config and the tokenizer.
-Setting a model up for a training run (optimizers, dtypes, compile) is train/model_setup.py.
+Making a GPT of either family and loading a trained one, for every script: models are built on the meta
+device and materialised where they run; a checkpoint's family (meta.json's "arch") picks the class, and it
+must match the model config and the tokenizer. Setting a model up for training is train/model_setup.py.
 """
 
 from dataclasses import asdict

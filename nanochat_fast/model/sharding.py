@@ -58,8 +58,7 @@ def whole_weights(model: torch.nn.Module):
 
 
 def model_state_dict(model: torch.nn.Module, full: bool = False) -> dict:
-    """What a checkpoint saves of the model: its state_dict, of DTensors (each rank's rows, for DCP) when it
-    is sharded; `full`: whole tensors, gathered by every rank onto rank 0's CPU."""
+    """The state_dict a checkpoint saves: DTensors (each rank's rows) when sharded; `full`: on rank 0's CPU."""
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

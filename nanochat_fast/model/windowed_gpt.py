@@ -184,8 +184,7 @@ class WindowedGPT(GPT):
         muon_recipe="polar-normuon",
         scalar_lr=0.5,
     ):
-        """[AdamW over nanochat's six groups, Muon over the blocks' matrices (the value embedding gates
-        included)]; adam_betas and weight_decay are not used: each group has its own."""
+        """[AdamW over nanochat's six groups (each its own betas and decay), Muon over the blocks' matrices]."""
         print0(f"Scaling the LR for the AdamW parameters ∝1/√({self.config.n_embd}/768)")
         groups = self.optimizer_groups(unembedding_lr, embedding_lr, scalar_lr)
         adam_groups = [dict(params=params, lr=lr, betas=betas, weight_decay=wd) for _, params, lr, betas, wd in groups]
