@@ -18,12 +18,10 @@ from ..hardware.precision import autocast
 from .calculator import calculate
 from .decode import SlotBatch, SlotCache, SlotPrefill, usable
 
-# The prompts a step admits run in its decode forward, a row per token, while they are at most this
-# many tokens in all; more run in a forward of their own, faster from about there
-# (docs/measurements.md#continuous-batching).
+# The prompts a step admits run in its decode forward, a row per token, up to this many tokens in all;
+# more run in a forward of their own, faster from about there (docs/measurements.md#continuous-batching).
 PROMPT_AS_ROWS = 256
-# below this, temperature is greedy: logits / T overflows fp32 for T < 15 / 3.4e38 (logits are
-# softcapped to +-15) and softmax turns inf into nan; the reasoning is at web/app.MIN_TEMPERATURE
+# below this, temperature is greedy (softcapped logits / T overflow fp32): the reasoning is at web/app.py
 MIN_TEMPERATURE = 1e-6
 
 
@@ -71,8 +69,7 @@ def stop_tokens(tokenizer) -> frozenset:
 
 
 def sample_next(logits, temperature: float, top_k: int | None, rng) -> torch.Tensor:
-    """(B, V) logits -> (B, 1) token ids: greedy at temperature 0 (or below MIN_TEMPERATURE), else
-    softmax sampling among the top_k most likely (all when None)."""
+    """(B, V) logits -> (B, 1) ids: greedy below MIN_TEMPERATURE, else sampled among the top_k (None: all)."""
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
@@ -93,8 +90,7 @@ def check_positive_ints(**values):
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What an engine accepts (its add's checks), apart from the engine: a server can refuse a request
-    before it reaches an engine in another process (web/replica_process.py)."""
+    """What an engine accepts, apart from it: a server checks requests before its engine's process does."""
 
     vocab_size: int
     max_len: int
@@ -102,7 +98,6 @@ class RequestLimits:
     tools: bool  # the engine has a tokenizer, so requests may use the calculator tool
 
     def check(self, request: Request, copies: int = 1):
-        """ValueError saying what is wrong with `request` for such an engine."""
         prompt, vocab = request.prompt, self.vocab_size
         if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
             raise ValueError("prompt must be a non-empty list of token ids")
@@ -131,8 +126,7 @@ class RequestLimits:
 class BatchEngine:
     """Up to `slots` rows decoding together, each up to `max_len` positions (prompt + tokens). One thread
     drives it: add() and cancel() between steps, step() to advance every row by one token, under autocast
-    to `dtype` unless fp32 (then the caller's). The model needs config, get_device() and forward(idx,
-    kv_cache=...) with decode.py's views, as GPT has. Without a tokenizer no token ends a row, no tool runs."""
+    to `dtype` unless fp32 (then the caller's). Without a tokenizer no token ends a row, no tool runs."""
 
     def __init__(self, model, tokenizer, slots: int, max_len: int | None = None, dtype=torch.float32):
         max_len = model.config.sequence_len if max_len is None else max_len
@@ -154,7 +148,6 @@ class BatchEngine:
 
     @staticmethod
     def kv_bytes(config, slots: int, max_len: int, dtype=torch.float32) -> int:
-        """Bytes of the cache an engine of `slots` x `max_len` holds for a model of `config`."""
         return config.n_layer * 2 * slots * config.n_kv_head * max_len * config.head_dim * dtype.itemsize
 
     @property
@@ -166,8 +159,7 @@ class BatchEngine:
         return list(self._rows)
 
     def add(self, request: Request, copies: int = 1) -> list[DecodeRow]:
-        """`copies` rows continuing request.prompt, run once at the next step and copied into each copy's
-        slot. max_tokens 0 gives rows already done."""
+        """`copies` rows continuing request.prompt, run once at the next step; max_tokens 0: rows done."""
         self.limits.check(request, copies)
         if request.max_tokens == 0:
             return [DecodeRow(request, None, c, done=True, reason="max_tokens") for c in range(copies)]
@@ -226,8 +218,7 @@ class BatchEngine:
         return few and takes_them and usable(self.model, decoding + len(groups))
 
     def _prefill(self, groups: list[list[DecodeRow]]) -> list[torch.Tensor]:
-        """The requests' prompts into their first copies' slots, in one forward (right-padded: one model call,
-        most of a short prompt's cost); per request, the next-token logits, one row per copy."""
+        """The prompts into their first copies' slots in one right-padded forward; per request, its logits."""
         prompts = [group[0].request.prompt for group in groups]
         width = max(map(len, prompts))
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
@@ -277,8 +268,8 @@ class BatchEngine:
         (even where the tool will force the token: a generator moves the same way in any batch)."""
         chosen = torch.argmax(logits, dim=-1)
         for i, row in enumerate(rows):
-            if row.request.temperature > 0:
-                r = row.request
+            r = row.request
+            if r.temperature > 0:
                 chosen[i] = sample_next(logits[i : i + 1], r.temperature, r.top_k, row.rng)[0, 0]
         return chosen.tolist()
 
@@ -296,8 +287,7 @@ class BatchEngine:
         return Token(row, token, forced, last=reason is not None)
 
     def _use_tool(self, row: DecodeRow, token: int):
-        """The calculator: after `<|python_start|>expr<|python_end|>` its answer is queued as
-        `<|output_start|>result<|output_end|>`; a refused expression gets no output."""
+        """The calculator: `<|python_start|>expr<|python_end|>` queues `<|output_start|>result<|output_end|>`."""
         python_start, python_end, output_start, output_end = self.tool_tokens
         if token == python_start:
             row.expr = []

@@ -14,9 +14,8 @@ from ..kernels.decode_step import MAX_ROWS
 
 
 class SlotCache:
-    """Keys and values for `slots` sequences of up to `max_len` positions, made at the first keys written
-    (their dtype: bf16 under bf16 autocast). Zero-filled: the reference decode attention masks what a row
-    may not see, and a masked entry must be finite (0 * NaN is NaN); a used slot is reused as it is."""
+    """Keys and values for `slots` sequences of up to `max_len` positions, made in the first keys' dtype.
+    Zero-filled: a masked entry must be finite (0 * NaN is NaN); a used slot is reused as it is."""
 
     def __init__(self, n_layer: int, slots: int, max_len: int):
         self.n_layer, self.slots, self.max_len = n_layer, slots, max_len
@@ -35,16 +34,14 @@ class SlotCache:
             self.embeddings[dst] = self.embeddings[src]
 
     def embedding_store(self, x: torch.Tensor) -> torch.Tensor:
-        """(slots, C) float32: each slot's last input embedding, allocated at the first call."""
         if self.embeddings is None:
             self.embeddings = torch.zeros(self.slots, x.size(-1), dtype=torch.float32, device=x.device)
         return self.embeddings
 
 
 class SlotPrefill:
-    """Prompts run into their slots by the model's causal forward, row b into slots[b], all from one
-    position: several into empty slots, right-padded to the longest (row b's first lengths[b] positions
-    are its own; the padding's keys land after them, where nothing reads them), or one continuing a chunk."""
+    """Prompts run into their slots by the model's causal forward, row b into slots[b]: several into empty
+    slots, right-padded (row b's own positions: lengths[b]; nothing reads the padding's keys), or a next chunk."""
 
     def __init__(self, cache: SlotCache, slots: int | list[int], lengths: list | None = None, last_logits=False):
         self.cache, self.pos = cache, 0
@@ -56,7 +53,7 @@ class SlotPrefill:
         return self.pos
 
     def last(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C): each row's last own position of x (B, T, C)."""
+        """(B, C): each row's last own position."""
         if self.lengths is None:
             return x[:, -1]
         ends = torch.tensor(self.lengths, device=x.device) - 1
@@ -74,8 +71,7 @@ class SlotPrefill:
         self.cache.embeddings[self.slots] = self.last(x).float()
 
     def insert_kv(self, layer_idx, k, v):
-        """Store k, v (B, H_kv, T, D) at each row's slot from the current position; return each slot's
-        keys and values so far, (B, H_kv, position + T, D)."""
+        """Store k, v (B, H_kv, T, D) in the rows' slots; return each slot's keys and values so far."""
         t0, t1 = self.pos, self.pos + k.size(2)
         if t1 > self.cache.max_len:
             raise ValueError(f"a slot holds {self.cache.max_len} positions, asked to grow to {t1}")
@@ -99,9 +95,8 @@ class SlotPrefill:
 
 
 class SlotBatch:
-    """One decode step, rows in increasing (slot, position) order: row i feeds one token at positions[i] of
-    slot slots[i]. A slot has one row continuing its sequence, or a prompt's rows from position 0 (each sees
-    the ones before it; position 0 starts the slot afresh). Logits of the rows `logits_of` (None: all)."""
+    """One decode step, row i feeding a token at positions[i] of slot slots[i], in (slot, position) order: a
+    slot's one row continuing it, or a prompt's rows from position 0. Logits of the rows `logits_of` (None: all)."""
 
     def __init__(self, cache: SlotCache, slots: list[int], positions: list[int], device, logits_of: list | None = None):
         rows = list(zip(slots, positions))
@@ -147,9 +142,8 @@ def linears_of(model) -> dict:
 
 
 class PackedLinears:
-    """A model's decode-step products (linears_of) packed (kernels.pack_linear), kept with the model for the
-    engines that come and go, remade when a weight's storage or version counter moves (any in-place change:
-    an optimizer step, load_state_dict; not a write through p.data outside an optimizer)."""
+    """A model's decode-step products packed (kernels.pack_linear), kept with it for the engines that come
+    and go, remade when a weight's storage or version moves (any in-place change but a write to p.data)."""
 
     def __init__(self, model):
         self.sources = linears_of(model)
@@ -157,8 +151,7 @@ class PackedLinears:
         self.packs, self.packed_at, self.seen = {}, {}, None
 
     def current(self) -> dict:
-        """module -> its pack, repacking what changed (or whose backend NANOCHAT_FAST_KERNELS changed);
-        one look at every weight when nothing did."""
+        """module -> its pack, repacking what changed (or whose backend NANOCHAT_FAST_KERNELS changed)."""
         seen = (requested("packed_linear"), *[(w.data_ptr(), w._version) for w in self.weights])
         if seen != self.seen:
             for module, parts in self.sources.items():
@@ -181,7 +174,6 @@ def usable(model, rows: int) -> bool:
 
 
 def packed_linears(model, rows: int) -> dict | None:
-    """The model's packs, up to date, where they help (usable), else None."""
     if not usable(model, rows):
         return None
     if model not in _packs_of:
@@ -190,7 +182,7 @@ def packed_linears(model, rows: int) -> dict | None:
 
 
 def nbytes(model) -> int:
-    """Bytes of the packed copies held for `model` (0 before its first packed decode step)."""
+    """Bytes of the packed copies held for `model`."""
     packs = _packs_of.get(model)
     return 0 if packs is None else sum(p.packed.nbytes for p in packs.packs.values() if p.packed is not None)
 
@@ -200,9 +192,8 @@ def _stacked(parts, h):
 
 
 def decode_step(model, idx: torch.Tensor, batch: SlotBatch) -> torch.Tensor:
-    """A decode step of a GPT of either family: idx (B, 1), row i at batch.positions[i] -> the lm_head's
-    fp32 products (before the softcap) of the rows batch.logits_of. Where no pack helps, decode_block's
-    reference backend runs the block's ops one after another on the model's own weights."""
+    """A decode step of either family: idx (B, 1) -> the lm_head's fp32 products (before the softcap) of
+    the rows batch.logits_of; where no pack helps, through decode_block's reference backend."""
     rows = idx.size(0) if batch.logits_of is None else batch.logits_of.numel()  # prompt rows ride along
     packs = products = packed_linears(model, rows)
     if packs is None:

@@ -36,8 +36,7 @@ def decode_reply(tokenizer, ids) -> str:
 
 class TextStream:
     """Token ids in, text pieces out, each released once it no longer ends in a partial UTF-8 character
-    (BPE splits them). Only the ids since the last piece are decoded at each push, not the whole reply.
-    The `stop` tokens (a reply's: stop_tokens) add no text."""
+    (BPE splits them); only the ids since the last piece are decoded at each push. `stop` tokens add no text."""
 
     def __init__(self, tokenizer, stop=frozenset()):
         self.tokenizer, self.stop, self.released, self.pending = tokenizer, stop, "", []
@@ -57,8 +56,7 @@ class TextStream:
 
 
 def fit_context(ids: list[int], max_tokens: int, sequence_len: int, bos_id: int):
-    """(ids, max_tokens) within the context the model was trained on: the reply gets at most half
-    of it; a longer prompt keeps <|bos|> and its end."""
+    """(ids, max_tokens) within the context: the reply gets at most half; a long prompt keeps <|bos|> and its end."""
     max_tokens = min(max_tokens, sequence_len // 2)
     room = sequence_len - max_tokens
     if len(ids) > room:
@@ -67,16 +65,14 @@ def fit_context(ids: list[int], max_tokens: int, sequence_len: int, bos_id: int)
 
 
 def reply_prompt(model, tokenizer, messages: list[dict], max_tokens: int):
-    """(ids, max_tokens, truncated): the prompt of the assistant's next message after `messages`, fit to
-    the context of `model` (anything with its config); truncated: the conversation lost its start."""
+    """(ids, max_tokens, truncated): the assistant's next message's prompt, fit to the model's context."""
     ids = tokenizer.render_for_completion({"messages": messages})
     fitted, max_tokens = fit_context(ids, max_tokens, model.config.sequence_len, tokenizer.get_bos_token_id())
     return fitted, max_tokens, len(fitted) < len(ids)
 
 
 def reply_request(model, tokenizer, job):
-    """(engine request, the reply's text decoder, truncated) of a chat server's job (messages,
-    max_tokens, temperature, top_k, seed): the prompt and text exactly as assistant_reply makes them."""
+    """(engine request, text decoder, truncated) of a chat server's job, exactly as assistant_reply makes them."""
     ids, max_tokens, truncated = reply_prompt(model, tokenizer, job.messages, job.max_tokens)
     request = Request(ids, max_tokens, job.temperature, job.top_k, job.seed)
     return request, TextStream(tokenizer, stop_tokens(tokenizer)).push, truncated
@@ -84,9 +80,8 @@ def reply_request(model, tokenizer, job):
 
 @torch.inference_mode()
 def generate_steps(model, tokenizer, request: Request, num_samples: int = 1, should_stop=None):
-    """Yield, once per step, {row: (token, forced)} for the rows still going (forced: the tool's token). A
-    row ends after <|assistant_end|> or <|bos|> (which it yields); all end after request.max_tokens steps,
-    or when should_stop() (asked before each step) says so. Row r samples with a generator seeded seed + r."""
+    """Yield, once per step, {row: (token, forced)} for the rows still going, each to its stop token (yielded)
+    or max_tokens, until should_stop() (asked before each step). Row r samples with a generator seeded seed + r."""
     prompt, max_tokens = request.prompt, request.max_tokens
     if not isinstance(prompt, list) or not prompt:
         raise ValueError("prompt must be a non-empty list of token ids")
@@ -128,9 +123,8 @@ def generate_batch(
 def assistant_reply(
     model, tokenizer, messages, max_tokens, temperature=0.0, top_k=None, seed=42, on_text=None, should_stop=None
 ) -> str:
-    """The assistant's next message after `messages` (reply_prompt: within the model's context), up to
-    <|assistant_end|>, the calculator available. on_text(piece) sees its text as it comes; should_stop(),
-    asked before every new token, ends it early when True (a stop button, a client gone)."""
+    """The assistant's next message after `messages`, the calculator available. on_text(piece) sees its text
+    as it comes; should_stop(), asked before every new token, ends it early (a stop button, a client gone)."""
     ids, max_tokens, _ = reply_prompt(model, tokenizer, messages, max_tokens)
     stream = TextStream(tokenizer, stop_tokens(tokenizer))
     for column in generate_steps(model, tokenizer, Request(ids, max_tokens, temperature, top_k, seed), 1, should_stop):

@@ -13,20 +13,16 @@ from ..hardware import precision
 from .batch_engine import BatchEngine, Request, check_positive_ints
 from .loading import config_from_fields, meta_model, new_model
 
-# the generation commands' budget for timing their mix: they start in front of a user, so less than a
-# training run's MAX_SECONDS; later runs read the cache
+# the budget for timing a mix: these commands start in front of a user (later runs read the cache)
 MAX_SECONDS = 10.0
-# a chat turn, which a command cannot know in advance (chat_cli, chat_eval, chat_web): a prompt of the
-# chat template's special tokens and a short conversation, a reply of at most this many tokens (a
-# reply's cap, --max-tokens, is no length: docs/measurements.md#generation-dtype)
+# a chat turn, which a command cannot know in advance: a prompt of the chat template and a short conversation,
+# a reply of at most this many tokens (--max-tokens is a cap, not a length: docs/measurements.md#generation-dtype)
 CHAT_PROMPT_TOKENS = 64
 CHAT_REPLY_TOKENS = 64
 
 
 @dataclass(frozen=True)
-class GenerationMix:
-    """What a command generates: `batch` rows, each a prefill of `prompt_tokens` and `decode_tokens` tokens."""
-
+class GenerationMix:  # what a command generates: `batch` rows of a prompt and decode_tokens tokens
     batch: int
     prompt_tokens: int
     decode_tokens: int
@@ -42,8 +38,8 @@ def chat_mix(config, batch: int, max_tokens: int) -> GenerationMix:
 
 
 def generation_work(model, mix: GenerationMix, device) -> precision.Work:
-    """The mix, greedy on random prompts, each dtype with its own engine (a cache takes the dtype of
-    the first keys written). A model on the meta device (--tune's) is built only if the timing fits."""
+    """The mix, greedy on random prompts, each dtype with its own engine (a cache takes its first keys' dtype);
+    a meta-device model (--tune's) is built only if the timing fits."""
     config, device = model.config, torch.device(device)
 
     def make():
@@ -90,13 +86,12 @@ precision.register("generation", _meta_work)
 
 
 def choose(device, requested: str, model, mix: GenerationMix):
-    """The Precision generation runs in: precision.choose, with `mix` as the work to time."""
+    """The Precision generation runs in, `mix` the work to time."""
     return precision.choose(device, requested, work=generation_work(model, mix, device), max_seconds=MAX_SECONDS)
 
 
 def for_generation(dev, requested: str, model, mix: GenerationMix):
-    """`dev` (a ProcessSetup) with the precision generation runs in; an explicit --dtype, or auto off the
-    CPU, leaves it as DeviceConfig.init set it."""
+    """`dev` (a ProcessSetup) with generation's precision; an explicit --dtype, or a GPU, keeps dev's."""
     if dev.device.type != "cpu" or requested != "auto":
         return dev
     return replace(dev, precision=choose(dev.device, requested, model, mix))

@@ -136,21 +136,18 @@ class GPT(nn.Module):
     arch = "gpt"  # the family's name in --arch and meta.json
     prompts_as_decode_rows = True  # decode_step takes a prompt's tokens as a SlotBatch's rows from position 0
     rotary_base = 10_000
+    attention_class = CausalSelfAttention
 
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        blocks = nn.ModuleList([Block(config, self._attention(config, i)) for i in range(config.n_layer)])
+        blocks = nn.ModuleList([Block(config, self.attention_class(config, i)) for i in range(config.n_layer)])
         self.transformer = nn.ModuleDict({"wte": nn.Embedding(config.vocab_size, config.n_embd), "h": blocks})
         self.lm_head = linear(config.n_embd, config.vocab_size)
         self._rotary_buffers()
 
-    def _attention(self, config: GPTConfig, layer_idx: int) -> CausalSelfAttention:
-        return CausalSelfAttention(config, layer_idx)
-
     def _rotary_buffers(self):
-        """Rotary tables for 10x the training length (generation can run past it), fp32 (1, T, 1, D/2),
-        not persistent: init_weights recomputes them, checkpoints do not hold them."""
+        """fp32 (1, T, 1, D/2) tables for 10x the training length (generation can run past it); not persistent."""
         self.rotary_seq_len = self.config.sequence_len * 10
         head_dim, device, base = self.config.head_dim, self.transformer.wte.weight.device, self.rotary_base
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -160,8 +157,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """nanochat's init; also the rotary tables, so a model built on the meta device and materialised
-        with `to_empty(device=...)` is complete after this call."""
+        """nanochat's init, and the rotary tables: a meta-device model after `to_empty` is complete after it."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 # std 1/sqrt(fan_in), shrunk for wide-to-narrow maps (arXiv:2310.17813)
@@ -185,8 +181,7 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def estimate_flops(self) -> int:
-        """Training FLOPs per token: 6 per non-embedding weight (forward + backward matmuls) plus attention
-        scores and values, 12 * n_layer * n_head * head_dim * sequence_len."""
+        """Training FLOPs per token: 6 per non-embedding weight plus attention's scores and values."""
         nparams = sum(p.numel() for p in self.parameters()) - self.transformer.wte.weight.numel()
         cfg = self.config
         return 6 * nparams + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.sequence_len
@@ -202,9 +197,7 @@ class GPT(nn.Module):
         muon_recipe="quintic",
         scalar_lr=None,
     ):
-        """[AdamW for lm_head and wte, Muon for every matrix in the blocks]. `weight_decay` is AdamW's;
-        Muon follows `muon_recipe` (a MuonRecipe or a preset name, optim/recipe.py), its coefficients
-        ns_coefficients when given; scalar_lr is the windowed GPT's (this model has no scalars)."""
+        """[AdamW for lm_head and wte, Muon for the blocks' matrices]; scalar_lr: the windowed GPT's."""
         model_dim = self.config.n_embd
         # AdamW LRs were tuned at width 768; scale them by 1/sqrt(width/768)
         scale = (model_dim / 768) ** -0.5
@@ -216,8 +209,7 @@ class GPT(nn.Module):
         return self._optimizers(adam_groups, adamw_kwargs, matrix_lr, muon_recipe, ns_coefficients)
 
     def _optimizers(self, adam_groups, adamw_kwargs, matrix_lr, muon_recipe, ns_coefficients):
-        """[AdamW over adam_groups, Muon over the blocks' matrices]: ZeRO-2 under several processes, FSDP's
-        once fully_shard made the parameters DTensors; `.recipe` and `initial_lr` are for the schedules."""
+        """ZeRO-2's under several processes, FSDP's once fully_shard made the parameters DTensors."""
         from ..optim import AdamW, DistAdamW, DistMuon, FsdpAdamW, FsdpMuon, Muon, MuonRecipe
 
         recipe = MuonRecipe.of(muon_recipe)
@@ -232,7 +224,7 @@ class GPT(nn.Module):
         adamw = adamw_cls(adam_groups, **adamw_kwargs)
         muon = muon_cls(matrix_params, lr=matrix_lr, **recipe.muon_kwargs())
         muon.recipe = recipe
-        for group in adamw.param_groups + muon.param_groups:
+        for group in adamw.param_groups + muon.param_groups:  # what the schedules scale
             group["initial_lr"] = group["lr"]
         return [adamw, muon]
 
@@ -272,8 +264,7 @@ class GPT(nn.Module):
         return softcap(logits, LOGIT_SOFTCAP)  # one pass where no gradient is wanted
 
     def generate(self, tokens, max_tokens, temperature=1.0, top_k=None, seed=42, use_kv_cache=None):
-        """Yield `max_tokens` sampled ids continuing `tokens` (a list of ints), no token ending it early;
-        temperature 0 (or below MIN_TEMPERATURE) is greedy. One row of the batch engine (generation.py)."""
+        """Yield `max_tokens` ids continuing `tokens` (no stop token), greedy below MIN_TEMPERATURE: an engine row."""
         if use_kv_cache is not None:
             warnings.warn(
                 "GPT.generate(use_kv_cache=...) is deprecated and ignored (generation always uses the "

@@ -1,8 +1,7 @@
 """
-Making a GPT of either family and loading a trained one: every script that needs a model comes here, so
-the rules live once. Models are built on the meta device and materialised where they run; a checkpoint's
-family (meta.json's "arch") picks the class; checkpoints must match the model config and the tokenizer.
-Setting a model up for a training run (optimizers, dtypes, compile) is train/model_setup.py.
+Making a GPT of either family and loading a trained one, for every script: models are built on the meta
+device and materialised where they run; a checkpoint's family (meta.json's "arch") picks the class, and it
+must match the model config and the tokenizer. Setting a model up for training is train/model_setup.py.
 """
 
 from dataclasses import asdict
@@ -22,10 +21,6 @@ FAMILIES = {"gpt": (GPTConfig, GPT), "windowed": (WindowedGPTConfig, WindowedGPT
 
 def arch_of(config: GPTConfig) -> str:
     return next(name for name, (cls, _) in FAMILIES.items() if type(config) is cls)
-
-
-def model_class(config: GPTConfig):
-    return FAMILIES[arch_of(config)][1]
 
 
 def config_of(meta: dict, ckpt: Path) -> GPTConfig:
@@ -52,7 +47,7 @@ def config_from_fields(fields: dict) -> GPTConfig:
 def meta_model(config: GPTConfig) -> GPT:
     """The model of config's family on the meta device: shapes, parameters and FLOPs, no storage."""
     with torch.device("meta"):
-        return model_class(config)(config)
+        return FAMILIES[arch_of(config)][1](config)
 
 
 def check_arch(wanted: str, config: GPTConfig, ckpt: Path):
@@ -65,8 +60,7 @@ def check_arch(wanted: str, config: GPTConfig, ckpt: Path):
 
 
 def new_model(config: GPTConfig, device, state: dict | None = None) -> GPT:
-    """The model of config's family materialised on `device` with its init (which also fills the rotary
-    buffers, not saved in checkpoints), then loaded with `state`."""
+    """The model of config's family on `device`, initialised (the rotary buffers too), then loaded with `state`."""
     model = meta_model(config)
     model.to_empty(device=device)
     model.init_weights()
@@ -109,7 +103,7 @@ def open_checkpoint(run_dir: Path, step: int | None, tokenizer):
 
 
 def restore_model(ckpt: Path, config: GPTConfig, device) -> GPT:
-    """An opened checkpoint's weights in a GPT on `device`, in eval mode."""
+    """An opened checkpoint's model on `device`, in eval mode."""
     return new_model(config, device, checkpoints.load_model_state(ckpt, device)).eval()
 
 

@@ -36,9 +36,8 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 @contextmanager
 def whole_weights(model: torch.nn.Module):
-    """A plain GPT with the whole weights of `model`, gathered on every rank, for forwards that need no
-    collective (`model` itself when not sharded): FSDP's hooks run on one rank alone would also put its
-    record of the forward order (its backward prefetch) out of step with the others'."""
+    """A plain GPT with `model`'s whole weights (`model` itself when not sharded), for forwards on some ranks
+    only: FSDP's hooks there would also put its record of the forward order out of step with the others'."""
     if not is_sharded(model):
         yield model
         return
@@ -59,8 +58,7 @@ def whole_weights(model: torch.nn.Module):
 
 
 def model_state_dict(model: torch.nn.Module, full: bool = False) -> dict:
-    """What a checkpoint saves of the model: its state_dict, of DTensors (each rank's rows, for DCP) when it
-    is sharded; `full`: whole tensors, gathered by every rank onto rank 0's CPU."""
+    """The state_dict a checkpoint saves: DTensors (each rank's rows) when sharded; `full`: on rank 0's CPU."""
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

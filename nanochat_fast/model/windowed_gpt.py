@@ -58,10 +58,9 @@ def window_mask(positions_q: torch.Tensor, positions_k: torch.Tensor, window: in
 
 
 def window_chunked_attention(q, k, v, window: int, gqa: bool):
-    """Causal attention over the last `window` keys, for a sequence (B, H, T, D) of T a multiple of
-    the window, through SDPA on chunks of `window` queries: the first chunk causal on itself, every
-    other chunk against its own keys and the previous chunk's, under one shared mask. A mask over
-    the whole sequence makes SDPA compute all T x T scores; this computes ~2 * window per query."""
+    """Causal attention over the last `window` keys for (B, H, T, D), T a multiple of the window, by chunks of
+    `window` queries, each against its own keys and the previous chunk's under one shared mask: ~2 * window
+    scores per query, where a mask over the whole sequence makes SDPA compute all T x T."""
     B, H, T, D = q.shape
     first = F.scaled_dot_product_attention(
         q[:, :, :window], k[:, :, :window], v[:, :, :window], is_causal=True, enable_gqa=gqa
@@ -85,9 +84,9 @@ def window_chunked_attention(q, k, v, window: int, gqa: bool):
 class WindowedAttention(CausalSelfAttention):
     qk_scale = QK_SCALE
 
-    def __init__(self, config: WindowedGPTConfig, layer_idx: int, window: int):
+    def __init__(self, config: WindowedGPTConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.window = window
+        self.window = config.window_sizes()[layer_idx]
         gated = has_value_embedding(layer_idx, config.n_layer)
         self.ve_gate = linear(VE_GATE_CHANNELS, self.n_kv_head) if gated else None
 
@@ -108,6 +107,7 @@ class WindowedAttention(CausalSelfAttention):
 
 class WindowedGPT(GPT):
     arch = "windowed"
+    attention_class = WindowedAttention
     rotary_base = 100_000
 
     def __init__(self, config: WindowedGPTConfig):
@@ -123,14 +123,9 @@ class WindowedGPT(GPT):
             {str(i): nn.Embedding(V, kv_dim) for i in range(n) if has_value_embedding(i, n)}
         )
 
-    def _attention(self, config: WindowedGPTConfig, layer_idx: int) -> WindowedAttention:
-        return WindowedAttention(config, layer_idx, config.window_sizes()[layer_idx])
-
     @torch.no_grad()
     def init_weights(self):
-        """nanochat's init of this model: uniform block matrices of std 1/sqrt(n_embd) (c_fc at 0.4x), zero
-        output projections, embedding std 0.8, lm_head std 0.001, small positive gates, residual scalars
-        decaying with depth; and the rotary tables."""
+        """nanochat's init of this model (residual scalars decaying with depth), and the rotary tables."""
         n, d = self.config.n_layer, self.config.n_embd
         s = math.sqrt(3) / math.sqrt(d)  # a uniform of this bound has std 1/sqrt(d)
         nn.init.normal_(self.transformer.wte.weight, std=0.8)
@@ -154,17 +149,14 @@ class WindowedGPT(GPT):
         self._rotary_buffers()
 
     def estimate_flops(self) -> int:
-        """Training FLOPs per token: 6 per matmul weight (every Linear, the value-embedding gates and the
-        smear gate included; embeddings and value embeddings are lookups) plus attention, 12 * n_head *
-        head_dim * the keys each layer's window lets a query see."""
+        """Training FLOPs per token: 6 per Linear weight plus attention over each layer's window."""
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         cfg = self.config
         attn = sum(12 * cfg.n_head * cfg.head_dim * min(w, cfg.sequence_len) for w in self.window_sizes)
         return 6 * matmul + attn
 
     def optimizer_groups(self, unembedding_lr, embedding_lr, scalar_lr):
-        """nanochat's AdamW groups: (name, [(param name, param)], lr, betas, weight decay), the embeddings'
-        lrs scaled by 1/sqrt(n_embd/768)."""
+        """nanochat's AdamW groups: (name, [(param name, param)], lr, betas, weight decay)."""
         scale = (self.config.n_embd / 768) ** -0.5
         named = dict(self.named_parameters())
 
@@ -192,8 +184,7 @@ class WindowedGPT(GPT):
         muon_recipe="polar-normuon",
         scalar_lr=0.5,
     ):
-        """[AdamW over nanochat's six groups, Muon over the blocks' matrices (the value embedding gates
-        included)]; adam_betas and weight_decay are not used: each group has its own."""
+        """[AdamW over nanochat's six groups (each its own betas and decay), Muon over the blocks' matrices]."""
         print0(f"Scaling the LR for the AdamW parameters ∝1/√({self.config.n_embd}/768)")
         groups = self.optimizer_groups(unembedding_lr, embedding_lr, scalar_lr)
         adam_groups = [dict(params=params, lr=lr, betas=betas, weight_decay=wd) for _, params, lr, betas, wd in groups]

@@ -44,10 +44,9 @@ PAGE_HEADERS = {
 }
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "::1", "[::1]"]
 MAX_TEMPERATURE = 2.0  # only flattens: logits / 2 lie in [-7.5, 7.5]
-# Temperatures below this are greedy (accepted, served as 0): the fp32 logits, softcapped to +-15, over T are
-# finite only for T >= 15 / 3.4e38, and 1e-6 is greedy in all but name (a logit 1e-4 below the top keeps
-# under exp(-100) of its odds). web/ imports nothing of the package: model/batch_engine.MIN_TEMPERATURE is a
-# copy (a test checks they agree).
+# Temperatures below this are greedy (accepted, served as 0): softcapped fp32 logits over T are finite only
+# for T >= 15 / 3.4e38, and at 1e-6 a logit 1e-4 below the top keeps under exp(-100) of its odds. web/
+# imports nothing of the package: model/batch_engine.MIN_TEMPERATURE is a copy (a test checks they agree).
 MIN_TEMPERATURE = 1e-6
 MAX_TOP_K = 200  # 0 means no top-k filtering (the whole vocabulary)
 
@@ -150,9 +149,8 @@ def sse(event: dict) -> str:
 
 
 async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes | Response:
-    """The body, refused (413) as soon as it is known to exceed max_bytes (Content-Length, else while it
-    streams in); or the response when it does not arrive: a 408 after `timeout` seconds, or nothing anyone
-    will read when the client left. One log line each."""
+    """The body, refused (413) as soon as it is known to exceed max_bytes; or the response when it does not
+    arrive: a 408 after `timeout` seconds, or nothing anyone will read when the client left."""
     declared, received, chunks = request.headers.get("content-length"), 0, []
     too_large = HTTPException(413, f"request body larger than {max_bytes} bytes")
 
@@ -178,9 +176,8 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes |
 
 
 async def reply_events(job: Job, pool: ReplicaPool, arrived: float, timeout: float):
-    """The SSE stream of one job; ending it early (client gone, server stopping) stops the job. The request
-    timeout is one timer dropping a "timeout" event into the job's queue: a wait_for around every event
-    would cost the event loop a task and a timer per token."""
+    """The SSE stream of one job; ending it early (client gone, server stopping) stops the job. The timeout
+    is one timer dropping a "timeout" event into the job's queue, not a task and a timer per token."""
     loop = asyncio.get_running_loop()
     timer = loop.call_at(loop.time() + arrived + timeout - time.monotonic(), job.events.put_nowait, ("timeout", None))
     kind = None

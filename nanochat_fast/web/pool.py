@@ -8,6 +8,7 @@ from here (ServerStats). The threads, jobs and failures in full: docs/measuremen
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import threading
@@ -89,10 +90,8 @@ def deliver(events: list):
     for job, kind, value in events:
         by_loop[job.loop].append((job.events, (kind, value)))
     for loop, items in by_loop.items():
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is shutting down, nobody listens
             loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # the loop is closed: the server is shutting down, nobody listens
-            pass
 
 
 def _put_all(items):
@@ -112,8 +111,7 @@ def percentile(values: list[float], p: float) -> float:
 
 class ServerStats:
     """/stats' counts, under the pool's lock: tokens_generated (end and forced tokens included) over
-    decode_seconds (wall time with at least one reply admitted; a replica's own busy time for its rate);
-    ttft_s from a request's arrival to the end of the step that sampled its first token."""
+    decode_seconds (wall time with a reply admitted; per replica its own); ttft_s: arrival to first token."""
 
     def __init__(self, replicas: int):
         self.outcomes = collections.Counter()  # OUTCOMES and "rejected"
@@ -138,7 +136,7 @@ class ServerStats:
         self.ttft.extend(ttfts)
 
     def ended(self, replica: int, outcome: str, seconds: float | None, now: float, busy: bool):
-        """seconds: since its admission (None if it never was); busy: the replica holds other replies."""
+        """seconds: since its admission (None: never admitted); busy: the replica holds other replies."""
         self.outcomes[outcome] += 1
         if seconds is not None:
             self.replies += 1
@@ -366,8 +364,7 @@ class ReplicaPool:
         deliver(events)
 
     def _fail(self, i: int, e: Exception):
-        """A step (or the routing of its tokens) failed: the replica's replies end with an error, its rows
-        are cancelled and it serves on; one log line (the traceback at DEBUG level)."""
+        """A step failed: the replica's replies end with an error, its rows are cancelled, it serves on."""
         replica, jobs = self.replicas[i], list(self._rows[i].values())
         self._rows[i].clear()
         what = (replica.device, type(e).__name__, e, len(jobs))

@@ -7,6 +7,7 @@ add() starts a new one (RESTARTS in RESTART_SECONDS at most). Messages: docs/mea
 """
 
 import collections
+import contextlib
 import logging
 import multiprocessing
 import pickle
@@ -52,8 +53,7 @@ def _portable(e: BaseException) -> BaseException:
 
 
 def _serve(conn, build: Callable, threads: int):
-    """The child: build the engine, then step it while it has rows, applying the server's messages between
-    steps (waiting for them when it has none), until the server says close or is gone."""
+    """The child: build the engine, then step it while it has rows, applying the server's messages between."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
@@ -61,47 +61,40 @@ def _serve(conn, build: Callable, threads: int):
     except BaseException as e:
         conn.send(("refused", _portable(e)))
         return
-    try:
+    with contextlib.suppress(EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
         conn.send(("ready", {**info, "limits": engine.limits}))
-        _step_while_rows(conn, engine)
-    except (EOFError, BrokenPipeError, ConnectionResetError):  # the server is gone
-        pass
-
-
-def _step_while_rows(conn, engine):
-    rows = {}  # id -> the engine's row
-    while True:
-        while not engine.active or conn.poll():
-            message = conn.recv()
-            if message[0] == "close":
-                return
-            for op, id, *request in message[1]:
-                if op == "add":
-                    try:
-                        [row] = engine.add(*request)
-                    except Exception as e:  # checked by the server: not a request's own fault
-                        conn.send(("failed", (_portable(e), [id])))
-                        continue
-                    if not row.done:
-                        rows[id] = row
-                elif (row := rows.pop(id, None)) is not None:
+        rows = {}  # id -> the engine's row
+        while True:
+            while not engine.active or conn.poll():
+                message = conn.recv()
+                if message[0] == "close":
+                    return
+                for op, id, *request in message[1]:
+                    if op == "add":
+                        try:
+                            [row] = engine.add(*request)
+                        except Exception as e:  # checked by the server: not a request's own fault
+                            conn.send(("failed", (_portable(e), [id])))
+                            continue
+                        if not row.done:
+                            rows[id] = row
+                    elif (row := rows.pop(id, None)) is not None:
+                        engine.cancel(row)
+            try:
+                tokens = engine.step()
+            except Exception as e:  # its rows end; the engine serves on
+                for row in list(engine.active):
                     engine.cancel(row)
-        try:
-            tokens = engine.step()
-        except Exception as e:  # its rows end; the engine serves on
-            for row in list(engine.active):
-                engine.cancel(row)
-            conn.send(("failed", (_portable(e), list(rows))))
-            rows.clear()
-            continue
-        ids = {row: id for id, row in rows.items()}
-        conn.send(("step", [(ids[t.row], t.token, t.forced, t.last) for t in tokens]))
-        rows = {id: row for id, row in rows.items() if not row.done}
+                conn.send(("failed", (_portable(e), list(rows))))
+                rows.clear()
+                continue
+            ids = {row: id for id, row in rows.items()}
+            conn.send(("step", [(ids[t.row], t.token, t.forced, t.last) for t in tokens]))
+            rows = {id: row for id, row in rows.items() if not row.done}
 
 
 class ProcessEngine:
-    """An engine built by `build()` (-> (engine, info dict); it must pickle) in a spawned child process
-    with `threads` intra-op threads, waited for (an exception there is raised here)."""
+    """The engine `build()` (-> (engine, info dict); it must pickle) makes in a spawned child, raising here."""
 
     def __init__(self, build: Callable, threads: int, name: str = "replica"):
         self._build, self._threads, self._name = build, threads, name
@@ -138,8 +131,7 @@ class ProcessEngine:
             raise self._ended() from None
 
     def _flush(self):
-        """Send the adds and cancels not yet sent. A child that is gone raises, its rows still held for
-        the next step() to end."""
+        """Send the ops not yet sent; a child that is gone raises, its rows left for the next step() to end."""
         if self._ops:
             ops, self._ops = self._ops, []
             try:
@@ -187,10 +179,8 @@ class ProcessEngine:
         if self._rows.pop(row.id, None) is not None:
             row.done = True
             self._ops.append(("cancel", row.id))
-            try:
+            with contextlib.suppress(ReplicaProcessError):  # the child is gone, and the row with it
                 self._flush()
-            except ReplicaProcessError:  # the child is gone, and the row with it
-                pass
 
     def step(self) -> list[StepToken]:
         """Send the adds and cancels, then wait for the child's next step's tokens of the rows held here."""
@@ -214,10 +204,8 @@ class ProcessEngine:
 
     def close(self):
         """Stop the child, killed if not ended within CLOSE_SECONDS; once nothing else uses this engine."""
-        try:
+        with contextlib.suppress(OSError):
             self._conn.send(("close",))
-        except OSError:
-            pass
         self._process.join(CLOSE_SECONDS)
         if self._process.is_alive():
             self._process.kill()
