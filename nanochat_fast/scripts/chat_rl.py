@@ -24,12 +24,11 @@ from ..train.rollouts import Rollouts, Sampling, rl_horizon, split_examples
 from ..train.stage import FromRun, Stage, answer_questions, run_stage
 from ..train.training_config import DataConfig, OptimConfig, add_training_flags
 
-INIT_LR_FRACTION = 0.05  # nanochat's chat_rl starts at 5% of the pretraining learning rates
+LR_FRACTION = 0.05  # nanochat's chat_rl starts at 5% of the pretraining learning rates
 START = FromRun("source_run", "source_step", phases=("sft", "mid"))  # a chat model: sft, else mid
 
 
 def rl_task(value: str):
-    """--task: one of tasks.RL_TASK_NAMES, any case."""
     if value.strip().lower() not in {name.lower() for name in tasks.RL_TASK_NAMES}:
         raise argparse.ArgumentTypeError(f"unknown RL task {value!r}; choose one of {', '.join(tasks.RL_TASK_NAMES)}")
     return tasks.get(value)
@@ -124,8 +123,7 @@ def build_parser():
         help="held-out questions scored pass@1..num_samples at every evaluation (0: none); GSM8K's come from its "
         "test split and are never trained on",
     )
-    lrs = OptimConfig.scaled_lrs(INIT_LR_FRACTION)
-    add_training_flags(p, eval_every=60, sample_every=-1, warmdown_ratio=1.0, **lrs)
+    add_training_flags(p, eval_every=60, sample_every=-1, warmdown_ratio=1.0, **OptimConfig.scaled_lrs(LR_FRACTION))
     return p
 
 

@@ -30,8 +30,7 @@ START = FromRun("source_run", "source_step", phases=("mid", "base"))  # a mid ru
 
 
 def chat_evals(max_examples: int):
-    """The stage's in-training evaluations: accuracy on IN_TRAINING_EVAL_TASKS (at most
-    max_examples each, the same examples every time), counted over every rank."""
+    """Accuracy on IN_TRAINING_EVAL_TASKS, at most max_examples each (the same every time), over every rank."""
 
     def make(cfg, tokenizer, dev):
         chosen = [tasks.get(name) for name in IN_TRAINING_EVAL_TASKS]
@@ -56,8 +55,7 @@ def chat_evals(max_examples: int):
 
 
 def stage(args) -> Stage:
-    """The SFT stage. Its batch (--target-examples-per-step) and its evaluations are its own flags,
-    so the data object and the evaluations are made from them."""
+    """Made from the flags, unlike MID: the batch and the evaluations are chat_sft's own flags."""
     return Stage(
         phase="sft",
         title="supervised fine-tuning",
