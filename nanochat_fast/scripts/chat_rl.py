@@ -9,10 +9,9 @@ model is pushed toward the replies that did better than its other replies to the
     python -m nanochat_fast.scripts.chat_rl --task=last-digit            # a synthetic task a CPU can learn
     torchrun --standalone --nproc_per_node=8 -m nanochat_fast.scripts.chat_rl -- --source-run=sft_d20
 
-Tasks (--task): GSM8K (the prepared data has no train split: it trains on the test questions that
-are not held out, and says so), SpellingBee, and last-digit (synthetic). The method (nanochat's
-"GRPO", close to REINFORCE) and what the log shows: README.md, "Reinforcement learning: chat_rl";
-the objective: train/rollouts.py.
+Tasks (--task): GSM8K (the prepared data has no train split: it trains on the test questions that are not held
+out, and says so), SpellingBee, and last-digit (synthetic). The method (nanochat's "GRPO", close to REINFORCE) and
+what the log shows: README.md, "Reinforcement learning: chat_rl"; the objective: train/rollouts.py.
 """
 
 import argparse

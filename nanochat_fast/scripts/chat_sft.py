@@ -7,12 +7,11 @@ chat_sft does. Ends after one epoch of the mixture (or --num-iterations steps).
     python -m nanochat_fast.scripts.chat_sft --source-run=mid_d20 --device-batch-size=4
     torchrun --standalone --nproc_per_node=8 -m nanochat_fast.scripts.chat_sft -- --source-run=mid_d20
 
-The mixture, from what is prepared here: the conversation dataset (--dataset), ARC-Easy's and
-ARC-Challenge's validation splits, MMLU's dev and validation splits, GSM8K's eight worked examples,
-600 SpellingBee train words (prepare_data --datasets=eval) and your own --extra-conversations; the
-evaluated splits are never trained on. A batch is --target-examples-per-step conversations; the
-learning rates default to 2% of pretraining's, decaying linearly to zero. The mixture, validation
-and the loss in full: README.md, "After mid-training".
+The mixture, from what is prepared here: the conversation dataset (--dataset), ARC-Easy's and ARC-Challenge's
+validation splits, MMLU's dev and validation splits, GSM8K's eight worked examples, 600 SpellingBee train words
+(prepare_data --datasets=eval) and your own --extra-conversations; the evaluated splits are never trained on. A
+batch is --target-examples-per-step conversations; the learning rates default to 2% of pretraining's, decaying
+linearly to zero. The mixture, validation and the loss in full: README.md, "After mid-training".
 """
 
 from ..core import cli

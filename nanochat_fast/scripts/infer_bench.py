@@ -5,14 +5,13 @@ Inference benchmark: what a model costs to serve, swept over the decode batch si
     python -m nanochat_fast.scripts.infer_bench --run=demo_sft --batch-sizes=1,4,16
     python -m nanochat_fast.scripts.infer_bench --depth=20 --prompt-tokens=512 | tail -1 | jq .sweep
 
-For each batch size B, B requests of --prompt-tokens random tokens go through one batch engine as a
-server runs them, each decoding exactly --decode-tokens tokens greedily; printed per B: prefill and
-decode tok/s, TTFT, ms/token, peak memory, MBU and MFU. On a CPU, --dtype auto times each batch size's own
-mix (its prefills and decode steps) in fp32 and bf16 and runs the faster (model/generation_dtype.py; cached
-for later runs). --depth runs nanochat's init of that depth (of the gpt family, or --arch=windowed)
-with a byte-level stand-in tokenizer (no trained tokenizer needed). The last line of stdout is one
-JSON document with every figure. How each figure is measured and computed:
-docs/measurements.md#inference-benchmark.
+For each batch size B, B requests of --prompt-tokens random tokens go through one batch engine as a server runs
+them, each decoding exactly --decode-tokens tokens greedily; printed per B: prefill and decode tok/s, TTFT,
+ms/token, peak memory, MBU and MFU. On a CPU, --dtype auto times each batch size's own mix (its prefills and
+decode steps) in fp32 and bf16 and runs the faster (model/generation_dtype.py; cached for later runs). --depth
+runs nanochat's init of that depth (of the gpt family, or --arch=windowed) with a byte-level stand-in tokenizer
+(no trained tokenizer needed). The last line of stdout is one JSON document with every figure. How each figure is
+measured and computed: docs/measurements.md#inference-benchmark.
 """
 
 import argparse
