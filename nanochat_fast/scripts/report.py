@@ -54,8 +54,7 @@ def newest_meta(run_dir: Path) -> dict:
 
 
 def ancestor(run_dir: Path, phase: str) -> Path | None:
-    """The run of `phase` that run_dir descends from (its source, its source's source, ... while they
-    are still there)."""
+    """The run of `phase` that run_dir descends from (its source, its source's source, ... while there)."""
     seen = set()
     while run_dir not in seen:
         seen.add(run_dir)
@@ -105,8 +104,7 @@ def cost(meta: dict) -> str:
 
 
 def stage_facts(run_dir: Path) -> dict:
-    """What the card shows of a run: its newest checkpoint's meta and its evaluations there (or at the
-    newest step evaluated)."""
+    """A run's newest checkpoint's meta and its evaluations there (else at the newest step evaluated)."""
     ckpt = checkpoints.resolve_checkpoint(run_dir)
     meta = checkpoints.load_meta(ckpt)
     recorded = task_runner.read_records(run_dir)["steps"]

@@ -4,12 +4,11 @@ Train the BPE tokenizer on prepared text, then pre-tokenize every prepared datas
     python -m nanochat_fast.scripts.prepare_data    # first: the text shards
     python -m nanochat_fast.scripts.tok_train       # this: tokenizer/ + tokens/<dataset>/
 
-Trains with rustbpe (GPT-4-style split pattern, the special tokens <|bos|>, <|user_start|>, ...) on
-the train split of --dataset (default: base, or the only prepared dataset when base is not), at
-most --max-chars characters with each document cut to --doc-cap.
-Writes tokenizer/ (ranks, pattern, special tokens) and tokenizer/token_bytes.pt (the UTF-8 length
-of each token, 0 for special tokens: losses are reported in bits per byte with it). Retraining
-changes the tokenizer's fingerprint, and the token shards are then rebuilt.
+Trains with rustbpe (GPT-4-style split pattern, the special tokens <|bos|>, <|user_start|>, ...) on the train
+split of --dataset (default: base, or the only prepared dataset when base is not), at most --max-chars characters
+with each document cut to --doc-cap. Writes tokenizer/ (ranks, pattern, special tokens) and
+tokenizer/token_bytes.pt (the UTF-8 length of each token, 0 for special tokens: losses are reported in bits per
+byte with it). Retraining changes the tokenizer's fingerprint, and the token shards are then rebuilt.
 """
 
 import time
