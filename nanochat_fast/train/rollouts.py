@@ -119,12 +119,7 @@ def rl_horizon(cfg, model, data) -> Horizon:
     loader = data.train
     per_epoch = max(1, len(loader.examples) // loader.examples_per_step)
     steps = cfg.horizon.num_iterations if cfg.horizon.num_iterations > 0 else loader.num_epochs * per_epoch
-    return Horizon(
-        steps,
-        lambda step: step / steps,
-        lambda: False,
-        f"{steps} steps ({per_epoch} per epoch of {len(loader.examples):,} questions)",
-    )
+    return Horizon(steps, f"{steps} steps ({per_epoch} per epoch of {len(loader.examples):,} questions)")
 
 
 class RolloutLoader:

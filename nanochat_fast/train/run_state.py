@@ -39,11 +39,17 @@ class LoopState:
 class Horizon:
     """How long a stage trains: a number of steps, or until its data has done an epoch."""
 
-    num_iterations: int | None  # None: until epoch_done()
-    progress: Callable[[int], float]  # step -> fraction of training done: the lr schedule's clock
-    epoch_done: Callable[[], bool]  # the training loader finished its epoch (False: never stops on it)
+    num_iterations: int | None  # None: until the loader's epoch is done
     describe: str  # for the run's summary
     tokens: int | None = None  # training tokens of the whole run, if known (the compile rule)
+    loader: object = None  # an epoch-bound stage's training loader: the end of its epoch ends the run
+
+    def progress(self, step: int) -> float:
+        """The fraction of training done at `step`: the lr schedule's clock."""
+        return step / self.num_iterations if self.num_iterations else self.loader.epoch_progress
+
+    def epoch_done(self) -> bool:
+        return self.loader is not None and self.loader.epochs_done >= 1
 
 
 @dataclass

@@ -115,33 +115,17 @@ def fixed_horizon(cfg, model, data) -> Horizon:
             "no training horizon: pass --num-iterations N (> 0), --target-flops F or --target-param-data-ratio R"
         )
     tokens = steps * tokens_per_step
-    return Horizon(
-        steps,
-        lambda step: step / steps,
-        lambda: False,
-        f"{steps:,} steps = {tokens:,} tokens ({tokens / model.num_scaling_params():.2f} tokens/param)",
-        tokens,
-    )
+    ratio = tokens / model.num_scaling_params()
+    return Horizon(steps, f"{steps:,} steps = {tokens:,} tokens ({ratio:.2f} tokens/param)", tokens)
 
 
 def one_epoch(cfg, model, data) -> Horizon:
     """--num-iterations if set, else until the training data has been read once."""
     steps = cfg.horizon.num_iterations
-
-    def epoch_done():
-        return data.train.epochs_done >= 1
-
     if steps > 0:
-        return Horizon(
-            steps, lambda step: step / steps, epoch_done, f"{steps} steps", steps * cfg.data.total_batch_size
-        )
-    return Horizon(
-        None,
-        lambda step: data.train.epoch_progress,
-        epoch_done,
-        "one epoch of the training data",
-        getattr(data.train, "epoch_tokens", None),
-    )
+        return Horizon(steps, f"{steps} steps", steps * cfg.data.total_batch_size, loader=data.train)
+    tokens = getattr(data.train, "epoch_tokens", None)
+    return Horizon(None, "one epoch of the training data", tokens, loader=data.train)
 
 
 def complete_prompts(prompts, max_tokens=16):

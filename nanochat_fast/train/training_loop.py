@@ -212,14 +212,8 @@ class StepResult:
 
 def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx) -> StepResult:
     """One optimizer step over this rank's micro-batches (the module docstring)."""
-    local = (
-        torch.stack(
-            [torch.stack([(y >= 0).sum(), torch.tensor(x.numel(), device=x.device)]) for x, y, *_ in micro_batches]
-        )
-        .sum(0)
-        .double()
-    )
-    n_sup, n_tokens = all_reduce_sum(local).unbind()  # one collective for both counts
+    counts = [torch.stack([(y >= 0).sum(), torch.tensor(x.numel(), device=x.device)]) for x, y, *_ in micro_batches]
+    n_sup, n_tokens = all_reduce_sum(torch.stack(counts).sum(0).double()).unbind()  # one collective for both
     # The optimizers average gradients over ranks (sum / world_size), so each rank scales its part
     # by world_size: the averaged gradient is then d(global loss sum)/d(params) / n_sup.
     world_size = get_dist_info()[3]
@@ -230,10 +224,8 @@ def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx) -> Ste
         (loss * world_size / n_sup.clamp(min=1)).backward()
         loss_sum += loss.detach().double()
     global_loss = (all_reduce_sum(loss_sum) / n_sup.clamp(min=1)).item()
-    if not math.isfinite(global_loss):
-        model.zero_grad(set_to_none=True)
-        return StepResult(global_loss, float("nan"), int(n_sup.item()), False, int(n_tokens.item()))
-    grad_norm = optim.step(optimizers, grad_clip).item()
+    # a non-finite loss applies no update (nor does optim.step on a non-finite gradient norm)
+    grad_norm = optim.step(optimizers, grad_clip).item() if math.isfinite(global_loss) else float("nan")
     model.zero_grad(set_to_none=True)
     return StepResult(global_loss, grad_norm, int(n_sup.item()), math.isfinite(grad_norm), int(n_tokens.item()))
 
