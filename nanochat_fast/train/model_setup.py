@@ -119,14 +119,7 @@ def shard_for_training(model: GPT, optimizers: list, optim_config, dev) -> list:
     return sharded
 
 
-def compile_for_training(
-    model: GPT,
-    requested: bool | None,
-    device,
-    run_tokens: int | None,
-    peak_flops: float | None,
-    varying_shapes: bool = False,
-):
+def compile_for_training(model: GPT, requested: bool | None, device, run_tokens, peak_flops, varying_shapes=False):
     """(the module the training step calls, why): --compile/--no-compile as given, else eager where the
     rows' length varies (a graph per length), else core/compiling.default_compile's rule on the run's
     FLOPs (estimate_flops() x run_tokens) at peak_flops (of all processes)."""

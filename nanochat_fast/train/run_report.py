@@ -223,7 +223,7 @@ def finish_report(run, metrics: MetricsLog, title: str, wall_start: float, secti
             "Hardware": f"{hardware()}; {run.world_size} process(es).",
             "Device and precision": device,
             "Kernels (backend per op on this device)": dev.kernels,
-            "Model": run.meta()["model_config"],
+            "Model": run.meta["model_config"],
             **sections,
         },
     )

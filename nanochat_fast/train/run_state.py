@@ -67,7 +67,7 @@ class Run:
     loop: LoopConfig  # eval/sample/save cadence, NaN guard
     dev: ProcessSetup  # device, rank, world_size, precision
     peak: hardware.Peak | None  # the peak MFU is quoted against (None: n/a)
-    meta: Callable[[], dict]  # model config, settings... for meta.json
+    meta: dict  # model config, settings... for meta.json
     sample: Callable[[torch.nn.Module], list[str]]  # a few generations of a plain model to print (rank 0 only)
     evals: tuple = ()  # (name, fn(model) -> {metric: value}) run with every val bpb eval
     state: LoopState = field(default_factory=LoopState)
@@ -94,7 +94,7 @@ def save(run: Run) -> Path:
         model_state=sharding.model_state_dict(run.orig_model),  # DTensors with FSDP: DCP shards
         rank_state={"optimizers": [opt.shard_state_dict() for opt in run.optimizers], "rng": rng},
         meta={
-            **run.meta(),
+            **run.meta,
             "world_size": run.world_size,
             "loader_state": run.data.train.state_dict(),
             "loop_state": asdict(run.state),

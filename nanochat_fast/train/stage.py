@@ -228,6 +228,16 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
         orig_model, cfg.run.compile, dev.device, horizon.tokens, peak.flops * dev.world_size, stage.data.varying_shapes
     )
     settings = {**flag_values(args), **cfg.as_dict(), "dataset": data.dataset}
+    point = setup.point
+    meta = {  # what every checkpoint's meta.json says of the run (the loop adds its own state)
+        "phase": stage.phase,
+        "arch": loading.arch_of(point.config),
+        "model_config": asdict(point.config),
+        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
+        "args": settings,
+        "device": run_report.device_summary(dev),
+        **({"base_checkpoint": str(point.source)} if point.source else {}),
+    }
     run = Run(
         model=model,
         orig_model=orig_model,
@@ -240,7 +250,7 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
         loop=cfg.loop,
         dev=dev,
         peak=peak,
-        meta=meta_of_run(stage, setup, dev, settings),
+        meta=meta,
         sample=lambda model: stage.sample(model, tokenizer),
         evals=tuple((name, make(cfg, tokenizer, dev)) for name, make in stage.evals),
         resume_command=next_steps.resume_command(getattr(args, "_argv", None), setup.run_dir),
@@ -257,20 +267,6 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
         "mfu against": peak.describe(),
     }
     return run, {"Stage": lines, "Settings": settings}
-
-
-def meta_of_run(stage: Stage, setup: RunSetup, dev: ProcessSetup, settings: dict) -> Callable[[], dict]:
-    """What every checkpoint's meta.json says of the run (the loop adds its own state)."""
-    point, tokenizer = setup.point, setup.tokenizer
-    return lambda: {
-        "phase": stage.phase,
-        "arch": loading.arch_of(point.config),
-        "model_config": asdict(point.config),
-        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
-        "args": settings,
-        "device": run_report.device_summary(dev),
-        **({"base_checkpoint": str(point.source)} if point.source else {}),
-    }
 
 
 def train_and_report(run: Run, stage: Stage, setup: RunSetup, sections: dict) -> int:
