@@ -1,9 +1,8 @@
 """
 Every environment variable nanochat_fast reads, checked before a script does any work, so a wrong
 value is one line and exit 2 instead of a late traceback or nothing at all (a misspelt
-NANOCHAT_FAST_KERNEL would be ignored): NANOCHAT_FAST_* (KNOWN; any other is refused as a likely
-misspelling), OMP_NUM_THREADS, TRITON_INTERPRET and torchrun's RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT. check_kernels: the forced backends run on the device.
+NANOCHAT_FAST_KERNEL, refused as not KNOWN, would be ignored). check_kernels: the forced backends
+run on the device.
 """
 
 import os

@@ -1,9 +1,8 @@
 """
-What a run prints and leaves behind besides checkpoints: the step's log line (on a tqdm bar when
-attached to a terminal), metrics.jsonl (one JSON object per logged event), loss.png (train and val
-loss, tokens/s) and report.md (results, timing, hardware, device and precision with the reason for
-each choice, kernels, model, every setting), all written by rank 0; and the summary a run prints
-before its first step.
+What a run prints and leaves behind besides checkpoints, all written by rank 0: the summary before
+its first step, the step's log line (on a tqdm bar in a terminal), metrics.jsonl (one JSON object
+per logged event), loss.png and report.md (results, timing, hardware, precision and why, kernels,
+model, every setting).
 """
 
 import json

@@ -1,9 +1,7 @@
 """
 A training stage, described once (Stage: what differs between base_train, mid_train, chat_sft and
-chat_rl), and run_stage, which runs any of them the same way: every flag and the environment
-checked before any work, the process set up, the starting point found, the run directory opened
-(or resumed), model and optimizers built, the stage's data opened, dtypes measured and the compile
-chosen; then the loop (training_loop.py) and the report. ARCHITECTURE.md, "A training stage".
+chat_rl), and run_stage, which runs any of them the same way, every flag and the environment checked
+before any work: ARCHITECTURE.md, "A training stage".
 """
 
 import time

@@ -17,11 +17,11 @@ import torch
 
 from .. import hardware, optim
 from ..core import rank_watch
-from ..core.compiling import CompileWatch
 from ..core.distributed import all_reduce_sum, any_rank, get_dist_info, print0
 from ..core.errors import EXIT_NONFINITE
 from ..evals.bits_per_byte import evaluate_bpb
 from ..model import sharding
+from .model_setup import CompileWatch
 from .run_report import MetricsLog, Progress, describe_step
 from .run_state import Horizon, Run, save
 
