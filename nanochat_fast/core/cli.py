@@ -16,8 +16,7 @@ from .errors import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OK, CollectiveFailed, U
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the description's layout (scripts put usage examples there) and shows defaults, unless
-    the help already says what the default is (a None that means "chosen at run time")."""
+    """Keeps the description's layout (usage examples) and shows defaults the help does not state."""
 
     def _get_help_string(self, action):
         if "(default:" in (action.help or ""):
@@ -26,8 +25,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with underscore spellings of flags, failing in one line; the parsed namespace keeps
-    which flags were given (`explicit_flags`) and the command line (for the resume command)."""
+    """argparse with underscore spellings of flags, failing in one line, keeping the flags given."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)

@@ -106,9 +106,8 @@ def describe_sharding(mode: str, world_size: int) -> str:
 
 
 def shard_for_training(model: GPT, optimizers: list, optim_config, dev) -> list:
-    """The optimizers of the run. --sharding=fsdp: `model` is sharded in place by FSDP2 (compute
-    dtype: the run's, now measured) and gets optimizers for its shards, which keep the Muon
-    precision already decided; zero2: `optimizers` as they are."""
+    """The run's optimizers: zero2's as they are; fsdp's made anew for `model`, sharded in place at
+    the measured compute dtype, keeping Muon's decided precision."""
     if optim_config.sharding != "fsdp":
         return optimizers
     sharding.shard(model, dev.precision.dtype)

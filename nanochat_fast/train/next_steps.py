@@ -45,17 +45,13 @@ def run_flag(run_dir: Path, flag: str = "--run") -> str:
 def resume_command(argv, run_dir: Path) -> str:
     """The command that, with --resume auto appended, resumes this run: this one's flags without
     --resume/--overwrite, plus --out-dir when only a --resume PATH named the run."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    kept, skip = [], False
+    args, kept = iter(sys.argv[1:] if argv is None else argv), []
     for a in args:
-        if skip:
-            skip = False
-            continue
         name = a.split("=")[0].replace("_", "-")
-        if name in ("--resume", "--overwrite"):
-            skip = name == "--resume" and "=" not in a
-            continue
-        kept.append(a)
+        if name == "--resume" and "=" not in a:
+            next(args, None)  # its value
+        elif name not in ("--resume", "--overwrite"):
+            kept.append(a)
     if not any(a.split("=")[0].replace("_", "-") in ("--run", "--out-dir") for a in kept):
         kept.append(f"--out-dir={run_dir}")
     main_spec = getattr(sys.modules["__main__"], "__spec__", None)

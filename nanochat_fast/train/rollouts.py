@@ -75,8 +75,7 @@ def split_examples(task, eval_examples: int) -> tuple[list, list, str]:
 
 
 class Rollouts:
-    """chat_rl's data object: --examples-per-step questions per step, rank r sampling its share of
-    them, one micro-step per question."""
+    """chat_rl's data object: --examples-per-step questions per step, one micro-step per question."""
 
     varying_shapes = True  # rows as long as the question's longest sample
 
@@ -123,8 +122,7 @@ def rl_horizon(cfg, model, data) -> Horizon:
 
 
 class RolloutLoader:
-    """This rank's micro-batches of the stream of questions; its state is the place in the stream
-    of the next step's first question."""
+    """This rank's micro-batches of the stream of questions (its state: `position`)."""
 
     def __init__(self, rollouts: Rollouts, model, tokenizer, examples: list, seq_len: int, seed: int, dev):
         self.task, self.sampling, self.num_epochs = rollouts.task, rollouts.sampling, rollouts.num_epochs

@@ -20,8 +20,7 @@ from .tracking import tracked_metrics
 
 
 class Progress:
-    """A tqdm bar when attached to a terminal, plain lines otherwise (logs, CI, torchrun); only the
-    enabled process (rank 0) prints."""
+    """A tqdm bar in a terminal, plain lines otherwise (logs, CI, torchrun); printed if enabled (rank 0)."""
 
     def __init__(self, total: int | None, initial: int, enabled: bool):
         self.bar = None
@@ -170,8 +169,7 @@ def write_report(path: Path, title: str, sections: dict):
 
 
 def summary(run, config, extra: dict) -> str:
-    """What a run prints before its first step: where it writes, the model, the batch, and the
-    stage's own lines (horizon, starting point, data)."""
+    """What a run prints before its first step: where it writes, the model, the batch, the stage's lines."""
     per_rank = run.data.train.device_batch_size * run.data.train.seq_len
     lines = [
         f"run dir: {run.run_dir}",
@@ -186,8 +184,7 @@ def summary(run, config, extra: dict) -> str:
 
 
 def finish_report(run, metrics: MetricsLog, title: str, wall_start: float, sections: dict):
-    """loss.png and report.md at the end of a run (rank 0), and its closing lines; `sections`: the
-    stage's own (settings, starting point, ...), after the common ones."""
+    """loss.png, report.md (the stage's `sections` after the common ones) and the closing lines (rank 0)."""
     rows = metrics.rows()
     train_rows = [r for r in rows if r.get("kind") == "train"]
     speeds = sorted(r["tok_per_sec"] for r in train_rows)

@@ -202,11 +202,9 @@ def set_up(args, stage: Stage, cfg: TrainingConfig, dev: ProcessSetup) -> RunSet
     if ckpt is not None:
         loading.check_compatible(meta, ckpt, point.config, tokenizer)
     weights = ckpt or point.source
+    state = checkpoints.load_model_state(weights, dev.device) if weights else None
     orig_model, optimizers = model_setup.build_for_training(
-        point.config,
-        dev.device,
-        cfg.optim.optimizer_kwargs(),
-        checkpoints.load_model_state(weights, dev.device) if weights else None,
+        point.config, dev.device, cfg.optim.optimizer_kwargs(), state
     )
     return RunSetup(cfg, dev, tokenizer, point, run_name, run_dir, ckpt, meta, grad_accum_steps, orig_model, optimizers)
 

@@ -394,8 +394,7 @@ class TrainingConfig:
 
 
 def add_training_flags(parser, **defaults):
-    """The flags every training stage shares (optimization, loop, device, run), with this script's
-    `defaults` by name (eval_every=150, ...)."""
+    """The flags every training stage shares, with this script's `defaults` by name (eval_every=150, ...)."""
     for cls in (OptimConfig, LoopConfig, DeviceConfig, RunConfig):
         mine = {k: defaults.pop(k) for k in list(defaults) if k in {f.name for f in fields(cls)}}
         cls.add_flags(parser, **mine)

@@ -145,8 +145,7 @@ def preemption_agreed(s: Session) -> bool:
 
 
 def checkpoint_due(s: Session, at: Boundary, preempted: bool) -> bool:
-    """At the end, when stopped, and every --save-every steps; never the step a run resumed from
-    (that checkpoint exists)."""
+    """At the end, when stopped, and every --save-every steps; never the step a run resumed from."""
     loop = s.run.loop
     periodic = at.fresh and loop.save_every > 0 and at.step > s.start_step and at.step % loop.save_every == 0
     return (at.last or preempted or periodic) and (at.step > s.start_step or s.run.last_checkpoint is None)
