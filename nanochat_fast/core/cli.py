@@ -2,8 +2,7 @@
 Command-line plumbing of every script: flags are `--key=value` or `--key value`, hyphens canonical
 (`--max-seq-len`) and nanochat's underscores (`--max_seq_len`) accepted; a user mistake (argparse's
 or a UserError) is one line on stderr and exit code 2. The value checks are argparse types that
-also validate values set in code (train/training_config.py runs them on every field), so each rule
-is written once.
+also validate values set in code (training_config's fields), so each rule is written once.
 """
 
 import argparse

@@ -8,7 +8,7 @@ alone (it has no collective backend). `nanochat_fast.common` re-exports the publ
 import os
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import torch
 import torch.distributed as dist
@@ -158,10 +158,8 @@ def compute_cleanup(ok: bool = True):
 
 
 def _destroy_quietly():
-    try:
+    with suppress(Exception):  # a group whose peers are gone: nothing left to release cleanly
         dist.destroy_process_group()
-    except Exception:  # a group whose peers are gone: nothing left to release cleanly
-        pass
 
 
 @contextmanager

@@ -98,10 +98,7 @@ def _check_torchrun(env):
 
 def check_kernels(device_type: str) -> dict:
     """{op: backend} that will run on `device_type`; UserError when a forced backend cannot."""
-    chosen = {}
-    for op in registry.ops():
-        try:
-            chosen[op] = registry.select(op, device_type).name
-        except registry.KernelUnavailableError as e:
-            raise UserError(str(e)) from None
-    return chosen
+    try:
+        return {op: registry.select(op, device_type).name for op in registry.ops()}
+    except registry.KernelUnavailableError as e:
+        raise UserError(str(e)) from None

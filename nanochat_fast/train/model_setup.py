@@ -76,10 +76,9 @@ def tuning_works(depth: int, vocab_size: int, seq_len: int, rows: int, device) -
 
 
 def tune_for_training(model: GPT, optimizers: list, dev, dtype: str, data, grad_accum_steps: int, run_tokens):
-    """(dev with the model's compute dtype, Newton-Schulz's precision) for this run: on a CPU, auto
-    times one micro-batch (`data`: a DataConfig) of this model and Muon on its own matrices, within a
-    budget of a few percent of the run (run_tokens, all processes; None: unknown). An explicit flag
-    stands."""
+    """(dev with the model's compute dtype, Newton-Schulz's precision): a CPU's auto times one micro-batch
+    (`data`: a DataConfig) and Muon on its matrices, within a few percent of the run (run_tokens, all
+    processes; None: unknown). An explicit flag stands."""
     rows, seq_len = data.device_batch_size, data.max_seq_len
     micro_steps = run_tokens // (rows * seq_len * dev.world_size) if run_tokens else None
     work = step_work(model, rows, seq_len, dev.device, micro_steps)

@@ -1,9 +1,8 @@
 """
 The command to run next, printed at the end of each step of the pipeline (prepare_data -> tok_train
 -> base_train -> base_eval; mid_train -> chat_sft -> chat_eval or chat_cli; chat_rl -> chat_eval ->
-report), and resume_command, the one that continues a stopped run. Each works as printed
-(test_newcomer.py runs them), naming the dataset or run just made, sized for this machine (without
-a GPU: a depth-4 model for about one pass over the data, as `make demo` trains).
+report), and resume_command, which continues a stopped run. Each works as printed, naming the dataset
+or run just made, sized for this machine (without a GPU: a depth-4 model, about one pass, as `make demo`).
 """
 
 import math

@@ -26,9 +26,7 @@ def advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - rewards.mean(dim=-1, keepdim=True)
 
 
-def rollout_batch(
-    prompt: list[int], samples: list[tuple[list[int], list[bool]]], advantage: torch.Tensor, pad_id: int, device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rollout_batch(prompt: list[int], samples: list[tuple[list[int], list[bool]]], advantage, pad_id: int, device):
     """One question's samples as a micro-batch (inputs, targets, advantages): row i is prompt +
     sample i's tokens (ids, forced flags), right-padded; a target is -1 where the next token is the
     prompt's, forced by the calculator, or padding: only sampled tokens carry loss."""

@@ -75,15 +75,11 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int | None = None, trackers=()):
         self.path = Path(path)
         self.trackers = list(trackers)  # tracking.open_trackers' (wandb, TensorBoard): each row goes there too
-        if resume_step is not None and self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
-            ]
-            paths.write_durably(self.path, lambda f: f.write("".join(line + "\n" for line in kept).encode()))
-        elif resume_step is None:
+        if resume_step is None:
             self.path.unlink(missing_ok=True)
+        elif self.path.exists():
+            kept = [row for row in self.rows() if row.get("step", 0) <= resume_step]
+            paths.write_durably(self.path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
 
     def log(self, **row):
         row.setdefault("time", round(time.time(), 3))

@@ -1,8 +1,7 @@
 """
-A run as the training loop sees it and as its checkpoints keep it: Run (stage.run_stage builds
-one), LoopState (the loop's own counters), Horizon (how long it trains). save hands the run's state
-dicts to the checkpoint home; restore puts a checkpoint's back for an exact resume, from any number
-of processes.
+A run as the training loop sees it and as its checkpoints keep it (Run, LoopState, Horizon): save
+hands its state dicts to the checkpoint home; restore puts a checkpoint's back for an exact resume,
+from any number of processes.
 """
 
 from dataclasses import asdict, dataclass, field

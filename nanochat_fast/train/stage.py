@@ -270,9 +270,7 @@ def train_and_report(run: Run, stage: Stage, setup: RunSetup, sections: dict) ->
     metrics = None
     if run.rank == 0:  # only rank 0 logs, to metrics.jsonl and the trackers asked for (--wandb, --tensorboard)
         trackers = tracking.open_trackers(setup.cfg.run, setup.run_name, setup.run_dir, sections["Settings"])
-        metrics = MetricsLog(
-            setup.run_dir / "metrics.jsonl", resume_step=run.state.step if setup.ckpt else None, trackers=trackers
-        )
+        metrics = MetricsLog(setup.run_dir / "metrics.jsonl", run.state.step if setup.ckpt else None, trackers)
     wall = time.time()
     try:
         code = training_loop.train(run, metrics)

@@ -234,8 +234,7 @@ class OptimConfig(Config):
             )
 
     def recipe(self) -> MuonRecipe:
-        """The --muon-recipe preset with the flags given on top; polar-normuon's momentum warmdown
-        runs over this run's lr warmdown."""
+        """The --muon-recipe preset with the flags given on top (polar-normuon's momentum warmdown: the lr's)."""
         given = dict(ns_coefficients=self.ns_coefficients, normuon=self.normuon, weight_decay=self.muon_weight_decay)
         overrides = dict(ns_dtype=self.ns_dtype, **{name: value for name, value in given.items() if value is not None})
         if self.muon_recipe == "polar-normuon":
@@ -379,7 +378,6 @@ class TrainingConfig:
     @classmethod
     def from_args(cls, args, with_model: bool):
         explicit = cli.explicit_flags(args)
-        # --arch's preset sets the flags not given on the command line
         for name, value in ARCH_PRESETS.get(getattr(args, "arch", ""), {}).items():
             if hasattr(args, name) and name not in explicit:
                 setattr(args, name, value)

@@ -152,8 +152,7 @@ def checkpoint_due(s: Session, at: Boundary, preempted: bool) -> bool:
 
 
 def set_schedule(run: Run, step: int) -> float:
-    """Set the learning rates and Muon momentum of `step` from the progress at its start, before its
-    batches are read; the lr multiplier."""
+    """Set `step`'s learning rates and Muon momentum from its progress at its start; the lr multiplier."""
     lrm = lr_multiplier(
         run.horizon.progress(step), run.optim.warmup_ratio, run.optim.warmdown_ratio, run.optim.final_lr_frac
     )
