@@ -151,8 +151,7 @@ class Stage:
     sample: Callable  # (model, tokenizer) -> texts to print every --sample-every steps
     run_name: Callable  # (cfg, StartPoint) -> the default --run
     next_step: Callable | None = None  # run_dir -> the command to print once the run is done
-    # more evaluations, with every val bpb eval (latest values in the report):
-    # (name, fn(cfg, tokenizer, dev) -> fn(model) -> {metric: value})
+    # more evaluations, with every val bpb eval: (name, fn(cfg, tokenizer, dev) -> fn(model) -> {metric: value})
     evals: tuple = ()
 
 

@@ -103,8 +103,7 @@ def too_few_conversations(extra) -> UserError:
 
 
 class ConversationShards:
-    """Rendered conversations held in memory, shaped like data/token_shards.TokenShards (one shard),
-    so the loaders read them as they read a prepared conversation dataset."""
+    """Rendered conversations in memory, which the loaders read as a one-shard token_shards.TokenShards."""
 
     kind = CHAT
 

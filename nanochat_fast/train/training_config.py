@@ -143,8 +143,7 @@ class DataConfig(Config):
 
 
 def micro_steps(flag: str, total: int, per_micro_step: int, what: str) -> int:
-    """total / per_micro_step, the micro-steps of an optimizer step; else a UserError saying what
-    per_micro_step is and naming the nearest totals that divide."""
+    """total / per_micro_step, an optimizer step's micro-steps; else a UserError naming the nearest valid totals."""
     if total % per_micro_step:
         below = total // per_micro_step * per_micro_step
         options = " or ".join(str(v) for v in (below, below + per_micro_step) if v > 0)

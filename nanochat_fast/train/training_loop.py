@@ -277,8 +277,7 @@ def stop_nonfinite(run: Run, step: int, result: StepResult) -> int:
 
 
 def count_step(s: Session, result: StepResult, lrm: float, dt: float) -> tuple[dict, dict]:
-    """Add a finished step to the loop state; its metrics row (mfu: set by describe_step) and the
-    loader's own figures of the step (chat_rl: reward, ...)."""
+    """Add a finished step to the loop state; its metrics row and the loader's figures (chat_rl: reward, ...)."""
     state = s.run.state
     state.step += 1
     state.train_time += dt
@@ -295,7 +294,7 @@ def count_step(s: Session, result: StepResult, lrm: float, dt: float) -> tuple[d
         grad_norm=result.grad_norm,
         dt=dt,
         tok_per_sec=result.n_tokens / dt,
-        mfu=None,
+        mfu=None,  # set by describe_step
         tokens_seen=state.tokens_seen,
     )
     step_metrics = getattr(s.run.data.train, "step_metrics", None)  # on every rank: it may all-reduce
@@ -312,8 +311,7 @@ def eta_seconds(horizon: Horizon, step: int, dt_ema: float) -> float | None:
 
 
 def log_step(s: Session, row: dict, extra: dict):
-    """The step's line and metrics row; on rank 0, a step faster than the peak shows the peak was
-    probed under load, so it is measured again."""
+    """The step's line and metrics row; rank 0 measures again a peak a step ran above (probed under load)."""
     run = s.run
     if run.rank == 0:
         peak = hardware.revise_peak(run.peak, run.flops_per_token * row["tok_per_sec"] / run.world_size, run.device)
