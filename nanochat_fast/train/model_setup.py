@@ -57,13 +57,12 @@ def step_work(model: GPT, rows: int, seq_len: int, device, run_micro_steps: int 
     )
 
 
-# a cached entry's model is of its own family (the windowed GPT's config has a window_pattern)
-precision.register(
-    "model",
-    lambda spec, device: step_work(
-        meta_model(config_from_fields(spec["config"])), spec["rows"], spec["seq_len"], device
-    ),
-)
+def cached_step_work(spec: dict, device) -> precision.Work:
+    """The step_work of a cached entry: its model is of its own family (a windowed config has a window_pattern)."""
+    return step_work(meta_model(config_from_fields(spec["config"])), spec["rows"], spec["seq_len"], device)
+
+
+precision.register("model", cached_step_work)
 
 
 def tuning_works(depth: int, vocab_size: int, seq_len: int, rows: int, device) -> list[precision.Work]:
@@ -88,7 +87,6 @@ def tune_for_training(model: GPT, optimizers: list, dev, dtype: str, data, grad_
 
 
 def check_sharding(mode: str, dev):
-    """--sharding=fsdp shards over processes: refused, with what to do, on a single one."""
     if mode == "fsdp" and dev.world_size < 2:
         raise UserError(
             "--sharding=fsdp shards the model over processes but this run has one: launch with "
