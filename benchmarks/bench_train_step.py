@@ -36,7 +36,6 @@ from harness import compare
 from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from nanochat_fast import hardware
-from nanochat_fast.core.compiling import CompileWatch
 from nanochat_fast.data.dataloader import TokenRowLoader
 from nanochat_fast.hardware import precision
 from nanochat_fast.hardware.process_setup import ProcessSetup
@@ -49,6 +48,7 @@ from nanochat_fast.optim import step as optim_step
 from nanochat_fast.scripts import base_train
 from nanochat_fast.train import model_setup, training_loop
 from nanochat_fast.train.env_vars import check_kernels
+from nanochat_fast.train.model_setup import CompileWatch
 from nanochat_fast.train.training_config import TrainingConfig
 
 corpus = bench_pack_rows.corpus  # the fixture: the default corpus, else synthetic documents

@@ -1,4 +1,4 @@
-"""The evidence behind the compile policy (nanochat_fast/core/compiling.py), run by hand:
+"""The evidence behind the compile policy (nanochat_fast/train/model_setup.py), run by hand:
 
     .venv/bin/python benchmarks/compile_evidence.py [--depths 4 8] [--seq-lens 256 512] [--rounds 3]
         [--modes default max-autotune-no-cudagraphs] [--cache-dir DIR] [--skip-steps] [--skip-eval]
@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train_step as steps  # noqa: E402
 
 from nanochat_fast.core import paths  # noqa: E402
-from nanochat_fast.core.compiling import CompileWatch  # noqa: E402
 from nanochat_fast.evals.task_runner import evaluate_bpb  # noqa: E402
 from nanochat_fast.model.decode import SlotCache, SlotPrefill  # noqa: E402
+from nanochat_fast.train.model_setup import CompileWatch  # noqa: E402
 
 
 def corpus():

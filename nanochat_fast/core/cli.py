@@ -2,8 +2,7 @@
 Command-line plumbing of every script: flags are `--key=value` or `--key value`, hyphens canonical
 (`--max-seq-len`) and nanochat's underscores (`--max_seq_len`) accepted; a user mistake (argparse's
 or a UserError) is one line on stderr and exit code 2. The value checks are argparse types that
-also validate values set in code (train/training_config.py runs them on every field), so each rule
-is written once.
+also validate values set in code (training_config's fields), so each rule is written once.
 """
 
 import argparse
@@ -16,8 +15,7 @@ from .errors import EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OK, CollectiveFailed, U
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the description's layout (scripts put usage examples there) and shows defaults, unless
-    the help already says what the default is (a None that means "chosen at run time")."""
+    """Keeps the description's layout (usage examples) and shows defaults the help does not state."""
 
     def _get_help_string(self, action):
         if "(default:" in (action.help or ""):
@@ -26,8 +24,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with underscore spellings of flags, failing in one line; the parsed namespace keeps
-    which flags were given (`explicit_flags`) and the command line (for the resume command)."""
+    """argparse with underscore spellings of flags, failing in one line, keeping the flags given."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)

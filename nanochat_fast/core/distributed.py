@@ -8,7 +8,7 @@ alone (it has no collective backend). `nanochat_fast.common` re-exports the publ
 import os
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import torch
 import torch.distributed as dist
@@ -54,14 +54,11 @@ def autodetect_device_type() -> str:
 def _check_device_type(device_type: str, world_size: int, local_rank: int):
     if device_type not in DEVICE_TYPES:
         raise UserError(f"unknown device type {device_type!r}: use cuda, mps, cpu or leave it empty to autodetect")
-    if device_type == "cuda" and not torch.cuda.is_available():
+    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available, "cpu": lambda: True}
+    if not available[device_type]():
+        missing = "no CUDA GPU is available" if device_type == "cuda" else "MPS is not available"
         raise UserError(
-            "device type cuda was asked for but no CUDA GPU is available: "
-            "use --device-type=cpu (or leave it empty to autodetect)"
-        )
-    if device_type == "mps" and not torch.backends.mps.is_available():
-        raise UserError(
-            "device type mps was asked for but MPS is not available: "
+            f"device type {device_type} was asked for but {missing}: "
             "use --device-type=cpu (or leave it empty to autodetect)"
         )
     if device_type == "mps" and world_size > 1:
@@ -161,10 +158,8 @@ def compute_cleanup(ok: bool = True):
 
 
 def _destroy_quietly():
-    try:
+    with suppress(Exception):  # a group whose peers are gone: nothing left to release cleanly
         dist.destroy_process_group()
-    except Exception:  # a group whose peers are gone: nothing left to release cleanly
-        pass
 
 
 @contextmanager
@@ -219,8 +214,7 @@ def gather_objects(obj) -> list:
 
 
 def rank0_decides(decide):
-    """decide() run on rank 0 alone, its result on every rank: one decision where each rank
-    measuring for itself could disagree."""
+    """decide() on rank 0 alone, its result on every rank (ranks measuring for themselves could disagree)."""
     if not is_distributed():
         return decide()
     box = [decide() if dist.get_rank() == 0 else None]

@@ -23,11 +23,7 @@ class ThreadChoice:
         return f"{self.threads} thread(s) per process ({self.reason})"
 
 
-class _Unknown:
-    pass
-
-
-UNKNOWN = _Unknown()  # the launcher's environment could not be read
+UNKNOWN = object()  # the launcher's environment could not be read
 
 
 def decide_threads(env, cores: int, launcher_env=UNKNOWN, bound_per_rank: bool = False) -> ThreadChoice:

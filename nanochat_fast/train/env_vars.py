@@ -1,9 +1,8 @@
 """
 Every environment variable nanochat_fast reads, checked before a script does any work, so a wrong
 value is one line and exit 2 instead of a late traceback or nothing at all (a misspelt
-NANOCHAT_FAST_KERNEL would be ignored): NANOCHAT_FAST_* (KNOWN; any other is refused as a likely
-misspelling), OMP_NUM_THREADS, TRITON_INTERPRET and torchrun's RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT. check_kernels: the forced backends run on the device.
+NANOCHAT_FAST_KERNEL, refused as not KNOWN, would be ignored). check_kernels: the forced backends
+run on the device.
 """
 
 import os
@@ -99,10 +98,7 @@ def _check_torchrun(env):
 
 def check_kernels(device_type: str) -> dict:
     """{op: backend} that will run on `device_type`; UserError when a forced backend cannot."""
-    chosen = {}
-    for op in registry.ops():
-        try:
-            chosen[op] = registry.select(op, device_type).name
-        except registry.KernelUnavailableError as e:
-            raise UserError(str(e)) from None
-    return chosen
+    try:
+        return {op: registry.select(op, device_type).name for op in registry.ops()}
+    except registry.KernelUnavailableError as e:
+        raise UserError(str(e)) from None

@@ -1,17 +1,17 @@
 """
-A GPT set up for a training run, in the order run_stage calls them: the model and its optimizers
-(build_for_training), the compute dtypes of the model and of Newton-Schulz, timed at the run's own
-shapes (tune_for_training), the model sharded by FSDP2 under --sharding=fsdp (shard_for_training)
-and the module the training step calls, compiled or not (compile_for_training).
+A GPT set up for a training run, in the order run_stage calls them: built with its optimizers, its
+compute dtypes and Newton-Schulz's timed at the run's own shapes, sharded by FSDP2 under
+--sharding=fsdp, and the module the training step calls compiled or not (the compile rule, and
+CompileWatch: what a block compiled and what it cost; docs/measurements.md#compile-policy).
 """
 
+import time
 from collections import Counter
 from dataclasses import asdict, replace
 from functools import partial
 
 import torch
 
-from ..core.compiling import default_compile
 from ..core.errors import UserError
 from ..hardware import precision
 from ..model import sharding
@@ -57,13 +57,12 @@ def step_work(model: GPT, rows: int, seq_len: int, device, run_micro_steps: int 
     )
 
 
-# a cached entry's model is of its own family (the windowed GPT's config has a window_pattern)
-precision.register(
-    "model",
-    lambda spec, device: step_work(
-        meta_model(config_from_fields(spec["config"])), spec["rows"], spec["seq_len"], device
-    ),
-)
+def cached_step_work(spec: dict, device) -> precision.Work:
+    """The step_work of a cached entry: its model is of its own family (a windowed config has a window_pattern)."""
+    return step_work(meta_model(config_from_fields(spec["config"])), spec["rows"], spec["seq_len"], device)
+
+
+precision.register("model", cached_step_work)
 
 
 def tuning_works(depth: int, vocab_size: int, seq_len: int, rows: int, device) -> list[precision.Work]:
@@ -76,10 +75,9 @@ def tuning_works(depth: int, vocab_size: int, seq_len: int, rows: int, device) -
 
 
 def tune_for_training(model: GPT, optimizers: list, dev, dtype: str, data, grad_accum_steps: int, run_tokens):
-    """(dev with the model's compute dtype, Newton-Schulz's precision) for this run: on a CPU, auto
-    times one micro-batch (`data`: a DataConfig) of this model and Muon on its own matrices, within a
-    budget of a few percent of the run (run_tokens, all processes; None: unknown). An explicit flag
-    stands."""
+    """(dev with the model's compute dtype, Newton-Schulz's precision): a CPU's auto times one micro-batch
+    (`data`: a DataConfig) and Muon on its matrices, within a few percent of the run (run_tokens, all
+    processes; None: unknown). An explicit flag stands."""
     rows, seq_len = data.device_batch_size, data.max_seq_len
     micro_steps = run_tokens // (rows * seq_len * dev.world_size) if run_tokens else None
     work = step_work(model, rows, seq_len, dev.device, micro_steps)
@@ -89,7 +87,6 @@ def tune_for_training(model: GPT, optimizers: list, dev, dtype: str, data, grad_
 
 
 def check_sharding(mode: str, dev):
-    """--sharding=fsdp shards over processes: refused, with what to do, on a single one."""
     if mode == "fsdp" and dev.world_size < 2:
         raise UserError(
             "--sharding=fsdp shards the model over processes but this run has one: launch with "
@@ -106,9 +103,8 @@ def describe_sharding(mode: str, world_size: int) -> str:
 
 
 def shard_for_training(model: GPT, optimizers: list, optim_config, dev) -> list:
-    """The optimizers of the run. --sharding=fsdp: `model` is sharded in place by FSDP2 (compute
-    dtype: the run's, now measured) and gets optimizers for its shards, which keep the Muon
-    precision already decided; zero2: `optimizers` as they are."""
+    """The run's optimizers: zero2's as they are; fsdp's made anew for `model`, sharded in place at
+    the measured compute dtype, keeping Muon's decided precision."""
     if optim_config.sharding != "fsdp":
         return optimizers
     sharding.shard(model, dev.precision.dtype)
@@ -119,16 +115,9 @@ def shard_for_training(model: GPT, optimizers: list, optim_config, dev) -> list:
     return sharded
 
 
-def compile_for_training(
-    model: GPT,
-    requested: bool | None,
-    device,
-    run_tokens: int | None,
-    peak_flops: float | None,
-    varying_shapes: bool = False,
-):
+def compile_for_training(model: GPT, requested: bool | None, device, run_tokens, peak_flops, varying_shapes=False):
     """(the module the training step calls, why): --compile/--no-compile as given, else eager where the
-    rows' length varies (a graph per length), else core/compiling.default_compile's rule on the run's
+    rows' length varies (a graph per length), else default_compile's rule on the run's
     FLOPs (estimate_flops() x run_tokens) at peak_flops (of all processes)."""
     if requested is not None:
         on, why = requested, f"{'compiled' if requested else 'eager'}: {'--compile' if requested else '--no-compile'}"
@@ -137,5 +126,64 @@ def compile_for_training(
     else:
         run_flops = model.estimate_flops() * run_tokens if run_tokens else None
         on, why = default_compile(torch.device(device).type, run_flops, peak_flops)
-    # dynamic=False: one training shape; evaluation and sampling use the plain module (core/compiling.py)
+    # dynamic=False: one training shape; evaluation and sampling use the plain module
     return (torch.compile(model, dynamic=False) if on else model), why
+
+
+# about where the per-step saving pays back a cold compile: docs/measurements.md#compile-policy
+MIN_RUN_SECONDS_AT_PEAK = 100.0
+
+
+def default_compile(
+    device_type: str, run_flops: float | None = None, peak_flops: float | None = None
+) -> tuple[bool, str]:
+    """--compile's default and its reason. run_flops: the run's training FLOPs (None: the horizon is
+    unknown); peak_flops: the peak of all processes."""
+    if device_type not in ("cuda", "cpu"):
+        return False, f"eager on {device_type} (compiling was not measured faster there)"
+    if run_flops is not None and peak_flops:
+        at_peak = run_flops / peak_flops
+        if at_peak < MIN_RUN_SECONDS_AT_PEAK:
+            return False, (
+                f"eager: a short run (~{at_peak:.0f} s of compute at peak) would not win back a "
+                "one-time compile of ~45 s"
+            )
+    return True, f"compiled on {device_type}: measured faster per step; the one-time compile is timed apart"
+
+
+def _dynamo_compile_seconds() -> float | None:
+    """Seconds dynamo has spent compiling in this process, if its timer is there."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return calculate_time_spent().get("total_wall_time")
+    except (ImportError, AttributeError):
+        return None
+
+
+class CompileWatch:
+    """The graphs torch.compile builds inside the block (a recompile is one more) and the seconds:
+    dynamo's own timer, else the block's wall time."""
+
+    def __enter__(self):
+        from torch._dynamo.utils import counters
+
+        self._counters = counters
+        self._graphs0 = counters["stats"]["unique_graphs"]
+        self._compile0 = _dynamo_compile_seconds()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall_seconds = time.perf_counter() - self._t0
+        self.graphs = self._counters["stats"]["unique_graphs"] - self._graphs0
+        end = _dynamo_compile_seconds()
+        self.compile_seconds = end - self._compile0 if end is not None and self._compile0 is not None else None
+        return False
+
+    @property
+    def seconds(self) -> float:
+        return self.compile_seconds if self.compile_seconds is not None else self.wall_seconds
+
+    def describe(self) -> str:
+        return f"{self.graphs} graph(s) compiled in {self.seconds:.1f} s" if self.graphs else "nothing compiled"

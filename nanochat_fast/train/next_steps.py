@@ -1,9 +1,8 @@
 """
 The command to run next, printed at the end of each step of the pipeline (prepare_data -> tok_train
 -> base_train -> base_eval; mid_train -> chat_sft -> chat_eval or chat_cli; chat_rl -> chat_eval ->
-report), and resume_command, the one that continues a stopped run. Each works as printed
-(test_newcomer.py runs them), naming the dataset or run just made, sized for this machine (without
-a GPU: a depth-4 model for about one pass over the data, as `make demo` trains).
+report), and resume_command, which continues a stopped run. Each works as printed, naming the dataset
+or run just made, sized for this machine (without a GPU: a depth-4 model, about one pass, as `make demo`).
 """
 
 import math
@@ -45,17 +44,13 @@ def run_flag(run_dir: Path, flag: str = "--run") -> str:
 def resume_command(argv, run_dir: Path) -> str:
     """The command that, with --resume auto appended, resumes this run: this one's flags without
     --resume/--overwrite, plus --out-dir when only a --resume PATH named the run."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    kept, skip = [], False
+    args, kept = iter(sys.argv[1:] if argv is None else argv), []
     for a in args:
-        if skip:
-            skip = False
-            continue
         name = a.split("=")[0].replace("_", "-")
-        if name in ("--resume", "--overwrite"):
-            skip = name == "--resume" and "=" not in a
-            continue
-        kept.append(a)
+        if name == "--resume" and "=" not in a:
+            next(args, None)  # its value
+        elif name not in ("--resume", "--overwrite"):
+            kept.append(a)
     if not any(a.split("=")[0].replace("_", "-") in ("--run", "--out-dir") for a in kept):
         kept.append(f"--out-dir={run_dir}")
     main_spec = getattr(sys.modules["__main__"], "__spec__", None)
@@ -70,22 +65,19 @@ def train_tokenizer(name: str) -> str:
     return command("tok_train", *dataset_flag(name))
 
 
-def pretrain(name: str, n_tokens: int) -> str:
-    if torch.cuda.is_available():
-        return command("base_train", *dataset_flag(name))
-    steps = min(CPU_MAX_STEPS, max(1, math.ceil(n_tokens / CPU_BATCH_TOKENS)))
-    return command("base_train", *dataset_flag(name), *CPU_RUN, f"--num-iterations={steps}")
-
-
-def midtrain(name: str) -> str:
-    sizing = [] if torch.cuda.is_available() else ["--device-batch-size=16", "--total-batch-size=8192"]
-    return command("mid_train", *dataset_flag(name), *sizing)
-
-
 def after_tokens(name: str, kind: str, n_tokens: int):
+    """What follows prepared tokens: pretraining on prose, mid-training on conversations."""
     from ..data.documents import TEXT
 
-    show(pretrain(name, n_tokens) if kind == TEXT else midtrain(name))
+    gpu = torch.cuda.is_available()
+    if kind != TEXT:
+        sizing = [] if gpu else ["--device-batch-size=16", "--total-batch-size=8192"]
+        show(command("mid_train", *dataset_flag(name), *sizing))
+    elif gpu:
+        show(command("base_train", *dataset_flag(name)))
+    else:
+        steps = min(CPU_MAX_STEPS, max(1, math.ceil(n_tokens / CPU_BATCH_TOKENS)))
+        show(command("base_train", *dataset_flag(name), *CPU_RUN, f"--num-iterations={steps}"))
 
 
 def after_midtraining(run_dir: Path) -> str:
@@ -100,21 +92,24 @@ def after_midtraining(run_dir: Path) -> str:
     )
 
 
+def chat_eval(run_dir: Path, *flags: str) -> str:
+    """chat_eval of this run (a sample per task without a GPU)."""
+    sizing = [] if torch.cuda.is_available() else [f"--max-examples={CPU_EVAL_EXAMPLES}"]
+    return command("chat_eval", run_flag(run_dir), *flags, *sizing)
+
+
 def after_sft(run_dir: Path) -> str:
-    """chat_eval of this run where evaluation data is prepared (a sample per task without a GPU),
-    else a chat with it."""
+    """chat_eval of this run where evaluation data is prepared, else a chat with it."""
     from ..evals.prepared_benchmarks import read_task_manifest
     from ..evals.tasks import CHAT_TASKS
 
     if not any(read_task_manifest(task.folder) for task in CHAT_TASKS):
         return command("chat_cli", run_flag(run_dir))
-    sizing = [] if torch.cuda.is_available() else [f"--max-examples={CPU_EVAL_EXAMPLES}"]
-    return command("chat_eval", run_flag(run_dir), *sizing)
+    return chat_eval(run_dir)
 
 
 def after_rl(run_dir: Path, task: str) -> str:
-    sizing = [] if torch.cuda.is_available() else [f"--max-examples={CPU_EVAL_EXAMPLES}"]
-    return command("chat_eval", run_flag(run_dir), f"--task={task}", *sizing)
+    return chat_eval(run_dir, f"--task={task}")
 
 
 def after_chat_eval() -> str:

@@ -26,9 +26,7 @@ def advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - rewards.mean(dim=-1, keepdim=True)
 
 
-def rollout_batch(
-    prompt: list[int], samples: list[tuple[list[int], list[bool]]], advantage: torch.Tensor, pad_id: int, device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rollout_batch(prompt: list[int], samples: list[tuple[list[int], list[bool]]], advantage, pad_id: int, device):
     """One question's samples as a micro-batch (inputs, targets, advantages): row i is prompt +
     sample i's tokens (ids, forced flags), right-padded; a target is -1 where the next token is the
     prompt's, forced by the calculator, or padding: only sampled tokens carry loss."""
@@ -75,8 +73,7 @@ def split_examples(task, eval_examples: int) -> tuple[list, list, str]:
 
 
 class Rollouts:
-    """chat_rl's data object: --examples-per-step questions per step, rank r sampling its share of
-    them, one micro-step per question."""
+    """chat_rl's data object: --examples-per-step questions per step, one micro-step per question."""
 
     varying_shapes = True  # rows as long as the question's longest sample
 
@@ -119,17 +116,11 @@ def rl_horizon(cfg, model, data) -> Horizon:
     loader = data.train
     per_epoch = max(1, len(loader.examples) // loader.examples_per_step)
     steps = cfg.horizon.num_iterations if cfg.horizon.num_iterations > 0 else loader.num_epochs * per_epoch
-    return Horizon(
-        steps,
-        lambda step: step / steps,
-        lambda: False,
-        f"{steps} steps ({per_epoch} per epoch of {len(loader.examples):,} questions)",
-    )
+    return Horizon(steps, f"{steps} steps ({per_epoch} per epoch of {len(loader.examples):,} questions)")
 
 
 class RolloutLoader:
-    """This rank's micro-batches of the stream of questions; its state is the place in the stream
-    of the next step's first question."""
+    """This rank's micro-batches of the stream of questions (its state: `position`)."""
 
     def __init__(self, rollouts: Rollouts, model, tokenizer, examples: list, seq_len: int, seed: int, dev):
         self.task, self.sampling, self.num_epochs = rollouts.task, rollouts.sampling, rollouts.num_epochs

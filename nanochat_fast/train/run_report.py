@@ -1,9 +1,8 @@
 """
-What a run prints and leaves behind besides checkpoints: the step's log line (on a tqdm bar when
-attached to a terminal), metrics.jsonl (one JSON object per logged event), loss.png (train and val
-loss, tokens/s) and report.md (results, timing, hardware, device and precision with the reason for
-each choice, kernels, model, every setting), all written by rank 0; and the summary a run prints
-before its first step.
+What a run prints and leaves behind besides checkpoints, all written by rank 0: the summary before
+its first step, the step's log line (on a tqdm bar in a terminal), metrics.jsonl (one JSON object
+per logged event), loss.png and report.md (results, timing, hardware, precision and why, kernels,
+model, every setting).
 """
 
 import json
@@ -21,8 +20,7 @@ from .tracking import tracked_metrics
 
 
 class Progress:
-    """A tqdm bar when attached to a terminal, plain lines otherwise (logs, CI, torchrun); only the
-    enabled process (rank 0) prints."""
+    """A tqdm bar in a terminal, plain lines otherwise (logs, CI, torchrun); printed if enabled (rank 0)."""
 
     def __init__(self, total: int | None, initial: int, enabled: bool):
         self.bar = None
@@ -77,15 +75,11 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int | None = None, trackers=()):
         self.path = Path(path)
         self.trackers = list(trackers)  # tracking.open_trackers' (wandb, TensorBoard): each row goes there too
-        if resume_step is not None and self.path.exists():
-            kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
-            ]
-            paths.write_durably(self.path, lambda f: f.write("".join(line + "\n" for line in kept).encode()))
-        elif resume_step is None:
+        if resume_step is None:
             self.path.unlink(missing_ok=True)
+        elif self.path.exists():
+            kept = [row for row in self.rows() if row.get("step", 0) <= resume_step]
+            paths.write_durably(self.path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
 
     def log(self, **row):
         row.setdefault("time", round(time.time(), 3))
@@ -171,8 +165,7 @@ def write_report(path: Path, title: str, sections: dict):
 
 
 def summary(run, config, extra: dict) -> str:
-    """What a run prints before its first step: where it writes, the model, the batch, and the
-    stage's own lines (horizon, starting point, data)."""
+    """What a run prints before its first step: where it writes, the model, the batch, the stage's lines."""
     per_rank = run.data.train.device_batch_size * run.data.train.seq_len
     lines = [
         f"run dir: {run.run_dir}",
@@ -187,8 +180,7 @@ def summary(run, config, extra: dict) -> str:
 
 
 def finish_report(run, metrics: MetricsLog, title: str, wall_start: float, sections: dict):
-    """loss.png and report.md at the end of a run (rank 0), and its closing lines; `sections`: the
-    stage's own (settings, starting point, ...), after the common ones."""
+    """loss.png, report.md (the stage's `sections` after the common ones) and the closing lines (rank 0)."""
     rows = metrics.rows()
     train_rows = [r for r in rows if r.get("kind") == "train"]
     speeds = sorted(r["tok_per_sec"] for r in train_rows)
@@ -223,7 +215,7 @@ def finish_report(run, metrics: MetricsLog, title: str, wall_start: float, secti
             "Hardware": f"{hardware()}; {run.world_size} process(es).",
             "Device and precision": device,
             "Kernels (backend per op on this device)": dev.kernels,
-            "Model": run.meta()["model_config"],
+            "Model": run.meta["model_config"],
             **sections,
         },
     )

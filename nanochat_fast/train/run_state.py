@@ -1,8 +1,7 @@
 """
-A run as the training loop sees it and as its checkpoints keep it: Run (stage.run_stage builds
-one), LoopState (the loop's own counters), Horizon (how long it trains). save hands the run's state
-dicts to the checkpoint home; restore puts a checkpoint's back for an exact resume, from any number
-of processes.
+A run as the training loop sees it and as its checkpoints keep it (Run, LoopState, Horizon): save
+hands its state dicts to the checkpoint home; restore puts a checkpoint's back for an exact resume,
+from any number of processes.
 """
 
 from dataclasses import asdict, dataclass, field
@@ -39,11 +38,17 @@ class LoopState:
 class Horizon:
     """How long a stage trains: a number of steps, or until its data has done an epoch."""
 
-    num_iterations: int | None  # None: until epoch_done()
-    progress: Callable[[int], float]  # step -> fraction of training done: the lr schedule's clock
-    epoch_done: Callable[[], bool]  # the training loader finished its epoch (False: never stops on it)
+    num_iterations: int | None  # None: until the loader's epoch is done
     describe: str  # for the run's summary
     tokens: int | None = None  # training tokens of the whole run, if known (the compile rule)
+    loader: object = None  # an epoch-bound stage's training loader: the end of its epoch ends the run
+
+    def progress(self, step: int) -> float:
+        """The fraction of training done at `step`: the lr schedule's clock."""
+        return step / self.num_iterations if self.num_iterations else self.loader.epoch_progress
+
+    def epoch_done(self) -> bool:
+        return self.loader is not None and self.loader.epochs_done >= 1
 
 
 @dataclass
@@ -61,7 +66,7 @@ class Run:
     loop: LoopConfig  # eval/sample/save cadence, NaN guard
     dev: ProcessSetup  # device, rank, world_size, precision
     peak: hardware.Peak | None  # the peak MFU is quoted against (None: n/a)
-    meta: Callable[[], dict]  # model config, settings... for meta.json
+    meta: dict  # model config, settings... for meta.json
     sample: Callable[[torch.nn.Module], list[str]]  # a few generations of a plain model to print (rank 0 only)
     evals: tuple = ()  # (name, fn(model) -> {metric: value}) run with every val bpb eval
     state: LoopState = field(default_factory=LoopState)
@@ -88,7 +93,7 @@ def save(run: Run) -> Path:
         model_state=sharding.model_state_dict(run.orig_model),  # DTensors with FSDP: DCP shards
         rank_state={"optimizers": [opt.shard_state_dict() for opt in run.optimizers], "rng": rng},
         meta={
-            **run.meta(),
+            **run.meta,
             "world_size": run.world_size,
             "loader_state": run.data.train.state_dict(),
             "loop_state": asdict(run.state),

@@ -1,9 +1,7 @@
 """
 A training stage, described once (Stage: what differs between base_train, mid_train, chat_sft and
-chat_rl), and run_stage, which runs any of them the same way: every flag and the environment
-checked before any work, the process set up, the starting point found, the run directory opened
-(or resumed), model and optimizers built, the stage's data opened, dtypes measured and the compile
-chosen; then the loop (training_loop.py) and the report. ARCHITECTURE.md, "A training stage".
+chat_rl), and run_stage, which runs any of them the same way, every flag and the environment checked
+before any work: ARCHITECTURE.md, "A training stage".
 """
 
 import time
@@ -115,33 +113,17 @@ def fixed_horizon(cfg, model, data) -> Horizon:
             "no training horizon: pass --num-iterations N (> 0), --target-flops F or --target-param-data-ratio R"
         )
     tokens = steps * tokens_per_step
-    return Horizon(
-        steps,
-        lambda step: step / steps,
-        lambda: False,
-        f"{steps:,} steps = {tokens:,} tokens ({tokens / model.num_scaling_params():.2f} tokens/param)",
-        tokens,
-    )
+    ratio = tokens / model.num_scaling_params()
+    return Horizon(steps, f"{steps:,} steps = {tokens:,} tokens ({ratio:.2f} tokens/param)", tokens)
 
 
 def one_epoch(cfg, model, data) -> Horizon:
     """--num-iterations if set, else until the training data has been read once."""
     steps = cfg.horizon.num_iterations
-
-    def epoch_done():
-        return data.train.epochs_done >= 1
-
     if steps > 0:
-        return Horizon(
-            steps, lambda step: step / steps, epoch_done, f"{steps} steps", steps * cfg.data.total_batch_size
-        )
-    return Horizon(
-        None,
-        lambda step: data.train.epoch_progress,
-        epoch_done,
-        "one epoch of the training data",
-        getattr(data.train, "epoch_tokens", None),
-    )
+        return Horizon(steps, f"{steps} steps", steps * cfg.data.total_batch_size, loader=data.train)
+    tokens = getattr(data.train, "epoch_tokens", None)
+    return Horizon(None, "one epoch of the training data", tokens, loader=data.train)
 
 
 def complete_prompts(prompts, max_tokens=16):
@@ -169,8 +151,7 @@ class Stage:
     sample: Callable  # (model, tokenizer) -> texts to print every --sample-every steps
     run_name: Callable  # (cfg, StartPoint) -> the default --run
     next_step: Callable | None = None  # run_dir -> the command to print once the run is done
-    # more evaluations, with every val bpb eval (latest values in the report):
-    # (name, fn(cfg, tokenizer, dev) -> fn(model) -> {metric: value})
+    # more evaluations, with every val bpb eval: (name, fn(cfg, tokenizer, dev) -> fn(model) -> {metric: value})
     evals: tuple = ()
 
 
@@ -220,11 +201,9 @@ def set_up(args, stage: Stage, cfg: TrainingConfig, dev: ProcessSetup) -> RunSet
     if ckpt is not None:
         loading.check_compatible(meta, ckpt, point.config, tokenizer)
     weights = ckpt or point.source
+    state = checkpoints.load_model_state(weights, dev.device) if weights else None
     orig_model, optimizers = model_setup.build_for_training(
-        point.config,
-        dev.device,
-        cfg.optim.optimizer_kwargs(),
-        checkpoints.load_model_state(weights, dev.device) if weights else None,
+        point.config, dev.device, cfg.optim.optimizer_kwargs(), state
     )
     return RunSetup(cfg, dev, tokenizer, point, run_name, run_dir, ckpt, meta, grad_accum_steps, orig_model, optimizers)
 
@@ -244,6 +223,16 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
         orig_model, cfg.run.compile, dev.device, horizon.tokens, peak.flops * dev.world_size, stage.data.varying_shapes
     )
     settings = {**flag_values(args), **cfg.as_dict(), "dataset": data.dataset}
+    point = setup.point
+    meta = {  # what every checkpoint's meta.json says of the run (the loop adds its own state)
+        "phase": stage.phase,
+        "arch": loading.arch_of(point.config),
+        "model_config": asdict(point.config),
+        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
+        "args": settings,
+        "device": run_report.device_summary(dev),
+        **({"base_checkpoint": str(point.source)} if point.source else {}),
+    }
     run = Run(
         model=model,
         orig_model=orig_model,
@@ -256,7 +245,7 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
         loop=cfg.loop,
         dev=dev,
         peak=peak,
-        meta=meta_of_run(stage, setup, dev, settings),
+        meta=meta,
         sample=lambda model: stage.sample(model, tokenizer),
         evals=tuple((name, make(cfg, tokenizer, dev)) for name, make in stage.evals),
         resume_command=next_steps.resume_command(getattr(args, "_argv", None), setup.run_dir),
@@ -275,28 +264,12 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
     return run, {"Stage": lines, "Settings": settings}
 
 
-def meta_of_run(stage: Stage, setup: RunSetup, dev: ProcessSetup, settings: dict) -> Callable[[], dict]:
-    """What every checkpoint's meta.json says of the run (the loop adds its own state)."""
-    point, tokenizer = setup.point, setup.tokenizer
-    return lambda: {
-        "phase": stage.phase,
-        "arch": loading.arch_of(point.config),
-        "model_config": asdict(point.config),
-        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
-        "args": settings,
-        "device": run_report.device_summary(dev),
-        **({"base_checkpoint": str(point.source)} if point.source else {}),
-    }
-
-
 def train_and_report(run: Run, stage: Stage, setup: RunSetup, sections: dict) -> int:
     """The loop, then (rank 0) the report and the command to run next."""
     metrics = None
     if run.rank == 0:  # only rank 0 logs, to metrics.jsonl and the trackers asked for (--wandb, --tensorboard)
         trackers = tracking.open_trackers(setup.cfg.run, setup.run_name, setup.run_dir, sections["Settings"])
-        metrics = MetricsLog(
-            setup.run_dir / "metrics.jsonl", resume_step=run.state.step if setup.ckpt else None, trackers=trackers
-        )
+        metrics = MetricsLog(setup.run_dir / "metrics.jsonl", run.state.step if setup.ckpt else None, trackers)
     wall = time.time()
     try:
         code = training_loop.train(run, metrics)

@@ -70,13 +70,12 @@ class Conversations(list):
         file = Path(path).expanduser()
         if not file.is_file():
             raise argparse.ArgumentTypeError(f"{path}: no such file")
-        super().__init__()
         self.path = path
         for n, line in enumerate(file.read_text().splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                conv = check_conversation(json.loads(line), f"{path} line {n}")
+                self.append(check_conversation(json.loads(line), f"{path} line {n}"))
             except UserError as e:
                 raise argparse.ArgumentTypeError(str(e)) from None
             except json.JSONDecodeError:
@@ -84,7 +83,6 @@ class Conversations(list):
                     f"{path} line {n}: expected "
                     '{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}'
                 ) from None
-            self.append(conv)
         if not self:
             raise argparse.ArgumentTypeError(f"{path} holds no conversations")
 
@@ -105,8 +103,7 @@ def too_few_conversations(extra) -> UserError:
 
 
 class ConversationShards:
-    """Rendered conversations held in memory, shaped like data/token_shards.TokenShards (one shard),
-    so the loaders read them as they read a prepared conversation dataset."""
+    """Rendered conversations in memory, which the loaders read as a one-shard token_shards.TokenShards."""
 
     kind = CHAT
 
@@ -125,9 +122,8 @@ class ConversationShards:
 
 
 class PackedRows:
-    """Rows packed best-fit from a tokenized dataset (base: prose; mid: conversations, plus the
-    user's own with --extra-conversations, alone when no conversation dataset is prepared); the
-    batch is --total-batch-size tokens per step."""
+    """Rows packed best-fit from a tokenized dataset (base: prose; mid: conversations, with or, when
+    none is prepared, instead of them the user's --extra-conversations), --total-batch-size a step."""
 
     varying_shapes = False  # every row is max_seq_len long: one compiled graph
 
@@ -194,9 +190,8 @@ CONVERSATION_ROWS = PackedRows(ConversationRowLoader, "chat")
 
 
 class PaddedConversations:
-    """chat_sft's data: one conversation per row, padded, from the mixture `sources(args, cfg,
-    tokenizer)` returns as (train parts, val parts, dataset name, notes); examples_per_step
-    conversations per optimizer step."""
+    """chat_sft's data: one conversation per row, padded, examples_per_step a step, from the mixture
+    sources(args, cfg, tokenizer) returns: (train parts, val parts, dataset name, notes)."""
 
     varying_shapes = True  # rows as long as the batch's longest conversation
 
@@ -245,8 +240,7 @@ def prepared_conversation_shards(dataset: str, split: str, tokenizer) -> TokenSh
 
 
 def task_conversations() -> tuple[list[tuple[str, list]], list[str]]:
-    """[(name, conversations)] of every chat task's prepared train splits, and the names of the
-    tasks left out because their data is not prepared."""
+    """[(name, conversations)] of every chat task's prepared train splits; the tasks not prepared."""
     found, missing = [], []
     for task in tasks.CHAT_TASKS:
         if not task.train_splits:

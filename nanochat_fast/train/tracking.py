@@ -88,12 +88,10 @@ class TensorBoardTracker:
 
 
 def open_trackers(run_config, run_name: str, run_dir: Path, config: dict) -> list:
-    """The trackers run_config (--wandb, --tensorboard) asks for; MetricsLog hands each every row's metrics."""
+    """The trackers run_config asks for (--wandb, --tensorboard; RunConfig checked their packages)."""
     trackers = []
     if run_config.wandb:
-        require("wandb")
         trackers.append(WandbTracker(run_config.wandb, run_name, run_dir, config))
     if run_config.tensorboard:
-        require("tensorboard")
         trackers.append(TensorBoardTracker(run_dir))
     return trackers

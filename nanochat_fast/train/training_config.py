@@ -143,8 +143,7 @@ class DataConfig(Config):
 
 
 def micro_steps(flag: str, total: int, per_micro_step: int, what: str) -> int:
-    """total / per_micro_step, the micro-steps of an optimizer step; else a UserError saying what
-    per_micro_step is and naming the nearest totals that divide."""
+    """total / per_micro_step, an optimizer step's micro-steps; else a UserError naming the nearest valid totals."""
     if total % per_micro_step:
         below = total // per_micro_step * per_micro_step
         options = " or ".join(str(v) for v in (below, below + per_micro_step) if v > 0)
@@ -234,8 +233,7 @@ class OptimConfig(Config):
             )
 
     def recipe(self) -> MuonRecipe:
-        """The --muon-recipe preset with the flags given on top; polar-normuon's momentum warmdown
-        runs over this run's lr warmdown."""
+        """The --muon-recipe preset with the flags given on top (polar-normuon's momentum warmdown: the lr's)."""
         given = dict(ns_coefficients=self.ns_coefficients, normuon=self.normuon, weight_decay=self.muon_weight_decay)
         overrides = dict(ns_dtype=self.ns_dtype, **{name: value for name, value in given.items() if value is not None})
         if self.muon_recipe == "polar-normuon":
@@ -379,7 +377,6 @@ class TrainingConfig:
     @classmethod
     def from_args(cls, args, with_model: bool):
         explicit = cli.explicit_flags(args)
-        # --arch's preset sets the flags not given on the command line
         for name, value in ARCH_PRESETS.get(getattr(args, "arch", ""), {}).items():
             if hasattr(args, name) and name not in explicit:
                 setattr(args, name, value)
@@ -394,8 +391,7 @@ class TrainingConfig:
 
 
 def add_training_flags(parser, **defaults):
-    """The flags every training stage shares (optimization, loop, device, run), with this script's
-    `defaults` by name (eval_every=150, ...)."""
+    """The flags every training stage shares, with this script's `defaults` by name (eval_every=150, ...)."""
     for cls in (OptimConfig, LoopConfig, DeviceConfig, RunConfig):
         mine = {k: defaults.pop(k) for k in list(defaults) if k in {f.name for f in fields(cls)}}
         cls.add_flags(parser, **mine)

@@ -17,11 +17,11 @@ import torch
 
 from .. import hardware, optim
 from ..core import rank_watch
-from ..core.compiling import CompileWatch
 from ..core.distributed import all_reduce_sum, any_rank, get_dist_info, print0
 from ..core.errors import EXIT_NONFINITE
 from ..evals.task_runner import evaluate_bpb
 from ..model import sharding
+from .model_setup import CompileWatch
 from .run_report import MetricsLog, Progress, describe_step
 from .run_state import Horizon, Run, save
 
@@ -145,16 +145,14 @@ def preemption_agreed(s: Session) -> bool:
 
 
 def checkpoint_due(s: Session, at: Boundary, preempted: bool) -> bool:
-    """At the end, when stopped, and every --save-every steps; never the step a run resumed from
-    (that checkpoint exists)."""
+    """At the end, when stopped, and every --save-every steps; never the step a run resumed from."""
     loop = s.run.loop
     periodic = at.fresh and loop.save_every > 0 and at.step > s.start_step and at.step % loop.save_every == 0
     return (at.last or preempted or periodic) and (at.step > s.start_step or s.run.last_checkpoint is None)
 
 
 def set_schedule(run: Run, step: int) -> float:
-    """Set the learning rates and Muon momentum of `step` from the progress at its start, before its
-    batches are read; the lr multiplier."""
+    """Set `step`'s learning rates and Muon momentum from its progress at its start; the lr multiplier."""
     lrm = lr_multiplier(
         run.horizon.progress(step), run.optim.warmup_ratio, run.optim.warmdown_ratio, run.optim.final_lr_frac
     )
@@ -212,14 +210,8 @@ class StepResult:
 
 def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx) -> StepResult:
     """One optimizer step over this rank's micro-batches (the module docstring)."""
-    local = (
-        torch.stack(
-            [torch.stack([(y >= 0).sum(), torch.tensor(x.numel(), device=x.device)]) for x, y, *_ in micro_batches]
-        )
-        .sum(0)
-        .double()
-    )
-    n_sup, n_tokens = all_reduce_sum(local).unbind()  # one collective for both counts
+    counts = [torch.stack([(y >= 0).sum(), torch.tensor(x.numel(), device=x.device)]) for x, y, *_ in micro_batches]
+    n_sup, n_tokens = all_reduce_sum(torch.stack(counts).sum(0).double()).unbind()  # one collective for both
     # The optimizers average gradients over ranks (sum / world_size), so each rank scales its part
     # by world_size: the averaged gradient is then d(global loss sum)/d(params) / n_sup.
     world_size = get_dist_info()[3]
@@ -230,10 +222,8 @@ def train_step(model, optimizers, micro_batches, grad_clip, autocast_ctx) -> Ste
         (loss * world_size / n_sup.clamp(min=1)).backward()
         loss_sum += loss.detach().double()
     global_loss = (all_reduce_sum(loss_sum) / n_sup.clamp(min=1)).item()
-    if not math.isfinite(global_loss):
-        model.zero_grad(set_to_none=True)
-        return StepResult(global_loss, float("nan"), int(n_sup.item()), False, int(n_tokens.item()))
-    grad_norm = optim.step(optimizers, grad_clip).item()
+    # a non-finite loss applies no update (nor does optim.step on a non-finite gradient norm)
+    grad_norm = optim.step(optimizers, grad_clip).item() if math.isfinite(global_loss) else float("nan")
     model.zero_grad(set_to_none=True)
     return StepResult(global_loss, grad_norm, int(n_sup.item()), math.isfinite(grad_norm), int(n_tokens.item()))
 
@@ -287,8 +277,7 @@ def stop_nonfinite(run: Run, step: int, result: StepResult) -> int:
 
 
 def count_step(s: Session, result: StepResult, lrm: float, dt: float) -> tuple[dict, dict]:
-    """Add a finished step to the loop state; its metrics row (mfu: set by describe_step) and the
-    loader's own figures of the step (chat_rl: reward, ...)."""
+    """Add a finished step to the loop state; its metrics row and the loader's figures (chat_rl: reward, ...)."""
     state = s.run.state
     state.step += 1
     state.train_time += dt
@@ -305,7 +294,7 @@ def count_step(s: Session, result: StepResult, lrm: float, dt: float) -> tuple[d
         grad_norm=result.grad_norm,
         dt=dt,
         tok_per_sec=result.n_tokens / dt,
-        mfu=None,
+        mfu=None,  # set by describe_step
         tokens_seen=state.tokens_seen,
     )
     step_metrics = getattr(s.run.data.train, "step_metrics", None)  # on every rank: it may all-reduce
@@ -322,8 +311,7 @@ def eta_seconds(horizon: Horizon, step: int, dt_ema: float) -> float | None:
 
 
 def log_step(s: Session, row: dict, extra: dict):
-    """The step's line and metrics row; on rank 0, a step faster than the peak shows the peak was
-    probed under load, so it is measured again."""
+    """The step's line and metrics row; rank 0 measures again a peak a step ran above (probed under load)."""
     run = s.run
     if run.rank == 0:
         peak = hardware.revise_peak(run.peak, run.flops_per_token * row["tok_per_sec"] / run.world_size, run.device)

@@ -1,12 +1,12 @@
-"""core/compiling.py: the compile watch counts real dynamo graphs, and evaluation through the plain
+"""train/model_setup.py: the compile watch counts real dynamo graphs, and evaluation through the plain
 module leaves a compiled training model's graphs alone (dynamo with the eager backend: the
 tracing and guards of torch.compile without inductor's code generation, so it is quick)."""
 
 import pytest
 import torch
 
-from nanochat_fast.core.compiling import MIN_RUN_SECONDS_AT_PEAK, CompileWatch, default_compile
 from nanochat_fast.model.gpt import GPT, GPTConfig
+from nanochat_fast.train.model_setup import MIN_RUN_SECONDS_AT_PEAK, CompileWatch, default_compile
 
 
 def fail_on_recompile():
