@@ -15,15 +15,14 @@ from ..core.errors import UserError
 from .checkpoint import COMPLETE, complete_checkpoints, is_complete, load_meta, verify_checkpoint
 
 
-def open_run_dir(run, run_name: str, rank: int, phase: str, device):
-    """(run_dir, checkpoint to resume or None, its meta or None) for the RunConfig `run`. Every rank
-    reads the directory before rank 0 changes it (cleared for --overwrite, the leftovers of saves that
-    did not finish removed), so all ranks take the same decision."""
+def open_run_dir(run, run_dir: Path, rank: int, phase: str, device):
+    """(run_dir, checkpoint to resume or None, its meta or None) for the RunConfig `run` and the run's
+    folder (that of --resume PATH when no run is named). Every rank reads the directory before rank 0
+    changes it (cleared for --overwrite, the leftovers of saves that did not finish removed), so all
+    ranks take the same decision."""
     resume = run.resume
     if resume not in ("", "auto") and not (run.run or run.out_dir):
         run_dir = Path(resume).resolve().parent.parent  # runs/<run>/checkpoints/step_N -> runs/<run>
-    else:
-        run_dir = Path(run.out_dir).expanduser() if run.out_dir else paths.runs_dir() / run_name
     ckpt = None
     if resume == "auto":
         ckpt = newest_intact(complete_checkpoints(run_dir))

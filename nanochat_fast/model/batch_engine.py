@@ -9,12 +9,12 @@ calculator state, so what it gets does not depend on the batch (docs/measurement
 import heapq
 import math
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from ..hardware.precision import autocast
 from .calculator import calculate
 from .decode import SlotBatch, SlotCache, SlotPrefill, usable
 
@@ -193,7 +193,9 @@ class BatchEngine:
     def step(self) -> list[Token]:
         """One token for every active row, in join order: new requests' prompts run and sample their first
         token, the others feed their last, in one forward (the prompts in one of their own when too many)."""
-        with torch.inference_mode(), autocast(self.device, self.dtype):
+        # the generation dtype (hardware/precision.py chose it); fp32 leaves a caller's autocast as it is
+        bf16 = torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
+        with torch.inference_mode(), bf16:
             decoding = sorted((r for r in self._rows if r.length > 0), key=lambda r: r.slot)
             waiting, self._waiting = self._waiting, []
             if waiting and self._prompts_as_rows(waiting, len(decoding)):

@@ -11,7 +11,7 @@ model is pushed toward the replies that did better than its other replies to the
 
 Tasks (--task): GSM8K (the prepared data has no train split: it trains on the test questions that are not held
 out, and says so), SpellingBee, and last-digit (synthetic). The method (nanochat's "GRPO", close to REINFORCE) and
-what the log shows: README.md, "Reinforcement learning: chat_rl"; the objective: train/rollouts.py.
+what the log shows: docs/guide.md, "Reinforcement learning: chat_rl"; the objective: train/rollouts.py.
 """
 
 import argparse

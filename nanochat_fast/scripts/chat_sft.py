@@ -11,7 +11,7 @@ The mixture, from what is prepared here: the conversation dataset (--dataset), A
 validation splits, MMLU's dev and validation splits, GSM8K's eight worked examples, 600 SpellingBee train words
 (prepare_data --datasets=eval) and your own --extra-conversations; the evaluated splits are never trained on. A
 batch is --target-examples-per-step conversations; the learning rates default to 2% of pretraining's, decaying
-linearly to zero. The mixture, validation and the loss in full: README.md, "After mid-training".
+linearly to zero. The mixture, validation and the loss in full: docs/guide.md, "After mid-training".
 """
 
 from ..core import cli

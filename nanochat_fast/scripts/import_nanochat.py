@@ -12,7 +12,7 @@ fp32, the model config, and the optimizer state when the checkpoint has it (so `
 --resume=auto` goes on with its momentum); the tokenizer becomes NANOCHAT_FAST_HOME/tokenizer/ (or
 must equal the one there). Nothing is unpickled blindly: tokenizer.pkl goes through a restricted
 unpickler, every .pt file loads with weights_only=True. What carries over, the checks, and what
---phase decides: README.md, "Coming from nanochat".
+--phase decides: docs/nanochat.md.
 """
 
 import math

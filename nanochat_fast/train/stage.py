@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import checkpoints, hardware
-from ..core import cli, threads
+from ..core import cli, paths, threads
 from ..core.cli import flag_name, flag_values
 from ..core.distributed import print0, torn_down
 from ..core.errors import UserError
@@ -197,7 +197,8 @@ def set_up(args, stage: Stage, cfg: TrainingConfig, dev: ProcessSetup) -> RunSet
     cfg = replace(cfg, data=replace(cfg.data, max_seq_len=point.seq_len))
     grad_accum_steps = stage.data.grad_accum_steps(cfg.data, dev.world_size)
     run_name = cfg.run.run or stage.run_name(cfg, point)
-    run_dir, ckpt, meta = checkpoints.open_run_dir(cfg.run, run_name, dev.rank, stage.phase, dev.device)
+    run_dir = Path(cfg.run.out_dir).expanduser() if cfg.run.out_dir else paths.runs_dir() / run_name
+    run_dir, ckpt, meta = checkpoints.open_run_dir(cfg.run, run_dir, dev.rank, stage.phase, dev.device)
     if ckpt is not None:
         loading.check_compatible(meta, ckpt, point.config, tokenizer)
     weights = ckpt or point.source

@@ -25,6 +25,9 @@ BOUNDS = {  # the most files each path may take
     "Adding a kernel": 6,
 }
 EXAMPLE_KERNEL = "softcap_cross_entropy"  # a kernel added by the recipe: its NAME files exist
+# what a call of an op asks the registry once its backend is resolved: the setting read, the choice looked up
+# (no backend's availability checked again: registry._resolve is not among them)
+REGISTRY_LOOKUPS = {"select", "select_for_inputs", "_choose", "requested", "parse_request", "triton_interpreting"}
 
 
 def reading_paths() -> dict[str, tuple[int, list[str]]]:
@@ -67,24 +70,13 @@ def package_file(code) -> str | None:
 
 
 @contextmanager
-def tracing(calls: defaultdict, skip_below=lambda code: False):
-    """Record {package file: {function names}} of every Python call made while active, except
-    beneath a call for which skip_below(code) is true."""
-    depth = {"skipping": 0}
+def tracing(calls: defaultdict):
+    """Record {package file: {function names}} of every Python call made while active."""
 
     def profile(frame, event, arg):
-        if event == "call":
-            if depth["skipping"]:
-                depth["skipping"] += 1
-                return
-            if skip_below(frame.f_code):
-                depth["skipping"] = 1
-                return
-            name = package_file(frame.f_code)
-            if name:
-                calls[name].add(frame.f_code.co_name)
-        elif event == "return" and depth["skipping"]:
-            depth["skipping"] -= 1
+        name = package_file(frame.f_code) if event == "call" else None
+        if name:
+            calls[name].add(frame.f_code.co_name)
 
     previous = sys.getprofile()
     sys.setprofile(profile)
@@ -112,7 +104,7 @@ def test_a_muon_step_runs_in_the_listed_files_with_its_kernel_resolved_once():
         step()
     listed = set(files_of("A Muon step"))
     # the registry answers from what the first step resolved: a lookup, no backend checked again
-    assert calls.pop("kernels/registry.py") <= {"select", "_choose", "triton_interpreting"}
+    assert calls.pop("kernels/registry.py") <= REGISTRY_LOOKUPS
     assert set(calls) <= listed and {"optim/zero.py", "optim/muon.py", "kernels/newton_schulz.py"} <= set(calls)
 
 
@@ -120,7 +112,7 @@ def test_a_checkpoint_is_saved_and_resumed_in_the_listed_files(home, monkeypatch
     """A run saves at its end, a second resumes from it: the save and every step of the resume
     (the run directory opened, the checkpoint verified and read, the state put back) run in the
     listed files, and in each of them. What a component puts in is its own state_dict: the loader's
-    position and Muon's buffers, and the run's description (Run.meta, skipped beneath)."""
+    position and Muon's buffers."""
     from support.tiny_pipeline import TINY_LOOP, TINY_MODEL
 
     from nanochat_fast import checkpoints
@@ -130,12 +122,9 @@ def test_a_checkpoint_is_saved_and_resumed_in_the_listed_files(home, monkeypatch
     calls = defaultdict(set)
     component_state = {"data/dataloader.py", "optim/muon.py"}
 
-    def run_meta(code):  # the lambda of stage.meta_of_run
-        return package_file(code) == "train/stage.py" and code.co_name == "<lambda>"
-
     def traced(fn):
         def call(*args, **kwargs):
-            with tracing(calls, skip_below=run_meta):
+            with tracing(calls):
                 return fn(*args, **kwargs)
 
         return call
@@ -189,7 +178,7 @@ def test_a_chat_replys_decode_steps_run_in_the_listed_files(tiny_home):
         reply()
     listed = files_of("One chat request")
     # the registry answers from what the first reply resolved: a lookup, no backend checked again
-    assert calls.pop("kernels/registry.py", set()) <= {"select", "select_for_inputs", "_choose", "triton_interpreting"}
+    assert calls.pop("kernels/registry.py", set()) <= REGISTRY_LOOKUPS
     assert set(calls) <= set(listed)
     ops = {e.name.split("::")[1] for e in profiler.events() if e.name.startswith("nanochat_fast::")}
     assert ops, "the decode step ran no op of the extension"
