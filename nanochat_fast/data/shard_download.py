@@ -175,7 +175,8 @@ def head_size(url: str, cfg: DownloadConfig, retried) -> int | None:
         except urllib.error.HTTPError as e:
             raise _http_failure(e, url) from None
 
-    return _with_retries(attempt, url, cfg, retried, f"no answer to HEAD {url}", "check the network and re-run")
+    head_retried = lambda url, why: retried(url, f"HEAD: {why}")  # noqa: E731
+    return _with_retries(attempt, url, cfg, head_retried, f"no answer to HEAD {url}", "check the network and re-run")
 
 
 def _try_shard(url: str, dest: Path, cfg: DownloadConfig, counters: _Counters):
