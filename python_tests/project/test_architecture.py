@@ -27,7 +27,8 @@ PUBLIC_NAMES = {"common": {"core"}, "gpt": {"model"}}  # the SPEC's import paths
 EXTENSION = {"_C": {"kernels"}}  # the compiled ops: loaded by the kernel registry alone
 MAX_MODULE_LINES = 500  # formatted by ruff: nanochat-sized flat modules
 MAX_FUNCTION_LINES = 60
-MAX_DOCSTRING_LINES = 15
+MAX_DOCSTRING_LINES = 6  # what a module is for
+MAX_HELP_LINES = 15  # a script's docstring is its --help text
 READABLE = ["train/training_loop.py", "train/stage.py", "train/training_config.py"]
 
 
@@ -141,13 +142,14 @@ def test_modules_and_loop_functions_stay_short():
     assert not long_modules and not long_functions, "\n".join(long_modules + long_functions)
 
 
-def test_module_docstrings_say_what_a_module_is_in_15_lines():
-    """Longer notes and figures belong in docs/measurements.md, where the docstring points."""
-    long_docstrings = [
-        f"{p.relative_to(PACKAGE)}: {n} lines"
-        for p in modules()
-        if (n := len((ast.get_docstring(ast.parse(p.read_text())) or "").strip().splitlines())) > MAX_DOCSTRING_LINES
-    ]
+def test_module_docstrings_say_what_a_module_is_for_in_6_lines():
+    """Longer notes and figures belong in docs/measurements.md, where the docstring points; a script's
+    docstring is its --help text, and may say more."""
+    long_docstrings = []
+    for p in modules():
+        n = len((ast.get_docstring(ast.parse(p.read_text())) or "").strip().splitlines())
+        if n > (MAX_HELP_LINES if p.parent.name == "scripts" else MAX_DOCSTRING_LINES):
+            long_docstrings.append(f"{p.relative_to(PACKAGE)}: {n} lines")
     assert not long_docstrings, "\n".join(long_docstrings)
 
 
