@@ -16,7 +16,7 @@ constexpr int64_t kPanel = 32;  // output columns per panel
 void check_packed(const char* op, const char* name, const at::Tensor& packed, int64_t K, int64_t N);
 void packed_linear_rows(const float* x, int64_t M, int64_t K, const float* packed, int64_t N, float* out);
 
-// rms_norm_softcap_cpu.cpp: y = x / sqrt(mean(x^2) + eps) for `rows` rows of C floats; threads over rows.
+// row_ops_cpu.cpp: y = x / sqrt(mean(x^2) + eps) for `rows` rows of C floats; threads over rows.
 void rms_norm_rows(const float* x, float* y, int64_t rows, int64_t C, float eps);
 
 // decode_attention_cpu.cpp: one layer's decode-step attention for B rows of one new token each.

@@ -141,16 +141,17 @@ def test_a_checkpoint_is_saved_and_resumed_in_the_listed_files(home, monkeypatch
     assert set(calls) - component_state == set(files_of("A checkpoint saved")), dict(calls)
 
 
-def test_a_chat_replys_decode_steps_run_in_the_listed_files(tiny_home):
+@pytest.mark.parametrize("arch", ["gpt", "windowed"])
+def test_a_chat_replys_decode_steps_run_in_the_listed_files(tiny_home, arch):
     """The replica's side of a request (the server's side, app.py and pool.py, hands it over):
     reply_request, then the engine's steps until the reply ends, in the listed Python files, and
-    C++ ops whose CPU kernels are in the listed C++ files."""
+    C++ ops whose CPU kernels are in the listed C++ files; for both families."""
     from support.tiny_gpt import random_model
     from support.tiny_pipeline import home_env
 
     from nanochat_fast.data.tokenizer import get_tokenizer
     from nanochat_fast.kernels import registry
-    from nanochat_fast.model import generation
+    from nanochat_fast.model import generation, loading
     from nanochat_fast.model.batch_engine import BatchEngine
     from nanochat_fast.model.gpt import GPTConfig
 
@@ -159,7 +160,11 @@ def test_a_chat_replys_decode_steps_run_in_the_listed_files(tiny_home):
     with home_env(tiny_home):
         tokenizer = get_tokenizer()
     config = GPTConfig(sequence_len=64, vocab_size=tokenizer.get_vocab_size(), n_layer=2, n_head=4, n_kv_head=2)
-    model = random_model(config).eval()
+    if arch == "windowed":
+        torch.manual_seed(0)
+        model = loading.new_model(loading.family_config(config, "windowed", "SL"), "cpu").eval()
+    else:
+        model = random_model(config).eval()
     engine = BatchEngine(model, tokenizer, slots=2)
 
     class Job:
@@ -181,7 +186,8 @@ def test_a_chat_replys_decode_steps_run_in_the_listed_files(tiny_home):
     assert calls.pop("kernels/registry.py", set()) <= REGISTRY_LOOKUPS
     assert set(calls) <= set(listed)
     ops = {e.name.split("::")[1] for e in profiler.events() if e.name.startswith("nanochat_fast::")}
-    assert ops, "the decode step ran no op of the extension"
+    assert {"decode_block", "packed_linear", "rms_norm", "softcap"} <= ops
+    assert ("smear_decode" in ops) == (arch == "windowed")
     cpp = {name for name in listed if name.startswith("csrc/")}
     for op in ops:
         [source] = [p for p in (ROOT / "csrc").glob("*_cpu.cpp") if f'm.impl("{op}"' in p.read_text()]
