@@ -403,8 +403,8 @@ def test_tune_refuses_only_where_bf16_is_still_in_question(machine, cpu):
 
 def test_tune_retimes_a_windowed_runs_entries_as_the_windowed_model():
     """A cached timing of the windowed family (its config has a window_pattern) is rebuilt by --tune as
-    that family's model, not the seeds' GPT: the same cache key, and the windowed model's FLOPs and
-    parameter count (value embeddings, windows), which the seeds' GPT of the same shape does not have."""
+    that family's model, not the gpt family's: the same cache key, and the windowed model's FLOPs and
+    parameter count (value embeddings, windows), which the gpt family's model of the same shape does not have."""
     from nanochat_fast.model import generation_dtype, loading
     from nanochat_fast.model.windowed_gpt import WindowedGPTConfig
 

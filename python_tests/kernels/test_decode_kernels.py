@@ -534,7 +534,7 @@ def test_a_rows_decode_logits_do_not_depend_on_the_rows_beside_it(model):
 
 
 def test_a_decode_step_through_whole_blocks_is_bitwise_the_step_op_by_op(model, monkeypatch):
-    """The seeds' GPT decodes each block as one op (decode_block): the tokens and every step's logits
+    """The gpt family decodes each block as one op (decode_block): the tokens and every step's logits
     are bitwise those of the same engine with the block's ops one after another, and the block op
     is what ran."""
     prompt = tok.encode("hello there", prepend="<|bos|>")
