@@ -9,12 +9,12 @@ calculator state, so what it gets does not depend on the batch (docs/measurement
 import heapq
 import math
 from collections import deque
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from ..hardware.precision import autocast
 from .calculator import calculate
 from .decode import SlotBatch, SlotCache, SlotPrefill, usable
 
@@ -134,9 +134,10 @@ class BatchEngine:
         rotary_len = getattr(model, "rotary_seq_len", None)
         if rotary_len is not None and max_len > rotary_len:
             raise ValueError(f"max_len ({max_len}) exceeds the model's {rotary_len} positions")
-        self.model, self.tokenizer, self.dtype = model, tokenizer, dtype
+        self.model, self.tokenizer = model, tokenizer
         self.slots, self.max_len = slots, max_len
         self.device = model.get_device()
+        self.autocast = autocast(self.device, dtype)  # the generation dtype's context, entered every step
         self.cache = SlotCache(model.config.n_layer, slots, max_len)
         self.stop = stop_tokens(tokenizer) if tokenizer is not None else frozenset()
         names = ("python_start", "python_end", "output_start", "output_end")
@@ -193,9 +194,7 @@ class BatchEngine:
     def step(self) -> list[Token]:
         """One token for every active row, in join order: new requests' prompts run and sample their first
         token, the others feed their last, in one forward (the prompts in one of their own when too many)."""
-        # the generation dtype (hardware/precision.py chose it); fp32 leaves a caller's autocast as it is
-        bf16 = torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
-        with torch.inference_mode(), bf16:
+        with torch.inference_mode(), self.autocast:
             decoding = sorted((r for r in self._rows if r.length > 0), key=lambda r: r.slot)
             waiting, self._waiting = self._waiting, []
             if waiting and self._prompts_as_rows(waiting, len(decoding)):
