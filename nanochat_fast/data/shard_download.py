@@ -175,7 +175,9 @@ def head_size(url: str, cfg: DownloadConfig, retried) -> int | None:
         except urllib.error.HTTPError as e:
             raise _http_failure(e, url) from None
 
-    head_retried = lambda url, why: retried(url, f"HEAD: {why}")  # noqa: E731
+    def head_retried(url, why):
+        retried(url, f"HEAD: {why}")
+
     return _with_retries(attempt, url, cfg, head_retried, f"no answer to HEAD {url}", "check the network and re-run")
 
 

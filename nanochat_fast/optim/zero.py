@@ -349,9 +349,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Each owned range's state_keys, stitched from the saved pieces (saved_ranks: for errors)."""
         for b in self.buckets:
             for p, lo, hi in b.slots[self.rank]:
+                name, entries = self.names[p], pieces.get(self.names[p], [])
                 for key in self.state_keys:
                     self.state[p][key] = torch.zeros(hi - lo, dtype=torch.float32, device=p.device)
-                    name, entries = self.names[p], pieces.get(self.names[p], [])
                     copy_flat_pieces(self.state[p][key], lo, entries, key, name, p.shape, saved_ranks)
 
     # torch.optim.Optimizer's names: this rank's shard, and loading one shard or a list of them
