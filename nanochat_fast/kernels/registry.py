@@ -1,9 +1,10 @@
 """
 Which implementation ("backend") of each op runs on each device: resolved once per (op, device type,
-setting), then called directly. Backends, fastest first: triton (CUDA; CPU tensors only under
-TRITON_INTERPRET=1, for tests), cpp (the extension nanochat_fast._C, where torch's dispatcher holds the
-op's kernel for the device), torch (an optimised pure-PyTorch path) and reference (the plain baseline).
-NANOCHAT_FAST_KERNELS forces one name for every op or per op (`newton_schulz=triton,pack_rows=cpp`).
+setting), then a dictionary lookup per call (a changed setting is seen). Backends, fastest first: triton
+(CUDA; CPU tensors only under TRITON_INTERPRET=1, for tests), cpp (the extension nanochat_fast._C, where
+torch's dispatcher holds the op's kernel for the device), torch (an optimised pure-PyTorch path) and
+reference (the plain baseline). NANOCHAT_FAST_KERNELS forces one name for every op or per op
+(`newton_schulz=triton,pack_rows=cpp`).
 """
 
 import functools
