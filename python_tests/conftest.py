@@ -1,7 +1,9 @@
 """Shared test setup: private compile caches, an isolated NANOCHAT_FAST_HOME, the `gpu` marker. What the
 tests share lives in the support package (support/__init__.py)."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -20,6 +22,8 @@ os.environ.setdefault(
 # Nothing a test runs writes to the user's NANOCHAT_FAST_HOME (e.g. the hardware caches of an
 # optimizer measuring its dtype); tests that need a prepared home set their own.
 os.environ["NANOCHAT_FAST_HOME"] = tempfile.mkdtemp(prefix="nanochat_fast_test_home_")
+# removed when the session ends, so a day of test runs leaves no homes behind in /tmp
+atexit.register(shutil.rmtree, os.environ["NANOCHAT_FAST_HOME"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
