@@ -13,10 +13,9 @@ renamed into place; a non-empty --out is replaced only with --overwrite. docs/gu
 
 from pathlib import Path
 
-from .. import checkpoints
+from .. import checkpoints, interop
 from ..core import cli
 from ..data.tokenizer import get_tokenizer
-from ..interop import hf_folder
 from ..model import loading
 from ..train.env_vars import check_environment
 
@@ -32,6 +31,7 @@ def build_parser():
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
+    hf_folder = interop.hf_folder_module("export_hf")
     out = Path(args.out).expanduser()
     hf_folder.check_out(out, args.overwrite)
     tokenizer = get_tokenizer()

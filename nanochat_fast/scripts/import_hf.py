@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoints
+from .. import checkpoints, interop
 from ..core import cli, paths
 from ..core.errors import UserError
 from ..data.tokenizer import save_token_bytes
-from ..interop import hf_folder, nanochat_checkpoint
+from ..interop import nanochat_checkpoint
 from ..model import loading
 from ..train.env_vars import check_environment
 from ..train.run_state import LoopState
@@ -52,6 +52,7 @@ def build_parser():
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
+    hf_folder = interop.hf_folder_module("import_hf")
     folder = Path(args.source).expanduser()
     if not folder.is_dir():
         raise UserError(f"--from {folder}: no such folder (give a transformers model folder)")
