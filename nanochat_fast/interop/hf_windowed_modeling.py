@@ -101,7 +101,7 @@ class WindowedAttention(nn.Module):
         diff = positions[:, None] - torch.arange(k.size(2), device=x.device)[None, :]
         mask = ((diff >= 0) & (diff <= self.window))[None, None]
         if key_mask is not None:
-            mask = mask & key_mask[:, None, None, :]
+            mask = mask & (key_mask[:, None, None, :] | (diff == 0)[None, None])
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_head)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -168,11 +168,15 @@ class NanoChatWindowedModel(NanoChatWindowedPreTrainedModel):
         positions = torch.arange(past, past + T, device=input_ids.device)
         cos_sin = self._rotary(positions, input_ids.device)
         x = self._embed(input_ids)
+        # a padded batch (attention_mask 0 on padding): no query sees a padding key but its own (a row
+        # with no key at all would be NaN), and smear adds no padding embedding
+        key_mask = attention_mask.bool() if attention_mask is not None and not attention_mask.all() else None
         # smear: each position plus a gate times the previous position's embedding
         gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., : self.config.smear_channels]))
         prev = x[:, :-1] if not past else torch.cat([self._embed(previous_token_ids), x[:, :-1]], dim=1)
+        if key_mask is not None:
+            prev = prev * key_mask[:, past + T - prev.size(1) - 1 : past + T - 1, None]
         x = torch.cat([x[:, :1], x[:, 1:] + gate[:, 1:] * prev], dim=1) if not past else x + gate * prev
-        key_mask = attention_mask.bool() if attention_mask is not None and not attention_mask.all() else None
         x0, backout = x, None
         for i, layer in enumerate(self.layers):
             ve = self.value_embeds[str(i)](input_ids) if str(i) in self.value_embeds else None

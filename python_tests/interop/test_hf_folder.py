@@ -171,12 +171,22 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 folder, spec, out = sys.argv[1:]
 spec = json.load(open(spec))
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
-tok = AutoTokenizer.from_pretrained(folder)
+tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
 chat = tok.apply_chat_template(spec["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
 with torch.no_grad():
     logits = [model(torch.tensor([ids])).logits[0] for ids in spec["prompts"]]
 generated = model.generate(torch.tensor([chat]), max_new_tokens=32)[0, len(chat):].tolist()
-torch.save({"logits": logits, "chat": chat, "generated": generated, "class": type(model).__name__}, out)
+# a left-padded batch computes and generates what each prompt does alone
+pair, tok.padding_side = [chat, spec["prompts"][1]], "left"
+batch = tok.pad({"input_ids": pair}, return_tensors="pt")
+with torch.no_grad():
+    both, each = model(**batch).logits, [model(torch.tensor([p])).logits[0] for p in pair]
+padded_ok = all((both[i, -len(p):] - e).abs().max() < 1e-4 * e.abs().max() for i, (p, e) in enumerate(zip(pair, each)))
+rows = model.generate(**batch, max_new_tokens=8)[:, batch["input_ids"].shape[1]:].tolist()
+alone = [model.generate(torch.tensor([p]), max_new_tokens=8)[0, len(p):].tolist() for p in pair]
+padded_ok = padded_ok and all(row[: len(a)] == a for row, a in zip(rows, alone))
+result = {"logits": logits, "chat": chat, "generated": generated, "padded_ok": padded_ok}
+torch.save({**result, "class": type(model).__name__}, out)
 """
 
 
@@ -196,7 +206,7 @@ def test_windowed_family_runs_through_remote_code_without_nanochat_fast(hf_home,
     proc = subprocess.run([*cmd, str(tmp_path / "out.pt")], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt", weights_only=True)
-    assert got["class"] == "NanoChatWindowedForCausalLM"
+    assert got["class"] == "NanoChatWindowedForCausalLM" and got["padded_ok"]
     model = ours("w", tok)
     assert model.smear_lambda.abs().item() > 0 and model.backout_lambda.abs().item() > 0  # every feature counts
     with torch.no_grad():
