@@ -6,8 +6,8 @@ Write a run's checkpoint as a Hugging Face transformers model folder.
 The folder holds config.json, model.safetensors (fp32), generation_config.json, tokenizer.json,
 tokenizer_config.json and chat_template.jinja: AutoModelForCausalLM.from_pretrained(DIR) and
 AutoTokenizer.from_pretrained(DIR) load it, the gpt family as transformers' own NanoChatForCausalLM.
-The windowed family also gets modeling_nanochat_windowed.py (load it with trust_remote_code=True; it
-needs torch and transformers, not nanochat_fast). The folder is built under a temporary name and
+The windowed family also gets modeling_nanochat_windowed.py (load both with trust_remote_code=True;
+it needs torch and transformers, not nanochat_fast). The folder is built under a temporary name and
 renamed into place; a non-empty --out is replaced only with --overwrite. docs/guide.md has more.
 """
 
@@ -42,7 +42,10 @@ def main(argv=None) -> int:
     family = loading.arch_of(config)
     print(f"exported {ckpt} ({family} family, {meta.get('phase')}, step {meta['step']}) to {out}")
     remote = ", trust_remote_code=True" if family != "gpt" else ""
-    print(f"in Python: AutoModelForCausalLM.from_pretrained({str(out)!r}{remote}) and AutoTokenizer.from_pretrained")
+    print(
+        f"in Python: AutoModelForCausalLM.from_pretrained({str(out)!r}{remote}) and "
+        f"AutoTokenizer.from_pretrained({str(out)!r}{remote})"
+    )
     return 0
 
 

@@ -185,7 +185,9 @@ padded_ok = all((both[i, -len(p):] - e).abs().max() < 1e-4 * e.abs().max() for i
 rows = model.generate(**batch, max_new_tokens=8)[:, batch["input_ids"].shape[1]:].tolist()
 alone = [model.generate(torch.tensor([p]), max_new_tokens=8)[0, len(p):].tolist() for p in pair]
 padded_ok = padded_ok and all(row[: len(a)] == a for row, a in zip(rows, alone))
+long = torch.tensor([spec["prompts"][2]])
 result = {"logits": logits, "chat": chat, "generated": generated, "padded_ok": padded_ok}
+result["loss"] = model(long, labels=long).loss.item()  # position t predicts token t + 1
 torch.save({**result, "class": type(model).__name__}, out)
 """
 
@@ -212,6 +214,8 @@ def test_windowed_family_runs_through_remote_code_without_nanochat_fast(hf_home,
     with torch.no_grad():
         for ids, theirs in zip(cases, got["logits"]):
             assert_close(model(torch.tensor([ids]))[0], theirs)
+        long = torch.tensor([cases[2]])
+        assert model(long[:, :-1], targets=long[:, 1:]).item() == pytest.approx(got["loss"], rel=1e-5)
     assert got["chat"] == cases[0] == tok.render_for_completion({"messages": QUESTION})
     [sample] = generate_batch(model, tok, cases[0], 1, 32, temperature=0.0)
     assert got["generated"] == sample.ids + ([got["generated"][-1]] if sample.finished else [])
@@ -236,8 +240,8 @@ def test_export_then_import_gives_identical_tensors(run, exported, tmp_path, mon
 
 
 def transformers_own_folder(folder, tok, eps=torch.finfo(torch.float32).eps):
-    """NanoChatForCausalLM(config).save_pretrained() with random weights (GQA: 2 query heads, 1 kv head), and
-    our tokenizer written by transformers' own tiktoken converter, as its nanochat converter does."""
+    """NanoChatForCausalLM(config).save_pretrained() with random weights (GQA: 2 query heads, 1 kv head) in
+    shards, and our tokenizer written by transformers' own tiktoken converter, as its nanochat converter does."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     ids = hf_tokenizer.special_ids(tok)
@@ -259,7 +263,7 @@ def transformers_own_folder(folder, tok, eps=torch.finfo(torch.float32).eps):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, max_shard_size="100KB")  # shards and their index, as a large model's
     TikTokenConverter(
         vocab_file=str(paths.tokenizer_dir() / "tokenizer.tiktoken"),
         pattern=tok.pattern,
@@ -274,6 +278,7 @@ def test_import_of_transformers_own_save_pretrained(exported, tmp_path, monkeypa
     monkeypatch.setenv("NANOCHAT_FAST_HOME", str(home))
     tok = get_tokenizer()
     theirs = transformers_own_folder(tmp_path / "theirs", tok)
+    assert (tmp_path / "theirs" / "model.safetensors.index.json").is_file()
     code, out, err = run_main(import_hf, [f"--from={tmp_path / 'theirs'}", "--run=t", "--phase=sft"], capsys)
     assert code == 0 and "chat_cli --run=t" in out, err
     model = ours("t", tok)
