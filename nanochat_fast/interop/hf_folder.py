@@ -185,7 +185,7 @@ def our_config(cfg: dict, folder: Path, accept_norm_eps: bool = False) -> GPTCon
         "rms_norm_eps": (NORM_EPS,),
     }
     for key, allowed in held.items():
-        value = _need(cfg, key, path) if key != "tie_word_embeddings" else cfg.get(key, False)
+        value = cfg.get(key, False) if key == "tie_word_embeddings" else _need(cfg, key, path)  # False: the default
         if value in allowed or (key == "rms_norm_eps" and accept_norm_eps):
             continue
         hint = " (pass --accept-norm-eps to import it with our norm's eps anyway)" if key == "rms_norm_eps" else ""
@@ -270,9 +270,10 @@ def read_folder(folder: Path, accept_norm_eps: bool = False):
     """(our config, our fp32 state_dict, our Tokenizer, config.json's record of the run or {}) of a folder."""
     cfg = read_config(folder)
     config = our_config(cfg, folder, accept_norm_eps)
-    for name in (hf_tokenizer.TOKENIZER_FILE,):
-        if not (folder / name).is_file():
-            raise UserError(f"--from {folder}: {name} is missing (the tokenizer); the folder is incomplete")
+    if not (folder / hf_tokenizer.TOKENIZER_FILE).is_file():
+        raise UserError(
+            f"--from {folder}: {hf_tokenizer.TOKENIZER_FILE} is missing (the tokenizer); give a whole folder"
+        )
     state = read_weights(folder, config)
     tokenizer = hf_tokenizer.read_tokenizer(folder, config.vocab_size)
     record = cfg.get(OURS_KEY) if isinstance(cfg.get(OURS_KEY), dict) else {}

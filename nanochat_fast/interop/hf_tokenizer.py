@@ -97,7 +97,7 @@ def build(tokenizer: Tokenizer) -> HFTokenizer:
     return hf
 
 
-def tokenizer_config(tokenizer: Tokenizer, model_max_length: int) -> dict:
+def tokenizer_config(model_max_length: int) -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|bos|>",
@@ -111,7 +111,7 @@ def tokenizer_config(tokenizer: Tokenizer, model_max_length: int) -> dict:
 def write_files(tokenizer: Tokenizer, folder: Path, model_max_length: int):
     """tokenizer.json, tokenizer_config.json and chat_template.jinja into `folder` (a fresh folder)."""
     build(tokenizer).save(str(folder / TOKENIZER_FILE))
-    (folder / CONFIG_FILE).write_text(json.dumps(tokenizer_config(tokenizer, model_max_length), indent=2) + "\n")
+    (folder / CONFIG_FILE).write_text(json.dumps(tokenizer_config(model_max_length), indent=2) + "\n")
     (folder / TEMPLATE_FILE).write_text(CHAT_TEMPLATE)
 
 
@@ -143,7 +143,7 @@ def read_tokenizer(folder: Path, vocab_size: int, sample: str = SAMPLE_TEXT) -> 
     try:
         spec = json.loads(path.read_text())
         hf = HFTokenizer.from_file(str(path))
-    except (OSError, ValueError, Exception) as e:  # tokenizers raises plain Exceptions for bad files
+    except Exception as e:  # OSError, JSONDecodeError, and the plain Exceptions tokenizers raises for bad files
         raise UserError(f"{path} is not a readable tokenizers file ({type(e).__name__}: {e})") from None
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):

@@ -12,7 +12,6 @@ state; the tokenizer becomes NANOCHAT_FAST_HOME/tokenizer/ (or must equal the on
 it trains (mid_train, chat_sft, chat_rl), evaluates and chats like any other run.
 """
 
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ from ..interop import nanochat_checkpoint
 from ..model import loading
 from ..train.env_vars import check_environment
 from ..train.run_state import LoopState
-from .import_nanochat import home_tokenizer_to_write
+from . import import_nanochat
 
 
 def build_parser():
@@ -60,21 +59,11 @@ def main(argv=None) -> int:
     if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
         raise UserError(f"run directory {run_dir} already exists: pick another --run or pass --overwrite")
     config, state, tokenizer, record = hf_folder.read_folder(folder, args.accept_norm_eps)
-    write_tokenizer = home_tokenizer_to_write(tokenizer)
+    write_tokenizer = import_nanochat.home_tokenizer_to_write(tokenizer)
     phase = args.phase or (record.get("phase") if record.get("phase") in ("base", "mid", "sft") else "base")
     step = record.get("step") if isinstance(record.get("step"), int) and record["step"] >= 0 else 0
-    meta = {
-        "phase": phase,
-        "arch": loading.arch_of(config),
-        "model_config": asdict(config),
-        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
-        "args": {},
-        "device": None,
-        "world_size": 1,
-        "loader_state": None,
-        "loop_state": asdict(LoopState(step=step)),
-        "imported_from": {"hf_folder": str(folder), **record},
-    }
+    origin = {"hf_folder": str(folder), **record}
+    meta = import_nanochat.imported_meta(phase, config, tokenizer, LoopState(step=step), origin)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with checkpoints.new_run_dir(run_dir) as tmp:  # built under a temporary name, then renamed
         rank_state = {
@@ -88,15 +77,7 @@ def main(argv=None) -> int:
         f"imported {folder} ({loading.arch_of(config)} family) as {phase} run {run_dir} (checkpoint step {step}); "
         f"tokenizer {'written to' if write_tokenizer else 'already in'} {paths.tokenizer_dir()}"
     )
-    cmd, run = "python -m nanochat_fast.scripts.", args.run
-    if phase == "base":
-        steps = [f"evaluate: {cmd}base_eval --run={run}", f"mid-train: {cmd}mid_train --base-run={run}"]
-    else:
-        steps = [f"chat: {cmd}chat_cli --run={run}", f"evaluate: {cmd}chat_eval --run={run}"]
-    steps.append(
-        f"fine-tune: {cmd}chat_sft --source-run={run}" if phase != "sft" else f"RL: {cmd}chat_rl --source-run={run}"
-    )
-    print("what you can run on it now:", *steps, sep="\n  ")
+    print(import_nanochat.what_next(phase, args.run, config))
     return 0
 
 
