@@ -61,6 +61,7 @@ def rms_norm(x, eps):
 def rotary(x, cos, sin):
     """Rotate channel pairs (i, i + d/2) of x (B, T, H, D) by the positions' angles (cos, sin: (1, T, 1, D/2))."""
     d = x.shape[-1] // 2
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # fp32 angles; bf16 activations when loaded in bf16
     x1, x2 = x[..., :d], x[..., d:]
     return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], dim=-1)
 

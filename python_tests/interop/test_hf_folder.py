@@ -108,7 +108,9 @@ def test_gpt_family_loads_in_transformers_as_nanochat(hf_home, exported, capsys)
     out = hf.generate(torch.tensor([prompt]), max_new_tokens=32)[0, len(prompt) :].tolist()
     stops = set(hf_tokenizer.special_ids(tok)["stop"])
     assert out == sample.ids + ([out[-1]] if sample.finished else []) and (out[-1] in stops) == sample.finished
-    code, text, err = run_main(chat_cli, ["--run=b", f"--prompt={QUESTION[0]['content']}", "--temperature=0"], capsys)
+    code, text, err = run_main(
+        chat_cli, ["--run=b", f"--prompt={QUESTION[0]['content']}", "--temperature=0", "--dtype=fp32"], capsys
+    )
     assert code == 0 and text == f"Assistant: {decode_reply(tok, sample.ids)}\n", err
     assert len(sample.ids) == 32 or sample.finished
 
@@ -181,12 +183,16 @@ pair, tok.padding_side = [chat, spec["prompts"][1]], "left"
 batch = tok.pad({"input_ids": pair}, return_tensors="pt")
 with torch.no_grad():
     both, each = model(**batch).logits, [model(torch.tensor([p])).logits[0] for p in pair]
-padded_ok = all((both[i, -len(p):] - e).abs().max() < 1e-4 * e.abs().max() for i, (p, e) in enumerate(zip(pair, each)))
+padded_ok = all(bool((both[i, -len(p):] - e).abs().max() < 1e-4 * e.abs().max()) for i, (p, e) in
+                enumerate(zip(pair, each)))
 rows = model.generate(**batch, max_new_tokens=8)[:, batch["input_ids"].shape[1]:].tolist()
 alone = [model.generate(torch.tensor([p]), max_new_tokens=8)[0, len(p):].tolist() for p in pair]
 padded_ok = padded_ok and all(row[: len(a)] == a for row, a in zip(rows, alone))
 long = torch.tensor([spec["prompts"][2]])
-result = {"logits": logits, "chat": chat, "generated": generated, "padded_ok": padded_ok}
+half = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.bfloat16).eval()
+with torch.no_grad():  # loaded in bf16 it runs in bf16, near the fp32 logits
+    bf16_ok = bool((half(long).logits - logits[2]).abs().max() < 0.05 * logits[2].abs().max())
+result = {"logits": logits, "chat": chat, "generated": generated, "padded_ok": padded_ok, "bf16_ok": bf16_ok}
 result["loss"] = model(long, labels=long).loss.item()  # position t predicts token t + 1
 torch.save({**result, "class": type(model).__name__}, out)
 """
@@ -208,7 +214,7 @@ def test_windowed_family_runs_through_remote_code_without_nanochat_fast(hf_home,
     proc = subprocess.run([*cmd, str(tmp_path / "out.pt")], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt", weights_only=True)
-    assert got["class"] == "NanoChatWindowedForCausalLM" and got["padded_ok"]
+    assert got["class"] == "NanoChatWindowedForCausalLM" and got["padded_ok"] and got["bf16_ok"]
     model = ours("w", tok)
     assert model.smear_lambda.abs().item() > 0 and model.backout_lambda.abs().item() > 0  # every feature counts
     with torch.no_grad():
@@ -285,7 +291,9 @@ def test_import_of_transformers_own_save_pretrained(exported, tmp_path, monkeypa
     ids = torch.tensor([prompts(tok)[2]])
     with torch.no_grad():
         assert_close(model(ids), theirs(ids).logits)
-    code, text, err = run_main(chat_cli, ["--run=t", "--prompt=hello", "--max-tokens=4", "--temperature=0"], capsys)
+    code, text, err = run_main(
+        chat_cli, ["--run=t", "--prompt=hello", "--max-tokens=4", "--temperature=0", "--dtype=fp32"], capsys
+    )
     assert code == 0 and text.startswith("Assistant: "), err
 
 
