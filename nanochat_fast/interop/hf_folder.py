@@ -138,9 +138,11 @@ def write_folder(out: Path, state: dict, config: GPTConfig, tokenizer, record: d
         hf_tokenizer.write_files(tokenizer, tmp, config.sequence_len)
         if isinstance(config, WindowedGPTConfig):
             shutil.copyfile(MODELING_SOURCE, tmp / MODELING_FILE)
+        old = out.with_name(f".{out.name}.old{os.getpid()}")  # the folder replaced, kept until the new one is in
         if out.exists():
-            shutil.rmtree(out)
+            out.rename(old)
         tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
