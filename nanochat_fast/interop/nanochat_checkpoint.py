@@ -391,7 +391,13 @@ def optimizer_shards(ckpt: NanochatCheckpoint, shapes: dict, skip: bool) -> tupl
             f"{shards[0]['num_updates']} updates, Muon momentum of {len(shards[1]['state'])} matrices)"
         )
     why = "--no-optimizer" if skip else f"no optim_{ckpt.step:06d}_rank*.pt in {ckpt.folder}"
-    layout = combined_layout(ckpt.config)  # fresh state: no update yet, every parameter in a group
+    return fresh_optimizer_shards(ckpt.config), (
+        f"optimizer state: none ({why}); training from this run starts with fresh optimizer state"
+    )
+
+
+def fresh_optimizer_shards(config: GPTConfig) -> list:
+    """Our optimizer state before any update, every parameter in its group: a run without saved state."""
+    layout = combined_layout(config)
     groups = {kind: [{"param_names": names} for k, names in layout if k == kind] for kind in KINDS}
-    empty = _shards(groups, {kind: {} for kind in KINDS}, 0)
-    return empty, f"optimizer state: none ({why}); training from this run starts with fresh optimizer state"
+    return _shards(groups, {kind: {} for kind in KINDS}, 0)

@@ -90,6 +90,38 @@ def base_train_flags(config: GPTConfig) -> str | None:
     return None
 
 
+def imported_meta(phase: str, config: GPTConfig, tokenizer: Tokenizer, loop_state: LoopState, origin: dict) -> dict:
+    """meta.json of an imported run's one checkpoint: what a run trained here records, and where it came from."""
+    return {
+        "phase": phase,
+        "arch": loading.arch_of(config),
+        "model_config": asdict(config),
+        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
+        "args": {},
+        "device": None,
+        "world_size": 1,
+        "loader_state": None,
+        "loop_state": asdict(loop_state),
+        "imported_from": origin,
+    }
+
+
+def what_next(phase: str, run: str, config: GPTConfig) -> str:
+    """The commands an imported run of `phase` is ready for, one a line."""
+    cmd = "python -m nanochat_fast.scripts."
+    if phase == "base":
+        steps = [f"evaluate: {cmd}base_eval --run={run}", f"mid-train: {cmd}mid_train --base-run={run}"]
+        if flags := base_train_flags(config):
+            steps.append(f"keep pretraining: {cmd}base_train --run={run} --resume=auto {flags} --num-iterations=N")
+    else:
+        steps = [f"chat: {cmd}chat_cli --run={run}", f"evaluate: {cmd}chat_eval --run={run}"]
+    if phase in ("base", "mid"):
+        steps.append(f"fine-tune: {cmd}chat_sft --source-run={run}")
+    else:
+        steps.append(f"reinforce: {cmd}chat_rl --source-run={run}")
+    return "\n  ".join(["what you can run on it now:", *steps])
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_environment()
@@ -116,18 +148,7 @@ def main(argv=None) -> int:
     loop_state, origin = nanochat_checkpoint.carried_meta(ckpt, bool(shards[0]["num_updates"] or shards[1]["state"]))
     if old_bytes:  # base_eval reports the bpb nanochat's own file gives beside the true one
         origin["nanochat_token_bytes"] = {str(i): b for i, b in old_bytes.items()}
-    meta = {
-        "phase": phase,
-        "arch": loading.arch_of(ckpt.config),
-        "model_config": asdict(ckpt.config),
-        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "fingerprint": tokenizer.fingerprint},
-        "args": {},
-        "device": None,
-        "world_size": 1,
-        "loader_state": None,
-        "loop_state": asdict(LoopState(**loop_state)),
-        "imported_from": origin,
-    }
+    meta = imported_meta(phase, ckpt.config, tokenizer, LoopState(**loop_state), origin)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with checkpoints.new_run_dir(run_dir) as tmp:  # built under a temporary name, then renamed
         rank_state = {"optimizers": shards, "rng": {"cpu": torch.get_rng_state()}}
@@ -138,16 +159,7 @@ def main(argv=None) -> int:
         f"imported as {phase} run {run_dir} (checkpoint step {ckpt.step}); tokenizer "
         f"{'written to' if write_tokenizer else 'already in'} {paths.tokenizer_dir()}"
     )
-    cmd, run = "python -m nanochat_fast.scripts.", args.run
-    if phase == "base":
-        steps = [f"evaluate: {cmd}base_eval --run={run}", f"mid-train: {cmd}mid_train --base-run={run}"]
-        if flags := base_train_flags(ckpt.config):
-            steps.append(f"keep pretraining: {cmd}base_train --run={run} --resume=auto {flags} --num-iterations=N")
-    else:
-        steps = [f"chat: {cmd}chat_cli --run={run}", f"evaluate: {cmd}chat_eval --run={run}"]
-    if phase in ("base", "mid"):
-        steps.append(f"fine-tune: {cmd}chat_sft --source-run={run}")
-    print("what you can run on it now:", *steps, sep="\n  ")
+    print(what_next(phase, args.run, ckpt.config))
     return 0
 
 

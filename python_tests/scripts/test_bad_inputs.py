@@ -30,7 +30,9 @@ from nanochat_fast.scripts import (
     chat_sft,
     chat_web,
     export_checkpoint,
+    export_hf,
     export_nanochat,
+    import_hf,
     import_nanochat,
     infer_bench,
     mid_train,
@@ -58,6 +60,8 @@ SCRIPTS = {
     "export_nanochat": export_nanochat,
     "chat_rl": chat_rl,
     "export_checkpoint": export_checkpoint,
+    "export_hf": export_hf,
+    "import_hf": import_hf,
 }
 # infer_bench on a random model small enough to finish at once, should a bad value slip through
 BENCH = [
@@ -407,6 +411,9 @@ CASES = [
         "model_000004.pt exists; pass --overwrite",
     ),
     ("export-no-run", "export_nanochat", ["--run=nope", "--out={tmp}"], None, "no run named 'nope'"),
+    # export_hf / import_hf (interop/test_hf_folder.py has the rest: model types, shapes, tokenizers)
+    ("export-hf-non-empty", "export_hf", ["--run=b", "--out={home}/data"], None, "is not empty; pass --overwrite"),
+    ("import-hf-not-a-folder", "import_hf", ["--from={tmp}", "--run=x"], None, "no config.json there"),
 ]
 
 
@@ -456,6 +463,7 @@ NO_BAD_VALUE = {
     "--no-replica-process",
     "--no-optimizer",
     "--tensorboard",
+    "--accept-norm-eps",
 }
 BAD_VALUES = {  # flag -> a value every script that has the flag must refuse
     "--depth": "0",
@@ -588,6 +596,8 @@ CONTEXT = {
         "--run=rlcheck",
     ],
     "export_checkpoint": ["--run=b"],
+    "export_hf": ["--run=b", "--out={home}/hf_exported"],
+    "import_hf": ["--from={home}/hf_exported", "--run=imported_hf"],
 }
 
 
