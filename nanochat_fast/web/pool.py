@@ -27,6 +27,7 @@ class Prepared(NamedTuple):  # what a replica's prepare(job) gives
     decode: Callable[[int], str]  # a token id -> the text it completes ("" for the end token, a partial character)
     truncated: bool = False  # the conversation was cut from its start to fit the model's context
     stop: frozenset = frozenset()  # the token ids that end a reply (its finish_reason "stop", else "length")
+    prompt: tuple = ()  # the prompt's token ids, as the engine gets them (counted in usage, scored for logprobs)
 
 
 @dataclass
@@ -314,16 +315,17 @@ class ReplicaPool:
         """A job that cannot start fails alone."""
         replica = self.replicas[i]
         try:
-            request, decode, truncated, job.stop_ids = Prepared(*replica.prepare(job))
-            [row] = replica.engine.add(request)
+            prepared = Prepared(*replica.prepare(job))
+            [row] = replica.engine.add(prepared.request)
         except Exception as e:
             log.error("a request could not start on %s (%s: %s)", replica.device, type(e).__name__, e)
             job.emit("error", failure(e))
             self._finish(i, job, "failed")
             return
-        job.row, job.decode, job.admitted, job.prompt_ids = row, decode, time.monotonic(), list(request.prompt)
+        job.row, job.decode, job.admitted = row, prepared.decode, time.monotonic()
+        job.stop_ids, job.prompt_ids = prepared.stop, list(prepared.prompt)
         with self._cond:
-            self.counts.started(i, job.admitted, truncated)
+            self.counts.started(i, job.admitted, prepared.truncated)
         if row.done:  # max_tokens 0: nothing to generate
             job.finish_reason = "length"
             self._finish(i, job, "completed" if self._score(i, job) else "failed")
