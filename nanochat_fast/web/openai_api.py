@@ -53,12 +53,14 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
 
 
 class Refused(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None, headers=None
+    ):
         super().__init__(message)
-        self.param, self.status, self.code = param, status, code
+        self.param, self.status, self.code, self.headers = param, status, code, headers
 
     def response(self):
-        return openai_error(self.status, str(self), self.param, self.code)
+        return openai_error(self.status, str(self), self.param, self.code, self.headers)
 
 
 class Strict(BaseModel):
@@ -260,7 +262,7 @@ def openai_routes(pool, settings, tokenizer) -> APIRouter:
             except QueueFull as e:
                 for submitted in jobs[:i]:
                     pool.cancel(submitted, "client")
-                raise Refused(str(e), status=503) from None
+                raise Refused(str(e), status=503, headers={"Retry-After": str(e.retry_after)}) from None
 
     def head(kind: str, prefix: str) -> dict:
         return {
@@ -368,6 +370,8 @@ def openai_routes(pool, settings, tokenizer) -> APIRouter:
             )
             raise Refused(message, "max_tokens")
         stops, given = req.stops(), prompts(req)
+        if stops and req.logprobs is not None:  # the scores would list tokens generated past the stop string
+            raise Refused("stop: not supported together with logprobs on this server; leave one out", "stop")
         replies = [
             Reply(job(req, req.max_tokens, messages=[], prompt=ids, logprobs=req.logprobs), stops) for ids, _ in given
         ]

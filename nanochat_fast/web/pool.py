@@ -35,7 +35,7 @@ class Replica:
     """One model on one device: an engine with BatchEngine's `slots`, add, cancel, step, score and `active`."""
 
     engine: object
-    prepare: Callable  # job -> Prepared (or the same three values)
+    prepare: Callable  # job -> Prepared (or a tuple of its first fields)
     device: str
 
 

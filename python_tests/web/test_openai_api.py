@@ -170,6 +170,8 @@ def test_malformed_bodies_and_other_models_in_openais_shape(server, client):
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["message"] == "not found"
     with pytest.raises(openai.BadRequestError, match="exceed the model's context of 256 tokens"):
         client.completions.create(model="chat", prompt=[1] * 250, max_tokens=10)
+    with pytest.raises(openai.BadRequestError, match="stop: not supported together with logprobs"):
+        client.completions.create(model="chat", prompt="a", stop="b", logprobs=1)
 
 
 def test_eight_streaming_clients_lose_nothing(server, model_and_tokenizer):
