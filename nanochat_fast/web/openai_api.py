@@ -230,12 +230,15 @@ def openai_routes(pool, settings, tokenizer) -> APIRouter:
     limits, router = settings.limits, APIRouter()
     created = int(time.time())
     bos = tokenizer.get_bos_token_id()
+    # MAX_PROMPTS prompts of a whole context each (lm-eval's batches) fit: a token id takes at most 8 bytes of
+    # JSON ("65535, "), a token's text a few bytes, 16 leaving room for escapes
+    completion_bytes = limits.max_body_bytes + MAX_PROMPTS * settings.context_len * 16
 
-    async def read(request: Request, model: type[Sampling]) -> Sampling:
+    async def read(request: Request, model: type[Sampling], max_bytes: int = limits.max_body_bytes) -> Sampling:
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if content_type != "application/json":
             raise Refused("the body must be JSON: send the header Content-Type: application/json", status=415)
-        body = await read_body(request, limits.max_body_bytes, settings.body_timeout, openai_error)
+        body = await read_body(request, max_bytes, settings.body_timeout, openai_error)
         if isinstance(body, Response):
             return body
         req = parse(body, model)
@@ -357,7 +360,7 @@ def openai_routes(pool, settings, tokenizer) -> APIRouter:
     @router.post("/v1/completions")
     @answer
     async def completions(request: Request, arrived: float):
-        req = await read(request, CompletionRequest)
+        req = await read(request, CompletionRequest, completion_bytes)
         if isinstance(req, Response):
             return req
         if req.stream:

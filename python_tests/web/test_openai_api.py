@@ -168,6 +168,9 @@ def test_malformed_bodies_and_other_models_in_openais_shape(server, client):
     with pytest.raises(openai.NotFoundError, match="this server serves 'chat'"):
         client.chat.completions.create(model="gpt-4o", messages=QUESTION)
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["message"] == "not found"
+    # a completion's body may hold 16 prompts of the whole context (160 KiB + 16 x 256 tokens x 16 bytes)
+    r = httpx.post(server.url + "/v1/completions", json={"model": "chat", "prompt": "x" * 230_000})
+    assert r.status_code == 413 and r.json()["error"]["message"] == "request body larger than 229376 bytes"
     with pytest.raises(openai.BadRequestError, match="exceed the model's context of 256 tokens"):
         client.completions.create(model="chat", prompt=[1] * 250, max_tokens=10)
     with pytest.raises(openai.BadRequestError, match="stop: not supported together with logprobs"):
