@@ -308,7 +308,10 @@ def openai_routes(pool, settings, tokenizer) -> APIRouter:
         pieces = reply.pieces(pool, arrived, settings.request_timeout)
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return StreamingResponse(chat_chunks(reply, pieces, include_usage), media_type="text/event-stream")
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # as our own endpoint's stream
+            return StreamingResponse(
+                chat_chunks(reply, pieces, include_usage), media_type="text/event-stream", headers=headers
+            )
         text = "".join([piece async for piece in pieces])
         if reply.error is not None:
             return openai_error(500, reply.error)

@@ -117,17 +117,21 @@ def test_completion_logprobs_with_echo_are_the_models_log_softmax(client, model_
     assert choice.text.startswith(prompt) and lp.text_offset[: len(ids)] == [0, 0] + [
         len(tokenizer.decode(ids[1:k])) for k in range(2, len(ids))
     ]
-    every = ids + [tokenizer.encode(t)[0] if t != "<|bos|>" else ids[0] for t in lp.tokens[len(ids) :]]
+    every, stops = list(ids), {tokenizer.get_bos_token_id(), tokenizer.encode_special("<|assistant_end|>")}
     with torch.no_grad():
+        while len(every) < len(ids) + 3 and (len(every) == len(ids) or every[-1] not in stops):  # greedy
+            every.append(model(torch.tensor([every]))[0, -1].argmax().item())
         reference = torch.log_softmax(model(torch.tensor([every])).float()[0, :-1], dim=-1)  # fp32, here
+    assert generated == len(every) - len(ids) and lp.tokens[len(ids) :] == [
+        tokenizer.token_piece(t).decode() for t in every[len(ids) :]
+    ]
     want = reference.gather(1, torch.tensor(every[1:])[:, None])[:, 0]
     assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), want, rtol=0, atol=1e-4)
     for position, top in enumerate(lp.top_logprobs[1:]):
         best, best_ids = reference[position].topk(2)
         assert list(top) == [tokenizer.decode([t]) for t in best_ids.tolist()]
         assert torch.allclose(torch.tensor(list(top.values())), best, rtol=0, atol=1e-4)
-    # the generated tokens are the greedy ones, and without echo only they are listed
-    assert every[len(ids)] == reference[len(ids) - 1].argmax().item()
+    # without echo only the generated tokens are listed
     plain = client.completions.create(model="chat", prompt=prompt, max_tokens=3, temperature=0, logprobs=1)
     assert plain.choices[0].logprobs.token_logprobs == lp.token_logprobs[len(ids) :]
     assert choice.text == prompt + plain.choices[0].text and plain.choices[0].logprobs.text_offset[0] == 0
