@@ -386,8 +386,9 @@ class ReplicaPool:
                 ended.append(job)
         with self._cond:
             self.counts.stepped(i, len(tokens), ttfts)
-        deliver(events)  # the tokens before any scoring below: its forward holds back no one's text
-        events = []
+        if any(job.logprobs is not None for job in ended):  # the tokens go before the scoring's forward
+            deliver(events)
+            events = []
         for job in ended:
             del rows[job.row]
             self._finish(i, job, "completed" if self._score(i, job) else "failed", emit=False)
