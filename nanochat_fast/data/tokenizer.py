@@ -150,6 +150,10 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.enc.decode(list(ids))
 
+    def token_piece(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a special token: its name), maybe part of a UTF-8 character."""
+        return self.enc.decode_single_token_bytes(token_id)
+
     @staticmethod
     def turns(conversation):
         """The user/assistant turns of a conversation, a system message merged into the first user one."""

@@ -21,6 +21,8 @@ from .decode import SlotBatch, SlotCache, SlotPrefill, usable
 # The prompts a step admits run in its decode forward, a row per token, up to this many tokens in all;
 # more run in a forward of their own, faster from about there (docs/measurements.md#continuous-batching).
 PROMPT_AS_ROWS = 256
+# the most likely tokens score() lists at each position, at most (OpenAI's chat API allows 20)
+MAX_TOP_LOGPROBS = 20
 # below this, temperature is greedy (softcapped logits / T overflow fp32): the reasoning is at web/app.py
 MIN_TEMPERATURE = 1e-6
 
@@ -33,6 +35,7 @@ class Request:
     top_k: int | None = None
     seed: int = 42  # copy c samples with a generator seeded seed + c
     use_tools: bool = True
+    top_p: float | None = None  # nucleus sampling: the most likely tokens holding this much probability
 
 
 class EngineFull(Exception):
@@ -68,14 +71,21 @@ def stop_tokens(tokenizer) -> frozenset:
     return frozenset({tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()})
 
 
-def sample_next(logits, temperature: float, top_k: int | None, rng) -> torch.Tensor:
-    """(B, V) logits -> (B, 1) ids: greedy below MIN_TEMPERATURE, else sampled among the top_k (None: all)."""
+def sample_next(logits, temperature: float, top_k: int | None, rng, top_p: float | None = None) -> torch.Tensor:
+    """(B, V) logits -> (B, 1) ids: greedy below MIN_TEMPERATURE, else sampled among the top_k (None: all),
+    then among the fewest most likely tokens whose probability (at this temperature) reaches top_p."""
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         logits = logits.masked_fill(logits < v[:, [-1]], -float("inf"))
-    if temperature >= MIN_TEMPERATURE:
-        return torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1, generator=rng)
-    return torch.argmax(logits, dim=-1, keepdim=True)
+    if temperature < MIN_TEMPERATURE:
+        return torch.argmax(logits, dim=-1, keepdim=True)
+    probs = F.softmax(logits / temperature, dim=-1)
+    if top_p is not None and top_p < 1:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        # a token stays while the ones above it hold less than top_p: the most likely one always does
+        ordered = ordered.masked_fill(ordered.cumsum(dim=-1) - ordered >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, ordered)
+    return torch.multinomial(probs, num_samples=1, generator=rng)
 
 
 def _is_int(value) -> bool:
@@ -115,12 +125,20 @@ class RequestLimits:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
         if request.top_k is not None and (not _is_int(request.top_k) or request.top_k < 1):
             raise ValueError(f"top_k must be None or an int >= 1, got {request.top_k!r}")
+        p = request.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
+            raise ValueError(f"top_p must be None or a number in (0, 1], got {p!r}")
         if not _is_int(request.seed):
             raise ValueError(f"seed must be an int, got {request.seed!r}")
         if request.use_tools and not self.tools:
             raise ValueError("use_tools needs the tokenizer's tool tokens; this engine has no tokenizer")
         if not _is_int(copies) or not 1 <= copies <= self.slots:
             raise ValueError(f"copies must be an int in [1, {self.slots}] (the engine's slots), got {copies!r}")
+
+    def check_scoring(self, ids: list[int], top: int):
+        self.check(Request(ids, 0, use_tools=False))
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top must be an int in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
 
 
 class BatchEngine:
@@ -185,6 +203,18 @@ class BatchEngine:
                 group.remove(row)
         self._waiting = [group for group in self._waiting if group]
         self._end(row, "cancelled")
+
+    def score(self, ids: list[int], top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
+        """How likely the model finds ids: for each of ids[1:], its log-probability given the ones before, and
+        the `top` most likely tokens there with theirs. One forward as a prefill's (the engine's dtype, its
+        slots untouched), the log-softmax in fp32. Called between steps, by the thread that drives the engine."""
+        self.limits.check_scoring(ids, top)
+        with torch.inference_mode(), self.autocast:
+            logits = self.model(torch.tensor([ids], dtype=torch.long, device=self.device))[0, :-1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(ids[1:], device=self.device).unsqueeze(1))[:, 0]
+        best, best_ids = logprobs.topk(top, dim=-1)
+        return chosen.tolist(), best_ids.tolist(), best.tolist()
 
     def _end(self, row: DecodeRow, reason: str):
         row.done, row.reason = True, reason
@@ -271,7 +301,7 @@ class BatchEngine:
         for i, row in enumerate(rows):
             r = row.request
             if r.temperature > 0:
-                chosen[i] = sample_next(logits[i : i + 1], r.temperature, r.top_k, row.rng)[0, 0]
+                chosen[i] = sample_next(logits[i : i + 1], r.temperature, r.top_k, row.rng, r.top_p)[0, 0]
         return chosen.tolist()
 
     def _advance(self, row: DecodeRow, token: int) -> Token:

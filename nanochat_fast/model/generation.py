@@ -72,10 +72,17 @@ def reply_prompt(model, tokenizer, messages: list[dict], max_tokens: int):
 
 
 def reply_request(model, tokenizer, job):
-    """(engine request, text decoder, truncated) of a chat server's job, exactly as assistant_reply makes them."""
-    ids, max_tokens, truncated = reply_prompt(model, tokenizer, job.messages, job.max_tokens)
-    request = Request(ids, max_tokens, job.temperature, job.top_k, job.seed)
-    return request, TextStream(tokenizer, stop_tokens(tokenizer)).push, truncated
+    """(engine request, text decoder, truncated, stop tokens, prompt) of a chat server's job: the assistant's reply
+    to job.messages exactly as assistant_reply makes it, or, when job.prompt holds token ids, a base model's
+    continuation of them as they are (the server checked that they fit), without the calculator."""
+    stop = stop_tokens(tokenizer)
+    if job.prompt is not None:
+        ids, max_tokens, truncated, use_tools = job.prompt, job.max_tokens, False, False
+    else:
+        ids, max_tokens, truncated = reply_prompt(model, tokenizer, job.messages, job.max_tokens)
+        use_tools = True
+    request = Request(ids, max_tokens, job.temperature, job.top_k, job.seed, use_tools, job.top_p)
+    return request, TextStream(tokenizer, stop).push, truncated, stop, ids
 
 
 @torch.inference_mode()

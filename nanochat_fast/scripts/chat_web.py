@@ -10,7 +10,8 @@ decoding up to --slots replies at once in one continuous-batching engine, fed fr
 
 It listens on 127.0.0.1 (this machine only) unless --host says otherwise; there is no login, so
 any other address lets everyone who can reach it use the model. Needs the web extra:
-pip install -e ".[web]". API: GET /health, GET /stats, POST /chat/completions (see nanochat_fast/web/app.py).
+pip install -e ".[web]". API: GET /health, GET /stats, POST /chat/completions (see nanochat_fast/web/app.py),
+and OpenAI's: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (nanochat_fast/web/openai_api.py).
 """
 
 import argparse
@@ -243,6 +244,8 @@ def close_processes(engines):
 class Loaded:
     replicas: list[Replica]
     name: str  # the run, its step and phase
+    run: str  # the run's name: the model's id in the OpenAI API
+    context_len: int  # the model's positions
     info: dict  # the first replica's build_replica info: slots, precision, KV cache and packed weights in bytes
     threads: int  # torch threads a replica steps with
 
@@ -276,7 +279,8 @@ def load_replicas(args, devices, tokenizer) -> Loaded:
         close_processes(engines)
         raise
     replicas = [replica(e, config, tokenizer, str(d)) for e, d in zip(engines, devices)]
-    return Loaded(replicas, f"{run_dir.name} step {meta['step']} ({meta['phase']})", infos[0], threads)
+    name = f"{run_dir.name} step {meta['step']} ({meta['phase']})"
+    return Loaded(replicas, name, run_dir.name, config.sequence_len, infos[0], threads)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -327,6 +331,8 @@ def serve(args, device, warning) -> int:
         pool = ReplicaPool(loaded.replicas, queue_limit=args.queue_size, admission=admission)
         settings = web_app.Settings(
             model_name=loaded.name,
+            model_id=loaded.run,
+            context_len=loaded.context_len,
             temperature=args.temperature,
             top_k=args.top_k,
             request_timeout=args.request_timeout,
@@ -334,7 +340,7 @@ def serve(args, device, warning) -> int:
             limits=web_app.Limits(max_tokens=args.max_new_tokens),
             allowed_hosts=("*",) if warning else (*web_app.LOOPBACK_HOSTS, args.host),
         )
-        app = web_app.create_app(pool, settings)
+        app = web_app.create_app(pool, settings, tokenizer)
         host, port = sock.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         info, packed = loaded.info, loaded.info["packed_bytes"]

@@ -64,6 +64,8 @@ class Limits:  # bounds on one request
 @dataclass(frozen=True)
 class Settings:
     model_name: str  # shown by the page and /health
+    model_id: str = "nanochat"  # the model's id in the OpenAI API (chat_web: the run's name)
+    context_len: int = 0  # the model's positions: a completion's prompt and max_tokens must fit in them
     temperature: float = 0.8  # defaults for requests that do not say
     top_k: int = 50  # 0: no top-k
     request_timeout: float = 120.0  # seconds from arrival to the last token, queueing included
@@ -132,12 +134,17 @@ def parse_request(body: bytes, limits: Limits) -> ChatRequest:
     try:
         return ChatRequest.model_validate_json(body, context={"limits": limits})
     except ValidationError as e:
-        errors = e.errors(include_url=False, include_input=False)
-        where, what = ".".join(str(part) for part in errors[0]["loc"]), errors[0]["msg"].removeprefix("Value error, ")
-        text = what if errors[0]["type"] == "value_error" else f"{where or 'body'}: {what}"
-        if len(errors) > 1:
-            text += f" (and {len(errors) - 1} more problem(s))"
-        raise ValueError(" ".join(text.split())) from None
+        raise ValueError(first_problem(e)[0]) from None
+
+
+def first_problem(e: ValidationError) -> tuple[str, str]:
+    """(one line naming the first problem, and how many more; where it is, as 'messages.0.role')."""
+    errors = e.errors(include_url=False, include_input=False)
+    where, what = ".".join(str(part) for part in errors[0]["loc"]), errors[0]["msg"].removeprefix("Value error, ")
+    text = what if errors[0]["type"] == "value_error" else f"{where or 'body'}: {what}"
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more problem(s))"
+    return " ".join(text.split()), where
 
 
 def error(status: int, message: str, headers=None) -> JSONResponse:
@@ -148,9 +155,9 @@ def sse(event: dict) -> str:
     return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
-async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes | Response:
+async def read_body(request: Request, max_bytes: int, timeout: float, error=error) -> bytes | Response:
     """The body, refused (413) as soon as it is known to exceed max_bytes; or the response when it does not
-    arrive: a 408 after `timeout` seconds, or nothing anyone will read when the client left."""
+    arrive: a 408 after `timeout` seconds (made by `error`), or nothing anyone will read when the client left."""
     declared, received, chunks = request.headers.get("content-length"), 0, []
     too_large = HTTPException(413, f"request body larger than {max_bytes} bytes")
 
@@ -175,9 +182,10 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes |
         return Response(status_code=400)  # the connection is gone: nobody reads this
 
 
-async def reply_events(job: Job, pool: ReplicaPool, arrived: float, timeout: float):
-    """The SSE stream of one job; ending it early (client gone, server stopping) stops the job. The timeout
-    is one timer dropping a "timeout" event into the job's queue, not a task and a timer per token."""
+async def job_batches(job: Job, pool: ReplicaPool, arrived: float, timeout: float):
+    """A job's events, those that arrived together as one list, the last ending with ("done", None); a
+    timeout ends them with ("error", why) first. Ending early (client gone, server stopping) stops the job.
+    The timeout is one timer dropping a "timeout" event into the job's queue, not a task and a timer per token."""
     loop = asyncio.get_running_loop()
     timer = loop.call_at(loop.time() + arrived + timeout - time.monotonic(), job.events.put_nowait, ("timeout", None))
     kind = None
@@ -192,14 +200,23 @@ async def reply_events(job: Job, pool: ReplicaPool, arrived: float, timeout: flo
                 pool.cancel(job, "timeout")
                 message = f"the reply was cut off by the server's request timeout ({timeout:g} s)"
                 batch[-1:] = [("error", message), ("done", None)]
-            yield "".join(sse({"done": True}) if k == "done" else sse({k: v}) for k, v in batch)
+            yield batch
     finally:
         timer.cancel()
         if kind not in ("done", "timeout"):
             pool.cancel(job, "client")
 
 
-def create_app(pool: ReplicaPool, settings: Settings) -> FastAPI:
+async def reply_events(job: Job, pool: ReplicaPool, arrived: float, timeout: float):
+    """The SSE stream of one job."""
+    async for batch in job_batches(job, pool, arrived, timeout):
+        yield "".join(sse({"done": True}) if k == "done" else sse({k: v}) for k, v in batch)
+
+
+def create_app(pool: ReplicaPool, settings: Settings, tokenizer=None) -> FastAPI:
+    """The app; with the model's tokenizer, the OpenAI API too (openai_api.py)."""
+    from .openai_api import openai_error, openai_routes  # it reads requests with this module's helpers
+
     limits = settings.limits
 
     @asynccontextmanager
@@ -214,7 +231,8 @@ def create_app(pool: ReplicaPool, settings: Settings) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request, exc):  # 404, 405, 413: the same {"error": ...} shape as a 400
         message = "not found" if exc.status_code == 404 else exc.detail
-        return error(exc.status_code, message, headers=getattr(exc, "headers", None))
+        shape = openai_error if request.url.path.startswith("/v1/") else error
+        return shape(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     def serve_file(body: bytes, media_type: str):
         async def handler():
@@ -274,4 +292,6 @@ def create_app(pool: ReplicaPool, settings: Settings) -> FastAPI:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
+    if tokenizer is not None:
+        app.include_router(openai_routes(pool, settings, tokenizer))
     return app

@@ -26,14 +26,16 @@ class Prepared(NamedTuple):  # what a replica's prepare(job) gives
     request: object  # what engine.add takes (model/batch_engine.Request)
     decode: Callable[[int], str]  # a token id -> the text it completes ("" for the end token, a partial character)
     truncated: bool = False  # the conversation was cut from its start to fit the model's context
+    stop: frozenset = frozenset()  # the token ids that end a reply (its finish_reason "stop", else "length")
+    prompt: tuple = ()  # the prompt's token ids, as the engine gets them (counted in usage, scored for logprobs)
 
 
 @dataclass
 class Replica:
-    """One model on one device: an engine with BatchEngine's `slots`, add, cancel, step and `active`."""
+    """One model on one device: an engine with BatchEngine's `slots`, add, cancel, step, score and `active`."""
 
     engine: object
-    prepare: Callable  # job -> Prepared (or the same three values)
+    prepare: Callable  # job -> Prepared (or a tuple of its first fields)
     device: str
 
 
@@ -62,13 +64,18 @@ class QueueFull(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """One reply, made on the event loop; its events: ("token", str), ("error", str), then ("done", None)."""
+    """One reply, made on the event loop; its events: ("token", str), ("error", str), then ("done", None).
+    Before "done" the worker fills in what the OpenAI API reports: the prompt's and the reply's token ids,
+    why the reply ended, and (when `logprobs` is set) the scores of both (Engine.score)."""
 
-    messages: list
+    messages: list  # a chat reply's conversation
     max_tokens: int
     temperature: float
     top_k: int | None
     seed: int
+    top_p: float | None = None
+    prompt: list | None = None  # a base model's completion of these token ids, in place of `messages`
+    logprobs: int | None = None  # once the reply ends: prompt + reply scored, this many most likely tokens listed
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -79,6 +86,11 @@ class Job:
     decode: Callable = None
     admitted: float = 0.0
     first_token: float | None = None
+    stop_ids: frozenset = frozenset()
+    prompt_ids: list = field(default_factory=list)
+    token_ids: list = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (a stop token, or a stop string the caller found) or "length"
+    scores: tuple | None = None
 
     def emit(self, kind: str, value=None):
         deliver([(self, kind, value)])
@@ -214,7 +226,8 @@ class ReplicaPool:
             self._cond.notify_all()
 
     def cancel(self, job: Job, reason: str):
-        """Stop `job`: dropped if waiting, else its row cancelled before the next step."""
+        """Stop `job`: dropped if waiting, else its row cancelled before the next step. reason: "client",
+        "timeout", or "stop" (the caller found a stop string: the reply is complete)."""
         with self._cond:
             if job.stop.is_set():
                 return
@@ -302,27 +315,41 @@ class ReplicaPool:
         """A job that cannot start fails alone."""
         replica = self.replicas[i]
         try:
-            request, decode, truncated = replica.prepare(job)
-            [row] = replica.engine.add(request)
+            prepared = Prepared(*replica.prepare(job))
+            [row] = replica.engine.add(prepared.request)
         except Exception as e:
             log.error("a request could not start on %s (%s: %s)", replica.device, type(e).__name__, e)
             job.emit("error", failure(e))
             self._finish(i, job, "failed")
             return
-        job.row, job.decode, job.admitted = row, decode, time.monotonic()
+        job.row, job.decode, job.admitted = row, prepared.decode, time.monotonic()
+        job.stop_ids, job.prompt_ids = prepared.stop, list(prepared.prompt)
         with self._cond:
-            self.counts.started(i, job.admitted, truncated)
+            self.counts.started(i, job.admitted, prepared.truncated)
         if row.done:  # max_tokens 0: nothing to generate
-            self._finish(i, job, "completed")
+            job.finish_reason = "length"
+            self._finish(i, job, "completed" if self._score(i, job) else "failed")
         else:
             self._rows[i][row] = job
+
+    def _score(self, i: int, job: Job) -> bool:
+        """A job that asked for logprobs: its prompt and reply scored by the engine (False: that failed, said)."""
+        if job.logprobs is None:
+            return True
+        try:
+            job.scores = self.replicas[i].engine.score(job.prompt_ids + job.token_ids, job.logprobs)
+            return True
+        except Exception as e:
+            log.error("scoring failed on %s (%s: %s)", self.replicas[i].device, type(e).__name__, e)
+            job.emit("error", failure(e))
+            return False
 
     def _finish(self, i: int, job: Job, outcome: str, emit=True):
         """A job's slot freed, its outcome counted, its stream given "done" (unless the caller does)."""
         now = time.monotonic()
         with self._cond:
             if job.stop.is_set() and outcome in ("completed", "cancelled"):  # stopped before it ended
-                outcome = "timed_out" if job.stop_reason == "timeout" else "cancelled"
+                outcome = {"timeout": "timed_out", "stop": "completed"}.get(job.stop_reason, "cancelled")
             job.stop.set()  # finished: a late cancel() is a no-op
             self._held[i].discard(job)
             self.counts.ended(i, outcome, now - job.admitted if job.admitted else None, now, busy=bool(self._held[i]))
@@ -350,16 +377,21 @@ class ReplicaPool:
             if job.first_token is None:
                 job.first_token = now
                 ttfts.append(now - job.created)
+            job.token_ids.append(t.token)
             piece = job.decode(t.token)
             if piece:
                 events.append((job, "token", piece))
             if t.last:
+                job.finish_reason = "stop" if t.token in job.stop_ids else "length"
                 ended.append(job)
         with self._cond:
             self.counts.stepped(i, len(tokens), ttfts)
+        if any(job.logprobs is not None for job in ended):  # the tokens go before the scoring's forward
+            deliver(events)
+            events = []
         for job in ended:
             del rows[job.row]
-            self._finish(i, job, "completed", emit=False)
+            self._finish(i, job, "completed" if self._score(i, job) else "failed", emit=False)
             events.append((job, "done", None))
         deliver(events)
 

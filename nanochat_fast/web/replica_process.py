@@ -1,6 +1,6 @@
 """
 A replica's engine in a process of its own, behind the engine's interface (slots, add, cancel, step,
-active), so web/pool.py's worker drives it as one and only waits on a pipe: the engine's Python never
+score, active), so web/pool.py's worker drives it as one and only waits on a pipe: the engine's Python never
 takes turns with the event loop's on one GIL. Adds and cancels go over together before each wait; a
 request is checked here against the engine's limits first; a child that dies fails its rows and the next
 add() starts a new one (RESTARTS in RESTART_SECONDS at most). Messages: docs/measurements.md#chat-server.
@@ -69,6 +69,12 @@ def _serve(conn, build: Callable, threads: int):
                 message = conn.recv()
                 if message[0] == "close":
                     return
+                if message[0] == "score":
+                    try:
+                        conn.send(("scored", engine.score(*message[1:])))
+                    except Exception as e:  # checked by the server: the forward itself failed
+                        conn.send(("score_failed", _portable(e)))
+                    continue
                 for op, id, *request in message[1]:
                     if op == "add":
                         try:
@@ -100,6 +106,7 @@ class ProcessEngine:
         self._build, self._threads, self._name = build, threads, name
         self._rows: dict[int, RowHandle] = {}
         self._ops = []  # adds and cancels not yet sent
+        self._early = collections.deque()  # step messages that arrived while a score() waited for its answer
         self._next_id = 0
         self._restarts = collections.deque()  # when dead children were replaced (time.monotonic)
         self._start()
@@ -171,6 +178,7 @@ class ProcessEngine:
         log.warning("%s: its process ended (exit code %s); starting a new one", self._name, code)
         self._restarts.append(now)
         self._ops.clear()
+        self._early.clear()
         self._conn.close()
         self._start()
 
@@ -182,11 +190,27 @@ class ProcessEngine:
             with contextlib.suppress(ReplicaProcessError):  # the child is gone, and the row with it
                 self._flush()
 
+    def score(self, ids: list[int], top: int):
+        """BatchEngine.score in the child, between two of its steps; the steps it sends meanwhile wait for step()."""
+        self.limits.check_scoring(ids, top)
+        if not self._process.is_alive():
+            raise self._ended()
+        self._flush()
+        try:
+            self._conn.send(("score", ids, top))
+        except OSError:
+            raise self._ended() from None
+        while (message := self._receive())[0] not in ("scored", "score_failed"):
+            self._early.append(message)
+        if message[0] == "score_failed":
+            raise message[1]
+        return message[1]
+
     def step(self) -> list[StepToken]:
         """Send the adds and cancels, then wait for the child's next step's tokens of the rows held here."""
         self._flush()
         while self._rows:
-            kind, value = self._receive()
+            kind, value = self._early.popleft() if self._early else self._receive()
             if kind == "failed":
                 error, ended = value
                 for id in ended:

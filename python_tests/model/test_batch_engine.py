@@ -234,6 +234,7 @@ def test_bad_requests_are_refused_in_one_line(model):
         r"prompt \(30\) \+ max_tokens \(3\) exceeds the engine's max_len \(32\)": Request([1] * 30, 3),
         "temperature must be a finite number >= 0": Request([1], 4, temperature=-0.5),
         "top_k must be None or an int >= 1": Request([1], 4, top_k=0),
+        r"top_p must be None or a number in \(0, 1\]": Request([1], 4, temperature=1.0, top_p=0.0),
     }
     for message, request in bad.items():
         with pytest.raises(ValueError, match=message):
@@ -247,6 +248,50 @@ def test_bad_requests_are_refused_in_one_line(model):
     with pytest.raises(ValueError, match="use_tools needs the tokenizer's tool tokens"):
         BatchEngine(model, None, slots=1).add(Request([1], 4))  # GPT.generate's engine: no tokenizer
     assert engine.free_slots == 2 and engine.active == []
+
+
+def test_a_score_is_the_log_softmax_of_a_full_forward_and_leaves_the_rows_decoding_as_they_were():
+    model, ids = random_model(CONFIG, seed=4).eval(), prompt("Once upon a time")
+    alone = BatchEngine(model, tok, slots=2, max_len=64)
+    [row] = alone.add(Request(prompt("far away"), 12))
+    while alone.active:
+        alone.step()
+    engine = BatchEngine(model, tok, slots=2, max_len=64)
+    [scored_beside] = engine.add(Request(prompt("far away"), 12))
+    engine.step()
+    chosen, best_ids, best = engine.score(ids, 3)
+    while engine.active:
+        engine.step()
+    assert scored_beside.tokens == row.tokens  # the score's forward touched no slot
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids])).double()[0, :-1], dim=-1)  # float64
+    want = reference.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(chosen, dtype=torch.float64), want, rtol=0, atol=1e-5)
+    top, top_ids = reference.topk(3, dim=-1)
+    assert best_ids == top_ids.tolist() and torch.allclose(torch.tensor(best, dtype=torch.float64), top, atol=1e-5)
+    with pytest.raises(ValueError, match=r"top must be an int in \[0, 20\]"):
+        engine.score(ids, 21)
+    with pytest.raises(ValueError, match=r"prompt \(65\) \+ max_tokens \(0\) exceeds the engine's max_len \(64\)"):
+        engine.score([1] * 65, 1)
+
+
+def test_top_p_samples_the_fewest_likeliest_tokens_holding_it_in_their_proportions():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]])
+    p = torch.softmax(logits.double() / 0.8, dim=-1)[0]
+    order = p.argsort(descending=True).tolist()
+    nucleus, mass = [], 0.0
+    for t in order:  # float64, one token at a time, until the mass reaches 0.9
+        nucleus.append(t)
+        mass += p[t].item()
+        if mass >= 0.9:
+            break
+    draws = batch_engine.sample_next(logits.expand(40_000, -1), 0.8, None, torch.Generator().manual_seed(0), 0.9)
+    counts = torch.bincount(draws[:, 0], minlength=6).double() / 40_000
+    assert set(torch.nonzero(counts)[:, 0].tolist()) == set(nucleus) and len(nucleus) < 6
+    want = torch.zeros(6, dtype=torch.float64)
+    want[nucleus] = p[nucleus] / p[nucleus].sum()
+    assert torch.allclose(counts, want, atol=0.01)
+    assert batch_engine.sample_next(logits, 0.0, None, None, 0.1).item() == 5  # greedy ignores it
 
 
 def test_kv_bytes_is_the_storage_it_allocates(model):

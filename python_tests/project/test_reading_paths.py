@@ -169,9 +169,10 @@ def test_a_chat_replys_decode_steps_run_in_the_listed_files(tiny_home, arch):
 
     class Job:
         messages, max_tokens, temperature, top_k, seed = [{"role": "user", "content": "hello"}], 6, 0.0, None, 1
+        top_p = prompt = None
 
     def reply():
-        request, decode, _ = generation.reply_request(model, tokenizer, Job)
+        request, decode, *_ = generation.reply_request(model, tokenizer, Job)
         engine.add(request)
         while engine.active:
             for token in engine.step():

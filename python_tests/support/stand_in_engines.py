@@ -4,7 +4,8 @@ web/replica_process.ProcessEngine (these builders pickle by name: this folder is
 
 CountingEngine: a request's row yields prompt[0] * 100 + 0, + 1, ... one token a step, max_tokens of
 them (the last flagged), so every row's tokens are known in advance. A prompt that starts with
-FAIL_STEP makes the step after its prefill raise; CRASH makes it end the process.
+FAIL_STEP makes the step after its prefill raise; CRASH makes it end the process. score(ids, top):
+ids[k] / 2 for each of ids[1:], and [ids[k]] * top as its most likely; FAIL_STEP first makes it raise.
 """
 
 import os
@@ -52,6 +53,12 @@ class CountingEngine:
         if row in self.active:
             self.active.remove(row)
             row.done = True
+
+    def score(self, ids: list[int], top: int):
+        self.limits.check_scoring(ids, top)
+        if ids[0] == FAIL_STEP:
+            raise RuntimeError("no score")
+        return [t / 2 for t in ids[1:]], [[t] * top for t in ids[1:]], [[t / 2] * top for t in ids[1:]]
 
     def step(self):
         for row in self.active:

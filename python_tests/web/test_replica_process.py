@@ -3,7 +3,8 @@ engines in the child whose every row's tokens are known in advance (support/stan
 the tokens come through whole and in order, requests added together start in one step, a bad request
 is refused at add as the engine refuses it, a cancelled row yields nothing more and frees its slot, a
 failing step ends its rows and the engine serves on, a child that dies fails its rows and is started
-anew at the next request, and the pool drives it as an engine of its own process."""
+anew at the next request, a scoring request between steps loses none of them, and the pool drives it as
+an engine of its own process, scores included."""
 
 import asyncio
 import functools
@@ -182,3 +183,44 @@ def test_the_pool_drives_it_as_an_engine_of_its_own_process(engine):
     assert set(threading.enumerate()) == threads  # its worker ended: the engine may be closed
     assert got == [[("token", str(t)) for t in expected(40 + i, 4)] for i in range(6)]
     assert pool.stats()["requests"]["completed"] == 6
+
+
+def test_a_score_between_steps_loses_no_step_and_a_failing_one_raises_alone(engine):
+    rows = [engine.add(Request([50 + i], 8))[0] for i in range(2)]
+    first = engine.step()  # the child steps on while the score waits: its steps come after
+    assert engine.score([3, 4, 5], 2) == ([2.0, 2.5], [[4, 4], [5, 5]], [[2.0, 2.0], [2.5, 2.5]])
+    with pytest.raises(RuntimeError, match="^no score$"):
+        engine.score([FAIL_STEP, 1], 1)
+    with pytest.raises(ValueError, match=r"top must be an int in \[0, 20\]"):
+        engine.score([1, 2], 21)
+    got = run(engine, rows)
+    assert [t.token for t in first] == [5000, 5100]
+    assert got == {rows[0].id: expected(50, 8)[1:], rows[1].id: expected(51, 8)[1:]}
+
+
+def test_the_pool_scores_a_job_that_asks_for_logprobs_once_it_ends(engine):
+    def prepare(job):  # rows of prompt[0] == 0: tokens 0, 1, 2, ... within the stand-in's vocabulary
+        return Prepared(Request([0, job.seed], job.max_tokens), decode=str, stop={2}, prompt=(0, job.seed))
+
+    pool = ReplicaPool([Replica(engine, prepare, "cpu")], queue_limit=8)
+
+    async def reply(seed, max_tokens):
+        job = Job(messages=[], max_tokens=max_tokens, temperature=0.0, top_k=None, seed=seed, logprobs=1)
+        pool.submit(job)
+        while (await job.events.get())[0] != "done":
+            pass
+        return job
+
+    async def replies():
+        return await asyncio.gather(reply(40, 3), reply(41, 2))
+
+    try:
+        jobs = asyncio.run(replies())
+    finally:
+        pool.close()
+        pool.join(10)
+    for job, seed, max_tokens in zip(jobs, (40, 41), (3, 2)):
+        ids = [0, seed] + expected(0, max_tokens)
+        assert job.prompt_ids == [0, seed] and job.token_ids == expected(0, max_tokens)
+        assert job.scores == ([t / 2 for t in ids[1:]], [[t] for t in ids[1:]], [[t / 2] for t in ids[1:]])
+    assert [job.finish_reason for job in jobs] == ["stop", "length"]  # the first ends with 2, a stop token here
