@@ -14,6 +14,7 @@ which torchrun starts in sessions of their own, found by the mark in their envir
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,9 +28,10 @@ from support.repo_paths import ROOT, SUPPORT
 MARK = "TWO_NODES_TEST"  # NODE's mark, in every process a node starts: "<cluster id>-<node>"
 # `PRIVATE_VIEW PRIVATE PATH cmd...`: cmd run seeing folder PRIVATE at PATH (exec: the pid stays the test's)
 PRIVATE_VIEW = ["unshare", "-m", "--propagation=private", "sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"']
-# a lost node leaves the rendezvous after 2 missed 1-second keep-alives; the rendezvous closes 1 s
-# after the fewest nodes are there, when not all have come (torchrun's defaults: 5 s x 3 and 30 s)
-RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
+# the rendezvous closes 10 s after the fewest nodes (--nnodes=MIN:MAX) are there, when not all have
+# come (torchrun's default: 30 s); keep-alives as torchrun's (a node silent for 15 s is gone: shorter
+# ones dropped a live but busy agent on a loaded machine, and its waiting node started a job alone)
+RDZV_CONF = "last_call_timeout=10"
 
 
 def mount_namespace_refused() -> str | None:
@@ -152,7 +154,17 @@ class Cluster:
             )
         node = Node(node_rank, proc, log, mark)
         self.nodes.append(node)
+        if len(self.nodes) == 1:  # the first node hosts the rendezvous, as the endpoint's node does
+            self.wait_for_endpoint(node)
         return node
+
+    def wait_for_endpoint(self, node: Node, seconds: float = 60):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and node.proc.poll() is None:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.1)
 
     def group_rank(self, node: Node, of: list[Node]) -> int:
         """The node rank the c10d rendezvous gives `node` among `of` (same host: by the agents' pids)."""
