@@ -1,8 +1,8 @@
 """
-Which node a rank runs on (hostname and torchrun's node rank), and the startup checks of a run on
-several nodes, before any work: a folder every rank must share (each writes a marker and reads the
-others'), a step every rank must pass (one rank's mistake named on every rank, not a peer's broken
-connection) and the flags every node must be started with (a hash compared, the differing flag named).
+The startup checks of a run on several nodes, before any work, each failure one line naming the node
+(hostname and node rank: rank_watch.here): a folder every rank must share (each writes a marker and
+reads the others'), a step every rank must pass (one rank's mistake named on every rank, not a peer's
+broken connection) and the flags every node must be started with (a hash compared, the flag named).
 """
 
 import hashlib
@@ -23,15 +23,13 @@ SHARED_WAIT_S = 15.0  # how long a rank looks for the others' markers (a shared 
 def each_rank_ok(step, what: str):
     """step() on every rank; a UserError on some rank (e.g. a file missing on one node) is raised on
     every rank as one line naming the first such rank's node, so none waits for it in a collective."""
+    if not is_distributed():
+        return step()
     error = None
     try:
         result = step()
     except UserError as e:
         error, result = str(e), None
-    if not is_distributed():
-        if error is not None:
-            raise UserError(error)
-        return result
     failed = [(r, where, msg) for r, (where, msg) in enumerate(gather_objects((here(), error))) if msg is not None]
     if failed:
         rank, where, msg = failed[0]

@@ -189,9 +189,7 @@ def missing_ranks() -> str:
 
     def named(ranks):  # "rank 1 (node 1, host)": the node from the rank's last heartbeat, if any
         beats = [second[r] or first[r] or {} for r in ranks]
-        return ", ".join(
-            f"{r} ({describe_node(b['node'])})" if "node" in b else str(r) for r, b in zip(ranks, beats)
-        )
+        return ", ".join(f"{r} ({describe_node(b['node'])})" if "node" in b else str(r) for r, b in zip(ranks, beats))
 
     parts = []
     if silent:
