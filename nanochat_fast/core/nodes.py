@@ -17,7 +17,10 @@ from .errors import UserError
 from .rank_watch import describe_node as describe
 from .rank_watch import here
 
-SHARED_WAIT_S = 15.0  # how long a rank looks for the others' markers (a shared filesystem slow to show new files)
+# how long a rank looks for the others' markers. Each looks only once all have written theirs (the
+# gather before it): on NFS a name never looked up has no cached "missing" entry, so the first look asks
+# the server; the wait is for filesystems slower to show a new file
+SHARED_WAIT_S = 5.0
 
 
 def each_rank_ok(step, what: str):

@@ -16,9 +16,9 @@ from nanochat_fast.scripts import base_train
 
 pytestmark = pytest.mark.slow
 
-STEPS = 40
+STEPS = 20
 ARGS = TINY_MODEL + FP32 + TINY_STEPS + [f"--num-iterations={STEPS}", "--no-compile", "--save-every=5"]
-SLOW = ["--step-seconds=0.2"]  # faults.py: steps long enough to kill a node between them
+SLOW = ["--step-seconds=0.3", "--slow-world-size=2"]  # faults.py: two-node steps long enough to kill one between
 RESUMED = re.compile(r"resumed from (\S+) \(step (\d+), saved with (\d+) process")
 
 
