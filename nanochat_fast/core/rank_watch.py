@@ -2,7 +2,7 @@
 A stuck or dead rank, noticed: collectives wait generously until the first step is done, then
 --collective-timeout (settle()); saves and evaluations stay generous and end in a barrier. A
 collective failing inside a phase() is CollectiveFailed: one line naming the collective, phase and
-step, and the ranks that did not arrive (heartbeat stopped, or behind). Why and how:
+step, and the ranks that did not arrive and their nodes (heartbeat stopped, or behind). Why and how:
 docs/measurements.md#distributed-teardown-collective-timeouts-and-checkpoint-digests.
 """
 
@@ -187,7 +187,7 @@ def missing_ranks() -> str:
     silent = [r for r in others if not second[r] or (first[r] and second[r]["n"] == first[r]["n"])]
     behind = [r for r in others if r not in silent and second[r]["entered"] < _state["entered"]]
 
-    def named(ranks):  # "rank 1 (node 1, host)": the node from the rank's last heartbeat, if any
+    def named(ranks):  # "1 (node 1 (host))": the node from the rank's last heartbeat, if any
         beats = [second[r] or first[r] or {} for r in ranks]
         return ", ".join(f"{r} ({describe_node(b['node'])})" if "node" in b else str(r) for r, b in zip(ranks, beats))
 
