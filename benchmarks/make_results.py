@@ -90,6 +90,25 @@ def inference_sweep_section(data: dict) -> list[str]:
     return lines
 
 
+def lost_node_lines(path: Path) -> list[str]:
+    """The lost-node soak's figures (soak_lost_node.py), one line per recorded soak."""
+    if not path.exists():
+        return []
+    lines = [
+        "Lost node (`python benchmarks/soak_lost_node.py --runs=N --record=NAME`): two torchrun agents, one "
+        "process each, `--nnodes=1:2 --max-restarts=3`; node 1 killed (SIGKILL) at step 7; a run passes when "
+        "node 0 finishes, every step logged once, its losses after the resume those of one process resumed from "
+        "the same checkpoint, nothing half-written left.",
+        "",
+    ]
+    for name, f in json.loads(path.read_text()).items():
+        lines.append(
+            f"- {name}: {f['passed']} of {f['runs']} runs passed, median {f['median_seconds']:.0f} s a run, longest "
+            f"{f['max_seconds']:.0f} s ({f.get('label', '')}; {f['machine']})"
+        )
+    return lines + [""]
+
+
 def soak_section(path: Path) -> list[str]:
     """RESULTS.md's "Distributed soak": soak_distributed.py's figures, one row per recorded soak."""
     if not path.exists():
@@ -123,6 +142,7 @@ def soak_section(path: Path) -> list[str]:
         "machine shared with other jobs.*",
         "",
     ]
+    lines += lost_node_lines(path.with_name("soak_lost_node.json"))
     return lines
 
 

@@ -2,11 +2,13 @@
 A stuck or dead rank, noticed: collectives wait generously until the first step is done, then
 --collective-timeout (settle()); saves and evaluations stay generous and end in a barrier. A
 collective failing inside a phase() is CollectiveFailed: one line naming the collective, phase and
-step, and the ranks that did not arrive (heartbeat stopped, or behind). Why and how:
+step, and the ranks that did not arrive and their nodes (heartbeat stopped, or behind). Why and how:
 docs/measurements.md#distributed-teardown-collective-timeouts-and-checkpoint-digests.
 """
 
 import json
+import os
+import socket
 import threading
 import time
 import traceback
@@ -24,6 +26,15 @@ STORE_TIMEOUT_S = 10.0  # a store read in the failure path never waits longer
 
 _state = {"timeout": DEFAULT_TIMEOUT_S, "now": None, "what": "setup", "step": None, "entered": 0, "meetings": 0}
 _beat = {"thread": None, "stop": None}
+
+
+def here() -> dict:
+    """This process's node: its hostname and torchrun's node rank (GROUP_RANK; 0 outside torchrun)."""
+    return {"host": socket.gethostname(), "node": int(os.environ.get("GROUP_RANK", "0"))}
+
+
+def describe_node(where: dict) -> str:
+    return f"node {where['node']} ({where['host']})"
 
 
 def generous_s() -> float:
@@ -127,14 +138,14 @@ def start_heartbeat():
     store = _store()
     if store is None or _beat["thread"] is not None or dist.get_world_size() < 2:
         return
-    rank, stop = dist.get_rank(), threading.Event()
+    rank, stop, node = dist.get_rank(), threading.Event(), here()
 
     def beat():
         n = 0
         while not stop.is_set():
             n += 1
             try:
-                store.set(f"rank_watch/{rank}", json.dumps({"n": n, "entered": _state["entered"]}))
+                store.set(f"rank_watch/{rank}", json.dumps({"n": n, "entered": _state["entered"], "node": node}))
             except Exception:  # the store is gone (teardown, the agent restarting): stop beating
                 return
             stop.wait(BEAT_S)
@@ -175,11 +186,16 @@ def missing_ranks() -> str:
         return "the backend cannot tell which rank did not arrive (the store does not answer)"
     silent = [r for r in others if not second[r] or (first[r] and second[r]["n"] == first[r]["n"])]
     behind = [r for r in others if r not in silent and second[r]["entered"] < _state["entered"]]
+
+    def named(ranks):  # "1 (node 1 (host))": the node from the rank's last heartbeat, if any
+        beats = [second[r] or first[r] or {} for r in ranks]
+        return ", ".join(f"{r} ({describe_node(b['node'])})" if "node" in b else str(r) for r, b in zip(ranks, beats))
+
     parts = []
     if silent:
-        parts.append(f"rank {', '.join(map(str, silent))} did not arrive (no heartbeat: stopped, frozen or dead)")
+        parts.append(f"rank {named(silent)} did not arrive (no heartbeat: stopped, frozen or dead)")
     if behind:
-        parts.append(f"rank {', '.join(map(str, behind))} did not arrive (alive but behind: a hung read or step)")
+        parts.append(f"rank {named(behind)} did not arrive (alive but behind: a hung read or step)")
     return "; ".join(parts) or f"every other rank is alive and as far as rank {me}: cannot tell which did not arrive"
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import checkpoints, hardware
-from ..core import cli, paths, threads
+from ..core import cli, nodes, paths, threads
 from ..core.cli import flag_name, flag_values
 from ..core.distributed import print0, torn_down
 from ..core.errors import UserError
@@ -180,6 +180,7 @@ def run_stage(args, stage: Stage) -> int:
         dev = cfg.device.init(seed=cfg.run.seed, deterministic=cfg.run.deterministic)
         model_setup.check_sharding(cfg.optim.sharding, dev)
         print0(dev.describe(precision=False))
+        check_nodes(args, cfg)
         setup = set_up(args, stage, cfg, dev)
         with closing(stage.data.open(args, setup.cfg, setup.tokenizer, dev, setup.orig_model)) as data:
             run, sections = make_run(args, stage, setup, data)
@@ -189,11 +190,24 @@ def run_stage(args, stage: Stage) -> int:
             return train_and_report(run, stage, setup, sections)
 
 
+def check_nodes(args, cfg: TrainingConfig):
+    """On several processes, before any work: the folder the run's checkpoints go to is one folder
+    that every rank sees (every rank writes its part of a checkpoint there, and a resume reads them
+    all), every node has the tokenizer, the same one, and every node was started with the same flags.
+    Each failure is one line naming the node, on every rank. The data may be each node's own copy."""
+    runs = Path(cfg.run.out_dir).expanduser().resolve().parent if cfg.run.out_dir else paths.runs_dir()
+    where = "--out-dir's folder" if cfg.run.out_dir else "runs folder (NANOCHAT_FAST_HOME/runs)"
+    nodes.check_shared(runs, where, "put NANOCHAT_FAST_HOME, or --out-dir, on a filesystem every node mounts")
+    tokenizer = nodes.each_rank_ok(get_tokenizer, "cannot start")
+    flags = {flag_name(k): v for k, v in flag_values(args).items()}
+    nodes.check_same_flags({**flags, "the tokenizer's fingerprint": tokenizer.fingerprint})
+
+
 def set_up(args, stage: Stage, cfg: TrainingConfig, dev: ProcessSetup) -> RunSetup:
     """The starting point, the run directory (and the checkpoint to resume), then the model and its
     optimizers: the weights of that checkpoint, else of the starting point, else fresh."""
     tokenizer = get_tokenizer()
-    point = stage.start.resolve(args, cfg, tokenizer)
+    point = nodes.each_rank_ok(lambda: stage.start.resolve(args, cfg, tokenizer), "cannot find the starting point")
     cfg = replace(cfg, data=replace(cfg.data, max_seq_len=point.seq_len))
     grad_accum_steps = stage.data.grad_accum_steps(cfg.data, dev.world_size)
     run_name = cfg.run.run or stage.run_name(cfg, point)

@@ -89,7 +89,7 @@ def test_stopped_rank_is_named_and_the_restarted_run_ends_as_uninterrupted(tiny_
     named = [line for line in out.splitlines() if line.startswith("error: rank 0:")]
     assert len(named) == 1, out[-4000:]
     assert "the step boundary at step 3" in named[0] and f"timed out after {TIMEOUT_S} s" in named[0], named[0]
-    assert "all_reduce" in named[0] and "rank 1 did not arrive" in named[0], named[0]
+    assert "all_reduce" in named[0] and "rank 1 (node 0 (" in named[0] and "did not arrive" in named[0], named[0]
     assert proc.returncode == 0, out[-4000:]
     assert "resumed from" in out and "step_000002" in out
     assert [r["step"] for r in train_rows(home / "runs/stuck")] == list(range(1, 9))

@@ -1,7 +1,7 @@
 """
 Faults injected into a training run from outside the package, for the reliability tests: a
 preemption (a real SIGTERM, the signal a scheduler sends), a NaN loss, or a stuck rank (SIGSTOP, as
-a frozen node), at a chosen step.
+a frozen node), at a chosen step; or every step made slower.
 
 In-process, as context managers around a script's main():
     with preempt_at_step(6):
@@ -19,6 +19,7 @@ import importlib
 import os
 import signal
 import sys
+import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -77,6 +78,23 @@ def stop_at_step(step: int, rank: int = 1):
 
 
 @contextmanager
+def slow_steps(seconds: float, world_size: int | None = None):
+    """Every step `seconds` longer (a sleep where the loop asks whether to stop), or only while the job
+    runs on `world_size` processes: a tiny run that lasts long enough for a test to act on it mid-run."""
+
+    def wrap(preemption_agreed):
+        def agreed(s):
+            if world_size in (None, s.run.world_size):
+                time.sleep(seconds)
+            return preemption_agreed(s)
+
+        return agreed
+
+    with _replaced("preemption_agreed", wrap):
+        yield
+
+
+@contextmanager
 def nan_loss_at_step(step: int):
     """The loss of every micro-batch of `step` times NaN, once (a one-off fault: a step skipped by
     --skip-nonfinite is retried cleanly)."""
@@ -125,6 +143,8 @@ def main(argv: list[str]):
     p.add_argument("--preempt-at-step", type=int)
     p.add_argument("--nan-at-step", type=int)
     p.add_argument("--stop-at-step", type=int, help="rank 1 of the first attempt stops itself (SIGSTOP) there")
+    p.add_argument("--step-seconds", type=float, help="every step this much longer")
+    p.add_argument("--slow-world-size", type=int, help="--step-seconds only on this many processes")
     p.add_argument("script", help="a module of nanochat_fast.scripts, e.g. base_train")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv[1:] if argv[:1] == ["--"] else argv)
@@ -133,6 +153,7 @@ def main(argv: list[str]):
         preempt_at_step(a.preempt_at_step) if a.preempt_at_step is not None else nullcontext(),
         nan_loss_at_step(a.nan_at_step) if a.nan_at_step is not None else nullcontext(),
         stop_at_step(a.stop_at_step) if a.stop_at_step is not None else nullcontext(),
+        slow_steps(a.step_seconds, a.slow_world_size) if a.step_seconds is not None else nullcontext(),
     ):
         cli.run(script.main, a.args)  # as `python -m` runs it: one line for a UserError, the exit code
 
