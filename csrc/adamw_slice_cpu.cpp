@@ -37,6 +37,24 @@ struct Coeffs {
   float eps;
 };
 
+// bf16 <-> fp32 as c10::BFloat16 converts (round to nearest even, a NaN to 0x7FC0), written as integer
+// ops on the bits: through c10's conversions GCC left the bf16 loop scalar in every copy.
+NANOCHAT_FAST_INLINE float load_param(float x) { return x; }
+NANOCHAT_FAST_INLINE float load_param(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+NANOCHAT_FAST_INLINE void store_param(float* p, float x) { *p = x; }
+NANOCHAT_FAST_INLINE void store_param(c10::BFloat16* p, float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t nan = -static_cast<uint32_t>(x != x);
+  p->x = static_cast<uint16_t>((0x7FC0u & nan) | (rounded & ~nan));
+}
+
 // One pass over a chunk: reads p, g, m, v and writes p, m, v (28 bytes an element for fp32 params,
 // 24 for bf16), the least a step can move with fp32 state.
 template <typename param_t>
@@ -46,14 +64,14 @@ NANOCHAT_FAST_INLINE void adamw_chunk(param_t* __restrict__ p, const param_t* __
   const float one_minus_beta2 = 1.0f - c.beta2;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = static_cast<float>(g[i]);
+    const float gi = load_param(g[i]);
     const float mi = m[i] + one_minus_beta1 * (gi - m[i]);  // exp_avg.lerp_(grad, 1 - beta1)
     const float vi = c.beta2 * v[i] + one_minus_beta2 * gi * gi;
     m[i] = mi;
     v[i] = vi;
     const float denom = std::sqrt(vi) * c.inv_bc2_sqrt + c.eps;
-    const float pi = static_cast<float>(p[i]) * c.decay;
-    p[i] = static_cast<param_t>(pi - c.step_size * (mi / denom));
+    const float pi = load_param(p[i]) * c.decay;
+    store_param(p + i, pi - c.step_size * (mi / denom));
   }
 }
 
