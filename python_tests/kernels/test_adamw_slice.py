@@ -1,6 +1,7 @@
 """adamw_slice_update: every backend against torch.optim.AdamW, plus the op's contracts."""
 
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -103,6 +104,7 @@ def test_bf16_params_match_torch_adamw(backend):
 
 
 @pytest.mark.skipif(not HAS_CPP, reason="extension not built")
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="AVX2 is an x86-64 feature")
 def test_the_avx2_copy_matches_torch_adamw():
     """The C++ loop's AVX2 copy, which an AVX2 CPU runs, forced on a wider CPU by ATEN_CPU_CAPABILITY=avx2
     (the op reads it at load, as torch does for its own kernels): the two tests above in a fresh process,
