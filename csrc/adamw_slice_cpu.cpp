@@ -7,13 +7,18 @@
 // one ulp): it removes one of the loop's two vector divides.
 //
 // The inner loop is plain scalar C++ written so that GCC vectorises it: __restrict__ pointers and
-// -fno-math-errno (otherwise sqrtf must set errno and the loop stays scalar). target_clones adds an
-// AVX2+FMA copy (x86-64-v3, not arch=haswell's tuning) chosen at load time where the CPU has it (GCC on
-// x86-64 Linux; one plain copy elsewhere): docs/measurements.md#adamw-on-a-cpu.
+// -fno-math-errno (otherwise sqrtf must set errno and the loop stays scalar). It is compiled three
+// times, for AVX-512 (x86-64-v4), AVX2+FMA (x86-64-v3) and the baseline, and the widest copy the CPU
+// runs is picked once, at load, capped as torch caps its own kernels by ATEN_CPU_CAPABILITY
+// ("avx2", "default"): that is how the AVX2 copy is tested on an AVX-512 CPU. On AVX-512 the
+// 16-wide copy is what keeps the loop's sqrt and divide under the memory traffic
+// (docs/measurements.md#adamw-on-a-cpu). GCC on x86-64 Linux; one plain copy elsewhere.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "adamw_slice.h"
@@ -32,24 +37,82 @@ struct Coeffs {
   float eps;
 };
 
+// bf16 <-> fp32 as c10::BFloat16 converts (round to nearest even, a NaN to 0x7FC0), written as integer
+// ops on the bits: through c10's conversions GCC left the bf16 loop scalar in every copy.
+NANOCHAT_FAST_INLINE float load_param(float x) { return x; }
+NANOCHAT_FAST_INLINE float load_param(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+NANOCHAT_FAST_INLINE void store_param(float* p, float x) { *p = x; }
+NANOCHAT_FAST_INLINE void store_param(c10::BFloat16* p, float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t nan = -static_cast<uint32_t>(x != x);
+  p->x = static_cast<uint16_t>((0x7FC0u & nan) | (rounded & ~nan));
+}
+
+// One pass over a chunk: reads p, g, m, v and writes p, m, v (28 bytes an element for fp32 params,
+// 24 for bf16), the least a step can move with fp32 state.
 template <typename param_t>
-NANOCHAT_FAST_CLONES("arch=x86-64-v3", "default") void adamw_chunk(
-    param_t* __restrict__ p, const param_t* __restrict__ g, float* __restrict__ m,
-    float* __restrict__ v, int64_t n, Coeffs c) {
+NANOCHAT_FAST_INLINE void adamw_chunk(param_t* __restrict__ p, const param_t* __restrict__ g, float* __restrict__ m,
+                                      float* __restrict__ v, int64_t n, Coeffs c) {
   const float one_minus_beta1 = 1.0f - c.beta1;
   const float one_minus_beta2 = 1.0f - c.beta2;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = static_cast<float>(g[i]);
-    const float mi = m[i] + one_minus_beta1 * (gi - m[i]);   // exp_avg.lerp_(grad, 1 - beta1)
+    const float gi = load_param(g[i]);
+    const float mi = m[i] + one_minus_beta1 * (gi - m[i]);  // exp_avg.lerp_(grad, 1 - beta1)
     const float vi = c.beta2 * v[i] + one_minus_beta2 * gi * gi;
     m[i] = mi;
     v[i] = vi;
     const float denom = std::sqrt(vi) * c.inv_bc2_sqrt + c.eps;
-    const float pi = static_cast<float>(p[i]) * c.decay;
-    p[i] = static_cast<param_t>(pi - c.step_size * (mi / denom));
+    const float pi = load_param(p[i]) * c.decay;
+    store_param(p + i, pi - c.step_size * (mi / denom));
   }
 }
+
+template <typename param_t>
+using ChunkFn = void (*)(param_t*, const param_t*, float*, float*, int64_t, Coeffs);
+
+template <typename param_t>
+void chunk_baseline(param_t* p, const param_t* g, float* m, float* v, int64_t n, Coeffs c) {
+  adamw_chunk(p, g, m, v, n, c);
+}
+
+#if NANOCHAT_FAST_HAS_CLONES
+template <typename param_t>
+NANOCHAT_FAST_TARGET("arch=x86-64-v3")
+void chunk_avx2(param_t* p, const param_t* g, float* m, float* v, int64_t n, Coeffs c) {
+  adamw_chunk(p, g, m, v, n, c);
+}
+
+template <typename param_t>
+NANOCHAT_FAST_TARGET("arch=x86-64-v4")
+void chunk_avx512(param_t* p, const param_t* g, float* m, float* v, int64_t n, Coeffs c) {
+  adamw_chunk(p, g, m, v, n, c);
+}
+#endif
+
+// The widest copy this CPU runs, no wider than ATEN_CPU_CAPABILITY allows (unset or "avx512": any).
+template <typename param_t>
+ChunkFn<param_t> chunk_for_this_cpu() {
+#if NANOCHAT_FAST_HAS_CLONES
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  const bool upto_avx2 = cap != nullptr && std::strcmp(cap, "avx2") == 0;
+  const bool baseline = cap != nullptr && std::strcmp(cap, "default") == 0;
+  __builtin_cpu_init();
+  if (!baseline && !upto_avx2 && __builtin_cpu_supports("x86-64-v4")) return chunk_avx512<param_t>;
+  if (!baseline && __builtin_cpu_supports("x86-64-v3")) return chunk_avx2<param_t>;
+#endif
+  return chunk_baseline<param_t>;
+}
+
+const ChunkFn<float> chunk_f32 = chunk_for_this_cpu<float>();
+const ChunkFn<c10::BFloat16> chunk_bf16 = chunk_for_this_cpu<c10::BFloat16>();
 
 // A contiguous run of one tensor, with raw pointers resolved up front so the parallel region
 // touches no Tensor objects.
@@ -93,10 +156,9 @@ void adamw_slice_update_cpu(at::TensorList params, at::TensorList grads, at::Ten
     for (int64_t k = lo; k < hi; ++k) {
       const WorkItem& w = items[k];
       if (w.bf16)
-        adamw_chunk(static_cast<c10::BFloat16*>(w.p), static_cast<const c10::BFloat16*>(w.g), w.m,
-                    w.v, w.len, w.c);
+        chunk_bf16(static_cast<c10::BFloat16*>(w.p), static_cast<const c10::BFloat16*>(w.g), w.m, w.v, w.len, w.c);
       else
-        adamw_chunk(static_cast<float*>(w.p), static_cast<const float*>(w.g), w.m, w.v, w.len, w.c);
+        chunk_f32(static_cast<float*>(w.p), static_cast<const float*>(w.g), w.m, w.v, w.len, w.c);
     }
   });
 }

@@ -149,16 +149,20 @@ def plan(shape, device, dtype=None, backend=None) -> tuple[registry.Backend, tor
 
 def newton_schulz(
     G: torch.Tensor, steps: int = 5, coefficients="quintic", out_dtype=None, dtype=None, *, backend=None,
-    safety: float = 1.0, eps: float = 1e-7,
+    safety: float = 1.0, eps: float = 1e-7, out=None,
 ):  # fmt: skip
     """Orthogonalize G (2-D, or 3-D as a batch of same-shape matrices) with `steps` iterations,
     computing in `dtype` (None/"auto", "fp32", "bf16" or a torch dtype). Each matrix starts divided
-    by safety * its Frobenius norm + eps (nanochat's Polar Express: 1.01 and 1e-6)."""
+    by safety * its Frobenius norm + eps (nanochat's Polar Express: 1.01 and 1e-6). `out`: a tensor
+    of G's shape to write the result into (G itself may be it), instead of a new one in `out_dtype`."""
     if G.dim() not in (2, 3):
         raise ValueError(f"G must be 2-D or a 3-D stack of matrices, got shape {tuple(G.shape)}")
+    if out is not None and out.shape != G.shape:
+        raise ValueError(f"out must have G's shape {tuple(G.shape)}, got {tuple(out.shape)}")
     coeffs = resolve_coefficients(coefficients, steps)
     impl, dtype, path = plan(G.shape, G.device, dtype, backend)
-    return impl.fn(G, coeffs, dtype, path, safety, eps).to(out_dtype or G.dtype)
+    X = impl.fn(G, coeffs, dtype, path, safety, eps)
+    return out.copy_(X) if out is not None else X.to(out_dtype or G.dtype)
 
 
 @registry.register(OP, "reference", auto={"mps": ("reference",)})
@@ -267,7 +271,8 @@ def newton_schulz_torch(G, coeffs, dtype, path, safety=1.0, eps=1e-7):
     stack = G if G.dim() == 3 else G.unsqueeze(0)
     wide = stack.size(-2) <= stack.size(-1)
     norm = torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True, dtype=torch.float32)
-    S = (stack / (norm * safety + eps)).to(dtype).contiguous()
+    # divided in fp32 and rounded once into `dtype`, with no fp32 copy of the stack in between
+    S = torch.div(stack, norm * safety + eps, out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
     if path == "gram":
         split = symmetric_pays(table_device(G.device.type, dtype), dtype, min(stack.shape[-2:]))
         S = _gram(S, coeffs, wide, split=split)

@@ -214,7 +214,9 @@ class Muon(ZeroOptimizer):
             G = G * (target / torch.linalg.vector_norm(G, dim=-1, keepdim=True).clamp_min(1e-6))
         dtype = self.ns_precision.dtype if group["ns_dtype"] == "auto" else precision.DTYPES[group["ns_dtype"]]
         steps, coefficients, safety, eps = (group[k] for k in ("ns_steps", "ns_coefficients", "ns_safety", "ns_eps"))
-        U = newton_schulz(G, steps, coefficients, dtype=dtype, out_dtype=torch.float32, safety=safety, eps=eps)
+        # into G when G is this step's own fp32 stack (not the momentum): no new one each step
+        out = G if G is not buf else None
+        U = newton_schulz(G, steps, coefficients, dtype=dtype, out_dtype=torch.float32, safety=safety, eps=eps, out=out)
         if group["renormalize"]:  # Muon+: each matrix scaled to Frobenius norm sqrt(min(rows, cols))
             norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True).clamp_min(1e-6)
             U.mul_(min(U.shape[-2:]) ** 0.5 / norm)

@@ -173,6 +173,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.buckets: list[Bucket] = []
         self.num_updates = 0  # completed steps (AdamW's bias correction counts them)
         self._gathers = []
+        self._flat_grads = {}  # bucket index -> its flat gradient in one process, kept from step to step
         self._initialized = True
 
     @property
@@ -216,11 +217,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Start reduce-scattering every bucket's gradient; returns the wait, which gives this rank's
         chunk of each bucket, summed over ranks."""
         chunks, works = [], []
-        for b in self.buckets:
+        for i, b in enumerate(self.buckets):
             if b.whole is not None:
                 send = self._grad(b.whole).reshape(-1)
             else:
-                send = torch.cat([x for r in range(self.world_size) for x in b.pieces(r, self._grad)])
+                pieces = [x for r in range(self.world_size) for x in b.pieces(r, self._grad)]
+                send = torch.cat(pieces, out=self._flat_grad(i, pieces)) if self.world_size == 1 else torch.cat(pieces)
             chunks.append(send if self.world_size == 1 else send.new_empty(b.chunk))
             if self.world_size > 1:
                 works.append(reduce_scatter_single(chunks[-1], send, op=dist.ReduceOp.SUM, async_op=True))
@@ -231,6 +233,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return chunks
 
         return wait
+
+    def _flat_grad(self, i: int, pieces: list) -> torch.Tensor:
+        """Bucket i's flat gradient buffer in one process, made once: a fresh one each step would be tens of
+        MB of new pages from the OS every step, each page faulted in (docs/measurements.md#muon-step-buffers)."""
+        flat = self._flat_grads.get(i)
+        if flat is None or flat.dtype != pieces[0].dtype or flat.device != pieces[0].device:
+            flat = self._flat_grads[i] = pieces[0].new_empty(sum(x.numel() for x in pieces))
+        return flat
 
     def grad_sq(self, chunks) -> torch.Tensor:
         """The sum of squares of this rank's part of the gradient averaged over ranks."""

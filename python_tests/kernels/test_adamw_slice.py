@@ -1,7 +1,10 @@
 """adamw_slice_update: every backend against torch.optim.AdamW, plus the op's contracts."""
 
 import os
+import platform
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -98,6 +101,23 @@ def test_bf16_params_match_torch_adamw(backend):
         assert a.dtype == torch.bfloat16
         # both round to bf16 after every step; a one-ulp difference in a rounding tie may propagate
         torch.testing.assert_close(a.float(), b, rtol=2**-7, atol=1e-3, msg=f"tensor {i}")
+
+
+@pytest.mark.skipif(not HAS_CPP, reason="extension not built")
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="AVX2 is an x86-64 feature")
+def test_the_avx2_copy_matches_torch_adamw():
+    """The C++ loop's AVX2 copy, which an AVX2 CPU runs, forced on a wider CPU by ATEN_CPU_CAPABILITY=avx2
+    (the op reads it at load, as torch does for its own kernels): the two tests above in a fresh process,
+    which also reports that torch went no wider than asked."""
+    code = (
+        "import torch, test_adamw_slice as t; t.test_fp32_matches_torch_adamw('cpp'); "
+        "t.test_bf16_params_match_torch_adamw('cpp'); print(torch.backends.cpu.get_cpu_capability())"
+    )
+    path = os.pathsep.join(str(p) for p in (ROOT, ROOT / "python_tests", ROOT / "python_tests" / "kernels"))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] in ("AVX2", "DEFAULT")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -138,6 +138,18 @@ def test_out_dtype_and_bf16_input():
     assert (out.double() - expected).abs().max() <= 8e-3  # bf16 rounding of the result only
 
 
+def test_out_writes_the_result_into_the_tensor_given():
+    """out= (what Muon passes: its gradient stack, G itself) holds the same values a new result would."""
+    G = make_input((3, 40, 24))
+    expected = newton_schulz(G, dtype="bf16")
+    buf = torch.full_like(G, float("nan"))
+    assert newton_schulz(G, dtype="bf16", out=buf) is buf and torch.equal(buf, expected)
+    G2 = G.clone()
+    assert newton_schulz(G2, dtype="bf16", out=G2) is G2 and torch.equal(G2, expected)
+    with pytest.raises(ValueError, match="out must have G's shape"):
+        newton_schulz(G, out=torch.empty(3, 24, 40))
+
+
 @pytest.mark.parametrize("backend", ["reference", "torch"])
 def test_non_contiguous_and_zero_input(backend):
     G = make_input((70, 40)).mT  # a transposed view
