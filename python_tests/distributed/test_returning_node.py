@@ -26,7 +26,7 @@ def saved_with(ckpt) -> int:
 
 def test_a_node_that_comes_back_grows_the_job_at_the_next_restart(tiny_home, tmp_path):
     run_dir = tiny_home / "runs" / "grow"
-    target = ["--step-seconds=0.5", "base_train", *ARGS, "--resume=auto", "--run=grow"]
+    target = ["--step-seconds=0.4", "base_train", *ARGS, "--resume=auto", "--run=grow"]
     with Cluster(tmp_path, tiny_home, nnodes="1:2", max_restarts=3) as cluster:
         node0 = cluster.start(0, target)
         node1 = cluster.start(1, target)
