@@ -115,10 +115,13 @@ def compute_init(device_type: str = "", seed: int = 42, deterministic: bool = Fa
 
 
 def _attempt_store() -> dict:
-    """Under torchrun --max-restarts, a store of this attempt's own: otherwise the restarted ranks
-    read the attempt before's keys (the dead ranks' addresses) as theirs."""
+    """Under torchrun --max-restarts, where the ranks share the agent's store (torch's default), a
+    store of this attempt's own: otherwise the restarted ranks read the attempt before's keys (the
+    dead ranks' addresses) as theirs. Not shared (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), rank 0
+    hosts a new store every round: nothing stale, and no restart count in the keys (a node that
+    comes back counts from 0, the node that stayed does not)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     from torch.distributed.rendezvous import rendezvous
 

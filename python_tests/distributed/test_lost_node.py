@@ -5,12 +5,9 @@ re-rendezvouses alone, goes on from the newest complete checkpoint at world size
 losses of one process resumed from that checkpoint, and finishes with every step logged once.
 """
 
-import re
-import time
-
 import pytest
 from support.tiny_pipeline import FP32, TINY_MODEL, TINY_STEPS, home_env, train_rows
-from support.two_nodes import Cluster
+from support.two_nodes import RESUMED, Cluster, logged_steps, wait_for
 
 from nanochat_fast.scripts import base_train
 
@@ -19,24 +16,6 @@ pytestmark = pytest.mark.slow
 STEPS = 20
 ARGS = TINY_MODEL + FP32 + TINY_STEPS + [f"--num-iterations={STEPS}", "--no-compile", "--save-every=5"]
 SLOW = ["--step-seconds=0.3", "--slow-world-size=2"]  # faults.py: two-node steps long enough to kill one between
-RESUMED = re.compile(r"resumed from (\S+) \(step (\d+), saved with (\d+) process")
-
-
-def wait_for(predicate, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {seconds:g} s waiting for {what}")
-
-
-def logged_steps(run_dir) -> list[int]:
-    try:
-        return [r["step"] for r in train_rows(run_dir)]
-    except (OSError, ValueError, KeyError):
-        return []
 
 
 def test_a_lost_node_leaves_the_job_to_the_other_which_resumes_and_finishes(tiny_home, tmp_path):

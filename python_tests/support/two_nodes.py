@@ -13,6 +13,7 @@ which torchrun starts in sessions of their own, found by the mark in their envir
 """
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from support.dist_runs import free_port
 from support.repo_paths import ROOT, SUPPORT
+from support.tiny_pipeline import train_rows
 
 MARK = "TWO_NODES_TEST"  # NODE's mark, in every process a node starts: "<cluster id>-<node>"
 # `PRIVATE_VIEW PRIVATE PATH cmd...`: cmd run seeing folder PRIVATE at PATH (exec: the pid stays the test's)
@@ -32,6 +34,12 @@ PRIVATE_VIEW = ["unshare", "-m", "--propagation=private", "sh", "-c", 'mount --b
 # come (torchrun's default: 30 s); keep-alives as torchrun's (a node silent for 15 s is gone: shorter
 # ones dropped a live but busy agent on a loaded machine, and its waiting node started a job alone)
 RDZV_CONF = "last_call_timeout=10"
+# torch 2.13's agent keeps the workers' store address of its first round: a node that joins a later
+# round waits for MASTER_ADDR, which nobody writes in that round, and the job cannot grow (the
+# rendezvous times out after 60 s). Without the shared store, rank 0's agent writes it every round.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# what rank 0 prints when a run resumes: the checkpoint, its step, and how many processes saved it
+RESUMED = re.compile(r"resumed from (\S+) \(step (\d+), saved with (\d+) process")
 
 
 def mount_namespace_refused() -> str | None:
@@ -80,6 +88,25 @@ def _kill(pids):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def wait_for(predicate, seconds: float, what: str):
+    """predicate()'s first true value, polled every 50 ms."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {seconds:g} s waiting for {what}")
+
+
+def logged_steps(run_dir) -> list[int]:
+    """The steps a run has logged so far (none while its log is missing or half-written)."""
+    try:
+        return [r["step"] for r in train_rows(run_dir)]
+    except (OSError, ValueError, KeyError):
+        return []
 
 
 @dataclass
@@ -143,6 +170,8 @@ class Cluster:
         mark = f"{self.id}-{node_rank}-{len(self.nodes)}"
         full_env = {**os.environ, "NANOCHAT_FAST_HOME": str(self.home), "OMP_NUM_THREADS": "1", MARK: mark}
         full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+        if ":" in self.nnodes:  # an elastic job: see ELASTIC_ENV
+            full_env.update(ELASTIC_ENV)
         full_env.update(env or {})
         cmd = self.command(node_rank, target, list(launcher))
         if private is not None:
