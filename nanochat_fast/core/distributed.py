@@ -111,7 +111,22 @@ def compute_init(device_type: str = "", seed: int = 42, deterministic: bool = Fa
         with rank_watch.phase("process setup"):
             dist.barrier()
         rank_watch.start_heartbeat()
+        if rank == 0 and _node_cannot_rejoin():
+            print(
+                "note: a node that leaves this job cannot rejoin it: start every node's torchrun with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs/guide.md#many-nodes)",
+                file=sys.stderr,
+            )
     return ddp, rank, local_rank, world_size, device
+
+
+def _node_cannot_rejoin() -> bool:
+    """Several nodes under torchrun --max-restarts with the agent's store shared (torch's default):
+    torch's agent then never gives a node that comes back the workers' address (docs/guide.md#many-nodes)."""
+    env = os.environ
+    several_nodes = env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE")) != env.get("WORLD_SIZE")
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    return several_nodes and restarts and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def _attempt_store() -> dict:
