@@ -2,17 +2,17 @@
 Where a training step's time goes, ours against nanochat@92d63d4's, op by op (torch.profiler): the windowed
 model at --depth, pattern SL, T=512, 8 rows, bf16, both compiled, on the same random tokens.
 
-    python benchmarks/profile_vs_nanochat.py --nanochat=DIR [--depth=4] [--steps=3] [--top=30]
+    python benchmarks/profile_vs_nanochat.py --nanochat=DIR [--depth=4] [--reps=10] [--steps=2] [--top=30]
 
-Each side runs in a process of its own (nanochat reads NANOCHAT_DTYPE at import): the model and optimizers
-built as its base_train builds them, --warmup steps (the compile), then --steps profiled. Printed per side:
-ms per step by part (forward+backward, optimizer) and the top ops by self CPU time per step; a compiled
-region shows as its Inductor kernels (cpp_fused_*: the fused element-wise ops, named by what they fuse).
+Both in one process (its checkout on sys.path, NANOCHAT_DTYPE=bfloat16), each model and its optimizers built
+as its base_train builds them; --warmup steps each (the compile); then --reps steps timed by part
+(forward+backward, optimizer), the two sides in turn so that load from elsewhere falls on both; then each
+side's top ops by self CPU time over --steps profiled steps (a compiled region shows as its graphs' calls).
 """
 
 import argparse
 import os
-import subprocess
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-ROOT = Path(__file__).resolve().parents[1]
 ROWS, SEQ = 8, 512
 
 
@@ -41,7 +40,8 @@ def ours(depth: int, vocab: int):
 
     config = WindowedGPTConfig(**asdict(config_from_depth(depth, vocab, SEQ)), window_pattern="SL")
     model, optimizers = build_for_training(config, "cpu", {})
-    next(o for o in optimizers if o.kind == "muon").resolve_ns_precision(warn=False)
+    ns = next(o for o in optimizers if o.kind == "muon").resolve_ns_precision(warn=False)
+    print(f"ours: Newton-Schulz in {ns.describe()}", flush=True)
     compiled = torch.compile(model, dynamic=False)
 
     def forward_backward(x, y):
@@ -80,26 +80,30 @@ def nanochat(depth: int, vocab: int):
     return forward_backward, step
 
 
-def profile_side(side: str, depth: int, vocab: int, warmup: int, steps: int, top: int):
-    forward_backward, step = (ours if side == "ours" else nanochat)(depth, vocab)
-    data = batches(vocab, warmup + steps)
-    for x, y in data[:warmup]:
-        forward_backward(x, y)
-        step()
-    parts = {"forward+backward": 0.0, "optimizer": 0.0}
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for x, y in data[warmup:]:
-            for name, fn in (("forward+backward", lambda: forward_backward(x, y)), ("optimizer", step)):
+def interleaved(sides: dict, data: list, reps: int) -> dict:
+    """{side: {part: [seconds per rep]}}: the sides' parts timed in turn, rep by rep, the order swapped
+    every rep, so a busy neighbour (and who runs first) lands on both alike."""
+    times = {side: {"forward+backward": [], "optimizer": []} for side in sides}
+    for i in range(reps):
+        x, y = data[i % len(data)]
+        order = list(sides) if i % 2 == 0 else list(sides)[::-1]
+        for side in order:
+            forward_backward, step = sides[side]
+            for part, fn in (("forward+backward", lambda: forward_backward(x, y)), ("optimizer", step)):
                 t0 = time.perf_counter()
-                with record_function(name):
-                    fn()
-                parts[name] += time.perf_counter() - t0
-    print(f"\n=== {side}, depth {depth}: ms per step (profiled, {steps} steps) ===")
-    for name, seconds in parts.items():
-        print(f"{name}: {1000 * seconds / steps:.1f}")
-    print(f"total: {1000 * sum(parts.values()) / steps:.1f}")
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=70)
-    print(table, flush=True)
+                fn()
+                times[side][part].append(time.perf_counter() - t0)
+    return times
+
+
+def op_table(forward_backward, step, data, top: int) -> str:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for x, y in data:
+            with record_function("forward+backward"):
+                forward_backward(x, y)
+            with record_function("optimizer"):
+                step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)
 
 
 def main():
@@ -107,19 +111,30 @@ def main():
     p.add_argument("--nanochat", type=Path, required=True, help="a nanochat checkout at 92d63d4")
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192, help="vocabulary size (our tok_train's default)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="steps per side before timing (the compile)")
+    p.add_argument("--reps", type=int, default=10, help="interleaved timed steps per side")
+    p.add_argument("--steps", type=int, default=2, help="profiled steps per side")
     p.add_argument("--top", type=int, default=30)
-    p.add_argument("--pythonpath", default="", help="where nanochat's own dependencies are")
-    p.add_argument("--side", choices=["ours", "nanochat"], help=argparse.SUPPRESS)  # one process per side
     a = p.parse_args()
-    if a.side:
-        return profile_side(a.side, a.depth, a.vocab, a.warmup, a.steps, a.top)
-    for side in ("nanochat", "ours"):
-        env = dict(os.environ, NANOCHAT_DTYPE="bfloat16")
-        path = [str(a.nanochat), a.pythonpath] if side == "nanochat" else [str(ROOT)]
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
-        subprocess.run([sys.executable, __file__, *sys.argv[1:], f"--side={side}"], env=env, cwd=a.nanochat, check=True)
+    os.environ["NANOCHAT_DTYPE"] = "bfloat16"  # read when nanochat.common is imported
+    sys.path.insert(0, str(a.nanochat))
+    sides = {"nanochat": nanochat(a.depth, a.vocab), "ours": ours(a.depth, a.vocab)}
+    data = batches(a.vocab, 4)
+    for forward_backward, step in sides.values():
+        for i in range(a.warmup):
+            forward_backward(*data[i % len(data)])
+            step()
+    times = interleaved(sides, data, a.reps)
+    print(f"windowed, depth {a.depth}, bf16, compiled; ms per step, median of {a.reps} interleaved steps")
+    print("| part | nanochat | ours | nanochat / ours |\n|---|---:|---:|---:|")
+    medians = {side: {part: 1000 * statistics.median(t) for part, t in parts.items()} for side, parts in times.items()}
+    for part in [*times["ours"], "total"]:
+        n, o = (sum(m.values()) if part == "total" else m[part] for m in (medians["nanochat"], medians["ours"]))
+        print(f"| {part} | {n:.1f} | {o:.1f} | {n / o:.2f}x |")
+    print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    for side, (forward_backward, step) in sides.items():
+        print(f"\n=== {side}: top ops by self CPU time over {a.steps} steps ===")
+        print(op_table(forward_backward, step, data[: a.steps], a.top), flush=True)
 
 
 if __name__ == "__main__":
