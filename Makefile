@@ -41,7 +41,7 @@ PIP := $(PY) -m pip
 # one stamp per torch/triton spec: changing TORCH_SPEC reinstalls torch and rebuilds the extension
 STAMP := $(VENV)/.installed-$(shell printf '%s' '$(TORCH_SPEC) $(TRITON_SPEC)' | cksum | cut -d' ' -f1)
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cpp)
-PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest
+PYTEST := OMP_NUM_THREADS=2 $(PY) -m pytest --durations=25
 
 .PHONY: install lint test ctest test-gpu bench-collect gpu-bundle gpu-check aot-compat test-torch-floor cuda-build-check floor-install \
         bench bench-prepare demo kernels soak clean
