@@ -1,6 +1,7 @@
-"""One Muon step over the matrices of a depth-8 GPT and of a depth-20 GPT (width 1280): ours with
-ns_dtype auto (the default), forced fp32 and forced bf16, and the minimax4 recipe (4 tuned Newton-Schulz
-steps, auto), against torch.optim.Muon, in the same interleaved rounds.
+"""One Muon step over the matrices of a depth-8 GPT and of a depth-20 GPT (width 1280): ours as a
+default base_train run has it (the minimax4 recipe: 4 tuned Newton-Schulz steps, ns_dtype auto), the
+quintic recipe (nanochat's: 5 steps) at auto's dtype, forced fp32 and forced bf16, against
+torch.optim.Muon, in the same interleaved rounds.
 
 Every variant gets the same lr (0.02), momentum (0.95, Nesterov), 5 quintic steps (minimax4: its 4) and
 update scale (max(1, rows/cols)^0.5), weight_decay=0 for torch's. Before timing, one step of ours (fp32) and of
@@ -20,6 +21,7 @@ from nanochat_fast.hardware import precision
 from nanochat_fast.kernels.newton_schulz import QUINTIC, plan
 from nanochat_fast.model.gpt import GPT, config_from_depth
 from nanochat_fast.optim import Muon
+from nanochat_fast.train.training_config import OptimConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HP = dict(lr=0.02, momentum=0.95, nesterov=True)
@@ -34,7 +36,8 @@ def gpt_matrices(depth):
     return [tuple(p.shape) for p in model.transformer.h.parameters()]
 
 
-MINIMAX4 = dict(ns_steps=4, ns_coefficients="minimax4")  # the minimax4 recipe's Newton-Schulz (optim/recipe.py)
+RUN_DEFAULT = OptimConfig().recipe()  # base_train's default recipe for the gpt family (minimax4)
+DEFAULT_NS = dict(ns_steps=RUN_DEFAULT.ns_steps, ns_coefficients=RUN_DEFAULT.ns_coefficients)
 
 
 def ns_flops(shape, steps=5):
@@ -60,12 +63,12 @@ def ours(shapes, ns_dtype, ns=None):
 
 
 def auto_choice(shapes):
-    """The Precision Muon(ns_dtype="auto") decides over matrices of these shapes (its
-    resolve_ns_precision), on parameters that are never written (torch.empty: no memory is
+    """The Precision the run's default Muon (ns_dtype="auto") decides over matrices of these shapes
+    (its resolve_ns_precision), on parameters that are never written (torch.empty: no memory is
     touched, so deciding for a depth-20 set costs nothing)."""
     params = [torch.nn.Parameter(torch.empty(s, device=DEVICE)) for s in shapes]
     return Muon(
-        [(f"m{i}", p) for i, p in enumerate(params)], ns_steps=5, ns_coefficients="quintic", ns_dtype="auto", **HP
+        [(f"m{i}", p) for i, p in enumerate(params)], ns_dtype="auto", **DEFAULT_NS, **HP
     ).resolve_ns_precision()
 
 
@@ -119,29 +122,29 @@ def muon_benchmark(benchmark, depth):
     shapes = gpt_matrices(depth)
     check_same_update(shapes)
     auto = auto_choice(shapes)  # the defaults' choice for this set; cached for the auto optimizer below
-    ours_auto = f"ours (auto: {auto.name})"
-    ours_minimax4 = f"ours, minimax4 recipe (auto: {auto.name})"
+    ours_auto = f"ours, run default: {RUN_DEFAULT.name} recipe (auto: {auto.name})"
+    ours_quintic = f"ours, quintic recipe ({auto.name} as auto)"
     dtypes = {
         "torch.optim.Muon (bf16)": "bf16",
         ours_auto: auto.name,
-        ours_minimax4: auto.name,
-        "ours, forced fp32": "fp32",
-        "ours, forced bf16": "bf16",
+        ours_quintic: auto.name,
+        "ours, quintic, forced fp32": "fp32",
+        "ours, quintic, forced bf16": "bf16",
     }
     # ours (auto) is the default optimizer on the full set; per shape (one matrix each) it would
     # decide for that one matrix, so there it runs the whole set's choice
     makers = {
         "torch.optim.Muon (bf16)": torch_muon,
-        ours_auto: lambda s: ours(s, "auto" if s == shapes else auto.name),
-        ours_minimax4: lambda s: ours(s, auto.name, MINIMAX4),
-        "ours, forced fp32": lambda s: ours(s, "fp32"),
-        "ours, forced bf16": lambda s: ours(s, "bf16"),
+        ours_auto: lambda s: ours(s, "auto" if s == shapes else auto.name, DEFAULT_NS),
+        ours_quintic: lambda s: ours(s, auto.name),
+        "ours, quintic, forced fp32": lambda s: ours(s, "fp32"),
+        "ours, quintic, forced bf16": lambda s: ours(s, "bf16"),
     }
     full = sum(ns_flops(s) for s in shapes)
     one_each = sum(ns_flops(s) for s in set(shapes))
     rate = {d: matmul_gflops(precision.DTYPES[d], DEVICE) * 1e9 for d in ("fp32", "bf16")}
     costs = {name: {"full step": full / rate[d], "per shape": one_each / rate[d]} for name, d in dtypes.items()}
-    costs[ours_minimax4] = {mode: seconds * 4 / 5 for mode, seconds in costs[ours_minimax4].items()}
+    costs[ours_auto] = {mode: seconds * RUN_DEFAULT.ns_steps / 5 for mode, seconds in costs[ours_auto].items()}
     modes, skipped = plan_modes(costs, BUDGET_S[depth], required=ours_auto)
     for name in skipped:
         skipped[name] += (
@@ -177,10 +180,10 @@ def muon_benchmark(benchmark, depth):
     auto_label = next(v for v in variants if v.startswith(ours_auto))
     others = [v for v in variants if v != auto_label]
     speedups = ", ".join(f"{v}: {medians[v] / medians[auto_label]:.2f}x" for v in others)
-    minimax4 = next((v for v in variants if v.startswith(ours_minimax4)), None)
+    quintic = next((v for v in variants if v.startswith(ours_quintic)), None)
     against_torch = (
-        f"; {minimax4} vs {baseline}: {medians[baseline] / medians[minimax4]:.2f}x"
-        if minimax4 and baseline.startswith("torch")
+        f"; {quintic} vs {baseline}: {medians[baseline] / medians[quintic]:.2f}x"
+        if quintic and baseline.startswith("torch")
         else ""
     )
     benchmark.extra_info["notes"] = (

@@ -1,8 +1,8 @@
 """
 MuonRecipe: how Muon updates the matrices, one validated value, with presets a run names in one word
-(and overrides any part of): quintic (the default: 5 quintic Newton-Schulz steps, momentum warmed up
-0.85 -> 0.95 over 300 steps, no weight decay), minimax4 (quintic with 4 tuned steps: the same band,
-4/5 of the products) and polar-normuon (nanochat's recipe today: PRESETS says each part). Their former
+(and overrides any part of): quintic (the library's default: 5 quintic Newton-Schulz steps, momentum
+warmed up 0.85 -> 0.95 over 300 steps, no weight decay), minimax4 (quintic with 4 tuned steps: the same
+band, 4/5 of the products; base_train's for the gpt family) and polar-normuon (nanochat's today). Their former
 names, seeds and current, work for one more release with a notice. ns_dtype follows the hardware.
 """
 

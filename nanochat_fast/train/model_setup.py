@@ -18,6 +18,7 @@ from ..model import sharding
 from ..model.gpt import GPT, GPTConfig, config_from_depth
 from ..model.loading import config_from_fields, meta_model, new_model
 from ..optim.muon import newton_schulz_work
+from .training_config import OptimConfig
 
 
 def build_for_training(config: GPTConfig, device, optimizer_kwargs: dict, state: dict | None = None):
@@ -67,11 +68,13 @@ precision.register("model", cached_step_work)
 
 def tuning_works(depth: int, vocab_size: int, seq_len: int, rows: int, device) -> list[precision.Work]:
     """What `python -m nanochat_fast.hardware --tune --depth N` times: the depth-N model's training
-    micro-step and Newton-Schulz (the quintic recipe's) on its Muon stacks, as one process holds them."""
+    micro-step and Newton-Schulz (base_train's default recipe's) on its Muon stacks, as one process holds them."""
     model = meta_model(config_from_depth(depth, vocab_size, seq_len))
     counts = Counter(tuple(p.shape) for p in model.transformer.h.parameters() if p.dim() == 2)
     muon_stacks = [(k, *shape) for shape, k in counts.items()]
-    return [step_work(model, rows, seq_len, device), newton_schulz_work(muon_stacks, 5, "quintic", device)]
+    recipe = OptimConfig().recipe()
+    ns_work = newton_schulz_work(muon_stacks, recipe.ns_steps, recipe.ns_coefficients, device)
+    return [step_work(model, rows, seq_len, device), ns_work]
 
 
 def tune_for_training(model: GPT, optimizers: list, dev, dtype: str, data, grad_accum_steps: int, run_tokens):

@@ -172,13 +172,16 @@ class OptimConfig(Config):
     warmup_steps: int = flag(0, cli.non_negative_int, "steps of linear lr warmup (instead of --warmup-ratio when > 0)")
     warmdown_ratio: float = flag(0.2, cli.fraction, "fraction of steps of linear lr warmdown")
     final_lr_frac: float = flag(0.0, cli.fraction, "lr at the end, as a fraction of the peak")
+    # minimax4, not nanochat's quintic: it reached quintic's val bpb within 0.5% in 300 steps with 4/5 of
+    # the Newton-Schulz work (docs/measurements.md, "Newton-Schulz in 4 steps"); --arch=windowed's is its own
     muon_recipe: str = flag(
-        "quintic",
+        "minimax4",
         muon_recipe_name,
-        "Muon's recipe (optim/recipe.py): quintic (quintic Newton-Schulz, momentum warmup), minimax4 (the same "
-        "with 4 tuned Newton-Schulz steps instead of 5, for the same singular-value band) or polar-normuon "
-        "(nanochat's today: Polar Express, MuonEq, Muon+, NorMuon, cautious weight decay, momentum warmdown); "
-        "the flags below override parts of it. The former names seeds and current still work, with a notice",
+        "Muon's recipe (optim/recipe.py): minimax4 (the default for --arch=gpt: quintic with 4 tuned "
+        "Newton-Schulz steps instead of 5, for the same singular-value band), quintic (nanochat's classic GPT's: "
+        "5 quintic Newton-Schulz steps, momentum warmup) or polar-normuon (--arch=windowed's default, nanochat's "
+        "today: Polar Express, MuonEq, Muon+, NorMuon, cautious weight decay, momentum warmdown); the flags "
+        "below override parts of it. The former names seeds and current still work, with a notice",
         choices=list(PRESET_NAMES),
     )
     ns_dtype: str = flag(
@@ -203,8 +206,8 @@ class OptimConfig(Config):
     muon_weight_decay: float | None = flag(
         None,
         cli.optional(cli.non_negative_float),
-        "Muon's weight decay (default: the recipe's: 0 for quintic, 0.28 cautious and cosine-scheduled for "
-        "polar-normuon)",
+        "Muon's weight decay (default: the recipe's: 0 for minimax4 and quintic, 0.28 cautious and "
+        "cosine-scheduled for polar-normuon)",
     )
     sharding: str = flag(
         "zero2",
@@ -238,6 +241,9 @@ class OptimConfig(Config):
         overrides = dict(ns_dtype=self.ns_dtype, **{name: value for name, value in given.items() if value is not None})
         if self.muon_recipe == "polar-normuon":
             overrides["momentum_warmdown_ratio"] = self.warmdown_ratio
+        if self.muon_recipe == "minimax4" and self.ns_coefficients is not None:
+            # minimax4's 4 steps are its own coefficients': the others named here are 5-step schedules
+            overrides["ns_steps"] = MuonRecipe.preset("quintic").ns_steps
         return MuonRecipe.preset(self.muon_recipe, **overrides)
 
     def optimizer_kwargs(self) -> dict:

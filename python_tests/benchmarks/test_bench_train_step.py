@@ -138,7 +138,7 @@ def test_every_variant_is_built_and_ours_as_base_train_builds_it(data, nanochat_
         scale = (ours.model.config.n_embd / 768) ** -0.5
         assert [g["lr"] for g in adamw.param_groups] == pytest.approx([0.004 * scale, 0.2 * scale])
         assert [g["lr"] for g in muon.param_groups] == pytest.approx([0.02] * len(muon.param_groups))
-        assert muon.recipe.name == "quintic"
+        assert muon.recipe.name == "minimax4"  # base_train's default for the gpt family
         # stock runs torch's optimizers (Muon apart here), main before ours
         assert [type(o) for o in variants[1 + len(grid)].optimizers] == [torch.optim.AdamW]
         assert [type(o) for o in variants[-1].optimizers] == [optim.AdamW, optim.Muon]

@@ -92,7 +92,49 @@ def test_recipe_flags_override_the_preset():
         True,
     )
     assert recipe.momentum_warmdown_ratio == 0.3  # the polar-normuon recipe's momentum warmdown follows the lr's
-    assert OptimConfig().recipe().ns_coefficients == "quintic" and OptimConfig().recipe().normuon is False
+    default = OptimConfig().recipe()
+    assert (default.name, default.ns_coefficients, default.ns_steps, default.normuon) == (
+        "minimax4",
+        "minimax4",
+        4,
+        False,
+    )
+
+
+def test_each_family_gets_its_own_default_recipe():
+    """--arch=gpt trains with minimax4 (docs/measurements.md: quintic's val bpb within 0.5% at 300 steps),
+    --arch=windowed with nanochat's polar-normuon; --muon-recipe=quintic gives nanochat's classic one back."""
+    from nanochat_fast.train.training_config import TrainingConfig
+
+    def recipe(*flags):
+        return TrainingConfig.from_args(
+            base_train.build_parser().parse_args(list(flags)), with_model=True
+        ).optim.recipe()
+
+    assert recipe() == recipe("--arch=gpt") == OptimConfig(muon_recipe="minimax4").recipe()
+    assert recipe("--arch=windowed").name == "polar-normuon"
+    quintic = recipe("--muon-recipe=quintic")
+    assert (quintic.ns_coefficients, quintic.ns_steps) == ("quintic", 5) and quintic == OptimConfig(
+        muon_recipe="quintic"
+    ).recipe()
+
+
+@pytest.mark.parametrize("coefficients", ["quintic", "polar_express"])
+def test_other_coefficients_on_the_default_recipe_take_their_five_steps(coefficients):
+    """minimax4's 4 steps belong to its coefficients: --ns-coefficients=quintic alone is nanochat's 5 steps."""
+    recipe = OptimConfig(ns_coefficients=coefficients).recipe()
+    assert (recipe.name, recipe.ns_coefficients, recipe.ns_steps) == ("minimax4", coefficients, 5)
+
+
+def test_tune_times_the_newton_schulz_a_default_run_uses():
+    """hardware --tune --depth caches the entry a default base_train run looks up: the same steps and
+    coefficients as the Muon that OptimConfig's defaults build."""
+    config = GPTConfig(sequence_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, n_embd=32)
+    _, muon = loading.new_model(config, "cpu").setup_optimizers(**OptimConfig().optimizer_kwargs())
+    group = muon.param_groups[0]
+    ns_work = model_setup.tuning_works(1, 64, 16, 1, "cpu")[1]
+    assert (ns_work.spec["steps"], ns_work.spec["coefficients"]) == (group["ns_steps"], group["ns_coefficients"])
+    assert ns_work.spec["steps"] == 4
 
 
 @pytest.mark.parametrize("old,new", [("seeds", "quintic"), ("current", "polar-normuon")])
