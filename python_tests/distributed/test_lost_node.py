@@ -6,8 +6,9 @@ losses of one process resumed from that checkpoint, and finishes with every step
 """
 
 import pytest
+from support.dist_runs import wait_for
 from support.tiny_pipeline import FP32, TINY_MODEL, TINY_STEPS, home_env, train_rows
-from support.two_nodes import RESUMED, Cluster, logged_steps, wait_for
+from support.two_nodes import RESUMED, Cluster, logged_steps
 
 from nanochat_fast.scripts import base_train
 
@@ -18,10 +19,10 @@ ARGS = TINY_MODEL + FP32 + TINY_STEPS + [f"--num-iterations={STEPS}", "--no-comp
 SLOW = ["--step-seconds=0.3", "--slow-world-size=2"]  # faults.py: two-node steps long enough to kill one between
 
 
-def test_a_lost_node_leaves_the_job_to_the_other_which_resumes_and_finishes(tiny_home, tmp_path):
-    run_dir = tiny_home / "runs" / "elastic"
+def test_a_lost_node_leaves_the_job_to_the_other_which_resumes_and_finishes(home, tmp_path):
+    run_dir = home / "runs" / "elastic"
     target = [*SLOW, "base_train", *ARGS, "--resume=auto", "--run=elastic"]
-    with Cluster(tmp_path, tiny_home, nnodes="1:2", max_restarts=3) as cluster:
+    with Cluster(tmp_path, home, nnodes="1:2", max_restarts=3) as cluster:
         node0 = cluster.start(0, target)
         node1 = cluster.start(1, target)
         wait_for(lambda: max(logged_steps(run_dir), default=0) >= 7, 180, "step 7 on two nodes")
@@ -38,8 +39,8 @@ def test_a_lost_node_leaves_the_job_to_the_other_which_resumes_and_finishes(tiny
     assert not list((run_dir / "checkpoints").glob("*.partial"))
 
     # the steps node 0 trained alone are those of one process resumed from the same checkpoint
-    with home_env(tiny_home):
+    with home_env(home):
         assert base_train.main(ARGS + ["--run=one", f"--resume={ckpt}"]) == 0
-    one = {r["step"]: r["loss"] for r in train_rows(tiny_home / "runs" / "one")}
+    one = {r["step"]: r["loss"] for r in train_rows(home / "runs" / "one")}
     alone = range(int(step) + 1, STEPS + 1)
     assert [rows[s - 1]["loss"] for s in alone] == [one[s] for s in alone]

@@ -34,31 +34,31 @@ def assert_stopped_before_training(cluster, codes) -> list[str]:
     return lines[0]
 
 
-def test_a_home_not_shared_is_named_before_training(tiny_home, tmp_path):
+def test_a_home_not_shared_is_named_before_training(home, tmp_path):
     refused = mount_namespace_refused()
     if refused:
         pytest.skip(refused)
     empty = tmp_path / "node1_home"
     empty.mkdir()
-    with Cluster(tmp_path, tiny_home) as cluster:
+    with Cluster(tmp_path, home) as cluster:
         a = cluster.start(0, [*ARGS, "--run=unshared"])
         b = cluster.start(1, [*ARGS, "--run=unshared"], private=empty)
         codes = cluster.wait_all(180)
         line = assert_stopped_before_training(cluster, codes)
     assert f"error: node {cluster.group_rank(b, [a, b])} (" in line and "does not see the files" in line, line
-    assert f"runs folder (NANOCHAT_FAST_HOME/runs) {tiny_home / 'runs'}" in line, line
-    assert not list((tiny_home / "runs").glob(".shared_check_*"))  # markers removed
-    assert not (tiny_home / "runs" / "unshared").exists()
+    assert f"runs folder (NANOCHAT_FAST_HOME/runs) {home / 'runs'}" in line, line
+    assert not list((home / "runs").glob(".shared_check_*"))  # markers removed
+    assert not (home / "runs" / "unshared").exists()
 
 
-def test_nodes_started_with_different_flags_name_the_flag(tiny_home, tmp_path):
-    with Cluster(tmp_path, tiny_home) as cluster:
+def test_nodes_started_with_different_flags_name_the_flag(home, tmp_path):
+    with Cluster(tmp_path, home) as cluster:
         cluster.start(0, [*ARGS, "--run=same"])
         cluster.start(1, [*ARGS, "--run=same", "--matrix-lr=0.03"])
         codes = cluster.wait_all(180)
         line = assert_stopped_before_training(cluster, codes)
     assert "different flags: --matrix-lr is 0.03 on rank" in line, line
-    assert not (tiny_home / "runs" / "same").exists()
+    assert not (home / "runs" / "same").exists()
 
 
 @pytest.mark.parametrize(
@@ -71,8 +71,8 @@ def test_nodes_started_with_different_flags_name_the_flag(tiny_home, tmp_path):
     ],
     ids=["no-host", "no-peer"],
 )
-def test_a_rendezvous_nobody_answers_ends_within_its_timeout(tiny_home, tmp_path, conf, last_line):
-    with Cluster(tmp_path, tiny_home, rdzv_conf=f"{RDZV_CONF},{conf}") as cluster:
+def test_a_rendezvous_nobody_answers_ends_within_its_timeout(home, tmp_path, conf, last_line):
+    with Cluster(tmp_path, home, rdzv_conf=f"{RDZV_CONF},{conf}") as cluster:
         started = time.monotonic()
         node = cluster.start(1, [*ARGS, "--run=alone"])
         (code,) = cluster.wait_all(90)

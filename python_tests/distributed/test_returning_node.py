@@ -9,8 +9,9 @@ the checkpoint node 0 saved alone, with every step logged once.
 import json
 
 import pytest
+from support.dist_runs import wait_for
 from support.tiny_pipeline import FP32, TINY_MODEL, TINY_STEPS, train_rows
-from support.two_nodes import RESUMED, Cluster, logged_steps, wait_for
+from support.two_nodes import RESUMED, Cluster, logged_steps
 
 from nanochat_fast.checkpoints.checkpoint import complete_checkpoints
 
@@ -24,10 +25,10 @@ def saved_with(ckpt) -> int:
     return json.loads((ckpt / "meta.json").read_text())["world_size"]
 
 
-def test_a_node_that_comes_back_grows_the_job_at_the_next_restart(tiny_home, tmp_path):
-    run_dir = tiny_home / "runs" / "grow"
+def test_a_node_that_comes_back_grows_the_job_at_the_next_restart(home, tmp_path):
+    run_dir = home / "runs" / "grow"
     target = ["--step-seconds=0.4", "base_train", *ARGS, "--resume=auto", "--run=grow"]
-    with Cluster(tmp_path, tiny_home, nnodes="1:2", max_restarts=3) as cluster:
+    with Cluster(tmp_path, home, nnodes="1:2", max_restarts=3) as cluster:
         node0 = cluster.start(0, target)
         node1 = cluster.start(1, target)
         wait_for(lambda: max(logged_steps(run_dir), default=0) >= 7, 180, "step 7 on two nodes")

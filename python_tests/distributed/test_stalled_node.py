@@ -6,9 +6,9 @@ and node rank), and exits non-zero.
 """
 
 import time
-from pathlib import Path
 
 import pytest
+from support.dist_runs import process_state, wait_for
 from support.tiny_pipeline import FP32, TINY_MODEL, TINY_STEPS
 from support.two_nodes import Cluster
 
@@ -18,30 +18,13 @@ TIMEOUT_S = 10
 ARGS = TINY_MODEL + FP32 + TINY_STEPS + ["--num-iterations=8", "--no-compile", f"--collective-timeout={TIMEOUT_S}"]
 
 
-def is_stopped(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-    except OSError:
-        return False
-
-
-def wait_for(predicate, seconds: float):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    return None
-
-
-def test_a_stalled_node_is_named_on_the_other_node(tiny_home, tmp_path):
+def test_a_stalled_node_is_named_on_the_other_node(home, tmp_path):
     target = ["--stop-at-step=3", "base_train", *ARGS, "--run=stalled"]
-    with Cluster(tmp_path, tiny_home) as cluster:
+    with Cluster(tmp_path, home) as cluster:
         node0 = cluster.start(0, target)
         node1 = cluster.start(1, target)
         assert cluster.group_rank(node1, [node0, node1]) == 1  # faults.py stops rank 1: node 1's worker
-        stopped = wait_for(lambda: [p for p in node1.workers() if is_stopped(p)], 240)
+        stopped = wait_for(lambda: [p for p in node1.workers() if process_state(p) == "T"], 240)
         assert stopped, "node 1's worker never stopped itself at step 3\n" + cluster.outputs()
         stopped_at = time.monotonic()
         ended = wait_for(lambda: node0.proc.poll() is not None, TIMEOUT_S + 60)

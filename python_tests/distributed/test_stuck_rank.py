@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from support.dist_runs import process_state, wait_for
 from support.tiny_pipeline import FP32, ROOT, SUPPORT, TINY_MODEL, TINY_STEPS, run_script, train_rows
 
 from nanochat_fast import checkpoints
@@ -36,30 +37,6 @@ def first_attempt_pid(mark: str, rank: int) -> int | None:
     return None
 
 
-def is_stopped(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-    except OSError:
-        return False
-
-
-def is_running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def wait_for(predicate, seconds: float):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    return None
-
-
 def test_stopped_rank_is_named_and_the_restarted_run_ends_as_uninterrupted(tiny_home, tmp_path):
     home = tmp_path / "home"
     shutil.copytree(tiny_home, home)
@@ -74,9 +51,9 @@ def test_stopped_rank_is_named_and_the_restarted_run_ends_as_uninterrupted(tiny_
         rank0 = wait_for(lambda: first_attempt_pid(mark, 0), 120)
         rank1 = wait_for(lambda: first_attempt_pid(mark, 1), 120)
         assert rank0 and rank1, "the first attempt's ranks were not found"
-        assert wait_for(lambda: is_stopped(rank1), 240), "rank 1 never stopped itself at step 3"
+        assert wait_for(lambda: process_state(rank1) == "T", 240), "rank 1 never stopped itself at step 3"
         stopped_at = time.monotonic()
-        ended = wait_for(lambda: not is_running(rank0), TIMEOUT_S + 60)
+        ended = wait_for(lambda: process_state(rank0) in (None, "Z", "X"), TIMEOUT_S + 60)
         waited = time.monotonic() - stopped_at
         os.kill(rank1, signal.SIGCONT)  # torchrun can now stop it and restart both ranks
         out, _ = proc.communicate(timeout=300)

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +24,28 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter in /proc (R, S, T: stopped, Z: zombie, ...); None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def wait_for(predicate, seconds: float, what: str | None = None):
+    """predicate()'s first true value, polled every 50 ms; after `seconds`, None, or an AssertionError
+    naming `what` when it is given."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    if what is not None:
+        raise AssertionError(f"timed out after {seconds:g} s waiting for {what}")
+    return None
 
 
 def rel_err(a: dict, b: dict) -> float:

@@ -90,17 +90,6 @@ def _kill(pids):
             pass
 
 
-def wait_for(predicate, seconds: float, what: str):
-    """predicate()'s first true value, polled every 50 ms."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {seconds:g} s waiting for {what}")
-
-
 def logged_steps(run_dir) -> list[int]:
     """The steps a run has logged so far (none while its log is missing or half-written)."""
     try:
