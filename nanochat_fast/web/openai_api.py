@@ -234,14 +234,18 @@ def openai_routes(pool, settings, tokenizer) -> APIRouter:
     # JSON ("65535, "), a token's text a few bytes, 16 leaving room for escapes
     completion_bytes = limits.max_body_bytes + MAX_PROMPTS * settings.context_len * 16
 
+    async def read_parsed(request: Request, model: type[Strict], max_bytes: int = limits.max_body_bytes):
+        """The body parsed as `model`, or the error Response of reading it (too large, too slow)."""
+        body = await read_body(request, max_bytes, settings.body_timeout, openai_error)
+        return body if isinstance(body, Response) else parse(body, model)
+
     async def read(request: Request, model: type[Sampling], max_bytes: int = limits.max_body_bytes) -> Sampling:
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if content_type != "application/json":
             raise Refused("the body must be JSON: send the header Content-Type: application/json", status=415)
-        body = await read_body(request, max_bytes, settings.body_timeout, openai_error)
-        if isinstance(body, Response):
-            return body
-        req = parse(body, model)
+        req = await read_parsed(request, model, max_bytes)
+        if isinstance(req, Response):
+            return req
         if req.model != settings.model_id:
             message = f"model {req.model!r}: this server serves {settings.model_id!r} (GET /v1/models)"
             raise Refused(message, "model", 404, "model_not_found")
@@ -420,20 +424,18 @@ def openai_routes(pool, settings, tokenizer) -> APIRouter:
     @router.post("/tokenize")
     @answer
     async def tokenize(request: Request, arrived: float):
-        body = await read_body(request, limits.max_body_bytes, settings.body_timeout, openai_error)
-        if isinstance(body, Response):
-            return body
-        req = parse(body, TokenizeRequest)
+        req = await read_parsed(request, TokenizeRequest)
+        if isinstance(req, Response):
+            return req
         ids = tokenizer.encode(req.prompt, prepend=bos if req.add_special_tokens else None)
         return {"tokens": ids, "count": len(ids), "max_model_len": settings.context_len}
 
     @router.post("/detokenize")
     @answer
     async def detokenize(request: Request, arrived: float):
-        body = await read_body(request, limits.max_body_bytes, settings.body_timeout, openai_error)
-        if isinstance(body, Response):
-            return body
-        req = parse(body, DetokenizeRequest)
+        req = await read_parsed(request, DetokenizeRequest)
+        if isinstance(req, Response):
+            return req
         if not all(0 <= t < tokenizer.get_vocab_size() for t in req.tokens):
             raise Refused(f"tokens: ids must be in [0, {tokenizer.get_vocab_size()})", "tokens")
         return {"prompt": tokenizer.decode(req.tokens)}
