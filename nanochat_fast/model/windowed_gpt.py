@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.distributed import print0
+from .block_attention import block_attention, use_blocks
 from .gpt import GPT, CausalSelfAttention, GPTConfig, linear, norm
 
 VE_GATE_CHANNELS = 12
@@ -95,6 +96,8 @@ class WindowedAttention(CausalSelfAttention):
         return 3 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
 
     def _attend(self, q, k, v, gqa):
+        if use_blocks(q, k, self.window):  # on a CPU, faster than its flash kernel (block_attention.py)
+            return block_attention(q, k, v, self.window)
         Tq, Tk = q.size(2), k.size(2)
         if Tq == Tk and self.window >= Tq - 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

@@ -101,7 +101,7 @@ def test_flops_count_each_layers_window_and_the_gates_not_the_lookups():
 
 @pytest.mark.parametrize("heads, kv_heads, T, window", [(4, 2, 512, 128), (2, 2, 256, 128), (2, 1, 384, 64)])
 def test_chunked_window_attention_equals_sdpa_under_the_whole_mask(heads, kv_heads, T, window):
-    """Training's short layers attend chunk by chunk (window_chunked_attention); in float64 that is
+    """Training's short layers on a GPU attend chunk by chunk (window_chunked_attention); in float64 that is
     the function SDPA computes under the whole sequence's window mask, gradients included."""
     from nanochat_fast.model.windowed_gpt import window_chunked_attention, window_mask
 

@@ -1,0 +1,94 @@
+"""Attention by query blocks (model/block_attention.py), what the windowed model runs on a CPU over a
+sequence's own keys: in float64 the function SDPA computes under the window mask, gradients included; in
+bf16 as close to float64 as SDPA's own bf16; chosen only where it should be; and the model's loss and
+gradients the same as through SDPA."""
+
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanochat_fast.model import block_attention as blocks
+from nanochat_fast.model import windowed_gpt
+from nanochat_fast.model.gpt import config_from_depth
+from nanochat_fast.model.windowed_gpt import WindowedGPT, WindowedGPTConfig, window_mask
+
+
+def qkv(heads, kv_heads, T, D=16, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, heads, T, D, generator=gen, dtype=dtype)
+    k, v = (torch.randn(2, kv_heads, T, D, generator=gen, dtype=dtype) for _ in "kv")
+    return q, k, v
+
+
+def sdpa(q, k, v, window):
+    pos = torch.arange(q.size(2))
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=window_mask(pos, pos, window), enable_gqa=q.size(1) != k.size(1)
+    )
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, T, window",
+    [(4, 4, 512, 128), (4, 2, 512, 512), (6, 2, 300, 128), (2, 1, 384, 64), (2, 2, 7, 128), (2, 2, 1, 3)],
+)
+def test_equals_sdpa_under_the_window_mask_in_float64(heads, kv_heads, T, window):
+    q, k, v = (t.requires_grad_() for t in qkv(heads, kv_heads, T))
+    want, got = sdpa(q, k, v, window), blocks.block_attention(q, k, v, window)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("window", [512, 128])
+def test_bf16_within_twice_sdpas_own_bf16_error(window):
+    """The scores are rounded to bf16 before the fp32 softmax (flash keeps them fp32): measured 1.4x SDPA's
+    largest error against float64; more than 2x would be a different computation."""
+    q, k, v = qkv(4, 4, 512, D=128, seed=2)
+    want = sdpa(q, k, v, window)
+    low = [t.bfloat16() for t in (q, k, v)]
+    ours = (blocks.block_attention(*low, window).double() - want).abs().max()
+    theirs = (sdpa(*low, window).double() - want).abs().max()
+    assert ours <= 2 * theirs, (ours.item(), theirs.item())
+
+
+def test_runs_only_on_a_cpu_over_the_sequences_own_keys_and_under_the_memory_cap():
+    q, k, _ = qkv(4, 4, 512, dtype=torch.bfloat16)
+    assert blocks.use_blocks(q, k, 128) and blocks.use_blocks(q, k, 512)
+    cached = torch.cat([k, k], dim=2)  # a chunk after a cached prefix
+    assert not blocks.use_blocks(q, cached, 512)
+    assert not blocks.use_blocks(q.to("meta"), k.to("meta"), 512)
+    # nanochat's depth 20 at T = 2048: ~1 GiB of scores a layer, so SDPA (flash) keeps the memory down
+    big = torch.empty(8, 10, 2048, 128, dtype=torch.bfloat16)
+    assert blocks.scores_bytes(big, 2048) > blocks.SCORES_BYTES and not blocks.use_blocks(big, big, 2048)
+    # the count: a full causal layer in two blocks of 256 sees 256 + 512 keys, a short one 128 + 3 x 256
+    assert blocks.scores_bytes(q, 512) == 4 * 2 * 4 * 256 * (256 + 512)
+    assert blocks.scores_bytes(q, 128) == 4 * 2 * 4 * 128 * (128 + 3 * 256)
+
+
+def test_the_windowed_model_computes_the_same_loss_and_gradients_as_through_sdpa(monkeypatch):
+    torch.manual_seed(0)
+    config = WindowedGPTConfig(**asdict(config_from_depth(2, 512, 256)), window_pattern="SL")
+    assert min(config.window_sizes()) < 256 - 1  # a short layer and a long one
+    model = WindowedGPT(config)
+    model.init_weights()
+    x, y = torch.randint(512, (2, 256)), torch.randint(512, (2, 256))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    with monkeypatch.context() as m:
+        m.setattr(windowed_gpt, "use_blocks", lambda *a: False)
+        want_loss, want_grads = loss_and_grads()
+    calls = []
+    monkeypatch.setattr(windowed_gpt, "block_attention", lambda *a: calls.append(1) or blocks.block_attention(*a))
+    got_loss, got_grads = loss_and_grads()
+    assert len(calls) == config.n_layer
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
