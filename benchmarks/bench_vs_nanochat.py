@@ -3,7 +3,7 @@ Training speed against nanochat itself, at its best: its own base_train from a c
 model, config, data and machine, in interleaved rounds (the machine may be shared).
 
     python benchmarks/bench_vs_nanochat.py --nanochat=DIR --home=HOME [--nanochat-gpt=DIR] [--depths=4,8]
-        [--steps=25,200] [--rounds=2] [--dtypes=float32,bfloat16] [--pythonpath=DIR]
+        [--steps=25,200] [--rounds=2] [--dtypes=float32,bfloat16] [--ours=defaults,compile] [--pythonpath=DIR]
 
 windowed: ours --arch=windowed against nanochat@92d63d4 (--nanochat), window pattern SL; gpt: ours --arch=gpt
 against nanochat@92c6654 (--nanochat-gpt; fp32 only: it autocasts on CUDA alone). T=512, 8 rows, 4,096 tokens
@@ -253,8 +253,10 @@ def variants(a, family: str, checkout: Path, base: Path, depth: int, steps: int)
     for dtype in (d for d in a.dtypes if d in CHECKOUTS[family].dtypes):
         name = f"nanochat@{CHECKOUTS[family].commit[:7]} NANOCHAT_DTYPE={dtype}"
         out[name] = lambda dtype=dtype: run_nanochat(checkout, family, base, depth, steps, dtype, a.pythonpath)
-    out[f"ours --arch={family}, defaults"] = lambda: run_ours(a.home, family, depth, steps, [])
-    out[f"ours --arch={family} --compile"] = lambda: run_ours(a.home, family, depth, steps, ["--compile"])
+    if "defaults" in a.ours:
+        out[f"ours --arch={family}, defaults"] = lambda: run_ours(a.home, family, depth, steps, [])
+    if "compile" in a.ours:
+        out[f"ours --arch={family} --compile"] = lambda: run_ours(a.home, family, depth, steps, ["--compile"])
     return out
 
 
@@ -305,6 +307,13 @@ def nanochat_dtypes(value: str) -> list[str]:
     return dtypes
 
 
+def our_variants(value: str) -> list[str]:
+    names = value.split(",")
+    if not names or set(names) - {"defaults", "compile"}:
+        raise argparse.ArgumentTypeError(f"must be among defaults, compile, got {value}")
+    return names
+
+
 def main(argv=None) -> int:
     p = nanochat_parser(__doc__)
     p.add_argument("--nanochat-gpt", type=Path, help="a nanochat checkout at 92c6654 (the gpt family)")
@@ -313,6 +322,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=cli.positive_int, default=2)
     p.add_argument(
         "--dtypes", type=nanochat_dtypes, default="float32,bfloat16", help="nanochat's NANOCHAT_DTYPE values to time"
+    )
+    p.add_argument(
+        "--ours",
+        type=our_variants,
+        default="defaults,compile",
+        help="our runs to time: defaults (the compile rule decides), compile (--compile)",
     )
     a = p.parse_args(argv)
     pairs = check_checkouts(a)
