@@ -23,8 +23,8 @@ def scores_bytes(q: torch.Tensor, window: int) -> int:
     """The fp32 scores the blocks keep for the backward, over all blocks of a (B, H, T, D) q."""
     B, H, T, _ = q.shape
     block = block_size(T, window)
-    keys = sum(min(start + block, T) - max(0, start - window) for start in range(0, T, block))
-    return 4 * B * H * block * keys
+    ends = [(start, min(start + block, T)) for start in range(0, T, block)]
+    return 4 * B * H * sum((end - start) * (end - max(0, start - window)) for start, end in ends)
 
 
 def use_blocks(q: torch.Tensor, k: torch.Tensor, window: int) -> bool:

@@ -66,6 +66,10 @@ def test_runs_only_on_a_cpu_over_the_sequences_own_keys_and_under_the_memory_cap
     # the count: a full causal layer in two blocks of 256 sees 256 + 512 keys, a short one 128 + 3 x 256
     assert blocks.scores_bytes(q, 512) == 4 * 2 * 4 * 256 * (256 + 512)
     assert blocks.scores_bytes(q, 128) == 4 * 2 * 4 * 128 * (128 + 3 * 256)
+    # a last block shorter than the others counts its own queries: T 300 by 128 leaves 44 queries that
+    # see 172 keys; T 301 in halves of 151 and 150
+    assert blocks.scores_bytes(q[:, :, :300], 128) == 4 * 2 * 4 * (128 * 128 + 128 * 256 + 44 * 172)
+    assert blocks.scores_bytes(q[:, :, :301], 512) == 4 * 2 * 4 * (151 * 151 + 150 * 301)
 
 
 def test_the_windowed_model_computes_the_same_loss_and_gradients_as_through_sdpa(monkeypatch):
