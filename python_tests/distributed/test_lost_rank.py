@@ -5,7 +5,6 @@ newest complete checkpoint, and the run ends with the final weights of an uninte
 """
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,9 +37,7 @@ def final_weights(run_dir: Path) -> dict:
     return checkpoints.load_model_state(checkpoints.complete_checkpoints(run_dir)[-1])
 
 
-def test_killed_rank_is_restarted_and_the_run_ends_as_uninterrupted(tiny_home, tmp_path):
-    home = tmp_path / "home"
-    shutil.copytree(tiny_home, home)
+def test_killed_rank_is_restarted_and_the_run_ends_as_uninterrupted(home):
     mark = uuid.uuid4().hex
     env = {**os.environ, "NANOCHAT_FAST_HOME": str(home), "OMP_NUM_THREADS": "1", "LOST_RANK_TEST": mark}
     cmd = [

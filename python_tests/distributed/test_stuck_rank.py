@@ -7,7 +7,6 @@ checkpoint with --resume=auto and end on the final weights of an uninterrupted r
 """
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,9 +36,7 @@ def first_attempt_pid(mark: str, rank: int) -> int | None:
     return None
 
 
-def test_stopped_rank_is_named_and_the_restarted_run_ends_as_uninterrupted(tiny_home, tmp_path):
-    home = tmp_path / "home"
-    shutil.copytree(tiny_home, home)
+def test_stopped_rank_is_named_and_the_restarted_run_ends_as_uninterrupted(home):
     mark = uuid.uuid4().hex
     env = {**os.environ, "NANOCHAT_FAST_HOME": str(home), "OMP_NUM_THREADS": "1", "STUCK_RANK_TEST": mark}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
