@@ -38,6 +38,10 @@ MINIMAX4 = (
 )
 
 
+# The named schedules and their steps: a flag naming one takes its steps with it.
+SCHEDULES = {"quintic": 5, "polar_express": len(POLAR_EXPRESS), "minimax4": len(MINIMAX4)}
+
+
 def resolve_coefficients(coefficients, steps: int) -> tuple[tuple[float, float, float], ...]:
     """'quintic' | 'polar_express' | 'minimax4' | a list of (a, b, c) per step -> one (a, b, c) per step."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:

@@ -15,6 +15,7 @@ from ..core import cli, rank_watch
 from ..core.errors import UserError
 from ..hardware import precision
 from ..hardware.process_setup import ProcessSetup
+from ..kernels.newton_schulz import SCHEDULES
 from ..optim.recipe import PRESET_NAMES, MuonRecipe, preset_name
 
 
@@ -80,10 +81,12 @@ def window_pattern(value) -> str:
 
 ARCHES = ("gpt", "windowed")  # model/loading.FAMILIES' names (checked equal by the model tests)
 # The windowed family's recipe (nanochat's base_train at 92d63d4): the defaults --arch=windowed
-# gives the flags not set on the command line.
+# gives the flags not set on the command line. One change: Newton-Schulz in minimax4's 4 steps, not Polar
+# Express's 5 (the same val bpb in 300 steps: docs/measurements.md#newton-schulz-in-4-steps).
 ARCH_PRESETS = {
     "windowed": dict(
         muon_recipe="polar-normuon",
+        ns_coefficients="minimax4",
         embedding_lr=0.3,
         unembedding_lr=0.008,
         scalar_lr=0.5,
@@ -193,9 +196,10 @@ class OptimConfig(Config):
     )
     ns_coefficients: str | None = flag(
         None,
-        cli.optional(cli.choice("quintic", "polar_express")),
-        "Newton-Schulz coefficients (default: the recipe's)",
-        choices=["quintic", "polar_express"],
+        cli.optional(cli.choice(*SCHEDULES)),
+        "Newton-Schulz coefficients and their steps (default: the recipe's; minimax4 for --arch=windowed): "
+        "quintic and polar_express 5 steps, minimax4 4",
+        choices=list(SCHEDULES),
     )
     normuon: bool | None = flag(
         None,
@@ -241,9 +245,8 @@ class OptimConfig(Config):
         overrides = dict(ns_dtype=self.ns_dtype, **{name: value for name, value in given.items() if value is not None})
         if self.muon_recipe == "polar-normuon":
             overrides["momentum_warmdown_ratio"] = self.warmdown_ratio
-        if self.muon_recipe == "minimax4" and self.ns_coefficients is not None:
-            # minimax4's 4 steps are its own coefficients': the others named here are 5-step schedules
-            overrides["ns_steps"] = MuonRecipe.preset("quintic").ns_steps
+        if self.ns_coefficients is not None:
+            overrides["ns_steps"] = SCHEDULES[self.ns_coefficients]
         return MuonRecipe.preset(self.muon_recipe, **overrides)
 
     def optimizer_kwargs(self) -> dict:

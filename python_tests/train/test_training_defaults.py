@@ -103,7 +103,8 @@ def test_recipe_flags_override_the_preset():
 
 def test_each_family_gets_its_own_default_recipe():
     """--arch=gpt trains with minimax4 (docs/measurements.md: quintic's val bpb within 0.5% at 300 steps),
-    --arch=windowed with nanochat's polar-normuon; --muon-recipe=quintic gives nanochat's classic one back."""
+    --arch=windowed with nanochat's polar-normuon in minimax4's 4 steps (Polar Express's val bpb within 0.5%);
+    --muon-recipe=quintic and --ns-coefficients=polar_express give nanochat's own back."""
     from nanochat_fast.train.training_config import TrainingConfig
 
     def recipe(*flags):
@@ -112,18 +113,24 @@ def test_each_family_gets_its_own_default_recipe():
         ).optim.recipe()
 
     assert recipe() == recipe("--arch=gpt") == OptimConfig(muon_recipe="minimax4").recipe()
-    assert recipe("--arch=windowed").name == "polar-normuon"
+    windowed = recipe("--arch=windowed")
+    assert (windowed.name, windowed.ns_coefficients, windowed.ns_steps) == ("polar-normuon", "minimax4", 4)
+    nanochats = recipe("--arch=windowed", "--ns-coefficients=polar_express")
+    assert nanochats == OptimConfig(muon_recipe="polar-normuon", warmdown_ratio=0.65).recipe()
+    assert (nanochats.ns_coefficients, nanochats.ns_steps) == ("polar_express", 5)
     quintic = recipe("--muon-recipe=quintic")
     assert (quintic.ns_coefficients, quintic.ns_steps) == ("quintic", 5) and quintic == OptimConfig(
         muon_recipe="quintic"
     ).recipe()
 
 
-@pytest.mark.parametrize("coefficients", ["quintic", "polar_express"])
-def test_other_coefficients_on_the_default_recipe_take_their_five_steps(coefficients):
-    """minimax4's 4 steps belong to its coefficients: --ns-coefficients=quintic alone is nanochat's 5 steps."""
-    recipe = OptimConfig(ns_coefficients=coefficients).recipe()
-    assert (recipe.name, recipe.ns_coefficients, recipe.ns_steps) == ("minimax4", coefficients, 5)
+@pytest.mark.parametrize("preset", ["minimax4", "polar-normuon"])
+@pytest.mark.parametrize("coefficients,steps", [("quintic", 5), ("polar_express", 5), ("minimax4", 4)])
+def test_ns_coefficients_take_their_own_steps(preset, coefficients, steps):
+    """A schedule's steps belong to its coefficients: --ns-coefficients=quintic on minimax4 is nanochat's 5
+    steps, minimax4 on polar-normuon 4."""
+    recipe = OptimConfig(muon_recipe=preset, ns_coefficients=coefficients).recipe()
+    assert (recipe.name, recipe.ns_coefficients, recipe.ns_steps) == (preset, coefficients, steps)
 
 
 def test_tune_times_the_newton_schulz_a_default_run_uses():
