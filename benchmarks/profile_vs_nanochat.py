@@ -34,7 +34,7 @@ def ours(depth: int, vocab: int):
 
     from nanochat_fast import optim
     from nanochat_fast.hardware import precision
-    from nanochat_fast.model.gpt import config_from_depth
+    from nanochat_fast.model.gpt import compile_model, config_from_depth
     from nanochat_fast.model.windowed_gpt import WindowedGPTConfig
     from nanochat_fast.train.model_setup import build_for_training
 
@@ -42,7 +42,7 @@ def ours(depth: int, vocab: int):
     model, optimizers = build_for_training(config, "cpu", {})
     ns = next(o for o in optimizers if o.kind == "muon").resolve_ns_precision(warn=False)
     print(f"ours: Newton-Schulz in {ns.describe()}", flush=True)
-    compiled = torch.compile(model, dynamic=False)
+    compiled = compile_model(model)
 
     def forward_backward(x, y):
         with precision.autocast("cpu", torch.bfloat16):

@@ -15,7 +15,7 @@ import torch
 from ..core.errors import UserError
 from ..hardware import precision
 from ..model import sharding
-from ..model.gpt import GPT, GPTConfig, config_from_depth
+from ..model.gpt import GPT, GPTConfig, compile_model, config_from_depth
 from ..model.loading import config_from_fields, meta_model, new_model
 from ..optim.muon import newton_schulz_work
 from .training_config import OptimConfig
@@ -130,7 +130,7 @@ def compile_for_training(model: GPT, requested: bool | None, device, run_tokens,
         run_flops = model.estimate_flops() * run_tokens if run_tokens else None
         on, why = default_compile(torch.device(device).type, run_flops, peak_flops)
     # dynamic=False: one training shape; evaluation and sampling use the plain module
-    return (torch.compile(model, dynamic=False) if on else model), why
+    return (compile_model(model) if on else model), why
 
 
 # about where the per-step saving pays back a cold compile: docs/measurements.md#compile-policy

@@ -8,7 +8,7 @@ import torch
 from support.tiny_gpt import TINY, generate_without_cache, random_model
 
 from nanochat_fast.model.decode import SlotCache, SlotPrefill
-from nanochat_fast.model.gpt import GPT, GPTConfig, config_from_depth
+from nanochat_fast.model.gpt import GPT, GPTConfig, compile_model, config_from_depth
 from nanochat_fast.optim import AdamW, Muon
 
 
@@ -210,10 +210,11 @@ def test_setup_optimizers_grouping_and_lr_scaling():
 
 
 def test_compiled_model_matches_eager():
-    """One graph (fullgraph: no breaks) for forward + backward; one layer keeps compile time down."""
-    config = GPTConfig(sequence_len=16, vocab_size=101, n_layer=1, n_head=4, n_kv_head=2, n_embd=32)
+    """One graph (fullgraph: no breaks) for forward + backward; two layers: one compiled block region
+    called twice, whose gradients inductor's buffer reuse once broke (small, to keep compile time down)."""
+    config = GPTConfig(sequence_len=16, vocab_size=101, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
     model = random_model(config)
-    compiled = torch.compile(model, dynamic=False, fullgraph=True)
+    compiled = compile_model(model, fullgraph=True)
     idx = torch.randint(0, config.vocab_size, (2, config.sequence_len))
     targets = torch.randint(0, config.vocab_size, (2, config.sequence_len))
     loss = compiled(idx, targets)
@@ -227,6 +228,36 @@ def test_compiled_model_matches_eager():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("arch", ["gpt", "windowed"])
+def test_compiled_blocks_share_regions(arch):
+    """torch.compile builds one region per kind of block, not per layer: the compile costs the kinds.
+    4 layers of the gpt: one kind; of the windowed model with pattern SL: two (short without a value
+    embedding, long with one)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from nanochat_fast.model.windowed_gpt import WindowedGPT, WindowedGPTConfig
+
+    forward_graphs = []
+
+    def keep(gm, example_inputs):
+        forward_graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    fields = dict(sequence_len=32, vocab_size=64, n_layer=4, n_head=2, n_kv_head=2, n_embd=32)
+    model = GPT(GPTConfig(**fields)) if arch == "gpt" else WindowedGPT(WindowedGPTConfig(**fields, window_pattern="SL"))
+    model.init_weights()
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=lambda gm, _: make_boxed_func(gm.forward))
+    compiled = torch.compile(model, backend=backend, dynamic=False, fullgraph=True)
+    idx = torch.randint(0, 64, (2, 32))
+    compiled(idx, idx).backward()
+    (graph,) = forward_graphs
+    calls = [n.args[1] for n in graph.graph.nodes if "invoke_subgraph" in str(n.target)]
+    assert len(calls) == 4
+    assert len(set(calls)) == (1 if arch == "gpt" else 2)
+
+
 @pytest.mark.gpu
 def test_cuda_bf16_autocast_compiled_training():
     """On a GPU: bf16 autocast logits close to fp32, and a compiled model trains with the
@@ -238,7 +269,7 @@ def test_cuda_bf16_autocast_compiled_training():
         low = model(idx)
     assert low.dtype == torch.float32
     torch.testing.assert_close(low, model(idx), rtol=0, atol=0.25)
-    compiled = torch.compile(model, dynamic=False)
+    compiled = compile_model(model)
     opts = model.setup_optimizers()
     from nanochat_fast import optim
 
