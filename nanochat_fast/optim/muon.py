@@ -31,15 +31,21 @@ def assign_owners(shapes: list, sizes: list[int], world_size: int, cost=lambda m
     return owners
 
 
-def normuon_(U: torch.Tensor, second_moment: torch.Tensor, beta: float) -> torch.Tensor:
+def normuon_(U: torch.Tensor, second_moment: torch.Tensor, beta: float, frobenius: float | None = None) -> torch.Tensor:
     """NorMuon on a (k, rows, cols) stack U, in place: second_moment ((k, rows, 1), or (k, 1, cols)
     for wide matrices) <- lerp(., mean of U^2 over the short side, 1 - beta); U <- U / sqrt of it,
-    rescaled so each matrix keeps its Frobenius norm (so the EMA needs no bias correction)."""
+    rescaled so each matrix keeps its Frobenius norm (so the EMA needs no bias correction).
+    frobenius: Muon+ first (each matrix scaled to this Frobenius norm), as if U had been scaled."""
     short_side = -1 if U.size(-2) >= U.size(-1) else -2
-    second_moment.lerp_(U.square().mean(dim=short_side, keepdim=True), 1 - beta)
-    norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True)
-    U.mul_(second_moment.clamp_min(1e-10).rsqrt())
-    return U.mul_(norm / torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True).clamp_min(1e-10))
+    # U is read twice, once for its squares summed over the short side and once to scale it: every norm
+    # below is a sum of those sums (a pass over a stack of tens of MB costs what the small math does not)
+    sums = torch.linalg.vector_norm(U, dim=short_side, keepdim=True).square_()
+    total = sums.sum(dim=(-2, -1), keepdim=True)  # ||U||_F^2
+    pre = 1.0 if frobenius is None else frobenius**2 / total.clamp_min(1e-12)  # Muon+: U scaled by pre^0.5
+    second_moment.lerp_(sums * (pre / U.size(short_side)), 1 - beta)
+    inv_rms = second_moment.clamp_min(1e-10).rsqrt()
+    scaled = (sums * inv_rms.square()).sum(dim=(-2, -1), keepdim=True)  # ||U / rms||_F^2
+    return U.mul_(inv_rms * (total / scaled.clamp_min(1e-20)).sqrt() * pre**0.5)
 
 
 def second_moment_shape(shape) -> tuple[int, int]:
@@ -210,19 +216,23 @@ class Muon(ZeroOptimizer):
         buf.lerp_(G, 1 - momentum)
         G = G.lerp_(buf, momentum) if group["nesterov"] else buf
         if group["equilibrate_rows"]:  # MuonEq: each row rescaled to its matrix's mean row norm
-            target = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True) / G.size(-2) ** 0.5
-            G = G * (target / torch.linalg.vector_norm(G, dim=-1, keepdim=True).clamp_min(1e-6))
+            row_norms = torch.linalg.vector_norm(G, dim=-1, keepdim=True)
+            target = row_norms.square().mean(dim=-2, keepdim=True).sqrt()  # ||G||_F / rows^0.5
+            scale = target / row_norms.clamp_min(1e-6)
+            G = G * scale if G is buf else G.mul_(scale)  # the momentum stays as it is
         dtype = self.ns_precision.dtype if group["ns_dtype"] == "auto" else precision.DTYPES[group["ns_dtype"]]
         steps, coefficients, safety, eps = (group[k] for k in ("ns_steps", "ns_coefficients", "ns_safety", "ns_eps"))
         # into G when G is this step's own fp32 stack (not the momentum): no new one each step
         out = G if G is not buf else None
         U = newton_schulz(G, steps, coefficients, dtype=dtype, out_dtype=torch.float32, safety=safety, eps=eps, out=out)
-        if group["renormalize"]:  # Muon+: each matrix scaled to Frobenius norm sqrt(min(rows, cols))
-            norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True).clamp_min(1e-6)
-            U.mul_(min(U.shape[-2:]) ** 0.5 / norm)
+        # Muon+: each matrix scaled to Frobenius norm sqrt(min(rows, cols)); with NorMuon, inside its pass
+        frobenius = min(U.shape[-2:]) ** 0.5 if group["renormalize"] else None
         if group["normuon_beta"] is not None:
             shape = (len(U), *second_moment_shape(U.shape[-2:]))
-            normuon_(U, self._state_stack(g, "normuon_second_moment", shape, U.device), group["normuon_beta"])
+            state = self._state_stack(g, "normuon_second_moment", shape, U.device)
+            normuon_(U, state, group["normuon_beta"], frobenius)
+        elif frobenius is not None:
+            U.mul_(frobenius / torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True).clamp_min(1e-6))
         return U
 
     def _state_stack(self, g, key, shape, device):
