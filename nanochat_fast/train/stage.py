@@ -327,3 +327,31 @@ def resume(run: Run, ckpt: Path, meta: dict, cfg: TrainingConfig):
                 f"{prefix} keeps the checkpoint's initial lr {saved[0]:g} (the default {flag_name(flag)}={value:g} "
                 f"would give {from_flags[flag][0]:g}; pass {flag_name(flag)} to change it)"
             )
+    resume_newton_schulz(run, cfg)
+
+
+def resume_newton_schulz(run: Run, cfg: TrainingConfig):
+    """Muon's Newton-Schulz schedule by the resume rule: --ns-coefficients given replaces the checkpoint's,
+    else the checkpoint's stays (a default that changed since, or another recipe's, would switch it)."""
+    muon = next((opt for opt in run.optimizers if opt.kind == "muon"), None)
+    if muon is None:
+        return
+    recipe = cfg.optim.recipe()
+    wanted = {"ns_coefficients": recipe.ns_coefficients, "ns_steps": recipe.ns_steps}
+    saved = {key: muon.param_groups[0][key] for key in wanted}
+    if saved == wanted:
+        return
+
+    def describe(schedule):
+        name = schedule["ns_coefficients"]
+        return f"{name if isinstance(name, str) else 'custom'} x{schedule['ns_steps']}"
+
+    if "ns_coefficients" in cfg.explicit:
+        for group in muon.param_groups:
+            group.update(wanted)
+        print0(f"--ns-coefficients={recipe.ns_coefficients} given: it replaces the checkpoint's {describe(saved)}")
+    else:
+        print0(
+            f"muon keeps the checkpoint's Newton-Schulz, {describe(saved)} (the default would give "
+            f"{describe(wanted)}; pass --ns-coefficients to change it)"
+        )

@@ -80,6 +80,32 @@ def test_an_explicit_lr_flag_wins_on_resume_and_a_default_one_does_not(home, cap
     assert {k: v for k, v in now.items() if k not in muon} == {k: v for k, v in saved.items() if k not in muon}
 
 
+def ns_schedules(ckpt) -> set:
+    state = torch.load(ckpt / "optim_rank0.pt", weights_only=True)
+    groups = [g for opt in state["optimizers"] for g in opt["param_groups"] if "ns_steps" in g]
+    return {(g["ns_coefficients"], g["ns_steps"]) for g in groups}
+
+
+def test_newton_schulz_follows_the_resume_rule(home, capsys):
+    """The checkpoint's schedule stays unless --ns-coefficients is given (a run started before a default
+    changed keeps its own), and the log says which."""
+    run_dir = home / "runs" / "n"
+    args = TINY + ["--run=n", "--arch=windowed", "--window-pattern=L"]
+    assert base_train.main(args + ["--num-iterations=2", "--ns-coefficients=polar_express"]) == 0
+    assert ns_schedules(checkpoints.complete_checkpoints(run_dir)[-1]) == {("polar_express", 5)}
+    capsys.readouterr()
+
+    assert base_train.main(args + ["--num-iterations=3", "--resume=auto"]) == 0
+    out = capsys.readouterr().out
+    assert "muon keeps the checkpoint's Newton-Schulz, polar_express x5 (the default would give minimax4 x4" in out
+    assert ns_schedules(checkpoints.complete_checkpoints(run_dir)[-1]) == {("polar_express", 5)}
+
+    assert base_train.main(args + ["--num-iterations=4", "--resume=auto", "--ns-coefficients=quintic"]) == 0
+    out = capsys.readouterr().out
+    assert "--ns-coefficients=quintic given: it replaces the checkpoint's polar_express x5" in out
+    assert ns_schedules(checkpoints.complete_checkpoints(run_dir)[-1]) == {("quintic", 5)}
+
+
 def test_a_stage_can_add_its_own_evaluations(home):
     """Stage.evals run with every val bpb eval: their values go to metrics.jsonl and the report."""
 
