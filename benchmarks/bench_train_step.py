@@ -43,7 +43,7 @@ from nanochat_fast.kernels.newton_schulz import QUINTIC
 from nanochat_fast.kernels.registry import ENV_VAR as KERNELS_ENV
 from nanochat_fast.kernels.softcap_cross_entropy import softcap_cross_entropy
 from nanochat_fast.model import loading
-from nanochat_fast.model.gpt import GPT, LOGIT_SOFTCAP
+from nanochat_fast.model.gpt import COMPILE_OPTIONS, GPT, LOGIT_SOFTCAP
 from nanochat_fast.optim import step as optim_step
 from nanochat_fast.scripts import base_train
 from nanochat_fast.train import model_setup, training_loop
@@ -258,8 +258,11 @@ def build_ours(depth, data, *extra_flags, seq_len=T, compile_kwargs=None, name=N
             hardware.peak_flops(DEVICE).flops * dev.world_size,
             stage.data.varying_shapes,
         )
-    else:
-        step_model, why = torch.compile(model, **compile_kwargs), f"compiled: torch.compile({compile_kwargs})"
+    else:  # a mode as its options, beside the ones the shared block regions need (gpt.COMPILE_OPTIONS)
+        kwargs = dict(compile_kwargs)
+        mode = kwargs.pop("mode", None)
+        options = {**(torch._inductor.list_mode_options(mode) if mode else {}), **COMPILE_OPTIONS}
+        step_model, why = torch.compile(model, options=options, **kwargs), f"compiled: torch.compile({compile_kwargs})"
     name = name or (f"ours, {' '.join(extra_flags)}" if extra_flags else "ours (defaults)")
     choices = f"model {dev.precision.describe()}; Newton-Schulz {ns.describe()}; {why}"
     return LoopVariant(

@@ -136,9 +136,9 @@ class Block(nn.Module):
         return x + self.mlp(norm(x))
 
 
-# Inductor (torch 2.13 on a CPU) let a buffer of one call of a shared block region be reused while the
-# region's backward for another block still read it: wrong gradients, the loss unchanged. Without buffer
-# reuse they are right (test_gpt.py::test_compiled_model_matches_eager) and the step as fast.
+# Inductor (torch 2.11 and 2.13 on a CPU) let a buffer of one call of a shared block region be reused while
+# the region's backward for another block still read it: wrong gradients, the loss unchanged. Without buffer
+# reuse they are right (test_gpt.py::test_compiled_model_matches_eager; docs/measurements.md#compile-policy).
 COMPILE_OPTIONS = {"allow_buffer_reuse": False}
 
 
