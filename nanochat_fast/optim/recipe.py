@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..core.distributed import print0
 from ..hardware.precision import CHOICES
-from ..kernels.newton_schulz import resolve_coefficients
+from ..kernels.newton_schulz import SCHEDULES, resolve_coefficients
 from .zero import check_choice, check_hparam
 
 PRESET_NAMES = ("quintic", "polar-normuon", "minimax4")
@@ -136,8 +136,7 @@ class MuonRecipe:
         return dict(kwargs, nesterov=True, normuon_beta=self.normuon_beta if self.normuon else None)
 
     def describe(self) -> str:
-        coefficients = self.ns_coefficients if isinstance(self.ns_coefficients, str) else "custom"
-        parts = [f"{coefficients} x{self.ns_steps}", f"ns-dtype {self.ns_dtype}"]
+        parts = [describe_schedule(self.ns_coefficients, self.ns_steps), f"ns-dtype {self.ns_dtype}"]
         if self.equilibrate_rows:
             parts.append("MuonEq")
         if self.renormalize:
@@ -153,6 +152,11 @@ class MuonRecipe:
         return f"muon recipe {self.name}: " + ", ".join(parts + [momentum])
 
 
+def describe_schedule(coefficients, steps: int) -> str:
+    """A Newton-Schulz schedule as the logs name it: "minimax4 x4", "custom x3"."""
+    return f"{coefficients if isinstance(coefficients, str) else 'custom'} x{steps}"
+
+
 def _check_int(field, value, low):
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{field} must be an int >= {low}, got {value!r}")
@@ -162,7 +166,7 @@ def _check_int(field, value, low):
 # is defined in muon.py; NorMuon: arXiv:2510.05491): its weight decay is scaled with batch size and horizon
 # by scaled_weight_decay, its momentum warmdown spans nanochat's LR warmdown (0.65 of the run).
 PRESETS = {"quintic": MuonRecipe()}
-PRESETS["minimax4"] = MuonRecipe(name="minimax4", ns_coefficients="minimax4", ns_steps=4)
+PRESETS["minimax4"] = MuonRecipe(name="minimax4", ns_coefficients="minimax4", ns_steps=SCHEDULES["minimax4"])
 PRESETS["polar-normuon"] = MuonRecipe(
     name="polar-normuon",
     ns_coefficients="polar_express",

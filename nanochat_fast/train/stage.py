@@ -19,6 +19,7 @@ from ..data.tokenizer import Tokenizer, get_tokenizer
 from ..hardware.process_setup import ProcessSetup
 from ..model import generation, loading
 from ..model.gpt import GPT, GPTConfig
+from ..optim.recipe import describe_schedule
 from . import model_setup, next_steps, run_report, tracking, training_loop
 from .env_vars import check_environment
 from .run_report import MetricsLog
@@ -341,17 +342,13 @@ def resume_newton_schulz(run: Run, cfg: TrainingConfig):
     saved = {key: muon.param_groups[0][key] for key in wanted}
     if saved == wanted:
         return
-
-    def describe(schedule):
-        name = schedule["ns_coefficients"]
-        return f"{name if isinstance(name, str) else 'custom'} x{schedule['ns_steps']}"
-
+    saved_name, wanted_name = describe_schedule(*saved.values()), describe_schedule(*wanted.values())
     if "ns_coefficients" in cfg.explicit:
         for group in muon.param_groups:
             group.update(wanted)
-        print0(f"--ns-coefficients={recipe.ns_coefficients} given: it replaces the checkpoint's {describe(saved)}")
+        print0(f"--ns-coefficients={recipe.ns_coefficients} given: it replaces the checkpoint's {saved_name}")
     else:
         print0(
-            f"muon keeps the checkpoint's Newton-Schulz, {describe(saved)} (the default would give "
-            f"{describe(wanted)}; pass --ns-coefficients to change it)"
+            f"muon keeps the checkpoint's Newton-Schulz, {saved_name} (the default would give "
+            f"{wanted_name}; pass --ns-coefficients to change it)"
         )
