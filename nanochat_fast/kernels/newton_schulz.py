@@ -276,7 +276,12 @@ def newton_schulz_torch(G, coeffs, dtype, path, safety=1.0, eps=1e-7):
     wide = stack.size(-2) <= stack.size(-1)
     norm = torch.linalg.vector_norm(stack, dim=(-2, -1), keepdim=True, dtype=torch.float32)
     # divided in fp32 and rounded once into `dtype`, with no fp32 copy of the stack in between
-    S = torch.div(stack, norm * safety + eps, out=torch.empty(stack.shape, dtype=dtype, device=stack.device))
+    S = torch.empty(stack.shape, dtype=dtype, device=stack.device)
+    if stack.device.type == "cpu":  # a matrix at a time, by a number: one broadcast division ran ~9x slower there
+        for X, Y, divisor in zip(stack, S, (norm * safety + eps).flatten().tolist()):
+            torch.div(X, divisor, out=Y)
+    else:
+        torch.div(stack, norm * safety + eps, out=S)
     if path == "gram":
         split = symmetric_pays(table_device(G.device.type, dtype), dtype, min(stack.shape[-2:]))
         S = _gram(S, coeffs, wide, split=split)

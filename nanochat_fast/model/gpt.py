@@ -8,6 +8,7 @@ steps run in decode.py; its prefills here, writing each layer's keys and values 
 
 import dataclasses
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -144,7 +145,22 @@ COMPILE_OPTIONS = {"allow_buffer_reuse": False}
 
 def compile_model(model: nn.Module, fullgraph: bool = False):
     """torch.compile for one training shape, with the options the shared block regions need."""
+    if next(model.parameters()).device.type == "cpu":
+        start_vec_isa_probe()
     return torch.compile(model, dynamic=False, fullgraph=fullgraph, options=COMPILE_OPTIONS)
+
+
+def start_vec_isa_probe():
+    """Inductor picks a CPU's vector ISA when it generates its first kernel, by building and loading a test
+    library per candidate ISA, one after the other (~11 s on a cold cache on the 2-core Zen 4). Started in
+    a thread when the model is wrapped, those builds run on the other core while Dynamo and AOTAutograd
+    trace the first graph, instead of after them (docs/measurements.md#compile-policy). Call it after any
+    timing: the builds take a core."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa  # private: a torch without it just skips this
+    except ImportError:
+        return
+    threading.Thread(target=pick_vec_isa, name="inductor-vec-isa", daemon=True).start()
 
 
 class GPT(nn.Module):
