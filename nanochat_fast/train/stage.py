@@ -16,6 +16,7 @@ from ..core.cli import flag_name, flag_values
 from ..core.distributed import print0, torn_down
 from ..core.errors import UserError
 from ..data.tokenizer import Tokenizer, get_tokenizer
+from ..hardware import allocator
 from ..hardware.process_setup import ProcessSetup
 from ..model import generation, loading
 from ..model.gpt import GPT, GPTConfig
@@ -275,6 +276,7 @@ def make_run(args, stage: Stage, setup: RunSetup, data: Data) -> tuple[Run, dict
         "muon": cfg.optim.recipe().describe().removeprefix("muon recipe "),
         "newton-schulz precision": ns.describe(),
         "threads per process": threads.thread_choice().describe(),
+        **({"memory": allocator.keep_freed_memory()} if dev.device.type == "cpu" else {}),
         "mfu against": peak.describe(),
     }
     return run, {"Stage": lines, "Settings": settings}

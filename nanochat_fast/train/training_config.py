@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..core import cli, rank_watch
 from ..core.errors import UserError
-from ..hardware import precision
+from ..hardware import allocator, precision
 from ..hardware.process_setup import ProcessSetup
 from ..kernels.newton_schulz import SCHEDULES
 from ..optim.recipe import PRESET_NAMES, MuonRecipe, preset_name
@@ -300,6 +300,8 @@ class DeviceConfig(Config):
         ddp, rank, local_rank, world_size, device = compute_init(
             self.device_type, seed=seed, deterministic=deterministic, collective_timeout=self.collective_timeout
         )
+        if device.type == "cpu":  # before the model's memory: a CPU step's big blocks reused, not faulted in again
+            allocator.keep_freed_memory()
         chosen = rank0_decides(lambda: precision.choose(device, self.dtype, what="--dtype"))
         return ProcessSetup(ddp, rank, local_rank, world_size, device, chosen, check_kernels(device.type))
 
