@@ -77,7 +77,7 @@ class BlockAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, *probs = ctx.saved_tensors
         q5, k5, v5 = _grouped(q, k, v)
-        g5 = grad_out.view(q5.shape)
+        g5 = grad_out.reshape(q5.shape)  # the gradient may come transposed
         T, D = q.size(2), q.size(3)
         acc = torch.promote_types(q.dtype, torch.float32)
         dq, dk, dv = [], *(torch.zeros(q5.shape, dtype=acc, device=q.device) for _ in "kv")
