@@ -1,11 +1,9 @@
 """
 Causal (optionally sliding-window) attention on a CPU as matmuls over blocks of queries, for a sequence
 attending to its own keys: faster there than torch's flash kernel (docs/measurements.md#attention-by-query-blocks).
-Each block's product with the keys it can see, a masked fp32 softmax rounded once to the inputs' dtype, then
-the values. The backward is written out (flash attention's), from the saved probabilities: autograd through
-the softmax would keep fp32 copies of them and make more passes over them. The price is memory: every
-block's probabilities are kept for the backward (B x H x ~T^2/2 a layer, where flash keeps O(T)), so the
-blocks run only while a layer's stay under SCORES_BYTES.
+Each block's product with the keys it can see, a masked fp32 softmax rounded to the inputs' dtype, the values;
+the backward is flash attention's, from those probabilities. The price is memory: every block's probabilities
+are kept (B x H x ~T^2/2 a layer, where flash keeps O(T)), so the blocks run while a layer's stay under SCORES_BYTES.
 """
 
 import torch
