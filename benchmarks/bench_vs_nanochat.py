@@ -268,7 +268,10 @@ def report(results: dict, loads: list[str]) -> None:
         )
         ref = {k: statistics.median(getattr(r, k) for r in runs[best]) for k in ("tok_s", "wall_tok_s")}
         print(f"\n{family}, depth {depth}, {steps} steps; reference: {best} (its fastest after warmup)")
-        print("| variant | tok/s after warmup | vs best | whole-run tok/s (wall) | vs best | rounds (tok/s) |")
+        print(
+            "| variant | tok/s after warmup | vs best | whole-run tok/s (wall) | vs best "
+            "| rounds (after warmup / whole run) |"
+        )
         print("|---|---:|---:|---:|---:|---|")
         for name, rs in runs.items():
             med = {k: statistics.median(getattr(r, k) for r in rs) for k in ref}
@@ -276,7 +279,7 @@ def report(results: dict, loads: list[str]) -> None:
             print(
                 f"| {name}{note} | {med['tok_s']:,.0f} | {med['tok_s'] / ref['tok_s']:.2f}x | "
                 f"{med['wall_tok_s']:,.0f} | {med['wall_tok_s'] / ref['wall_tok_s']:.2f}x | "
-                f"{', '.join(f'{r.tok_s:,.0f}' for r in rs)} |"
+                f"{', '.join(f'{r.tok_s:,.0f} / {r.wall_tok_s:,.0f}' for r in rs)} |"
             )
     print("\nload average (1, 5, 15 min) after each round: " + "; ".join(loads))
 
