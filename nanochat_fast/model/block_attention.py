@@ -13,6 +13,12 @@ import torch
 SCORES_BYTES = 128 << 20
 
 
+def window_mask(positions_q: torch.Tensor, positions_k: torch.Tensor, window: int) -> torch.Tensor:
+    """Boolean (Tq, Tk): key j is seen by query i when j <= i and i - j <= window."""
+    diff = positions_q[:, None] - positions_k[None, :]
+    return (diff >= 0) & (diff <= window)
+
+
 def block_size(T: int, window: int) -> int:
     """Queries per block: the window for a short layer (each block sees its own keys and the window
     before); half the sequence for a full causal layer (skips the keys past the block, 1/4 of T x T)."""
@@ -50,7 +56,7 @@ def block_attention(q, k, v, window: int, one_batch: bool | None = None) -> torc
     """softmax(q k^T / sqrt(D)) v for q (B, H, T, D) over k, v (B, Hkv, T, D) (H a multiple of Hkv: grouped
     queries), query i seeing keys j <= i with i - j <= window (window >= T - 1: all of them). one_batch: a
     short layer's blocks as one batch where in_one_batch allows; None: under torch.compile only, where the
-    shorter graph takes a third off the cold compile (eager, the loop is faster: docs/measurements.md)."""
+    shorter graph compiles faster (eager, the loop is faster: docs/measurements.md#attention-by-query-blocks)."""
     if one_batch is None:
         one_batch = torch.compiler.is_compiling()
     return BlockAttention.apply(q, k, v, window, one_batch and in_one_batch(q.size(2), window))
@@ -98,10 +104,9 @@ class BlockAttention(torch.autograd.Function):
         positions = torch.arange(T, device=q.device)
         softmax_dtype = torch.promote_types(q.dtype, torch.float32)  # bf16 scores: softmax in fp32
         if one_batch:
-            # query a of a block sees key b of its 2 x window keys when 0 <= window + a - b <= window
-            offset = window + positions[:window, None] - positions[None, : 2 * window]
-            visible = (offset >= 0) & (offset <= window)
-            visible = torch.stack([visible & (positions[: 2 * window] >= window), *[visible] * (T // window - 1)])
+            keys = positions[: 2 * window]  # a block's queries sit at the last window of its keys
+            visible = window_mask(keys[window:], keys, window)
+            visible = torch.stack([visible & (keys >= window), *[visible] * (T // window - 1)])
             scores = (q5.unflatten(-2, (-1, window)) @ _windows(k5, window).mT).to(softmax_dtype)
             probs = [_masked_probs(scores, visible, D, v.dtype)]
             out = (probs[0] @ _windows(v5, window)).flatten(-3, -2)
@@ -109,8 +114,7 @@ class BlockAttention(torch.autograd.Function):
             out, probs = [], []
             for start, end, first in blocks(T, window):
                 scores = (q5[..., start:end, :] @ k5[..., first:end, :].mT).to(softmax_dtype)
-                offset = positions[start:end, None] - positions[None, first:end]
-                p = _masked_probs(scores, (offset >= 0) & (offset <= window), D, v.dtype)
+                p = _masked_probs(scores, window_mask(positions[start:end], positions[first:end], window), D, v.dtype)
                 probs.append(p)
                 out.append(p @ v5[..., first:end, :])
             out = torch.cat(out, dim=-2)

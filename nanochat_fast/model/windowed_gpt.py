@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core.distributed import print0
-from .block_attention import block_attention, use_blocks
+from .block_attention import block_attention, use_blocks, window_mask
 from .gpt import GPT, CausalSelfAttention, GPTConfig, linear, norm
 
 VE_GATE_CHANNELS = 12
@@ -50,12 +50,6 @@ class WindowedGPTConfig(GPTConfig):
 def has_value_embedding(layer_idx: int, n_layer: int) -> bool:
     """Alternating layers, the last one always."""
     return layer_idx % 2 == (n_layer - 1) % 2
-
-
-def window_mask(positions_q: torch.Tensor, positions_k: torch.Tensor, window: int) -> torch.Tensor:
-    """Boolean (Tq, Tk): key j is seen by query i when j <= i and i - j <= window."""
-    diff = positions_q[:, None] - positions_k[None, :]
-    return (diff >= 0) & (diff <= window)
 
 
 def window_chunked_attention(q, k, v, window: int, gqa: bool):

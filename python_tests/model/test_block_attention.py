@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from nanochat_fast.model import block_attention as blocks
 from nanochat_fast.model import windowed_gpt
+from nanochat_fast.model.block_attention import window_mask
 from nanochat_fast.model.gpt import config_from_depth
-from nanochat_fast.model.windowed_gpt import WindowedGPT, WindowedGPTConfig, window_mask
+from nanochat_fast.model.windowed_gpt import WindowedGPT, WindowedGPTConfig
 
 
 def qkv(heads, kv_heads, T, D=16, dtype=torch.float64, seed=0):

@@ -103,7 +103,8 @@ def test_flops_count_each_layers_window_and_the_gates_not_the_lookups():
 def test_chunked_window_attention_equals_sdpa_under_the_whole_mask(heads, kv_heads, T, window):
     """Training's short layers on a GPU attend chunk by chunk (window_chunked_attention); in float64 that is
     the function SDPA computes under the whole sequence's window mask, gradients included."""
-    from nanochat_fast.model.windowed_gpt import window_chunked_attention, window_mask
+    from nanochat_fast.model.block_attention import window_mask
+    from nanochat_fast.model.windowed_gpt import window_chunked_attention
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, heads, T, 16, generator=gen, dtype=torch.float64, requires_grad=True)
